@@ -1,0 +1,337 @@
+"""Token-level divergences between the teacher's and the student's next-token distributions.
+
+Every objective is called as ``objective(student_logits, teacher_logits, mask) -> scalar``:
+
+* ``student_logits``, ``teacher_logits``: ``(B, T, V)``, already divided by each model's temperature
+  and restricted to the shared tokenizer vocabulary; any float dtype. Teacher logits carry no grad.
+* ``mask``: ``(B, T)`` bool, True at completion tokens. False positions contribute nothing, neither
+  to the value nor to the gradient.
+
+Reduction (``reduction="sequence"``, the paper's Eq. 1): the mean over each sequence's masked-in
+tokens, then the mean over the sequences that have at least one. ``reduction="token"``: the mean
+over all masked-in tokens of the batch.
+
+Memory: full-vocabulary objectives never hold more than one chunk of ``(chunk_size, V)`` fp32
+intermediates. The forward pass walks the masked-in tokens chunk by chunk, computes each chunk's
+loss and its gradient with respect to the student logits at once, and keeps only that gradient
+(one tensor of the student logits' size and dtype, which backward needs anyway); backward scales it
+by the incoming gradient. So no ``(B, T, V)`` fp32 copy of either model's logits is ever built,
+while a naive implementation keeps about six.
+
+Direction conventions (a frequent source of bugs): ``F.kl_div(input, target)`` computes
+KL(target || input), with ``input`` in log space. kdlab never calls it; every formula below is
+written out in the direction its docstring names.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+
+from kdlab.components import Component
+
+TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(student_logits (n, V) fp32, teacher_logits (n, V) fp32) -> per-token loss (n,)``."""
+
+REDUCTIONS = ("sequence", "token")
+_LOG_FLOOR = -1e30
+
+
+def token_weights(mask: torch.Tensor, reduction: str = "sequence", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-token weights ``(B, T)`` in ``dtype`` whose weighted sum of token losses is the reduced loss.
+
+    ``sequence``: ``1 / (L_b * n)`` for the ``L_b`` masked-in tokens of sequence b and the ``n``
+    sequences with ``L_b > 0``; ``token``: ``1 / sum(mask)``. Masked-out positions get 0. An
+    all-False mask gives all zeros (the caller decides what an empty batch means).
+    """
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be (B, T), got shape {tuple(mask.shape)}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    mask = mask.bool()
+    weights = mask.to(dtype)
+    if reduction == "token":
+        return weights / weights.sum().clamp(min=1.0)
+    lengths = weights.sum(dim=1, keepdim=True)
+    n_sequences = (lengths > 0).sum().clamp(min=1)
+    return weights / (lengths.clamp(min=1.0) * n_sequences)
+
+
+def iter_token_chunks(mask: torch.Tensor, chunk_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield ``(batch_index, time_index)`` long tensors for the masked-in positions, ``chunk_size`` at a time."""
+    positions = mask.nonzero(as_tuple=False)
+    for start in range(0, positions.shape[0], chunk_size):
+        chunk = positions[start : start + chunk_size]
+        yield chunk[:, 0], chunk[:, 1]
+
+
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """fp32 for half-precision inputs (bf16/fp16 logits are upcast chunk by chunk), else the input's."""
+    return torch.promote_types(tensor.dtype, torch.float32)
+
+
+class _ChunkedWeightedLoss(torch.autograd.Function):
+    """sum_{b,t} weights[b,t] * token_loss(s[b,t], t[b,t]), computed chunk by chunk.
+
+    The gradient w.r.t. the student logits is computed per chunk in forward (in fp32, stored in the
+    student logits' dtype) so that backward is a single in-place scale.
+    """
+
+    @staticmethod
+    def forward(ctx, student_logits, teacher_logits, weights, token_loss, chunk_size):  # type: ignore[override]
+        need_grad = ctx.needs_input_grad[0]
+        grad = torch.zeros_like(student_logits) if need_grad else None
+        dtype = compute_dtype(student_logits)
+        total = torch.zeros((), dtype=dtype, device=student_logits.device)
+        for b, t in iter_token_chunks(weights > 0, chunk_size):
+            s_chunk = student_logits[b, t].to(dtype)
+            t_chunk = teacher_logits[b, t].to(dtype)
+            w_chunk = weights[b, t].to(dtype)
+            if need_grad:
+                with torch.enable_grad():
+                    s_chunk.requires_grad_(True)
+                    chunk_loss = (token_loss(s_chunk, t_chunk) * w_chunk).sum()
+                    (chunk_grad,) = torch.autograd.grad(chunk_loss, s_chunk)
+                grad[b, t] = chunk_grad.to(grad.dtype)
+            else:
+                chunk_loss = (token_loss(s_chunk, t_chunk) * w_chunk).sum()
+            total += chunk_loss.detach()
+        ctx.grad = grad
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        grad, ctx.grad = ctx.grad, None
+        if grad is None:
+            raise RuntimeError("backward through a chunked kdlab objective can run only once per forward")
+        return grad.mul_(grad_output.to(grad.dtype)), None, None, None, None
+
+
+def chunked_token_loss(
+    token_loss: TokenLoss,
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    weights: torch.Tensor,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """``sum_{b,t} weights[b,t] * token_loss(student_logits[b,t], teacher_logits[b,t])`` as a scalar
+    in :func:`compute_dtype` (fp32 for half-precision logits).
+
+    Only positions with ``weights > 0`` are evaluated. Differentiable w.r.t. ``student_logits``
+    only (teacher logits are treated as constants). ``token_loss`` must be row-wise: each output
+    depends on its own row only, which is what makes chunking exact.
+    """
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"student_logits {tuple(student_logits.shape)} and teacher_logits "
+            f"{tuple(teacher_logits.shape)} must have the same (B, T, V) shape"
+        )
+    if weights.shape != student_logits.shape[:2]:
+        raise ValueError(f"mask/weights {tuple(weights.shape)} must be (B, T) = {tuple(student_logits.shape[:2])}")
+    return _ChunkedWeightedLoss.apply(student_logits, teacher_logits.detach(), weights, token_loss, chunk_size)
+
+
+class KLObjective(Component):
+    """Base class: a per-token divergence, reduced over completion tokens.
+
+    Subclasses implement :meth:`token_loss`, a plain differentiable function of one chunk of rows;
+    the base class handles chunking, masking, reduction and fp32 accumulation. A subclass may
+    instead override :meth:`forward` entirely.
+
+    Args:
+        reduction: ``"sequence"`` (the paper's per-completion mean, then mean over completions) or
+            ``"token"`` (mean over all completion tokens of the batch).
+        chunk_size: tokens per chunk; bounds the fp32 intermediates to ``(chunk_size, V)``.
+    """
+
+    def __init__(self, reduction: str = "sequence", chunk_size: int = 1024) -> None:
+        super().__init__()
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"{type(self).__name__}.reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        if chunk_size < 1:
+            raise ValueError(f"{type(self).__name__}.chunk_size must be >= 1, got {chunk_size}")
+        self.reduction = reduction
+        self.chunk_size = chunk_size
+
+    def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        """Per-token loss ``(n,)`` from fp32 ``(n, V)`` student and teacher logits."""
+        raise NotImplementedError
+
+    def reseed(self, seed: int) -> None:
+        """Set the random stream for this step (only sampled objectives use one)."""
+
+    def forward(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Reduced loss over the masked-in tokens (fp32 scalar). An empty mask warns and returns 0."""
+        weights = token_weights(mask, self.reduction, compute_dtype(student_logits))
+        if not bool(mask.any()):
+            warnings.warn(
+                f"{type(self).__name__}: the completion mask selects no token in this batch; loss is 0",
+                stacklevel=2,
+            )
+        return chunked_token_loss(self.token_loss, student_logits, teacher_logits, weights, self.chunk_size)
+
+
+def _log_softmax_pair(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.log_softmax(student_logits, dim=-1), torch.log_softmax(teacher_logits, dim=-1)
+
+
+def _kl_rows(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) = sum_v p(v) (log p(v) - log q(v)) per row, from normalised log-probs ``(n, V)``.
+
+    ``log_p`` is floored at a finite value so that a token with p = 0 contributes exactly 0 (and a
+    zero gradient) instead of ``0 * inf = nan``; finite logits never reach the floor.
+    """
+    log_p = log_p.clamp(min=_LOG_FLOOR)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def forward_kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(pi_T || pi_S) = sum_v pi_T(v) (log pi_T(v) - log pi_S(v)), per row. ``(n, V) -> (n,)``."""
+    log_s, log_t = _log_softmax_pair(student_logits, teacher_logits)
+    return _kl_rows(log_t, log_s)
+
+
+def reverse_kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(pi_S || pi_T) = sum_v pi_S(v) (log pi_S(v) - log pi_T(v)), per row. ``(n, V) -> (n,)``."""
+    log_s, log_t = _log_softmax_pair(student_logits, teacher_logits)
+    return _kl_rows(log_s, log_t)
+
+
+class ForwardKL(KLObjective):
+    """Forward KL(pi_T || pi_S) over the full vocabulary: mode-covering, the SFT-like direction.
+
+    Its gradient w.r.t. student logit v is ``pi_S(v) - pi_T(v)`` (times the token weight), bounded
+    in [-1, 1].
+    """
+
+    def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        return forward_kl_per_token(student_logits, teacher_logits)
+
+
+class ReverseKL(KLObjective):
+    """Reverse KL(pi_S || pi_T) over the full vocabulary: mode-seeking; its gradient carries an
+    unbounded log-ratio term weighted by pi_S."""
+
+    def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        return reverse_kl_per_token(student_logits, teacher_logits)
+
+
+class GeneralizedJSD(KLObjective):
+    """Skew Jensen-Shannon divergence rescaled so that both endpoints are the KLs.
+
+    With P = pi_T, Q = pi_S and M = beta P + (1 - beta) Q:
+
+        D_beta = [beta KL(P || M) + (1 - beta) KL(Q || M)] / (beta (1 - beta))
+               = KL(P || M) / (1 - beta) + KL(Q || M) / beta
+
+    ``D_0 = KL(pi_T || pi_S)`` (ForwardKL) and ``D_1 = KL(pi_S || pi_T)`` (ReverseKL), and D is
+    continuous in beta on [0, 1]; ``D_0.5`` is 4 x the usual JSD. The unscaled JSD that peers use
+    tends to 0 at both ends, so their endpoints are special cases that do not match the interior.
+    Near an endpoint (beta < ~1e-3) the small term is a ratio of two small numbers and loses fp32
+    precision; exactly 0 and 1 are computed as the KLs directly.
+    """
+
+    def __init__(self, beta: float = 0.5, reduction: str = "sequence", chunk_size: int = 1024) -> None:
+        super().__init__(reduction=reduction, chunk_size=chunk_size)
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"GeneralizedJSD.beta must be in [0, 1], got {beta}")
+        self.beta = float(beta)
+
+    def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        beta = self.beta
+        if beta == 0.0:
+            return forward_kl_per_token(student_logits, teacher_logits)
+        if beta == 1.0:
+            return reverse_kl_per_token(student_logits, teacher_logits)
+        log_q, log_p = _log_softmax_pair(student_logits, teacher_logits)
+        log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+        return _kl_rows(log_p, log_m) / (1.0 - beta) + _kl_rows(log_q, log_m) / beta
+
+
+class TotalVariation(KLObjective):
+    """Total-variation distance 0.5 * sum_v |pi_T(v) - pi_S(v)| per token, in [0, 1]."""
+
+    def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        return 0.5 * (torch.softmax(student_logits, -1) - torch.softmax(teacher_logits, -1)).abs().sum(-1)
+
+
+class _SampledKL(KLObjective):
+    """Shared seeding for the Monte-Carlo estimators: one token is drawn per position, independent of
+    the rollout token. ``seed`` fixes the stream; :meth:`reseed` (called by DistillModule with a
+    per-step seed) makes every step reproducible and resumable. The draw order follows the chunks,
+    so a different ``chunk_size`` gives a different (equally valid) draw."""
+
+    def __init__(self, seed: int = 0, reduction: str = "sequence", chunk_size: int = 1024) -> None:
+        super().__init__(reduction=reduction, chunk_size=chunk_size)
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def reseed(self, seed: int) -> None:
+        self.seed = seed
+        self._generators.clear()
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row from softmax(logits) ``(n, V) -> (n,)``, using this objective's stream."""
+        generator = self._generators.get(logits.device)
+        if generator is None:
+            generator = torch.Generator(device=logits.device).manual_seed(self.seed)
+            self._generators[logits.device] = generator
+        probs = torch.softmax(logits.detach(), dim=-1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class SampledForwardKL(_SampledKL):
+    """Monte-Carlo forward KL: y ~ pi_T per position, loss -log pi_S(y).
+
+    Unbiased for the gradient of KL(pi_T || pi_S): E_y[-grad log pi_S(y)] = pi_S - pi_T.
+    """
+
+    def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        drawn = self.draw(teacher_logits)
+        return -torch.log_softmax(student_logits, dim=-1).gather(-1, drawn[:, None]).squeeze(-1)
+
+
+class SampledReverseKL(_SampledKL):
+    """Monte-Carlo reverse KL: y ~ pi_S per position, surrogate
+    ``stopgrad[log pi_S(y) - log pi_T(y)] * log pi_S(y)``.
+
+    Its gradient is the score-function estimate of grad KL(pi_S || pi_T) (unbiased since
+    E_y[grad log pi_S(y)] = 0). Its *value* is not the KL; the exact KL is logged beside it.
+    """
+
+    def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        drawn = self.draw(student_logits)[:, None]
+        log_s = torch.log_softmax(student_logits, dim=-1).gather(-1, drawn).squeeze(-1)
+        log_t = torch.log_softmax(teacher_logits, dim=-1).gather(-1, drawn).squeeze(-1)
+        return (log_s - log_t).detach() * log_s
+
+
+@torch.no_grad()
+def kl_diagnostics(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    reduction: str = "sequence",
+    chunk_size: int = 1024,
+) -> dict[str, torch.Tensor]:
+    """Exact full-vocabulary ``kl_forward`` = KL(pi_T||pi_S), ``kl_reverse`` = KL(pi_S||pi_T) and
+    ``student_entropy`` / ``teacher_entropy`` (nats), reduced like the objectives, without grad,
+    in one chunked pass. Shapes as for the objectives."""
+    dtype = compute_dtype(student_logits)
+    weights = token_weights(mask, reduction, dtype)
+    totals = torch.zeros(4, dtype=dtype, device=student_logits.device)
+    for b, t in iter_token_chunks(weights > 0, chunk_size):
+        log_s, log_t = _log_softmax_pair(student_logits[b, t].to(dtype), teacher_logits[b, t].to(dtype))
+        rows = torch.stack(
+            [
+                _kl_rows(log_t, log_s),
+                _kl_rows(log_s, log_t),
+                -_kl_rows(log_s, torch.zeros_like(log_s)),  # entropy = -sum p log p
+                -_kl_rows(log_t, torch.zeros_like(log_t)),
+            ]
+        )
+        totals += (rows * weights[b, t].to(dtype)).sum(-1)
+    return dict(zip(("kl_forward", "kl_reverse", "student_entropy", "teacher_entropy"), totals.unbind()))

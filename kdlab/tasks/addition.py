@@ -1,0 +1,66 @@
+"""Multi-digit addition: a small verifiable task that needs no data files.
+
+It is the smallest task that exercises the whole loop (prompts, rollouts, verifier), and one of the
+earlier skills whose forgetting the tiny world measures.
+"""
+
+from __future__ import annotations
+
+import random
+
+from kdlab.tasks.base import Example, Task, last_tagged
+
+
+class Addition(Task):
+    """Add two non-negative integers; the answer goes inside ``<answer>...</answer>``.
+
+    Args:
+        max_digits: operands have 1..max_digits digits.
+        num_train / num_val / num_test: examples per split.
+        seed: split ``s`` is generated from ``seed`` and the split name, so splits never share a stream.
+    """
+
+    default_system_prompt = "You are a careful calculator."
+
+    def __init__(
+        self,
+        max_digits: int = 3,
+        num_train: int = 1000,
+        num_val: int = 100,
+        num_test: int = 100,
+        seed: int = 0,
+        system_prompt: str | None = None,
+        chat_template: bool = True,
+    ) -> None:
+        super().__init__(system_prompt=system_prompt, chat_template=chat_template)
+        if max_digits < 1:
+            raise ValueError(f"Addition.max_digits must be >= 1, got {max_digits}")
+        for key, value in (("num_train", num_train), ("num_val", num_val), ("num_test", num_test)):
+            if value < 0:
+                raise ValueError(f"Addition.{key} must be >= 0, got {value}")
+        self.max_digits = max_digits
+        self.sizes = {"train": num_train, "val": num_val, "test": num_test}
+        self.seed = seed
+
+    def load_split(self, split: str) -> list[Example]:
+        rng = random.Random(f"{self.seed}-{split}")
+        top = 10**self.max_digits - 1
+        return [
+            {"id": f"add-{split}-{i}", "a": rng.randint(0, top), "b": rng.randint(0, top)}
+            for i in range(self.sizes[split])
+        ]
+
+    def user_prompt(self, example: Example) -> str:
+        return f"Add the numbers. Put the sum in <answer></answer>.\n{example['a']}+{example['b']}"
+
+    def score(self, example: Example, completion: str) -> float:
+        answer = last_tagged(completion)
+        if answer is None:
+            return 0.0
+        answer = answer.strip()
+        if not answer.isdigit() or len(answer) > 64:
+            return 0.0
+        return float(int(answer) == example["a"] + example["b"])
+
+    def reference_completion(self, example: Example) -> str:
+        return f"<answer>{example['a'] + example['b']}</answer>"

@@ -1,0 +1,116 @@
+"""The ``Task`` contract: prompts per split, how each model is prompted, and a verifier.
+
+An example is a plain ``dict`` with a unique string ``"id"`` plus whatever fields the task needs
+(operands, options, reference answer). The student and the teacher may be prompted differently
+(for instance the teacher gets a style instruction); the KL is still taken on the same completion
+tokens, each model conditioned on its own prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kdlab.components import Component
+
+Example = dict[str, Any]
+Messages = list[dict[str, str]]
+
+SPLITS = ("train", "val", "test")
+
+
+class Task(Component):
+    """Base class of every task.
+
+    Subclasses implement :meth:`load_split`, :meth:`user_prompt` and :meth:`score`, and may override
+    :meth:`teacher_messages` and :meth:`reference_completion`.
+
+    Args:
+        system_prompt: system message of the chat; ``None`` uses the task's default
+            (``default_system_prompt``), ``""`` sends none.
+        chat_template: render prompts with each tokenizer's chat template; ``False`` renders
+            ``system + "\\n\\n" + user + "\\n"`` as plain text (for base models).
+    """
+
+    default_system_prompt: str = ""
+
+    def __init__(self, system_prompt: str | None = None, chat_template: bool = True) -> None:
+        super().__init__()
+        self.system_prompt = self.default_system_prompt if system_prompt is None else system_prompt
+        self.chat_template = chat_template
+        self._splits: dict[str, list[Example]] = {}
+
+    # ---- what subclasses provide -------------------------------------------------------------
+    def load_split(self, split: str) -> Sequence[Example]:
+        """Return the examples of ``split`` (one of ``train``, ``val``, ``test``), in a fixed order."""
+        raise NotImplementedError
+
+    def user_prompt(self, example: Example) -> str:
+        """The user message the student sees for ``example``."""
+        raise NotImplementedError
+
+    def score(self, example: Example, completion: str) -> float:
+        """Score a completion in [0, 1]; must never raise, whatever the completion holds."""
+        raise NotImplementedError
+
+    def reference_completion(self, example: Example) -> str | None:
+        """A correct response for ``example`` if the task can write one (used to train tiny teachers)."""
+        return None
+
+    # ---- shared behaviour --------------------------------------------------------------------
+    def examples(self, split: str) -> list[Example]:
+        """The examples of ``split``, loaded once and checked for unique ``id`` fields."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if split not in self._splits:
+            rows = list(self.load_split(split))
+            ids = [row.get("id") for row in rows]
+            for index, row_id in enumerate(ids):
+                if not isinstance(row_id, str) or not row_id:
+                    raise ValueError(f"{type(self).__name__} {split} row {index}: missing string field 'id'")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"{type(self).__name__} {split}: example ids are not unique")
+            self._splits[split] = rows
+        return self._splits[split]
+
+    def student_messages(self, example: Example) -> Messages:
+        """Chat messages for the student: the system prompt (if any), then the user prompt."""
+        messages: Messages = []
+        if self.system_prompt:
+            messages.append({"role": "system", "content": self.system_prompt})
+        messages.append({"role": "user", "content": self.user_prompt(example)})
+        return messages
+
+    def teacher_messages(self, example: Example) -> Messages:
+        """Chat messages for the teacher; the same as the student's unless a subclass says otherwise."""
+        return self.student_messages(example)
+
+    def render(self, tokenizer: Any, messages: Messages) -> str:
+        """Turn messages into the prompt text for one model, ending where the response begins."""
+        if self.chat_template:
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise ValueError(
+                    f"{type(self).__name__}.chat_template is true but tokenizer "
+                    f"{getattr(tokenizer, 'name_or_path', '?')!r} has no chat template; "
+                    "set chat_template: false for plain-text prompts"
+                )
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return "\n\n".join(message["content"] for message in messages) + "\n"
+
+
+def last_tagged(text: str, tag: str = "answer") -> str | None:
+    """The content of the last ``<tag>...</tag>`` in ``text``, or ``None`` when there is none.
+
+    Linear time in ``len(text)`` (two ``rfind`` calls, no regular expression), so hostile
+    completions of any size are cheap; anything that is not a ``str`` gives ``None``.
+    """
+    if not isinstance(text, str):
+        return None
+    close = text.rfind(f"</{tag}>")
+    if close < 0:
+        return None
+    open_tag = f"<{tag}>"
+    start = text.rfind(open_tag, 0, close)
+    if start < 0:
+        return None
+    return text[start + len(open_tag) : close]

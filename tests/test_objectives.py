@@ -1,0 +1,210 @@
+import math
+
+import pytest
+import torch
+
+from kdlab.objectives import (
+    ForwardKL,
+    GeneralizedJSD,
+    KLObjective,
+    ReverseKL,
+    SampledForwardKL,
+    SampledReverseKL,
+    TotalVariation,
+    kl_diagnostics,
+    token_weights,
+)
+
+B, T, V = 3, 5, 11
+
+
+def logits(seed, shape=(B, T, V), scale=2.0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+def ragged_mask():
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[0, :5] = True
+    mask[1, 1:3] = True  # 2 tokens
+    mask[2, 4] = True  # 1 token
+    return mask
+
+
+def kl_reference(p_logits, q_logits):
+    """KL(p || q) per position, written with torch.distributions (independent of kdlab's formula)."""
+    p = torch.distributions.Categorical(logits=p_logits)
+    q = torch.distributions.Categorical(logits=q_logits)
+    return torch.distributions.kl_divergence(p, q)
+
+
+def sequence_mean(per_token, mask):
+    per_seq = [per_token[b][mask[b]].mean() for b in range(mask.shape[0]) if mask[b].any()]
+    return torch.stack(per_seq).mean()
+
+
+@pytest.mark.parametrize("objective", [ForwardKL(), ReverseKL(), GeneralizedJSD(0.3), TotalVariation()])
+def test_divergence_of_a_distribution_with_itself_is_zero(objective):
+    s = logits(0)
+    assert objective(s, s.clone(), ragged_mask()).item() == pytest.approx(0.0, abs=1e-12)
+
+
+def test_forward_and_reverse_kl_match_torch_distributions_with_the_paper_reduction():
+    s, t, mask = logits(1), logits(2), ragged_mask()
+    assert ForwardKL()(s, t, mask).item() == pytest.approx(sequence_mean(kl_reference(t, s), mask).item(), rel=1e-9)
+    assert ReverseKL()(s, t, mask).item() == pytest.approx(sequence_mean(kl_reference(s, t), mask).item(), rel=1e-9)
+
+
+def test_token_reduction_is_the_mean_over_all_masked_tokens():
+    s, t, mask = logits(3), logits(4), ragged_mask()
+    expected = kl_reference(t, s)[mask].mean()
+    assert ForwardKL(reduction="token")(s, t, mask).item() == pytest.approx(expected.item(), rel=1e-9)
+    # the two reductions really differ on ragged lengths
+    assert abs(ForwardKL()(s, t, mask).item() - expected.item()) > 1e-3
+
+
+def test_forward_kl_gradient_is_student_minus_teacher_probabilities_times_weight():
+    s, t, mask = logits(5).requires_grad_(True), logits(6), ragged_mask()
+    ForwardKL()(s, t, mask).backward()
+    weights = token_weights(mask, dtype=torch.float64)[..., None]
+    expected = (torch.softmax(s.detach(), -1) - torch.softmax(t, -1)) * weights
+    torch.testing.assert_close(s.grad, expected, rtol=1e-9, atol=1e-12)
+    assert weights[0, 0, 0].item() == pytest.approx(1 / (5 * 3))
+
+
+@pytest.mark.parametrize("objective", [ForwardKL(chunk_size=2), ReverseKL(chunk_size=3), GeneralizedJSD(0.7, chunk_size=1)])
+def test_chunked_equals_naive_autograd_in_value_and_gradient(objective):
+    s, t, mask = logits(7, dtype=torch.float32), logits(8, dtype=torch.float32), ragged_mask()
+    s_chunked = s.clone().requires_grad_(True)
+    value = objective(s_chunked, t, mask)
+    value.backward()
+    s_naive = s.clone().requires_grad_(True)
+    weights = token_weights(mask)
+    naive = (objective.token_loss(s_naive.reshape(-1, V), t.reshape(-1, V)).reshape(B, T) * weights).sum()
+    naive.backward()
+    assert value.item() == pytest.approx(naive.item(), abs=1e-6)
+    torch.testing.assert_close(s_chunked.grad, s_naive.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_masked_positions_contribute_nothing_to_value_or_gradient():
+    s, t, mask = logits(9).requires_grad_(True), logits(10), ragged_mask()
+    garbage_t = t.clone()
+    garbage_t[~mask] = 1e4 * torch.randn_like(garbage_t[~mask])
+    value = ReverseKL()(s, garbage_t, mask)
+    value.backward()
+    assert value.item() == pytest.approx(ReverseKL()(s.detach(), t, mask).item(), rel=1e-12)
+    assert torch.all(s.grad[~mask] == 0)
+    assert torch.all(s.grad[mask].abs().sum(-1) > 0)
+
+
+def test_bf16_input_accumulates_in_fp32_and_returns_grad_in_input_dtype():
+    s32, t32, mask = logits(11, dtype=torch.float32), logits(12, dtype=torch.float32), ragged_mask()
+    s = s32.bfloat16().requires_grad_(True)
+    value = ForwardKL()(s, t32.bfloat16(), mask)
+    value.backward()
+    assert value.dtype == torch.float32 and s.grad.dtype == torch.bfloat16
+    reference = ForwardKL()(s32.bfloat16().float(), t32.bfloat16().float(), mask)
+    assert value.item() == pytest.approx(reference.item(), rel=1e-6)
+
+
+def test_generalized_jsd_endpoints_are_the_kls_and_it_is_continuous():
+    s, t, mask = logits(13), logits(14), ragged_mask()
+    fkl, rkl = ForwardKL()(s, t, mask).item(), ReverseKL()(s, t, mask).item()
+    assert GeneralizedJSD(0.0)(s, t, mask).item() == pytest.approx(fkl, rel=1e-12)
+    assert GeneralizedJSD(1.0)(s, t, mask).item() == pytest.approx(rkl, rel=1e-12)
+    assert GeneralizedJSD(1e-6)(s, t, mask).item() == pytest.approx(fkl, rel=1e-4)
+    assert GeneralizedJSD(1 - 1e-6)(s, t, mask).item() == pytest.approx(rkl, rel=1e-4)
+    # 0.5 is four times the textbook JSD with an even mixture
+    p, q = torch.softmax(t, -1), torch.softmax(s, -1)
+    m = 0.5 * (p + q)
+    jsd = 0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)
+    assert GeneralizedJSD(0.5)(s, t, mask).item() == pytest.approx(4 * sequence_mean(jsd, mask).item(), rel=1e-9)
+
+
+def test_total_variation_matches_half_l1_and_is_bounded():
+    s, t, mask = logits(15), logits(16), ragged_mask()
+    tv = 0.5 * (torch.softmax(s, -1) - torch.softmax(t, -1)).abs().sum(-1)
+    value = TotalVariation()(s, t, mask).item()
+    assert value == pytest.approx(sequence_mean(tv, mask).item(), rel=1e-12)
+    assert 0 < value <= 1
+
+
+@pytest.mark.parametrize("sampled, exact", [(SampledForwardKL, ForwardKL), (SampledReverseKL, ReverseKL)])
+def test_sampled_estimators_match_the_exact_gradient_in_expectation(sampled, exact):
+    s, t = logits(17, shape=(1, 1, 6)), logits(18, shape=(1, 1, 6))
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    s_exact = s.clone().requires_grad_(True)
+    exact()(s_exact, t, mask).backward()
+    # one row repeated 40,000 times = 40,000 independent draws at one position
+    n = 40_000
+    s_rep = s.expand(1, n, 6).clone().requires_grad_(True)
+    objective = sampled(seed=3, reduction="token")
+    objective(s_rep, t.expand(1, n, 6), torch.ones(1, n, dtype=torch.bool)).backward()
+    estimate = s_rep.grad.sum(dim=1)
+    torch.testing.assert_close(estimate, s_exact.grad[0], atol=0.02, rtol=0)
+    # and a single draw is not the exact gradient (the test above could not pass by accident)
+    assert (s_rep.grad[0, 0] * n - s_exact.grad[0, 0]).abs().max() > 0.05
+
+
+def test_sampled_objectives_are_reproducible_from_their_seed():
+    s, t, mask = logits(19), logits(20), ragged_mask()
+    a, b, c = SampledForwardKL(seed=1), SampledForwardKL(seed=1), SampledForwardKL(seed=2)
+    assert a(s, t, mask).item() == b(s, t, mask).item()
+    assert a(s, t, mask).item() != c(s, t, mask).item()  # a has moved on; c uses another stream
+    a.reseed(7), b.reseed(7)
+    assert a(s, t, mask).item() == b(s, t, mask).item()
+
+
+def test_empty_mask_warns_and_gives_zero_not_nan():
+    s = logits(21).requires_grad_(True)
+    with pytest.warns(UserWarning, match="selects no token"):
+        value = ForwardKL()(s, logits(22), torch.zeros(B, T, dtype=torch.bool))
+    value.backward()
+    assert value.item() == 0.0 and torch.all(s.grad == 0)
+
+
+def test_teacher_zero_probability_tokens_do_not_produce_nan():
+    s, t = logits(23).requires_grad_(True), logits(24)
+    t[..., 0] = float("-inf")
+    value = ForwardKL()(s, t, ragged_mask())
+    value.backward()
+    assert torch.isfinite(value) and torch.isfinite(s.grad).all()
+
+
+def test_kl_diagnostics_match_the_objectives():
+    s, t, mask = logits(25), logits(26), ragged_mask()
+    diag = kl_diagnostics(s, t, mask, chunk_size=2)
+    assert diag["kl_forward"].item() == pytest.approx(ForwardKL()(s, t, mask).item(), rel=1e-6)
+    assert diag["kl_reverse"].item() == pytest.approx(ReverseKL()(s, t, mask).item(), rel=1e-6)
+    entropy = torch.distributions.Categorical(logits=s).entropy()
+    assert diag["student_entropy"].item() == pytest.approx(sequence_mean(entropy, mask).item(), rel=1e-6)
+
+
+def test_a_notebook_subclass_needs_only_token_loss():
+    class SquaredProbDistance(KLObjective):
+        def token_loss(self, student_logits, teacher_logits):
+            return ((torch.softmax(student_logits, -1) - torch.softmax(teacher_logits, -1)) ** 2).sum(-1)
+
+    s, t, mask = logits(27).requires_grad_(True), logits(28), ragged_mask()
+    value = SquaredProbDistance(chunk_size=2)(s, t, mask)
+    value.backward()
+    assert value.item() > 0 and s.grad[mask].abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "build, key",
+    [
+        (lambda: ForwardKL(reduction="batch"), "reduction"),
+        (lambda: ForwardKL(chunk_size=0), "chunk_size"),
+        (lambda: GeneralizedJSD(beta=1.5), "beta"),
+    ],
+)
+def test_bad_settings_name_the_key(build, key):
+    with pytest.raises(ValueError, match=key):
+        build()
+
+
+def test_shape_mismatch_is_reported():
+    with pytest.raises(ValueError, match="same"):
+        ForwardKL()(logits(1), logits(2, shape=(B, T, V + 1)), ragged_mask())
+    assert math.isfinite(ForwardKL()(logits(1), logits(2), ragged_mask()).item())
