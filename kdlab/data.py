@@ -1,0 +1,131 @@
+"""Batches that flow through a distillation step: prompts per model, then rollouts.
+
+Layout. Each model gets its own prompt (rendered with its own tokenizer's chat template), left-padded
+to ``P`` tokens; completions are shared token ids, right-padded to ``C`` tokens. A model's input is
+``[prompt (P) | completion (C)]``, so the logits that predict the completion are always the last
+``C + 1`` positions minus the final one, for student and teacher alike, whatever their prompt lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kdlab.tasks.base import Example, Task
+
+
+@dataclass
+class PromptBatch:
+    """Left-padded prompts of one batch.
+
+    ``student_ids``/``student_mask``: ``(B, P_s)``; ``teacher_ids``/``teacher_mask``: ``(B, P_t)``;
+    masks are 1 on real tokens and 0 on padding.
+    """
+
+    examples: list[Example]
+    student_ids: torch.Tensor
+    student_mask: torch.Tensor
+    teacher_ids: torch.Tensor
+    teacher_mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+
+@dataclass
+class Rollout:
+    """Completions for a :class:`PromptBatch`.
+
+    ``completion_ids``: ``(B, C)`` long, padded after each completion's end; ``completion_mask``:
+    ``(B, C)`` bool, True on the completion's tokens including its end-of-sequence token.
+    ``sampling_entropy``: ``(B, C)`` entropy (nats) of the distribution each token was drawn from,
+    or ``None`` when completions were read from a dataset.
+    """
+
+    prompts: PromptBatch
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    sampling_entropy: torch.Tensor | None = None
+
+    def model_inputs(self, model: str) -> dict[str, torch.Tensor]:
+        """``input_ids``, ``attention_mask`` and ``position_ids`` ``(B, P + C)`` for ``"student"`` or ``"teacher"``."""
+        ids = getattr(self.prompts, f"{model}_ids")
+        mask = getattr(self.prompts, f"{model}_mask")
+        input_ids = torch.cat([ids, self.completion_ids.to(ids.device)], dim=1)
+        attention_mask = torch.cat([mask, self.completion_mask.to(mask.device, mask.dtype)], dim=1)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids(attention_mask)}
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that start at 0 on each row's first real token (left padding gets 0)."""
+    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists to ``(B, max_len)`` ids and a 0/1 attention mask."""
+    width = max((len(row) for row in rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+def right_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists to ``(B, max_len)`` ids and a bool mask."""
+    width = max((len(row) for row in rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, : len(row)] = True
+    return ids, mask
+
+
+def prompt_token_ids(task: Task, tokenizer: Any, example: Example, model: str, max_prompt_tokens: int) -> list[int]:
+    """Token ids of ``example``'s prompt for ``model`` (``"student"`` or ``"teacher"``).
+
+    Raises ValueError naming the example when the prompt is longer than ``max_prompt_tokens``.
+    """
+    messages = task.student_messages(example) if model == "student" else task.teacher_messages(example)
+    text = task.render(tokenizer, messages)
+    # A chat template already writes the special tokens; plain text gets the tokenizer's own (e.g. BOS).
+    ids = tokenizer(text, add_special_tokens=not task.chat_template)["input_ids"]
+    if len(ids) > max_prompt_tokens:
+        raise ValueError(
+            f"{type(task).__name__} example {example['id']!r}: the {model} prompt has {len(ids)} tokens, "
+            f"more than max_prompt_tokens={max_prompt_tokens}"
+        )
+    return ids
+
+
+def encode_prompts(
+    task: Task,
+    examples: Sequence[Example],
+    student_tokenizer: Any,
+    teacher_tokenizer: Any,
+    max_prompt_tokens: int,
+    pad_token_id: int,
+) -> PromptBatch:
+    """Render and left-pad each example's student and teacher prompts."""
+    student_rows = [prompt_token_ids(task, student_tokenizer, ex, "student", max_prompt_tokens) for ex in examples]
+    teacher_rows = [prompt_token_ids(task, teacher_tokenizer, ex, "teacher", max_prompt_tokens) for ex in examples]
+    student_ids, student_mask = left_pad(student_rows, pad_token_id)
+    teacher_ids, teacher_mask = left_pad(teacher_rows, pad_token_id)
+    return PromptBatch(list(examples), student_ids, student_mask, teacher_ids, teacher_mask)
+
+
+def decode_completions(tokenizer: Any, completion_ids: torch.Tensor, completion_mask: torch.Tensor, end_ids: Sequence[int]) -> list[str]:
+    """Text of each completion: its masked-in tokens without a final end token, special tokens kept."""
+    texts = []
+    for ids, mask in zip(completion_ids.tolist(), completion_mask.tolist()):
+        tokens = [token for token, keep in zip(ids, mask) if keep]
+        if tokens and tokens[-1] in end_ids:
+            tokens = tokens[:-1]
+        texts.append(tokenizer.decode(tokens, skip_special_tokens=False))
+    return texts

@@ -1,0 +1,159 @@
+"""Token-by-token decoding with KV caches, shared by every rollout policy and by evaluation.
+
+kdlab decodes with its own loop instead of ``model.generate`` because the token-level mixture
+policy must combine two models' next-token distributions at every step, and because sampling must
+use an explicit seeded ``torch.Generator`` so rollouts are reproducible and resumable.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+
+import torch
+
+NextLogprobs = Callable[[torch.Tensor | None], torch.Tensor]
+"""``previous tokens (B,) or None for the first step -> next-token log-probs (B, V)``."""
+
+
+@functools.cache
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
+def _cache_argument(model: torch.nn.Module) -> str:
+    # transformers 5.x renamed ``past_key_values`` to ``cache``; accept both.
+    return "cache" if "cache" in _forward_parameters(type(model)) else "past_key_values"
+
+
+def completion_logits(
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    completion_length: int,
+    vocab_size: int,
+) -> torch.Tensor:
+    """Logits ``(B, C, vocab_size)`` that predict the last ``C = completion_length`` tokens of ``inputs``.
+
+    Asks the model for only the last ``C + 1`` positions (``logits_to_keep``), so the prompt's
+    logits are never computed, and drops embedding rows beyond the tokenizer's vocabulary
+    (padded embeddings, e.g. Qwen2.5's 151,936 vs 152,064).
+    """
+    keep = completion_length + 1
+    if "logits_to_keep" in _forward_parameters(type(model)):
+        logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
+    else:
+        logits = model(**inputs, use_cache=False).logits[:, -keep:]
+    return logits[:, :-1, :vocab_size]
+
+
+class IncrementalLM:
+    """One model decoding a left-padded prompt batch step by step with its KV cache.
+
+    Args:
+        model: a causal LM (put in eval mode by the caller).
+        input_ids, attention_mask: ``(B, P)`` left-padded prompt.
+        vocab_size: logits beyond this index (padded embedding rows) are dropped.
+        temperature: next-token log-probs are ``log_softmax(logits / temperature)``;
+            0 gives the untempered ``log_softmax(logits)`` (for greedy decoding).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        vocab_size: int,
+        temperature: float,
+    ) -> None:
+        self.model = model
+        self.input_ids = input_ids
+        self.attention_mask = attention_mask
+        self.vocab_size = vocab_size
+        self.temperature = temperature
+        self.cache_argument = _cache_argument(model)
+        self.cache = None
+        self.last_position: torch.Tensor | None = None
+
+    def _logprobs(self, outputs) -> torch.Tensor:
+        self.cache = getattr(outputs, self.cache_argument, None)
+        if self.cache is None:
+            self.cache = outputs.past_key_values
+        logits = outputs.logits[:, -1, : self.vocab_size].float()
+        if self.temperature > 0:
+            logits = logits / self.temperature
+        return torch.log_softmax(logits, dim=-1)
+
+    @torch.no_grad()
+    def __call__(self, previous: torch.Tensor | None) -> torch.Tensor:
+        """Next-token log-probs ``(B, V)`` after feeding ``previous`` ``(B,)`` (None on the first call)."""
+        if previous is None:
+            positions = (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+            self.last_position = positions[:, -1:]
+            keep = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(type(self.model)) else {}
+            outputs = self.model(
+                input_ids=self.input_ids,
+                attention_mask=self.attention_mask,
+                position_ids=positions,
+                use_cache=True,
+                **keep,
+            )
+            return self._logprobs(outputs)
+        ones = torch.ones_like(self.attention_mask[:, :1])
+        self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)
+        self.last_position = self.last_position + 1
+        outputs = self.model(
+            input_ids=previous[:, None],
+            attention_mask=self.attention_mask,
+            position_ids=self.last_position,
+            use_cache=True,
+            **{self.cache_argument: self.cache},
+        )
+        return self._logprobs(outputs)
+
+
+def entropy(logprobs: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of each row of normalised log-probs ``(..., V) -> (...)``; -inf entries count 0."""
+    return -(logprobs.exp() * logprobs.clamp(min=-1e30)).sum(-1)
+
+
+@torch.no_grad()
+def sample_tokens(
+    next_logprobs: NextLogprobs,
+    batch_size: int,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    generator: torch.Generator | None,
+    greedy: bool = False,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw completions token by token until every row has produced an end token or the budget ends.
+
+    Returns ``ids (B, C)`` (``pad_token_id`` after a row's end), ``mask (B, C)`` bool (True on each
+    row's tokens, end token included) and ``entropy (B, C)`` of the distribution each token was
+    drawn from (0 where masked). ``C <= max_new_tokens``.
+    """
+    eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
+    finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    tokens, masks, entropies = [], [], []
+    previous = None
+    for _ in range(max_new_tokens):
+        logprobs = next_logprobs(previous)
+        if greedy:
+            token = logprobs.argmax(dim=-1)
+        else:
+            token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+        alive = ~finished
+        token = torch.where(alive, token, torch.full_like(token, pad_token_id))
+        tokens.append(token)
+        masks.append(alive)
+        entropies.append(torch.where(alive, entropy(logprobs), 0.0))
+        finished = finished | torch.isin(token, eos)
+        if bool(finished.all()):
+            break
+        previous = token
+    if not tokens:
+        empty = torch.zeros(batch_size, 0, device=device)
+        return empty.long(), empty.bool(), empty
+    return torch.stack(tokens, 1), torch.stack(masks, 1), torch.stack(entropies, 1)

@@ -1,0 +1,147 @@
+"""Loading teacher and student: any causal LM by hub name or local path, and the shared-vocabulary check.
+
+A path that starts with ``kdlab://`` names a model shipped inside the package
+(``kdlab://tiny-random/student`` is ``<kdlab>/assets/tiny-random/student``), so configs stay
+valid wherever kdlab is installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ASSETS = Path(__file__).parent / "assets"
+PACKAGE_SCHEME = "kdlab://"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_path(name_or_path: str) -> str:
+    """Map ``kdlab://<rel>`` to the packaged asset folder; return anything else unchanged."""
+    if name_or_path.startswith(PACKAGE_SCHEME):
+        return str(ASSETS / name_or_path[len(PACKAGE_SCHEME) :])
+    return name_or_path
+
+
+@dataclass
+class ModelSpec:
+    """Where a model comes from and how to load it.
+
+    Args:
+        path: a Hugging Face hub id, a local directory, or ``kdlab://...`` for a packaged model.
+        dtype: ``float32``, ``bfloat16`` or ``float16`` for the weights.
+        gradient_checkpointing: recompute activations in backward (student only; the paper used it
+            for on-policy runs).
+        trust_remote_code: run code shipped with the checkpoint. Off unless a config says so.
+        revision: a hub revision (branch, tag or commit) to pin.
+    """
+
+    path: str
+    dtype: str = "float32"
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    revision: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"model path must be a non-empty string, got {self.path!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model dtype must be one of {sorted(DTYPES)}, got {self.dtype!r} (path {self.path!r})")
+
+    @property
+    def resolved(self) -> str:
+        return resolve_path(self.path)
+
+
+def _check_local(spec: ModelSpec, role: str) -> None:
+    """A packaged or local path that is missing fails with a message naming it (no hub fallback)."""
+    resolved = spec.resolved
+    looks_local = spec.path.startswith((PACKAGE_SCHEME, "/", "./", "../", "~"))
+    if looks_local and not Path(resolved).expanduser().is_dir():
+        hint = " (packaged models are rebuilt with `python -m kdlab.tiny`)" if spec.path.startswith(PACKAGE_SCHEME) else ""
+        raise FileNotFoundError(f"{role}.path: no model directory at {resolved!r}{hint}")
+
+
+def load_tokenizer(spec: ModelSpec, role: str = "model") -> Any:
+    """The tokenizer stored with ``spec`` (``AutoTokenizer``), with a pad token set.
+
+    A tokenizer without a pad token gets its EOS token as pad: padded positions are always masked,
+    so the id only has to exist.
+    """
+    from transformers import AutoTokenizer
+
+    _check_local(spec, role)
+    tokenizer = AutoTokenizer.from_pretrained(
+        spec.resolved, trust_remote_code=spec.trust_remote_code, revision=spec.revision
+    )
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"{role}.path {spec.path!r}: tokenizer has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(spec: ModelSpec, role: str = "model") -> torch.nn.Module:
+    """``AutoModelForCausalLM`` from ``spec``, in ``spec.dtype``, with gradient checkpointing if asked."""
+    from transformers import AutoModelForCausalLM
+
+    _check_local(spec, role)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            spec.resolved,
+            dtype=DTYPES[spec.dtype],
+            trust_remote_code=spec.trust_remote_code,
+            revision=spec.revision,
+        )
+    except OSError as error:
+        raise OSError(f"{role}.path {spec.path!r}: could not load the model weights: {error}") from error
+    if spec.gradient_checkpointing:
+        # transformers 5 renamed gradient checkpointing to activation checkpointing
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def shared_vocab_size(student_tokenizer: Any, teacher_tokenizer: Any, student: Any, teacher: Any) -> int:
+    """Check that both models read and write the same token ids; return the vocabulary size to use.
+
+    The vocabularies (token -> id, special tokens included) must be identical; chat templates may
+    differ, since each model's prompt is rendered with its own. Logits are restricted to
+    ``len(tokenizer)`` rows, which handles padded embedding matrices (Qwen2.5 1.5B has 151,936
+    rows, 7B has 152,064, for the same 151,665-token tokenizer).
+    """
+    student_vocab, teacher_vocab = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if student_vocab != teacher_vocab:
+        only_student = sorted(set(student_vocab.items()) - set(teacher_vocab.items()))[:3]
+        only_teacher = sorted(set(teacher_vocab.items()) - set(student_vocab.items()))[:3]
+        raise ValueError(
+            "student and teacher tokenizers differ (student.path="
+            f"{student_tokenizer.name_or_path!r}, teacher.path={teacher_tokenizer.name_or_path!r}; "
+            f"{len(student_vocab)} vs {len(teacher_vocab)} tokens; e.g. student-only {only_student}, "
+            f"teacher-only {only_teacher}). Token-level KL needs one shared vocabulary."
+        )
+    vocab_size = len(student_tokenizer)
+    for role, model in (("student", student), ("teacher", teacher)):
+        rows = model.get_output_embeddings().weight.shape[0]
+        if rows < vocab_size:
+            raise ValueError(f"{role} has {rows} output rows, fewer than the tokenizer's {vocab_size} tokens")
+    return vocab_size
+
+
+def end_token_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
+    """Ids that end a completion: the tokenizer's EOS first, then the model's generation-config EOS ids."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    config_ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for token_id in [config_ids] if isinstance(config_ids, int) else config_ids or []:
+        if int(token_id) not in ids:
+            ids.append(int(token_id))
+    if not ids:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no EOS token to end completions")
+    return tuple(ids)

@@ -1,0 +1,334 @@
+"""``DistillModule``: one distillation step = rollout policy x KL objective x task.
+
+Per training step:
+
+1. the task's examples are rendered into a student prompt and a teacher prompt (each with its own
+   tokenizer's chat template) and left-padded;
+2. the rollout policy writes completions (no grad, models in eval mode);
+3. student and teacher read ``[own prompt | completion]``; their logits at the completion positions,
+   divided by their temperatures, go to the objective with the completion mask;
+4. ``train/loss``, the exact full-vocabulary ``train/kl_forward`` / ``train/kl_reverse`` of the batch
+   (whatever is trained), entropies, completion length and the components' reports are logged.
+
+The teacher is frozen, kept in eval mode and left out of checkpoints (it is reloaded from its path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from kdlab.components import Component
+from kdlab.data import decode_completions, encode_prompts
+from kdlab.decoding import IncrementalLM, completion_logits, sample_tokens
+from kdlab.models import ModelSpec, end_token_ids, load_causal_lm, load_tokenizer, shared_vocab_size
+from kdlab.objectives import ForwardKL, KLObjective, kl_diagnostics
+from kdlab.rollouts import RolloutContext, RolloutPolicy, TeacherRollouts
+from kdlab.tasks.base import Example, Task
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"DistillModule.{name} must be > 0, got {value}")
+
+
+class DistillModule(pl.LightningModule):
+    """Distil ``teacher`` into ``student`` on ``task`` with a rollout policy and a KL objective.
+
+    Args:
+        student: the model trained (all its parameters, full fine-tuning).
+        teacher: the frozen model distilled from; must share the student's vocabulary.
+        task: prompts, per-model prompting and the verifier used for validation accuracy.
+        rollout: who writes completions (default :class:`~kdlab.rollouts.TeacherRollouts`, online).
+        objective: the token-level divergence (default :class:`~kdlab.objectives.ForwardKL`).
+        teacher_temperature: pi_T = softmax(z_T / teacher_temperature), for sampling and the KL (paper: 0.5).
+        student_temperature: pi_S = softmax(z_S / student_temperature), for sampling and the KL (paper: 1.0).
+        max_prompt_tokens: longer prompts are an error naming the example (paper: 2048).
+        max_completion_tokens: rollout length budget (paper: 512 Countdown, 1024 Science/MedReason).
+        batch_size: prompts per micro-batch; the effective batch is this x ``accumulate_grad_batches``.
+        lr: peak learning rate (paper: 1e-5 and 5e-5).
+        warmup_steps: optimiser step k (0-based) uses ``lr * min(1, (k + 1) / warmup_steps)``, constant after.
+        betas, eps, weight_decay: AdamW settings (paper: (0.9, 0.999), 1e-8, no weight decay).
+        val_examples: validation/test use the first N held-out examples (paper: 200).
+        val_temperature: sampling temperature for evaluation; 0 decodes greedily (paper: 0.5).
+        val_batch_size: prompts per evaluation batch.
+        seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each
+            step's streams are derived from (seed, stage, epoch, batch index), so a resumed run draws
+            what an uninterrupted one would.
+    """
+
+    def __init__(
+        self,
+        student: ModelSpec | str,
+        teacher: ModelSpec | str,
+        task: Task,
+        rollout: RolloutPolicy | None = None,
+        objective: KLObjective | None = None,
+        teacher_temperature: float = 0.5,
+        student_temperature: float = 1.0,
+        max_prompt_tokens: int = 2048,
+        max_completion_tokens: int = 512,
+        batch_size: int = 1,
+        lr: float = 1e-5,
+        warmup_steps: int = 10,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        val_examples: int = 200,
+        val_temperature: float = 0.5,
+        val_batch_size: int = 8,
+        seed: int = 42,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("teacher_temperature", teacher_temperature),
+            ("student_temperature", student_temperature),
+            ("max_prompt_tokens", max_prompt_tokens),
+            ("max_completion_tokens", max_completion_tokens),
+            ("batch_size", batch_size),
+            ("lr", lr),
+            ("val_examples", val_examples),
+            ("val_batch_size", val_batch_size),
+        ):
+            _positive(name, value)
+        if val_temperature < 0:
+            raise ValueError(f"DistillModule.val_temperature must be >= 0, got {val_temperature}")
+        if warmup_steps < 0:
+            raise ValueError(f"DistillModule.warmup_steps must be >= 0, got {warmup_steps}")
+        self.student_spec = ModelSpec(student) if isinstance(student, str) else student
+        self.teacher_spec = ModelSpec(teacher) if isinstance(teacher, str) else teacher
+        self.task = task
+        self.rollout = rollout if rollout is not None else TeacherRollouts()
+        self.objective = objective if objective is not None else ForwardKL()
+        self.teacher_temperature = teacher_temperature
+        self.student_temperature = student_temperature
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_completion_tokens = max_completion_tokens
+        self.batch_size = batch_size
+        self.lr, self.warmup_steps, self.betas, self.eps, self.weight_decay = lr, warmup_steps, tuple(betas), eps, weight_decay
+        self.val_examples, self.val_temperature, self.val_batch_size = val_examples, val_temperature, val_batch_size
+        self.seed = seed
+
+        # Tokenizers first: a vocabulary mismatch fails before any weights are read.
+        self.student_tokenizer = load_tokenizer(self.student_spec, "student")
+        self.teacher_tokenizer = load_tokenizer(self.teacher_spec, "teacher")
+        self.student = load_causal_lm(self.student_spec, "student")
+        self.teacher = load_causal_lm(self.teacher_spec, "teacher")
+        self.vocab_size = shared_vocab_size(self.student_tokenizer, self.teacher_tokenizer, self.student, self.teacher)
+        self.teacher.requires_grad_(False)
+        self.student.train()  # from_pretrained returns eval mode; Lightning keeps modes as it finds them
+        self.teacher.eval()
+        self.end_ids = end_token_ids(self.student_tokenizer, self.student)
+        self.pad_id = int(self.student_tokenizer.pad_token_id)
+        self._eval_records: list[dict[str, Any]] = []
+
+    # ---- modes ----------------------------------------------------------------------------
+    def train(self, mode: bool = True) -> DistillModule:
+        """Switch modes like any module, but the teacher always stays in eval mode."""
+        super().train(mode)
+        self.teacher.eval()
+        return self
+
+    def components(self) -> dict[str, Component]:
+        return {"rollout": self.rollout, "objective": self.objective, "task": self.task}
+
+    # ---- data -----------------------------------------------------------------------------
+    def _split(self, split: str, limit: int | None = None) -> list[Example]:
+        examples = self.task.examples(split)
+        if not examples:
+            raise ValueError(f"{type(self.task).__name__}: the {split!r} split is empty")
+        return examples[:limit] if limit is not None else examples
+
+    def train_dataloader(self) -> DataLoader:
+        order = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self._split("train"), batch_size=self.batch_size, shuffle=True, generator=order, collate_fn=list)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self._split("val", self.val_examples), batch_size=self.val_batch_size, collate_fn=list)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self._split("test", self.val_examples), batch_size=self.val_batch_size, collate_fn=list)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return batch  # a list of example dicts; tensors are made on the device in the step
+
+    def _prompts(self, examples: list[Example]):
+        prompts = encode_prompts(
+            self.task, examples, self.student_tokenizer, self.teacher_tokenizer, self.max_prompt_tokens, self.pad_id
+        )
+        for name in ("student_ids", "student_mask", "teacher_ids", "teacher_mask"):
+            setattr(prompts, name, getattr(prompts, name).to(self.device))
+        return prompts
+
+    def step_seed(self, stage: str, batch_idx: int) -> int:
+        """A 63-bit seed for one step's random streams, from (seed, stage, epoch, batch index)."""
+        key = f"{self.seed}/{stage}/{self.current_epoch}/{batch_idx}"
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
+
+    def _generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    # ---- training -------------------------------------------------------------------------
+    def rollout_context(self, generator: torch.Generator | None) -> RolloutContext:
+        return RolloutContext(
+            student=self.student,
+            teacher=self.teacher,
+            tokenizer=self.student_tokenizer,
+            vocab_size=self.vocab_size,
+            max_new_tokens=self.max_completion_tokens,
+            eos_token_ids=self.end_ids,
+            pad_token_id=self.pad_id,
+            student_temperature=self.student_temperature,
+            teacher_temperature=self.teacher_temperature,
+            generator=generator,
+        )
+
+    def make_rollout(self, examples: list[Example], seed: int):
+        """Completions for ``examples`` from the rollout policy, sampled with the student in eval mode."""
+        prompts = self._prompts(examples)
+        was_training = self.student.training
+        self.student.eval()
+        try:
+            with torch.no_grad():
+                return self.rollout.sample(prompts, self.rollout_context(self._generator(seed)))
+        finally:
+            self.student.train(was_training)
+
+    def distillation_logits(self, rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tempered student and teacher logits ``(B, C, V)`` at the completion positions."""
+        length = rollout.completion_ids.shape[1]
+        student = completion_logits(self.student, rollout.model_inputs("student"), length, self.vocab_size)
+        with torch.no_grad():
+            teacher = completion_logits(self.teacher, rollout.model_inputs("teacher"), length, self.vocab_size)
+        if self.student_temperature != 1.0:
+            student = student / self.student_temperature
+        if self.teacher_temperature != 1.0:
+            teacher = teacher / self.teacher_temperature
+        return student, teacher
+
+    def training_step(self, batch: list[Example], batch_idx: int) -> torch.Tensor | None:
+        seed = self.step_seed("train", batch_idx)
+        rollout = self.make_rollout(batch, seed)
+        mask = rollout.completion_mask
+        if not bool(mask.any()):
+            warnings.warn(f"step {self.global_step}: the rollouts hold no completion token; batch skipped", stacklevel=2)
+            return None
+        student_logits, teacher_logits = self.distillation_logits(rollout)
+        self.objective.reseed(seed + 1)
+        loss = self.objective(student_logits, teacher_logits, mask)
+        size = len(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=size)
+        diagnostics = kl_diagnostics(
+            student_logits.detach(), teacher_logits, mask, self.objective.reduction, self.objective.chunk_size
+        )
+        for name, value in diagnostics.items():
+            self.log(f"train/{name}", value, batch_size=size)
+        self.log("train/completion_length", mask.sum(1).float().mean(), batch_size=size)
+        if rollout.sampling_entropy is not None:
+            self.log("train/rollout_entropy", rollout.sampling_entropy[mask].mean(), batch_size=size)
+        self._log_reports("train", size)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for p in self.student.parameters() if p.grad is not None]
+        if grads:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            self.log("train/grad_norm", norm)  # before clipping: Lightning clips after this hook
+
+    def _log_reports(self, stage: str, batch_size: int) -> None:
+        for component in self.components().values():
+            for name, value in component.pop_reports().items():
+                self.log(f"{stage}/{name}", value, batch_size=batch_size)
+
+    def configure_optimizers(self):
+        params = [p for p in self.student.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+        warmup = self.warmup_steps
+
+        def factor(step: int) -> float:
+            return 1.0 if warmup == 0 else min(1.0, (step + 1) / warmup)
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ---- evaluation -----------------------------------------------------------------------
+    def generate(self, examples: list[Example], temperature: float, seed: int) -> list[str]:
+        """Student completions (text) for ``examples``; ``temperature`` 0 decodes greedily."""
+        prompts = self._prompts(examples)
+        was_training = self.student.training
+        self.student.eval()
+        try:
+            decoder = IncrementalLM(self.student, prompts.student_ids, prompts.student_mask, self.vocab_size, temperature)
+            ids, mask, _ = sample_tokens(
+                decoder,
+                batch_size=len(examples),
+                max_new_tokens=self.max_completion_tokens,
+                eos_token_ids=self.end_ids,
+                pad_token_id=self.pad_id,
+                generator=self._generator(seed),
+                greedy=temperature == 0,
+                device=self.device,
+            )
+        finally:
+            self.student.train(was_training)
+        return decode_completions(self.student_tokenizer, ids, mask, self.end_ids)
+
+    def _evaluate(self, stage: str, batch: list[Example], batch_idx: int) -> None:
+        completions = self.generate(batch, self.val_temperature, self.step_seed(stage, batch_idx))
+        scores = [float(self.task.score(example, text)) for example, text in zip(batch, completions)]
+        self.log(f"{stage}/accuracy", sum(scores) / len(scores), batch_size=len(batch), prog_bar=stage == "val")
+        self._log_reports(stage, len(batch))
+        self._eval_records.extend(
+            {"id": ex["id"], "prompt": self.task.user_prompt(ex), "completion": text, "score": score}
+            for ex, text, score in zip(batch, completions, scores)
+        )
+
+    def validation_step(self, batch: list[Example], batch_idx: int) -> None:
+        self._evaluate("val", batch, batch_idx)
+
+    def test_step(self, batch: list[Example], batch_idx: int) -> None:
+        self._evaluate("test", batch, batch_idx)
+
+    def on_validation_epoch_end(self) -> None:
+        self._write_records("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._write_records("test")
+
+    def _write_records(self, stage: str) -> None:
+        """Per-example results (prompt, completion, score) as JSONL beside the TensorBoard logs."""
+        records, self._eval_records = self._eval_records, []
+        trainer = self._trainer
+        if trainer is None or trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        log_dir = trainer.log_dir or trainer.default_root_dir
+        path = Path(log_dir) / "samples" / f"{stage}-step{self.global_step:06d}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", encoding="utf-8") as handle:
+            for record in records:
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Leave the frozen teacher out: it is reloaded from ``teacher.path``."""
+        state = checkpoint["state_dict"]
+        for key in [k for k in state if k.startswith("teacher.")]:
+            del state[key]
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        has_teacher = any(k.startswith("teacher.") for k in state_dict)
+        result = super().load_state_dict(state_dict, strict=strict and has_teacher, assign=assign)
+        if strict and not has_teacher:
+            missing = [k for k in result.missing_keys if not k.startswith("teacher.")]
+            if missing or result.unexpected_keys:
+                raise RuntimeError(
+                    f"checkpoint does not match the student: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+                )
+        return result

@@ -1,0 +1,222 @@
+"""Rollout policies: who writes the completions that the KL is taken on.
+
+* :class:`TeacherRollouts` - off-policy (OffPD): a fixed dataset of teacher responses, or online
+  samples from the teacher at ``teacher_temperature``.
+* :class:`StudentRollouts` - on-policy (OnPD): samples from the current student at
+  ``student_temperature``.
+* :class:`MixtureRollouts` - the paper's token-level spectrum pi_lambda between them, decoded jointly
+  with both models' KV caches.
+
+No gradient flows through sampling: every policy decodes under ``torch.no_grad`` with the models in
+eval mode, and the parent module restores the student's training mode afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kdlab.components import Component
+from kdlab.data import PromptBatch, Rollout, right_pad
+from kdlab.decoding import IncrementalLM, NextLogprobs, sample_tokens
+
+
+@dataclass
+class RolloutContext:
+    """What a policy may use to write completions for one batch."""
+
+    student: torch.nn.Module
+    teacher: torch.nn.Module
+    tokenizer: Any
+    vocab_size: int
+    max_new_tokens: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    student_temperature: float
+    teacher_temperature: float
+    generator: torch.Generator | None
+
+    def decoder(self, model: str, prompts: PromptBatch) -> IncrementalLM:
+        """An incremental decoder for ``"student"`` or ``"teacher"`` at that model's temperature."""
+        ids = getattr(prompts, f"{model}_ids")
+        mask = getattr(prompts, f"{model}_mask")
+        return IncrementalLM(
+            getattr(self, model), ids, mask, self.vocab_size, getattr(self, f"{model}_temperature")
+        )
+
+    def sample(self, next_logprobs: NextLogprobs, prompts: PromptBatch) -> Rollout:
+        ids, mask, entropy = sample_tokens(
+            next_logprobs,
+            batch_size=len(prompts),
+            max_new_tokens=self.max_new_tokens,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            generator=self.generator,
+            device=prompts.student_ids.device,
+        )
+        return Rollout(prompts, ids, mask, entropy)
+
+
+class RolloutPolicy(Component):
+    """Base class: turn a batch of prompts into completions.
+
+    Subclasses implement :meth:`sample`. A policy that reads completions from elsewhere returns a
+    :class:`~kdlab.data.Rollout` with ``sampling_entropy=None``.
+    """
+
+    def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
+        raise NotImplementedError
+
+
+class StudentRollouts(RolloutPolicy):
+    """On-policy: the current student samples each completion at ``student_temperature``."""
+
+    def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
+        return context.sample(context.decoder("student", prompts), prompts)
+
+
+class TeacherRollouts(RolloutPolicy):
+    """Off-policy: completions written by the teacher.
+
+    Args:
+        dataset: a JSONL file with one ``{"id": <example id>, "completion": <text>}`` object per line
+            (as written by ``kdlab generate``): the paper's OffPD, where each prompt's teacher response
+            is fixed. The first line for an id is used. ``None`` samples from the teacher online at
+            ``teacher_temperature`` with the teacher's own prompt.
+    """
+
+    def __init__(self, dataset: str | None = None) -> None:
+        super().__init__()
+        self.dataset = dataset
+        self._completions: dict[str, str] | None = None
+        if dataset is not None:
+            self._completions = read_completions(dataset)
+
+    def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
+        if self._completions is None:
+            return context.sample(context.decoder("teacher", prompts), prompts)
+        rows = []
+        for example in prompts.examples:
+            if example["id"] not in self._completions:
+                raise KeyError(f"TeacherRollouts.dataset {self.dataset}: no completion for example id {example['id']!r}")
+            text = self._completions[example["id"]]
+            ids = context.tokenizer(text, add_special_tokens=False)["input_ids"] + [context.eos_token_ids[0]]
+            rows.append(ids[: context.max_new_tokens])
+        ids, mask = right_pad(rows, context.pad_token_id)
+        device = prompts.student_ids.device
+        return Rollout(prompts, ids.to(device), mask.to(device), None)
+
+
+def read_completions(path: str) -> dict[str, str]:
+    """``{example id: completion text}`` from a JSONL file; errors name the file, line and field."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"TeacherRollouts.dataset: no such file {path!r} (write one with `kdlab generate`)")
+    completions: dict[str, str] = {}
+    with file.open(encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
+            for field in ("id", "completion"):
+                if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                    raise ValueError(f"{path}:{line_number}: missing string field {field!r}")
+            completions.setdefault(row["id"], row["completion"])
+    if not completions:
+        raise ValueError(f"TeacherRollouts.dataset {path!r} holds no completions")
+    return completions
+
+
+def mixture_logprobs(
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    lam: float,
+    alpha: float = 0.2,
+    clip: float = 2 * math.log(3),
+) -> torch.Tensor:
+    """Normalised log pi_lambda ``(..., V)`` from normalised student/teacher log-probs ``s``, ``t``.
+
+    With r = s - t:
+
+    * -1 <= lam <= 1: log-space interpolation ``z = (1+lam)/2 s + (1-lam)/2 t`` (lam = -1 is the
+      teacher, 1 the student, 0 the normalised geometric mean);
+    * lam > 1: ``z = s + (lam-1)/2 * M_S * clamp(r, 0, clip)``, amplifying tokens the student prefers
+      more than the teacher, only inside the student's plausible set
+      ``M_S = {v : s(v) >= max s + log alpha}``; other tokens keep their anchor score s;
+    * lam < -1: the mirror image, anchored on t with ``M_T * clamp(-r, 0, clip)``.
+
+    The endpoints lam = -1 and lam = 1 return ``t`` and ``s`` themselves, so mixture sampling there is
+    exactly teacher or student sampling.
+    """
+    validate_mixture(lam, alpha, clip)
+    s, t = student_logprobs, teacher_logprobs
+    if lam == 1:
+        return s
+    if lam == -1:
+        return t
+    if -1 < lam < 1:
+        # scale each side separately so that a -inf on one side with weight 0 cannot give 0 * inf
+        z = _scaled(s, (1 + lam) / 2) + _scaled(t, (1 - lam) / 2)
+    elif lam > 1:
+        z = s + (lam - 1) / 2 * _bonus(s, s - t, alpha, clip)
+    else:
+        z = t + (-lam - 1) / 2 * _bonus(t, t - s, alpha, clip)
+    return torch.log_softmax(z, dim=-1)
+
+
+def _scaled(logprobs: torch.Tensor, weight: float) -> torch.Tensor:
+    return logprobs * weight if weight > 0 else torch.zeros_like(logprobs)
+
+
+def _bonus(anchor: torch.Tensor, advantage: torch.Tensor, alpha: float, clip: float) -> torch.Tensor:
+    """``M * min(max(advantage, 0), clip)`` with ``M`` the anchor's plausible set; 0 outside it."""
+    plausible = anchor >= anchor.max(dim=-1, keepdim=True).values + math.log(alpha)
+    return torch.where(plausible, advantage.nan_to_num(nan=0.0).clamp(min=0.0, max=clip), 0.0)
+
+
+def validate_mixture(lam: float, alpha: float, clip: float) -> None:
+    if not -2.0 <= lam <= 2.0:
+        raise ValueError(f"MixtureRollouts.lam must be in [-2, 2], got {lam}")
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"MixtureRollouts.alpha must be in (0, 1], got {alpha}")
+    if not clip > 0.0:
+        raise ValueError(f"MixtureRollouts.clip must be > 0, got {clip}")
+
+
+class MixtureRollouts(RolloutPolicy):
+    """The token-level rollout spectrum pi_lambda (see :func:`mixture_logprobs`).
+
+    Both models decode together, each with its own prompt and KV cache, at their own temperatures;
+    at every step the next token is drawn from pi_lambda of their tempered distributions. At
+    lam = -1 or 1 only the model that matters is run, which gives exactly teacher or student sampling.
+
+    Args:
+        lam: position on the spectrum in [-2, 2]: -1 teacher (OffPD), 1 student (OnPD).
+        alpha: plausibility threshold of the amplified regimes (|lam| > 1), in (0, 1].
+        clip: cap on the log-ratio bonus (> 0); 2 ln 3 caps amplification at x3.
+    """
+
+    def __init__(self, lam: float = 0.0, alpha: float = 0.2, clip: float = 2 * math.log(3)) -> None:
+        super().__init__()
+        validate_mixture(lam, alpha, clip)
+        self.lam, self.alpha, self.clip = float(lam), float(alpha), float(clip)
+
+    def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
+        if self.lam == 1:
+            return context.sample(context.decoder("student", prompts), prompts)
+        if self.lam == -1:
+            return context.sample(context.decoder("teacher", prompts), prompts)
+        student, teacher = context.decoder("student", prompts), context.decoder("teacher", prompts)
+
+        def next_logprobs(previous: torch.Tensor | None) -> torch.Tensor:
+            return mixture_logprobs(student(previous), teacher(previous), self.lam, self.alpha, self.clip)
+
+        return context.sample(next_logprobs, prompts)

@@ -1,0 +1,464 @@
+"""Countdown: reach a target number from a few operands with +, -, * and exact division.
+
+The task is generated, not loaded, and every answer is checked by :func:`verify`, a small
+parser-and-simulator written for hostile text: completions are model output, so nothing here ever
+evaluates them as code (no ``eval``, no ``ast``, no computer algebra), and every loop is bounded by
+a length, depth or magnitude cap before it starts.
+
+Arithmetic rules, shared by the generator and the verifier so that every generated target is one
+the verifier can accept:
+
+* Each step combines two numbers of the current pool into one; a chain uses every operand once.
+* Every value is an integer of at most 12 digits (``|v| < 10**12``); division must be exact and
+  never by zero.
+* In ``chain`` answers every intermediate is non-negative, because a step is written with unsigned
+  literals (``5-5=0`` is a legal step, ``2-5=-3`` cannot be written). Zero is allowed. The
+  generator's search uses the same rule.
+* ``expression`` answers are ordinary arithmetic, so an intermediate may be negative
+  (``3-5+4`` is 2); the value must still equal the target and every division must be exact
+  where it happens (``7/2*2`` is wrong, not 7). Generated targets always have a non-negative
+  chain; an expression answer may simply take another route to them.
+
+Why the generator draws a target uniformly from the *reachable set* rather than drawing a number and
+searching for a solution: every example is solvable by construction, and each example stores one
+solution chain, which :meth:`Countdown.reference_completion` turns into a correct response.
+Targets equal to one of the operands are excluded in every variant (they are often reachable by
+discarding the other operands, e.g. ``(3-2)*5`` for 5). Splits are generated independently from the
+seed and the split name, so a val or test problem may also occur in train; within a split problems
+may repeat too (Countdown-3 has only 816 operand multisets).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from kdlab.tasks.base import Example, Task, last_tagged
+
+POOL: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 15, 20, 25, 50, 75)
+"""Operands of Countdown-3 and Countdown-4, drawn with replacement."""
+
+SMALL_POOL: tuple[int, ...] = tuple(range(1, 11))
+"""Operands of Countdown-4E, drawn with replacement."""
+
+VARIANTS: dict[str, tuple[tuple[int, ...], int, int | None]] = {
+    # name: (operand pool, operands per problem, largest target or None for no cap)
+    "countdown3": (POOL, 3, None),
+    "countdown4": (POOL, 4, 10_000),
+    "countdown4e": (SMALL_POOL, 4, 100),
+}
+
+ANSWER_FORMATS = ("chain", "expression")
+
+MAX_DIGITS = 12
+"""Longest number literal the verifier reads; every value, literal or computed, stays below 10**12."""
+MAX_VALUE = 10**MAX_DIGITS
+MAX_ANSWER_CHARS = 1_000
+"""Longer ``<answer>`` contents are rejected before tokenising."""
+MAX_DEPTH = 100
+"""Deepest parenthesis nesting accepted in ``expression`` answers (keeps recursion bounded)."""
+MAX_OPERANDS = 64
+"""Longest ``nums`` the verifier accepts; :func:`solve` searches at most 5 operands."""
+
+# Operator aliases: `x` and `×` mean multiplication, `÷` means division (the prompt names "x").
+_SYMBOLS = {"x": "*", "×": "*", "÷": "/"} | {char: char for char in "+-*/=,()"}
+_DIGITS = frozenset("0123456789")
+
+_INSTRUCTION = (
+    "Solve the Countdown arithmetic problem. Using the provided numbers, create an equation that "
+    "equals the target. You may use the operations +, -, x, and /, and each number must be used "
+    "exactly once; every division must have an integer result. Show your work in <think>...</think> "
+    "tags and "
+)
+_FORMAT_SENTENCES = {
+    "chain": "return the solution as compact, comma-separated equations in <answer>...</answer> tags. "
+    "For example, <answer>2+3=5,5*4=20</answer>.",
+    "expression": "return the solution as a single arithmetic expression in <answer>...</answer> tags. "
+    "For example, <answer>(2+3)*4</answer>.",
+}
+
+
+class _Reject(Exception):
+    """Raised inside the verifier's parser for any malformed answer; :func:`verify` turns it into False."""
+
+
+# ---- arithmetic shared by the search and the verifier --------------------------------------------
+def _apply(a: int, op: str, b: int) -> int | None:
+    """``a op b`` under Countdown rules, or ``None`` when the step is illegal.
+
+    Division must be exact with a non-zero divisor; a result with 13 or more digits is illegal.
+    Negative results are returned (``expression`` answers may pass through them); the chain format
+    rejects them because its result literal is unsigned.
+    """
+    if op == "+":
+        value = a + b
+    elif op == "-":
+        value = a - b
+    elif op == "*":
+        value = a * b
+    else:
+        if b == 0 or a % b:
+            return None
+        value = a // b
+    return value if abs(value) < MAX_VALUE else None
+
+
+def _steps(lo: int, hi: int) -> Iterator[tuple[str, int]]:
+    """Every legal non-negative step on the pair ``lo <= hi``, as ``("hi+lo=r", r)``, results distinct.
+
+    ``lo/hi`` is never needed: it is exact only when ``lo`` is 0 (giving ``hi*lo``) or equals ``hi``.
+    """
+    seen: set[int] = set()
+    for a, op, b in ((hi, "+", lo), (hi, "-", lo), (hi, "*", lo), (hi, "/", lo)):
+        value = _apply(a, op, b)
+        if value is not None and value not in seen:
+            seen.add(value)
+            yield f"{a}{op}{b}={value}", value
+
+
+class _Search:
+    """Memoised search over operand multisets, keyed by sorted tuple.
+
+    ``reach(key)`` maps every value reachable from ``key`` (using each number exactly once) to the
+    first step that leads there and the multiset after that step, so a chain is rebuilt by following
+    the links. One instance lives for one split's generation (or one :func:`solve` call), so the memo
+    never outgrows the problems at hand.
+    """
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[int, ...], dict[int, tuple[str, tuple[int, ...]] | None]] = {}
+
+    def reach(self, key: tuple[int, ...]) -> dict[int, tuple[str, tuple[int, ...]] | None]:
+        found = self._memo.get(key)
+        if found is not None:
+            return found
+        if len(key) == 1:
+            found = {key[0]: None}
+        else:
+            found = {}
+            pairs: set[tuple[int, int]] = set()
+            for i in range(len(key)):
+                for j in range(i + 1, len(key)):
+                    if (key[i], key[j]) in pairs:  # equal pairs lead to the same children
+                        continue
+                    pairs.add((key[i], key[j]))
+                    rest = key[:i] + key[i + 1 : j] + key[j + 1 :]
+                    for step, value in _steps(key[i], key[j]):
+                        child = tuple(sorted(rest + (value,)))
+                        for reached in self.reach(child):
+                            if reached not in found:
+                                found[reached] = (step, child)
+        self._memo[key] = found
+        return found
+
+    def chain(self, key: tuple[int, ...], target: int) -> list[str] | None:
+        """The steps from ``key`` to ``target``, or ``None`` when ``target`` is unreachable."""
+        if target not in self.reach(key):
+            return None
+        steps: list[str] = []
+        while len(key) > 1:
+            link = self.reach(key)[target]
+            assert link is not None  # only singletons map to None
+            steps.append(link[0])
+            key = link[1]
+        return steps
+
+
+def solve(nums: Sequence[int], target: int) -> str | None:
+    """A solution chain such as ``"3+2=5,5*4=20"`` for ``nums`` and ``target``, or ``None`` if none exists.
+
+    Uses every number exactly once, with non-negative integer intermediates and exact division, the
+    same rules :func:`verify` applies to chains. ``nums`` must hold 2 to 5 non-negative integers
+    (the search grows quickly with more operands).
+    """
+    if not 2 <= len(nums) <= 5 or not all(_is_int(n) and 0 <= n < MAX_VALUE for n in nums):
+        raise ValueError(f"solve.nums must be 2 to 5 non-negative integers below 10**12, got {nums!r}")
+    if not _is_int(target):
+        raise ValueError(f"solve.target must be an int, got {target!r}")
+    steps = _Search().chain(tuple(sorted(nums)), target)
+    return None if steps is None else ",".join(steps)
+
+
+# ---- verifier --------------------------------------------------------------------------------------
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tokens(text: str) -> list[int | str]:
+    """Numbers (as ints) and canonical symbols; whitespace separates tokens and is otherwise ignored."""
+    out: list[int | str] = []
+    i, n = 0, len(text)
+    while i < n:
+        char = text[i]
+        if char in _DIGITS:  # ASCII only: str.isdigit would also accept "²" and other scripts' digits
+            start = i
+            while i < n and text[i] in _DIGITS:
+                i += 1
+            if i - start > MAX_DIGITS:
+                raise _Reject
+            out.append(int(text[start:i]))
+            continue
+        if char in _SYMBOLS:
+            out.append(_SYMBOLS[char])
+        elif not char.isspace():
+            raise _Reject
+        i += 1
+    return out
+
+
+def _check_chain(nums: Sequence[int], target: int, tokens: list[int | str]) -> bool:
+    """Simulate ``a op b = c`` steps on a multiset pool that starts as ``nums``."""
+    pool = Counter(nums)
+    steps: list[list[int | str]] = [[]]
+    for token in tokens:
+        if token == ",":
+            steps.append([])
+        else:
+            steps[-1].append(token)
+    for step in steps:
+        if len(step) != 5 or step[3] != "=":
+            raise _Reject
+        a, op, b, _, c = step
+        if not (_is_int(a) and _is_int(b) and _is_int(c)) or op not in ("+", "-", "*", "/"):
+            raise _Reject
+        pool[a] -= 1
+        pool[b] -= 1
+        if pool[a] < 0 or pool[b] < 0 or _apply(a, op, b) != c:  # c is unsigned, so no negatives
+            return False
+        pool[c] += 1
+    return +pool == Counter([target])  # unary + drops the zero counts
+
+
+class _Expression:
+    """Recursive-descent parser and exact evaluator for ``expr := term (('+'|'-') term)*``,
+    ``term := factor (('*'|'/') factor)*``, ``factor := NUMBER | '(' expr ')'``. No unary operators."""
+
+    def __init__(self, tokens: list[int | str]) -> None:
+        self.tokens = tokens
+        self.pos = 0
+        self.literals: list[int] = []
+
+    def _peek(self) -> int | str | None:
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
+
+    def parse(self) -> int:
+        value = self._expr(0)
+        if self.pos != len(self.tokens):
+            raise _Reject
+        return value
+
+    def _binary(self, left: int, op: str, right: int) -> int:
+        value = _apply(left, op, right)
+        if value is None:
+            raise _Reject
+        return value
+
+    def _expr(self, depth: int) -> int:
+        value = self._term(depth)
+        while self._peek() in ("+", "-"):
+            op = self.tokens[self.pos]
+            self.pos += 1
+            value = self._binary(value, op, self._term(depth))
+        return value
+
+    def _term(self, depth: int) -> int:
+        value = self._factor(depth)
+        while self._peek() in ("*", "/"):
+            op = self.tokens[self.pos]
+            self.pos += 1
+            value = self._binary(value, op, self._factor(depth))
+        return value
+
+    def _factor(self, depth: int) -> int:
+        token = self._peek()
+        self.pos += 1
+        if _is_int(token):
+            self.literals.append(token)
+            return token
+        if token != "(" or depth >= MAX_DEPTH:
+            raise _Reject
+        value = self._expr(depth + 1)
+        if self._peek() != ")":
+            raise _Reject
+        self.pos += 1
+        return value
+
+
+def _check_expression(nums: Sequence[int], target: int, tokens: list[int | str]) -> bool:
+    if tokens.count("=") > 1:
+        raise _Reject
+    if "=" in tokens:  # an optional "= N" after the expression, accepted when N is the value
+        split = tokens.index("=")
+        tokens, claimed = tokens[:split], tokens[split + 1 :]
+        if len(claimed) != 1 or claimed[0] != target:
+            return False
+    parser = _Expression(tokens)
+    value = parser.parse()
+    return value == target and Counter(parser.literals) == Counter(nums)
+
+
+def verify(nums: Any, target: Any, text: Any, answer_format: str = "chain") -> bool:
+    """Whether the last ``<answer>...</answer>`` in ``text`` solves the Countdown problem.
+
+    ``chain`` answers are comma-separated steps ``a op b = c``: ``a`` and ``b`` must be in the
+    current pool (a multiset that starts as ``nums``; each entry used at most once), ``c`` must be
+    exactly ``a op b``, then ``a`` and ``b`` leave the pool and ``c`` joins it; correct when the pool
+    ends as the single number ``target``. ``expression`` answers are one expression over ``+ - * /``
+    and parentheses, e.g. ``(2+3)*4``, optionally followed by ``= 20``; the literals must be
+    ``nums`` as a multiset and the value must be ``target``.
+
+    Both formats: ``x`` and ``×`` are read as ``*``, ``÷`` as ``/``; whitespace is ignored between
+    tokens; numbers are unsigned ASCII digit runs of at most 12 digits (leading zeros are read as
+    decimal, ``007`` is 7); division must be exact with
+    a non-zero divisor; every value must stay below ``10**12`` in magnitude. Answers longer than
+    1,000 characters, nested deeper than 100 parentheses, ``**``, unary signs, decimals, empty
+    answers, wrong argument types (``nums`` must be a list or tuple of 1 to 64 non-negative ints,
+    ``target`` an int, ``text`` a str) and unknown formats all give ``False``; nothing raises.
+    """
+    if not isinstance(nums, (list, tuple)) or not 1 <= len(nums) <= MAX_OPERANDS or not _is_int(target):
+        return False
+    if not all(_is_int(n) and 0 <= n < MAX_VALUE for n in nums):
+        return False
+    if answer_format not in ANSWER_FORMATS:
+        return False
+    answer = last_tagged(text)  # None for non-str text
+    if answer is None or len(answer) > MAX_ANSWER_CHARS:
+        return False
+    try:
+        tokens = _tokens(answer)
+        if not tokens:
+            return False
+        if answer_format == "chain":
+            return _check_chain(nums, target, tokens)
+        return _check_expression(nums, target, tokens)
+    except _Reject:
+        return False
+
+
+def chain_to_expression(chain: str) -> str:
+    """Rewrite a correct chain such as ``"3+2=5,5*4=20"`` as one expression, ``"(3+2)*4"``.
+
+    Composite operands are parenthesised, so the expression evaluates the same steps in the same
+    order (and therefore with the same exact divisions).
+    """
+    pool: list[tuple[int, str]] = []  # (value, expression) per pool entry created so far
+    for step in chain.split(","):
+        left, result = step.split("=")
+        op = next(char for char in left[1:] if char in "+-*/")  # operands are unsigned: skip index 0
+        a, b = (int(part) for part in left.split(op, 1))
+        parts = []
+        for operand in (a, b):
+            index = next((k for k, (value, _) in enumerate(pool) if value == operand), None)
+            if index is None:  # an original operand
+                parts.append(str(operand))
+            else:
+                parts.append(f"({pool.pop(index)[1]})")
+        pool.append((int(result), f"{parts[0]}{op}{parts[1]}"))
+    return pool[-1][1]
+
+
+# ---- the task ----------------------------------------------------------------------------------------
+class Countdown(Task):
+    """Countdown: combine the operands with ``+ - * /`` (exact division) to reach the target.
+
+    Variants (operands drawn with replacement; the target uniformly from the values reachable with
+    every operand used once, excluding the operands themselves and values below 1):
+
+    * ``countdown3``: three operands from :data:`POOL` (1-10, 12, 15, 20, 25, 50, 75); no upper cap on
+      the target (at most 75**3 = 421,875).
+    * ``countdown4``: four operands from :data:`POOL`; target in 1..10,000 (the RLVR stage).
+    * ``countdown4e``: four operands from 1-10; target in 1..100. The source does not say how these
+      targets are drawn; this rule is kdlab's choice.
+
+    Operands whose candidate set is empty are redrawn. Example fields: ``id``
+    (``"countdown3-train-17"``), ``nums`` (in drawn order), ``target`` and ``solution`` (one correct
+    chain, e.g. ``"3+2=5,5*4=20"``).
+
+    Args:
+        variant: ``countdown3``, ``countdown4`` or ``countdown4e``.
+        num_train / num_val / num_test: examples per split.
+        seed: split ``s`` is generated by ``random.Random(f"{seed}-{variant}-{s}")``, so splits never
+            share a stream and each is reproducible on its own.
+        answer_format: ``chain`` (comma-separated steps, the source's format) or ``expression``
+            (one expression such as ``(2+3)*4``); sets the prompt, the reference and the verifier.
+        system_prompt / chat_template: see :class:`~kdlab.tasks.base.Task`.
+    """
+
+    default_system_prompt = "You are a careful arithmetic solver."
+
+    def __init__(
+        self,
+        variant: str = "countdown3",
+        num_train: int = 5000,
+        num_val: int = 500,
+        num_test: int = 500,
+        seed: int = 42,
+        answer_format: str = "chain",
+        system_prompt: str | None = None,
+        chat_template: bool = True,
+    ) -> None:
+        super().__init__(system_prompt=system_prompt, chat_template=chat_template)
+        if variant not in VARIANTS:
+            raise ValueError(f"Countdown.variant must be one of {tuple(VARIANTS)}, got {variant!r}")
+        if answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"Countdown.answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
+        for key, value in (("num_train", num_train), ("num_val", num_val), ("num_test", num_test)):
+            if value < 0:
+                raise ValueError(f"Countdown.{key} must be >= 0, got {value}")
+        self.variant = variant
+        self.answer_format = answer_format
+        self.sizes = {"train": num_train, "val": num_val, "test": num_test}
+        self.seed = seed
+
+    def load_split(self, split: str) -> list[Example]:
+        pool, count, top = VARIANTS[self.variant]
+        rng = random.Random(f"{self.seed}-{self.variant}-{split}")
+        search = _Search()
+        candidates: dict[tuple[int, ...], list[int]] = {}
+        rows: list[Example] = []
+        for index in range(self.sizes[split]):
+            while True:
+                nums = [rng.choice(pool) for _ in range(count)]
+                key = tuple(sorted(nums))
+                if key not in candidates:
+                    candidates[key] = sorted(
+                        value
+                        for value in search.reach(key)
+                        if value >= 1 and (top is None or value <= top) and value not in key
+                    )
+                if candidates[key]:
+                    break
+            target = rng.choice(candidates[key])
+            steps = search.chain(key, target)
+            assert steps is not None  # target came from the reachable set
+            rows.append(
+                {"id": f"{self.variant}-{split}-{index}", "nums": nums, "target": target, "solution": ",".join(steps)}
+            )
+        return rows
+
+    def user_prompt(self, example: Example) -> str:
+        return (
+            _INSTRUCTION
+            + _FORMAT_SENTENCES[self.answer_format]
+            + f"\nNumbers: {list(example['nums'])}\nTarget: {example['target']}"
+        )
+
+    def score(self, example: Example, completion: str) -> float:
+        return float(verify(example.get("nums"), example.get("target"), completion, self.answer_format))
+
+    def reference_completion(self, example: Example) -> str:
+        """Short deterministic reasoning (each step and the pool it leaves), then the answer."""
+        pool = sorted(example["nums"])
+        lines = [f"Numbers {pool}, target {example['target']}."]
+        for step in example["solution"].split(","):
+            left, result = step.split("=")
+            op = next(char for char in left[1:] if char in "+-*/")
+            for operand in left.split(op, 1):
+                pool.remove(int(operand))
+            pool = sorted(pool + [int(result)])
+            lines.append(f"{step} leaves {pool}.")
+        lines.append(f"{pool[0]} is the target.")
+        answer = example["solution"] if self.answer_format == "chain" else chain_to_expression(example["solution"])
+        return "<think>" + "\n".join(lines) + f"</think>\n<answer>{answer}</answer>"

@@ -1,0 +1,139 @@
+import json
+import math
+
+import pytest
+import torch
+
+from kdlab.module import DistillModule
+from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherRollouts, mixture_logprobs
+from kdlab.tasks import Addition
+
+V = 9
+
+
+def normalised(seed, shape=(4, V)):
+    g = torch.Generator().manual_seed(seed)
+    return torch.log_softmax(torch.randn(shape, generator=g) * 2, dim=-1)
+
+
+def test_mixture_endpoints_are_the_two_policies_and_zero_is_the_geometric_mean():
+    s, t = normalised(0), normalised(1)
+    assert torch.equal(mixture_logprobs(s, t, -1.0), t)
+    assert torch.equal(mixture_logprobs(s, t, 1.0), s)
+    geometric = torch.sqrt(s.exp() * t.exp())
+    torch.testing.assert_close(mixture_logprobs(s, t, 0.0).exp(), geometric / geometric.sum(-1, keepdim=True))
+
+
+def test_mixture_is_continuous_at_the_interpolation_endpoints():
+    s, t = normalised(2), normalised(3)
+    torch.testing.assert_close(mixture_logprobs(s, t, 1 - 1e-6), s, atol=1e-4, rtol=0)
+    torch.testing.assert_close(mixture_logprobs(s, t, 1 + 1e-6), s, atol=1e-4, rtol=0)
+    torch.testing.assert_close(mixture_logprobs(s, t, -1 - 1e-6), t, atol=1e-4, rtol=0)
+
+
+def test_amplified_student_regime_follows_the_paper_formula_by_hand():
+    s = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    t = torch.log(torch.tensor([0.1, 0.6, 0.05, 0.25]))
+    lam, alpha, clip = 2.0, 0.2, 2 * math.log(3)
+    # M_S: s >= log(0.5 * 0.2) = log 0.1 -> tokens 0, 1, 2 (0.05 < 0.1 is out)
+    r = s - t
+    bonus = torch.tensor([min(max(r[0].item(), 0), clip), 0.0, min(max(r[2].item(), 0), clip), 0.0])
+    expected = torch.log_softmax(s + 0.5 * bonus, -1)
+    torch.testing.assert_close(mixture_logprobs(s, t, lam, alpha, clip), expected)
+    # the bonus of token 2 (ratio 3 = the cap) multiplies its odds by at most 3^(1/2) at lam = 2
+    assert r[2].item() == pytest.approx(math.log(3))
+
+
+def test_amplified_teacher_regime_is_the_mirror_image():
+    s, t = normalised(4), normalised(5)
+    torch.testing.assert_close(mixture_logprobs(s, t, -1.7), mixture_logprobs(t, s, 1.7))
+
+
+def test_mixture_handles_zero_probability_tokens_without_nan():
+    s, t = normalised(6), normalised(7)
+    s[:, 0] = float("-inf")
+    t[:, 1] = float("-inf")
+    for lam in (-2.0, -1.5, -0.5, 0.0, 0.5, 1.5, 2.0):
+        out = mixture_logprobs(s, t, lam)
+        assert not torch.isnan(out).any(), lam
+        assert torch.allclose(out.exp().sum(-1), torch.ones(4))
+
+
+@pytest.mark.parametrize("kwargs, key", [({"lam": 2.5}, "lam"), ({"alpha": 0.0}, "alpha"), ({"alpha": 1.5}, "alpha"), ({"clip": 0.0}, "clip")])
+def test_bad_mixture_settings_name_the_key(kwargs, key):
+    with pytest.raises(ValueError, match=f"MixtureRollouts.{key}"):
+        MixtureRollouts(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def module(tiny_pair):
+    student, teacher = tiny_pair
+    return DistillModule(student, teacher, Addition(num_train=8), max_completion_tokens=10, batch_size=4)
+
+
+def rollout_with(module, policy, seed=5):
+    module.rollout = policy
+    return module.make_rollout(module.task.examples("train")[:4], seed)
+
+
+@pytest.mark.parametrize("lam, same_as", [(-1.0, TeacherRollouts), (1.0, StudentRollouts)])
+def test_mixture_at_the_endpoints_samples_exactly_like_the_pure_policy(module, lam, same_as):
+    mixed, pure = rollout_with(module, MixtureRollouts(lam)), rollout_with(module, same_as())
+    assert torch.equal(mixed.completion_ids, pure.completion_ids)
+    assert torch.equal(mixed.completion_mask, pure.completion_mask)
+
+
+def test_interior_mixture_differs_from_both_endpoints_and_is_seeded(module):
+    mixed = rollout_with(module, MixtureRollouts(0.0))
+    again = rollout_with(module, MixtureRollouts(0.0))
+    assert torch.equal(mixed.completion_ids, again.completion_ids)
+    teacher, student = rollout_with(module, TeacherRollouts()), rollout_with(module, StudentRollouts())
+    assert not torch.equal(mixed.completion_ids, teacher.completion_ids)
+    assert not torch.equal(mixed.completion_ids, student.completion_ids)
+    other_seed = rollout_with(module, MixtureRollouts(0.0), seed=6)
+    assert not torch.equal(mixed.completion_ids, other_seed.completion_ids)
+
+
+def test_rollout_masks_end_at_the_end_token_and_pad_after(module):
+    rollout = rollout_with(module, StudentRollouts())
+    ids, mask = rollout.completion_ids, rollout.completion_mask
+    for row_ids, row_mask in zip(ids.tolist(), mask.tolist()):
+        length = sum(row_mask)
+        assert row_mask == [True] * length + [False] * (len(row_mask) - length)
+        assert all(token == module.pad_id for token in row_ids[length:])
+        if length < len(row_ids):  # finished early: its last token is an end token
+            assert row_ids[length - 1] in module.end_ids
+    assert rollout.sampling_entropy.shape == ids.shape
+    assert torch.all(rollout.sampling_entropy[~mask] == 0)
+
+
+def test_sampling_leaves_no_gradient_and_restores_train_mode(module):
+    module.student.train()
+    rollout = rollout_with(module, StudentRollouts())
+    assert module.student.training and not module.teacher.training
+    assert not rollout.completion_ids.requires_grad and not rollout.sampling_entropy.requires_grad
+
+
+def test_teacher_rollouts_from_a_dataset_file(module, tmp_path):
+    examples = module.task.examples("train")[:4]
+    path = tmp_path / "teacher.jsonl"
+    path.write_text("".join(json.dumps({"id": ex["id"], "completion": f"<answer>{i}</answer>"}) + "\n" for i, ex in enumerate(examples)))
+    rollout = rollout_with(module, TeacherRollouts(dataset=str(path)))
+    assert rollout.sampling_entropy is None
+    first = rollout.completion_ids[0][rollout.completion_mask[0]].tolist()
+    assert module.student_tokenizer.decode(first[:-1]) == "<answer>0</answer>"
+    assert first[-1] == module.end_ids[0]
+
+
+def test_teacher_dataset_errors_name_file_line_and_id(module, tmp_path):
+    missing = tmp_path / "none.jsonl"
+    with pytest.raises(FileNotFoundError, match="none.jsonl"):
+        TeacherRollouts(dataset=str(missing))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "completion": "x"}\n{"id": "b"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: missing string field 'completion'"):
+        TeacherRollouts(dataset=str(bad))
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text('{"id": "not-an-example", "completion": "x"}\n')
+    with pytest.raises(KeyError, match="add-train-0"):
+        rollout_with(module, TeacherRollouts(dataset=str(partial)))
