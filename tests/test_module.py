@@ -1,0 +1,175 @@
+"""DistillModule used from Python, as in a notebook: custom components, logging, optimisation."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from kdlab.data import Rollout
+from kdlab.module import DistillModule
+from kdlab.objectives import ForwardKL, KLObjective
+from kdlab.rollouts import RolloutPolicy, StudentRollouts, TeacherRollouts
+from kdlab.tasks import Addition
+
+
+class HalfHalfRollouts(RolloutPolicy):
+    """A notebook-style policy: the first half of the batch from the teacher, the rest from the student."""
+
+    def sample(self, prompts, context):
+        teacher = TeacherRollouts().sample(prompts, context)
+        student = StudentRollouts().sample(prompts, context)
+        half = len(prompts) // 2
+        width = max(teacher.completion_ids.shape[1], student.completion_ids.shape[1])
+        pad = lambda x, value: torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+        ids = torch.cat([pad(teacher.completion_ids, context.pad_token_id)[:half], pad(student.completion_ids, context.pad_token_id)[half:]])
+        mask = torch.cat([pad(teacher.completion_mask, False)[:half], pad(student.completion_mask, False)[half:]])
+        self.report("teacher_share", half / len(prompts))
+        return Rollout(prompts, ids, mask)
+
+
+class ReportingKL(ForwardKL):
+    def forward(self, student_logits, teacher_logits, mask):
+        loss = super().forward(student_logits, teacher_logits, mask)
+        self.report("my_diagnostic", loss * 2)
+        return loss
+
+
+def make_module(tiny_pair, **kwargs):
+    defaults = dict(task=Addition(num_train=16, num_val=4), max_completion_tokens=8, batch_size=4, val_examples=4)
+    defaults.update(kwargs)
+    return DistillModule(*tiny_pair, **defaults)
+
+
+def trainer(tmp_path, steps, **kwargs):
+    return pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=TensorBoardLogger(tmp_path),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
+
+
+def test_custom_components_plug_in_and_their_reports_reach_tensorboard(tiny_pair, tmp_path):
+    module = make_module(tiny_pair, rollout=HalfHalfRollouts(), objective=ReportingKL())
+    run = trainer(tmp_path, steps=2, limit_val_batches=0)
+    run.fit(module)
+    events = EventAccumulator(run.log_dir)
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "train/teacher_share" in tags and "train/my_diagnostic" in tags
+    assert events.Scalars("train/teacher_share")[0].value == 0.5
+    loss, reported = events.Scalars("train/loss")[0].value, events.Scalars("train/my_diagnostic")[0].value
+    assert reported == pytest.approx(2 * loss, rel=1e-5)
+
+
+def test_distillation_lowers_the_kl_on_a_fixed_batch(tiny_pair, tmp_path):
+    module = make_module(tiny_pair, lr=3e-3, warmup_steps=0, task=Addition(num_train=4, num_val=4))
+    batch = module.task.examples("train")
+    rollout = module.make_rollout(batch, seed=0)
+
+    def kl():
+        with torch.no_grad():
+            s, t = module.distillation_logits(rollout)
+            return ForwardKL()(s, t, rollout.completion_mask).item()
+
+    before = kl()
+    trainer(tmp_path, steps=30, limit_val_batches=0).fit(module)
+    assert kl() < 0.75 * before
+
+
+def test_warmup_then_constant_learning_rate(tiny_pair, tmp_path):
+    module = make_module(tiny_pair, lr=1e-3, warmup_steps=4)
+    seen = []
+
+    class RecordLR(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen.append(optimizer.param_groups[0]["lr"])
+
+    trainer(tmp_path, steps=6, limit_val_batches=0, callbacks=[RecordLR()]).fit(module)
+    assert seen == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    optimizer = module.optimizers().optimizer
+    assert optimizer.defaults["betas"] == (0.9, 0.999) and optimizer.defaults["weight_decay"] == 0.0
+    assert optimizer.defaults["eps"] == 1e-8
+
+
+def test_only_the_student_is_optimised_and_the_teacher_never_moves(tiny_pair, tmp_path):
+    module = make_module(tiny_pair, lr=1e-2)
+    teacher_before = {k: v.clone() for k, v in module.teacher.state_dict().items()}
+    student_before = {k: v.clone() for k, v in module.student.state_dict().items()}
+    trainer(tmp_path, steps=2, limit_val_batches=0).fit(module)
+    assert all(torch.equal(v, module.teacher.state_dict()[k]) for k, v in teacher_before.items())
+    assert any(not torch.equal(v, module.student.state_dict()[k]) for k, v in student_before.items())
+
+
+def test_a_batch_without_completion_tokens_is_skipped_with_a_warning(tiny_pair):
+    module = make_module(tiny_pair, rollout=EmptyRollouts())
+    with pytest.warns(UserWarning, match="no completion token"):
+        assert module.training_step(module.task.examples("train")[:2], 0) is None
+
+
+class EmptyRollouts(RolloutPolicy):
+    def sample(self, prompts, context):
+        return Rollout(prompts, torch.zeros(len(prompts), 0, dtype=torch.long), torch.zeros(len(prompts), 0, dtype=torch.bool))
+
+
+def test_teacher_and_student_get_their_own_prompts(tiny_pair):
+    class TeacherHint(Addition):
+        def teacher_messages(self, example):
+            messages = self.student_messages(example)
+            messages[-1] = {"role": "user", "content": messages[-1]["content"] + f" (hint: {example['a'] + example['b']})"}
+            return messages
+
+    module = make_module(tiny_pair, task=TeacherHint(num_train=4))
+    rollout = module.make_rollout(module.task.examples("train")[:2], seed=0)
+    student_text = module.student_tokenizer.decode(rollout.prompts.student_ids[0][rollout.prompts.student_mask[0].bool()])
+    teacher_text = module.teacher_tokenizer.decode(rollout.prompts.teacher_ids[0][rollout.prompts.teacher_mask[0].bool()])
+    assert "hint" in teacher_text and "hint" not in student_text
+    # both models are scored on the same completion tokens
+    s, t = module.distillation_logits(rollout)
+    assert s.shape == t.shape == (2, rollout.completion_ids.shape[1], module.vocab_size)
+
+
+def test_distillation_logits_predict_the_completion_tokens(tiny_pair):
+    """The logits returned at position c must be the model's prediction of completion token c."""
+    module = make_module(tiny_pair)
+    rollout = module.make_rollout(module.task.examples("train")[:3], seed=1)
+    module.student_temperature = 1.0
+    s, _ = module.distillation_logits(rollout)
+    inputs = rollout.model_inputs("student")
+    full = module.student(**inputs).logits[..., : module.vocab_size]
+    prompt_width = rollout.prompts.student_ids.shape[1]
+    for c in range(rollout.completion_ids.shape[1]):
+        torch.testing.assert_close(s[:, c], full[:, prompt_width + c - 1], atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_longer_than_the_limit_names_the_example(tiny_pair):
+    module = make_module(tiny_pair, max_prompt_tokens=5)
+    with pytest.raises(ValueError, match="add-train-0.*max_prompt_tokens=5"):
+        module.make_rollout(module.task.examples("train")[:1], seed=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"teacher_temperature": -0.5}, "teacher_temperature"),
+        ({"student_temperature": 0.0}, "student_temperature"),
+        ({"val_temperature": -1.0}, "val_temperature"),
+        ({"lr": 0.0}, "lr"),
+        ({"batch_size": 0}, "batch_size"),
+    ],
+)
+def test_bad_module_settings_name_the_key(tiny_pair, kwargs, key):
+    with pytest.raises(ValueError, match=f"DistillModule.{key}"):
+        make_module(tiny_pair, **kwargs)
+
+
+def test_empty_training_split_is_a_clear_error(tiny_pair):
+    module = make_module(tiny_pair, task=Addition(num_train=0))
+    with pytest.raises(ValueError, match="'train' split is empty"):
+        module.train_dataloader()
