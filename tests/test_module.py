@@ -173,3 +173,13 @@ def test_empty_training_split_is_a_clear_error(tiny_pair):
     module = make_module(tiny_pair, task=Addition(num_train=0))
     with pytest.raises(ValueError, match="'train' split is empty"):
         module.train_dataloader()
+
+
+def test_teacher_only_instruction_and_demonstration_reach_only_the_teacher():
+    task = Addition(num_train=2, teacher_instruction="Razona solo en español.", teacher_demonstration=True, teacher_system_prompt="T")
+    example = task.examples("train")[0]
+    student, teacher = task.student_messages(example), task.teacher_messages(example)
+    assert student[0]["content"] == Addition.default_system_prompt and teacher[0]["content"] == "T"
+    assert "español" in teacher[-1]["content"] and "español" not in student[-1]["content"]
+    assert task.reference_completion(example) in teacher[-1]["content"]
+    assert task.reference_completion(example) not in student[-1]["content"]

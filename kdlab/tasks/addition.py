@@ -7,6 +7,7 @@ earlier skills whose forgetting the tiny world measures.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from kdlab.tasks.base import Example, Task, last_tagged
 
@@ -18,6 +19,7 @@ class Addition(Task):
         max_digits: operands have 1..max_digits digits.
         num_train / num_val / num_test: examples per split.
         seed: split ``s`` is generated from ``seed`` and the split name, so splits never share a stream.
+        **prompting: the prompting settings of :class:`~kdlab.tasks.base.Task`.
     """
 
     default_system_prompt = "You are a careful calculator."
@@ -29,10 +31,9 @@ class Addition(Task):
         num_val: int = 100,
         num_test: int = 100,
         seed: int = 0,
-        system_prompt: str | None = None,
-        chat_template: bool = True,
+        **prompting: Any,
     ) -> None:
-        super().__init__(system_prompt=system_prompt, chat_template=chat_template)
+        super().__init__(**prompting)
         if max_digits < 1:
             raise ValueError(f"Addition.max_digits must be >= 1, got {max_digits}")
         for key, value in (("num_train", num_train), ("num_val", num_val), ("num_test", num_test)):

@@ -30,14 +30,30 @@ class Task(Component):
             (``default_system_prompt``), ``""`` sends none.
         chat_template: render prompts with each tokenizer's chat template; ``False`` renders
             ``system + "\\n\\n" + user + "\\n"`` as plain text (for base models).
+        teacher_system_prompt: the teacher's system message when it differs from the student's
+            (``None``: the same).
+        teacher_instruction: text appended to the teacher's user message only, e.g. the paper's
+            "reason only in Spanish" instruction (``None``: nothing).
+        teacher_demonstration: show the teacher a correct worked response (the task's
+            :meth:`reference_completion`) before the question, as the paper's style experiment did.
     """
 
     default_system_prompt: str = ""
 
-    def __init__(self, system_prompt: str | None = None, chat_template: bool = True) -> None:
+    def __init__(
+        self,
+        system_prompt: str | None = None,
+        chat_template: bool = True,
+        teacher_system_prompt: str | None = None,
+        teacher_instruction: str | None = None,
+        teacher_demonstration: bool = False,
+    ) -> None:
         super().__init__()
         self.system_prompt = self.default_system_prompt if system_prompt is None else system_prompt
         self.chat_template = chat_template
+        self.teacher_system_prompt = teacher_system_prompt
+        self.teacher_instruction = teacher_instruction
+        self.teacher_demonstration = teacher_demonstration
         self._splits: dict[str, list[Example]] = {}
 
     # ---- what subclasses provide -------------------------------------------------------------
@@ -82,8 +98,23 @@ class Task(Component):
         return messages
 
     def teacher_messages(self, example: Example) -> Messages:
-        """Chat messages for the teacher; the same as the student's unless a subclass says otherwise."""
-        return self.student_messages(example)
+        """Chat messages for the teacher: the student's, changed by the ``teacher_*`` settings.
+
+        The KL is still taken on the same completion tokens, each model conditioned on its own prompt.
+        """
+        system = self.system_prompt if self.teacher_system_prompt is None else self.teacher_system_prompt
+        user = self.user_prompt(example)
+        if self.teacher_demonstration:
+            demonstration = self.reference_completion(example)
+            if demonstration is None:
+                raise ValueError(
+                    f"{type(self).__name__}.teacher_demonstration is true but example {example['id']!r} has no reference completion"
+                )
+            user = f"A correct response to the question below:\n{demonstration}\n\n{user}"
+        if self.teacher_instruction:
+            user = f"{user}\n\n{self.teacher_instruction}"
+        messages: Messages = [{"role": "system", "content": system}] if system else []
+        return messages + [{"role": "user", "content": user}]
 
     def render(self, tokenizer: Any, messages: Messages) -> str:
         """Turn messages into the prompt text for one model, ending where the response begins."""

@@ -383,7 +383,8 @@ class Countdown(Task):
             share a stream and each is reproducible on its own.
         answer_format: ``chain`` (comma-separated steps, the source's format) or ``expression``
             (one expression such as ``(2+3)*4``); sets the prompt, the reference and the verifier.
-        system_prompt / chat_template: see :class:`~kdlab.tasks.base.Task`.
+        **prompting: the prompting settings of :class:`~kdlab.tasks.base.Task` (system prompt, chat
+            template, teacher-only prompts).
     """
 
     default_system_prompt = "You are a careful arithmetic solver."
@@ -396,10 +397,9 @@ class Countdown(Task):
         num_test: int = 500,
         seed: int = 42,
         answer_format: str = "chain",
-        system_prompt: str | None = None,
-        chat_template: bool = True,
+        **prompting: Any,
     ) -> None:
-        super().__init__(system_prompt=system_prompt, chat_template=chat_template)
+        super().__init__(**prompting)
         if variant not in VARIANTS:
             raise ValueError(f"Countdown.variant must be one of {tuple(VARIANTS)}, got {variant!r}")
         if answer_format not in ANSWER_FORMATS:
