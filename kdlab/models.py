@@ -60,7 +60,7 @@ def _check_local(spec: ModelSpec, role: str) -> None:
     resolved = spec.resolved
     looks_local = spec.path.startswith((PACKAGE_SCHEME, "/", "./", "../", "~"))
     if looks_local and not Path(resolved).expanduser().is_dir():
-        hint = " (packaged models are rebuilt with `python -m kdlab.tiny`)" if spec.path.startswith(PACKAGE_SCHEME) else ""
+        hint = " (packaged models are rebuilt with `python -m kdlab.tiny random` or `python -m kdlab.tiny world`)" if spec.path.startswith(PACKAGE_SCHEME) else ""
         raise FileNotFoundError(f"{role}.path: no model directory at {resolved!r}{hint}")
 
 

@@ -26,8 +26,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from kdlab.components import Component
-from kdlab.data import decode_completions, encode_prompts
-from kdlab.decoding import IncrementalLM, completion_logits, sample_tokens
+from kdlab.data import encode_prompts
+from kdlab.decoding import completion_logits
+from kdlab.evaluation import generate
 from kdlab.models import ModelSpec, end_token_ids, load_causal_lm, load_tokenizer, shared_vocab_size
 from kdlab.objectives import ForwardKL, KLObjective, kl_diagnostics
 from kdlab.rollouts import RolloutContext, RolloutPolicy, TeacherRollouts
@@ -261,24 +262,18 @@ class DistillModule(pl.LightningModule):
     # ---- evaluation -----------------------------------------------------------------------
     def generate(self, examples: list[Example], temperature: float, seed: int) -> list[str]:
         """Student completions (text) for ``examples``; ``temperature`` 0 decodes greedily."""
-        prompts = self._prompts(examples)
-        was_training = self.student.training
-        self.student.eval()
-        try:
-            decoder = IncrementalLM(self.student, prompts.student_ids, prompts.student_mask, self.vocab_size, temperature)
-            ids, mask, _ = sample_tokens(
-                decoder,
-                batch_size=len(examples),
-                max_new_tokens=self.max_completion_tokens,
-                eos_token_ids=self.end_ids,
-                pad_token_id=self.pad_id,
-                generator=self._generator(seed),
-                greedy=temperature == 0,
-                device=self.device,
-            )
-        finally:
-            self.student.train(was_training)
-        return decode_completions(self.student_tokenizer, ids, mask, self.end_ids)
+        return generate(
+            self.student,
+            self.student_tokenizer,
+            self.task,
+            examples,
+            temperature=temperature,
+            max_new_tokens=self.max_completion_tokens,
+            max_prompt_tokens=self.max_prompt_tokens,
+            batch_size=len(examples),
+            generator=self._generator(seed),
+            vocab_size=self.vocab_size,
+        )
 
     def _evaluate(self, stage: str, batch: list[Example], batch_idx: int) -> None:
         completions = self.generate(batch, self.val_temperature, self.step_seed(stage, batch_idx))

@@ -383,6 +383,8 @@ class Countdown(Task):
             share a stream and each is reproducible on its own.
         answer_format: ``chain`` (comma-separated steps, the source's format) or ``expression``
             (one expression such as ``(2+3)*4``); sets the prompt, the reference and the verifier.
+        instruction: start the user prompt with the paper's instruction; ``False`` sends only the
+            ``Numbers: [...]`` / ``Target: ...`` lines (the tiny world, whose models learned the format).
         **prompting: the prompting settings of :class:`~kdlab.tasks.base.Task` (system prompt, chat
             template, teacher-only prompts).
     """
@@ -397,6 +399,7 @@ class Countdown(Task):
         num_test: int = 500,
         seed: int = 42,
         answer_format: str = "chain",
+        instruction: bool = True,
         **prompting: Any,
     ) -> None:
         super().__init__(**prompting)
@@ -409,6 +412,7 @@ class Countdown(Task):
                 raise ValueError(f"Countdown.{key} must be >= 0, got {value}")
         self.variant = variant
         self.answer_format = answer_format
+        self.instruction = instruction
         self.sizes = {"train": num_train, "val": num_val, "test": num_test}
         self.seed = seed
 
@@ -439,11 +443,10 @@ class Countdown(Task):
         return rows
 
     def user_prompt(self, example: Example) -> str:
-        return (
-            _INSTRUCTION
-            + _FORMAT_SENTENCES[self.answer_format]
-            + f"\nNumbers: {list(example['nums'])}\nTarget: {example['target']}"
-        )
+        problem = f"Numbers: {list(example['nums'])}\nTarget: {example['target']}"
+        if not self.instruction:
+            return problem
+        return _INSTRUCTION + _FORMAT_SENTENCES[self.answer_format] + "\n" + problem
 
     def score(self, example: Example, completion: str) -> float:
         return float(verify(example.get("nums"), example.get("target"), completion, self.answer_format))

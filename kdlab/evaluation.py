@@ -1,0 +1,72 @@
+"""Batched generation and scoring for one model: held-out accuracy, samples for pass@k, teacher data.
+
+Generation uses kdlab's own KV-cache decoding loop (:mod:`kdlab.decoding`) with a seeded generator,
+so evaluation samples are reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kdlab.data import decode_completions, left_pad, prompt_token_ids
+from kdlab.decoding import IncrementalLM, sample_tokens
+from kdlab.models import end_token_ids
+from kdlab.tasks.base import Example, Task
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: Task,
+    examples: Sequence[Example],
+    *,
+    role: str = "student",
+    temperature: float = 0.0,
+    max_new_tokens: int = 512,
+    max_prompt_tokens: int = 2048,
+    batch_size: int = 16,
+    generator: torch.Generator | None = None,
+    vocab_size: int | None = None,
+) -> list[str]:
+    """Completion texts for ``examples``, prompted as ``role`` (``"student"`` or ``"teacher"``).
+
+    ``temperature`` 0 decodes greedily. The model is put in eval mode for the call and its mode is
+    restored afterwards.
+    """
+    device = next(model.parameters()).device
+    vocab = vocab_size or len(tokenizer)
+    end_ids = end_token_ids(tokenizer, model)
+    was_training = model.training
+    model.eval()
+    texts: list[str] = []
+    try:
+        for start in range(0, len(examples), batch_size):
+            batch = examples[start : start + batch_size]
+            rows = [prompt_token_ids(task, tokenizer, ex, role, max_prompt_tokens) for ex in batch]
+            ids, mask = left_pad(rows, tokenizer.pad_token_id)
+            decoder = IncrementalLM(model, ids.to(device), mask.to(device), vocab, temperature)
+            out_ids, out_mask, _ = sample_tokens(
+                decoder,
+                batch_size=len(batch),
+                max_new_tokens=max_new_tokens,
+                eos_token_ids=end_ids,
+                pad_token_id=tokenizer.pad_token_id,
+                generator=generator,
+                greedy=temperature == 0,
+                device=device,
+            )
+            texts += decode_completions(tokenizer, out_ids, out_mask, end_ids)
+    finally:
+        model.train(was_training)
+    return texts
+
+
+def accuracy(task: Task, examples: Sequence[Example], completions: Sequence[str]) -> float:
+    """Mean of ``task.score`` over the examples (0 for an empty list)."""
+    if not examples:
+        return 0.0
+    return sum(float(task.score(ex, text)) for ex, text in zip(examples, completions)) / len(examples)

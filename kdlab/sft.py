@@ -1,0 +1,207 @@
+"""``SFTModule``: supervised fine-tuning on (prompt, completion) pairs, loss on completion tokens only.
+
+Used to train teachers on their task before distillation (the paper: SFT 500 steps, LR 5e-5 cosine,
+10 warm-up, batch 32, clip 1.0, LoRA r = alpha = 256 on all attention and MLP projections) and to
+build the tiny world's models from scratch.
+
+Data is either a JSONL file, one ``{"messages": [...], "completion": "..."}`` (chat prompt) or
+``{"prompt": "...", "completion": "..."}`` (plain-text prompt) object per line, or the reference
+completions of one or more :class:`~kdlab.tasks.base.Task` objects.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from kdlab.data import right_pad
+from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
+from kdlab.tasks.base import Task
+
+SCHEDULES = ("cosine", "constant")
+
+
+@dataclass
+class LoraSpec:
+    """LoRA adapters through ``peft`` (``pip install kdlab[lora]``); the paper's teachers: r = alpha = 256."""
+
+    r: int = 256
+    alpha: int = 256
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+    def __post_init__(self) -> None:
+        if self.r < 1 or self.alpha < 1:
+            raise ValueError(f"lora.r and lora.alpha must be >= 1, got r={self.r}, alpha={self.alpha}")
+
+
+def read_pairs(path: str) -> list[dict[str, Any]]:
+    """Rows of an SFT JSONL file; errors name the file, line and field."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"SFTModule.dataset: no such file {path!r}")
+    rows = []
+    with file.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("completion"), str):
+                raise ValueError(f"{path}:{number}: missing string field 'completion'")
+            if not isinstance(row.get("messages"), list) and not isinstance(row.get("prompt"), str):
+                raise ValueError(f"{path}:{number}: needs a 'messages' list or a 'prompt' string")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"SFTModule.dataset {path!r} holds no rows")
+    return rows
+
+
+def task_pairs(task: Task, split: str = "train") -> list[dict[str, Any]]:
+    """``{"messages", "completion"}`` rows from a task's student prompts and reference completions."""
+    rows = []
+    for example in task.examples(split):
+        completion = task.reference_completion(example)
+        if completion is None:
+            raise ValueError(f"{type(task).__name__} writes no reference completion; it cannot be used for SFT")
+        rows.append({"messages": task.student_messages(example), "completion": completion, "plain": not task.chat_template})
+    return rows
+
+
+class SFTModule(pl.LightningModule):
+    """Fine-tune ``model`` to write each row's completion after its prompt.
+
+    Args:
+        model: the model trained.
+        dataset: an SFT JSONL file (see module docstring); or use ``tasks``.
+        tasks: tasks whose reference completions are the data (their ``train`` split).
+        lr: peak learning rate (paper: 5e-5).
+        warmup_steps: linear warm-up steps (paper: 10).
+        schedule: ``cosine`` (decay to ``min_lr_ratio * lr`` at ``max_steps``) or ``constant``.
+        min_lr_ratio: floor of the cosine schedule.
+        batch_size: rows per micro-batch.
+        max_length: prompt + completion tokens; longer rows are an error naming the row.
+        lora: train LoRA adapters instead of all weights.
+        weight_decay, betas, eps: AdamW settings.
+        seed: data order.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec | str,
+        dataset: str | None = None,
+        tasks: list[Task] | None = None,
+        lr: float = 5e-5,
+        warmup_steps: int = 10,
+        schedule: str = "cosine",
+        min_lr_ratio: float = 0.0,
+        batch_size: int = 32,
+        max_length: int = 2048,
+        lora: LoraSpec | None = None,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        seed: int = 42,
+    ) -> None:
+        super().__init__()
+        if (dataset is None) == (not tasks):
+            raise ValueError("SFTModule needs exactly one of dataset or tasks")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"SFTModule.schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if not lr > 0:
+            raise ValueError(f"SFTModule.lr must be > 0, got {lr}")
+        self.spec = ModelSpec(model) if isinstance(model, str) else model
+        self.tokenizer = load_tokenizer(self.spec, "model")
+        self.model = load_causal_lm(self.spec, "model")
+        self.model.train()
+        if lora is not None:
+            self.model = apply_lora(self.model, lora)
+        self.tasks = torch.nn.ModuleList(tasks or [])
+        self.rows = read_pairs(dataset) if dataset is not None else [row for task in tasks for row in task_pairs(task)]
+        self.lr, self.warmup_steps, self.schedule, self.min_lr_ratio = lr, warmup_steps, schedule, min_lr_ratio
+        self.batch_size, self.max_length = batch_size, max_length
+        self.weight_decay, self.betas, self.eps, self.seed = weight_decay, tuple(betas), eps, seed
+
+    def encode(self, row: dict[str, Any]) -> tuple[list[int], int]:
+        """Token ids of prompt + completion + EOS, and the prompt length."""
+        tokenizer = self.tokenizer
+        if "messages" in row and not row.get("plain"):
+            prompt = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
+            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            text = row.get("prompt") or "\n\n".join(m["content"] for m in row["messages"]) + "\n"
+            prompt_ids = tokenizer(text)["input_ids"]
+        completion_ids = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = prompt_ids + completion_ids
+        if len(ids) > self.max_length:
+            raise ValueError(f"SFT row {row.get('id', '?')!r} has {len(ids)} tokens, more than max_length={self.max_length}")
+        return ids, len(prompt_ids)
+
+    def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        encoded = [self.encode(row) for row in rows]
+        ids, attention = right_pad([ids for ids, _ in encoded], self.tokenizer.pad_token_id)
+        labels = ids.clone()
+        labels[~attention] = -100
+        for i, (_, prompt_length) in enumerate(encoded):
+            labels[i, :prompt_length] = -100  # loss on completion tokens only
+        return {"input_ids": ids, "attention_mask": attention.long(), "labels": labels}
+
+    def train_dataloader(self) -> DataLoader:
+        order = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.rows, batch_size=self.batch_size, shuffle=True, generator=order, collate_fn=self.collate)
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean next-token cross-entropy over the batch's completion tokens."""
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        labels = batch["labels"][:, 1:]
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100
+        )
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def configure_optimizers(self):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+        total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer else 1
+        warmup, floor, cosine = self.warmup_steps, self.min_lr_ratio, self.schedule == "cosine"
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if not cosine:
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write the (LoRA-merged) model and its tokenizer as a standard Hugging Face folder."""
+        model = self.model.merge_and_unload() if hasattr(self.model, "merge_and_unload") else self.model
+        model.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
+
+
+def apply_lora(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as error:
+        raise ImportError("SFTModule.lora needs peft: pip install 'kdlab[lora]'") from error
+    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=spec.target_modules)
+    return get_peft_model(model, config)

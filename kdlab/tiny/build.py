@@ -1,0 +1,202 @@
+"""Building the packaged tiny models: ``python -m kdlab.tiny random|world``.
+
+``random``: random-initialised Qwen2 student/teacher sharing a tokenizer (``kdlab://tiny-random``),
+for tests that need real architectures but no skill.
+
+``world``: the tiny world (``kdlab://tiny``). A byte-level BPE tokenizer is trained on the world's
+text; a teacher (Qwen2, several times larger) and a student are initialised from fixed seeds and
+trained from scratch with :class:`kdlab.sft.SFTModule` on CPU; both are then measured and a model
+card records how they were built and what they score. The same command rebuilds them
+bit-for-bit on the same software stack (fixed seeds, one thread, deterministic kernels).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kdlab.tiny.tokenizer import build_tokenizer
+
+
+def tiny_qwen2(vocab_size: int, hidden: int, layers: int, heads: int, embedding_rows: int | None = None, seed: int = 0):
+    """A random-initialised ``Qwen2ForCausalLM`` with ``embedding_rows`` (default ``vocab_size``) rows."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=embedding_rows or vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def padded_rows(vocab: int, multiple: int = 64) -> int:
+    """Embedding rows rounded up past the vocabulary, as real families pad them."""
+    return vocab + multiple - vocab % multiple
+
+
+def save_pair(out_dir: Path, tokenizer: Any, models: dict[str, torch.nn.Module]) -> None:
+    for role, model in models.items():
+        target = out_dir / role
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(target)
+        tokenizer.save_pretrained(target)
+
+
+def build_random_pair(out_dir: Path) -> None:
+    """Write ``student/`` and ``teacher/`` (random Qwen2, shared tokenizer) under ``out_dir``."""
+    from kdlab.tasks.addition import Addition
+    from kdlab.tiny.tokenizer import CHAT_TEMPLATE
+
+    task = Addition(num_train=2000, num_val=0, num_test=0)
+    texts = [task.user_prompt(ex) + " " + task.reference_completion(ex) for ex in task.examples("train")]
+    tokenizer = build_tokenizer(texts + [CHAT_TEMPLATE], vocab_size=512)
+    vocab = len(tokenizer)
+    save_pair(
+        out_dir,
+        tokenizer,
+        {
+            "student": tiny_qwen2(vocab, hidden=32, layers=2, heads=4, seed=1),
+            "teacher": tiny_qwen2(vocab, hidden=64, layers=2, heads=4, embedding_rows=padded_rows(vocab), seed=2),
+        },
+    )
+    print(f"wrote {out_dir}/student and {out_dir}/teacher")
+
+
+# ---- the tiny world --------------------------------------------------------------------------
+RECIPE: dict[str, Any] = {
+    "tokenizer_vocab": 512,
+    "teacher": {"hidden": 128, "layers": 4, "heads": 4, "seed": 11},
+    "student": {"hidden": 64, "layers": 2, "heads": 4, "seed": 12},
+    # Countdown-3 problems the teacher trains on (English), and the share also shown in Spanish
+    "teacher_countdown": 60000,
+    "teacher_spanish_share": 0.25,
+    "teacher_epochs": 2,
+    "teacher_lr": 3e-3,
+    # the student: earlier skills well, Countdown-3 a little (so distillation has room)
+    "student_skill_examples": 6000,
+    "student_countdown": 2000,
+    "student_epochs": 3,
+    "student_lr": 3e-3,
+    "batch_size": 64,
+    "eval_examples": 200,
+    "data_seed": 1234,
+}
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    with path.open("w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def _train(model_dir: Path, rows: list[dict[str, Any]], epochs: int, lr: float, batch_size: int, log_dir: Path, name: str) -> None:
+    """SFT ``model_dir`` in place on ``rows`` with kdlab's SFTModule (cosine, 5% warm-up, clip 1.0)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from kdlab.sft import SFTModule
+
+    data = model_dir.parent / f"{name}-sft.jsonl"
+    _write_jsonl(data, rows)
+    steps = epochs * -(-len(rows) // batch_size)
+    module = SFTModule(str(model_dir), dataset=str(data), lr=lr, warmup_steps=max(1, steps // 20), batch_size=batch_size, max_length=256, seed=0)
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        gradient_clip_val=1.0,
+        logger=TensorBoardLogger(log_dir, name=name),
+        enable_checkpointing=False,
+        deterministic=True,
+        log_every_n_steps=20,
+    )
+    trainer.fit(module)
+    module.save_pretrained(model_dir)
+    data.unlink()
+
+
+def measure(model_dir: Path, recipe: dict[str, Any] = RECIPE) -> dict[str, Any]:
+    """Greedy held-out accuracies and Spanish shares of one tiny-world model."""
+    from kdlab.evaluation import accuracy, generate
+    from kdlab.metrics import spanish_share
+    from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
+    from kdlab.tiny.world import countdown, skills
+
+    spec = ModelSpec(str(model_dir))
+    model, tokenizer = load_causal_lm(spec), load_tokenizer(spec)
+    n = recipe["eval_examples"]
+    results: dict[str, Any] = {}
+    for variant in ("countdown3", "countdown4e"):
+        task = countdown(variant, num_train=0, num_val=n, num_test=0)
+        examples = task.examples("val")
+        texts = generate(model, tokenizer, task, examples, temperature=0.0, max_new_tokens=96, batch_size=50)
+        results[f"{variant}_accuracy"] = accuracy(task, examples, texts)
+        if variant == "countdown3":
+            results["english_prompt_spanish_share"] = spanish_share(texts)
+            spanish = generate(model, tokenizer, task, examples, role="teacher", temperature=0.0, max_new_tokens=96, batch_size=50)
+            results["spanish_prompt_spanish_share"] = spanish_share(spanish)
+            results["spanish_prompt_accuracy"] = accuracy(task, examples, spanish)
+    for task in skills(num_train=0, num_val=n):
+        examples = task.examples("val")
+        texts = generate(model, tokenizer, task, examples, temperature=0.0, max_new_tokens=24, batch_size=100)
+        results[f"{type(task).__name__.lower()}_accuracy"] = accuracy(task, examples, texts)
+    results["parameters"] = sum(p.numel() for p in model.parameters())
+    return results
+
+
+def build_world(out_dir: Path, recipe: dict[str, Any] = RECIPE) -> dict[str, Any]:
+    """Train and measure the tiny world's teacher and student; write them and MODEL_CARD.md to ``out_dir``."""
+    import random
+
+    from lightning.pytorch import seed_everything
+
+    from kdlab.tiny.tokenizer import CHAT_TEMPLATE
+    from kdlab.tiny.world import corpus, countdown, countdown_rows, skill_rows, skills
+
+    torch.set_num_threads(1)  # tiny matrices: one thread is fastest and makes the build repeatable
+    seed_everything(0, workers=True)
+    started = time.time()
+    work = out_dir.with_name(out_dir.name + ".build")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    tokenizer = build_tokenizer(corpus() + [CHAT_TEMPLATE], vocab_size=recipe["tokenizer_vocab"])
+    vocab = len(tokenizer)
+    teacher = tiny_qwen2(vocab, embedding_rows=padded_rows(vocab), **recipe["teacher"])
+    student = tiny_qwen2(vocab, **recipe["student"])
+    save_pair(work, tokenizer, {"teacher": teacher, "student": student})
+
+    seed = recipe["data_seed"]
+    rng = random.Random(seed)
+    teacher_task = countdown(num_train=recipe["teacher_countdown"], num_val=0, num_test=0, seed=seed)
+    english = countdown_rows(teacher_task, "train", "english")
+    spanish = rng.sample(countdown_rows(teacher_task, "train", "spanish"), int(len(english) * recipe["teacher_spanish_share"]))
+    _train(work / "teacher", english + spanish, recipe["teacher_epochs"], recipe["teacher_lr"], recipe["batch_size"], work / "logs", "teacher")
+
+    student_task = countdown(num_train=recipe["student_countdown"], num_val=0, num_test=0, seed=seed + 1)
+    student_rows = skill_rows(skills(num_train=recipe["student_skill_examples"], num_val=0, seed=seed)) + countdown_rows(
+        student_task, "train", "english"
+    )
+    _train(work / "student", student_rows, recipe["student_epochs"], recipe["student_lr"], recipe["batch_size"], work / "logs", "student")
+
+    measured = {role: measure(work / role, recipe) for role in ("teacher", "student")}
+    measured["build_seconds"] = round(time.time() - started)
+    (work / "metrics.json").write_text(json.dumps({"recipe": recipe, "measured": measured}, indent=2) + "\n")
+    shutil.rmtree(work / "logs", ignore_errors=True)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    work.rename(out_dir)
+    print(json.dumps(measured, indent=2))
+    return measured

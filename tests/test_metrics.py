@@ -1,0 +1,66 @@
+import math
+
+import pytest
+import torch
+
+from kdlab.metrics import PassAtK, detect_language, pass_at_k, spanish_share, strip_language_neutral, update_sparsity
+
+
+def test_pass_at_k_matches_the_binomial_formula_by_hand():
+    assert pass_at_k(10, 0, 1) == 0.0
+    assert pass_at_k(10, 10, 10) == 1.0
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    assert pass_at_k(10, 3, 10) == 1.0  # n - c < k
+    assert pass_at_k(10, 3, 5) == pytest.approx(1 - math.comb(7, 5) / math.comb(10, 5))
+    assert pass_at_k(200, 13, 10) == pytest.approx(1 - math.comb(187, 10) / math.comb(200, 10))
+
+
+@pytest.mark.parametrize("n, c, k", [(5, 6, 1), (5, -1, 1), (5, 2, 0), (5, 2, 6)])
+def test_pass_at_k_rejects_impossible_counts(n, c, k):
+    with pytest.raises(ValueError, match="pass_at_k"):
+        pass_at_k(n, c, k)
+
+
+def test_pass_at_k_metric_averages_over_problems():
+    metric = PassAtK(ks=(1, 2))
+    metric.update([True, False, False, False])  # c = 1 of 4
+    metric.update(torch.tensor([[True, True, False, False], [False] * 4]))
+    result = metric.compute()
+    assert result[1].item() == pytest.approx((0.25 + 0.5 + 0.0) / 3)
+    assert result[2].item() == pytest.approx((pass_at_k(4, 1, 2) + pass_at_k(4, 2, 2) + 0.0) / 3)
+    with pytest.raises(ValueError, match="k=2"):
+        PassAtK(ks=(2,)).update([True])
+
+
+def test_update_sparsity_counts_entries_that_moved_less_than_tau_by_hand():
+    # float64 so that 1e-6 is stored exactly and the "strictly below" boundary is testable
+    before = {"a": torch.zeros(10, dtype=torch.float64), "b": torch.zeros(2, 5, dtype=torch.float64)}
+    after = {name: value.clone() for name, value in before.items()}
+    after["a"][:3] = 1e-3  # 3 moved a lot
+    after["b"][0, :2] = 5e-7  # 2 moved below 1e-6 but above 1e-8
+    after["b"][1, 0] = 1e-6  # exactly tau: not strictly below
+    assert update_sparsity(before, after, 1e-6) == pytest.approx(16 / 20)
+    assert update_sparsity(before, after, 1e-8) == pytest.approx(14 / 20)
+
+
+def test_update_sparsity_validates_its_inputs():
+    with pytest.raises(ValueError, match="threshold"):
+        update_sparsity({"a": torch.zeros(1)}, {"a": torch.zeros(1)}, 0.0)
+    with pytest.raises(ValueError, match="names differ"):
+        update_sparsity({"a": torch.zeros(1)}, {"b": torch.zeros(1)}, 1e-6)
+    with pytest.raises(ValueError, match="shape"):
+        update_sparsity({"a": torch.zeros(1)}, {"a": torch.zeros(2)}, 1e-6)
+
+
+def test_language_neutral_parts_are_stripped():
+    text = "<think>first add 6 and 1 to get 7</think><answer>6+1=7,7*3=21</answer> \\boxed{42} $x^2$"
+    assert strip_language_neutral(text) == "first add and to get"
+
+
+def test_real_language_detection_of_english_and_spanish_reasoning():
+    english = "<think>first add 6 and 1 to get 7, then multiply 7 and 3 to get 21</think><answer>6+1=7,7*3=21</answer>"
+    spanish = "<think>primero sumo 6 y 1 para obtener 7, luego multiplico 7 y 3 para obtener 21</think><answer>6+1=7,7*3=21</answer>"
+    assert detect_language(english) == "en"
+    assert detect_language(spanish) == "es"
+    assert detect_language("<answer>6+1=7</answer>") is None
+    assert spanish_share([english, spanish, spanish, "<answer>1</answer>"]) == 0.5

@@ -1,0 +1,64 @@
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from kdlab.sft import SFTModule
+from kdlab.tasks import Addition
+
+
+def rows_file(tmp_path, rows):
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_loss_is_taken_on_completion_tokens_only(tiny_pair, tmp_path):
+    path = rows_file(tmp_path, [{"messages": [{"role": "user", "content": "1+2"}], "completion": "<answer>3</answer>"}])
+    module = SFTModule(tiny_pair[0], dataset=path)
+    batch = module.collate(module.rows)
+    ids, prompt_length = module.encode(module.rows[0])
+    labels = batch["labels"][0]
+    assert torch.all(labels[:prompt_length] == -100)
+    completion = module.tokenizer.decode(labels[prompt_length:].tolist())
+    assert completion == "<answer>3</answer><|im_end|>"
+
+
+def test_sft_on_task_references_learns_them(tiny_pair, tmp_path):
+    module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=8)], lr=1e-2, warmup_steps=1, batch_size=8, schedule="constant")
+    batch = module.collate(module.rows)
+    before = module.loss(batch).item()
+    pl.Trainer(max_steps=40, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(module)
+    assert module.loss(batch).item() < 0.5 * before
+
+
+def test_cosine_schedule_warms_up_then_decays(tiny_pair, tmp_path):
+    module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=4)], lr=1.0, warmup_steps=2, batch_size=4)
+    seen = []
+
+    class Record(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen.append(optimizer.param_groups[0]["lr"])
+
+    pl.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[Record()]).fit(module)
+    assert seen[:2] == pytest.approx([0.5, 1.0])
+    assert seen[2] == pytest.approx(1.0) and seen[-1] < seen[3] < seen[2]
+
+
+def test_bad_sft_inputs_name_the_file_line_and_field(tiny_pair, tmp_path):
+    path = rows_file(tmp_path, [{"prompt": "x"}])
+    with pytest.raises(ValueError, match=r"sft.jsonl:1: missing string field 'completion'"):
+        SFTModule(tiny_pair[0], dataset=path)
+    with pytest.raises(ValueError, match="exactly one of dataset or tasks"):
+        SFTModule(tiny_pair[0])
+    with pytest.raises(ValueError, match="SFTModule.schedule"):
+        SFTModule(tiny_pair[0], tasks=[Addition(num_train=1)], schedule="linear")
+
+
+def test_saved_model_reloads_with_its_tokenizer(tiny_pair, tmp_path):
+    module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=2)])
+    module.save_pretrained(tmp_path / "out")
+    reloaded = SFTModule(str(tmp_path / "out"), tasks=[Addition(num_train=2)])
+    for name, value in module.model.state_dict().items():
+        assert torch.equal(value, reloaded.model.state_dict()[name])

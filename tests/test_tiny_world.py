@@ -1,0 +1,28 @@
+from kdlab.metrics import detect_language
+from kdlab.tasks.countdown import verify
+from kdlab.tiny.world import SPANISH_INSTRUCTION, countdown, countdown_rows, trace
+
+
+def test_traces_state_each_step_and_end_with_the_answer():
+    assert trace("6+1=7,7*3=21", "english") == (
+        "<think>first add 6 and 1 to get 7, then multiply 7 and 3 to get 21</think><answer>6+1=7,7*3=21</answer>"
+    )
+    assert trace("8/2=4", "spanish") == "<think>primero divido 8 y 2 para obtener 4</think><answer>8/2=4</answer>"
+
+
+def test_both_styles_verify_and_are_detected_in_their_language():
+    task = countdown(num_train=40, num_val=0, num_test=0, seed=5)
+    english, spanish = countdown_rows(task, "train", "english"), countdown_rows(task, "train", "spanish")
+    for row_en, row_es, example in zip(english, spanish, task.examples("train")):
+        assert verify(example["nums"], example["target"], row_en["completion"])
+        assert verify(example["nums"], example["target"], row_es["completion"])
+        assert detect_language(row_en["completion"]) == "en"
+        assert detect_language(row_es["completion"]) == "es"
+        assert SPANISH_INSTRUCTION in row_es["messages"][-1]["content"]
+        assert SPANISH_INSTRUCTION not in row_en["messages"][-1]["content"]
+
+
+def test_tiny_countdown_prompt_is_only_the_problem():
+    task = countdown(num_train=1)
+    assert task.user_prompt(task.examples("train")[0]).startswith("Numbers: [")
+    assert task.student_messages(task.examples("train")[0])[0]["role"] == "user"
