@@ -1,0 +1,314 @@
+"""Callbacks that measure what distillation does to the student: they read and report, never train.
+
+Every number goes to the Trainer's loggers (TensorBoard by default) under ``stage/metric`` names and
+is appended to ``<log_dir>/metrics.jsonl`` (one ``{"step": ..., "<name>": value}`` object per
+report) so sweeps can be tabulated without TensorBoard.
+
+They work on any module that has ``student`` and ``student_tokenizer`` attributes (a
+:class:`~kdlab.module.DistillModule`); teacher references also use ``teacher`` and
+``teacher_tokenizer``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from kdlab.evaluation import accuracy, generate
+from kdlab.metrics import pass_at_k, sparsity_counts, spanish_share
+from kdlab.tasks.base import Task
+
+
+def report(trainer: pl.Trainer, metrics: dict[str, float], step: int | None = None) -> None:
+    """Send ``metrics`` to every logger and append them to ``<log_dir>/metrics.jsonl`` (rank 0)."""
+    step = trainer.global_step if step is None else step
+    values = {name: float(value) for name, value in metrics.items()}
+    for logger in trainer.loggers:
+        logger.log_metrics(values, step=step)
+    if trainer.is_global_zero:
+        directory = Path(trainer.log_dir or trainer.default_root_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        with (directory / "metrics.jsonl").open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"step": step, **values}) + "\n")
+
+
+def _due(every_n_steps: int | None, trainer: pl.Trainer) -> bool:
+    return bool(every_n_steps) and trainer.global_step > 0 and trainer.global_step % every_n_steps == 0
+
+
+class _Periodic(pl.Callback):
+    """Runs :meth:`measure` every ``every_n_steps`` optimiser steps (after the step) and at the end of fit."""
+
+    def __init__(self, every_n_steps: int | None = None) -> None:
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"{type(self).__name__}.every_n_steps must be >= 1 or null, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self._last_step = -1
+
+    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        raise NotImplementedError
+
+    def _measure_once(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step != self._last_step:
+            self._last_step = trainer.global_step
+            self.measure(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # after the last micro-batch of an accumulation the step counter has moved; measure once per step
+        if _due(self.every_n_steps, trainer):
+            self._measure_once(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._measure_once(trainer, pl_module)
+
+
+# ---- update sparsity ---------------------------------------------------------------------------
+MODULE_GROUPS = (
+    ("embeddings", re.compile(r"embed|lm_head|wte|wpe")),
+    ("norms", re.compile(r"norm|ln_")),
+    ("attention", re.compile(r"attn|attention")),
+    ("mlp", re.compile(r"mlp|feed_forward|ffn")),
+)
+
+
+def module_group(name: str) -> str:
+    """``attention``, ``mlp``, ``embeddings``, ``norms`` or ``other`` for a parameter name."""
+    for group, pattern in MODULE_GROUPS:
+        if pattern.search(name):
+            return group
+    return "other"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The shard this rank holds of a (possibly DTensor-sharded) parameter."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class UpdateSparsity(_Periodic):
+    """Logs ``sparsity/<tau>``: the fraction of student parameters with ``|theta - theta_init| < tau``.
+
+    The initial parameters are copied off the accelerator when fit starts (on a resumed run they are
+    reloaded from the student's original path, since the run's start is not in the checkpoint).
+    Also logs ``sparsity/<tau>/<group>`` for attention, MLP, embeddings and norms. Under sharded
+    training each rank counts its own shard and the counts are summed, so the number is the same
+    as unsharded.
+
+    Args:
+        thresholds: the taus (paper: 1e-6 main, 1e-8 appendix), each > 0.
+        every_n_steps: also measure every N optimiser steps; the end of fit is always measured.
+    """
+
+    def __init__(self, thresholds: Sequence[float] = (1e-6, 1e-8), every_n_steps: int | None = None) -> None:
+        super().__init__(every_n_steps)
+        if not thresholds or any(not tau > 0 for tau in thresholds):
+            raise ValueError(f"UpdateSparsity.thresholds must be positive numbers, got {list(thresholds)}")
+        self.thresholds = tuple(float(tau) for tau in thresholds)
+        self.initial: dict[str, torch.Tensor] | None = None
+
+    @staticmethod
+    def parameters(pl_module: pl.LightningModule) -> dict[str, torch.Tensor]:
+        model = getattr(pl_module, "student", pl_module)
+        return {name: _local(p.detach()) for name, p in model.named_parameters()}
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if trainer.ckpt_path and hasattr(pl_module, "student_spec"):
+            from kdlab.models import load_causal_lm
+
+            original = load_causal_lm(pl_module.student_spec, "student")
+            current = self.parameters(pl_module)
+            self.initial = {name: p.detach().to(current[name].dtype) for name, p in original.named_parameters() if name in current}
+        else:
+            self.initial = {name: p.to("cpu", copy=True) for name, p in self.parameters(pl_module).items()}
+
+    def measure(self, trainer, pl_module) -> None:
+        current = self.parameters(pl_module)
+        metrics = {}
+        groups = sorted({module_group(name) for name in current})
+        for tau in self.thresholds:
+            counts = {}
+            for group in groups:
+                names = [n for n in current if module_group(n) == group]
+                counts[group] = sparsity_counts({n: self.initial[n] for n in names}, {n: current[n] for n in names}, tau)
+            small = torch.tensor([float(sum(c[0] for c in counts.values()))] + [float(counts[g][0]) for g in groups], dtype=torch.float64)
+            total = torch.tensor([float(sum(c[1] for c in counts.values()))] + [float(counts[g][1]) for g in groups], dtype=torch.float64)
+            small = trainer.strategy.reduce(small.to(pl_module.device), reduce_op="sum").cpu()
+            total = trainer.strategy.reduce(total.to(pl_module.device), reduce_op="sum").cpu()
+            key = f"sparsity/{tau:g}"
+            metrics[key] = (small[0] / total[0]).item()
+            for index, group in enumerate(groups, start=1):
+                metrics[f"{key}/{group}"] = (small[index] / total[index]).item()
+        report(trainer, metrics)
+
+
+# ---- evaluation callbacks ----------------------------------------------------------------------
+def _task_name(task: Task) -> str:
+    return getattr(task, "variant", None) or type(task).__name__.lower()
+
+
+class _Evaluates(_Periodic):
+    """Shared settings of callbacks that sample from the student."""
+
+    def __init__(
+        self,
+        examples: int = 200,
+        temperature: float = 0.0,
+        max_new_tokens: int = 256,
+        batch_size: int = 32,
+        every_n_steps: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(every_n_steps)
+        if examples < 1:
+            raise ValueError(f"{type(self).__name__}.examples must be >= 1, got {examples}")
+        if temperature < 0:
+            raise ValueError(f"{type(self).__name__}.temperature must be >= 0, got {temperature}")
+        self.examples, self.temperature = examples, temperature
+        self.max_new_tokens, self.batch_size, self.seed = max_new_tokens, batch_size, seed
+
+    def sample(self, pl_module, task: Task, examples, role: str = "student", repeat: int = 1) -> list[str]:
+        model = pl_module.student if role == "student" else pl_module.teacher
+        tokenizer = pl_module.student_tokenizer if role == "student" else pl_module.teacher_tokenizer
+        generator = torch.Generator(device=pl_module.device).manual_seed(self.seed)
+        repeated = [ex for ex in examples for _ in range(repeat)]
+        return generate(
+            model,
+            tokenizer,
+            task,
+            repeated,
+            role=role,
+            temperature=self.temperature,
+            max_new_tokens=self.max_new_tokens,
+            batch_size=self.batch_size,
+            generator=generator,
+            vocab_size=getattr(pl_module, "vocab_size", None),
+        )
+
+
+class OODForgetting(_Evaluates):
+    """Accuracy on earlier skills before training and after it: ``ood/<task>``, ``ood/mean``,
+    ``ood/<task>_before``, ``ood/mean_before`` and ``ood/mean_delta`` (after - before, in points).
+
+    Args:
+        tasks: the suite of earlier capabilities (each task's ``val`` split; first ``examples``).
+        examples, temperature, max_new_tokens, batch_size, every_n_steps, seed: sampling settings
+            (greedy by default).
+    """
+
+    def __init__(self, tasks: list[Task], **settings: Any) -> None:
+        super().__init__(**settings)
+        if not tasks:
+            raise ValueError("OODForgetting.tasks must name at least one task")
+        self.tasks = list(tasks)
+        self.before: dict[str, float] | None = None
+
+    def scores(self, pl_module) -> dict[str, float]:
+        result = {}
+        for task in self.tasks:
+            examples = task.examples("val")[: self.examples]
+            result[_task_name(task)] = 100.0 * accuracy(task, examples, self.sample(pl_module, task, examples))
+        return result
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.before is None:  # a resumed run keeps the scores measured at the real start
+            self.before = self.scores(pl_module)
+            metrics = {f"ood/{name}_before": value for name, value in self.before.items()}
+            metrics["ood/mean_before"] = sum(self.before.values()) / len(self.before)
+            report(trainer, metrics)
+
+    def measure(self, trainer, pl_module) -> None:
+        after = self.scores(pl_module)
+        metrics = {f"ood/{name}": value for name, value in after.items()}
+        metrics["ood/mean"] = sum(after.values()) / len(after)
+        metrics["ood/mean_delta"] = metrics["ood/mean"] - sum(self.before.values()) / len(self.before)
+        report(trainer, metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"before": self.before}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.before = state_dict.get("before")
+
+
+class StyleTransfer(_Evaluates):
+    """``style/spanish_share``: share of student responses that are primarily Spanish (real language
+    detection after removing tags, equations, numbers and code), on the student's own prompts.
+
+    The teacher's share on its own prompts (which may carry the style instruction) is logged once at
+    the start as ``style/teacher_spanish_share`` for reference.
+
+    Args:
+        tasks: prompt sources (each task's ``val`` split; first ``examples`` of each).
+        temperature: sampling temperature (paper's style run: 1.0).
+    """
+
+    def __init__(self, tasks: list[Task], temperature: float = 1.0, **settings: Any) -> None:
+        super().__init__(temperature=temperature, **settings)
+        if not tasks:
+            raise ValueError("StyleTransfer.tasks must name at least one task")
+        spanish_share(["probe"])  # fails now, naming the extra, if the detector is not installed
+        self.tasks = list(tasks)
+
+    def share(self, pl_module, role: str) -> float:
+        texts = []
+        for task in self.tasks:
+            texts += self.sample(pl_module, task, task.examples("val")[: self.examples], role=role)
+        return spanish_share(texts)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        report(trainer, {"style/teacher_spanish_share": self.share(pl_module, "teacher"), "style/spanish_share": self.share(pl_module, "student")})
+
+    def measure(self, trainer, pl_module) -> None:
+        report(trainer, {"style/spanish_share": self.share(pl_module, "student")})
+
+
+class Coverage(_Evaluates):
+    """pass@k on a task (the target task or a harder variant such as Countdown-4E):
+    ``coverage/<name>/pass@<k>`` from ``samples`` draws per prompt with the unbiased estimator.
+
+    Args:
+        task: the task (``val`` split, first ``examples``).
+        ks: the k values, each <= ``samples``.
+        samples: draws per prompt (paper: 10).
+        temperature: sampling temperature (paper: 0.5).
+        name: metric name (default: the task's variant or class name).
+        at_start: also measure before training.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        ks: Sequence[int] = (1, 10),
+        samples: int = 10,
+        temperature: float = 0.5,
+        name: str | None = None,
+        at_start: bool = True,
+        **settings: Any,
+    ) -> None:
+        super().__init__(temperature=temperature, **settings)
+        if not ks or min(ks) < 1 or max(ks) > samples:
+            raise ValueError(f"Coverage.ks must be in [1, samples={samples}], got {list(ks)}")
+        self.task, self.ks, self.samples = task, tuple(ks), samples
+        self.name, self.at_start = name or _task_name(task), at_start
+
+    def measure(self, trainer, pl_module) -> None:
+        examples = self.task.examples("val")[: self.examples]
+        texts = self.sample(pl_module, self.task, examples, repeat=self.samples)
+        metrics = {}
+        for k in self.ks:
+            total = 0.0
+            for index, example in enumerate(examples):
+                chunk = texts[index * self.samples : (index + 1) * self.samples]
+                correct = sum(float(self.task.score(example, text)) >= 1.0 for text in chunk)
+                total += pass_at_k(self.samples, correct, k)
+            metrics[f"coverage/{self.name}/pass@{k}"] = total / len(examples)
+        report(trainer, metrics)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.at_start and trainer.global_step == 0:
+            self.measure(trainer, pl_module)

@@ -1,0 +1,121 @@
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from kdlab.callbacks import Coverage, OODForgetting, StyleTransfer, UpdateSparsity, module_group
+from kdlab.metrics import pass_at_k
+from kdlab.module import DistillModule
+from kdlab.tasks import Addition
+from kdlab.tasks.skills import Sorting
+
+
+@pytest.fixture
+def module(tiny_pair):
+    return DistillModule(*tiny_pair, Addition(num_train=8, num_val=4), max_completion_tokens=6, batch_size=4, val_examples=4)
+
+
+def bare_trainer(tmp_path):
+    return pl.Trainer(accelerator="cpu", logger=TensorBoardLogger(tmp_path), enable_progress_bar=False)
+
+
+def metrics_file(trainer):
+    return [json.loads(line) for line in open(f"{trainer.log_dir}/metrics.jsonl")]
+
+
+def test_sparsity_callback_counts_known_moves_by_hand(module, tmp_path):
+    trainer = bare_trainer(tmp_path)
+    callback = UpdateSparsity(thresholds=(1e-6, 1e-2))
+    callback.on_fit_start(trainer, module)
+    params = dict(module.student.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    attention = [n for n in params if module_group(n) == "attention"]
+    with torch.no_grad():
+        params[attention[0]].view(-1)[:10] += 1e-3  # 10 entries move by 1e-3: below 1e-2, above 1e-6
+        params["lm_head.weight"].view(-1)[:7] += 1.0  # 7 entries move by 1
+    callback.measure(trainer, module)
+    (row,) = metrics_file(trainer)
+    assert row["sparsity/1e-06"] == pytest.approx((total - 17) / total)
+    assert row["sparsity/0.01"] == pytest.approx((total - 7) / total)
+    attention_total = sum(params[n].numel() for n in attention)
+    assert row["sparsity/1e-06/attention"] == pytest.approx((attention_total - 10) / attention_total)
+    assert row["sparsity/1e-06/embeddings"] < 1.0 and row["sparsity/1e-06/mlp"] == 1.0
+
+
+def test_sparsity_needs_positive_thresholds():
+    with pytest.raises(ValueError, match="UpdateSparsity.thresholds"):
+        UpdateSparsity(thresholds=(0.0,))
+
+
+def test_ood_forgetting_reports_before_after_and_delta_in_points(module, tmp_path):
+    trainer = bare_trainer(tmp_path)
+    tasks = [Addition(num_val=4, seed=1), Sorting(num_val=4, seed=1)]
+    callback = OODForgetting(tasks, examples=4, max_new_tokens=6)
+    scores = iter([{"addition": 50.0, "sorting": 100.0}, {"addition": 25.0, "sorting": 75.0}])
+    callback.scores = lambda pl_module: next(scores)  # the arithmetic of the report, independent of the model
+    callback.on_fit_start(trainer, module)
+    callback.measure(trainer, module)
+    before, after = metrics_file(trainer)
+    assert before["ood/mean_before"] == 75.0
+    assert after["ood/addition"] == 25.0 and after["ood/mean"] == 50.0 and after["ood/mean_delta"] == -25.0
+    restored = OODForgetting(tasks)
+    restored.load_state_dict(callback.state_dict())
+    assert restored.before == {"addition": 50.0, "sorting": 100.0}
+
+
+def test_ood_scores_are_real_accuracies(module):
+    task = Addition(num_val=3, seed=2)
+    callback = OODForgetting([task], examples=3, max_new_tokens=6)
+    assert callback.scores(module) == {"addition": 0.0}  # a random student cannot add
+    with pytest.raises(ValueError, match="at least one task"):
+        OODForgetting([])
+
+
+def test_coverage_uses_the_unbiased_estimator_over_samples(module, tmp_path):
+    trainer = bare_trainer(tmp_path)
+    task = Addition(num_val=2, seed=3)
+    callback = Coverage(task, ks=(1, 2), samples=3, examples=2, name="add")
+    examples = task.examples("val")[:2]
+    right = [task.reference_completion(examples[0])] * 2 + ["x"]  # 2 of 3 right on problem 0
+    callback.sample = lambda pl_module, task, examples, repeat: right + ["x"] * 3  # 0 of 3 on problem 1
+    callback.measure(trainer, module)
+    (row,) = metrics_file(trainer)
+    assert row["coverage/add/pass@1"] == pytest.approx((2 / 3 + 0) / 2)
+    assert row["coverage/add/pass@2"] == pytest.approx((pass_at_k(3, 2, 2) + 0) / 2)
+    with pytest.raises(ValueError, match="Coverage.ks"):
+        Coverage(task, ks=(11,), samples=10)
+
+
+def test_style_transfer_judges_real_text(module, tmp_path):
+    trainer = bare_trainer(tmp_path)
+    task = Addition(num_val=2, seed=4)
+    callback = StyleTransfer([task], examples=2)
+    replies = {"teacher": ["primero sumo y luego obtengo el resultado"] * 2, "student": ["first I add and then I get it", "primero sumo y luego obtengo"]}
+    callback.sample = lambda pl_module, task, examples, role="student", repeat=1: replies[role]
+    callback.on_fit_start(trainer, module)
+    (row,) = metrics_file(trainer)
+    assert row["style/teacher_spanish_share"] == 1.0 and row["style/spanish_share"] == 0.5
+
+
+def test_callbacks_in_a_real_fit_write_tensorboard_and_the_metrics_file(module, tmp_path):
+    tasks = [Addition(num_val=2, seed=5)]
+    callbacks = [
+        UpdateSparsity(every_n_steps=1),
+        OODForgetting(tasks, examples=2, max_new_tokens=4),
+        StyleTransfer(tasks, examples=2, max_new_tokens=4),
+        Coverage(Addition(num_val=2, seed=6), ks=(1, 2), samples=2, examples=2, max_new_tokens=4),
+    ]
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=TensorBoardLogger(tmp_path), callbacks=callbacks,
+                         limit_val_batches=0, enable_progress_bar=False, enable_checkpointing=False)
+    trainer.fit(module)
+    rows = metrics_file(trainer)
+    keys = set().union(*rows)
+    for key in ("sparsity/1e-06", "sparsity/1e-08", "ood/mean_delta", "style/spanish_share", "coverage/addition/pass@2"):
+        assert key in keys, key
+    assert [row["step"] for row in rows if "sparsity/1e-06" in row] == [1, 2]
+    events = EventAccumulator(trainer.log_dir)
+    events.Reload()
+    assert "sparsity/1e-06" in events.Tags()["scalars"] and "ood/mean_delta" in events.Tags()["scalars"]
