@@ -55,13 +55,20 @@ class ModelSpec:
         return resolve_path(self.path)
 
 
+def _rebuild_hint(spec: ModelSpec) -> str:
+    if not spec.path.startswith(PACKAGE_SCHEME):
+        return ""
+    which = spec.path[len(PACKAGE_SCHEME) :].split("/")[0]
+    command = "python -m kdlab.tiny random" if which == "tiny-random" else "python -m kdlab.tiny world"
+    return f" (rebuild the packaged models with `{command}`)"
+
+
 def _check_local(spec: ModelSpec, role: str) -> None:
     """A packaged or local path that is missing fails with a message naming it (no hub fallback)."""
     resolved = spec.resolved
     looks_local = spec.path.startswith((PACKAGE_SCHEME, "/", "./", "../", "~"))
     if looks_local and not Path(resolved).expanduser().is_dir():
-        hint = " (packaged models are rebuilt with `python -m kdlab.tiny random` or `python -m kdlab.tiny world`)" if spec.path.startswith(PACKAGE_SCHEME) else ""
-        raise FileNotFoundError(f"{role}.path: no model directory at {resolved!r}{hint}")
+        raise FileNotFoundError(f"{role}.path: no model directory at {resolved!r}{_rebuild_hint(spec)}")
 
 
 def load_tokenizer(spec: ModelSpec, role: str = "model") -> Any:
@@ -95,8 +102,11 @@ def load_causal_lm(spec: ModelSpec, role: str = "model") -> torch.nn.Module:
             trust_remote_code=spec.trust_remote_code,
             revision=spec.revision,
         )
-    except OSError as error:
-        raise OSError(f"{role}.path {spec.path!r}: could not load the model weights: {error}") from error
+    except Exception as error:  # safetensors, torch and transformers each raise their own types
+        folder = Path(spec.resolved)
+        files = sorted(p.name for p in folder.glob("*.safetensors")) + sorted(p.name for p in folder.glob("*.bin")) if folder.is_dir() else []
+        where = f"{folder / files[0]}" if len(files) == 1 else f"{spec.resolved} ({', '.join(files) or 'no weight files'})"
+        raise OSError(f"{role}.path: could not load the model weights from {where}: {error}{_rebuild_hint(spec)}") from error
     if spec.gradient_checkpointing:
         # transformers 5 renamed gradient checkpointing to activation checkpointing
         if hasattr(model, "activation_checkpointing_enable"):

@@ -81,7 +81,7 @@ class _ChunkedWeightedLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, student_logits, teacher_logits, weights, token_loss, chunk_size):  # type: ignore[override]
+    def forward(ctx, student_logits, teacher_logits, weights, token_loss, chunk_size, loss_and_grad=None):  # type: ignore[override]
         need_grad = ctx.needs_input_grad[0]
         grad = torch.zeros_like(student_logits) if need_grad else None
         dtype = compute_dtype(student_logits)
@@ -90,15 +90,23 @@ class _ChunkedWeightedLoss(torch.autograd.Function):
             s_chunk = student_logits[b, t].to(dtype)
             t_chunk = teacher_logits[b, t].to(dtype)
             w_chunk = weights[b, t].to(dtype)
-            if need_grad:
+            if need_grad and loss_and_grad is not None:
+                losses, chunk_grad = loss_and_grad(s_chunk, t_chunk)  # closed form, no autograd graph
+                chunk_grad.mul_(w_chunk[:, None])
+                chunk_loss = (losses * w_chunk).sum()
+            elif need_grad:
                 with torch.enable_grad():
                     s_chunk.requires_grad_(True)
                     chunk_loss = (token_loss(s_chunk, t_chunk) * w_chunk).sum()
                     (chunk_grad,) = torch.autograd.grad(chunk_loss, s_chunk)
-                grad[b, t] = chunk_grad.to(grad.dtype)
             else:
                 chunk_loss = (token_loss(s_chunk, t_chunk) * w_chunk).sum()
+            if need_grad:
+                grad[b, t] = chunk_grad.to(grad.dtype)
             total += chunk_loss.detach()
+            # free this chunk's (chunk, V) buffers before the next chunk allocates its own
+            del s_chunk, t_chunk, chunk_loss
+            chunk_grad = None
         ctx.grad = grad
         return total
 
@@ -107,7 +115,7 @@ class _ChunkedWeightedLoss(torch.autograd.Function):
         grad, ctx.grad = ctx.grad, None
         if grad is None:
             raise RuntimeError("backward through a chunked kdlab objective can run only once per forward")
-        return grad.mul_(grad_output.to(grad.dtype)), None, None, None, None
+        return grad.mul_(grad_output.to(grad.dtype)), None, None, None, None, None
 
 
 def chunked_token_loss(
@@ -115,14 +123,17 @@ def chunked_token_loss(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
     weights: torch.Tensor,
-    chunk_size: int = 1024,
+    chunk_size: int = 256,
+    loss_and_grad: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """``sum_{b,t} weights[b,t] * token_loss(student_logits[b,t], teacher_logits[b,t])`` as a scalar
     in :func:`compute_dtype` (fp32 for half-precision logits).
 
     Only positions with ``weights > 0`` are evaluated. Differentiable w.r.t. ``student_logits``
     only (teacher logits are treated as constants). ``token_loss`` must be row-wise: each output
-    depends on its own row only, which is what makes chunking exact.
+    depends on its own row only, which is what makes chunking exact. ``loss_and_grad``, when given,
+    returns ``(token_loss(s, t), d token_loss / d s)`` in closed form and is used instead of
+    autograd for the gradient; it must agree with ``token_loss`` (tests check each one that exists).
     """
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(
@@ -131,7 +142,7 @@ def chunked_token_loss(
         )
     if weights.shape != student_logits.shape[:2]:
         raise ValueError(f"mask/weights {tuple(weights.shape)} must be (B, T) = {tuple(student_logits.shape[:2])}")
-    return _ChunkedWeightedLoss.apply(student_logits, teacher_logits.detach(), weights, token_loss, chunk_size)
+    return _ChunkedWeightedLoss.apply(student_logits, teacher_logits.detach(), weights, token_loss, chunk_size, loss_and_grad)
 
 
 class KLObjective(Component):
@@ -144,10 +155,11 @@ class KLObjective(Component):
     Args:
         reduction: ``"sequence"`` (the paper's per-completion mean, then mean over completions) or
             ``"token"`` (mean over all completion tokens of the batch).
-        chunk_size: tokens per chunk; bounds the fp32 intermediates to ``(chunk_size, V)``.
+        chunk_size: tokens per chunk; bounds the fp32 intermediates to ``(chunk_size, V)``. 256 was
+            the fastest and leanest on CPU in ``benchmarks/kl_memory.py`` (large chunks pay for fresh pages).
     """
 
-    def __init__(self, reduction: str = "sequence", chunk_size: int = 1024) -> None:
+    def __init__(self, reduction: str = "sequence", chunk_size: int = 256) -> None:
         super().__init__()
         if reduction not in REDUCTIONS:
             raise ValueError(f"{type(self).__name__}.reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -160,6 +172,9 @@ class KLObjective(Component):
         """Per-token loss ``(n,)`` from fp32 ``(n, V)`` student and teacher logits."""
         raise NotImplementedError
 
+    token_loss_and_grad: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    """Optional closed form ``(losses (n,), d losses / d student_logits (n, V))`` that saves memory."""
+
     def reseed(self, seed: int) -> None:
         """Set the random stream for this step (only sampled objectives use one)."""
 
@@ -171,7 +186,9 @@ class KLObjective(Component):
                 f"{type(self).__name__}: the completion mask selects no token in this batch; loss is 0",
                 stacklevel=2,
             )
-        return chunked_token_loss(self.token_loss, student_logits, teacher_logits, weights, self.chunk_size)
+        return chunked_token_loss(
+            self.token_loss, student_logits, teacher_logits, weights, self.chunk_size, self.token_loss_and_grad
+        )
 
 
 def _log_softmax_pair(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,6 +227,14 @@ class ForwardKL(KLObjective):
     def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
         return forward_kl_per_token(student_logits, teacher_logits)
 
+    def token_loss_and_grad(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """KL(pi_T || pi_S) and its gradient pi_S - pi_T, reusing the chunk's buffers in place."""
+        log_s = torch.log_softmax(student_logits, dim=-1)
+        log_t = torch.log_softmax(teacher_logits, dim=-1).clamp_(min=_LOG_FLOOR)
+        p_t = log_t.exp()
+        losses = (p_t * (log_t - log_s)).sum(-1)
+        return losses, log_s.exp_().sub_(p_t)
+
 
 class ReverseKL(KLObjective):
     """Reverse KL(pi_S || pi_T) over the full vocabulary: mode-seeking; its gradient carries an
@@ -217,6 +242,14 @@ class ReverseKL(KLObjective):
 
     def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
         return reverse_kl_per_token(student_logits, teacher_logits)
+
+    def token_loss_and_grad(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """KL(pi_S || pi_T) and its gradient pi_S * (log pi_S - log pi_T - KL), in place."""
+        log_s = torch.log_softmax(student_logits, dim=-1).clamp_(min=_LOG_FLOOR)
+        ratio = torch.log_softmax(teacher_logits, dim=-1).neg_().add_(log_s)  # log pi_S - log pi_T
+        p_s = log_s.exp_()
+        losses = (p_s * ratio).sum(-1)
+        return losses, ratio.sub_(losses[:, None]).mul_(p_s)
 
 
 class GeneralizedJSD(KLObjective):
@@ -234,7 +267,7 @@ class GeneralizedJSD(KLObjective):
     precision; exactly 0 and 1 are computed as the KLs directly.
     """
 
-    def __init__(self, beta: float = 0.5, reduction: str = "sequence", chunk_size: int = 1024) -> None:
+    def __init__(self, beta: float = 0.5, reduction: str = "sequence", chunk_size: int = 256) -> None:
         super().__init__(reduction=reduction, chunk_size=chunk_size)
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"GeneralizedJSD.beta must be in [0, 1], got {beta}")
@@ -264,7 +297,7 @@ class _SampledKL(KLObjective):
     per-step seed) makes every step reproducible and resumable. The draw order follows the chunks,
     so a different ``chunk_size`` gives a different (equally valid) draw."""
 
-    def __init__(self, seed: int = 0, reduction: str = "sequence", chunk_size: int = 1024) -> None:
+    def __init__(self, seed: int = 0, reduction: str = "sequence", chunk_size: int = 256) -> None:
         super().__init__(reduction=reduction, chunk_size=chunk_size)
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -315,7 +348,7 @@ def kl_diagnostics(
     teacher_logits: torch.Tensor,
     mask: torch.Tensor,
     reduction: str = "sequence",
-    chunk_size: int = 1024,
+    chunk_size: int = 256,
 ) -> dict[str, torch.Tensor]:
     """Exact full-vocabulary ``kl_forward`` = KL(pi_T||pi_S), ``kl_reverse`` = KL(pi_S||pi_T) and
     ``student_entropy`` / ``teacher_entropy`` (nats), reduced like the objectives, without grad,

@@ -61,3 +61,21 @@ def test_vocab_check_rejects_a_model_with_too_few_rows(tiny_pair):
     small = tiny_qwen2(len(tokenizer) - 5, hidden=16, layers=1, heads=2)
     with pytest.raises(ValueError, match="fewer than"):
         shared_vocab_size(tokenizer, tokenizer, small, small)
+
+
+def test_corrupted_weight_file_names_the_file(tiny_pair, tmp_path):
+    import shutil
+
+    from kdlab.models import resolve_path
+
+    folder = tmp_path / "student"
+    shutil.copytree(resolve_path(tiny_pair[0]), folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(OSError, match=r"student.path: could not load the model weights from .*model.safetensors"):
+        load_causal_lm(ModelSpec(str(folder)), "student")
+
+
+def test_missing_packaged_model_names_the_rebuild_command():
+    with pytest.raises(FileNotFoundError, match="python -m kdlab.tiny world"):
+        load_causal_lm(ModelSpec("kdlab://tiny-missing/student"), "student")

@@ -208,3 +208,15 @@ def test_shape_mismatch_is_reported():
     with pytest.raises(ValueError, match="same"):
         ForwardKL()(logits(1), logits(2, shape=(B, T, V + 1)), ragged_mask())
     assert math.isfinite(ForwardKL()(logits(1), logits(2), ragged_mask()).item())
+
+
+@pytest.mark.parametrize("objective", [ForwardKL(), ReverseKL()])
+def test_closed_form_gradient_equals_autograd_of_the_same_formula(objective):
+    """The memory-lean path must train exactly the loss the formula defines (no silent fast path)."""
+    s, t = logits(29, shape=(7, V)), logits(30, shape=(7, V))
+    t[0, 1] = -50.0  # a nearly impossible teacher token
+    s_auto = s.clone().requires_grad_(True)
+    objective.token_loss(s_auto, t).sum().backward()
+    losses, grad = objective.token_loss_and_grad(s.clone(), t.clone())
+    torch.testing.assert_close(losses, objective.token_loss(s, t), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, s_auto.grad, rtol=1e-10, atol=1e-12)

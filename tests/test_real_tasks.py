@@ -133,7 +133,9 @@ def test_hub_ids_go_to_load_dataset_with_config_split_and_revision(monkeypatch: 
         return Table()
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    assert load_rows("openai/gsm8k", "test", config="main", revision="abc123") == [{"question": "q", "answer": "#### 1"}]
+    assert load_rows("openai/gsm8k", "test", config="main", revision="abc123") == [
+        {"question": "q", "answer": "#### 1"}
+    ]
     assert calls == [(("openai/gsm8k", "main"), {"split": "test", "revision": "abc123"})]
     assert GSM8K().examples("test")[0]["answer"] == "1"  # the default source is the Hub id
 
@@ -503,7 +505,9 @@ def test_gsm8k_task_rows_prompts_and_scores(gsm8k: GSM8K) -> None:
     assert gsm8k.examples("val") == test[:3]
     assert len({ex["id"] for ex in gsm8k.examples("train")}) == 6
     user = gsm8k.student_messages(test[0])[-1]["content"]
-    assert user.endswith("\n\nA baker makes 48 rolls in the morning and half as many in the afternoon. How many rolls does he make in all?")
+    assert user.endswith(
+        "\n\nA baker makes 48 rolls in the morning and half as many in the afternoon. How many rolls does he make in all?"
+    )
     assert "<answer>...</answer>" in user
     first = test[0]
     assert "<<" not in gsm8k.reference_completion(first)
@@ -546,9 +550,13 @@ HOSTILE = [
 @pytest.fixture(scope="module")
 def all_tasks(science, medreason, math_task, gsm8k):
     verified = MATH(train_source=NUMINA, eval_source=MATH500, use_math_verify=True)
-    return [(science, science.examples("test")[0]), (medreason, medreason.examples("test")[0]),
-            (math_task, math_task.examples("test")[0]), (verified, verified.examples("test")[2]),
-            (gsm8k, gsm8k.examples("test")[0])]
+    return [
+        (science, science.examples("test")[0]),
+        (medreason, medreason.examples("test")[0]),
+        (math_task, math_task.examples("test")[0]),
+        (verified, verified.examples("test")[2]),
+        (gsm8k, gsm8k.examples("test")[0]),
+    ]
 
 
 def test_scores_never_raise_on_hostile_completions(all_tasks) -> None:
@@ -558,8 +566,37 @@ def test_scores_never_raise_on_hostile_completions(all_tasks) -> None:
         assert task.score({"id": "empty"}, "<answer>A</answer> \\boxed{1} 1") == 0.0
 
 
-TOKENS = ["<answer>", "</answer>", "<think>", "\\boxed{", "\\fbox{", "{", "}", "\\", "\\frac", "\\sqrt", "\\text{",
-          "$", "-", ".", ",", "=", "^", "A", "B", "(", ")", "0", "1", "2", "72", " ", "\n", "\\left(", "\\right)"]
+TOKENS = [
+    "<answer>",
+    "</answer>",
+    "<think>",
+    "\\boxed{",
+    "\\fbox{",
+    "{",
+    "}",
+    "\\",
+    "\\frac",
+    "\\sqrt",
+    "\\text{",
+    "$",
+    "-",
+    ".",
+    ",",
+    "=",
+    "^",
+    "A",
+    "B",
+    "(",
+    ")",
+    "0",
+    "1",
+    "2",
+    "72",
+    " ",
+    "\n",
+    "\\left(",
+    "\\right)",
+]
 completions = st.one_of(st.text(max_size=200), st.lists(st.sampled_from(TOKENS), max_size=40).map("".join))
 
 

@@ -8,10 +8,10 @@ normalised strings or exact :class:`fractions.Fraction` values, and only then, f
 ``math_verify`` bounds each parse and comparison with ``signal.alarm``, which works only in the main
 thread of a POSIX process; elsewhere (a DataLoader worker thread, Windows) and when it is not
 installed, MATH answers are compared by :func:`normalise_answer` and :func:`as_fraction` alone. The
-fallback is deliberately conservative: it accepts rewritings that cannot change the value (spacing,
-``\\left``/``\\right``, ``\\dfrac``, units in ``\\text{}``, degrees, ``x=``) and equal plain numbers
-(``0.5`` and ``\\frac{1}{2}``), and rejects everything else, so it can undercount correct answers
-written in unusual forms but never accepts a wrong value.
+fallback is deliberately conservative: it accepts only rewritings of form (spacing,
+``\\left``/``\\right``, ``\\dfrac``, degrees, ``x=``, a trailing unit in ``\\text{}``, which it ignores
+whatever the unit) and equal plain numbers (``0.5`` and ``\\frac{1}{2}``), and rejects everything
+else, so it undercounts correct answers written in other forms (``\\sqrt{18}`` for ``3\\sqrt{2}``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from fractions import Fraction
 from typing import Any
 
 from kdlab.tasks.base import Example, Task, last_tagged
-from kdlab.tasks.multiple_choice import UnresolvedAnswer
-from kdlab.tasks.sources import hashed_order, load_rows, require_fields
+from kdlab.tasks.sources import UnresolvedAnswer, hashed_order, load_rows, require_fields
 
 MATH_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 GSM8K_SYSTEM_PROMPT = "You are a careful solver of math word problems."
@@ -43,6 +42,7 @@ VERIFY_TIMEOUT_S = 1
 """math_verify's per-parse and per-comparison alarm, in whole seconds."""
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
+
 
 # ---- extraction -----------------------------------------------------------------------------------------------
 def last_boxed(text: Any) -> str | None:
@@ -200,7 +200,7 @@ def _math_verify() -> tuple[Any, Any] | None:
     if _math_verify_functions is False:
         try:
             from math_verify import parse, verify
-        except Exception:  # ImportError, or a broken install of its SymPy/ANTLR dependencies
+        except Exception:  # noqa: BLE001 - ImportError, or a broken install of its SymPy/ANTLR dependencies
             _math_verify_functions = None
         else:
             _math_verify_functions = (parse, verify)
@@ -253,7 +253,7 @@ def answers_match(reference: str, answer: str, use_math_verify: bool = True) -> 
         return bool(verify(gold_parsed, guess_parsed, timeout_seconds=VERIFY_TIMEOUT_S))
     except (KeyboardInterrupt, SystemExit):
         raise
-    except BaseException:  # anything SymPy throws; math_verify's TimeoutException derives from BaseException
+    except BaseException:  # noqa: BLE001 - anything SymPy throws; math_verify's TimeoutException is a BaseException
         return False
 
 
@@ -339,8 +339,13 @@ class MATH(Task):
                     continue
                 raise UnresolvedAnswer(f"{source} row {index}: field 'solution' has no \\boxed{{}} answer")
             examples.append(
-                {"id": f"math-train-{index}", "problem": row["problem"], "answer": answer.strip(),
-                 "solution": row["solution"], "row": index}
+                {
+                    "id": f"math-train-{index}",
+                    "problem": row["problem"],
+                    "answer": answer.strip(),
+                    "solution": row["solution"],
+                    "row": index,
+                }
             )
         order = hashed_order([example["problem"] for example in examples], self.seed)
         if self.num_train is not None:
@@ -352,8 +357,13 @@ class MATH(Task):
         rows = list(enumerate(load_rows(source, split, config=config, revision=revision)))
         require_fields(source, rows, ("problem", "answer"))
         return [
-            {"id": f"math-test-{index}", "problem": row["problem"], "answer": str(row["answer"]).strip(),
-             "solution": row.get("solution") or "", "row": index}
+            {
+                "id": f"math-test-{index}",
+                "problem": row["problem"],
+                "answer": str(row["answer"]).strip(),
+                "solution": row.get("solution") or "",
+                "row": index,
+            }
             for index, row in rows
         ]
 
@@ -457,8 +467,13 @@ class GSM8K(Task):
                 raise UnresolvedAnswer(f"{self.source} row {index}: field 'answer' has no '#### <number>' line")
             solution = _CALCULATOR.sub("", text[: text.rfind("####")]).strip()
             examples.append(
-                {"id": f"gsm8k-{split}-{index}", "question": str(row["question"]).strip(),
-                 "answer": reference, "solution": solution, "row": index}
+                {
+                    "id": f"gsm8k-{split}-{index}",
+                    "question": str(row["question"]).strip(),
+                    "answer": reference,
+                    "solution": solution,
+                    "row": index,
+                }
             )
         return examples
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kdlab.tasks.base import Example, Task, last_tagged
-from kdlab.tasks.sources import load_rows, require_fields, split_by_fraction
+from kdlab.tasks.sources import UnresolvedAnswer, load_rows, require_fields, split_by_fraction
 
 SCIENCE_SYSTEM_PROMPT = "You are a careful solver of multiple-choice science questions."
 SCIENCE_INSTRUCTION = (
@@ -54,17 +54,13 @@ _EXPLANATION = re.compile(r"\s*\bexplanation\s*:", re.IGNORECASE)
 _LEAD_IN = re.compile(r"(?:the\s+)?(?:final\s+)?(?:answer|decision)(?:\s+is)?\s*:\s*", re.IGNORECASE)
 
 
-class UnresolvedAnswer(ValueError):
-    """A row whose correct option letter cannot be established; ``unmatched="skip"`` drops such rows."""
-
-
 # ---- verifier ------------------------------------------------------------------------------------------
 def read_letter(completion: Any, letters: Sequence[str] | str = "ABCD") -> str | None:
     """The option letter in the last ``<answer>...</answer>`` of ``completion``, or ``None``.
 
-    Accepted contents: one uppercase letter from ``letters``, optionally wrapped in parentheses or
-    followed by ``)`` and/or ``.``, with any surrounding whitespace. Never raises; non-``str``
-    completions give ``None``.
+    Accepted contents: one uppercase letter from ``letters``, bare or as ``(B)`` or ``B)``, then an
+    optional ``.``, with any surrounding whitespace. Never raises; non-``str`` completions give
+    ``None``.
     """
     content = last_tagged(completion)
     if content is None or len(content) > MAX_ANSWER_CHARS:
@@ -172,9 +168,12 @@ def recover_letter(answer: Any, options: Mapping[str, str]) -> str:
         if letter is not None:
             return letter
     labelled = _LABELLED_LINE.fullmatch(stripped)
-    if labelled is not None and labelled.group(1) in options:
-        if normalise(labelled.group(2)) == texts[labelled.group(1)]:
-            return labelled.group(1)
+    if (
+        labelled is not None
+        and labelled.group(1) in options
+        and normalise(labelled.group(2)) == texts[labelled.group(1)]
+    ):
+        return labelled.group(1)
     for form in forms:
         found = [key for key, text in texts.items() if text and form.startswith(text + " ")]
         letter = decide(found, "begins with")
@@ -194,8 +193,8 @@ def format_choices(options: Mapping[str, str]) -> str:
 class MultipleChoiceTask(Task):
     """Shared loading, splitting, prompting and scoring of the real multiple-choice tasks.
 
-    Subclasses set ``instruction``, ``id_prefix`` and :meth:`read_rows`, which turns source rows into
-    examples with fields ``id``, ``question``, ``options`` (``{"A": text, ...}``), ``answer`` (the
+    Subclasses set ``instruction`` and ``id_prefix`` and implement :meth:`select` and :meth:`build`,
+    which turn source rows into examples with fields ``id``, ``question``, ``options`` (``{"A": text, ...}``), ``answer`` (the
     correct letter), ``row`` (index in the source split) and optionally ``reasoning``.
 
     Args:
@@ -246,22 +245,34 @@ class MultipleChoiceTask(Task):
         self._held: dict[str, list[Example]] | None = None
 
     # ---- subclasses ------------------------------------------------------------------------------
-    def read_rows(self, rows: list[dict], split: str) -> list[Example]:
-        """Examples from the rows of source split ``split`` (filtered, validated, letter recovered)."""
+    def select(self, rows: list[dict]) -> list[tuple[int, dict]]:
+        """``(index, row)`` of the source rows this task keeps, after checking their required fields."""
+        raise NotImplementedError
+
+    def build(self, index: int, row: dict, split: str) -> Example | None:
+        """The example of one selected row (``None`` drops it); raises :class:`UnresolvedAnswer` when
+        the correct letter cannot be established."""
         raise NotImplementedError
 
     # ---- shared ---------------------------------------------------------------------------------
-    def _resolve(self, index: int, build: Any) -> Example | None:
-        """Run ``build()``; an :class:`UnresolvedAnswer` becomes an error naming source and row, or a skip."""
+    def _resolve(self, index: int, row: dict, split: str) -> Example | None:
+        """:meth:`build`, where an :class:`UnresolvedAnswer` becomes an error naming source and row, or
+        (``unmatched="skip"``) ``None``."""
         try:
-            return build()
+            return self.build(index, row, split)
         except UnresolvedAnswer as error:
             if self.unmatched == "skip":
                 return None
             raise UnresolvedAnswer(f"{self.source} row {index}: {error}") from None
 
     def _load(self, split: str) -> list[Example]:
-        return self.read_rows(load_rows(self.source, split, config=self.config, revision=self.revision), split)
+        rows = load_rows(self.source, split, config=self.config, revision=self.revision)
+        examples = (self._resolve(index, row, split) for index, row in self.select(rows))
+        return [example for example in examples if example is not None]
+
+    def _row_id(self, index: int, split: str) -> str:
+        """``<prefix>-<row>`` when both splits come from one source split, else ``<prefix>-<split>-<row>``."""
+        return f"{self.id_prefix}-{index}" if self.eval_split is None else f"{self.id_prefix}-{split}-{index}"
 
     def _partition(self) -> dict[str, list[Example]]:
         if self._held is None:
@@ -357,17 +368,12 @@ class Science(MultipleChoiceTask):
             self.question_type is None or row["type"] == self.question_type
         )
 
-    def read_rows(self, rows: list[dict], split: str) -> list[Example]:
+    def select(self, rows: list[dict]) -> list[tuple[int, dict]]:
         kept = [(index, row) for index, row in enumerate(rows) if self._keep(index, row)]
         require_fields(self.source, kept, ("question", "choices", "answerKey"))
-        examples = []
-        for index, row in kept:
-            example = self._resolve(index, lambda: self._example(index, row, split))
-            if example is not None:
-                examples.append(example)
-        return examples
+        return kept
 
-    def _example(self, index: int, row: dict, split: str) -> Example:
+    def build(self, index: int, row: dict, split: str) -> Example:
         choices = row["choices"]
         if not isinstance(choices, Mapping) or choices.get("text") is None or choices.get("label") is None:
             raise ValueError(f"{self.source} row {index}: field 'choices' must hold 'text' and 'label' lists")
@@ -378,8 +384,13 @@ class Science(MultipleChoiceTask):
         key = str(row["answerKey"]).strip()
         if key not in options:
             raise UnresolvedAnswer(f"answerKey {key!r} is not one of the choice labels {list(options)}")
-        row_id = f"{self.id_prefix}-{index}" if self.eval_split is None else f"{self.id_prefix}-{split}-{index}"
-        return {"id": row_id, "question": str(row["question"]).strip(), "options": options, "answer": key, "row": index}
+        return {
+            "id": self._row_id(index, split),
+            "question": str(row["question"]).strip(),
+            "options": options,
+            "answer": key,
+            "row": index,
+        }
 
 
 # ---- MedReason -----------------------------------------------------------------------------------------------
@@ -423,24 +434,18 @@ class MedReason(MultipleChoiceTask):
             source, config, revision, train_split, eval_split, eval_fraction, seed, num_val, unmatched, **prompting
         )
 
-    def read_rows(self, rows: list[dict], split: str) -> list[Example]:
+    def select(self, rows: list[dict]) -> list[tuple[int, dict]]:
         indexed = list(enumerate(rows))
         require_fields(self.source, indexed, ("question", "options", "answer"))
-        examples = []
-        for index, row in indexed:
-            example = self._resolve(index, lambda: self._example(index, row, split))
-            if example is not None:
-                examples.append(example)
-        return examples
+        return indexed
 
-    def _example(self, index: int, row: dict, split: str) -> Example | None:
+    def build(self, index: int, row: dict, split: str) -> Example | None:
         options = parse_options(row["options"])
         if not options:
             return None  # open-ended question: nothing to choose from
         reasoning = row.get("reasoning")
-        row_id = f"{self.id_prefix}-{index}" if self.eval_split is None else f"{self.id_prefix}-{split}-{index}"
         return {
-            "id": row_id,
+            "id": self._row_id(index, split),
             "question": str(row["question"]).strip(),
             "options": options,
             "answer": recover_letter(row["answer"], options),

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 FILE_BUILDERS: dict[str, str] = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """File suffix -> the ``datasets`` packaged builder that reads it."""
@@ -74,6 +73,12 @@ def load_rows(source: str, split: str, *, config: str | None = None, revision: s
     return table.to_list()
 
 
+class UnresolvedAnswer(ValueError):
+    """A row whose reference answer cannot be established (an answer letter that is not an option,
+    answer text naming no option or several, a solution without a boxed answer). Tasks with an
+    ``unmatched`` setting drop such rows when it is ``"skip"``."""
+
+
 def require_fields(source: str, rows: Iterable[tuple[int, dict]], fields: Sequence[str]) -> None:
     """Check that every ``(index, row)`` has each of ``fields`` with a value that is not ``None``.
 
@@ -110,8 +115,3 @@ def split_by_fraction(keys: Sequence[str], fraction: float, seed: int) -> tuple[
     order = hashed_order(keys, seed)
     cut = round(fraction * len(order))
     return order[cut:], order[:cut]
-
-
-def as_text(value: Any) -> str:
-    """``value`` as a stripped string (numbers in CSV/parquet columns arrive as int or float)."""
-    return str(value).strip()
