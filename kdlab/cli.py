@@ -1,4 +1,5 @@
-"""``kdlab fit|validate|test --config X.yaml``: LightningCLI over :class:`~kdlab.module.DistillModule`.
+"""``kdlab fit|validate|test --config X.yaml``: LightningCLI over :class:`~kdlab.module.DistillModule`;
+``kdlab generate --config X.yaml``: teacher data for off-policy runs (:mod:`kdlab.teacher_data`).
 
 Components (``task``, ``rollout``, ``objective``) are chosen with ``class_path``/``init_args``;
 ``--print_config`` shows every knob. TensorBoard is the default logger; ``seed_everything``
@@ -6,6 +7,8 @@ Components (``task``, ``rollout``, ``objective``) are chosen with ``class_path``
 """
 
 from __future__ import annotations
+
+import sys
 
 from lightning.pytorch.cli import LightningCLI
 
@@ -17,13 +20,21 @@ class KDLabCLI(LightningCLI):
         parser.link_arguments("seed_everything", "model.seed")
 
 
-def main(args: list[str] | None = None) -> KDLabCLI:
+def main(args: list[str] | None = None):
+    """``kdlab generate ...`` writes teacher data; every other subcommand is LightningCLI's."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["generate"]:
+        from jsonargparse import auto_cli
+
+        from kdlab.teacher_data import generate_teacher_data
+
+        return auto_cli(generate_teacher_data, args=argv[1:])
     return KDLabCLI(
         DistillModule,
         seed_everything_default=42,
         trainer_defaults={"default_root_dir": "runs"},
         save_config_kwargs={"overwrite": True},
-        args=args,
+        args=argv,
     )
 
 

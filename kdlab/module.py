@@ -29,6 +29,7 @@ from kdlab.components import Component
 from kdlab.data import encode_prompts
 from kdlab.decoding import completion_logits
 from kdlab.evaluation import generate
+from kdlab.metrics import PassAtK
 from kdlab.models import ModelSpec, end_token_ids, load_causal_lm, load_tokenizer, shared_vocab_size
 from kdlab.objectives import ForwardKL, KLObjective, kl_diagnostics
 from kdlab.rollouts import RolloutContext, RolloutPolicy, TeacherRollouts
@@ -60,6 +61,9 @@ class DistillModule(pl.LightningModule):
         val_examples: validation/test use the first N held-out examples (paper: 200).
         val_temperature: sampling temperature for evaluation; 0 decodes greedily (paper: 0.5).
         val_batch_size: prompts per evaluation batch.
+        eval_samples: completions drawn per evaluation prompt; ``<stage>/accuracy`` is the mean score
+            over all of them and ``<stage>/pass@k`` uses the unbiased estimator (paper: 10 for pass@k).
+        eval_ks: the k values of ``<stage>/pass@k``, each <= ``eval_samples``.
         seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each
             step's streams are derived from (seed, stage, epoch, batch index), so a resumed run draws
             what an uninterrupted one would.
@@ -85,6 +89,8 @@ class DistillModule(pl.LightningModule):
         val_examples: int = 200,
         val_temperature: float = 0.5,
         val_batch_size: int = 8,
+        eval_samples: int = 1,
+        eval_ks: tuple[int, ...] = (1,),
         seed: int = 42,
     ) -> None:
         super().__init__()
@@ -101,6 +107,8 @@ class DistillModule(pl.LightningModule):
             _positive(name, value)
         if val_temperature < 0:
             raise ValueError(f"DistillModule.val_temperature must be >= 0, got {val_temperature}")
+        if eval_samples < 1 or not eval_ks or min(eval_ks) < 1 or max(eval_ks) > eval_samples:
+            raise ValueError(f"DistillModule.eval_ks must be in [1, eval_samples={eval_samples}], got {list(eval_ks)}")
         if warmup_steps < 0:
             raise ValueError(f"DistillModule.warmup_steps must be >= 0, got {warmup_steps}")
         self.student_spec = ModelSpec(student) if isinstance(student, str) else student
@@ -115,6 +123,8 @@ class DistillModule(pl.LightningModule):
         self.batch_size = batch_size
         self.lr, self.warmup_steps, self.betas, self.eps, self.weight_decay = lr, warmup_steps, tuple(betas), eps, weight_decay
         self.val_examples, self.val_temperature, self.val_batch_size = val_examples, val_temperature, val_batch_size
+        self.eval_samples = eval_samples
+        self.pass_at_k = torch.nn.ModuleDict({stage: PassAtK(ks=tuple(eval_ks)) for stage in ("val", "test")})
         self.seed = seed
 
         # Tokenizers first: a vocabulary mismatch fails before any weights are read.
@@ -148,8 +158,11 @@ class DistillModule(pl.LightningModule):
         return examples[:limit] if limit is not None else examples
 
     def train_dataloader(self) -> DataLoader:
+        examples = [ex for ex in self._split("train") if self.rollout.covers(ex)]
+        if not examples:
+            raise ValueError(f"{type(self.rollout).__name__} has a completion for no train example of {type(self.task).__name__}")
         order = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self._split("train"), batch_size=self.batch_size, shuffle=True, generator=order, collate_fn=list)
+        return DataLoader(examples, batch_size=self.batch_size, shuffle=True, generator=order, collate_fn=list)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self._split("val", self.val_examples), batch_size=self.val_batch_size, collate_fn=list)
@@ -276,14 +289,23 @@ class DistillModule(pl.LightningModule):
         )
 
     def _evaluate(self, stage: str, batch: list[Example], batch_idx: int) -> None:
-        completions = self.generate(batch, self.val_temperature, self.step_seed(stage, batch_idx))
-        scores = [float(self.task.score(example, text)) for example, text in zip(batch, completions)]
+        n = self.eval_samples
+        repeated = [example for example in batch for _ in range(n)]
+        completions = self.generate(repeated, self.val_temperature, self.step_seed(stage, batch_idx))
+        scores = [float(self.task.score(example, text)) for example, text in zip(repeated, completions)]
         self.log(f"{stage}/accuracy", sum(scores) / len(scores), batch_size=len(batch), prog_bar=stage == "val")
+        self.pass_at_k[stage].update(torch.tensor(scores).reshape(len(batch), n) >= 1.0)
         self._log_reports(stage, len(batch))
         self._eval_records.extend(
             {"id": ex["id"], "prompt": self.task.user_prompt(ex), "completion": text, "score": score}
-            for ex, text, score in zip(batch, completions, scores)
+            for ex, text, score in zip(repeated, completions, scores)
         )
+
+    def _finish_evaluation(self, stage: str) -> None:
+        for k, value in self.pass_at_k[stage].compute().items():
+            self.log(f"{stage}/pass@{k}", value.float())
+        self.pass_at_k[stage].reset()
+        self._write_records(stage)
 
     def validation_step(self, batch: list[Example], batch_idx: int) -> None:
         self._evaluate("val", batch, batch_idx)
@@ -292,10 +314,10 @@ class DistillModule(pl.LightningModule):
         self._evaluate("test", batch, batch_idx)
 
     def on_validation_epoch_end(self) -> None:
-        self._write_records("val")
+        self._finish_evaluation("val")
 
     def on_test_epoch_end(self) -> None:
-        self._write_records("test")
+        self._finish_evaluation("test")
 
     def _write_records(self, stage: str) -> None:
         """Per-example results (prompt, completion, score) as JSONL beside the TensorBoard logs."""

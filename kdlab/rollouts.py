@@ -72,6 +72,10 @@ class RolloutPolicy(Component):
     def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
         raise NotImplementedError
 
+    def covers(self, example: dict[str, Any]) -> bool:
+        """Whether this policy can write a completion for ``example`` (training skips prompts it cannot)."""
+        return True
+
 
 class StudentRollouts(RolloutPolicy):
     """On-policy: the current student samples each completion at ``student_temperature``."""
@@ -96,6 +100,9 @@ class TeacherRollouts(RolloutPolicy):
         self._completions: dict[str, str] | None = None
         if dataset is not None:
             self._completions = read_completions(dataset)
+
+    def covers(self, example: dict[str, Any]) -> bool:
+        return self._completions is None or example["id"] in self._completions
 
     def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
         if self._completions is None:

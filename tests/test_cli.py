@@ -105,3 +105,17 @@ def test_unknown_key_and_bad_value_fail_before_training(tmp_path, capsys):
     message = str(error.value) + capsys.readouterr().err
     assert "lam must be in [-2, 2]" in message
     assert not list(Path(tmp_path).rglob("*.ckpt"))
+
+
+def test_generate_subcommand_writes_a_dataset_teacher_rollouts_reads(tmp_path):
+    from kdlab.rollouts import read_completions
+
+    config = tmp_path / "generate.yaml"
+    config.write_text(
+        "teacher: {path: kdlab://tiny-random/teacher}\n"
+        "task: {class_path: kdlab.tasks.Addition, init_args: {num_train: 3}}\n"
+        f"output: {tmp_path}/out/teacher.jsonl\nmax_new_tokens: 4\n"
+    )
+    summary = main(["generate", f"--config={config}"])
+    assert summary["prompts"] == 3 and summary["kept"] == 3
+    assert set(read_completions(f"{tmp_path}/out/teacher.jsonl")) == {"add-train-0", "add-train-1", "add-train-2"}

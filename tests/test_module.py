@@ -183,3 +183,35 @@ def test_teacher_only_instruction_and_demonstration_reach_only_the_teacher():
     assert "español" in teacher[-1]["content"] and "español" not in student[-1]["content"]
     assert task.reference_completion(example) in teacher[-1]["content"]
     assert task.reference_completion(example) not in student[-1]["content"]
+
+
+def test_validation_logs_pass_at_k_from_several_samples(tiny_pair, tmp_path):
+    class HalfRight(Addition):
+        def score(self, example, completion):
+            return float(example["id"].endswith(("0", "2")))  # problems 0 and 2 solved by every sample
+
+    module = make_module(tiny_pair, task=HalfRight(num_train=4, num_val=4), eval_samples=3, eval_ks=(1, 3))
+    run = trainer(tmp_path, steps=1)
+    (results,) = run.validate(module)
+    assert results["val/accuracy"] == pytest.approx(0.5)
+    assert results["val/pass@1"] == pytest.approx(0.5) and results["val/pass@3"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="eval_ks"):
+        make_module(tiny_pair, eval_samples=2, eval_ks=(1, 3))
+
+
+def test_generated_teacher_data_feeds_off_policy_training(tiny_pair, tmp_path):
+    from kdlab.models import ModelSpec
+    from kdlab.teacher_data import generate_teacher_data
+
+    class EvenVerified(Addition):
+        def score(self, example, completion):
+            return float(int(example["id"].rsplit("-", 1)[1]) % 2 == 0)
+
+    task = EvenVerified(num_train=6)
+    output = tmp_path / "teacher.jsonl"
+    summary = generate_teacher_data(ModelSpec(tiny_pair[1]), task, str(output), max_new_tokens=5, samples_per_prompt=2, verified_only=True)
+    assert summary == {"prompts": 6, "samples": 12, "kept": 6, "accuracy": 0.5}
+    module = make_module(tiny_pair, task=EvenVerified(num_train=6), rollout=TeacherRollouts(dataset=str(output)), batch_size=8)
+    (batch,) = list(module.train_dataloader())
+    assert sorted(ex["id"] for ex in batch) == ["add-train-0", "add-train-2", "add-train-4"]
+    assert module.training_step(batch, 0) is not None

@@ -1,0 +1,89 @@
+"""``kdlab generate --config X.yaml``: sample teacher responses once, for off-policy distillation.
+
+Writes a JSONL file with one ``{"id", "completion", "score"}`` object per kept sample, which
+:class:`kdlab.rollouts.TeacherRollouts` reads as its ``dataset``. With ``verified_only`` only
+responses the task's verifier accepts are kept (the paper kept verified demonstrations), so some
+prompts may end up without a response; distillation then trains on the prompts that have one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kdlab.evaluation import generate
+from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
+from kdlab.tasks.base import Task
+
+
+def generate_teacher_data(
+    teacher: ModelSpec,
+    task: Task,
+    output: str,
+    split: str = "train",
+    limit: int | None = None,
+    samples_per_prompt: int = 1,
+    temperature: float = 0.5,
+    max_new_tokens: int = 512,
+    max_prompt_tokens: int = 2048,
+    batch_size: int = 16,
+    verified_only: bool = False,
+    seed: int = 42,
+    device: str = "cpu",
+) -> dict[str, float]:
+    """Sample the teacher on ``task``'s ``split`` (its own teacher prompts) and write ``output``.
+
+    Args:
+        teacher: the model that writes responses.
+        task: prompts and verifier.
+        output: JSONL file to write (its folder is created).
+        split: which split's prompts (``train`` for distillation data).
+        limit: only the first N prompts.
+        samples_per_prompt: responses drawn per prompt.
+        temperature: sampling temperature (the paper's teacher: 0.5; 0 = greedy).
+        max_new_tokens, max_prompt_tokens, batch_size: generation limits.
+        verified_only: keep only responses with score 1.
+        seed: the sampling stream.
+        device: where the teacher runs (``cpu``, ``cuda``).
+
+    Returns ``{"prompts", "samples", "kept", "accuracy"}``.
+    """
+    if samples_per_prompt < 1:
+        raise ValueError(f"generate.samples_per_prompt must be >= 1, got {samples_per_prompt}")
+    model = load_causal_lm(teacher, "teacher").to(device)
+    tokenizer = load_tokenizer(teacher, "teacher")
+    examples = task.examples(split)[:limit]
+    if not examples:
+        raise ValueError(f"{type(task).__name__}: the {split!r} split is empty")
+    repeated = [example for example in examples for _ in range(samples_per_prompt)]
+    generator = torch.Generator(device=device).manual_seed(seed)
+    texts = generate(
+        model,
+        tokenizer,
+        task,
+        repeated,
+        role="teacher",
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        max_prompt_tokens=max_prompt_tokens,
+        batch_size=batch_size,
+        generator=generator,
+    )
+    path = Path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kept = correct = 0
+    partial = path.with_name(path.name + ".partial")
+    with partial.open("w", encoding="utf-8") as handle:
+        for example, text in zip(repeated, texts):
+            score = float(task.score(example, text))
+            correct += score
+            if verified_only and score < 1.0:
+                continue
+            kept += 1
+            handle.write(json.dumps({"id": example["id"], "completion": text, "score": score}, ensure_ascii=False) + "\n")
+    partial.replace(path)  # never leave a half-written dataset under the final name
+    summary = {"prompts": len(examples), "samples": len(repeated), "kept": kept, "accuracy": correct / len(repeated)}
+    print(json.dumps({"output": str(path), **summary}))
+    return summary
