@@ -34,7 +34,7 @@ def main(args: list[str] | None = None):
         seed_everything_default=42,
         trainer_defaults={"default_root_dir": "runs"},
         save_config_kwargs={"overwrite": True},
-        args=argv,
+        args=args,
     )
 
 

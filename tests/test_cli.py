@@ -119,3 +119,9 @@ def test_generate_subcommand_writes_a_dataset_teacher_rollouts_reads(tmp_path):
     summary = main(["generate", f"--config={config}"])
     assert summary["prompts"] == 3 and summary["kept"] == 3
     assert set(read_completions(f"{tmp_path}/out/teacher.jsonl")) == {"add-train-0", "add-train-1", "add-train-2"}
+
+
+def test_unknown_class_path_is_rejected_before_training(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        fit(tmp_path, "--model.objective=kdlab.objectives.NoSuchKL")
+    assert "NoSuchKL" in capsys.readouterr().err
