@@ -312,3 +312,74 @@ class Coverage(_Evaluates):
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.at_start and trainer.global_step == 0:
             self.measure(trainer, pl_module)
+
+
+# ---- the paper's gradient analysis, measured ------------------------------------------------------
+class RolloutSensitivity(_Periodic):
+    """How much the rollout policy changes the update, next to how far apart the policies are.
+
+    Every ``every_n_steps`` steps, on the first ``examples`` training prompts, rollouts are drawn from
+    the module's policy and from a ``reference`` policy (default: the other end of the spectrum), and
+    for the module's objective it logs:
+
+    * ``theory/tv_policy_teacher``, ``theory/tv_policy_student`` (and ``theory/tv_reference_*``):
+      mean total variation between the policy's next-token distribution and the teacher's / the
+      student's along the policy's own rollouts;
+    * ``theory/grad_norm``, ``theory/grad_norm_reference`` and ``theory/grad_diff`` =
+      ``||g_policy - g_reference||`` over the student's parameters, plus ``theory/grad_diff_rel``
+      (divided by ``||g_policy||``).
+
+    Forward KL's logit gradient is pi_S - pi_T, bounded by 1 per token, so its update difference is
+    bounded by the distance between the prefix distributions; reverse KL's is not. Gradients come from
+    ``torch.autograd.grad`` and never touch the parameters' ``.grad``; the step's training is unchanged.
+    """
+
+    def __init__(self, reference: Any = None, examples: int = 8, every_n_steps: int | None = 10, seed: int = 0) -> None:
+        super().__init__(every_n_steps)
+        if examples < 1:
+            raise ValueError(f"RolloutSensitivity.examples must be >= 1, got {examples}")
+        self.reference, self.examples, self.seed = reference, examples, seed
+
+    def reference_policy(self, pl_module):
+        from kdlab.rollouts import StudentRollouts, TeacherRollouts
+
+        if self.reference is not None:
+            return self.reference
+        return TeacherRollouts() if isinstance(pl_module.rollout, StudentRollouts) else StudentRollouts()
+
+    @staticmethod
+    def total_variation(policy, student_logits, teacher_logits, mask) -> tuple[float, float]:
+        """Mean over masked tokens of TV(policy, teacher) and TV(policy, student), chunked over tokens."""
+        from kdlab.objectives import iter_token_chunks
+
+        totals, count = torch.zeros(2, dtype=torch.float64), int(mask.sum())
+        with torch.no_grad():
+            for b, t in iter_token_chunks(mask, 256):
+                log_s = torch.log_softmax(student_logits[b, t].float(), -1)
+                log_t = torch.log_softmax(teacher_logits[b, t].float(), -1)
+                p = policy.next_token_logprobs(log_s, log_t).exp()
+                totals[0] += 0.5 * (p - log_t.exp()).abs().sum().item()
+                totals[1] += 0.5 * (p - log_s.exp()).abs().sum().item()
+        return (totals / max(count, 1)).tolist()
+
+    def measure(self, trainer, pl_module) -> None:
+        examples = pl_module.task.examples("train")[: self.examples]
+        params = [p for p in pl_module.student.parameters() if p.requires_grad]
+        metrics, grads = {}, {}
+        for name, policy in (("policy", pl_module.rollout), ("reference", self.reference_policy(pl_module))):
+            rollout = pl_module.make_rollout(examples, self.seed + trainer.global_step, policy=policy)
+            if not bool(rollout.completion_mask.any()):
+                return
+            student_logits, teacher_logits = pl_module.distillation_logits(rollout)
+            mask = rollout.completion_mask
+            tv_teacher, tv_student = self.total_variation(policy, student_logits.detach(), teacher_logits, mask)
+            metrics[f"theory/tv_{name}_teacher"], metrics[f"theory/tv_{name}_student"] = tv_teacher, tv_student
+            loss = pl_module.objective(student_logits, teacher_logits, mask)
+            pl_module.objective.pop_reports()
+            grads[name] = [g if g is not None else torch.zeros_like(p) for g, p in zip(torch.autograd.grad(loss, params, allow_unused=True), params)]
+        norm = lambda tensors: torch.sqrt(sum((t.double() ** 2).sum() for t in tensors)).item()
+        metrics["theory/grad_norm"] = norm(grads["policy"])
+        metrics["theory/grad_norm_reference"] = norm(grads["reference"])
+        metrics["theory/grad_diff"] = norm([a - b for a, b in zip(grads["policy"], grads["reference"])])
+        metrics["theory/grad_diff_rel"] = metrics["theory/grad_diff"] / max(metrics["theory/grad_norm"], 1e-30)
+        report(trainer, metrics)

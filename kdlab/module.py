@@ -204,14 +204,16 @@ class DistillModule(pl.LightningModule):
             generator=generator,
         )
 
-    def make_rollout(self, examples: list[Example], seed: int):
-        """Completions for ``examples`` from the rollout policy, sampled with the student in eval mode."""
+    def make_rollout(self, examples: list[Example], seed: int, policy: RolloutPolicy | None = None):
+        """Completions for ``examples`` from ``policy`` (default: this module's rollout policy),
+        sampled with the student in eval mode."""
+        policy = self.rollout if policy is None else policy
         prompts = self._prompts(examples)
         was_training = self.student.training
         self.student.eval()
         try:
             with torch.no_grad():
-                return self.rollout.sample(prompts, self.rollout_context(self._generator(seed)))
+                return policy.sample(prompts, self.rollout_context(self._generator(seed)))
         finally:
             self.student.train(was_training)
 

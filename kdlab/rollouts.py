@@ -76,12 +76,20 @@ class RolloutPolicy(Component):
         """Whether this policy can write a completion for ``example`` (training skips prompts it cannot)."""
         return True
 
+    def next_token_logprobs(self, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+        """The policy's next-token log-probs ``(..., V)`` given the two models' tempered ones at the same
+        prefix; used by diagnostics (e.g. total variation to each model along a rollout)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define its next-token distribution")
+
 
 class StudentRollouts(RolloutPolicy):
     """On-policy: the current student samples each completion at ``student_temperature``."""
 
     def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
         return context.sample(context.decoder("student", prompts), prompts)
+
+    def next_token_logprobs(self, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+        return student_logprobs
 
 
 class TeacherRollouts(RolloutPolicy):
@@ -103,6 +111,10 @@ class TeacherRollouts(RolloutPolicy):
 
     def covers(self, example: dict[str, Any]) -> bool:
         return self._completions is None or example["id"] in self._completions
+
+    def next_token_logprobs(self, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+        """The teacher's distribution (for a dataset, the one it was sampled from at that temperature)."""
+        return teacher_logprobs
 
     def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
         if self._completions is None:
@@ -215,6 +227,9 @@ class MixtureRollouts(RolloutPolicy):
         super().__init__()
         validate_mixture(lam, alpha, clip)
         self.lam, self.alpha, self.clip = float(lam), float(alpha), float(clip)
+
+    def next_token_logprobs(self, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+        return mixture_logprobs(student_logprobs, teacher_logprobs, self.lam, self.alpha, self.clip)
 
     def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
         if self.lam == 1:

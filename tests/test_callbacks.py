@@ -6,7 +6,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from kdlab.callbacks import Coverage, OODForgetting, StyleTransfer, UpdateSparsity, module_group
+from kdlab.callbacks import Coverage, OODForgetting, RolloutSensitivity, StyleTransfer, UpdateSparsity, module_group
 from kdlab.metrics import pass_at_k
 from kdlab.module import DistillModule
 from kdlab.tasks import Addition
@@ -107,15 +107,41 @@ def test_callbacks_in_a_real_fit_write_tensorboard_and_the_metrics_file(module, 
         OODForgetting(tasks, examples=2, max_new_tokens=4),
         StyleTransfer(tasks, examples=2, max_new_tokens=4),
         Coverage(Addition(num_val=2, seed=6), ks=(1, 2), samples=2, examples=2, max_new_tokens=4),
+        RolloutSensitivity(examples=2, every_n_steps=2),
     ]
     trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=TensorBoardLogger(tmp_path), callbacks=callbacks,
                          limit_val_batches=0, enable_progress_bar=False, enable_checkpointing=False)
     trainer.fit(module)
     rows = metrics_file(trainer)
     keys = set().union(*rows)
-    for key in ("sparsity/1e-06", "sparsity/1e-08", "ood/mean_delta", "style/spanish_share", "coverage/addition/pass@2"):
+    for key in ("sparsity/1e-06", "sparsity/1e-08", "ood/mean_delta", "style/spanish_share", "coverage/addition/pass@2", "theory/grad_diff"):
         assert key in keys, key
     assert [row["step"] for row in rows if "sparsity/1e-06" in row] == [1, 2]
     events = EventAccumulator(trainer.log_dir)
     events.Reload()
     assert "sparsity/1e-06" in events.Tags()["scalars"] and "ood/mean_delta" in events.Tags()["scalars"]
+
+
+def test_rollout_sensitivity_is_zero_between_identical_policies_and_positive_otherwise(module, tmp_path):
+    from kdlab.callbacks import RolloutSensitivity
+    from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherRollouts
+
+    trainer = bare_trainer(tmp_path)
+    module.rollout = TeacherRollouts()
+    grads_before = [p.grad for p in module.student.parameters()]
+    RolloutSensitivity(reference=MixtureRollouts(lam=-1.0), examples=4).measure(trainer, module)
+    RolloutSensitivity(examples=4).measure(trainer, module)  # reference: student rollouts
+    same, different = metrics_file(trainer)
+    assert same["theory/grad_diff"] == 0.0 and same["theory/tv_policy_teacher"] == pytest.approx(0.0, abs=1e-6)
+    assert different["theory/grad_diff"] > 0 and different["theory/tv_reference_student"] == pytest.approx(0.0, abs=1e-6)
+    assert different["theory/tv_policy_student"] > 0.01
+    assert [p.grad for p in module.student.parameters()] == grads_before  # training state untouched
+
+
+def test_policies_expose_their_next_token_distribution():
+    from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherRollouts, mixture_logprobs
+
+    s, t = torch.log_softmax(torch.randn(3, 5), -1), torch.log_softmax(torch.randn(3, 5), -1)
+    assert torch.equal(StudentRollouts().next_token_logprobs(s, t), s)
+    assert torch.equal(TeacherRollouts().next_token_logprobs(s, t), t)
+    assert torch.equal(MixtureRollouts(0.3).next_token_logprobs(s, t), mixture_logprobs(s, t, 0.3))
