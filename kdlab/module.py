@@ -32,6 +32,7 @@ from kdlab.evaluation import generate
 from kdlab.metrics import PassAtK
 from kdlab.models import ModelSpec, end_token_ids, load_causal_lm, load_tokenizer, shared_vocab_size
 from kdlab.objectives import ForwardKL, KLObjective, kl_diagnostics
+from kdlab.provenance import write_run_info
 from kdlab.rollouts import RolloutContext, RolloutPolicy, TeacherRollouts
 from kdlab.tasks.base import Example, Task
 
@@ -333,6 +334,11 @@ class DistillModule(pl.LightningModule):
         with path.open("w", encoding="utf-8") as handle:
             for record in records:
                 handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def on_fit_start(self) -> None:
+        trainer = self.trainer
+        if trainer.is_global_zero:
+            write_run_info(trainer.log_dir or trainer.default_root_dir)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -60,6 +60,7 @@ def test_fit_runs_end_to_end_for_each_rollout_and_objective(tmp_path, rollout, o
     assert "train/rollout_entropy" in logged  # every policy here samples online
     checkpoints = list(Path(cli.trainer.log_dir, "checkpoints").glob("*.ckpt"))
     assert checkpoints
+    assert Path(cli.trainer.log_dir, "config.yaml").is_file()
 
 
 def test_checkpoint_holds_the_student_but_not_the_teacher_and_reloads(tmp_path):
@@ -125,3 +126,12 @@ def test_unknown_class_path_is_rejected_before_training(tmp_path, capsys):
     with pytest.raises(SystemExit):
         fit(tmp_path, "--model.objective=kdlab.objectives.NoSuchKL")
     assert "NoSuchKL" in capsys.readouterr().err
+
+
+def test_run_directory_records_versions_and_git_state(tmp_path):
+    import json
+
+    cli = fit(tmp_path, "--trainer.max_steps=1")
+    info = json.loads(Path(cli.trainer.log_dir, "run_info.json").read_text())
+    assert info["kdlab"] and info["packages"]["torch"] and info["packages"]["lightning"]
+    assert "git_commit" in info and "git_dirty" in info

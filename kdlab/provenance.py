@@ -1,0 +1,53 @@
+"""What produced a run: kdlab version, git state, package versions and the command line.
+
+Written as ``run_info.json`` beside the resolved ``config.yaml`` at the start of every fit, so a
+result can be traced back to the exact code and environment.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import kdlab
+
+PACKAGES = ("torch", "lightning", "transformers", "tokenizers", "torchmetrics", "jsonargparse", "datasets", "vllm", "peft")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        result = subprocess.run(["git", *args], cwd=Path(kdlab.__file__).parent, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def run_info() -> dict[str, Any]:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    status = _git("status", "--porcelain")
+    return {
+        "kdlab": kdlab.__version__,
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "packages": versions,
+        "argv": sys.argv,
+    }
+
+
+def write_run_info(directory: str | Path) -> Path:
+    path = Path(directory) / "run_info.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(run_info(), indent=2) + "\n", encoding="utf-8")
+    return path
