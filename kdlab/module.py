@@ -32,6 +32,7 @@ from kdlab.evaluation import generate
 from kdlab.metrics import PassAtK
 from kdlab.models import ModelSpec, end_token_ids, load_causal_lm, load_tokenizer, shared_vocab_size
 from kdlab.objectives import ForwardKL, KLObjective, kl_diagnostics
+from kdlab.optim import FiniteAdamW, warmup_factor
 from kdlab.provenance import write_run_info
 from kdlab.rollouts import RolloutContext, RolloutPolicy, TeacherRollouts
 from kdlab.tasks.base import Example, Task
@@ -65,6 +66,9 @@ class DistillModule(pl.LightningModule):
         eval_samples: completions drawn per evaluation prompt; ``<stage>/accuracy`` is the mean score
             over all of them and ``<stage>/pass@k`` uses the unbiased estimator (paper: 10 for pass@k).
         eval_ks: the k values of ``<stage>/pass@k``, each <= ``eval_samples``.
+        max_bad_steps: a step whose gradients are non-finite is skipped (no parameter or optimiser-state
+            update) and counted in ``train/skipped_steps``; this many in a row stop the run with a
+            message naming the step, the objective and the last good checkpoint.
         seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each
             step's streams are derived from (seed, stage, epoch, batch index), so a resumed run draws
             what an uninterrupted one would.
@@ -92,6 +96,7 @@ class DistillModule(pl.LightningModule):
         val_batch_size: int = 8,
         eval_samples: int = 1,
         eval_ks: tuple[int, ...] = (1,),
+        max_bad_steps: int = 10,
         seed: int = 42,
     ) -> None:
         super().__init__()
@@ -125,6 +130,9 @@ class DistillModule(pl.LightningModule):
         self.lr, self.warmup_steps, self.betas, self.eps, self.weight_decay = lr, warmup_steps, tuple(betas), eps, weight_decay
         self.val_examples, self.val_temperature, self.val_batch_size = val_examples, val_temperature, val_batch_size
         self.eval_samples = eval_samples
+        if max_bad_steps < 1:
+            raise ValueError(f"DistillModule.max_bad_steps must be >= 1, got {max_bad_steps}")
+        self.max_bad_steps, self._bad_steps, self._counted_step = max_bad_steps, 0, 0
         self.pass_at_k = torch.nn.ModuleDict({stage: PassAtK(ks=tuple(eval_ks)) for stage in ("val", "test")})
         self.seed = seed
 
@@ -266,14 +274,26 @@ class DistillModule(pl.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.student.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
-        warmup = self.warmup_steps
-
-        def factor(step: int) -> float:
-            return 1.0 if warmup == 0 else min(1.0, (step + 1) / warmup)
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        optimizer = FiniteAdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor(self.warmup_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Count optimiser steps skipped for non-finite gradients; stop after ``max_bad_steps`` in a row."""
+        optimizer = self.optimizers().optimizer
+        if not isinstance(optimizer, FiniteAdamW) or self.global_step == self._counted_step:
+            return  # no optimiser call since the last check (an accumulation micro-batch)
+        self._counted_step = self.global_step
+        self._bad_steps = self._bad_steps + 1 if optimizer.last_skipped else 0
+        self.log("train/skipped_steps", float(optimizer.skipped))
+        if self._bad_steps >= self.max_bad_steps:
+            callback = self.trainer.checkpoint_callback
+            last = (callback.last_model_path or callback.best_model_path) if callback else ""
+            raise RuntimeError(
+                f"step {self.global_step}: {self._bad_steps} consecutive optimiser steps had non-finite gradients "
+                f"(objective {type(self.objective).__name__}, lr {self.lr}); no update was applied for them. "
+                f"Last good checkpoint: {last or 'none saved yet'}"
+            )
 
     # ---- evaluation -----------------------------------------------------------------------
     def generate(self, examples: list[Example], temperature: float, seed: int) -> list[str]:

@@ -12,7 +12,6 @@ completions of one or more :class:`~kdlab.tasks.base.Task` objects.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from kdlab.data import right_pad
 from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
+from kdlab.optim import FiniteAdamW, warmup_factor
 from kdlab.tasks.base import Task
 
 SCHEDULES = ("cosine", "constant")
@@ -176,18 +176,9 @@ class SFTModule(pl.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+        optimizer = FiniteAdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
         total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer else 1
-        warmup, floor, cosine = self.warmup_steps, self.min_lr_ratio, self.schedule == "cosine"
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            if not cosine:
-                return 1.0
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
+        factor = warmup_factor(self.warmup_steps, total, cosine=self.schedule == "cosine", floor=self.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -215,3 +215,43 @@ def test_generated_teacher_data_feeds_off_policy_training(tiny_pair, tmp_path):
     (batch,) = list(module.train_dataloader())
     assert sorted(ex["id"] for ex in batch) == ["add-train-0", "add-train-2", "add-train-4"]
     assert module.training_step(batch, 0) is not None
+
+
+class NaNOnSteps(ForwardKL):
+    """Returns NaN on the given (0-based) calls: a stand-in for the paper's reverse-KL blow-ups."""
+
+    def __init__(self, bad_calls):
+        super().__init__()
+        self.bad_calls, self.calls = set(bad_calls), 0
+
+    def forward(self, student_logits, teacher_logits, mask):
+        loss = super().forward(student_logits, teacher_logits, mask)
+        self.calls += 1
+        return loss * float("nan") if self.calls - 1 in self.bad_calls else loss
+
+
+def test_non_finite_step_is_skipped_without_touching_weights_or_optimiser_state(tiny_pair, tmp_path):
+    module = make_module(tiny_pair, objective=NaNOnSteps({1}), lr=1e-2, warmup_steps=0)
+    snapshots = []
+
+    class Snapshot(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            state = trainer.optimizers[0].state
+            moments = [s["exp_avg"].clone() for s in state.values()]
+            snapshots.append(([p.detach().clone() for p in pl_module.student.parameters()], moments))
+
+    run = trainer(tmp_path, steps=3, limit_val_batches=0, callbacks=[Snapshot()], gradient_clip_val=1.0)
+    run.fit(module)
+    (params0, moments0), (params1, moments1), (params2, _) = snapshots
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1))  # step 1 was skipped
+    assert all(torch.equal(a, b) for a, b in zip(moments0, moments1))
+    assert not all(torch.equal(a, b) for a, b in zip(params1, params2))  # training went on
+    assert all(torch.isfinite(p).all() for p in params2)
+    assert run.optimizers[0].skipped == 1
+    assert run.callback_metrics["train/skipped_steps"] == 1.0
+
+
+def test_too_many_bad_steps_in_a_row_stop_the_run_with_a_clear_message(tiny_pair, tmp_path):
+    module = make_module(tiny_pair, objective=NaNOnSteps({1, 2, 3}), max_bad_steps=3)
+    with pytest.raises(RuntimeError, match=r"step 4: 3 consecutive.*objective NaNOnSteps.*Last good checkpoint"):
+        trainer(tmp_path, steps=10, limit_val_batches=0).fit(module)
