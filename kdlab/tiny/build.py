@@ -194,9 +194,63 @@ def build_world(out_dir: Path, recipe: dict[str, Any] = RECIPE) -> dict[str, Any
     measured = {role: measure(work / role, recipe) for role in ("teacher", "student")}
     measured["build_seconds"] = round(time.time() - started)
     (work / "metrics.json").write_text(json.dumps({"recipe": recipe, "measured": measured}, indent=2) + "\n")
+    (work / "MODEL_CARD.md").write_text(model_card(recipe, measured), encoding="utf-8")
     shutil.rmtree(work / "logs", ignore_errors=True)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     work.rename(out_dir)
     print(json.dumps(measured, indent=2))
     return measured
+
+
+TARGETS = (
+    ("teacher", "countdown3_accuracy", ">=", 0.75, "teacher greedy Countdown-3 accuracy"),
+    ("student", "countdown3_accuracy", "<=", 0.40, "student greedy Countdown-3 accuracy before distillation"),
+    ("student", "addition_accuracy", ">=", 0.90, "student addition"),
+    ("student", "sorting_accuracy", ">=", 0.90, "student sorting"),
+    ("student", "reversal_accuracy", ">=", 0.90, "student reversal"),
+    ("student", "counting_accuracy", ">=", 0.90, "student counting"),
+    ("teacher", "spanish_prompt_spanish_share", ">=", 0.95, "teacher responses in Spanish when told to"),
+    ("teacher", "english_prompt_spanish_share", "<=", 0.05, "teacher responses in Spanish when not told to"),
+)
+
+
+def model_card(recipe: dict[str, Any], measured: dict[str, Any]) -> str:
+    """The model card written next to the weights: how they were built and what they measure."""
+    lines = [
+        "# kdlab tiny world: teacher and student",
+        "",
+        "Built by `python -m kdlab.tiny world` (kdlab/tiny/build.py) from scratch on CPU with kdlab's",
+        "`SFTModule`: Qwen2 architecture (`transformers.Qwen2ForCausalLM`), a byte-level BPE tokenizer",
+        "trained on the world's text, fixed seeds, one thread. The teacher's embedding matrix is padded",
+        "past the vocabulary, as in real model families.",
+        "",
+        "Data: the teacher learns Countdown-3 (prompt: `Numbers: [...]` / `Target: ...`, response:",
+        "`<think>` steps in words `</think><answer>` chain `</answer>`), in English, and in Spanish when",
+        "its prompt ends with \"Razona solo en español.\". The student learns four earlier skills",
+        "(2-digit addition, sorting, reversal, counting) and a little Countdown-3 in English.",
+        "",
+        "## Measured (greedy decoding, first 200 held-out examples of each task)",
+        "",
+        "| target | measured | wanted | met |",
+        "| --- | --- | --- | --- |",
+    ]
+    for role, key, op, bound, label in TARGETS:
+        value = measured[role][key]
+        met = value >= bound if op == ">=" else value <= bound
+        lines.append(f"| {label} | {value:.3f} | {op} {bound} | {'yes' if met else 'NO'} |")
+    lines += [
+        "",
+        f"Parameters: teacher {measured['teacher']['parameters']:,}, student {measured['student']['parameters']:,}.",
+        f"Countdown-4E (harder, not trained on): teacher {measured['teacher']['countdown4e_accuracy']:.3f}, "
+        f"student {measured['student']['countdown4e_accuracy']:.3f}.",
+        f"Build time on this machine: {measured['build_seconds']} s.",
+        "",
+        "## Recipe",
+        "",
+        "```json",
+        json.dumps(recipe, indent=2),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
