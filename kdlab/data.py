@@ -8,8 +8,10 @@ to ``P`` tokens; completions are shared token ids, right-padded to ``C`` tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -129,3 +131,29 @@ def decode_completions(tokenizer: Any, completion_ids: torch.Tensor, completion_
             tokens = tokens[:-1]
         texts.append(tokenizer.decode(tokens, skip_special_tokens=False))
     return texts
+
+
+def read_jsonl(path: str, setting: str, fields: Sequence[str] = (), hint: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield ``("<path>:<line>", row)`` for each non-blank line of a JSONL file.
+
+    Errors name the setting, file, line and field: a missing file (``FileNotFoundError``), invalid
+    JSON, a row that is not an object or lacks one of the string ``fields`` (``ValueError``).
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"{setting}: no such file {path!r}{hint}")
+    with file.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{where}: not valid JSON ({error.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: a row must be a JSON object")
+            for field in fields:
+                if not isinstance(row.get(field), str):
+                    raise ValueError(f"{where}: missing string field {field!r}")
+            yield where, row

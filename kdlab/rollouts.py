@@ -13,16 +13,14 @@ eval mode, and the parent module restores the student's training mode afterwards
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from kdlab.components import Component
-from kdlab.data import PromptBatch, Rollout, right_pad
+from kdlab.data import PromptBatch, Rollout, read_jsonl, right_pad
 from kdlab.decoding import IncrementalLM, NextLogprobs, sample_tokens
 
 
@@ -133,22 +131,10 @@ class TeacherRollouts(RolloutPolicy):
 
 def read_completions(path: str) -> dict[str, str]:
     """``{example id: completion text}`` from a JSONL file; errors name the file, line and field."""
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"TeacherRollouts.dataset: no such file {path!r} (write one with `kdlab generate`)")
     completions: dict[str, str] = {}
-    with file.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
-            for field in ("id", "completion"):
-                if not isinstance(row, dict) or not isinstance(row.get(field), str):
-                    raise ValueError(f"{path}:{line_number}: missing string field {field!r}")
-            completions.setdefault(row["id"], row["completion"])
+    rows = read_jsonl(path, "TeacherRollouts.dataset", ("id", "completion"), " (write one with `kdlab generate`)")
+    for _, row in rows:
+        completions.setdefault(row["id"], row["completion"])
     if not completions:
         raise ValueError(f"TeacherRollouts.dataset {path!r} holds no completions")
     return completions

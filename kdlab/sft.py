@@ -11,7 +11,6 @@ completions of one or more :class:`~kdlab.tasks.base.Task` objects.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from kdlab.data import right_pad
+from kdlab.data import read_jsonl, right_pad
 from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
 from kdlab.optim import FiniteAdamW, warmup_factor
 from kdlab.tasks.base import Task
@@ -46,23 +45,11 @@ class LoraSpec:
 
 def read_pairs(path: str) -> list[dict[str, Any]]:
     """Rows of an SFT JSONL file; errors name the file, line and field."""
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"SFTModule.dataset: no such file {path!r}")
     rows = []
-    with file.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("completion"), str):
-                raise ValueError(f"{path}:{number}: missing string field 'completion'")
-            if not isinstance(row.get("messages"), list) and not isinstance(row.get("prompt"), str):
-                raise ValueError(f"{path}:{number}: needs a 'messages' list or a 'prompt' string")
-            rows.append(row)
+    for where, row in read_jsonl(path, "SFTModule.dataset", ("completion",)):
+        if not isinstance(row.get("messages"), list) and not isinstance(row.get("prompt"), str):
+            raise ValueError(f"{where}: needs a 'messages' list or a 'prompt' string")
+        rows.append(row)
     if not rows:
         raise ValueError(f"SFTModule.dataset {path!r} holds no rows")
     return rows
