@@ -255,3 +255,17 @@ def test_too_many_bad_steps_in_a_row_stop_the_run_with_a_clear_message(tiny_pair
     module = make_module(tiny_pair, objective=NaNOnSteps({1, 2, 3}), max_bad_steps=3)
     with pytest.raises(RuntimeError, match=r"step 4: 3 consecutive.*objective NaNOnSteps.*Last good checkpoint"):
         trainer(tmp_path, steps=10, limit_val_batches=0).fit(module)
+
+
+def test_batch_8_equals_batch_2_with_4_accumulation_steps(tiny_pair, tmp_path):
+    """Per-sequence reduction makes gradient accumulation exact (same weights after one step)."""
+    task = Addition(num_train=8)
+    data = tmp_path / "teacher.jsonl"
+    data.write_text("".join(f'{{"id": "{ex["id"]}", "completion": "<answer>{ex["a"] + ex["b"] + i}</answer>"}}\n' for i, ex in enumerate(task.examples("train"))))
+    weights = []
+    for batch_size, accumulate in ((8, 1), (2, 4)):
+        module = make_module(tiny_pair, task=Addition(num_train=8), rollout=TeacherRollouts(dataset=str(data)), batch_size=batch_size, lr=1e-3, warmup_steps=0)
+        trainer(tmp_path / str(batch_size), steps=1, limit_val_batches=0, accumulate_grad_batches=accumulate).fit(module)
+        weights.append([p.detach().clone() for p in module.student.parameters()])
+    for a, b in zip(*weights):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
