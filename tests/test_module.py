@@ -257,15 +257,31 @@ def test_too_many_bad_steps_in_a_row_stop_the_run_with_a_clear_message(tiny_pair
         trainer(tmp_path, steps=10, limit_val_batches=0).fit(module)
 
 
-def test_batch_8_equals_batch_2_with_4_accumulation_steps(tiny_pair, tmp_path):
-    """Per-sequence reduction makes gradient accumulation exact (same weights after one step)."""
+def accumulated_gradients(tiny_pair, tmp_path, batch_size, accumulate, objective):
     task = Addition(num_train=8)
     data = tmp_path / "teacher.jsonl"
-    data.write_text("".join(f'{{"id": "{ex["id"]}", "completion": "<answer>{ex["a"] + ex["b"] + i}</answer>"}}\n' for i, ex in enumerate(task.examples("train"))))
-    weights = []
-    for batch_size, accumulate in ((8, 1), (2, 4)):
-        module = make_module(tiny_pair, task=Addition(num_train=8), rollout=TeacherRollouts(dataset=str(data)), batch_size=batch_size, lr=1e-3, warmup_steps=0)
-        trainer(tmp_path / str(batch_size), steps=1, limit_val_batches=0, accumulate_grad_batches=accumulate).fit(module)
-        weights.append([p.detach().clone() for p in module.student.parameters()])
-    for a, b in zip(*weights):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    data.write_text("".join(f'{{"id": "{ex["id"]}", "completion": "<answer>{ex['a'] * 7 ** i}</answer>"}}\n' for i, ex in enumerate(task.examples("train"))))
+    module = make_module(tiny_pair, task=task, rollout=TeacherRollouts(dataset=str(data)), objective=objective, batch_size=batch_size)
+    grads = []
+
+    class Record(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads.extend(p.grad.detach().clone() for p in pl_module.student.parameters())
+
+    trainer(tmp_path / f"{batch_size}x{accumulate}", steps=1, limit_val_batches=0, accumulate_grad_batches=accumulate, callbacks=[Record()]).fit(module)
+    return grads
+
+
+def test_batch_8_equals_batch_2_with_4_accumulation_steps(tiny_pair, tmp_path):
+    """The paper's per-sequence reduction makes gradient accumulation exact."""
+    whole = accumulated_gradients(tiny_pair, tmp_path, 8, 1, ForwardKL())
+    accumulated = accumulated_gradients(tiny_pair, tmp_path, 2, 4, ForwardKL())
+    for a, b in zip(whole, accumulated):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+
+
+def test_token_reduction_is_not_invariant_to_accumulation_with_ragged_lengths(tiny_pair, tmp_path):
+    """Why the paper's reduction is the default: a token mean per micro-batch weights short completions up."""
+    whole = accumulated_gradients(tiny_pair, tmp_path, 8, 1, ForwardKL(reduction="token"))
+    accumulated = accumulated_gradients(tiny_pair, tmp_path, 2, 4, ForwardKL(reduction="token"))
+    assert max((a - b).abs().max().item() for a, b in zip(whole, accumulated)) > 1e-5
