@@ -1,5 +1,7 @@
 """DistillModule used from Python, as in a notebook: custom components, logging, optimisation."""
 
+import json
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -260,7 +262,8 @@ def test_too_many_bad_steps_in_a_row_stop_the_run_with_a_clear_message(tiny_pair
 def accumulated_gradients(tiny_pair, tmp_path, batch_size, accumulate, objective):
     task = Addition(num_train=8)
     data = tmp_path / "teacher.jsonl"
-    data.write_text("".join(f'{{"id": "{ex["id"]}", "completion": "<answer>{ex['a'] * 7 ** i}</answer>"}}\n' for i, ex in enumerate(task.examples("train"))))
+    rows = [{"id": ex["id"], "completion": f"<answer>{ex['a'] * 7 ** i}</answer>"} for i, ex in enumerate(task.examples("train"))]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))  # ragged completion lengths
     module = make_module(tiny_pair, task=task, rollout=TeacherRollouts(dataset=str(data)), objective=objective, batch_size=batch_size)
     grads = []
 
