@@ -11,6 +11,7 @@ They work on any module that has ``student`` and ``student_tokenizer`` attribute
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ import lightning.pytorch as pl
 import torch
 
 from kdlab.evaluation import accuracy, generate
+from kdlab.lm_eval_suite import LMEvalTask, evaluate_suite, import_lm_eval, resolve_suite, validate_suite
 from kdlab.metrics import pass_at_k, sparsity_counts, spanish_share
 from kdlab.tasks.base import Task
 
@@ -191,23 +193,85 @@ class _Evaluates(_Periodic):
 
 
 class OODForgetting(_Evaluates):
-    """Accuracy on earlier skills before training and after it: ``ood/<task>``, ``ood/mean``,
+    """Scores on earlier skills before training and after it: ``ood/<task>``, ``ood/mean``,
     ``ood/<task>_before``, ``ood/mean_before`` and ``ood/mean_delta`` (after - before, in points).
 
+    Two back ends; give exactly one of ``tasks`` and ``lm_eval_tasks``:
+
+    * the tiny world: kdlab tasks, scored by sampling from the student and verifying;
+    * real models: lm-evaluation-harness tasks run on the student in memory (no reload, no copy of the
+      weights), see :mod:`kdlab.lm_eval_suite`; needs ``pip install 'kdlab[eval]'``. Task names are
+      checked against lm-eval's index when the callback is built.
+
+    The mean is unweighted over the suite's entries.
+
     Args:
-        tasks: the suite of earlier capabilities (each task's ``val`` split; first ``examples``).
-        examples, temperature, max_new_tokens, batch_size, every_n_steps, seed: sampling settings
-            (greedy by default).
+        tasks: tiny back end: the suite of earlier capabilities (each task's ``val`` split; first ``examples``).
+        lm_eval_tasks: real back end: ``paper`` for the paper's seven tasks (MMLU-Pro 14 x 200,
+            TruthfulQA-MC1 200, IFEval 200 strict prompt-level, HumanEval-Instruct 164 pass@1,
+            EQ-Bench 171, BBQ 200, ToxiGen 200), a list of names from
+            :data:`~kdlab.lm_eval_suite.PAPER_SUITE`, or a mapping name -> ``{task, limit, metric,
+            scale, executes_code}`` for any lm-eval task.
+        lm_eval_include_path: a folder of extra lm-eval task YAMLs (local tasks over local data).
+        lm_eval_batch_size: lm-eval's batch size.
+        lm_eval_allow_code_execution: let HumanEval run the student's code (sets ``HF_ALLOW_CODE_EVAL=1``
+            and lm-eval's ``confirm_run_unsafe_code``); required when the suite includes it.
+        lm_eval_apply_chat_template: render lm-eval prompts with the student's chat template.
+        examples, temperature, max_new_tokens, batch_size, seed: tiny back end sampling settings
+            (greedy by default); lm-eval tasks carry their own.
+        every_n_steps: also measure every N optimiser steps; the end of fit is always measured.
     """
 
-    def __init__(self, tasks: list[Task], **settings: Any) -> None:
+    def __init__(
+        self,
+        tasks: list[Task] | None = None,
+        lm_eval_tasks: str | list[str] | dict[str, LMEvalTask] | None = None,
+        lm_eval_include_path: str | None = None,
+        lm_eval_batch_size: int = 8,
+        lm_eval_allow_code_execution: bool = False,
+        lm_eval_apply_chat_template: bool = False,
+        **settings: Any,
+    ) -> None:
         super().__init__(**settings)
-        if not tasks:
-            raise ValueError("OODForgetting.tasks must name at least one task")
-        self.tasks = list(tasks)
         self.before: dict[str, float] | None = None
+        self.tasks = list(tasks or [])
+        self.lm_eval_tasks: dict[str, LMEvalTask] | None = None
+        if tasks is not None and lm_eval_tasks is not None:
+            raise ValueError("OODForgetting: give tasks (tiny back end) or lm_eval_tasks (lm-evaluation-harness), not both")
+        if lm_eval_tasks is None:
+            if lm_eval_include_path is not None:
+                raise ValueError("OODForgetting.lm_eval_include_path is set but lm_eval_tasks is not")
+            if not self.tasks:
+                raise ValueError("OODForgetting.tasks (or lm_eval_tasks) must name at least one task")
+            return
+        # LightningCLI passes every setting, so only a value other than the default is a mistake
+        defaults = inspect.signature(_Evaluates.__init__).parameters
+        tiny_only = sorted(name for name, value in settings.items() if name != "every_n_steps" and value != defaults[name].default)
+        if tiny_only:
+            raise ValueError(f"OODForgetting: {tiny_only} apply to the tiny back end only; lm-eval tasks carry their own settings")
+        if lm_eval_batch_size < 1:
+            raise ValueError(f"OODForgetting.lm_eval_batch_size must be >= 1, got {lm_eval_batch_size}")
+        if lm_eval_include_path is not None and not Path(lm_eval_include_path).is_dir():
+            raise ValueError(f"OODForgetting.lm_eval_include_path must be a folder of lm-eval task YAMLs, got {lm_eval_include_path!r}")
+        setting = "OODForgetting.lm_eval_tasks"
+        import_lm_eval(setting)  # fails now, naming the extra, if lm-eval is not installed
+        self.lm_eval_tasks = resolve_suite(lm_eval_tasks, setting)
+        validate_suite(self.lm_eval_tasks, lm_eval_include_path, lm_eval_allow_code_execution, setting)
+        self.lm_eval_include_path, self.lm_eval_batch_size = lm_eval_include_path, lm_eval_batch_size
+        self.lm_eval_allow_code_execution = lm_eval_allow_code_execution
+        self.lm_eval_apply_chat_template = lm_eval_apply_chat_template
 
     def scores(self, pl_module) -> dict[str, float]:
+        if self.lm_eval_tasks is not None:
+            return evaluate_suite(
+                pl_module.student,
+                pl_module.student_tokenizer,
+                self.lm_eval_tasks,
+                include_path=self.lm_eval_include_path,
+                batch_size=self.lm_eval_batch_size,
+                allow_code_execution=self.lm_eval_allow_code_execution,
+                apply_chat_template=self.lm_eval_apply_chat_template,
+            )
         result = {}
         for task in self.tasks:
             examples = task.examples("val")[: self.examples]
