@@ -1,5 +1,7 @@
 """``kdlab fit|validate|test --config X.yaml``: LightningCLI over :class:`~kdlab.module.DistillModule`;
-``kdlab generate --config X.yaml``: teacher data for off-policy runs (:mod:`kdlab.teacher_data`).
+``kdlab generate --config X.yaml``: teacher data for off-policy runs (:mod:`kdlab.teacher_data`);
+``kdlab sweep --config S.yaml``: a grid of fit runs (:mod:`kdlab.sweep`);
+``kdlab report RUN_DIR...``: the paper's tables and figures from finished runs (:mod:`kdlab.report`).
 
 Components (``task``, ``rollout``, ``objective``) are chosen with ``class_path``/``init_args``;
 ``--print_config`` shows every knob. TensorBoard is the default logger; ``seed_everything``
@@ -29,6 +31,14 @@ def main(args: list[str] | None = None):
         from kdlab.teacher_data import generate_teacher_data
 
         return auto_cli(generate_teacher_data, args=argv[1:])
+    if argv[:1] == ["sweep"]:
+        from kdlab.sweep import main as sweep
+
+        return sweep(argv[1:])
+    if argv[:1] == ["report"]:
+        from kdlab.report import main as report
+
+        return report(argv[1:])
     return KDLabCLI(
         DistillModule,
         seed_everything_default=42,
@@ -39,4 +49,9 @@ def main(args: list[str] | None = None):
 
 
 if __name__ == "__main__":
+    main()
+
+
+def entry() -> None:
+    """The ``kdlab`` console script: exit status 0 on success (``main``'s return value is for Python callers)."""
     main()

@@ -1,0 +1,649 @@
+"""``kdlab report RUN_DIR... [--output DIR]``: tables and figures of finished runs, beside the paper's numbers.
+
+Each run directory needs the ``config.yaml`` the fit wrote (what was run: task, rollout policy and its
+``lam``, objective, learning rate, seed); directories without one are listed and skipped. A sweep's
+output directory (it holds ``sweep.json``) stands for all its runs. Metrics come from ``metrics.jsonl``
+and the TensorBoard event files together; a metric's value is the one at its last step (at the same
+step ``metrics.jsonl``'s float64 wins over TensorBoard's float32). Missing metrics are left out.
+
+Runs whose configs differ only in the seed are one configuration: mean +- sample standard deviation
+(n - 1) over them, n shown. Settings other than task, rollout, ``lam``, objective and learning rate that
+vary between configurations are shown in an ``other`` column, so no two settings are ever averaged.
+
+Written to ``--output`` (default ``report/``):
+
+- ``report.md``: results by configuration (``val/accuracy``, ``ood/mean_delta``, ``sparsity/1e-06``)
+  with the paper's headline numbers beside the matching rows; the rollout spectrum (MixtureRollouts,
+  x = lam, y = val/accuracy, per objective); pass@k (``val/pass@k``, ``coverage/<name>/pass@k``);
+  ``style/spanish_share``; final ``rlvr/reward*``. Fractions are shown in percent, ``ood/*`` in points.
+- CSV files in the units the runs logged: ``runs.csv`` (every run, every metric's last value),
+  ``summary.csv``, ``spectrum.csv``, ``pass_at_k.csv``, ``style.csv``, ``rlvr_curves.csv`` (whole curves).
+- PNG figures, also embedded with the Markdown in TensorBoard under ``<output>/tensorboard``.
+
+The paper's numbers sit beside a row when the setting matches: rollout OffPD (TeacherRollouts, or
+MixtureRollouts at lam = -1) or OnPD (StudentRollouts, or lam = 1), full-vocabulary ForwardKL or
+ReverseKL, and, for numbers the paper gives per learning rate, the "low" (paper: 1e-5) or "high"
+(5e-5) rate. The tiny world uses other rates, so ``--low_lr`` / ``--high_lr`` map them; by default, of
+exactly two learning rates the smaller is low, otherwise only 1e-5 and 5e-5 themselves are mapped.
+Figures need matplotlib: ``pip install 'kdlab[report]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kdlab.sweep import short_keys, value_label
+
+MAIN_METRICS = ("val/accuracy", "ood/mean_delta", "sparsity/1e-06")
+PASS_AT_K = re.compile(r"^(val/pass@\d+|coverage/.+/pass@\d+)$")
+STYLE_METRICS = ("style/spanish_share", "style/teacher_spanish_share")
+# settings that differ between the seeds of one configuration, or only say where it was logged
+PER_RUN_KEYS = ("seed_everything", "model.seed", "trainer.logger", "trainer.default_root_dir", "ckpt_path", "config")
+# settings that have their own columns
+COLUMN_KEYS = (
+    "model.task.class_path",
+    "model.task.init_args.variant",
+    "model.rollout.class_path",
+    "model.rollout.init_args.lam",
+    "model.objective.class_path",
+    "model.lr",
+)
+ROLLOUT_ORDER = {"TeacherRollouts": 0, "MixtureRollouts": 1, "StudentRollouts": 2}
+PAPER_LR = {1e-5: "low", 5e-5: "high"}
+
+
+# ---- the paper's numbers -------------------------------------------------------------------------
+PAPER = "Piskorz, Berthon, van der Schaar, arXiv 2609.35259, Headline results"
+
+
+@dataclass(frozen=True)
+class PaperResult:
+    """A headline number of the paper (Qwen/Llama on Countdown-3, Science, MedReason), in report units.
+
+    ``rollout`` (``OffPD``/``OnPD``), ``direction`` (``forward``/``reverse``) and ``lr`` (``low`` = 1e-5,
+    ``high`` = 5e-5) say which rows it is compared with; None means any.
+    """
+
+    key: str
+    metric: str
+    value: str
+    claim: str
+    source: str
+    rollout: str | None = None
+    direction: str | None = None
+    lr: str | None = None
+
+
+_BEST = "Best mean accuracy: OnPD 72% vs OffPD 73% (no consistent on-policy advantage)."
+_KL = "Forward KL 71-73% across every rollout policy and LR; reverse KL 35-72%, LR-sensitive."
+_FORGET = "Forgetting: at LR 1e-5 mean OOD change <= 1.3 points; at 5e-5 drops of 11.2-14.0 points."
+_SPARSE = "Sparsity: 85.3-89.6% at 1e-5 vs 51.9-60.0% at 5e-5; OffPD at least as sparse as OnPD."
+PAPER_RESULTS = (
+    PaperResult("P1", "val/accuracy", "72", "best mean accuracy, OnPD", _BEST, rollout="OnPD"),
+    PaperResult("P2", "val/accuracy", "73", "best mean accuracy, OffPD", _BEST, rollout="OffPD"),
+    PaperResult("P3", "val/accuracy", "71-73", "forward KL, every rollout policy and LR", _KL, direction="forward"),
+    PaperResult("P4", "val/accuracy", "35-72", "reverse KL, LR-sensitive", _KL, direction="reverse"),
+    PaperResult("P5", "ood/mean_delta", "|change| <= 1.3", "mean OOD change at LR 1e-5", _FORGET, lr="low"),
+    PaperResult("P6", "ood/mean_delta", "-14.0 to -11.2", "mean OOD drop at LR 5e-5", _FORGET, lr="high"),
+    PaperResult("P7", "sparsity/1e-06", "85.3-89.6", "update sparsity (tau 1e-6) at LR 1e-5", _SPARSE, lr="low"),
+    PaperResult("P8", "sparsity/1e-06", "51.9-60.0", "update sparsity (tau 1e-6) at LR 5e-5", _SPARSE, lr="high"),
+)
+PAPER_NOTES = {
+    "spectrum": "Spectrum: forward KL stays above 80% held-out across lambda (5.2-point spread at 1e-5); "
+    "reverse KL favours lambda > 0 and is unstable at the high LR.",
+    "pass@k": "On-policy rollouts give 10-15% higher pass@k on Countdown-4E; the edge does not survive RLVR.",
+    "style": "OnPD + reverse KL keeps the student's English style; other settings transfer Spanish almost fully.",
+}
+
+
+# ---- reading runs --------------------------------------------------------------------------------
+def read_metrics(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of a run as ``name -> [(step, value), ...]`` sorted by step, from TensorBoard and
+    ``metrics.jsonl`` (the later wins at equal steps, and a later line over an earlier one)."""
+    from tensorboard.backend.event_processing.event_accumulator import (
+        SCALARS,
+        EventAccumulator,
+    )
+
+    points: dict[str, dict[int, float]] = {}
+    events = EventAccumulator(str(run_dir), size_guidance={SCALARS: 0})  # 0 keeps every point
+    events.Reload()
+    for tag in events.Tags().get("scalars", []):
+        for event in events.Scalars(tag):
+            points.setdefault(tag, {})[int(event.step)] = float(event.value)
+    jsonl = Path(run_dir, "metrics.jsonl")
+    if jsonl.is_file():
+        for line in jsonl.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                row = json.loads(line)
+                step = int(row.pop("step"))
+                for name, value in row.items():
+                    points.setdefault(name, {})[step] = float(value)
+    return {name: sorted(series.items()) for name, series in points.items()}
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
+    if isinstance(value, dict) and value:
+        flat = {}
+        for key, item in value.items():
+            flat.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    return {prefix: json.dumps(value, sort_keys=True, default=str)}
+
+
+def _class_name(value: Any, default: str) -> str:
+    if isinstance(value, dict):
+        value = value.get("class_path")
+    return value.rsplit(".", 1)[-1] if isinstance(value, str) else default
+
+
+@dataclass
+class RunResult:
+    """One run: what was run (from ``config.yaml``) and every metric's series."""
+
+    path: Path
+    task: str
+    rollout: str
+    lam: float | None
+    objective: str
+    lr: float
+    seed: int | None
+    settings: dict[str, str]
+    series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+    @property
+    def last(self) -> dict[str, float]:
+        return {name: points[-1][1] for name, points in self.series.items() if points}
+
+
+def read_run(run_dir: str | Path) -> RunResult:
+    """A run directory; ``ValueError`` when it has no readable ``config.yaml``."""
+    run_dir = Path(run_dir)
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ValueError("no config.yaml")
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(f"config.yaml does not parse: {error}") from error
+    model = config.get("model") or {}
+    task = model.get("task") or {}
+    variant = (task.get("init_args") or {}).get("variant") if isinstance(task, dict) else None
+    rollout = model.get("rollout") or {}
+    rollout_name = _class_name(rollout, "TeacherRollouts")  # DistillModule's defaults
+    lam = None
+    if rollout_name == "MixtureRollouts":
+        lam = float(((rollout.get("init_args") or {}) if isinstance(rollout, dict) else {}).get("lam", 0.0))
+    seed = config.get("seed_everything")
+    seed = seed if type(seed) is int else model.get("seed")
+    settings = {
+        key: value
+        for key, value in _flatten(config).items()
+        if not any(key == k or key.startswith(k + ".") for k in PER_RUN_KEYS)
+    }
+    return RunResult(
+        path=run_dir,
+        task=variant or _class_name(task, "?"),
+        rollout=rollout_name,
+        lam=lam,
+        objective=_class_name(model.get("objective"), "ForwardKL"),
+        lr=float(model.get("lr", 1e-5)),
+        seed=seed,
+        settings=settings,
+        series=read_metrics(run_dir),
+    )
+
+
+def collect(paths: list[str | Path]) -> tuple[list[RunResult], list[tuple[str, str]]]:
+    """Runs read from ``paths`` (a sweep's output directory stands for its runs) and ``(path, reason)``
+    for each one skipped."""
+    runs, skipped, seen = [], [], set()
+    expanded: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir() and not (path / "config.yaml").is_file() and (path / "sweep.json").is_file():
+            expanded += sorted(p for p in path.iterdir() if p.is_dir())
+        else:
+            expanded.append(path)
+    for path in expanded:
+        if path.resolve() in seen:
+            continue
+        seen.add(path.resolve())
+        if not path.is_dir():
+            skipped.append((str(path), "not a directory" if path.exists() else "does not exist"))
+            continue
+        try:
+            runs.append(read_run(path))
+        except ValueError as error:
+            skipped.append((str(path), str(error)))
+    return runs, skipped
+
+
+# ---- configurations ------------------------------------------------------------------------------
+@dataclass
+class Group:
+    """The runs of one configuration (they differ only in the seed)."""
+
+    runs: list[RunResult]
+    other: str = ""
+    level: str | None = None  # "low" / "high" learning rate, for the paper's numbers
+
+    # what the columns show is the same in every run of the configuration
+    task = property(lambda self: self.runs[0].task)
+    rollout = property(lambda self: self.runs[0].rollout)
+    lam = property(lambda self: self.runs[0].lam)
+    objective = property(lambda self: self.runs[0].objective)
+    lr = property(lambda self: self.runs[0].lr)
+
+    @property
+    def rollout_label(self) -> str:
+        return f"{self.rollout} (lam={self.lam:g})" if self.lam is not None else self.rollout
+
+    @property
+    def kind(self) -> str | None:
+        """The paper's name for the rollout policy, where it has one."""
+        if self.rollout == "TeacherRollouts" or (self.lam is not None and math.isclose(self.lam, -1.0)):
+            return "OffPD"
+        if self.rollout == "StudentRollouts" or (self.lam is not None and math.isclose(self.lam, 1.0)):
+            return "OnPD"
+        return None
+
+    @property
+    def direction(self) -> str | None:
+        return {"ForwardKL": "forward", "ReverseKL": "reverse"}.get(self.objective)
+
+    def stats(self, metric: str) -> tuple[float, float | None, int] | None:
+        """(mean, sample std or None for one value, n) of the metric's last values, None when absent."""
+        values = [run.last[metric] for run in self.runs if metric in run.last]
+        if not values:
+            return None
+        return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None, len(values)
+
+    def paper(self, metric: str) -> list[PaperResult]:
+        if self.kind is None or self.direction is None:  # outside the paper's grid
+            return []
+        return [
+            p
+            for p in PAPER_RESULTS
+            if p.metric == metric and p.rollout in (None, self.kind) and p.direction in (None, self.direction) and p.lr in (None, self.level)
+        ]
+
+
+def lr_levels(lrs: set[float], low: list[float] | None = None, high: list[float] | None = None) -> dict[float, str]:
+    """``lr -> "low" | "high"``: the given ones; else the smaller of exactly two is low; else 1e-5 / 5e-5."""
+    if low or high:
+        given = [(x, "low") for x in low or []] + [(x, "high") for x in high or []]
+        return {lr: level for lr in lrs for x, level in given if math.isclose(lr, x)}
+    if len(lrs) == 2:
+        small, large = sorted(lrs)
+        return {small: "low", large: "high"}
+    return {lr: level for lr in lrs for x, level in PAPER_LR.items() if math.isclose(lr, x)}
+
+
+def _varies(key: str, configs: list[dict[str, str]]) -> bool:
+    """Whether ``key`` differs between configs of the same classes: an ``init_args`` entry is compared only
+    among configs whose ``class_path`` above it is the same (another class has other arguments)."""
+    parts = key.split(".")
+    classes = [".".join(parts[:i]) + ".class_path" for i, part in enumerate(parts) if part == "init_args"]
+    values: dict[tuple, set] = {}
+    for config in configs:
+        values.setdefault(tuple(config.get(c) for c in classes), set()).add(config.get(key))
+    return any(len(seen) > 1 for seen in values.values())
+
+
+def group_runs(runs: list[RunResult], levels: dict[float, str]) -> list[Group]:
+    """Configurations in a stable order; ``other`` names the settings that tell configurations apart
+    beyond the columns."""
+    by_settings: dict[str, list[RunResult]] = {}
+    for run in runs:
+        by_settings.setdefault(json.dumps(run.settings, sort_keys=True), []).append(run)
+    groups = [Group(sorted(members, key=lambda r: (r.seed is None, r.seed or 0, str(r.path)))) for members in by_settings.values()]
+    keys = sorted({key for run in runs for key in run.settings} - set(COLUMN_KEYS))
+    varying = [key for key in keys if _varies(key, [g.runs[0].settings for g in groups])]
+    short = short_keys([key.removesuffix(".class_path") for key in varying])
+    for group in groups:
+        settings = group.runs[0].settings
+        group.other = ", ".join(
+            f"{short[key.removesuffix('.class_path')]}={value_label(json.loads(settings[key]))}" for key in varying if key in settings
+        )
+        group.level = levels.get(group.lr)
+    return sorted(groups, key=lambda g: (g.task, ROLLOUT_ORDER.get(g.rollout, 3), g.rollout, g.lam or 0.0, g.objective, g.lr, g.other))
+
+
+# ---- formatting ----------------------------------------------------------------------------------
+def _percent(metric: str) -> bool:
+    return bool(re.search(r"(accuracy|pass@\d+|share)$", metric)) or metric.startswith("sparsity/")
+
+
+def _number(metric: str, value: float) -> str:
+    if _percent(metric):
+        return f"{100 * value:.1f}"
+    return f"{value:.1f}" if metric.startswith("ood/") else f"{value:.4g}"
+
+
+def cell(group: Group, metric: str) -> str:
+    """``mean ± std`` in report units; ``(n=k)`` when fewer runs than the configuration's have it."""
+    stats = group.stats(metric)
+    if stats is None:
+        return ""
+    mean, std, n = stats
+    text = _number(metric, mean) + (f" ± {_number(metric, std)}" if std is not None else "")
+    return text + (f" (n={n})" if n < len(group.runs) else "")
+
+
+def _unit(metric: str) -> str:
+    return f"{metric} (%)" if _percent(metric) else f"{metric} (points)" if metric.startswith("ood/") else metric
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    return "\n".join([line(header), "|" + " --- |" * len(header), *map(line, rows)])
+
+
+def write_csv(path: Path, header: list[str], rows: list[list[Any]]) -> None:
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        writer.writerows(rows)
+
+
+def _label(group: Group) -> str:
+    return f"{group.rollout_label} {group.objective} lr={group.lr:g}" + (f" {group.other}" if group.other else "")
+
+
+def _pass_at_k_order(metric: str) -> tuple[bool, str, int]:
+    """``val/pass@k`` first, then each coverage task; k numerically (pass@10 after pass@2)."""
+    prefix, k = metric.rsplit("@", 1)
+    return not metric.startswith("val/"), prefix, int(k)
+
+
+# ---- the report ----------------------------------------------------------------------------------
+def _figure_factory():
+    """Makes matplotlib Figures on the Agg canvas (no pyplot state); a clear error when matplotlib is missing."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise ImportError("kdlab report draws its figures with matplotlib: pip install 'kdlab[report]'") from error
+
+    def figure(**kwargs: Any) -> Figure:
+        fig = Figure(**kwargs)
+        FigureCanvasAgg(fig)
+        return fig
+
+    return figure
+
+
+class _Report:
+    """Collects the Markdown lines, CSV files and figures of one report, section by section."""
+
+    def __init__(self, runs: list[RunResult], output: Path, levels: dict[float, str]) -> None:
+        self.new_figure = _figure_factory()  # fails before any work when matplotlib is missing
+        self.runs, self.output, self.levels = runs, output, levels
+        self.groups = group_runs(runs, levels)
+        self.with_other = any(group.other for group in self.groups)
+        self.present = {name for run in runs for name in run.last}
+        self.md: list[str] = []
+        self.figures: dict[str, Any] = {}
+
+    def describe(self, group: Group) -> list[str]:
+        lr = f"{group.lr:g}"
+        return [group.task, group.rollout_label, group.objective, lr, group.level or ""] + ([group.other] if self.with_other else [])
+
+    @property
+    def describe_header(self) -> list[str]:
+        return ["task", "rollout", "objective", "lr", "lr level"] + (["other"] if self.with_other else [])
+
+    def csv(self, name: str, groups: list[Group], metrics: list[str]) -> None:
+        """One row per configuration: its columns, then mean, std and n of each metric (logged units)."""
+        header = ["task", "rollout", "lam", "objective", "lr", "lr_level", "other", "n"]
+        header += [f"{metric} {part}" for metric in metrics for part in ("mean", "std", "n")]
+        rows = []
+        for g in groups:
+            row = [g.task, g.rollout, "" if g.lam is None else g.lam, g.objective, g.lr, g.level or "", g.other, len(g.runs)]
+            for metric in metrics:
+                stats = g.stats(metric)
+                row += [stats[0], "" if stats[1] is None else stats[1], stats[2]] if stats else ["", "", 0]
+            rows.append(row)
+        write_csv(self.output / name, header, rows)
+
+    def metric_section(self, title: str, metrics: list[str], csv_name: str, note: str | None = None) -> list[Group]:
+        """A table (and CSV) of ``metrics`` for the configurations that logged any of them."""
+        shown = [g for g in self.groups if any(g.stats(m) for m in metrics)]
+        rows = [self.describe(g) + [str(len(g.runs))] + [cell(g, m) for m in metrics] for g in shown]
+        self.md += ["", f"## {title}", "", markdown_table(self.describe_header + ["n", *map(_unit, metrics)], rows)]
+        if note:
+            self.md += ["", f"> Paper: {note}"]
+        self.csv(csv_name, shown, metrics)
+        return shown
+
+    # -- sections
+    def results(self) -> None:
+        """val/accuracy, ood/mean_delta, sparsity by configuration, the paper's numbers beside them."""
+        metrics = [m for m in MAIN_METRICS if m in self.present]
+        with_paper = [m for m in metrics if any(g.paper(m) for g in self.groups)]
+        header = self.describe_header + ["n"]
+        for metric in metrics:
+            header += [_unit(metric)] + (["paper"] if metric in with_paper else [])
+        rows = []
+        for group in self.groups:
+            row = self.describe(group) + [str(len(group.runs))]
+            for metric in metrics:
+                row.append(cell(group, metric))
+                if metric in with_paper:
+                    row.append("; ".join(f"{p.value} [{p.key}]" for p in group.paper(metric)))
+            rows.append(row)
+        self.md += ["", "## Results by configuration", "", markdown_table(header, rows)]
+        self.csv("summary.csv", self.groups, metrics)
+        self.md += [
+            "",
+            "### The paper's headline numbers",
+            "",
+            (
+                "From Qwen2.5-7B -> 1.5B and Llama-3.1-8B -> 3.2-1B on Countdown-3, Science and MedReason at LR 1e-5 "
+                "(low) and 5e-5 (high): where a reproduction should land, not what the tiny world should give. "
+                "OffPD = teacher rollouts, OnPD = student rollouts."
+            ),
+            "",
+            markdown_table(
+                ["key", "metric", "rollout", "KL", "lr", "paper", "what", f"source ({PAPER})"],
+                [[p.key, p.metric, p.rollout or "any", p.direction or "any", p.lr or "any", p.value, p.claim, p.source] for p in PAPER_RESULTS],
+            ),
+        ]
+        shown = [g for g in self.groups if g.stats("val/accuracy")]
+        if shown:
+            fig = self.new_figure(figsize=(7, 0.45 * len(shown) + 1.5))
+            ax = fig.add_subplot()
+            stats = [g.stats("val/accuracy") for g in shown]
+            ax.barh(range(len(shown)), [100 * s[0] for s in stats], xerr=[100 * (s[1] or 0.0) for s in stats], alpha=0.8)
+            ax.set_yticks(range(len(shown)), [_label(g) for g in shown], fontsize=8)
+            ax.invert_yaxis()
+            ax.set_xlabel("val/accuracy (%)")
+            fig.tight_layout()
+            self.figures["accuracy"] = fig
+
+    def spectrum(self) -> None:
+        """MixtureRollouts: val/accuracy against lam, one curve per objective (and learning rate)."""
+        mixture = [g for g in self.groups if g.lam is not None and g.stats("val/accuracy")]
+        if not mixture:
+            return
+        self.md += ["", "## Rollout spectrum (MixtureRollouts: lam = -1 teacher, 1 student)", ""]
+        csv_rows = []
+        for task in sorted({g.task for g in mixture}):
+            here = [g for g in mixture if g.task == task]
+            curves: dict[str, list[Group]] = {}
+            for g in sorted(here, key=lambda g: (g.objective, g.lr, g.other, g.lam)):
+                curves.setdefault(f"{g.objective}, lr={g.lr:g}" + (f", {g.other}" if g.other else ""), []).append(g)
+            table = []
+            for lam in sorted({g.lam for g in here}):
+                row = [f"{lam:g}"]
+                for members in curves.values():
+                    match = [g for g in members if g.lam == lam]
+                    row.append(f"{cell(match[0], 'val/accuracy')} (n={len(match[0].runs)})" if match else "")
+                table.append(row)
+            self.md += [f"{task}: val/accuracy (%) by lam", "", markdown_table(["lam", *curves], table), ""]
+            fig = self.new_figure(figsize=(6, 4))
+            ax = fig.add_subplot()
+            for label, members in curves.items():
+                stats = [g.stats("val/accuracy") for g in members]
+                lams, means, errors = [g.lam for g in members], [100 * s[0] for s in stats], [100 * (s[1] or 0) for s in stats]
+                ax.errorbar(lams, means, yerr=errors, marker="o", capsize=3, label=label)
+            ax.set(xlabel="lam (-1 teacher, 1 student)", ylabel="val/accuracy (%)", title=f"Rollout spectrum: {task}")
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            self.figures[f"spectrum-{task}"] = fig
+            for g in here:
+                mean, std, n = g.stats("val/accuracy")
+                csv_rows.append([task, g.objective, g.lr, g.other, g.lam, n, mean, "" if std is None else std])
+        self.md.append(f"> Paper: {PAPER_NOTES['spectrum']}")
+        header = ["task", "objective", "lr", "other", "lam", "n", "val/accuracy mean", "val/accuracy std"]
+        write_csv(self.output / "spectrum.csv", header, csv_rows)
+
+    def pass_at_k(self) -> None:
+        metrics = sorted((m for m in self.present if PASS_AT_K.match(m)), key=_pass_at_k_order)
+        if not metrics:
+            return
+        shown = self.metric_section("pass@k", metrics, "pass_at_k.csv", PAPER_NOTES["pass@k"])
+        for task in sorted({g.task for g in shown if g.lam is not None}):
+            here = [g for g in shown if g.task == task and g.lam is not None]
+            fig = self.new_figure(figsize=(6, 4))
+            ax = fig.add_subplot()
+            for metric in metrics:
+                for objective, lr in sorted({(g.objective, g.lr) for g in here}):
+                    points = sorted((g.lam, g.stats(metric)[0]) for g in here if (g.objective, g.lr) == (objective, lr) and g.stats(metric))
+                    if points:
+                        lams, values = zip(*points)
+                        ax.plot(lams, [100 * v for v in values], marker="o", label=f"{metric} {objective} lr={lr:g}")
+            ax.set(xlabel="lam (-1 teacher, 1 student)", ylabel="pass@k (%)", title=f"pass@k vs lam: {task}")
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            self.figures[f"pass_at_k-{task}"] = fig
+
+    def style(self) -> None:
+        metrics = [m for m in STYLE_METRICS if m in self.present]
+        if metrics:
+            title = "Style transfer (share of primarily Spanish student responses)"
+            self.metric_section(title, metrics, "style.csv", PAPER_NOTES["style"])
+
+    def rlvr(self) -> None:
+        """Final rewards in a table; whole curves (every run, a colour per configuration) in figures and CSV."""
+        metrics = sorted(m for m in self.present if m.startswith("rlvr/reward"))
+        if not metrics:
+            return
+        shown = self.metric_section("RLVR reward (last value; whole curves in rlvr_curves.csv and the figures)", metrics, "rlvr.csv")
+        rows = []
+        for metric in metrics:
+            fig = self.new_figure(figsize=(7, 4))
+            ax = fig.add_subplot()
+            for index, g in enumerate(shown):
+                for number, run in enumerate(r for r in g.runs if metric in r.series):
+                    steps, values = zip(*run.series[metric])
+                    ax.plot(steps, values, color=f"C{index % 10}", alpha=0.8, label=_label(g) if number == 0 else None)
+                    lam = "" if g.lam is None else g.lam
+                    rows += [[str(run.path), g.task, g.rollout, lam, g.objective, g.lr, run.seed, metric, s, v] for s, v in run.series[metric]]
+            ax.set(xlabel="step", ylabel=metric, title=metric)
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            self.figures[metric.replace("/", "-")] = fig
+        header = ["run", "task", "rollout", "lam", "objective", "lr", "seed", "metric", "step", "value"]
+        write_csv(self.output / "rlvr_curves.csv", header, rows)
+
+    def every_run(self) -> None:
+        names = sorted(self.present)
+        rows = [
+            [str(r.path), r.task, r.rollout, "" if r.lam is None else r.lam, r.objective, r.lr, self.levels.get(r.lr, ""), r.seed]
+            + [r.last.get(name, "") for name in names]
+            for r in self.runs
+        ]
+        write_csv(self.output / "runs.csv", ["run", "task", "rollout", "lam", "objective", "lr", "lr_level", "seed", *names], rows)
+
+
+def write_report(
+    runs: list[RunResult],
+    skipped: list[tuple[str, str]],
+    output: str | Path,
+    low_lr: list[float] | None = None,
+    high_lr: list[float] | None = None,
+) -> Path:
+    """Write ``report.md``, the CSV files, the PNG figures and ``tensorboard/`` to ``output``; returns
+    the Markdown file's path."""
+    output = Path(output)
+    levels = lr_levels({run.lr for run in runs}, low_lr, high_lr)
+    report = _Report(runs, output, levels)
+    output.mkdir(parents=True, exist_ok=True)
+    report.md += [
+        "# kdlab report",
+        "",
+        (
+            f"{len(runs)} runs in {len(report.groups)} configurations: mean ± sample standard deviation over the "
+            "seeds of a configuration (n runs). Accuracy, pass@k, sparsity and Spanish share in percent; "
+            "ood/mean_delta in points (after - before). The CSV files keep the units the runs logged."
+        ),
+    ]
+    if levels:
+        how = "as given" if (low_lr or high_lr) else "default: the smaller of two learning rates is low; set with --low_lr / --high_lr"
+        mapping = ", ".join(f"{lr:g} = {level}" for lr, level in sorted(levels.items()))
+        report.md += ["", f"Learning-rate levels for the paper's numbers: {mapping} ({how})."]
+    if skipped:
+        report.md += ["", "Skipped:", *(f"- `{path}`: {reason}" for path, reason in skipped)]
+    report.results()
+    report.spectrum()
+    report.pass_at_k()
+    report.style()
+    report.rlvr()
+    report.every_run()
+    if report.figures:
+        report.md += ["", "## Figures", "", *(f"![{name}]({name}.png)" for name in report.figures)]
+    text = "\n".join(report.md) + "\n"
+    path = output / "report.md"
+    path.write_text(text, encoding="utf-8")
+    for name, fig in report.figures.items():
+        fig.savefig(output / f"{name}.png", dpi=120)
+    _write_tensorboard(output / "tensorboard", report.figures, text)
+    return path
+
+
+def _write_tensorboard(directory: Path, figures: dict[str, Any], text: str) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in directory.glob("events.out.tfevents.*"):  # a rewritten report replaces the last one
+        old.unlink()
+    writer = SummaryWriter(str(directory))
+    try:
+        for name, fig in figures.items():
+            writer.add_figure(f"report/{name}", fig, global_step=0)
+        writer.add_text("report", text, global_step=0)
+    finally:
+        writer.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``kdlab report RUN_DIR... [--output DIR] [--low_lr LR...] [--high_lr LR...]``."""
+    parser = argparse.ArgumentParser(
+        prog="kdlab report", description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or a sweep's output directory)")
+    parser.add_argument("--output", default="report", help="where the report goes (default: report/)")
+    parser.add_argument("--low_lr", type=float, nargs="+", help="learning rates compared with the paper's 1e-5")
+    parser.add_argument("--high_lr", type=float, nargs="+", help="learning rates compared with the paper's 5e-5")
+    options = parser.parse_args(argv)
+    runs, skipped = collect(options.runs)
+    for path, reason in skipped:
+        print(f"[report] skipped {path}: {reason}", file=sys.stderr)
+    if not runs:
+        parser.error("no run directory with a config.yaml among " + " ".join(options.runs))
+    path = write_report(runs, skipped, options.output, options.low_lr, options.high_lr)
+    print(f"[report] {len(runs)} runs -> {path} (CSV, PNG and tensorboard/ beside it)")

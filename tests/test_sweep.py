@@ -1,0 +1,240 @@
+"""``kdlab sweep``: grid expansion and names, print mode, and real tiny sweeps that skip, resume and fail."""
+
+import json
+import re
+import shlex
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from lightning.pytorch import Callback
+
+import kdlab.cli
+from kdlab.cli import main
+from kdlab.sweep import Sweep, expand, fit_args, load_sweep, short_keys
+
+ROOT = Path(__file__).parents[1]
+SMOKE = str(ROOT / "experiments" / "tiny" / "smoke.yaml")
+FKL = {"class_path": "kdlab.objectives.ForwardKL"}
+RKL = {"class_path": "kdlab.objectives.ReverseKL"}
+TEACHER = {"class_path": "kdlab.rollouts.TeacherRollouts"}
+STUDENT = {"class_path": "kdlab.rollouts.StudentRollouts"}
+FAST = {  # one optimiser step of one micro-batch, no validation, a last.ckpt to resume from
+    "trainer.max_steps": 1,
+    "trainer.accumulate_grad_batches": 1,
+    "trainer.enable_progress_bar": False,
+    "trainer.enable_model_summary": False,
+    "trainer.callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}}],
+    "model.max_completion_tokens": 4,
+}
+
+
+@pytest.fixture(autouse=True)
+def clean_argv(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+
+
+@pytest.fixture
+def fits(monkeypatch):
+    """The argument lists of every in-process ``kdlab fit`` the sweep starts."""
+    calls, real = [], kdlab.cli.main
+    monkeypatch.setattr(kdlab.cli, "main", lambda args=None: calls.append(sys.argv[1:] if args is None else args) or real(args))
+    return calls
+
+
+def write_sweep(tmp_path, grid, seeds=(42,), **extra):
+    data = {"base": SMOKE, "output": str(tmp_path / "out"), "grid": grid, "seeds": list(seeds), "overrides": FAST, **extra}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def statuses(tmp_path):
+    return {run["name"]: run["status"] for run in json.loads((tmp_path / "out" / "sweep.json").read_text())["runs"]}
+
+
+# ---- expansion, names, arguments --------------------------------------------------------------
+def test_grid_expands_to_product_times_seeds_with_readable_names(tmp_path):
+    grid = {"model.rollout": [TEACHER, STUDENT], "model.objective": [FKL, RKL], "model.lr": [1.0e-3, 5.0e-3]}
+    runs = expand(Sweep(base=SMOKE, output=str(tmp_path), grid=grid, seeds=[42, 43, 44]))
+    names = [run.name for run in runs]
+    assert len(runs) == 24 == len(set(names))
+    assert names[0] == "rollout=TeacherRollouts-objective=ForwardKL-lr=0.001-seed=42"
+    assert "rollout=StudentRollouts-objective=ReverseKL-lr=0.005-seed=43" in names
+    assert [run.seed for run in runs] == [42] * 8 + [43] * 8 + [44] * 8  # seed by seed
+    assert runs[1].settings == {"model.rollout": TEACHER, "model.objective": FKL, "model.lr": 0.005}
+    assert expand(Sweep(base=SMOKE, output=str(tmp_path), grid=grid, seeds=[42, 43, 44]))[5].name == names[5]  # deterministic
+
+
+def test_names_stay_unique_short_and_filesystem_safe(tmp_path):
+    mixture = {"class_path": "kdlab.rollouts.MixtureRollouts", "init_args": {"lam": -0.5}}
+    grid = {
+        "model.rollout": [mixture, "kdlab.rollouts.StudentRollouts"],
+        "model.task.init_args.path": ["data/a b", "data_a_b", "x" * 300],  # the first two read the same once made safe
+    }
+    names = [run.name for run in expand(Sweep(base=SMOKE, output=str(tmp_path), grid=grid))]
+    assert len(set(names)) == len(names) == 6
+    assert all(re.fullmatch(r"[A-Za-z0-9._=+-]+", name) and len(name) <= 160 for name in names)
+    assert names[0].startswith("rollout=MixtureRollouts_lam=-0.5-path=data_a_b-seed=42-")  # hash-suffixed
+    assert names[3].startswith("rollout=StudentRollouts-path=data_a_b-")
+    keys = ["model.rollout.init_args.lam", "model.task.init_args.lam", "model.lr"]
+    assert short_keys(keys) == {"model.rollout.init_args.lam": "rollout.lam", "model.task.init_args.lam": "task.lam", "model.lr": "lr"}
+
+
+def test_fit_arguments_put_parents_first_and_log_to_the_run_directory(tmp_path):
+    mixture = {"class_path": "kdlab.rollouts.MixtureRollouts"}
+    sweep = Sweep(base=SMOKE, output=str(tmp_path), grid={"model.rollout.init_args.lam": [0.5], "model.rollout": [mixture]}, seeds=[43], overrides={"trainer.max_steps": 2})
+    (run,) = expand(sweep)
+    assert run.name == "lam=0.5-rollout=MixtureRollouts-seed=43"
+    args = fit_args(sweep, run, ckpt_path="last.ckpt")
+    assert args[:3] == ["fit", f"--config={SMOKE}", "--trainer.max_steps=2"]
+    assert args.index('--model.rollout={"class_path": "kdlab.rollouts.MixtureRollouts"}') < args.index("--model.rollout.init_args.lam=0.5")
+    assert "--seed_everything=43" in args and args[-1] == "--ckpt_path=last.ckpt"
+    (logger,) = [json.loads(a.split("=", 1)[1]) for a in args if a.startswith("--trainer.logger=")]
+    assert logger["init_args"] == {"save_dir": str(tmp_path), "name": run.name, "version": ""}
+
+
+def test_the_smoke_sweep_file_expands_to_runs_the_fit_cli_accepts(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)  # its paths are relative to the repository root
+    sweep = load_sweep("experiments/tiny/sweep_smoke.yaml")
+    runs = expand(sweep)
+    assert len(runs) == 16 and len({run.name for run in runs}) == 16
+    for run in (runs[0], runs[-1]):  # between them every grid value and seed appears
+        with pytest.raises(SystemExit) as exit_info:
+            main([*fit_args(sweep, run), "--print_config"])
+        assert exit_info.value.code in (0, None)
+        printed = yaml.safe_load(capsys.readouterr().out)
+        assert printed["trainer"]["logger"]["init_args"]["name"] == run.name
+        assert printed["model"]["rollout"]["class_path"] == run.settings["model.rollout"]["class_path"]
+        assert printed["seed_everything"] == run.seed
+
+
+# ---- bad sweep files ---------------------------------------------------------------------------
+BAD = {
+    "missing base file": ({"base": "no/such.yaml"}, r"sweep\.base: no such file 'no/such.yaml'"),
+    "missing output": ({"output": None}, r"the key 'output' is missing"),
+    "empty grid list": ({"grid": {"model.lr": []}}, r"sweep\.grid\['model\.lr'\] must be a non-empty list"),
+    "unknown mode": ({"mode": "parallel"}, r"sweep\.mode must be one of sequential, processes, print, got 'parallel'"),
+    "seeds not ints": ({"seeds": [42, "43"]}, r"sweep\.seeds must be a non-empty list of ints"),
+    "seeds not a list": ({"seeds": 42}, r"sweep\.seeds must be a non-empty list of ints, got 42"),
+    "unknown key": ({"seed": [1]}, r"unknown key 'seed'"),
+    "reserved key": ({"grid": {"seed_everything": [1, 2]}}, r"sweep\.grid\['seed_everything'\] is set by the sweep"),
+    "key in grid and overrides": ({"overrides": {"model.lr": 0.1}}, r"sweep\.overrides\['model\.lr'\] is also a grid key"),
+    "dashes in a key": ({"grid": {"--model.lr": [0.1]}}, r"sweep\.grid: '--model\.lr' is not a dotted fit key"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_sweep_files_name_the_key(tmp_path, case):
+    change, message = BAD[case]
+    data = {"base": SMOKE, "output": str(tmp_path / "out"), "grid": {"model.lr": [0.1]}, **change}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in data.items() if v is not None}))
+    with pytest.raises(ValueError, match=message):
+        load_sweep(path)
+
+
+def test_bad_sweep_file_on_the_command_line_is_a_usage_error(tmp_path, capsys):
+    path = write_sweep(tmp_path, {"model.lr": [0.1]}, mode="parallel")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sweep", "--config", str(path)])
+    assert exit_info.value.code == 2 and "sweep.mode" in capsys.readouterr().err
+
+
+# ---- print mode --------------------------------------------------------------------------------
+def test_print_mode_writes_one_command_per_run_that_runs_it(tmp_path, capsys, fits):
+    path = write_sweep(tmp_path, {"model.objective": [FKL, RKL], "model.lr": [1.0e-3, 5.0e-3]}, seeds=[42, 43], mode="print")
+    main(["sweep", "--config", str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    out = tmp_path / "out"
+    assert lines == (out / "commands.sh").read_text().splitlines() and len(lines) == 8
+    names = [run.name for run in expand(load_sweep(path))]
+    for line, name in zip(lines, names):
+        assert shlex.split(line) == ["python", "-m", "kdlab.cli", "sweep", "--config", str(path), "--run", name]
+    assert sorted(p.name for p in out.iterdir()) == ["commands.sh", "sweep.json"] and not fits
+    assert set(statuses(tmp_path).values()) == {"pending"}
+
+    main(shlex.split(lines[2])[3:])  # what one scheduler task runs
+    assert len(fits) == 1 and (out / names[2] / "DONE").is_file()
+    main(shlex.split(lines[2])[3:])  # a second launch of a done run does nothing
+    assert len(fits) == 1
+    capsys.readouterr()
+    main(["sweep", "--config", str(path)])
+    assert len(capsys.readouterr().out.splitlines()) == 7 and statuses(tmp_path)[names[2]] == "skipped"
+
+
+# ---- real tiny sweeps --------------------------------------------------------------------------
+def test_sequential_sweep_runs_then_skips_then_recovers_interrupted_runs(tmp_path, fits):
+    path = write_sweep(tmp_path, {"model.objective": [FKL, RKL]})
+    main(["sweep", "--config", str(path)])
+    out = tmp_path / "out"
+    first, second = names = ["objective=ForwardKL-seed=42", "objective=ReverseKL-seed=42"]
+    assert len(fits) == 2
+    for name in names:  # the logger's directory is exactly <output>/<name>
+        run_dir = out / name
+        assert (run_dir / "config.yaml").is_file() and list(run_dir.glob("events.out.tfevents.*"))
+        assert (run_dir / "checkpoints" / "last.ckpt").is_file() and not list(run_dir.glob("version_*"))
+        assert json.loads((run_dir / "DONE").read_text())["global_step"] == 1
+    config = yaml.safe_load((out / second / "config.yaml").read_text())
+    assert config["model"]["objective"]["class_path"] == "kdlab.objectives.ReverseKL" and config["seed_everything"] == 42
+    assert json.loads((out / second / "run_info.json").read_text())["argv"][1] == "fit"  # the run's own command line
+    assert statuses(tmp_path) == {first: "done", second: "done"}
+
+    finished = {name: (out / name / "DONE").stat().st_mtime_ns for name in names}
+    main(["sweep", "--config", str(path)])  # everything done: nothing runs
+    assert len(fits) == 2 and finished == {name: (out / name / "DONE").stat().st_mtime_ns for name in names}
+    assert statuses(tmp_path) == {first: "skipped", second: "skipped"}
+
+    (out / first / "DONE").unlink()  # interrupted after its last checkpoint: resumed from it
+    (out / second / "DONE").unlink()  # interrupted before any checkpoint: started again from scratch
+    shutil.rmtree(out / second / "checkpoints")
+    (out / second / "leftover").write_text("from the interrupted attempt")
+    main(["sweep", "--config", str(path)])
+    assert len(fits) == 4 and any(a.startswith("--ckpt_path=") and a.endswith("last.ckpt") for a in fits[2])
+    assert json.loads((out / first / "DONE").read_text())["resumed_from"].endswith("last.ckpt")
+    assert json.loads((out / second / "DONE").read_text())["resumed_from"] is None
+    assert not (out / second / "leftover").exists()
+
+
+def test_a_failing_run_is_reported_and_the_sweep_goes_on(tmp_path, capsys, fits):
+    path = write_sweep(tmp_path, {"model.lr": [-1.0, 1.0e-3]})  # lr -1 fails when the module is built
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sweep", "--config", str(path)])
+    assert exit_info.value.code == 1
+    assert "1 of 2 runs failed" in capsys.readouterr().err
+    runs = {run["name"]: run for run in json.loads((tmp_path / "out" / "sweep.json").read_text())["runs"]}
+    assert runs["lr=-1.0-seed=42"]["status"] == "failed" and "lr must be > 0" in runs["lr=-1.0-seed=42"]["error"]
+    assert runs["lr=0.001-seed=42"]["status"] == "done" and (tmp_path / "out" / "lr=0.001-seed=42" / "DONE").is_file()
+
+
+def test_processes_mode_runs_fits_in_subprocesses(tmp_path, capsys):
+    path = write_sweep(tmp_path, {"model.lr": [-1.0, 1.0e-3]}, mode="processes", max_parallel=2)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sweep", "--config", str(path)])
+    assert exit_info.value.code == 1
+    out = tmp_path / "out"
+    assert statuses(tmp_path) == {"lr=-1.0-seed=42": "failed", "lr=0.001-seed=42": "done"}
+    assert "lr must be > 0" in (out / "lr=-1.0-seed=42" / "fit.log").read_text()
+    assert (out / "lr=0.001-seed=42" / "DONE").is_file() and (out / "lr=0.001-seed=42" / "config.yaml").is_file()
+
+
+class CtrlCAtStart(Callback):
+    """Presses Ctrl+C as training starts (Lightning then ignores SIGINT and calls sys.exit(1))."""
+
+    def on_train_start(self, trainer, pl_module):
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_stops_the_sweep_and_running_it_again_continues(tmp_path, fits):
+    interrupting = {**FAST, "trainer.callbacks": [*FAST["trainer.callbacks"], {"class_path": f"{__name__}.CtrlCAtStart"}]}
+    path = write_sweep(tmp_path, {"model.lr": [1.0e-3, 5.0e-3]}, overrides=interrupting)
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sweep", "--config", str(path)])
+    assert exit_info.value.code == 130 and signal.getsignal(signal.SIGINT) is handler  # Ctrl+C works again
+    assert statuses(tmp_path) == {"lr=0.001-seed=42": "interrupted", "lr=0.005-seed=42": "pending"} and len(fits) == 1
+    main(["sweep", "--config", str(write_sweep(tmp_path, {"model.lr": [1.0e-3, 5.0e-3]}))])
+    assert statuses(tmp_path) == {"lr=0.001-seed=42": "done", "lr=0.005-seed=42": "done"} and len(fits) == 3
