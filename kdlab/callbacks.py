@@ -27,14 +27,19 @@ from kdlab.metrics import pass_at_k, sparsity_counts, spanish_share
 from kdlab.tasks.base import Task
 
 
+def run_directory(trainer: pl.Trainer) -> str:
+    """The run's log directory. Call it on every rank: ``Trainer.log_dir`` is a collective broadcast."""
+    return trainer.log_dir or trainer.default_root_dir
+
+
 def report(trainer: pl.Trainer, metrics: dict[str, float], step: int | None = None) -> None:
     """Send ``metrics`` to every logger and append them to ``<log_dir>/metrics.jsonl`` (rank 0)."""
     step = trainer.global_step if step is None else step
     values = {name: float(value) for name, value in metrics.items()}
     for logger in trainer.loggers:
         logger.log_metrics(values, step=step)
+    directory = Path(run_directory(trainer))
     if trainer.is_global_zero:
-        directory = Path(trainer.log_dir or trainer.default_root_dir)
         directory.mkdir(parents=True, exist_ok=True)
         with (directory / "metrics.jsonl").open("a", encoding="utf-8") as handle:
             handle.write(json.dumps({"step": step, **values}) + "\n")
@@ -189,6 +194,7 @@ class _Evaluates(_Periodic):
             batch_size=self.batch_size,
             generator=generator,
             vocab_size=getattr(pl_module, "vocab_size", None),
+            all_done=pl_module.all_done_hook() if hasattr(pl_module, "all_done_hook") else None,
         )
 
 

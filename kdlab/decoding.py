@@ -127,12 +127,17 @@ def sample_tokens(
     generator: torch.Generator | None,
     greedy: bool = False,
     device: torch.device | str = "cpu",
+    all_done: Callable[[bool], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw completions token by token until every row has produced an end token or the budget ends.
 
     Returns ``ids (B, C)`` (``pad_token_id`` after a row's end), ``mask (B, C)`` bool (True on each
     row's tokens, end token included) and ``entropy (B, C)`` of the distribution each token was
     drawn from (0 where masked). ``C <= max_new_tokens``.
+
+    ``all_done(local_done) -> bool`` makes the stopping decision collective: with sharded models every
+    forward is a collective operation, so all ranks must take the same number of steps (a rank whose
+    rows have all ended keeps feeding padding until every rank is done).
     """
     eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
@@ -150,7 +155,10 @@ def sample_tokens(
         masks.append(alive)
         entropies.append(torch.where(alive, entropy(logprobs), 0.0))
         finished = finished | torch.isin(token, eos)
-        if bool(finished.all()):
+        done = bool(finished.all())
+        if all_done is not None:
+            done = all_done(done)
+        if done:
             break
         previous = token
     if not tokens:

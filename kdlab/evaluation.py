@@ -6,7 +6,7 @@ so evaluation samples are reproducible.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -31,11 +31,13 @@ def generate(
     batch_size: int = 16,
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
+    all_done: Callable[[bool], bool] | None = None,
 ) -> list[str]:
     """Completion texts for ``examples``, prompted as ``role`` (``"student"`` or ``"teacher"``).
 
     ``temperature`` 0 decodes greedily. The model is put in eval mode for the call and its mode is
-    restored afterwards.
+    restored afterwards. ``all_done`` makes stopping collective under sharded training; every rank
+    must then call with the same number of batches.
     """
     device = next(model.parameters()).device
     vocab = vocab_size or len(tokenizer)
@@ -58,6 +60,7 @@ def generate(
                 generator=generator,
                 greedy=temperature == 0,
                 device=device,
+                all_done=all_done,
             )
             texts += decode_completions(tokenizer, out_ids, out_mask, end_ids)
     finally:

@@ -25,6 +25,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
+from kdlab.callbacks import run_directory
 from kdlab.components import Component
 from kdlab.data import encode_prompts
 from kdlab.decoding import completion_logits
@@ -69,6 +70,8 @@ class DistillModule(pl.LightningModule):
         max_bad_steps: a step whose gradients are non-finite is skipped (no parameter or optimiser-state
             update) and counted in ``train/skipped_steps``; this many in a row stop the run with a
             message naming the step, the objective and the last good checkpoint.
+        teacher_placement: under ``ModelParallelStrategy`` (FSDP2) the student is always sharded;
+            ``replicate`` keeps a whole teacher on every device, ``shard`` shards it like the student.
         seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each
             step's streams are derived from (seed, stage, epoch, batch index), so a resumed run draws
             what an uninterrupted one would.
@@ -97,6 +100,7 @@ class DistillModule(pl.LightningModule):
         eval_samples: int = 1,
         eval_ks: tuple[int, ...] = (1,),
         max_bad_steps: int = 10,
+        teacher_placement: str = "replicate",
         seed: int = 42,
     ) -> None:
         super().__init__()
@@ -133,6 +137,10 @@ class DistillModule(pl.LightningModule):
         if max_bad_steps < 1:
             raise ValueError(f"DistillModule.max_bad_steps must be >= 1, got {max_bad_steps}")
         self.max_bad_steps, self._bad_steps, self._counted_step = max_bad_steps, 0, 0
+        if teacher_placement not in ("replicate", "shard"):
+            raise ValueError(f"DistillModule.teacher_placement must be 'replicate' or 'shard', got {teacher_placement!r}")
+        self.teacher_placement = teacher_placement
+        self._sharded = False
         self.pass_at_k = torch.nn.ModuleDict({stage: PassAtK(ks=tuple(eval_ks)) for stage in ("val", "test")})
         self.seed = seed
 
@@ -148,6 +156,25 @@ class DistillModule(pl.LightningModule):
         self.end_ids = end_token_ids(self.student_tokenizer, self.student)
         self.pad_id = int(self.student_tokenizer.pad_token_id)
         self._eval_records: list[dict[str, Any]] = []
+
+    # ---- parallelism ----------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """FSDP2 under Lightning's ``ModelParallelStrategy``: each decoder layer (the model's
+        ``_no_split_modules``) and then the whole student get ``fully_shard`` over the data-parallel
+        mesh; the teacher too when ``teacher_placement == "shard"``. Other strategies need nothing here."""
+        mesh = self.device_mesh if self._trainer is not None else None
+        if mesh is None or self._sharded:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        data_parallel = mesh["data_parallel"]
+        for model in [self.student] + ([self.teacher] if self.teacher_placement == "shard" else []):
+            blocks = set(getattr(model, "_no_split_modules", None) or [])
+            for module in model.modules():
+                if type(module).__name__ in blocks:
+                    fully_shard(module, mesh=data_parallel)
+            fully_shard(model, mesh=data_parallel)
+        self._sharded = True
 
     # ---- modes ----------------------------------------------------------------------------
     def train(self, mode: bool = True) -> DistillModule:
@@ -211,7 +238,15 @@ class DistillModule(pl.LightningModule):
             student_temperature=self.student_temperature,
             teacher_temperature=self.teacher_temperature,
             generator=generator,
+            all_done=self.all_done_hook(),
         )
+
+    def all_done_hook(self):
+        """``None`` on one process; else a collective "have all ranks finished decoding" decision."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size == 1:
+            return None
+        return lambda done: trainer.strategy.reduce_boolean_decision(done, all=True)
 
     def make_rollout(self, examples: list[Example], seed: int, policy: RolloutPolicy | None = None):
         """Completions for ``examples`` from ``policy`` (default: this module's rollout policy),
@@ -309,6 +344,7 @@ class DistillModule(pl.LightningModule):
             batch_size=len(examples),
             generator=self._generator(seed),
             vocab_size=self.vocab_size,
+            all_done=self.all_done_hook(),
         )
 
     def _evaluate(self, stage: str, batch: list[Example], batch_idx: int) -> None:
@@ -346,9 +382,11 @@ class DistillModule(pl.LightningModule):
         """Per-example results (prompt, completion, score) as JSONL beside the TensorBoard logs."""
         records, self._eval_records = self._eval_records, []
         trainer = self._trainer
-        if trainer is None or trainer.sanity_checking or not trainer.is_global_zero:
+        if trainer is None or trainer.sanity_checking:
             return
-        log_dir = trainer.log_dir or trainer.default_root_dir
+        log_dir = run_directory(trainer)  # on every rank: it is a collective call
+        if not trainer.is_global_zero:
+            return
         path = Path(log_dir) / "samples" / f"{stage}-step{self.global_step:06d}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w", encoding="utf-8") as handle:
@@ -356,9 +394,9 @@ class DistillModule(pl.LightningModule):
                 handle.write(json.dumps(record, ensure_ascii=False) + "\n")
 
     def on_fit_start(self) -> None:
-        trainer = self.trainer
-        if trainer.is_global_zero:
-            write_run_info(trainer.log_dir or trainer.default_root_dir)
+        log_dir = run_directory(self.trainer)  # on every rank: it is a collective call
+        if self.trainer.is_global_zero:
+            write_run_info(log_dir)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -22,10 +22,16 @@ class FiniteAdamW(torch.optim.AdamW):
         self.last_skipped = False
 
     def gradients_finite(self) -> bool:
+        """Whether every gradient entry is finite, on every rank (sharded gradients are checked shard by
+        shard and the decision is reduced, so all ranks skip or step together)."""
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if not grads:
-            return True
-        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        finite = torch.tensor(all(bool(torch.isfinite(g).all()) for g in local), dtype=torch.int32)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            if grads:
+                finite = finite.to(local[0].device)
+            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        return bool(finite.item())
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -14,6 +14,7 @@ eval mode, and the parent module restores the student's training mode afterwards
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,8 @@ class RolloutContext:
     student_temperature: float
     teacher_temperature: float
     generator: torch.Generator | None
+    all_done: Callable[[bool], bool] | None = None
+    """Collective stopping decision under sharded training (see :func:`kdlab.decoding.sample_tokens`)."""
 
     def decoder(self, model: str, prompts: PromptBatch) -> IncrementalLM:
         """An incremental decoder for ``"student"`` or ``"teacher"`` at that model's temperature."""
@@ -56,6 +59,7 @@ class RolloutContext:
             pad_token_id=self.pad_token_id,
             generator=self.generator,
             device=prompts.student_ids.device,
+            all_done=self.all_done,
         )
         return Rollout(prompts, ids, mask, entropy)
 

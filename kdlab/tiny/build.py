@@ -79,16 +79,18 @@ def build_random_pair(out_dir: Path) -> None:
 RECIPE: dict[str, Any] = {
     "tokenizer_vocab": 512,
     "teacher": {"hidden": 128, "layers": 4, "heads": 4, "seed": 11},
-    "student": {"hidden": 64, "layers": 2, "heads": 4, "seed": 12},
-    # Countdown-3 problems the teacher trains on (English), and the share also shown in Spanish
-    "teacher_countdown": 60000,
+    "student": {"hidden": 64, "layers": 3, "heads": 4, "seed": 12},
+    # The teacher learns Countdown-3 in phases, each on freshly drawn problems (English), a share of
+    # them also shown with the Spanish instruction; later phases continue from the earlier weights.
+    "teacher_phases": [
+        {"countdown": 60000, "data_seed": 1234, "epochs": 2, "lr": 3e-3},
+        {"countdown": 60000, "data_seed": 1244, "epochs": 3, "lr": 1.5e-3},
+    ],
     "teacher_spanish_share": 0.25,
-    "teacher_epochs": 2,
-    "teacher_lr": 3e-3,
     # the student: earlier skills well, Countdown-3 a little (so distillation has room)
-    "student_skill_examples": 6000,
+    "student_skill_examples": 15000,
     "student_countdown": 2000,
-    "student_epochs": 3,
+    "student_epochs": 4,
     "student_lr": 3e-3,
     "batch_size": 64,
     "eval_examples": 200,
@@ -104,6 +106,9 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def _train(model_dir: Path, rows: list[dict[str, Any]], epochs: int, lr: float, batch_size: int, log_dir: Path, name: str) -> None:
     """SFT ``model_dir`` in place on ``rows`` with kdlab's SFTModule (cosine, 5% warm-up, clip 1.0)."""
+    from lightning.pytorch import seed_everything
+
+    seed_everything(0, workers=True)  # each training call starts from the same global RNG state
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -157,14 +162,35 @@ def measure(model_dir: Path, recipe: dict[str, Any] = RECIPE) -> dict[str, Any]:
     return results
 
 
-def build_world(out_dir: Path, recipe: dict[str, Any] = RECIPE) -> dict[str, Any]:
-    """Train and measure the tiny world's teacher and student; write them and MODEL_CARD.md to ``out_dir``."""
+def train_teacher_phase(model_dir: Path, phase: dict[str, Any], recipe: dict[str, Any] = RECIPE) -> None:
+    """One teacher phase: ``phase["countdown"]`` fresh Countdown-3 problems in English, a share also in Spanish."""
     import random
 
+    from kdlab.tiny.world import countdown, countdown_rows
+
+    task = countdown(num_train=phase["countdown"], num_val=0, num_test=0, seed=phase["data_seed"])
+    english = countdown_rows(task, "train", "english")
+    spanish = countdown_rows(task, "train", "spanish")
+    spanish = random.Random(phase["data_seed"]).sample(spanish, int(len(english) * recipe["teacher_spanish_share"]))
+    _train(model_dir, english + spanish, phase["epochs"], phase["lr"], recipe["batch_size"], model_dir.parent / "logs", "teacher")
+
+
+def train_student(model_dir: Path, recipe: dict[str, Any] = RECIPE) -> None:
+    """The student: the four earlier skills, and a little Countdown-3 in English."""
+    from kdlab.tiny.world import countdown, countdown_rows, skill_rows, skills
+
+    seed = recipe["data_seed"]
+    task = countdown(num_train=recipe["student_countdown"], num_val=0, num_test=0, seed=seed + 1)
+    rows = skill_rows(skills(num_train=recipe["student_skill_examples"], num_val=0, seed=seed)) + countdown_rows(task, "train", "english")
+    _train(model_dir, rows, recipe["student_epochs"], recipe["student_lr"], recipe["batch_size"], model_dir.parent / "logs", "student")
+
+
+def build_world(out_dir: Path, recipe: dict[str, Any] = RECIPE) -> dict[str, Any]:
+    """Train and measure the tiny world's teacher and student; write them and MODEL_CARD.md to ``out_dir``."""
     from lightning.pytorch import seed_everything
 
     from kdlab.tiny.tokenizer import CHAT_TEMPLATE
-    from kdlab.tiny.world import corpus, countdown, countdown_rows, skill_rows, skills
+    from kdlab.tiny.world import corpus
 
     torch.set_num_threads(1)  # tiny matrices: one thread is fastest and makes the build repeatable
     seed_everything(0, workers=True)
@@ -178,18 +204,9 @@ def build_world(out_dir: Path, recipe: dict[str, Any] = RECIPE) -> dict[str, Any
     student = tiny_qwen2(vocab, **recipe["student"])
     save_pair(work, tokenizer, {"teacher": teacher, "student": student})
 
-    seed = recipe["data_seed"]
-    rng = random.Random(seed)
-    teacher_task = countdown(num_train=recipe["teacher_countdown"], num_val=0, num_test=0, seed=seed)
-    english = countdown_rows(teacher_task, "train", "english")
-    spanish = rng.sample(countdown_rows(teacher_task, "train", "spanish"), int(len(english) * recipe["teacher_spanish_share"]))
-    _train(work / "teacher", english + spanish, recipe["teacher_epochs"], recipe["teacher_lr"], recipe["batch_size"], work / "logs", "teacher")
-
-    student_task = countdown(num_train=recipe["student_countdown"], num_val=0, num_test=0, seed=seed + 1)
-    student_rows = skill_rows(skills(num_train=recipe["student_skill_examples"], num_val=0, seed=seed)) + countdown_rows(
-        student_task, "train", "english"
-    )
-    _train(work / "student", student_rows, recipe["student_epochs"], recipe["student_lr"], recipe["batch_size"], work / "logs", "student")
+    for phase in recipe["teacher_phases"]:
+        train_teacher_phase(work / "teacher", phase, recipe)
+    train_student(work / "student", recipe)
 
     measured = {role: measure(work / role, recipe) for role in ("teacher", "student")}
     measured["build_seconds"] = round(time.time() - started)

@@ -1,0 +1,43 @@
+"""Multi-process training on CPU (gloo): FSDP2 through ModelParallelStrategy, and DDP, give the same
+student as one process with the same global batch."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+
+
+def run(layout: str, out: Path) -> dict[str, torch.Tensor]:
+    out.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(WORKER), str(out), layout], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sparsity = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    return torch.load(out / "student.pt", weights_only=True), sparsity
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return run("single", tmp_path_factory.mktemp("single") / "out")
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "ddp"])
+def test_two_processes_train_the_same_student_as_one(single, layout, tmp_path):
+    (sharded, sharded_sparsity), (whole, whole_sparsity) = run(layout, tmp_path / layout), single
+    assert sharded.keys() == whole.keys()
+    for name, value in whole.items():
+        torch.testing.assert_close(sharded[name], value, atol=1e-6, rtol=0, msg=name)
+    if layout == "fsdp2":  # and each rank held about half of the student
+        shares = [json.loads((tmp_path / layout / f"rank{r}.json").read_text()) for r in (0, 1)]
+        assert sum(s["local"] for s in shares) == shares[0]["total"]
+        assert all(abs(s["local"] / s["total"] - 0.5) < 0.01 for s in shares)
+    # update sparsity counted on each shard and summed equals the single-process number
+    for key in ("sparsity/1e-06", "sparsity/0.001", "sparsity/0.001/attention"):
+        assert sharded_sparsity[key] == pytest.approx(whole_sparsity[key], abs=1e-4), key
+    assert 0.0 < whole_sparsity["sparsity/0.001"] < 1.0
