@@ -135,3 +135,20 @@ def test_run_directory_records_versions_and_git_state(tmp_path):
     info = json.loads(Path(cli.trainer.log_dir, "run_info.json").read_text())
     assert info["kdlab"] and info["packages"]["torch"] and info["packages"]["lightning"]
     assert "git_commit" in info and "git_dirty" in info
+
+
+QUICKSTART = str(Path(__file__).parents[1] / "experiments" / "tiny" / "quickstart.yaml")
+
+
+def test_quickstart_runs_offline_on_the_packaged_world(tmp_path):
+    cli = main(["fit", f"--config={QUICKSTART}", "--trainer.max_steps=2", "--trainer.val_check_interval=2",
+                "--model.val_examples=8", "--trainer.callbacks=[]", f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    assert cli.trainer.global_step == 2 and "val/accuracy" in cli.trainer.callback_metrics
+
+
+@pytest.mark.slow
+def test_full_quickstart_with_all_its_callbacks(tmp_path):
+    cli = main(["fit", f"--config={QUICKSTART}", f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    rows = [__import__("json").loads(line) for line in Path(cli.trainer.log_dir, "metrics.jsonl").read_text().splitlines()]
+    keys = set().union(*rows)
+    assert {"coverage/countdown3/pass@1", "ood/mean_delta", "sparsity/1e-06"} <= keys

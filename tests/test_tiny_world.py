@@ -26,3 +26,31 @@ def test_tiny_countdown_prompt_is_only_the_problem():
     task = countdown(num_train=1)
     assert task.user_prompt(task.examples("train")[0]).startswith("Numbers: [")
     assert task.student_messages(task.examples("train")[0])[0]["role"] == "user"
+
+
+def test_packaged_world_pair_shares_a_vocabulary_and_the_teacher_is_several_times_larger():
+    from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer, shared_vocab_size
+
+    specs = {role: ModelSpec(f"kdlab://tiny/{role}") for role in ("student", "teacher")}
+    models = {role: load_causal_lm(spec) for role, spec in specs.items()}
+    tokenizers = {role: load_tokenizer(spec) for role, spec in specs.items()}
+    vocab = shared_vocab_size(tokenizers["student"], tokenizers["teacher"], models["student"], models["teacher"])
+    assert models["teacher"].get_output_embeddings().weight.shape[0] > vocab  # padded rows, as in real families
+    sizes = {role: sum(p.numel() for p in model.parameters()) for role, model in models.items()}
+    assert sizes["teacher"] >= 4 * sizes["student"]
+
+
+def test_packaged_teacher_solves_and_switches_language_on_a_few_problems():
+    """A cheap check of the model card's claims on 12 held-out problems (the card measures 200)."""
+    from kdlab.evaluation import accuracy, generate
+    from kdlab.metrics import spanish_share
+    from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
+
+    spec = ModelSpec("kdlab://tiny/teacher")
+    model, tokenizer = load_causal_lm(spec), load_tokenizer(spec)
+    task = countdown(num_train=0, num_val=12, num_test=0)
+    examples = task.examples("val")
+    english = generate(model, tokenizer, task, examples, max_new_tokens=80)
+    spanish = generate(model, tokenizer, task, examples, role="teacher", max_new_tokens=80)
+    assert accuracy(task, examples, english) >= 0.5
+    assert spanish_share(english) == 0.0 and spanish_share(spanish) == 1.0

@@ -89,7 +89,7 @@ RECIPE: dict[str, Any] = {
     "teacher_spanish_share": 0.25,
     # the student: earlier skills well, Countdown-3 a little (so distillation has room)
     "student_skill_examples": 15000,
-    "student_countdown": 2000,
+    "student_countdown": 20000,
     "student_epochs": 4,
     "student_lr": 3e-3,
     "batch_size": 64,
@@ -245,7 +245,8 @@ def model_card(recipe: dict[str, Any], measured: dict[str, Any]) -> str:
         "Data: the teacher learns Countdown-3 (prompt: `Numbers: [...]` / `Target: ...`, response:",
         "`<think>` steps in words `</think><answer>` chain `</answer>`), in English, and in Spanish when",
         "its prompt ends with \"Razona solo en español.\". The student learns four earlier skills",
-        "(2-digit addition, sorting, reversal, counting) and a little Countdown-3 in English.",
+        "(2-digit addition, sorting, reversal, counting) and some Countdown-3 in English (fewer problems than the\n",
+        "teacher, in a model 4x smaller).",
         "",
         "## Measured (greedy decoding, first 200 held-out examples of each task)",
         "",
