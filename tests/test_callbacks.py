@@ -145,3 +145,15 @@ def test_policies_expose_their_next_token_distribution():
     assert torch.equal(StudentRollouts().next_token_logprobs(s, t), s)
     assert torch.equal(TeacherRollouts().next_token_logprobs(s, t), t)
     assert torch.equal(MixtureRollouts(0.3).next_token_logprobs(s, t), mixture_logprobs(s, t, 0.3))
+
+
+def test_missing_language_detector_fails_at_construction_naming_the_extra(monkeypatch):
+    import kdlab.metrics as metrics
+
+    metrics._identifier.cache_clear()
+    monkeypatch.setitem(__import__("sys").modules, "py3langid", None)
+    try:
+        with pytest.raises(ImportError, match=r"pip install 'kdlab\[eval\]'"):
+            StyleTransfer([Addition(num_val=1)])
+    finally:
+        metrics._identifier.cache_clear()
