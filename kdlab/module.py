@@ -218,8 +218,9 @@ class DistillModule(pl.LightningModule):
         return prompts
 
     def step_seed(self, stage: str, batch_idx: int) -> int:
-        """A 63-bit seed for one step's random streams, from (seed, stage, epoch, batch index)."""
-        key = f"{self.seed}/{stage}/{self.current_epoch}/{batch_idx}"
+        """A 63-bit seed for one step's random streams, from (seed, stage, rank, epoch, batch index):
+        reproducible, resumable, and independent across data-parallel ranks."""
+        key = f"{self.seed}/{stage}/{self.global_rank}/{self.current_epoch}/{batch_idx}"
         return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
     def _generator(self, seed: int) -> torch.Generator:
@@ -352,7 +353,7 @@ class DistillModule(pl.LightningModule):
         repeated = [example for example in batch for _ in range(n)]
         completions = self.generate(repeated, self.val_temperature, self.step_seed(stage, batch_idx))
         scores = [float(self.task.score(example, text)) for example, text in zip(repeated, completions)]
-        self.log(f"{stage}/accuracy", sum(scores) / len(scores), batch_size=len(batch), prog_bar=stage == "val")
+        self.log(f"{stage}/accuracy", sum(scores) / len(scores), batch_size=len(batch), prog_bar=stage == "val", sync_dist=True)
         self.pass_at_k[stage].update(torch.tensor(scores).reshape(len(batch), n) >= 1.0)
         self._log_reports(stage, len(batch))
         self._eval_records.extend(
@@ -362,7 +363,7 @@ class DistillModule(pl.LightningModule):
 
     def _finish_evaluation(self, stage: str) -> None:
         for k, value in self.pass_at_k[stage].compute().items():
-            self.log(f"{stage}/pass@{k}", value.float())
+            self.log(f"{stage}/pass@{k}", value.float())  # the metric itself is already reduced across ranks
         self.pass_at_k[stage].reset()
         self._write_records(stage)
 
