@@ -14,12 +14,18 @@ import sys
 
 from lightning.pytorch.cli import LightningCLI
 
+from kdlab.checkpointing import FinalCheckpoint
 from kdlab.module import DistillModule
 
 
 class KDLabCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("seed_everything", "model.seed")
+
+    def before_fit(self) -> None:
+        """Every fit ends with a checkpoint of its final state (see :mod:`kdlab.checkpointing`)."""
+        if not any(isinstance(callback, FinalCheckpoint) for callback in self.trainer.callbacks):
+            self.trainer.callbacks.append(FinalCheckpoint())
 
 
 def main(args: list[str] | None = None):

@@ -152,3 +152,19 @@ def test_full_quickstart_with_all_its_callbacks(tmp_path):
     rows = [__import__("json").loads(line) for line in Path(cli.trainer.log_dir, "metrics.jsonl").read_text().splitlines()]
     keys = set().union(*rows)
     assert {"coverage/countdown3/pass@1", "ood/mean_delta", "sparsity/1e-06"} <= keys
+
+
+def test_fit_always_leaves_a_checkpoint_of_its_final_step(tmp_path):
+    cli = fit(tmp_path, "--trainer.max_steps=3", "--trainer.limit_val_batches=0")  # stops mid-epoch, no validation
+    final = Path(cli.trainer.log_dir, "checkpoints", "final.ckpt")
+    state = torch.load(final, map_location="cpu", weights_only=True)
+    assert state["global_step"] == 3
+    for name, value in cli.model.student.state_dict().items():
+        assert torch.equal(state["state_dict"][f"student.{name}"], value)
+
+
+def test_a_run_that_raises_leaves_its_last_state(tmp_path):
+    with pytest.raises(RuntimeError, match="consecutive"):
+        fit(tmp_path, "--trainer.max_steps=5", "--trainer.limit_val_batches=0", "--model.max_bad_steps=1",
+            "--model.objective=kdlab.objectives.ForwardKL", "--model.lr=1.0e+30", "--model.warmup_steps=0")
+    assert list(Path(tmp_path).rglob("on_exception.ckpt"))
