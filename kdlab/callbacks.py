@@ -389,7 +389,8 @@ class RolloutSensitivity(_Periodic):
     """How much the rollout policy changes the update, next to how far apart the policies are.
 
     Every ``every_n_steps`` steps, on the first ``examples`` training prompts, rollouts are drawn from
-    the module's policy and from a ``reference`` policy (default: the other end of the spectrum), and
+    the module's policy and from a ``reference`` policy (default: teacher rollouts for a policy on the
+    student's side of the spectrum, lam >= 0, else student rollouts), and
     for the module's objective it logs:
 
     * ``theory/tv_policy_teacher``, ``theory/tv_policy_student`` (and ``theory/tv_reference_*``):
@@ -415,7 +416,9 @@ class RolloutSensitivity(_Periodic):
 
         if self.reference is not None:
             return self.reference
-        return TeacherRollouts() if isinstance(pl_module.rollout, StudentRollouts) else StudentRollouts()
+        policy = pl_module.rollout
+        student_side = isinstance(policy, StudentRollouts) or getattr(policy, "lam", -1.0) >= 0
+        return TeacherRollouts() if student_side else StudentRollouts()
 
     @staticmethod
     def total_variation(policy, student_logits, teacher_logits, mask) -> tuple[float, float]:
@@ -433,10 +436,14 @@ class RolloutSensitivity(_Periodic):
         return (totals / max(count, 1)).tolist()
 
     def measure(self, trainer, pl_module) -> None:
-        examples = pl_module.task.examples("train")[: self.examples]
+        reference = self.reference_policy(pl_module)
+        usable = [ex for ex in pl_module.task.examples("train") if pl_module.rollout.covers(ex) and reference.covers(ex)]
+        examples = usable[: self.examples]
+        if not examples:
+            return
         params = [p for p in pl_module.student.parameters() if p.requires_grad]
         metrics, grads = {}, {}
-        for name, policy in (("policy", pl_module.rollout), ("reference", self.reference_policy(pl_module))):
+        for name, policy in (("policy", pl_module.rollout), ("reference", reference)):
             rollout = pl_module.make_rollout(examples, self.seed + trainer.global_step, policy=policy)
             if not bool(rollout.completion_mask.any()):
                 return

@@ -5,7 +5,7 @@
 
 Components (``task``, ``rollout``, ``objective``) are chosen with ``class_path``/``init_args``;
 ``--print_config`` shows every knob. TensorBoard is the default logger; ``seed_everything``
-(default 42) also seeds the module's rollout and sampling streams unless ``model.seed`` is set.
+(default 42) is linked to ``model.seed``, so it also seeds the module's rollout and sampling streams.
 """
 
 from __future__ import annotations

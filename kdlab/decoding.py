@@ -112,11 +112,6 @@ class IncrementalLM:
         return self._logprobs(outputs)
 
 
-def entropy(logprobs: torch.Tensor) -> torch.Tensor:
-    """Entropy in nats of each row of normalised log-probs ``(..., V) -> (...)``; -inf entries count 0."""
-    return -(logprobs.exp() * logprobs.clamp(min=-1e30)).sum(-1)
-
-
 @torch.no_grad()
 def sample_tokens(
     next_logprobs: NextLogprobs,
@@ -145,15 +140,16 @@ def sample_tokens(
     previous = None
     for _ in range(max_new_tokens):
         logprobs = next_logprobs(previous)
+        probs = logprobs.exp()
         if greedy:
             token = logprobs.argmax(dim=-1)
         else:
-            token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         alive = ~finished
         token = torch.where(alive, token, torch.full_like(token, pad_token_id))
         tokens.append(token)
         masks.append(alive)
-        entropies.append(torch.where(alive, entropy(logprobs), 0.0))
+        entropies.append(torch.where(alive, -(probs * logprobs.clamp(min=-1e30)).sum(-1), 0.0))
         finished = finished | torch.isin(token, eos)
         done = bool(finished.all())
         if all_done is not None:

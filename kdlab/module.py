@@ -23,7 +23,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from kdlab.callbacks import run_directory
 from kdlab.components import Component
@@ -37,6 +37,25 @@ from kdlab.optim import FiniteAdamW, warmup_factor
 from kdlab.provenance import write_run_info
 from kdlab.rollouts import RolloutContext, RolloutPolicy, TeacherRollouts
 from kdlab.tasks.base import Example, Task
+
+
+class EpochShuffle(Sampler[int]):
+    """A random order of ``size`` indices drawn from (seed, epoch): Lightning calls ``set_epoch``, so a
+    run resumed at epoch e shuffles epoch e as an uninterrupted run would (under data parallelism
+    Lightning wraps it in a distributed sampler)."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.size, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.size
 
 
 def _positive(name: str, value: float) -> None:
@@ -73,8 +92,8 @@ class DistillModule(pl.LightningModule):
         teacher_placement: under ``ModelParallelStrategy`` (FSDP2) the student is always sharded;
             ``replicate`` keeps a whole teacher on every device, ``shard`` shards it like the student.
         seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each
-            step's streams are derived from (seed, stage, epoch, batch index), so a resumed run draws
-            what an uninterrupted one would.
+            step's streams are derived from (seed, stage, rank, epoch, batch index) and each epoch's
+            order from (seed, epoch), not from how long the process has been running.
     """
 
     def __init__(
@@ -153,7 +172,8 @@ class DistillModule(pl.LightningModule):
         self.teacher.requires_grad_(False)
         self.student.train()  # from_pretrained returns eval mode; Lightning keeps modes as it finds them
         self.teacher.eval()
-        self.end_ids = end_token_ids(self.student_tokenizer, self.student)
+        # a completion ends at either model's end token (their chat templates may differ)
+        self.end_ids = tuple(dict.fromkeys(end_token_ids(self.student_tokenizer, self.student) + end_token_ids(self.teacher_tokenizer, self.teacher)))
         self.pad_id = int(self.student_tokenizer.pad_token_id)
         self._eval_records: list[dict[str, Any]] = []
 
@@ -197,8 +217,7 @@ class DistillModule(pl.LightningModule):
         examples = [ex for ex in self._split("train") if self.rollout.covers(ex)]
         if not examples:
             raise ValueError(f"{type(self.rollout).__name__} has a completion for no train example of {type(self.task).__name__}")
-        order = torch.Generator().manual_seed(self.seed)
-        return DataLoader(examples, batch_size=self.batch_size, shuffle=True, generator=order, collate_fn=list)
+        return DataLoader(examples, batch_size=self.batch_size, sampler=EpochShuffle(len(examples), self.seed), collate_fn=list)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self._split("val", self.val_examples), batch_size=self.val_batch_size, collate_fn=list)
@@ -271,7 +290,7 @@ class DistillModule(pl.LightningModule):
         if self.student_temperature != 1.0:
             student = student / self.student_temperature
         if self.teacher_temperature != 1.0:
-            teacher = teacher / self.teacher_temperature
+            teacher = teacher.div_(self.teacher_temperature)  # a fresh no-grad tensor: no second (B, C, V) copy
         return student, teacher
 
     def training_step(self, batch: list[Example], batch_idx: int) -> torch.Tensor | None:
@@ -386,9 +405,8 @@ class DistillModule(pl.LightningModule):
         if trainer is None or trainer.sanity_checking:
             return
         log_dir = run_directory(trainer)  # on every rank: it is a collective call
-        if not trainer.is_global_zero:
-            return
-        path = Path(log_dir) / "samples" / f"{stage}-step{self.global_step:06d}.jsonl"
+        rank = f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""  # each rank saw its own shard
+        path = Path(log_dir) / "samples" / f"{stage}-step{self.global_step:06d}{rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w", encoding="utf-8") as handle:
             for record in records:

@@ -24,12 +24,12 @@ class FiniteAdamW(torch.optim.AdamW):
     def gradients_finite(self) -> bool:
         """Whether every gradient entry is finite, on every rank (sharded gradients are checked shard by
         shard and the decision is reduced, so all ranks skip or step together)."""
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        finite = torch.tensor(all(bool(torch.isfinite(g).all()) for g in local), dtype=torch.int32)
+        params = [p for group in self.param_groups for p in group["params"]]
+        local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+        device = params[0].device if params else torch.device("cpu")
+        # one stacked reduction and a single host sync, not one per tensor
+        finite = torch.stack([torch.isfinite(g).all() for g in local]).all().int() if local else torch.ones((), dtype=torch.int32, device=device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            if grads:
-                finite = finite.to(local[0].device)
             torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
         return bool(finite.item())
 

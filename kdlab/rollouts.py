@@ -172,17 +172,12 @@ def mixture_logprobs(
     if lam == -1:
         return t
     if -1 < lam < 1:
-        # scale each side separately so that a -inf on one side with weight 0 cannot give 0 * inf
-        z = _scaled(s, (1 + lam) / 2) + _scaled(t, (1 - lam) / 2)
+        z = (1 + lam) / 2 * s + (1 - lam) / 2 * t  # both weights are > 0 here, so -inf stays -inf
     elif lam > 1:
         z = s + (lam - 1) / 2 * _bonus(s, s - t, alpha, clip)
     else:
         z = t + (-lam - 1) / 2 * _bonus(t, t - s, alpha, clip)
     return torch.log_softmax(z, dim=-1)
-
-
-def _scaled(logprobs: torch.Tensor, weight: float) -> torch.Tensor:
-    return logprobs * weight if weight > 0 else torch.zeros_like(logprobs)
 
 
 def _bonus(anchor: torch.Tensor, advantage: torch.Tensor, alpha: float, clip: float) -> torch.Tensor:

@@ -65,7 +65,7 @@ def test_fit_runs_end_to_end_for_each_rollout_and_objective(tmp_path, rollout, o
 
 def test_checkpoint_holds_the_student_but_not_the_teacher_and_reloads(tmp_path):
     cli = fit(tmp_path)
-    (checkpoint,) = Path(cli.trainer.log_dir, "checkpoints").glob("*.ckpt")
+    checkpoint = Path(cli.trainer.log_dir, "checkpoints", "final.ckpt")
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
     assert any(k.startswith("student.") for k in state)
     assert not any(k.startswith("teacher.") for k in state)

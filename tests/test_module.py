@@ -288,3 +288,15 @@ def test_token_reduction_is_not_invariant_to_accumulation_with_ragged_lengths(ti
     whole = accumulated_gradients(tiny_pair, tmp_path, 8, 1, ForwardKL(reduction="token"))
     accumulated = accumulated_gradients(tiny_pair, tmp_path, 2, 4, ForwardKL(reduction="token"))
     assert max((a - b).abs().max().item() for a, b in zip(whole, accumulated)) > 1e-5
+
+
+def test_data_order_depends_only_on_seed_and_epoch():
+    from kdlab.module import EpochShuffle
+
+    a, b = EpochShuffle(50, seed=3), EpochShuffle(50, seed=3)
+    first = list(a)
+    a.set_epoch(1)
+    assert list(a) != first and sorted(list(a)) == list(range(50))
+    b.set_epoch(1)  # a fresh sampler (a resumed run) at epoch 1 shuffles like the original did
+    assert list(b) == list(a)
+    assert list(EpochShuffle(50, seed=4)) != first

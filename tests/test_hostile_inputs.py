@@ -1,0 +1,55 @@
+"""Every verifier scores any string without raising and without evaluating it as code.
+
+The default run throws 300 generated strings at each verifier; ``-m slow`` throws 10,000 at each.
+Strings mix arbitrary text with fragments that look like answers, so the parsers' deep paths are hit.
+"""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kdlab.tasks.countdown import verify
+from kdlab.tasks.math import answers_match, final_number, last_boxed
+from kdlab.tasks.multiple_choice import read_letter
+
+FRAGMENTS = ["<answer>", "</answer>", "\\boxed{", "}", "{", "(", ")", "=", ",", "+", "-", "*", "/", "**", "2", "75", "9" * 30,
+             "####", "$", "\\frac{1}{2}", "A", "(B)", "C.", "__import__('os').system('true')", "\x00", "é", "\n"]
+hostile_text = st.one_of(st.text(), st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=3), max_size=60).map("".join))
+
+VERIFIERS = {
+    "countdown_chain": lambda text: verify([2, 3, 4, 75], 20, text),
+    "countdown_expression": lambda text: verify([2, 3, 4, 75], 20, text, answer_format="expression"),
+    "multiple_choice": lambda text: read_letter(text),
+    "boxed": lambda text: (last_boxed(text), answers_match("\\frac{1}{2}", text, use_math_verify=False)),
+    "gsm8k_number": lambda text: final_number(text),
+}
+
+
+def check(name, text):
+    VERIFIERS[name](text)  # must return, whatever the text
+
+
+@pytest.mark.parametrize("name", VERIFIERS)
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=hostile_text)
+def test_verifiers_never_raise(name, text):
+    check(name, text)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", VERIFIERS)
+@settings(max_examples=10_000, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=hostile_text)
+def test_verifiers_never_raise_10k(name, text):
+    check(name, text)
+
+
+@pytest.mark.parametrize("name", VERIFIERS)
+@pytest.mark.parametrize(
+    "text",
+    ["2**2**2**2**2", "<answer>2**2**2**2**2</answer>", "(" * 10_000 + "1" + ")" * 10_000, "x" * 1_000_000,
+     "\\boxed{" * 10_000, "<answer>" + "9" * 100_000 + "</answer>", "#### " + "9" * 100_000],
+    ids=["power-tower", "power-tower-tagged", "deep-nesting", "1MB", "unclosed-boxes", "huge-number", "huge-gsm8k"],
+)
+def test_known_hostile_strings(name, text):
+    check(name, text)
