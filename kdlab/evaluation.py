@@ -18,7 +18,7 @@ from kdlab.tasks.base import Example, Task
 
 
 @torch.no_grad()
-def generate(
+def sample_completions(
     model: torch.nn.Module,
     tokenizer: Any,
     task: Task,
@@ -32,8 +32,11 @@ def generate(
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
     all_done: Callable[[bool], bool] | None = None,
-) -> list[str]:
-    """Completion texts for ``examples``, prompted as ``role`` (``"student"`` or ``"teacher"``).
+    end_ids: Sequence[int] | None = None,
+) -> list[tuple[str, bool]]:
+    """``(text, ended)`` for each of ``examples``, prompted as ``role`` (``"student"`` or ``"teacher"``);
+    ``ended`` is False when the completion was cut by ``max_new_tokens`` instead of ending with an end
+    token (``end_ids``, default: the tokenizer's and the model's).
 
     ``temperature`` 0 decodes greedily. The model is put in eval mode for the call and its mode is
     restored afterwards. ``all_done`` makes stopping collective under sharded training; every rank
@@ -41,10 +44,10 @@ def generate(
     """
     device = next(model.parameters()).device
     vocab = vocab_size or len(tokenizer)
-    end_ids = end_token_ids(tokenizer, model)
+    end_ids = tuple(end_ids) if end_ids else end_token_ids(tokenizer, model)
     was_training = model.training
     model.eval()
-    texts: list[str] = []
+    results: list[tuple[str, bool]] = []
     try:
         for start in range(0, len(examples), batch_size):
             batch = examples[start : start + batch_size]
@@ -62,10 +65,17 @@ def generate(
                 device=device,
                 all_done=all_done,
             )
-            texts += decode_completions(tokenizer, out_ids, out_mask, end_ids)
+            texts = decode_completions(tokenizer, out_ids, out_mask, end_ids)
+            ended = [bool(row_mask.any()) and int(row_ids[row_mask][-1]) in end_ids for row_ids, row_mask in zip(out_ids, out_mask)]
+            results += list(zip(texts, ended))
     finally:
         model.train(was_training)
-    return texts
+    return results
+
+
+def generate(model: torch.nn.Module, tokenizer: Any, task: Task, examples: Sequence[Example], **settings: Any) -> list[str]:
+    """Completion texts only; the settings are :func:`sample_completions`'."""
+    return [text for text, _ in sample_completions(model, tokenizer, task, examples, **settings)]
 
 
 def accuracy(task: Task, examples: Sequence[Example], completions: Sequence[str]) -> float:

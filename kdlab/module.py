@@ -365,6 +365,7 @@ class DistillModule(pl.LightningModule):
             generator=self._generator(seed),
             vocab_size=self.vocab_size,
             all_done=self.all_done_hook(),
+            end_ids=self.end_ids,
         )
 
     def _evaluate(self, stage: str, batch: list[Example], batch_idx: int) -> None:

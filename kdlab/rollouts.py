@@ -100,7 +100,8 @@ class TeacherRollouts(RolloutPolicy):
     Args:
         dataset: a JSONL file with one ``{"id": <example id>, "completion": <text>}`` object per line
             (as written by ``kdlab generate``): the paper's OffPD, where each prompt's teacher response
-            is fixed. The first line for an id is used. ``None`` samples from the teacher online at
+            is fixed. The first line for an id is used. The end token is appended unless the row says
+            ``"ended": false`` (a response cut by the generation budget). ``None`` samples from the teacher online at
             ``teacher_temperature`` with the teacher's own prompt.
     """
 
@@ -125,20 +126,26 @@ class TeacherRollouts(RolloutPolicy):
         for example in prompts.examples:
             if example["id"] not in self._completions:
                 raise KeyError(f"TeacherRollouts.dataset {self.dataset}: no completion for example id {example['id']!r}")
-            text = self._completions[example["id"]]
-            ids = context.tokenizer(text, add_special_tokens=False)["input_ids"] + [context.eos_token_ids[0]]
+            text, ended = self._completions[example["id"]]
+            ids = context.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if ended:  # a response cut by the generation budget must not teach the student to stop there
+                ids = ids + [context.eos_token_ids[0]]
             rows.append(ids[: context.max_new_tokens])
         ids, mask = right_pad(rows, context.pad_token_id)
         device = prompts.student_ids.device
         return Rollout(prompts, ids.to(device), mask.to(device), None)
 
 
-def read_completions(path: str) -> dict[str, str]:
-    """``{example id: completion text}`` from a JSONL file; errors name the file, line and field."""
-    completions: dict[str, str] = {}
+def read_completions(path: str) -> dict[str, tuple[str, bool]]:
+    """``{example id: (completion text, ended)}`` from a JSONL file (``ended`` defaults to true: the
+    response ended with an end token); errors name the file, line and field."""
+    completions: dict[str, tuple[str, bool]] = {}
     rows = read_jsonl(path, "TeacherRollouts.dataset", ("id", "completion"), " (write one with `kdlab generate`)")
-    for _, row in rows:
-        completions.setdefault(row["id"], row["completion"])
+    for where, row in rows:
+        ended = row.get("ended", True)
+        if not isinstance(ended, bool):
+            raise ValueError(f"{where}: field 'ended' must be true or false, got {ended!r}")
+        completions.setdefault(row["id"], (row["completion"], ended))
     if not completions:
         raise ValueError(f"TeacherRollouts.dataset {path!r} holds no completions")
     return completions

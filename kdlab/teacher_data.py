@@ -1,6 +1,7 @@
 """``kdlab generate --config X.yaml``: sample teacher responses once, for off-policy distillation.
 
-Writes a JSONL file with one ``{"id", "completion", "score"}`` object per kept sample, which
+Writes a JSONL file with one ``{"id", "completion", "score", "ended"}`` object per kept sample
+(``ended`` is false for a response cut by ``max_new_tokens``), which
 :class:`kdlab.rollouts.TeacherRollouts` reads as its ``dataset``. With ``verified_only`` only
 responses the task's verifier accepts are kept (the paper kept verified demonstrations), so some
 prompts may end up without a response; distillation then trains on the prompts that have one.
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kdlab.evaluation import generate
+from kdlab.evaluation import sample_completions
 from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
 from kdlab.tasks.base import Task
 
@@ -59,7 +60,7 @@ def generate_teacher_data(
         raise ValueError(f"{type(task).__name__}: the {split!r} split is empty")
     repeated = [example for example in examples for _ in range(samples_per_prompt)]
     generator = torch.Generator(device=device).manual_seed(seed)
-    texts = generate(
+    samples = sample_completions(
         model,
         tokenizer,
         task,
@@ -76,13 +77,14 @@ def generate_teacher_data(
     kept = correct = 0
     partial = path.with_name(path.name + ".partial")
     with partial.open("w", encoding="utf-8") as handle:
-        for example, text in zip(repeated, texts):
+        for example, (text, ended) in zip(repeated, samples):
             score = float(task.score(example, text))
             correct += score
             if verified_only and score < 1.0:
                 continue
             kept += 1
-            handle.write(json.dumps({"id": example["id"], "completion": text, "score": score}, ensure_ascii=False) + "\n")
+            row = {"id": example["id"], "completion": text, "score": score, "ended": ended}
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
     partial.replace(path)  # never leave a half-written dataset under the final name
     summary = {"prompts": len(examples), "samples": len(repeated), "kept": kept, "accuracy": correct / len(repeated)}
     print(json.dumps({"output": str(path), **summary}))

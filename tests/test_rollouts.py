@@ -137,3 +137,26 @@ def test_teacher_dataset_errors_name_file_line_and_id(module, tmp_path):
     partial.write_text('{"id": "not-an-example", "completion": "x"}\n')
     with pytest.raises(KeyError, match="add-train-0"):
         rollout_with(module, TeacherRollouts(dataset=str(partial)))
+
+
+def test_truncated_teacher_responses_do_not_get_an_end_token(module, tmp_path):
+    examples = module.task.examples("train")[:4]
+    path = tmp_path / "teacher.jsonl"
+    rows = [{"id": ex["id"], "completion": f"<answer>{i}</answer>", "ended": i != 1} for i, ex in enumerate(examples)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    rollout = rollout_with(module, TeacherRollouts(dataset=str(path)))
+    first = rollout.completion_ids[0][rollout.completion_mask[0]].tolist()
+    second = rollout.completion_ids[1][rollout.completion_mask[1]].tolist()
+    assert first[-1] in module.end_ids and second[-1] not in module.end_ids
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "x", "completion": "y", "ended": "no"}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: field 'ended'"):
+        TeacherRollouts(dataset=str(bad))
+
+
+def test_generate_records_whether_each_sample_ended(module, tmp_path):
+    from kdlab.evaluation import sample_completions
+
+    samples = sample_completions(module.teacher, module.teacher_tokenizer, module.task, module.task.examples("train")[:4], max_new_tokens=2)
+    assert all(isinstance(text, str) for text, _ in samples)
+    assert not all(ended for _, ended in samples)  # two tokens rarely end a random model's answer
