@@ -426,12 +426,23 @@ class DistillModule(pl.LightningModule):
             del state[key]
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a checkpoint's student (the teacher, left out of checkpoints, keeps its loaded weights).
+
+        A checkpoint of a different student (other architecture or size) fails with a message naming
+        ``student.path`` before any training step runs.
+        """
         has_teacher = any(k.startswith("teacher.") for k in state_dict)
-        result = super().load_state_dict(state_dict, strict=strict and has_teacher, assign=assign)
+        try:
+            result = super().load_state_dict(state_dict, strict=strict and has_teacher, assign=assign)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"the checkpoint does not fit this student (student.path={self.student_spec.path!r}): {str(error)[:500]}"
+            ) from error
         if strict and not has_teacher:
             missing = [k for k in result.missing_keys if not k.startswith("teacher.")]
             if missing or result.unexpected_keys:
                 raise RuntimeError(
-                    f"checkpoint does not match the student: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+                    f"the checkpoint does not fit this student (student.path={self.student_spec.path!r}): "
+                    f"missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
                 )
         return result
