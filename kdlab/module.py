@@ -40,19 +40,22 @@ from kdlab.tasks.base import Example, Task
 
 
 class EpochShuffle(Sampler[int]):
-    """A random order of ``size`` indices drawn from (seed, epoch): Lightning calls ``set_epoch``, so a
-    run resumed at epoch e shuffles epoch e as an uninterrupted run would (under data parallelism
-    Lightning wraps it in a distributed sampler)."""
+    """A random order of ``size`` indices drawn from (seed, epoch), so a resumed run shuffles each
+    epoch as an uninterrupted run would (under data parallelism Lightning wraps it in a distributed
+    sampler that keeps this order). ``skip`` drops the first indices of the next pass only: a
+    single-process run resumed in the middle of an epoch continues after the last trained batch."""
 
     def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed, self.epoch = size, seed, 0
+        self.size, self.seed, self.epoch, self.skip = size, seed, 0, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return iter(torch.randperm(self.size, generator=generator).tolist())
+        order = torch.randperm(self.size, generator=generator).tolist()
+        skip, self.skip = self.skip, 0
+        return iter(order[skip:])
 
     def __len__(self) -> int:
         return self.size
@@ -217,7 +220,20 @@ class DistillModule(pl.LightningModule):
         examples = [ex for ex in self._split("train") if self.rollout.covers(ex)]
         if not examples:
             raise ValueError(f"{type(self.rollout).__name__} has a completion for no train example of {type(self.task).__name__}")
-        return DataLoader(examples, batch_size=self.batch_size, sampler=EpochShuffle(len(examples), self.seed), collate_fn=list)
+        self._train_sampler = EpochShuffle(len(examples), self.seed)
+        resume, self._resume_position = getattr(self, "_resume_position", None), None
+        if resume is not None:
+            self._train_sampler.set_epoch(resume["epoch"])
+            if self._trainer is not None and self.trainer.world_size == 1:
+                self._train_sampler.skip = resume["batches_done"] * self.batch_size
+            elif resume["batches_done"]:
+                warnings.warn("resuming mid-epoch with several processes restarts that epoch's data order", stacklevel=2)
+        return DataLoader(examples, batch_size=self.batch_size, sampler=self._train_sampler, collate_fn=list)
+
+    def on_train_epoch_start(self) -> None:
+        # Lightning may wrap the sampler for data parallelism and then set the wrapper's epoch only
+        if getattr(self, "_train_sampler", None) is not None:
+            self._train_sampler.set_epoch(self.current_epoch)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self._split("val", self.val_examples), batch_size=self.val_batch_size, collate_fn=list)
@@ -420,10 +436,20 @@ class DistillModule(pl.LightningModule):
 
     # ---- checkpoints ----------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Leave the frozen teacher out: it is reloaded from ``teacher.path``."""
+        """Leave the frozen teacher out (it is reloaded from ``teacher.path``); record the data position
+        (epoch, batches of it already trained) so a resumed run continues with the next batch."""
         state = checkpoint["state_dict"]
         for key in [k for k in state if k.startswith("teacher.")]:
             del state[key]
+        if self._trainer is not None and self.trainer.training:
+            done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            epoch = self.current_epoch
+            if done >= self.trainer.num_training_batches:  # saved at the epoch's last batch: next is a new epoch
+                epoch, done = epoch + 1, 0
+            checkpoint["kdlab_data_position"] = {"epoch": epoch, "batches_done": done}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._resume_position = checkpoint.get("kdlab_data_position")
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a checkpoint's student (the teacher, left out of checkpoints, keeps its loaded weights).

@@ -1,6 +1,6 @@
-"""Resuming from a checkpoint reproduces an uninterrupted run bit for bit (CPU): model, optimiser,
-scheduler, data order, rollout sampling and sampled-KL streams. Checked at an epoch boundary;
-resuming mid-epoch is not exact yet (the loader restarts the epoch)."""
+"""Resuming from a checkpoint reproduces an uninterrupted run bit for bit (CPU, one process): model,
+optimiser, scheduler, data order and position, rollout sampling and sampled-KL streams; in the middle
+of an epoch and at its end."""
 
 import lightning.pytorch as pl
 import pytest
@@ -22,22 +22,24 @@ def module(tiny_pair, policy):
                          max_completion_tokens=6, batch_size=2, lr=1e-3, warmup_steps=2)
 
 
-def fit(model, steps, root, ckpt_path=None):
-    checkpoint = ModelCheckpoint(dirpath=str(root / "ckpt"), save_last=True, every_n_train_steps=STEPS_PER_EPOCH)
+def fit(model, steps, root, every, ckpt_path=None):
+    checkpoint = ModelCheckpoint(dirpath=str(root / "ckpt"), save_last=True, every_n_train_steps=every)
     trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0, default_root_dir=str(root), callbacks=[checkpoint])
     trainer.fit(model, ckpt_path=ckpt_path)
 
 
+@pytest.mark.parametrize("stop", [3, STEPS_PER_EPOCH], ids=["mid-epoch", "epoch-end"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_resume_at_an_epoch_boundary_is_bit_exact(tiny_pair, tmp_path, policy):
+def test_resume_is_bit_exact(tiny_pair, tmp_path, policy, stop):
+    total = 2 * STEPS_PER_EPOCH + 1  # crosses an epoch boundary after the resume
     pl.seed_everything(0)
     uninterrupted = module(tiny_pair, policy)
-    fit(uninterrupted, 2 * STEPS_PER_EPOCH, tmp_path / "full")
+    fit(uninterrupted, total, tmp_path / "full", every=stop)
     pl.seed_everything(0)
-    fit(module(tiny_pair, policy), STEPS_PER_EPOCH, tmp_path / "part")
+    fit(module(tiny_pair, policy), stop, tmp_path / "part", every=stop)
     pl.seed_everything(123)  # a new process does not inherit the first one's global random state
     resumed = module(tiny_pair, policy)
-    fit(resumed, 2 * STEPS_PER_EPOCH, tmp_path / "part", ckpt_path=str(tmp_path / "part" / "ckpt" / "last.ckpt"))
+    fit(resumed, total, tmp_path / "part", every=stop, ckpt_path=str(tmp_path / "part" / "ckpt" / "last.ckpt"))
     for a, b in zip(uninterrupted.student.parameters(), resumed.student.parameters()):
         assert torch.equal(a, b)
