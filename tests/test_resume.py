@@ -43,3 +43,27 @@ def test_resume_is_bit_exact(tiny_pair, tmp_path, policy, stop):
     fit(resumed, total, tmp_path / "part", every=stop, ckpt_path=str(tmp_path / "part" / "ckpt" / "last.ckpt"))
     for a, b in zip(uninterrupted.student.parameters(), resumed.student.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path, policy):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("kill_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def run(out, mode):
+        return subprocess.run([sys.executable, str(worker), str(out), mode, policy], capture_output=True, text=True, env=env, timeout=600)
+
+    assert run(tmp_path / "a", "full").returncode == 0
+    killed = run(tmp_path / "b", "killed")
+    assert killed.returncode == -signal.SIGKILL  # really killed, after its step-4 checkpoint
+    resumed = run(tmp_path / "b", "resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    full, after = (torch.load(p, weights_only=True) for p in (tmp_path / "a" / "full.pt", tmp_path / "b" / "resume.pt"))
+    for name, value in full.items():
+        assert torch.equal(value, after[name]), name
