@@ -124,7 +124,7 @@ def test_callbacks_in_a_real_fit_write_tensorboard_and_the_metrics_file(module, 
 
 def test_rollout_sensitivity_is_zero_between_identical_policies_and_positive_otherwise(module, tmp_path):
     from kdlab.callbacks import RolloutSensitivity
-    from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherRollouts
+    from kdlab.rollouts import MixtureRollouts, TeacherRollouts
 
     trainer = bare_trainer(tmp_path)
     module.rollout = TeacherRollouts()

@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from kdlab.data import Rollout
 from kdlab.module import DistillModule
-from kdlab.objectives import ForwardKL, KLObjective
+from kdlab.objectives import ForwardKL
 from kdlab.rollouts import RolloutPolicy, StudentRollouts, TeacherRollouts
 from kdlab.tasks import Addition
 
