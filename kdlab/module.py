@@ -15,58 +15,23 @@ The teacher is frozen, kept in eval mode and left out of checkpoints (it is relo
 
 from __future__ import annotations
 
-import hashlib
-import json
 import warnings
-from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Sampler
 
-from kdlab.callbacks import run_directory
 from kdlab.components import Component
 from kdlab.data import encode_prompts
 from kdlab.decoding import completion_logits
-from kdlab.evaluation import generate
-from kdlab.metrics import PassAtK
 from kdlab.models import ModelSpec, end_token_ids, load_causal_lm, load_tokenizer, shared_vocab_size
 from kdlab.objectives import ForwardKL, KLObjective, kl_diagnostics
 from kdlab.optim import FiniteAdamW, warmup_factor
-from kdlab.provenance import write_run_info
 from kdlab.rollouts import RolloutContext, RolloutPolicy, TeacherRollouts
+from kdlab.stage import TaskStage
 from kdlab.tasks.base import Example, Task
 
 
-class EpochShuffle(Sampler[int]):
-    """A random order of ``size`` indices drawn from (seed, epoch), so a resumed run shuffles each
-    epoch as an uninterrupted run would (under data parallelism Lightning wraps it in a distributed
-    sampler that keeps this order). ``skip`` drops the first indices of the next pass only: a
-    single-process run resumed in the middle of an epoch continues after the last trained batch."""
-
-    def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed, self.epoch, self.skip = size, seed, 0, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.size, generator=generator).tolist()
-        skip, self.skip = self.skip, 0
-        return iter(order[skip:])
-
-    def __len__(self) -> int:
-        return self.size
-
-
-def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"DistillModule.{name} must be > 0, got {value}")
-
-
-class DistillModule(pl.LightningModule):
+class DistillModule(TaskStage):
     """Distil ``teacher`` into ``student`` on ``task`` with a rollout policy and a KL objective.
 
     Args:
@@ -125,46 +90,27 @@ class DistillModule(pl.LightningModule):
         teacher_placement: str = "replicate",
         seed: int = 42,
     ) -> None:
-        super().__init__()
-        for name, value in (
-            ("teacher_temperature", teacher_temperature),
-            ("student_temperature", student_temperature),
-            ("max_prompt_tokens", max_prompt_tokens),
-            ("max_completion_tokens", max_completion_tokens),
-            ("batch_size", batch_size),
-            ("lr", lr),
-            ("val_examples", val_examples),
-            ("val_batch_size", val_batch_size),
-        ):
-            _positive(name, value)
-        if val_temperature < 0:
-            raise ValueError(f"DistillModule.val_temperature must be >= 0, got {val_temperature}")
-        if eval_samples < 1 or not eval_ks or min(eval_ks) < 1 or max(eval_ks) > eval_samples:
-            raise ValueError(f"DistillModule.eval_ks must be in [1, eval_samples={eval_samples}], got {list(eval_ks)}")
+        super().__init__(
+            task, batch_size, max_prompt_tokens, max_completion_tokens, val_examples,
+            val_temperature, val_batch_size, eval_samples, tuple(eval_ks), seed,
+        )
+        for name, value in (("teacher_temperature", teacher_temperature), ("student_temperature", student_temperature), ("lr", lr)):
+            self.require_positive(name, value)
         if warmup_steps < 0:
             raise ValueError(f"DistillModule.warmup_steps must be >= 0, got {warmup_steps}")
         self.student_spec = ModelSpec(student) if isinstance(student, str) else student
         self.teacher_spec = ModelSpec(teacher) if isinstance(teacher, str) else teacher
-        self.task = task
         self.rollout = rollout if rollout is not None else TeacherRollouts()
         self.objective = objective if objective is not None else ForwardKL()
         self.teacher_temperature = teacher_temperature
         self.student_temperature = student_temperature
-        self.max_prompt_tokens = max_prompt_tokens
-        self.max_completion_tokens = max_completion_tokens
-        self.batch_size = batch_size
         self.lr, self.warmup_steps, self.betas, self.eps, self.weight_decay = lr, warmup_steps, tuple(betas), eps, weight_decay
-        self.val_examples, self.val_temperature, self.val_batch_size = val_examples, val_temperature, val_batch_size
-        self.eval_samples = eval_samples
-        if max_bad_steps < 1:
-            raise ValueError(f"DistillModule.max_bad_steps must be >= 1, got {max_bad_steps}")
-        self.max_bad_steps, self._bad_steps, self._counted_step = max_bad_steps, 0, 0
+        self.set_max_bad_steps(max_bad_steps)
+        self._counted_step = 0
         if teacher_placement not in ("replicate", "shard"):
             raise ValueError(f"DistillModule.teacher_placement must be 'replicate' or 'shard', got {teacher_placement!r}")
         self.teacher_placement = teacher_placement
         self._sharded = False
-        self.pass_at_k = torch.nn.ModuleDict({stage: PassAtK(ks=tuple(eval_ks)) for stage in ("val", "test")})
-        self.seed = seed
 
         # Tokenizers first: a vocabulary mismatch fails before any weights are read.
         self.student_tokenizer = load_tokenizer(self.student_spec, "student")
@@ -178,7 +124,6 @@ class DistillModule(pl.LightningModule):
         # a completion ends at either model's end token (their chat templates may differ)
         self.end_ids = tuple(dict.fromkeys(end_token_ids(self.student_tokenizer, self.student) + end_token_ids(self.teacher_tokenizer, self.teacher)))
         self.pad_id = int(self.student_tokenizer.pad_token_id)
-        self._eval_records: list[dict[str, Any]] = []
 
     # ---- parallelism ----------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -210,39 +155,8 @@ class DistillModule(pl.LightningModule):
         return {"rollout": self.rollout, "objective": self.objective, "task": self.task}
 
     # ---- data -----------------------------------------------------------------------------
-    def _split(self, split: str, limit: int | None = None) -> list[Example]:
-        examples = self.task.examples(split)
-        if not examples:
-            raise ValueError(f"{type(self.task).__name__}: the {split!r} split is empty")
-        return examples[:limit] if limit is not None else examples
-
-    def train_dataloader(self) -> DataLoader:
-        examples = [ex for ex in self._split("train") if self.rollout.covers(ex)]
-        if not examples:
-            raise ValueError(f"{type(self.rollout).__name__} has a completion for no train example of {type(self.task).__name__}")
-        self._train_sampler = EpochShuffle(len(examples), self.seed)
-        resume, self._resume_position = getattr(self, "_resume_position", None), None
-        if resume is not None:
-            self._train_sampler.set_epoch(resume["epoch"])
-            if self._trainer is not None and self.trainer.world_size == 1:
-                self._train_sampler.skip = resume["batches_done"] * self.batch_size
-            elif resume["batches_done"]:
-                warnings.warn("resuming mid-epoch with several processes restarts that epoch's data order", stacklevel=2)
-        return DataLoader(examples, batch_size=self.batch_size, sampler=self._train_sampler, collate_fn=list)
-
-    def on_train_epoch_start(self) -> None:
-        # Lightning may wrap the sampler for data parallelism and then set the wrapper's epoch only
-        if getattr(self, "_train_sampler", None) is not None:
-            self._train_sampler.set_epoch(self.current_epoch)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self._split("val", self.val_examples), batch_size=self.val_batch_size, collate_fn=list)
-
-    def test_dataloader(self) -> DataLoader:
-        return DataLoader(self._split("test", self.val_examples), batch_size=self.val_batch_size, collate_fn=list)
-
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        return batch  # a list of example dicts; tensors are made on the device in the step
+    def trains_on(self, example: Example) -> bool:
+        return self.rollout.covers(example)
 
     def _prompts(self, examples: list[Example]):
         prompts = encode_prompts(
@@ -251,15 +165,6 @@ class DistillModule(pl.LightningModule):
         for name in ("student_ids", "student_mask", "teacher_ids", "teacher_mask"):
             setattr(prompts, name, getattr(prompts, name).to(self.device))
         return prompts
-
-    def step_seed(self, stage: str, batch_idx: int) -> int:
-        """A 63-bit seed for one step's random streams, from (seed, stage, rank, epoch, batch index):
-        reproducible, resumable, and independent across data-parallel ranks."""
-        key = f"{self.seed}/{stage}/{self.global_rank}/{self.current_epoch}/{batch_idx}"
-        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
-
-    def _generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(seed)
 
     # ---- training -------------------------------------------------------------------------
     def rollout_context(self, generator: torch.Generator | None) -> RolloutContext:
@@ -276,13 +181,6 @@ class DistillModule(pl.LightningModule):
             generator=generator,
             all_done=self.all_done_hook(),
         )
-
-    def all_done_hook(self):
-        """``None`` on one process; else a collective "have all ranks finished decoding" decision."""
-        trainer = self._trainer
-        if trainer is None or trainer.world_size == 1:
-            return None
-        return lambda done: trainer.strategy.reduce_boolean_decision(done, all=True)
 
     def make_rollout(self, examples: list[Example], seed: int, policy: RolloutPolicy | None = None):
         """Completions for ``examples`` from ``policy`` (default: this module's rollout policy),
@@ -338,11 +236,6 @@ class DistillModule(pl.LightningModule):
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
             self.log("train/grad_norm", norm)  # before clipping: Lightning clips after this hook
 
-    def _log_reports(self, stage: str, batch_size: int) -> None:
-        for component in self.components().values():
-            for name, value in component.pop_reports().items():
-                self.log(f"{stage}/{name}", value, batch_size=batch_size)
-
     def configure_optimizers(self):
         params = [p for p in self.student.parameters() if p.requires_grad]
         optimizer = FiniteAdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
@@ -355,101 +248,15 @@ class DistillModule(pl.LightningModule):
         if not isinstance(optimizer, FiniteAdamW) or self.global_step == self._counted_step:
             return  # no optimiser call since the last check (an accumulation micro-batch)
         self._counted_step = self.global_step
-        self._bad_steps = self._bad_steps + 1 if optimizer.last_skipped else 0
-        self.log("train/skipped_steps", float(optimizer.skipped))
-        if self._bad_steps >= self.max_bad_steps:
-            callback = self.trainer.checkpoint_callback
-            last = (callback.last_model_path or callback.best_model_path) if callback else ""
-            raise RuntimeError(
-                f"step {self.global_step}: {self._bad_steps} consecutive optimiser steps had non-finite gradients "
-                f"(objective {type(self.objective).__name__}, lr {self.lr}); no update was applied for them. "
-                f"Last good checkpoint: {last or 'none saved yet'}"
-            )
-
-    # ---- evaluation -----------------------------------------------------------------------
-    def generate(self, examples: list[Example], temperature: float, seed: int) -> list[str]:
-        """Student completions (text) for ``examples``; ``temperature`` 0 decodes greedily."""
-        return generate(
-            self.student,
-            self.student_tokenizer,
-            self.task,
-            examples,
-            temperature=temperature,
-            max_new_tokens=self.max_completion_tokens,
-            max_prompt_tokens=self.max_prompt_tokens,
-            batch_size=len(examples),
-            generator=self._generator(seed),
-            vocab_size=self.vocab_size,
-            all_done=self.all_done_hook(),
-            end_ids=self.end_ids,
-        )
-
-    def _evaluate(self, stage: str, batch: list[Example], batch_idx: int) -> None:
-        n = self.eval_samples
-        repeated = [example for example in batch for _ in range(n)]
-        completions = self.generate(repeated, self.val_temperature, self.step_seed(stage, batch_idx))
-        scores = [float(self.task.score(example, text)) for example, text in zip(repeated, completions)]
-        self.log(f"{stage}/accuracy", sum(scores) / len(scores), batch_size=len(batch), prog_bar=stage == "val", sync_dist=True)
-        self.pass_at_k[stage].update(torch.tensor(scores).reshape(len(batch), n) >= 1.0)
-        self._log_reports(stage, len(batch))
-        self._eval_records.extend(
-            {"id": ex["id"], "prompt": self.task.user_prompt(ex), "completion": text, "score": score}
-            for ex, text, score in zip(repeated, completions, scores)
-        )
-
-    def _finish_evaluation(self, stage: str) -> None:
-        for k, value in self.pass_at_k[stage].compute().items():
-            self.log(f"{stage}/pass@{k}", value.float())  # the metric itself is already reduced across ranks
-        self.pass_at_k[stage].reset()
-        self._write_records(stage)
-
-    def validation_step(self, batch: list[Example], batch_idx: int) -> None:
-        self._evaluate("val", batch, batch_idx)
-
-    def test_step(self, batch: list[Example], batch_idx: int) -> None:
-        self._evaluate("test", batch, batch_idx)
-
-    def on_validation_epoch_end(self) -> None:
-        self._finish_evaluation("val")
-
-    def on_test_epoch_end(self) -> None:
-        self._finish_evaluation("test")
-
-    def _write_records(self, stage: str) -> None:
-        """Per-example results (prompt, completion, score) as JSONL beside the TensorBoard logs."""
-        records, self._eval_records = self._eval_records, []
-        trainer = self._trainer
-        if trainer is None or trainer.sanity_checking:
-            return
-        log_dir = run_directory(trainer)  # on every rank: it is a collective call
-        rank = f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""  # each rank saw its own shard
-        path = Path(log_dir) / "samples" / f"{stage}-step{self.global_step:06d}{rank}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w", encoding="utf-8") as handle:
-            for record in records:
-                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-    def on_fit_start(self) -> None:
-        log_dir = run_directory(self.trainer)  # on every rank: it is a collective call
-        if self.trainer.is_global_zero:
-            write_run_info(log_dir)
+        self.count_skipped_step(optimizer, f"objective {type(self.objective).__name__}, lr {self.lr}")
 
     # ---- checkpoints ----------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Leave the frozen teacher out (it is reloaded from ``teacher.path``); record the data position
-        (epoch, batches of it already trained) so a resumed run continues with the next batch."""
+        """Leave the frozen teacher out (it is reloaded from ``teacher.path``); record the data position."""
         state = checkpoint["state_dict"]
         for key in [k for k in state if k.startswith("teacher.")]:
             del state[key]
-        if self._trainer is not None and self.trainer.training:
-            done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-            epoch = self.current_epoch
-            if done >= self.trainer.num_training_batches:  # saved at the epoch's last batch: next is a new epoch
-                epoch, done = epoch + 1, 0
-            checkpoint["kdlab_data_position"] = {"epoch": epoch, "batches_done": done}
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._resume_position = checkpoint.get("kdlab_data_position")
+        super().on_save_checkpoint(checkpoint)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a checkpoint's student (the teacher, left out of checkpoints, keeps its loaded weights).

@@ -291,7 +291,7 @@ def test_token_reduction_is_not_invariant_to_accumulation_with_ragged_lengths(ti
 
 
 def test_data_order_depends_only_on_seed_and_epoch():
-    from kdlab.module import EpochShuffle
+    from kdlab.stage import EpochShuffle
 
     a, b = EpochShuffle(50, seed=3), EpochShuffle(50, seed=3)
     first = list(a)

@@ -1,0 +1,286 @@
+"""``TaskStage``: what every kdlab training stage on a task shares (distillation, RLVR).
+
+A stage trains one model, called ``student`` (the distilled student, or the policy of an RLVR stage
+that starts from it), on a :class:`~kdlab.tasks.base.Task`. This base class gives it:
+
+* data: the task's ``train`` split in an order drawn from (seed, epoch), resumable mid-epoch;
+  ``val``/``test`` use the first ``val_examples`` held-out examples;
+* seeded, resumable random streams per step (:meth:`TaskStage.step_seed`);
+* evaluation: ``<stage>/accuracy`` (mean task score over ``eval_samples`` completions per prompt at
+  ``val_temperature``), ``<stage>/pass@k`` and a per-example JSONL under ``<log_dir>/samples/``;
+* ``run_info.json`` provenance at fit start and the data position in every checkpoint.
+
+Subclasses set ``student``, ``student_tokenizer``, ``vocab_size``, ``end_ids`` and ``pad_id`` and
+implement ``training_step``. Callbacks of :mod:`kdlab.callbacks` work on any ``TaskStage``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from kdlab.callbacks import run_directory
+from kdlab.components import Component
+from kdlab.evaluation import generate
+from kdlab.metrics import PassAtK
+from kdlab.optim import FiniteAdamW
+from kdlab.provenance import write_run_info
+from kdlab.tasks.base import Example, Task
+
+
+class EpochShuffle(Sampler[int]):
+    """A random order of ``size`` indices drawn from (seed, epoch), so a resumed run shuffles each
+    epoch as an uninterrupted run would (under data parallelism Lightning wraps it in a distributed
+    sampler that keeps this order). ``skip`` drops the first indices of the next pass only: a
+    single-process run resumed in the middle of an epoch continues after the last trained batch."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed, self.epoch, self.skip = size, seed, 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.size, generator=generator).tolist()
+        skip, self.skip = self.skip, 0
+        return iter(order[skip:])
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class TaskStage(pl.LightningModule):
+    """Base of :class:`~kdlab.module.DistillModule` and :class:`~kdlab.grpo.GRPOModule` (see module docstring).
+
+    Args:
+        task: prompts, per-model prompting and the verifier.
+        batch_size: prompts per micro-batch.
+        max_prompt_tokens: longer prompts are an error naming the example.
+        max_completion_tokens: generation budget for training rollouts and evaluation.
+        val_examples: validation/test use the first N held-out examples (paper: 200).
+        val_temperature: evaluation sampling temperature; 0 decodes greedily (paper: 0.5).
+        val_batch_size: prompts per evaluation batch.
+        eval_samples: completions per evaluation prompt (paper: 10 for pass@k).
+        eval_ks: the k of ``<stage>/pass@k``, each <= ``eval_samples``.
+        seed: seeds data order and every sampling stream.
+    """
+
+    student: torch.nn.Module
+    student_tokenizer: Any
+    vocab_size: int
+    end_ids: tuple[int, ...]
+    pad_id: int
+
+    def __init__(
+        self,
+        task: Task,
+        batch_size: int,
+        max_prompt_tokens: int,
+        max_completion_tokens: int,
+        val_examples: int,
+        val_temperature: float,
+        val_batch_size: int,
+        eval_samples: int,
+        eval_ks: tuple[int, ...],
+        seed: int,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_prompt_tokens", max_prompt_tokens),
+            ("max_completion_tokens", max_completion_tokens),
+            ("val_examples", val_examples),
+            ("val_batch_size", val_batch_size),
+        ):
+            self.require_positive(name, value)
+        if val_temperature < 0:
+            raise ValueError(f"{type(self).__name__}.val_temperature must be >= 0, got {val_temperature}")
+        if eval_samples < 1 or not eval_ks or min(eval_ks) < 1 or max(eval_ks) > eval_samples:
+            raise ValueError(f"{type(self).__name__}.eval_ks must be in [1, eval_samples={eval_samples}], got {list(eval_ks)}")
+        self.task = task
+        self.batch_size = batch_size
+        self.max_prompt_tokens, self.max_completion_tokens = max_prompt_tokens, max_completion_tokens
+        self.val_examples, self.val_temperature, self.val_batch_size = val_examples, val_temperature, val_batch_size
+        self.eval_samples = eval_samples
+        self.pass_at_k = torch.nn.ModuleDict({stage: PassAtK(ks=tuple(eval_ks)) for stage in ("val", "test")})
+        self.seed = seed
+        self._eval_records: list[dict[str, Any]] = []
+
+    def require_positive(self, name: str, value: float) -> None:
+        """Raise ``ValueError`` naming ``<Class>.<name>`` unless ``value > 0``."""
+        if not value > 0:
+            raise ValueError(f"{type(self).__name__}.{name} must be > 0, got {value}")
+
+    def components(self) -> dict[str, Component]:
+        """The swappable parts whose reports are logged after each step."""
+        return {"task": self.task}
+
+    def _log_reports(self, stage: str, batch_size: int) -> None:
+        for component in self.components().values():
+            for name, value in component.pop_reports().items():
+                self.log(f"{stage}/{name}", value, batch_size=batch_size)
+
+    # ---- non-finite steps -----------------------------------------------------------------
+    def set_max_bad_steps(self, max_bad_steps: int) -> None:
+        if max_bad_steps < 1:
+            raise ValueError(f"{type(self).__name__}.max_bad_steps must be >= 1, got {max_bad_steps}")
+        self.max_bad_steps, self._bad_steps = max_bad_steps, 0
+
+    def count_skipped_step(self, optimizer: FiniteAdamW, what: str) -> None:
+        """After an optimiser call: log ``train/skipped_steps`` and stop the run, naming the step,
+        ``what`` was trained and the last good checkpoint, after ``max_bad_steps`` skipped in a row."""
+        self._bad_steps = self._bad_steps + 1 if optimizer.last_skipped else 0
+        self.log("train/skipped_steps", float(optimizer.skipped))
+        if self._bad_steps >= self.max_bad_steps:
+            callback = self.trainer.checkpoint_callback
+            last = (callback.last_model_path or callback.best_model_path) if callback else ""
+            raise RuntimeError(
+                f"step {self.global_step}: {self._bad_steps} consecutive optimiser steps had non-finite gradients "
+                f"({what}); no update was applied for them. Last good checkpoint: {last or 'none saved yet'}"
+            )
+
+    # ---- data -----------------------------------------------------------------------------
+    def trains_on(self, example: Example) -> bool:
+        """Whether ``example`` of the train split is used (e.g. it has a teacher completion)."""
+        return True
+
+    def _split(self, split: str, limit: int | None = None) -> list[Example]:
+        examples = self.task.examples(split)
+        if not examples:
+            raise ValueError(f"{type(self.task).__name__}: the {split!r} split is empty")
+        return examples[:limit] if limit is not None else examples
+
+    def train_dataloader(self) -> DataLoader:
+        examples = [ex for ex in self._split("train") if self.trains_on(ex)]
+        if not examples:
+            raise ValueError(f"{type(self).__name__} can train on no train example of {type(self.task).__name__}")
+        self._train_sampler = EpochShuffle(len(examples), self.seed)
+        resume, self._resume_position = getattr(self, "_resume_position", None), None
+        if resume is not None:
+            self._train_sampler.set_epoch(resume["epoch"])
+            if self._trainer is not None and self.trainer.world_size == 1:
+                self._train_sampler.skip = resume["batches_done"] * self.batch_size
+            elif resume["batches_done"]:
+                warnings.warn("resuming mid-epoch with several processes restarts that epoch's data order", stacklevel=2)
+        return DataLoader(examples, batch_size=self.batch_size, sampler=self._train_sampler, collate_fn=list)
+
+    def on_train_epoch_start(self) -> None:
+        # Lightning may wrap the sampler for data parallelism and then set the wrapper's epoch only
+        if getattr(self, "_train_sampler", None) is not None:
+            self._train_sampler.set_epoch(self.current_epoch)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self._split("val", self.val_examples), batch_size=self.val_batch_size, collate_fn=list)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self._split("test", self.val_examples), batch_size=self.val_batch_size, collate_fn=list)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return batch  # a list of example dicts; tensors are made on the device in the step
+
+    # ---- random streams and collectives ---------------------------------------------------
+    def step_seed(self, stage: str, batch_idx: int) -> int:
+        """A 63-bit seed for one step's random streams, from (seed, stage, rank, epoch, batch index):
+        reproducible, resumable, and independent across data-parallel ranks."""
+        key = f"{self.seed}/{stage}/{self.global_rank}/{self.current_epoch}/{batch_idx}"
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
+
+    def _generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def all_done_hook(self):
+        """``None`` on one process; else a collective "have all ranks finished decoding" decision."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size == 1:
+            return None
+        return lambda done: trainer.strategy.reduce_boolean_decision(done, all=True)
+
+    # ---- evaluation -----------------------------------------------------------------------
+    def generate(self, examples: list[Example], temperature: float, seed: int) -> list[str]:
+        """Student completions (text) for ``examples``; ``temperature`` 0 decodes greedily."""
+        return generate(
+            self.student,
+            self.student_tokenizer,
+            self.task,
+            examples,
+            temperature=temperature,
+            max_new_tokens=self.max_completion_tokens,
+            max_prompt_tokens=self.max_prompt_tokens,
+            batch_size=len(examples),
+            generator=self._generator(seed),
+            vocab_size=self.vocab_size,
+            all_done=self.all_done_hook(),
+            end_ids=self.end_ids,
+        )
+
+    def _evaluate(self, stage: str, batch: list[Example], batch_idx: int) -> None:
+        n = self.eval_samples
+        repeated = [example for example in batch for _ in range(n)]
+        completions = self.generate(repeated, self.val_temperature, self.step_seed(stage, batch_idx))
+        scores = [float(self.task.score(example, text)) for example, text in zip(repeated, completions)]
+        self.log(f"{stage}/accuracy", sum(scores) / len(scores), batch_size=len(batch), prog_bar=stage == "val", sync_dist=True)
+        self.pass_at_k[stage].update(torch.tensor(scores).reshape(len(batch), n) >= 1.0)
+        self._log_reports(stage, len(batch))
+        self._eval_records.extend(
+            {"id": ex["id"], "prompt": self.task.user_prompt(ex), "completion": text, "score": score}
+            for ex, text, score in zip(repeated, completions, scores)
+        )
+
+    def _finish_evaluation(self, stage: str) -> None:
+        for k, value in self.pass_at_k[stage].compute().items():
+            self.log(f"{stage}/pass@{k}", value.float())  # the metric itself is already reduced across ranks
+        self.pass_at_k[stage].reset()
+        self._write_records(stage)
+
+    def validation_step(self, batch: list[Example], batch_idx: int) -> None:
+        self._evaluate("val", batch, batch_idx)
+
+    def test_step(self, batch: list[Example], batch_idx: int) -> None:
+        self._evaluate("test", batch, batch_idx)
+
+    def on_validation_epoch_end(self) -> None:
+        self._finish_evaluation("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._finish_evaluation("test")
+
+    def _write_records(self, stage: str) -> None:
+        """Per-example results (prompt, completion, score) as JSONL beside the TensorBoard logs."""
+        records, self._eval_records = self._eval_records, []
+        trainer = self._trainer
+        if trainer is None or trainer.sanity_checking:
+            return
+        log_dir = run_directory(trainer)  # on every rank: it is a collective call
+        rank = f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""  # each rank saw its own shard
+        path = Path(log_dir) / "samples" / f"{stage}-step{self.global_step:06d}{rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", encoding="utf-8") as handle:
+            for record in records:
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def on_fit_start(self) -> None:
+        log_dir = run_directory(self.trainer)  # on every rank: it is a collective call
+        if self.trainer.is_global_zero:
+            write_run_info(log_dir)
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record the data position (epoch, batches of it already trained) so a resumed run
+        continues with the next batch."""
+        if self._trainer is not None and self.trainer.training:
+            done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            epoch = self.current_epoch
+            if done >= self.trainer.num_training_batches:  # saved at the epoch's last batch: next is a new epoch
+                epoch, done = epoch + 1, 0
+            checkpoint["kdlab_data_position"] = {"epoch": epoch, "batches_done": done}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._resume_position = checkpoint.get("kdlab_data_position")
