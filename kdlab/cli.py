@@ -1,4 +1,6 @@
-"""``kdlab fit|validate|test --config X.yaml``: LightningCLI over :class:`~kdlab.module.DistillModule`;
+"""``kdlab fit|validate|test --config X.yaml``: LightningCLI over :class:`~kdlab.module.DistillModule`, or
+over any :class:`~kdlab.stage.TaskStage` (e.g. :class:`~kdlab.grpo.GRPOModule` for RLVR) when a config
+names one with ``model: {class_path: ..., init_args: {...}}``;
 ``kdlab generate --config X.yaml``: teacher data for off-policy runs (:mod:`kdlab.teacher_data`);
 ``kdlab sweep --config S.yaml``: a grid of fit runs (:mod:`kdlab.sweep`);
 ``kdlab report RUN_DIR...``: the paper's tables and figures from finished runs (:mod:`kdlab.report`).
@@ -11,21 +13,41 @@ Components (``task``, ``rollout``, ``objective``) are chosen with ``class_path``
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
+import yaml
 from lightning.pytorch.cli import LightningCLI
 
 from kdlab.checkpointing import FinalCheckpoint
 from kdlab.module import DistillModule
+from kdlab.stage import TaskStage
 
 
 class KDLabCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
-        parser.link_arguments("seed_everything", "model.seed")
+        parser.link_arguments("seed_everything", "model.init_args.seed" if self.subclass_mode_model else "model.seed")
 
     def before_fit(self) -> None:
         """Every fit ends with a checkpoint of its final state (see :mod:`kdlab.checkpointing`)."""
         if not any(isinstance(callback, FinalCheckpoint) for callback in self.trainer.callbacks):
             self.trainer.callbacks.append(FinalCheckpoint())
+
+
+def names_model_class(argv: list[str]) -> bool:
+    """Whether a ``--config`` file (or ``--model.class_path``) in ``argv`` chooses the stage class."""
+    if any(arg.startswith("--model.class_path") for arg in argv):
+        return True
+    paths = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg in ("--config", "-c")]
+    paths += [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
+    for path in paths:
+        try:
+            config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            continue  # LightningCLI reports the bad file itself
+        model = config.get("model") if isinstance(config, dict) else None
+        if isinstance(model, dict) and "class_path" in model:
+            return True
+    return False
 
 
 def main(args: list[str] | None = None):
@@ -45,8 +67,10 @@ def main(args: list[str] | None = None):
         from kdlab.report import main as report
 
         return report(argv[1:])
+    stage_class = names_model_class(argv)
     return KDLabCLI(
-        DistillModule,
+        TaskStage if stage_class else DistillModule,
+        subclass_mode_model=stage_class,
         seed_everything_default=42,
         trainer_defaults={"default_root_dir": "runs"},
         save_config_kwargs={"overwrite": True},

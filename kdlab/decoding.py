@@ -112,6 +112,19 @@ class IncrementalLM:
         return self._logprobs(outputs)
 
 
+def top_p_logprobs(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filtering of normalised log-probs ``(B, V)``: keep the smallest set of most likely tokens
+    whose probabilities sum to at least ``top_p`` (the most likely token always stays), renormalise,
+    and give every other token -inf. ``top_p >= 1`` returns ``logprobs`` unchanged."""
+    if top_p >= 1.0:
+        return logprobs
+    sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
+    mass_before = sorted_logprobs.exp().cumsum(dim=-1) - sorted_logprobs.exp()
+    drop_sorted = mass_before >= top_p  # a token is kept while the mass before it is still short of top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return torch.log_softmax(logprobs.masked_fill(drop, float("-inf")), dim=-1)
+
+
 @torch.no_grad()
 def sample_tokens(
     next_logprobs: NextLogprobs,

@@ -48,9 +48,10 @@ class PassAtK(Metric):
         n = outcomes.shape[1]
         if max(self.ks) > n:
             raise ValueError(f"PassAtK: k={max(self.ks)} needs at least that many samples per problem, got {n}")
-        for row in outcomes.sum(dim=1).tolist():
-            self.sums += torch.tensor([pass_at_k(n, int(row), k) for k in self.ks], dtype=torch.float64, device=self.sums.device)
-        self.problems += outcomes.shape[0]
+        rows = [[pass_at_k(n, int(row), k) for k in self.ks] for row in outcomes.sum(dim=1).tolist()]
+        # out of place: states made under a Trainer's inference mode (validate before fit) cannot be updated in place
+        self.sums = self.sums + torch.tensor(rows, dtype=torch.float64, device=self.sums.device).sum(dim=0)
+        self.problems = self.problems + outcomes.shape[0]
 
     def compute(self) -> dict[int, torch.Tensor]:
         means = self.sums / self.problems.clamp(min=1)

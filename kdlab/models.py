@@ -36,6 +36,11 @@ class ModelSpec:
             for on-policy runs).
         trust_remote_code: run code shipped with the checkpoint. Off unless a config says so.
         revision: a hub revision (branch, tag or commit) to pin.
+        checkpoint: a Lightning checkpoint (``.ckpt``) of an earlier kdlab stage whose trained model
+            replaces the weights read from ``path`` (``path`` still gives the architecture and
+            tokenizer): how a stage starts from the previous one, e.g. RLVR from a distilled student
+            (``DistillModule`` ``student.*``, ``GRPOModule`` ``student.*`` or ``SFTModule`` ``model.*``
+            weights; every tensor of the model must be in it).
     """
 
     path: str
@@ -43,6 +48,7 @@ class ModelSpec:
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     revision: str | None = None
+    checkpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
@@ -107,6 +113,8 @@ def load_causal_lm(spec: ModelSpec, role: str = "model") -> torch.nn.Module:
         files = sorted(p.name for p in folder.glob("*.safetensors")) + sorted(p.name for p in folder.glob("*.bin")) if folder.is_dir() else []
         where = f"{folder / files[0]}" if len(files) == 1 else f"{spec.resolved} ({', '.join(files) or 'no weight files'})"
         raise OSError(f"{role}.path: could not load the model weights from {where}: {error}{_rebuild_hint(spec)}") from error
+    if spec.checkpoint is not None:
+        load_stage_weights(model, spec.checkpoint, role)
     if spec.gradient_checkpointing:
         # transformers 5 renamed gradient checkpointing to activation checkpointing
         if hasattr(model, "activation_checkpointing_enable"):
@@ -115,6 +123,43 @@ def load_causal_lm(spec: ModelSpec, role: str = "model") -> torch.nn.Module:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
+
+
+STAGE_PREFIXES = ("student.", "model.")
+"""Where kdlab's stages keep their trained model in a checkpoint's ``state_dict``."""
+
+
+def load_stage_weights(model: torch.nn.Module, checkpoint: str, role: str = "model") -> None:
+    """Copy the trained model of a kdlab stage checkpoint into ``model`` (in place, its dtype kept).
+
+    Raises naming ``<role>.checkpoint`` and the file when it is missing, unreadable, holds no kdlab
+    stage, holds LoRA adapters (merge them first: ``SFTModule.save_pretrained``) or does not fit.
+    """
+    where = f"{role}.checkpoint {checkpoint!r}"
+    if not Path(checkpoint).is_file():
+        raise FileNotFoundError(f"{where}: no such file")
+    try:
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+    except Exception as error:  # a truncated file, a pickle of foreign classes, no state_dict
+        raise OSError(f"{where}: not a readable Lightning checkpoint ({type(error).__name__}: {str(error)[:200]})") from error
+    expected = model.state_dict()
+    for prefix in STAGE_PREFIXES:
+        weights = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+        if not weights:
+            continue
+        if any("lora_" in key for key in weights):
+            raise ValueError(f"{where}: holds LoRA adapters; export merged weights (save_pretrained) and use them as the path")
+        missing = sorted(set(expected) - set(weights))
+        unexpected = sorted(set(weights) - set(expected))
+        shapes = [k for k in set(expected) & set(weights) if expected[k].shape != weights[k].shape]
+        if missing or unexpected or shapes:
+            raise ValueError(
+                f"{where}: its {prefix.rstrip('.')!r} weights do not fit the model at {role}.path "
+                f"(missing {missing[:3]}, unexpected {unexpected[:3]}, other shapes {shapes[:3]})"
+            )
+        model.load_state_dict({k: v.to(expected[k].dtype) for k, v in weights.items()})
+        return
+    raise ValueError(f"{where}: holds no kdlab stage weights (no keys starting with {' or '.join(STAGE_PREFIXES)})")
 
 
 def shared_vocab_size(student_tokenizer: Any, teacher_tokenizer: Any, student: Any, teacher: Any) -> int:

@@ -22,7 +22,7 @@ import torch
 
 from kdlab.components import Component
 from kdlab.data import PromptBatch, Rollout, read_jsonl, right_pad
-from kdlab.decoding import IncrementalLM, NextLogprobs, sample_tokens
+from kdlab.decoding import IncrementalLM, NextLogprobs, sample_tokens, top_p_logprobs
 
 
 @dataclass
@@ -41,6 +41,9 @@ class RolloutContext:
     generator: torch.Generator | None
     all_done: Callable[[bool], bool] | None = None
     """Collective stopping decision under sharded training (see :func:`kdlab.decoding.sample_tokens`)."""
+    top_p: float = 1.0
+    """Nucleus sampling: each token is drawn from the policy's distribution restricted to its top-p set
+    (:func:`kdlab.decoding.top_p_logprobs`); 1 samples from the whole distribution (distillation)."""
 
     def decoder(self, model: str, prompts: PromptBatch) -> IncrementalLM:
         """An incremental decoder for ``"student"`` or ``"teacher"`` at that model's temperature."""
@@ -51,6 +54,9 @@ class RolloutContext:
         )
 
     def sample(self, next_logprobs: NextLogprobs, prompts: PromptBatch) -> Rollout:
+        if self.top_p < 1.0:
+            policy, top_p = next_logprobs, self.top_p
+            next_logprobs = lambda previous: top_p_logprobs(policy(previous), top_p)  # noqa: E731
         ids, mask, entropy = sample_tokens(
             next_logprobs,
             batch_size=len(prompts),

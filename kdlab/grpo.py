@@ -1,0 +1,377 @@
+"""``GRPOModule``: the RLVR stage after distillation, GRPO with the DAPO policy loss.
+
+Per rollout batch of ``batch_size`` prompts:
+
+1. the rollout policy (default :class:`~kdlab.rollouts.StudentRollouts`, the same engine as
+   distillation) samples a group of ``group_size`` completions per prompt from the current policy at
+   ``temperature`` with nucleus ``top_p``;
+2. each completion is scored by the task's verifier: ``reward = correct_reward * task.score`` (the
+   paper's Countdown-4 reward is 2 if correct else 0);
+3. advantages are group-normalised (:func:`group_advantages`);
+4. the rows are split into ``mini_batches`` consecutive mini-batches (whole groups), and each one
+   takes one optimiser step on the DAPO loss (:func:`dapo_loss`); the first mini-batch is exactly
+   on-policy (ratio 1), later ones are importance-weighted against the policy that sampled them.
+
+``trainer.max_steps`` counts optimiser steps (rollout batches x ``mini_batches``). The module
+optimises manually, so gradient clipping is its own ``grad_clip`` setting (``trainer.gradient_clip_val``
+is not used). The trained model is called ``student`` (it starts as the distilled student), so every
+callback of :mod:`kdlab.callbacks` works on this stage too.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from kdlab.components import Component
+from kdlab.data import Rollout, decode_completions, encode_prompts
+from kdlab.decoding import completion_logits
+from kdlab.models import ModelSpec, end_token_ids, load_causal_lm, load_tokenizer
+from kdlab.optim import FiniteAdamW, warmup_factor
+from kdlab.rollouts import RolloutContext, RolloutPolicy, StudentRollouts
+from kdlab.sft import SCHEDULES, LoraSpec, apply_lora
+from kdlab.stage import TaskStage
+from kdlab.tasks.base import Example, Task
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Group-normalised advantages ``(N * G,)`` of rewards ``(N * G,)`` laid out group by group.
+
+    ``A_i = (R_i - mean_g R) / (std_g R + eps)`` with the unbiased (n - 1) standard deviation of the
+    group (as verl and TRL compute it), or ``R_i - mean_g R`` when ``scale_by_std`` is False (Dr. GRPO).
+    A group whose rewards are all equal gets advantage 0 for every member: it carries no signal.
+    """
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2 to normalise rewards within a group, got {group_size}")
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.float().reshape(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale_by_std:
+        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    return centred.reshape(-1)
+
+
+def dapo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    num_tokens: int | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The DAPO policy loss (Yu et al., 2025): clip-higher and token-level averaging.
+
+    With ratio ``r_t = exp(logp_t - logp_old_t)`` and the sequence's advantage ``A``::
+
+        loss = -(1 / T) * sum_{i, t in mask} min(r_t A_i, clip(r_t, 1 - clip_low, 1 + clip_high) A_i)
+               + beta * (1 / T) * sum_{i, t in mask} k3_t
+
+    where ``T`` is the number of completion tokens in the whole (mini-)batch, not a per-sequence mean
+    (token-level averaging: long completions weigh by their length), and
+    ``k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1`` is the unbiased, non-negative estimator of
+    KL(policy || reference) used by GRPO (only when ``beta > 0``).
+
+    Args:
+        logprobs: ``(B, C)`` log-probs of the sampled tokens under the policy being trained (with grad).
+        old_logprobs: ``(B, C)`` the same under the policy that sampled them (no grad).
+        advantages: ``(B,)`` one per completion.
+        mask: ``(B, C)`` bool, True on completion tokens.
+        num_tokens: ``T``; default ``mask.sum()``. Pass the whole mini-batch's count when the loss is
+            accumulated over micro-batches, so the sum of their losses is the mini-batch loss.
+
+    Returns the loss and detached statistics summed over this call's tokens: ``clipped`` (tokens
+    where the clipped term is the one taken and differs from the unclipped one), ``tokens`` and ``kl``.
+    """
+    mask = mask.bool()
+    total = int(mask.sum()) if num_tokens is None else num_tokens
+    ratio = torch.exp(logprobs - old_logprobs)
+    advantage = advantages[:, None].to(logprobs.dtype)
+    unclipped = ratio * advantage
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantage
+    objective = torch.minimum(unclipped, clipped)
+    loss = -(objective * mask).sum() / max(total, 1)
+    stats = {
+        "clipped": ((clipped < unclipped) & mask).sum().detach().float(),
+        "tokens": mask.sum().detach().float(),
+        "kl": torch.zeros((), device=logprobs.device),
+    }
+    if beta > 0:
+        if ref_logprobs is None:
+            raise ValueError("dapo_loss: beta > 0 needs ref_logprobs")
+        log_ratio = ref_logprobs - logprobs
+        k3 = torch.exp(log_ratio) - log_ratio - 1
+        loss = loss + beta * (k3 * mask).sum() / max(total, 1)
+        stats["kl"] = (k3.detach() * mask).sum()
+    return loss, stats
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob ``(B, C)`` of each token ``ids`` under ``logits`` ``(B, C, V)`` and the entropy ``(B, C)``
+    of each position's distribution (detached), in fp32."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, ids[..., None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return chosen, entropy
+
+
+class GRPOModule(TaskStage):
+    """GRPO with the DAPO loss on ``task``, starting from ``policy`` (see module docstring).
+
+    Args:
+        policy: the model trained; a distilled student is chained in with ``policy.checkpoint``
+            (a ``DistillModule`` checkpoint, see :class:`~kdlab.models.ModelSpec`).
+        task: prompts and the verifier that gives the reward.
+        rollout: how completions are sampled from the policy (default: ``StudentRollouts``).
+        group_size: completions per prompt, G (paper: 8).
+        temperature: sampling temperature, also used for the log-probs in the loss (paper: 1.0).
+        top_p: nucleus sampling (paper: 0.95). The loss's log-probs are the full tempered distribution's.
+        correct_reward: reward per unit of ``task.score`` (paper: 2.0 for a correct answer, 0 otherwise).
+        scale_rewards_by_std: divide by the group's standard deviation (GRPO); False gives Dr. GRPO.
+        clip_low, clip_high: the DAPO clip range ``[1 - clip_low, 1 + clip_high]`` (DAPO: 0.2, 0.28).
+        beta: weight of the k3 KL to ``reference`` (paper: 0, and no reference model is loaded).
+        reference: the KL reference when ``beta > 0`` (default: the policy as loaded).
+        mini_batches: optimiser steps per rollout batch, each on ``1 / mini_batches`` of the groups.
+        micro_batch_size: rows per forward/backward inside a mini-batch (default: the whole mini-batch).
+        lr: peak learning rate (paper: 2e-6, cosine, 30 warm-up steps).
+        warmup_steps, schedule, min_lr_ratio: linear warm-up, then ``cosine`` to ``min_lr_ratio * lr``
+            at ``max_steps``, or ``constant``.
+        grad_clip: clip the gradient norm to this (paper: 1.0); 0 disables clipping.
+        lora: train LoRA adapters only (``pip install kdlab[lora]``).
+        betas, eps, weight_decay: AdamW settings.
+        max_bad_steps: stop after this many consecutive optimiser steps with non-finite gradients.
+        max_prompt_tokens, max_completion_tokens, batch_size, val_*, eval_*, seed: see
+            :class:`~kdlab.stage.TaskStage`; ``batch_size`` counts prompts (each gives G rows).
+    """
+
+    def __init__(
+        self,
+        policy: ModelSpec | str,
+        task: Task,
+        rollout: RolloutPolicy | None = None,
+        group_size: int = 8,
+        temperature: float = 1.0,
+        top_p: float = 0.95,
+        correct_reward: float = 2.0,
+        scale_rewards_by_std: bool = True,
+        clip_low: float = 0.2,
+        clip_high: float = 0.28,
+        beta: float = 0.0,
+        reference: ModelSpec | str | None = None,
+        mini_batches: int = 1,
+        micro_batch_size: int | None = None,
+        lr: float = 2e-6,
+        warmup_steps: int = 30,
+        schedule: str = "cosine",
+        min_lr_ratio: float = 0.0,
+        grad_clip: float = 1.0,
+        lora: LoraSpec | None = None,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_bad_steps: int = 10,
+        max_prompt_tokens: int = 2048,
+        max_completion_tokens: int = 512,
+        batch_size: int = 1,
+        val_examples: int = 200,
+        val_temperature: float = 0.5,
+        val_batch_size: int = 8,
+        eval_samples: int = 1,
+        eval_ks: tuple[int, ...] = (1,),
+        seed: int = 42,
+    ) -> None:
+        super().__init__(
+            task, batch_size, max_prompt_tokens, max_completion_tokens, val_examples,
+            val_temperature, val_batch_size, eval_samples, tuple(eval_ks), seed,
+        )
+        self.automatic_optimization = False
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("lr", lr), ("mini_batches", mini_batches)):
+            self.require_positive(name, value)
+        if group_size < 2:
+            raise ValueError(f"GRPOModule.group_size must be >= 2 (advantages are relative to the group), got {group_size}")
+        if top_p > 1:
+            raise ValueError(f"GRPOModule.top_p must be in (0, 1], got {top_p}")
+        if not 0 <= clip_low < 1 or clip_high < 0:
+            raise ValueError(f"GRPOModule.clip_low must be in [0, 1) and clip_high >= 0, got {clip_low}, {clip_high}")
+        if beta < 0 or grad_clip < 0 or warmup_steps < 0:
+            raise ValueError(f"GRPOModule.beta, grad_clip and warmup_steps must be >= 0, got {beta}, {grad_clip}, {warmup_steps}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"GRPOModule.schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if batch_size % mini_batches:
+            raise ValueError(f"GRPOModule.batch_size={batch_size} prompts do not split into mini_batches={mini_batches}")
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"GRPOModule.micro_batch_size must be >= 1 or null, got {micro_batch_size}")
+        self.group_size, self.temperature, self.top_p = group_size, temperature, top_p
+        self.correct_reward, self.scale_rewards_by_std = correct_reward, scale_rewards_by_std
+        self.clip_low, self.clip_high, self.beta = clip_low, clip_high, beta
+        self.mini_batches, self.micro_batch_size = mini_batches, micro_batch_size
+        self.lr, self.warmup_steps, self.schedule, self.min_lr_ratio = lr, warmup_steps, schedule, min_lr_ratio
+        self.grad_clip, self.betas, self.eps, self.weight_decay = grad_clip, tuple(betas), eps, weight_decay
+        self.set_max_bad_steps(max_bad_steps)
+        self.rollout = rollout if rollout is not None else StudentRollouts()
+
+        self.student_spec = ModelSpec(policy) if isinstance(policy, str) else policy
+        self.student_tokenizer = load_tokenizer(self.student_spec, "policy")
+        self.student = load_causal_lm(self.student_spec, "policy")
+        self.vocab_size = len(self.student_tokenizer)
+        self.end_ids = end_token_ids(self.student_tokenizer, self.student)
+        self.pad_id = int(self.student_tokenizer.pad_token_id)
+        self.reference = None
+        if beta > 0:
+            spec = self.student_spec if reference is None else (ModelSpec(reference) if isinstance(reference, str) else reference)
+            self.reference = load_causal_lm(spec, "reference").requires_grad_(False).eval()
+        if lora is not None:
+            self.student = apply_lora(self.student, lora)
+        self.student.train()
+
+    def components(self) -> dict[str, Component]:
+        return {"rollout": self.rollout, "task": self.task}
+
+    def train(self, mode: bool = True) -> GRPOModule:
+        """Switch modes like any module; the reference model always stays in eval mode."""
+        super().train(mode)
+        if self.reference is not None:
+            self.reference.eval()
+        return self
+
+    # ---- rollouts -------------------------------------------------------------------------
+    def sample_groups(self, examples: list[Example], seed: int) -> tuple[Rollout, torch.Tensor]:
+        """``group_size`` completions per example from the current policy (rows ordered group by
+        group) and their rewards ``(N * G,)``."""
+        repeated = [example for example in examples for _ in range(self.group_size)]
+        prompts = encode_prompts(self.task, repeated, self.student_tokenizer, self.student_tokenizer, self.max_prompt_tokens, self.pad_id)
+        for name in ("student_ids", "student_mask", "teacher_ids", "teacher_mask"):
+            setattr(prompts, name, getattr(prompts, name).to(self.device))
+        context = RolloutContext(
+            student=self.student,
+            teacher=self.reference if self.reference is not None else self.student,
+            tokenizer=self.student_tokenizer,
+            vocab_size=self.vocab_size,
+            max_new_tokens=self.max_completion_tokens,
+            eos_token_ids=self.end_ids,
+            pad_token_id=self.pad_id,
+            student_temperature=self.temperature,
+            teacher_temperature=self.temperature,
+            generator=self._generator(seed),
+            all_done=self.all_done_hook(),
+            top_p=self.top_p,
+        )
+        was_training = self.student.training
+        self.student.eval()
+        try:
+            with torch.no_grad():
+                rollout = self.rollout.sample(prompts, context)
+        finally:
+            self.student.train(was_training)
+        texts = decode_completions(self.student_tokenizer, rollout.completion_ids, rollout.completion_mask, self.end_ids)
+        rewards = [self.correct_reward * float(self.task.score(example, text)) for example, text in zip(repeated, texts)]
+        return rollout, torch.tensor(rewards, device=self.device)
+
+    def sequence_logprobs(self, model: torch.nn.Module, rollout: Rollout, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tempered log-probs and entropies ``(b, C)`` of the completion tokens of ``rows``."""
+        inputs = {name: value[rows] for name, value in rollout.model_inputs("student").items()}
+        ids = rollout.completion_ids[rows]
+        logits = completion_logits(model, inputs, ids.shape[1], self.vocab_size)
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return token_logprobs(logits, ids)
+
+    # ---- training -------------------------------------------------------------------------
+    def training_step(self, batch: list[Example], batch_idx: int) -> None:
+        rollout, rewards = self.sample_groups(batch, self.step_seed("train", batch_idx))
+        advantages = group_advantages(rewards, self.group_size, self.scale_rewards_by_std)
+        mask = rollout.completion_mask
+        rows = len(rewards)
+        grouped = rewards.reshape(-1, self.group_size)
+        size = len(batch)
+        self.log("train/reward_mean", rewards.mean(), prog_bar=True, batch_size=size)
+        self.log("train/reward_std", rewards.std() if rows > 1 else torch.zeros(()), batch_size=size)
+        self.log("train/zero_variance_groups", (grouped.max(1).values == grouped.min(1).values).float().mean(), batch_size=size)
+        self.log("train/completion_length", mask.sum(1).float().mean(), batch_size=size)
+        if not bool(mask.any()):
+            warnings.warn(f"step {self.global_step}: the rollouts hold no completion token; batch skipped", stacklevel=2)
+            return
+        old_logprobs = ref_logprobs = None
+        with torch.no_grad():
+            if self.mini_batches > 1:  # later mini-batches are trained after the policy has moved
+                old_logprobs = self._all_rows(self.student, rollout, rows)
+            if self.reference is not None:
+                ref_logprobs = self._all_rows(self.reference, rollout, rows)
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        per_mini = rows // self.mini_batches
+        totals = {"clipped": 0.0, "tokens": 0.0, "kl": 0.0, "entropy": 0.0, "loss": 0.0}
+        for start in range(0, rows, per_mini):
+            optimizer.zero_grad()
+            mini = slice(start, start + per_mini)
+            tokens = int(mask[mini].sum())
+            step = self.micro_batch_size or per_mini
+            for micro_start in range(start, start + per_mini, step):
+                micro = slice(micro_start, min(micro_start + step, start + per_mini))
+                logprobs, entropy = self.sequence_logprobs(self.student, rollout, micro)
+                old = logprobs.detach() if old_logprobs is None else old_logprobs[micro]
+                loss, stats = dapo_loss(
+                    logprobs, old, advantages[micro], mask[micro], self.clip_low, self.clip_high, num_tokens=tokens,
+                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro], beta=self.beta,
+                )
+                self.manual_backward(loss)
+                for name in ("clipped", "tokens", "kl"):
+                    totals[name] += float(stats[name])
+                totals["entropy"] += float((entropy * mask[micro]).sum())
+                totals["loss"] += float(loss.detach())
+            self.log("train/grad_norm", self._grad_norm())
+            if self.grad_clip > 0:
+                self.clip_gradients(optimizer, gradient_clip_val=self.grad_clip, gradient_clip_algorithm="norm")
+            optimizer.step()
+            scheduler.step()
+            self.count_skipped_step(optimizer.optimizer, f"GRPO, lr {self.lr}")
+        count = max(totals["tokens"], 1.0)
+        self.log("train/loss", totals["loss"] / self.mini_batches, prog_bar=True, batch_size=size)
+        self.log("train/clip_fraction", totals["clipped"] / count, batch_size=size)
+        self.log("train/entropy", totals["entropy"] / count, batch_size=size)
+        if self.beta > 0:
+            self.log("train/kl_to_reference", totals["kl"] / count, batch_size=size)
+        self._log_reports("train", size)
+
+    def _all_rows(self, model: torch.nn.Module, rollout: Rollout, rows: int) -> torch.Tensor:
+        step = self.micro_batch_size or rows
+        return torch.cat([self.sequence_logprobs(model, rollout, slice(i, min(i + step, rows)))[0] for i in range(0, rows, step)])
+
+    def _grad_norm(self) -> torch.Tensor:
+        grads = [p.grad for p in self.student.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+    def configure_optimizers(self):
+        params = [p for p in self.student.parameters() if p.requires_grad]
+        optimizer = FiniteAdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+        total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer else 1
+        factor = warmup_factor(self.warmup_steps, total, cosine=self.schedule == "cosine", floor=self.min_lr_ratio)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, factor), "interval": "step"}}
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Leave the frozen reference out (it is reloaded); record the data position."""
+        state = checkpoint["state_dict"]
+        for key in [k for k in state if k.startswith("reference.")]:
+            del state[key]
+        super().on_save_checkpoint(checkpoint)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load the policy from a checkpoint (the reference, left out of checkpoints, keeps its weights)."""
+        has_reference = any(k.startswith("reference.") for k in state_dict)
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        if strict:
+            missing = [k for k in result.missing_keys if has_reference or not k.startswith("reference.")]
+            if missing or result.unexpected_keys:
+                raise RuntimeError(
+                    f"the checkpoint does not fit this policy (policy.path={self.student_spec.path!r}): "
+                    f"missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+                )
+        return result

@@ -1,0 +1,146 @@
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from kdlab.grpo import GRPOModule, dapo_loss, group_advantages
+from kdlab.tasks import Addition
+
+
+def test_group_advantages_match_hand_computed_values():
+    rewards = torch.tensor([2.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    advantages = group_advantages(rewards, group_size=4)
+    # group 1: mean 0.5, unbiased std sqrt(((1.5)^2 + 3 * 0.5^2) / 3) = 1
+    assert advantages[:4].tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5)
+    assert advantages[4:].tolist() == [0.0, 0.0, 0.0, 0.0]  # all equal: no signal
+    assert group_advantages(rewards, 4, scale_by_std=False)[:4].tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5])
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        group_advantages(rewards, 1)
+    with pytest.raises(ValueError, match="do not split"):
+        group_advantages(rewards, 3)
+
+
+def test_dapo_loss_matches_a_hand_computed_token_mean_with_clip_higher():
+    # two completions of 2 and 1 tokens; ratios chosen to hit each clip side
+    old = torch.zeros(2, 2)
+    logprobs = torch.tensor([[math.log(1.5), math.log(0.7)], [math.log(0.5), 0.0]], requires_grad=True)
+    advantages = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[True, True], [True, False]])
+    loss, stats = dapo_loss(logprobs, old, advantages, mask, clip_low=0.2, clip_high=0.28)
+    # row 0, A = +1: min(1.5, 1.28) = 1.28 (clipped); min(0.7, 0.8) = 0.7 (not clipped)
+    # row 1, A = -1: min(-0.5, -0.8) = -0.8 (clipped); the masked token does not count
+    expected = -(1.28 + 0.7 - 0.8) / 3  # token-level mean over 3 tokens, not a mean of sequence means
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert stats["clipped"].item() == 2 and stats["tokens"].item() == 3
+    loss.backward()
+    # clipped tokens get no gradient; the unclipped one gets -A * ratio / T
+    assert logprobs.grad[0, 0].item() == 0.0 and logprobs.grad[1, 0].item() == 0.0
+    assert logprobs.grad[0, 1].item() == pytest.approx(-0.7 / 3, abs=1e-6)
+    assert logprobs.grad[1, 1].item() == 0.0
+
+
+def test_dapo_loss_kl_term_is_k3_and_zero_at_the_reference():
+    logprobs = torch.tensor([[-1.0, -2.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    advantages = torch.zeros(1)
+    same, _ = dapo_loss(logprobs, logprobs, advantages, mask, ref_logprobs=logprobs, beta=0.5)
+    assert same.item() == pytest.approx(0.0, abs=1e-7)
+    ref = torch.tensor([[-1.5, -2.0]])
+    loss, stats = dapo_loss(logprobs, logprobs, advantages, mask, ref_logprobs=ref, beta=0.5)
+    k3 = math.exp(-0.5) + 0.5 - 1
+    assert loss.item() == pytest.approx(0.5 * k3 / 2, abs=1e-6)
+    assert stats["kl"].item() == pytest.approx(k3, abs=1e-6)
+
+
+def test_on_policy_ratio_is_one_and_the_gradient_is_the_policy_gradient():
+    logprobs = torch.tensor([[-0.3, -1.2, -0.7]], requires_grad=True)
+    mask = torch.tensor([[True, True, False]])
+    loss, stats = dapo_loss(logprobs, logprobs.detach(), torch.tensor([2.0]), mask)
+    loss.backward()
+    assert stats["clipped"].item() == 0
+    assert logprobs.grad[0].tolist() == pytest.approx([-1.0, -1.0, 0.0])  # -A / T on each real token
+
+
+def alternate_rewards(task):
+    """A random model never solves a task; reward every other completion so groups carry signal."""
+    calls = []
+    task.score = lambda example, text: float(calls.append(0) or len(calls) % 2)
+
+
+@pytest.fixture
+def grpo(tiny_pair):
+    task = Addition(num_train=8, num_val=4, num_test=4)
+    return GRPOModule(tiny_pair[0], task, group_size=4, batch_size=2, max_completion_tokens=6, lr=1e-3, warmup_steps=0, val_batch_size=4)
+
+
+def test_a_zero_variance_group_contributes_no_gradient(grpo):
+    rollout, _ = grpo.sample_groups(grpo.task.examples("train")[:2], seed=0)
+    mask = rollout.completion_mask
+    rewards = torch.tensor([2.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.0, 0.0])  # group 1 all correct, group 2 mixed
+    advantages = group_advantages(rewards, 4)
+    logprobs, _ = grpo.sequence_logprobs(grpo.student, rollout, slice(0, 4))
+    loss, _ = dapo_loss(logprobs, logprobs.detach(), advantages[:4], mask[:4])
+    loss.backward()
+    assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in grpo.student.parameters())
+    grpo.student.zero_grad()
+    logprobs, _ = grpo.sequence_logprobs(grpo.student, rollout, slice(4, 8))
+    loss, _ = dapo_loss(logprobs, logprobs.detach(), advantages[4:], mask[4:])
+    loss.backward()
+    assert any(p.grad is not None and torch.count_nonzero(p.grad) > 0 for p in grpo.student.parameters())
+
+
+def test_groups_share_a_prompt_and_rewards_come_from_the_verifier(grpo):
+    examples = grpo.task.examples("train")[:2]
+    rollout, rewards = grpo.sample_groups(examples, seed=3)
+    ids = rollout.prompts.student_ids
+    assert torch.equal(ids[0], ids[3]) and not torch.equal(ids[0], ids[4])
+    assert set(rewards.tolist()) <= {0.0, 2.0}
+    again, rewards_again = grpo.sample_groups(examples, seed=3)
+    assert torch.equal(again.completion_ids, rollout.completion_ids) and torch.equal(rewards, rewards_again)
+
+
+def test_grpo_fit_logs_the_rl_statistics(grpo, tmp_path):
+    grpo.mini_batches = 2
+    alternate_rewards(grpo.task)
+    trainer = pl.Trainer(
+        max_steps=4, accelerator="cpu", logger=pl.loggers.CSVLogger(tmp_path), enable_checkpointing=False,
+        enable_progress_bar=False, log_every_n_steps=1, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    before = {n: p.detach().clone() for n, p in grpo.student.named_parameters()}
+    trainer.fit(grpo)
+    assert trainer.global_step == 4  # 2 rollout batches x 2 mini-batches
+    logged = set(trainer.logged_metrics)
+    for name in ("reward_mean", "reward_std", "zero_variance_groups", "completion_length", "entropy", "clip_fraction", "loss", "grad_norm"):
+        assert f"train/{name}" in logged
+    assert any(not torch.equal(before[n], p) for n, p in grpo.student.named_parameters())
+    assert float(trainer.logged_metrics["train/zero_variance_groups"]) == 0.0
+
+
+def test_lora_trains_only_the_adapters(tiny_pair):
+    pytest.importorskip("peft")
+    from kdlab.sft import LoraSpec
+
+    module = GRPOModule(
+        tiny_pair[0], Addition(num_train=4, num_val=2, num_test=2), group_size=2, batch_size=2, max_completion_tokens=4,
+        lr=1e-2, warmup_steps=0, correct_reward=1.0, lora=LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    trainable = {n for n, p in module.student.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    before = {n: p.detach().clone() for n, p in module.student.named_parameters()}
+    alternate_rewards(module.task)
+    pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0).fit(module)
+    changed = {n for n, p in module.student.named_parameters() if not torch.equal(before[n], p)}
+    assert changed and changed <= trainable
+
+
+def test_bad_grpo_settings_name_the_key(tiny_pair):
+    task = Addition(num_train=2)
+    with pytest.raises(ValueError, match="GRPOModule.group_size"):
+        GRPOModule(tiny_pair[0], task, group_size=1)
+    with pytest.raises(ValueError, match="GRPOModule.top_p"):
+        GRPOModule(tiny_pair[0], task, top_p=1.5)
+    with pytest.raises(ValueError, match="mini_batches"):
+        GRPOModule(tiny_pair[0], task, batch_size=3, mini_batches=2)
+    with pytest.raises(ValueError, match="GRPOModule.clip_low"):
+        GRPOModule(tiny_pair[0], task, clip_low=1.0)
