@@ -97,6 +97,15 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def _shard_like(full: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
+    """The part of ``full`` that this rank holds of ``parameter`` (all of it when not sharded)."""
+    if hasattr(parameter, "to_local") and hasattr(parameter, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full.to(parameter.device), parameter.device_mesh, parameter.placements).to_local()
+    return full
+
+
 class UpdateSparsity(_Periodic):
     """Logs ``sparsity/<tau>``: the fraction of student parameters with ``|theta - theta_init| < tau``.
 
@@ -109,13 +118,17 @@ class UpdateSparsity(_Periodic):
     Args:
         thresholds: the taus (paper: 1e-6 main, 1e-8 appendix), each > 0.
         every_n_steps: also measure every N optimiser steps; the end of fit is always measured.
+        reference: measure against this model instead of the run's starting weights, e.g. the
+            original student in an RLVR stage that starts from a distilled checkpoint (a model path,
+            ``kdlab://...``, or a :class:`~kdlab.models.ModelSpec` with ``checkpoint``).
     """
 
-    def __init__(self, thresholds: Sequence[float] = (1e-6, 1e-8), every_n_steps: int | None = None) -> None:
+    def __init__(self, thresholds: Sequence[float] = (1e-6, 1e-8), every_n_steps: int | None = None, reference: Any = None) -> None:
         super().__init__(every_n_steps)
         if not thresholds or any(not tau > 0 for tau in thresholds):
             raise ValueError(f"UpdateSparsity.thresholds must be positive numbers, got {list(thresholds)}")
         self.thresholds = tuple(float(tau) for tau in thresholds)
+        self.reference = reference
         self.initial: dict[str, torch.Tensor] | None = None
 
     @staticmethod
@@ -124,14 +137,20 @@ class UpdateSparsity(_Periodic):
         return {name: _local(p.detach()) for name, p in model.named_parameters()}
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if trainer.ckpt_path and hasattr(pl_module, "student_spec"):
-            from kdlab.models import load_causal_lm
+        from kdlab.models import ModelSpec, load_causal_lm
 
-            original = load_causal_lm(pl_module.student_spec, "student")
-            current = self.parameters(pl_module)
-            self.initial = {name: p.detach().to(current[name].dtype) for name, p in original.named_parameters() if name in current}
+        current = self.parameters(pl_module)
+        if self.reference is not None or (trainer.ckpt_path and hasattr(pl_module, "student_spec")):
+            if self.reference is None:
+                spec, role = pl_module.student_spec, "student"
+            else:
+                spec, role = (ModelSpec(self.reference) if isinstance(self.reference, str) else self.reference), "UpdateSparsity.reference"
+            original = dict(load_causal_lm(spec, role).named_parameters())
+            if set(original) != set(current) or any(original[n].shape != p.shape for n, p in pl_module.student.named_parameters() if n in original):
+                raise ValueError(f"{role} {spec.path!r}: its parameters do not match the trained model's")
+            self.initial = {name: _shard_like(original[name].detach(), p).to(current[name].dtype) for name, p in pl_module.student.named_parameters()}
         else:
-            self.initial = {name: p.to("cpu", copy=True) for name, p in self.parameters(pl_module).items()}
+            self.initial = {name: p.to("cpu", copy=True) for name, p in current.items()}
 
     def measure(self, trainer, pl_module) -> None:
         current = self.parameters(pl_module)
@@ -460,3 +479,76 @@ class RolloutSensitivity(_Periodic):
         metrics["theory/grad_diff"] = norm([a - b for a, b in zip(grads["policy"], grads["reference"])])
         metrics["theory/grad_diff_rel"] = metrics["theory/grad_diff"] / max(metrics["theory/grad_norm"], 1e-30)
         report(trainer, metrics)
+
+
+# ---- RLVR ------------------------------------------------------------------------------------------
+class RewardCollapse(pl.Callback):
+    """Flags reward collapse without stopping the run (the paper's reverse-KL RLVR runs improved, then
+    collapsed).
+
+    After each optimiser step the latest ``metric`` is added to a running mean over the last
+    ``window`` values. When that mean falls below ``(1 - drop)`` times the best running mean seen so
+    far, one event is recorded: a TensorBoard text entry ``events/reward_collapse``, a line in
+    ``<log_dir>/events.jsonl`` (``{"step", "event", "message", "running", "best", "best_step"}``), the
+    scalar ``events/reward_collapse`` (running / best) in the loggers and ``metrics.jsonl``, and a warning.
+    It fires again only after the running mean has recovered above the threshold.
+
+    Args:
+        metric: the logged reward (default ``rlvr/reward_mean`` of :class:`~kdlab.grpo.GRPOModule`).
+        window: values in the running mean.
+        drop: the fraction of the best running mean that counts as a collapse, in (0, 1].
+    """
+
+    def __init__(self, metric: str = "rlvr/reward_mean", window: int = 10, drop: float = 0.5) -> None:
+        if window < 1:
+            raise ValueError(f"RewardCollapse.window must be >= 1, got {window}")
+        if not 0 < drop <= 1:
+            raise ValueError(f"RewardCollapse.drop must be in (0, 1], got {drop}")
+        self.metric, self.window, self.drop = metric, window, drop
+        self.values: list[float] = []
+        self.best, self.best_step, self.collapsed, self.events = float("-inf"), -1, False, 0
+        self._last_step = -1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        value = trainer.callback_metrics.get(self.metric)
+        if value is None or trainer.global_step == self._last_step:
+            return
+        self._last_step = trainer.global_step
+        self.values = (self.values + [float(value)])[-self.window :]
+        if len(self.values) < self.window:
+            return
+        running = sum(self.values) / len(self.values)
+        if running > self.best:
+            self.best, self.best_step = running, trainer.global_step
+        collapsed = self.best > 0 and running < (1 - self.drop) * self.best
+        if collapsed and not self.collapsed:
+            self.record(trainer, running)
+        self.collapsed = collapsed
+
+    def record(self, trainer: pl.Trainer, running: float) -> None:
+        from lightning.pytorch.loggers import TensorBoardLogger
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        step = trainer.global_step
+        message = (
+            f"reward collapse at step {step}: running mean of {self.metric} over {self.window} steps is {running:.4g}, "
+            f"below {1 - self.drop:.0%} of its best {self.best:.4g} (step {self.best_step})"
+        )
+        self.events += 1
+        report(trainer, {"events/reward_collapse": running / self.best}, step=step)
+        directory = Path(run_directory(trainer))
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    logger.experiment.add_text("events/reward_collapse", message, global_step=step)
+            with (directory / "events.jsonl").open("a", encoding="utf-8") as handle:
+                row = {"step": step, "event": "reward_collapse", "message": message, "running": running, "best": self.best, "best_step": self.best_step}
+                handle.write(json.dumps(row) + "\n")
+        rank_zero_warn(message)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"values": self.values, "best": self.best, "best_step": self.best_step, "collapsed": self.collapsed, "events": self.events}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for name, value in state_dict.items():
+            setattr(self, name, value)

@@ -6,11 +6,17 @@ Per rollout batch of ``batch_size`` prompts:
    distillation) samples a group of ``group_size`` completions per prompt from the current policy at
    ``temperature`` with nucleus ``top_p``;
 2. each completion is scored by the task's verifier: ``reward = correct_reward * task.score`` (the
-   paper's Countdown-4 reward is 2 if correct else 0);
+   paper's Countdown-4 reward is 2 if correct else 0), plus ``format_reward`` if well formed;
 3. advantages are group-normalised (:func:`group_advantages`);
 4. the rows are split into ``mini_batches`` consecutive mini-batches (whole groups), and each one
    takes one optimiser step on the DAPO loss (:func:`dapo_loss`); the first mini-batch is exactly
    on-policy (ratio 1), later ones are importance-weighted against the policy that sampled them.
+
+Logged: ``rlvr/reward_mean``, ``rlvr/reward_std``, ``rlvr/zero_variance_groups`` (share of groups whose
+rewards are all equal), ``rlvr/completion_length``, ``rlvr/entropy`` (mean per-token entropy of the
+policy on its completions), ``rlvr/clip_fraction`` (share of tokens where the clipped term is taken),
+``rlvr/kl_to_reference`` (beta > 0), and ``train/loss``, ``train/grad_norm`` (before clipping),
+``train/skipped_steps``.
 
 ``trainer.max_steps`` counts optimiser steps (rollout batches x ``mini_batches``). The module
 optimises manually, so gradient clipping is its own ``grad_clip`` setting (``trainer.gradient_clip_val``
@@ -133,6 +139,8 @@ class GRPOModule(TaskStage):
         temperature: sampling temperature, also used for the log-probs in the loss (paper: 1.0).
         top_p: nucleus sampling (paper: 0.95). The loss's log-probs are the full tempered distribution's.
         correct_reward: reward per unit of ``task.score`` (paper: 2.0 for a correct answer, 0 otherwise).
+        format_reward: added when the completion has the task's answer format (``task.well_formed``);
+            the paper's Science/MedReason teachers got format terms <= 0.5, Countdown-4 RLVR none.
         scale_rewards_by_std: divide by the group's standard deviation (GRPO); False gives Dr. GRPO.
         clip_low, clip_high: the DAPO clip range ``[1 - clip_low, 1 + clip_high]`` (DAPO: 0.2, 0.28).
         beta: weight of the k3 KL to ``reference`` (paper: 0, and no reference model is loaded).
@@ -159,6 +167,7 @@ class GRPOModule(TaskStage):
         temperature: float = 1.0,
         top_p: float = 0.95,
         correct_reward: float = 2.0,
+        format_reward: float = 0.0,
         scale_rewards_by_std: bool = True,
         clip_low: float = 0.2,
         clip_high: float = 0.28,
@@ -208,7 +217,7 @@ class GRPOModule(TaskStage):
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"GRPOModule.micro_batch_size must be >= 1 or null, got {micro_batch_size}")
         self.group_size, self.temperature, self.top_p = group_size, temperature, top_p
-        self.correct_reward, self.scale_rewards_by_std = correct_reward, scale_rewards_by_std
+        self.correct_reward, self.format_reward, self.scale_rewards_by_std = correct_reward, format_reward, scale_rewards_by_std
         self.clip_low, self.clip_high, self.beta = clip_low, clip_high, beta
         self.mini_batches, self.micro_batch_size = mini_batches, micro_batch_size
         self.lr, self.warmup_steps, self.schedule, self.min_lr_ratio = lr, warmup_steps, schedule, min_lr_ratio
@@ -270,8 +279,14 @@ class GRPOModule(TaskStage):
         finally:
             self.student.train(was_training)
         texts = decode_completions(self.student_tokenizer, rollout.completion_ids, rollout.completion_mask, self.end_ids)
-        rewards = [self.correct_reward * float(self.task.score(example, text)) for example, text in zip(repeated, texts)]
-        return rollout, torch.tensor(rewards, device=self.device)
+        return rollout, torch.tensor([self.reward(example, text) for example, text in zip(repeated, texts)], device=self.device)
+
+    def reward(self, example: Example, completion: str) -> float:
+        """``correct_reward * task.score`` plus ``format_reward`` for a well-formed completion."""
+        reward = self.correct_reward * float(self.task.score(example, completion))
+        if self.format_reward and self.task.well_formed(completion):
+            reward += self.format_reward
+        return reward
 
     def sequence_logprobs(self, model: torch.nn.Module, rollout: Rollout, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """Tempered log-probs and entropies ``(b, C)`` of the completion tokens of ``rows``."""
@@ -290,10 +305,10 @@ class GRPOModule(TaskStage):
         rows = len(rewards)
         grouped = rewards.reshape(-1, self.group_size)
         size = len(batch)
-        self.log("train/reward_mean", rewards.mean(), prog_bar=True, batch_size=size)
-        self.log("train/reward_std", rewards.std() if rows > 1 else torch.zeros(()), batch_size=size)
-        self.log("train/zero_variance_groups", (grouped.max(1).values == grouped.min(1).values).float().mean(), batch_size=size)
-        self.log("train/completion_length", mask.sum(1).float().mean(), batch_size=size)
+        self.log("rlvr/reward_mean", rewards.mean(), prog_bar=True, batch_size=size)
+        self.log("rlvr/reward_std", rewards.std() if rows > 1 else torch.zeros(()), batch_size=size)
+        self.log("rlvr/zero_variance_groups", (grouped.max(1).values == grouped.min(1).values).float().mean(), batch_size=size)
+        self.log("rlvr/completion_length", mask.sum(1).float().mean(), batch_size=size)
         if not bool(mask.any()):
             warnings.warn(f"step {self.global_step}: the rollouts hold no completion token; batch skipped", stacklevel=2)
             return
@@ -332,10 +347,10 @@ class GRPOModule(TaskStage):
             self.count_skipped_step(optimizer.optimizer, f"GRPO, lr {self.lr}")
         count = max(totals["tokens"], 1.0)
         self.log("train/loss", totals["loss"] / self.mini_batches, prog_bar=True, batch_size=size)
-        self.log("train/clip_fraction", totals["clipped"] / count, batch_size=size)
-        self.log("train/entropy", totals["entropy"] / count, batch_size=size)
+        self.log("rlvr/clip_fraction", totals["clipped"] / count, batch_size=size)
+        self.log("rlvr/entropy", totals["entropy"] / count, batch_size=size)
         if self.beta > 0:
-            self.log("train/kl_to_reference", totals["kl"] / count, batch_size=size)
+            self.log("rlvr/kl_to_reference", totals["kl"] / count, batch_size=size)
         self._log_reports("train", size)
 
     def _all_rows(self, model: torch.nn.Module, rollout: Rollout, rows: int) -> torch.Tensor:

@@ -111,10 +111,11 @@ def test_grpo_fit_logs_the_rl_statistics(grpo, tmp_path):
     trainer.fit(grpo)
     assert trainer.global_step == 4  # 2 rollout batches x 2 mini-batches
     logged = set(trainer.logged_metrics)
-    for name in ("reward_mean", "reward_std", "zero_variance_groups", "completion_length", "entropy", "clip_fraction", "loss", "grad_norm"):
-        assert f"train/{name}" in logged
+    for name in ("reward_mean", "reward_std", "zero_variance_groups", "completion_length", "entropy", "clip_fraction"):
+        assert f"rlvr/{name}" in logged
+    assert {"train/loss", "train/grad_norm", "train/skipped_steps"} <= logged
     assert any(not torch.equal(before[n], p) for n, p in grpo.student.named_parameters())
-    assert float(trainer.logged_metrics["train/zero_variance_groups"]) == 0.0
+    assert float(trainer.logged_metrics["rlvr/zero_variance_groups"]) == 0.0
 
 
 def test_lora_trains_only_the_adapters(tiny_pair):
@@ -144,3 +145,88 @@ def test_bad_grpo_settings_name_the_key(tiny_pair):
         GRPOModule(tiny_pair[0], task, batch_size=3, mini_batches=2)
     with pytest.raises(ValueError, match="GRPOModule.clip_low"):
         GRPOModule(tiny_pair[0], task, clip_low=1.0)
+
+
+def test_reward_collapse_is_recorded_at_each_collapse_without_stopping(tmp_path):
+    from kdlab.callbacks import RewardCollapse
+
+    rewards = iter([1.0, 1.0, 1.2, 1.2, 1.2, 0.2, 0.2, 0.2, 0.1, 0.1, 1.3, 1.3, 1.3, 0.1, 0.1, 0.1])
+
+    class Rewarded(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, batch_idx):
+            self.log("rlvr/reward_mean", next(rewards))
+            return (self.weight * batch[0]).sum()
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.ones(16, 1), batch_size=1)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    callback = RewardCollapse(window=2, drop=0.5)
+    logger = pl.loggers.TensorBoardLogger(tmp_path, name="run", version="")
+    trainer = pl.Trainer(max_steps=16, accelerator="cpu", logger=logger, callbacks=[callback], enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.warns(UserWarning, match="reward collapse at step"):
+        trainer.fit(Rewarded())
+    assert trainer.global_step == 16  # the run went on
+    import json
+
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    # running means over 2: best 1.2 (step 4); collapse when the mean falls under 0.6 (step 7: mean 0.2);
+    # it recovers (best 1.3), and collapses again at step 15
+    assert [e["step"] for e in events] == [7, 15]
+    assert events[0]["best"] == pytest.approx(1.2) and events[0]["running"] == pytest.approx(0.2)
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "events/reward_collapse" in m] == [7, 15]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(tmp_path / "run"))
+    accumulator.Reload()
+    assert "events/reward_collapse/text_summary" in accumulator.Tags()["tensors"]
+
+
+def test_format_reward_is_paid_for_a_well_formed_answer(grpo):
+    grpo.format_reward = 0.5
+    example = grpo.task.examples("train")[0]
+    right = grpo.task.reference_completion(example)
+    assert grpo.reward(example, right) == 2.5
+    assert grpo.reward(example, "<answer>-1</answer>") == 0.5
+    assert grpo.reward(example, "no tags") == 0.0
+
+
+def test_a_stage_starts_from_the_previous_stages_checkpoint(tiny_pair, tmp_path):
+    from kdlab.models import ModelSpec
+    from kdlab.module import DistillModule
+
+    distill = DistillModule(tiny_pair[0], tiny_pair[1], Addition(num_train=4, num_val=2, num_test=2), max_completion_tokens=4, lr=1e-2, warmup_steps=0, batch_size=2)
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
+    trainer.fit(distill)
+    path = tmp_path / "distilled.ckpt"
+    trainer.save_checkpoint(path)
+    rl = GRPOModule(ModelSpec(tiny_pair[0], checkpoint=str(path)), Addition(num_train=2), group_size=2)
+    trained = dict(distill.student.named_parameters())
+    assert all(torch.equal(p, trained[n]) for n, p in rl.student.named_parameters())
+    fresh = GRPOModule(tiny_pair[0], Addition(num_train=2), group_size=2)
+    assert any(not torch.equal(p, trained[n]) for n, p in fresh.student.named_parameters())
+
+
+def test_bad_stage_checkpoints_name_the_setting_and_file(tiny_pair, tmp_path):
+    from kdlab.models import ModelSpec
+
+    with pytest.raises(FileNotFoundError, match=r"policy.checkpoint '.*missing.ckpt': no such file"):
+        GRPOModule(ModelSpec(tiny_pair[0], checkpoint=str(tmp_path / "missing.ckpt")), Addition(num_train=2))
+    broken = tmp_path / "broken.ckpt"
+    broken.write_bytes(b"not a checkpoint")
+    with pytest.raises(OSError, match="policy.checkpoint .*broken.ckpt.*not a readable Lightning checkpoint"):
+        GRPOModule(ModelSpec(tiny_pair[0], checkpoint=str(broken)), Addition(num_train=2))
+    other = tmp_path / "teacher.ckpt"
+    from kdlab.models import load_causal_lm
+
+    teacher = load_causal_lm(ModelSpec(tiny_pair[1]))
+    torch.save({"state_dict": {f"student.{k}": v for k, v in teacher.state_dict().items()}}, other)
+    with pytest.raises(ValueError, match="policy.checkpoint .*teacher.ckpt.*do not fit the model at policy.path"):
+        GRPOModule(ModelSpec(tiny_pair[0], checkpoint=str(other)), Addition(num_train=2))

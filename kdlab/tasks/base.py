@@ -69,6 +69,11 @@ class Task(Component):
         """Score a completion in [0, 1]; must never raise, whatever the completion holds."""
         raise NotImplementedError
 
+    def well_formed(self, completion: str) -> bool:
+        """Whether ``completion`` has the task's answer format (an ``<answer>...</answer>``), whatever
+        the answer; RLVR's format reward. Must never raise."""
+        return last_tagged(completion) is not None
+
     def reference_completion(self, example: Example) -> str | None:
         """A correct response for ``example`` if the task can write one (used to train tiny teachers)."""
         return None

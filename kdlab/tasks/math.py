@@ -376,6 +376,9 @@ class MATH(Task):
     def user_prompt(self, example: Example) -> str:
         return example["problem"]
 
+    def well_formed(self, completion: str) -> bool:
+        return last_boxed(completion) is not None
+
     def score(self, example: Example, completion: str) -> float:
         answer = last_boxed(completion)
         reference = example.get("answer")
