@@ -3,6 +3,7 @@ over any :class:`~kdlab.stage.TaskStage` (e.g. :class:`~kdlab.grpo.GRPOModule` f
 names one with ``model: {class_path: ..., init_args: {...}}``;
 ``kdlab generate --config X.yaml``: teacher data for off-policy runs (:mod:`kdlab.teacher_data`);
 ``kdlab sweep --config S.yaml``: a grid of fit runs (:mod:`kdlab.sweep`);
+``kdlab pipeline --config P.yaml``: distillation runs, then RLVR from each (:mod:`kdlab.pipeline`);
 ``kdlab report RUN_DIR...``: the paper's tables and figures from finished runs (:mod:`kdlab.report`).
 
 Components (``task``, ``rollout``, ``objective``) are chosen with ``class_path``/``init_args``;
@@ -63,6 +64,10 @@ def main(args: list[str] | None = None):
         from kdlab.sweep import main as sweep
 
         return sweep(argv[1:])
+    if argv[:1] == ["pipeline"]:
+        from kdlab.pipeline import main as pipeline
+
+        return pipeline(argv[1:])
     if argv[:1] == ["report"]:
         from kdlab.report import main as report
 

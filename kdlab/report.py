@@ -178,6 +178,8 @@ def read_run(run_dir: str | Path) -> RunResult:
     except yaml.YAMLError as error:
         raise ValueError(f"config.yaml does not parse: {error}") from error
     model = config.get("model") or {}
+    if isinstance(model.get("class_path"), str):  # a stage chosen by class (e.g. GRPOModule)
+        model = model.get("init_args") or {}
     task = model.get("task") or {}
     variant = (task.get("init_args") or {}).get("variant") if isinstance(task, dict) else None
     rollout = model.get("rollout") or {}

@@ -68,7 +68,7 @@ import yaml
 MODES = ("sequential", "processes", "print")
 FILE_KEYS = ("base", "output", "grid", "seeds", "overrides", "mode", "max_parallel")
 # Set by the sweep for every run; a grid or override may not touch them (or anything below them).
-RESERVED = ("seed_everything", "model.seed", "trainer.logger", "trainer.default_root_dir", "ckpt_path", "config")
+RESERVED = ("seed_everything", "model.seed", "model.init_args.seed", "trainer.logger", "trainer.default_root_dir", "ckpt_path", "config")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _CLASS_PATH = re.compile(r"^([A-Za-z_]\w*\.)+[A-Z]\w*$")
 _MAX_NAME = 150  # well under the 255-byte file-name limit, with room for a hash suffix

@@ -1,0 +1,65 @@
+"""kdlab pipeline: distill -> RLVR chains start from the distilled weights and are tracked together."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from kdlab.cli import main
+from kdlab.pipeline import load_pipeline
+
+ROOT = Path(__file__).parents[1]
+
+
+def smoke_file(tmp_path, **changes):
+    data = yaml.safe_load((ROOT / "experiments/tiny/pipeline_smoke.yaml").read_text())
+    data["output"] = str(tmp_path / "out")
+    for stage in ("distill", "rlvr"):
+        data[stage]["base"] = str(ROOT / data[stage]["base"])
+    data.update(changes)
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_rlvr_starts_from_each_distilled_checkpoint_and_chains_are_tracked(tmp_path, capsys):
+    path = smoke_file(tmp_path)
+    main(["pipeline", "--config", str(path)])
+    out = tmp_path / "out"
+    distilled = sorted(p.name for p in (out / "distill").iterdir() if p.is_dir())
+    assert distilled == ["rollout=StudentRollouts-seed=42", "rollout=TeacherRollouts-seed=42"]
+    for name in distilled:
+        run = out / "rlvr" / name / "seed=42"
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        start = out / "distill" / name / "checkpoints" / "final.ckpt"
+        assert config["model"]["init_args"]["policy"]["checkpoint"] == str(start)
+        # the random policy never earns a reward, so GRPO does not move it: RLVR ends where distillation ended
+        distill_state = torch.load(start, weights_only=True)["state_dict"]
+        rlvr_state = torch.load(run / "checkpoints" / "final.ckpt", weights_only=True)["state_dict"]
+        student = {k: v for k, v in distill_state.items() if k.startswith("student.")}
+        assert student.keys() == rlvr_state.keys() - {k for k in rlvr_state if not k.startswith("student.")}
+        assert all(torch.equal(student[k], rlvr_state[k]) for k in student)
+    table = (out / "pipeline.md").read_text()
+    assert table.count("| rollout=") == 2 and "rlvr reward_mean" in table and "rlvr sparsity/1e-06" in table
+    rows = (out / "pipeline.csv").read_text().splitlines()
+    assert len(rows) == 3
+    # a second run finds every run done
+    capsys.readouterr()
+    main(["pipeline", "--config", str(path)])
+    assert ": fit" not in capsys.readouterr().out
+
+
+def test_bad_pipeline_files_name_the_key(tmp_path):
+    with pytest.raises(ValueError, match="unknown key 'stages'"):
+        load_pipeline(smoke_file(tmp_path, stages=[]))
+    with pytest.raises(ValueError, match="the pipeline sets it to each distilled checkpoint"):
+        data = yaml.safe_load(smoke_file(tmp_path).read_text())
+        data["rlvr"]["overrides"]["model.policy.checkpoint"] = "x.ckpt"
+        (tmp_path / "p2.yaml").write_text(yaml.safe_dump(data))
+        load_pipeline(tmp_path / "p2.yaml")
+    with pytest.raises(ValueError, match="unknown key rlvr.outputs"):
+        data = yaml.safe_load(smoke_file(tmp_path).read_text())
+        data["rlvr"]["outputs"] = "x"
+        (tmp_path / "p3.yaml").write_text(yaml.safe_dump(data))
+        load_pipeline(tmp_path / "p3.yaml")
