@@ -1,6 +1,6 @@
 """``kdlab fit|validate|test --config X.yaml``: LightningCLI over :class:`~kdlab.module.DistillModule`, or
-over any :class:`~kdlab.stage.TaskStage` (e.g. :class:`~kdlab.grpo.GRPOModule` for RLVR) when a config
-names one with ``model: {class_path: ..., init_args: {...}}``;
+over any LightningModule (:class:`~kdlab.grpo.GRPOModule` for RLVR, :class:`~kdlab.sft.SFTModule` for
+teacher training) when a config names one with ``model: {class_path: ..., init_args: {...}}``;
 ``kdlab generate --config X.yaml``: teacher data for off-policy runs (:mod:`kdlab.teacher_data`);
 ``kdlab sweep --config S.yaml``: a grid of fit runs (:mod:`kdlab.sweep`);
 ``kdlab pipeline --config P.yaml``: distillation runs, then RLVR from each (:mod:`kdlab.pipeline`);
@@ -16,12 +16,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import yaml
 from lightning.pytorch.cli import LightningCLI
 
 from kdlab.checkpointing import FinalCheckpoint
 from kdlab.module import DistillModule
-from kdlab.stage import TaskStage
 
 
 class KDLabCLI(LightningCLI):
@@ -51,8 +51,9 @@ def names_model_class(argv: list[str]) -> bool:
     return False
 
 
-def main(args: list[str] | None = None):
-    """``kdlab generate ...`` writes teacher data; every other subcommand is LightningCLI's."""
+def main(args: list[str] | None = None, run: bool = True):
+    """``kdlab generate ...`` writes teacher data; every other subcommand is LightningCLI's
+    (``run=False``: parse and instantiate the model and trainer, then return without running)."""
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["generate"]:
         from jsonargparse import auto_cli
@@ -74,12 +75,13 @@ def main(args: list[str] | None = None):
         return report(argv[1:])
     stage_class = names_model_class(argv)
     return KDLabCLI(
-        TaskStage if stage_class else DistillModule,
+        pl.LightningModule if stage_class else DistillModule,
         subclass_mode_model=stage_class,
         seed_everything_default=42,
         trainer_defaults={"default_root_dir": "runs"},
         save_config_kwargs={"overwrite": True},
-        args=args,
+        args=(argv[1:] if not run and argv[:1] in (["fit"], ["validate"], ["test"]) else args),
+        run=run,
     )
 
 
