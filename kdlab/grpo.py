@@ -34,7 +34,7 @@ import torch
 from kdlab.components import Component
 from kdlab.data import Rollout, decode_completions, encode_prompts
 from kdlab.decoding import completion_logits
-from kdlab.models import ModelSpec, end_token_ids, load_causal_lm, load_tokenizer
+from kdlab.models import ModelSpec, end_token_ids, export_pretrained, load_causal_lm, load_tokenizer
 from kdlab.optim import FiniteAdamW, warmup_factor
 from kdlab.rollouts import RolloutContext, RolloutPolicy, StudentRollouts
 from kdlab.sft import SCHEDULES, LoraSpec, apply_lora
@@ -156,6 +156,8 @@ class GRPOModule(TaskStage):
         max_bad_steps: stop after this many consecutive optimiser steps with non-finite gradients.
         max_prompt_tokens, max_completion_tokens, batch_size, val_*, eval_*, seed: see
             :class:`~kdlab.stage.TaskStage`; ``batch_size`` counts prompts (each gives G rows).
+        export_dir: when training ends, write the (LoRA-merged) policy and tokenizer there as a Hugging
+            Face folder (e.g. an RL-trained teacher for distillation).
     """
 
     def __init__(
@@ -194,6 +196,7 @@ class GRPOModule(TaskStage):
         eval_samples: int = 1,
         eval_ks: tuple[int, ...] = (1,),
         seed: int = 42,
+        export_dir: str | None = None,
     ) -> None:
         super().__init__(
             task, batch_size, max_prompt_tokens, max_completion_tokens, val_examples,
@@ -223,6 +226,7 @@ class GRPOModule(TaskStage):
         self.lr, self.warmup_steps, self.schedule, self.min_lr_ratio = lr, warmup_steps, schedule, min_lr_ratio
         self.grad_clip, self.betas, self.eps, self.weight_decay = grad_clip, tuple(betas), eps, weight_decay
         self.set_max_bad_steps(max_bad_steps)
+        self.export_dir = export_dir
         self.rollout = rollout if rollout is not None else StudentRollouts()
 
         self.student_spec = ModelSpec(policy) if isinstance(policy, str) else policy
@@ -369,6 +373,10 @@ class GRPOModule(TaskStage):
         total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer else 1
         factor = warmup_factor(self.warmup_steps, total, cosine=self.schedule == "cosine", floor=self.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, factor), "interval": "step"}}
+
+    def on_train_end(self) -> None:
+        if self.export_dir is not None and self.trainer.is_global_zero:
+            export_pretrained(self.student, self.student_tokenizer, self.export_dir)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -200,3 +200,13 @@ def end_token_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
     if not ids:
         raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no EOS token to end completions")
     return tuple(ids)
+
+
+def export_pretrained(model: torch.nn.Module, tokenizer: Any, directory: str | Path) -> None:
+    """Write ``model`` (LoRA adapters merged into its weights) and ``tokenizer`` as a standard Hugging
+    Face folder that any later stage, vLLM or ``from_pretrained`` can load. Merging LoRA modifies
+    ``model`` in place, so export at the end of training."""
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from kdlab.data import read_jsonl, right_pad
-from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
+from kdlab.models import ModelSpec, export_pretrained, load_causal_lm, load_tokenizer
 from kdlab.optim import FiniteAdamW, warmup_factor
 from kdlab.tasks.base import Task
 
@@ -82,6 +82,8 @@ class SFTModule(pl.LightningModule):
         lora: train LoRA adapters instead of all weights.
         weight_decay, betas, eps: AdamW settings.
         seed: data order.
+        export_dir: when training ends, write the (LoRA-merged) model and tokenizer there as a Hugging
+            Face folder (how a trained teacher becomes the next stage's ``teacher.path``).
     """
 
     def __init__(
@@ -100,8 +102,10 @@ class SFTModule(pl.LightningModule):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         seed: int = 42,
+        export_dir: str | None = None,
     ) -> None:
         super().__init__()
+        self.export_dir = export_dir
         if (dataset is None) == (not tasks):
             raise ValueError("SFTModule needs exactly one of dataset or tasks")
         if schedule not in SCHEDULES:
@@ -115,10 +119,18 @@ class SFTModule(pl.LightningModule):
         if lora is not None:
             self.model = apply_lora(self.model, lora)
         self.tasks = torch.nn.ModuleList(tasks or [])
-        self.rows = read_pairs(dataset) if dataset is not None else [row for task in tasks for row in task_pairs(task)]
+        # a JSONL file is read (and checked) now; tasks, which may download, when training starts
+        self._rows = read_pairs(dataset) if dataset is not None else None
         self.lr, self.warmup_steps, self.schedule, self.min_lr_ratio = lr, warmup_steps, schedule, min_lr_ratio
         self.batch_size, self.max_length = batch_size, max_length
         self.weight_decay, self.betas, self.eps, self.seed = weight_decay, tuple(betas), eps, seed
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """The training rows (a task's are built on first use)."""
+        if self._rows is None:
+            self._rows = [row for task in self.tasks for row in task_pairs(task)]
+        return self._rows
 
     def encode(self, row: dict[str, Any]) -> tuple[list[int], int]:
         """Token ids of prompt + completion + EOS, and the prompt length."""
@@ -171,9 +183,11 @@ class SFTModule(pl.LightningModule):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write the (LoRA-merged) model and its tokenizer as a standard Hugging Face folder."""
-        model = self.model.merge_and_unload() if hasattr(self.model, "merge_and_unload") else self.model
-        model.save_pretrained(directory)
-        self.tokenizer.save_pretrained(directory)
+        export_pretrained(self.model, self.tokenizer, directory)
+
+    def on_train_end(self) -> None:
+        if self.export_dir is not None and self.trainer.is_global_zero:
+            self.save_pretrained(self.export_dir)
 
 
 def apply_lora(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
