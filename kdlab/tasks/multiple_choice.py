@@ -326,8 +326,8 @@ class Science(MultipleChoiceTask):
     Args:
         domain / level / question_type: row filters (see above); defaults select the paper's data.
         eval_fraction: 0.16 by default, close to the paper's unpublished 507 / (2,674 + 507).
-        Others: see :class:`MultipleChoiceTask`. ``train_split`` defaults to ``"test"``, the only split
-        SciKnowEval publishes.
+        train_split: defaults to ``"test"``, the only split SciKnowEval publishes; the other
+            arguments are :class:`MultipleChoiceTask`'s.
     """
 
     default_system_prompt = SCIENCE_SYSTEM_PROMPT
