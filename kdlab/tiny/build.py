@@ -181,7 +181,8 @@ def train_student(model_dir: Path, recipe: dict[str, Any] = RECIPE) -> None:
 
     seed = recipe["data_seed"]
     task = countdown(num_train=recipe["student_countdown"], num_val=0, num_test=0, seed=seed + 1)
-    rows = skill_rows(skills(num_train=recipe["student_skill_examples"], num_val=0, seed=seed)) + countdown_rows(task, "train", "english")
+    share = recipe.get("student_expression_share", 0.0)
+    rows = skill_rows(skills(num_train=recipe["student_skill_examples"], num_val=0, seed=seed)) + countdown_rows(task, "train", "english", share, seed)
     _train(model_dir, rows, recipe["student_epochs"], recipe["student_lr"], recipe["batch_size"], model_dir.parent / "logs", "student")
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from kdlab.tasks import Addition, Countdown
 from kdlab.tasks.base import Task
+from kdlab.tasks.countdown import chain_to_expression
 from kdlab.tasks.skills import Counting, Reversal, Sorting
 
 SPANISH_INSTRUCTION = "Razona solo en español."
@@ -45,11 +46,13 @@ def skills(num_train: int = 1000, num_val: int = 200, seed: int = 0) -> list[Tas
     return [Addition(max_digits=2, **common), Sorting(**common), Reversal(**common), Counting(**common)]
 
 
-def trace(solution: str, language: str) -> str:
-    """A response for a Countdown chain: the steps in words inside ``<think>``, then the answer.
+def trace(solution: str, language: str, answer_format: str = "chain") -> str:
+    """A response for a Countdown chain: the steps in words inside ``<think>``, then the answer as the
+    chain (the teacher's and the task's format) or as one expression (the student's own habit).
 
     ``trace("6+1=7,7*3=21", "english")`` ->
-    ``<think>first add 6 and 1 to get 7, then multiply 7 and 3 to get 21</think><answer>6+1=7,7*3=21</answer>``
+    ``<think>first add 6 and 1 to get 7, then multiply 7 and 3 to get 21</think><answer>6+1=7,7*3=21</answer>``;
+    with ``answer_format="expression"`` the answer is ``<answer>(6+1)*3</answer>``.
     """
     first, then, conjunction, result = _WORDS[language]
     parts = []
@@ -59,16 +62,22 @@ def trace(solution: str, language: str) -> str:
         a, b = left.split(op, 1)
         lead = first if index == 0 else then
         parts.append(f"{lead} {_VERBS[language][op]} {a} {conjunction} {b} {result} {value}")
-    return f"<think>{', '.join(parts)}</think><answer>{solution}</answer>"
+    answer = solution if answer_format == "chain" else chain_to_expression(solution)
+    return f"<think>{', '.join(parts)}</think><answer>{answer}</answer>"
 
 
-def countdown_rows(task: Countdown, split: str, language: str) -> list[dict[str, Any]]:
+def countdown_rows(task: Countdown, split: str, language: str, expression_share: float = 0.0, seed: int = 0) -> list[dict[str, Any]]:
     """SFT rows for ``task``'s ``split``: English responses to the plain prompt, Spanish ones to the
-    teacher's prompt (which carries ``task.teacher_instruction``)."""
+    teacher's prompt (which carries ``task.teacher_instruction``); a seeded ``expression_share`` of
+    them answer with one expression instead of the chain."""
+    import random
+
+    draw = random.Random(seed)
     rows = []
     for example in task.examples(split):
         messages = task.teacher_messages(example) if language == "spanish" else task.student_messages(example)
-        rows.append({"id": example["id"], "messages": messages, "completion": trace(example["solution"], language)})
+        answer_format = "expression" if draw.random() < expression_share else "chain"
+        rows.append({"id": example["id"], "messages": messages, "completion": trace(example["solution"], language, answer_format)})
     return rows
 
 
