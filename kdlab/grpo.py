@@ -27,8 +27,6 @@ callback of :mod:`kdlab.callbacks` works on this stage too.
 from __future__ import annotations
 
 import warnings
-from typing import Any
-
 import torch
 
 from kdlab.components import Component
@@ -160,6 +158,8 @@ class GRPOModule(TaskStage):
             Face folder (e.g. an RL-trained teacher for distillation).
     """
 
+    trained_role = "policy"
+
     def __init__(
         self,
         policy: ModelSpec | str,
@@ -235,10 +235,9 @@ class GRPOModule(TaskStage):
         self.vocab_size = len(self.student_tokenizer)
         self.end_ids = end_token_ids(self.student_tokenizer, self.student)
         self.pad_id = int(self.student_tokenizer.pad_token_id)
-        self.reference = None
         if beta > 0:
             spec = self.student_spec if reference is None else (ModelSpec(reference) if isinstance(reference, str) else reference)
-            self.reference = load_causal_lm(spec, "reference").requires_grad_(False).eval()
+            self.hold_frozen("reference", load_causal_lm(spec, "reference"))
         if lora is not None:
             self.student = apply_lora(self.student, lora)
         self.student.train()
@@ -246,12 +245,10 @@ class GRPOModule(TaskStage):
     def components(self) -> dict[str, Component]:
         return {"rollout": self.rollout, "task": self.task}
 
-    def train(self, mode: bool = True) -> GRPOModule:
-        """Switch modes like any module; the reference model always stays in eval mode."""
-        super().train(mode)
-        if self.reference is not None:
-            self.reference.eval()
-        return self
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        """The frozen KL reference (``beta > 0``), outside the module's state; else ``None``."""
+        return self._frozen.get("reference")
 
     # ---- rollouts -------------------------------------------------------------------------
     def sample_groups(self, examples: list[Example], seed: int) -> tuple[Rollout, torch.Tensor]:
@@ -377,24 +374,3 @@ class GRPOModule(TaskStage):
     def on_train_end(self) -> None:
         if self.export_dir is not None and self.trainer.is_global_zero:
             export_pretrained(self.student, self.student_tokenizer, self.export_dir)
-
-    # ---- checkpoints ----------------------------------------------------------------------
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Leave the frozen reference out (it is reloaded); record the data position."""
-        state = checkpoint["state_dict"]
-        for key in [k for k in state if k.startswith("reference.")]:
-            del state[key]
-        super().on_save_checkpoint(checkpoint)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load the policy from a checkpoint (the reference, left out of checkpoints, keeps its weights)."""
-        has_reference = any(k.startswith("reference.") for k in state_dict)
-        result = super().load_state_dict(state_dict, strict=False, assign=assign)
-        if strict:
-            missing = [k for k in result.missing_keys if has_reference or not k.startswith("reference.")]
-            if missing or result.unexpected_keys:
-                raise RuntimeError(
-                    f"the checkpoint does not fit this policy (policy.path={self.student_spec.path!r}): "
-                    f"missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
-                )
-        return result

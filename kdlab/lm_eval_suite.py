@@ -213,9 +213,9 @@ def evaluate_suite(
     rank runs the whole suite (untested with sharded models), and ranks whose ``LOCAL_RANK`` is not 0
     get NaN, since lm-eval builds its results only on local rank 0; only rank 0 writes reports.
     """
+    lm_eval = import_lm_eval("evaluate_suite")  # a missing install is the first thing to say
     suite = resolve_suite(tasks, "evaluate_suite.tasks")
     manager = validate_suite(suite, include_path, allow_code_execution, "evaluate_suite.tasks")
-    lm_eval = import_lm_eval()
     if allow_code_execution and any(entry.executes_code for entry in suite.values()):
         os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # Hugging Face evaluate's code_eval checks this at import
     was_training = model.training

@@ -10,7 +10,8 @@ Per training step:
 4. ``train/loss``, the exact full-vocabulary ``train/kl_forward`` / ``train/kl_reverse`` of the batch
    (whatever is trained), entropies, completion length and the components' reports are logged.
 
-The teacher is frozen, kept in eval mode and left out of checkpoints (it is reloaded from its path).
+The teacher is frozen, kept in eval mode and held outside the module's state, so no checkpoint (whole or
+sharded) carries it: it is reloaded from its path.
 """
 
 from __future__ import annotations
@@ -110,46 +111,27 @@ class DistillModule(TaskStage):
         if teacher_placement not in ("replicate", "shard"):
             raise ValueError(f"DistillModule.teacher_placement must be 'replicate' or 'shard', got {teacher_placement!r}")
         self.teacher_placement = teacher_placement
-        self._sharded = False
 
         # Tokenizers first: a vocabulary mismatch fails before any weights are read.
         self.student_tokenizer = load_tokenizer(self.student_spec, "student")
         self.teacher_tokenizer = load_tokenizer(self.teacher_spec, "teacher")
         self.student = load_causal_lm(self.student_spec, "student")
-        self.teacher = load_causal_lm(self.teacher_spec, "teacher")
+        self.hold_frozen("teacher", load_causal_lm(self.teacher_spec, "teacher"))
         self.vocab_size = shared_vocab_size(self.student_tokenizer, self.teacher_tokenizer, self.student, self.teacher)
-        self.teacher.requires_grad_(False)
         self.student.train()  # from_pretrained returns eval mode; Lightning keeps modes as it finds them
-        self.teacher.eval()
         # a completion ends at either model's end token (their chat templates may differ)
         self.end_ids = tuple(dict.fromkeys(end_token_ids(self.student_tokenizer, self.student) + end_token_ids(self.teacher_tokenizer, self.teacher)))
         self.pad_id = int(self.student_tokenizer.pad_token_id)
 
     # ---- parallelism ----------------------------------------------------------------------
-    def configure_model(self) -> None:
-        """FSDP2 under Lightning's ``ModelParallelStrategy``: each decoder layer (the model's
-        ``_no_split_modules``) and then the whole student get ``fully_shard`` over the data-parallel
-        mesh; the teacher too when ``teacher_placement == "shard"``. Other strategies need nothing here."""
-        mesh = self.device_mesh if self._trainer is not None else None
-        if mesh is None or self._sharded:
-            return
-        from torch.distributed.fsdp import fully_shard
+    def sharded_models(self) -> list[torch.nn.Module]:
+        """The student, and the teacher when ``teacher_placement == "shard"``."""
+        return [self.student] + ([self.teacher] if self.teacher_placement == "shard" else [])
 
-        data_parallel = mesh["data_parallel"]
-        for model in [self.student] + ([self.teacher] if self.teacher_placement == "shard" else []):
-            blocks = set(getattr(model, "_no_split_modules", None) or [])
-            for module in model.modules():
-                if type(module).__name__ in blocks:
-                    fully_shard(module, mesh=data_parallel)
-            fully_shard(model, mesh=data_parallel)
-        self._sharded = True
-
-    # ---- modes ----------------------------------------------------------------------------
-    def train(self, mode: bool = True) -> DistillModule:
-        """Switch modes like any module, but the teacher always stays in eval mode."""
-        super().train(mode)
-        self.teacher.eval()
-        return self
+    @property
+    def teacher(self) -> torch.nn.Module:
+        """The frozen teacher (eval mode, outside the module's state; see ``TaskStage.hold_frozen``)."""
+        return self._frozen["teacher"]
 
     def components(self) -> dict[str, Component]:
         return {"rollout": self.rollout, "objective": self.objective, "task": self.task}
@@ -249,33 +231,3 @@ class DistillModule(TaskStage):
             return  # no optimiser call since the last check (an accumulation micro-batch)
         self._counted_step = self.global_step
         self.count_skipped_step(optimizer, f"objective {type(self.objective).__name__}, lr {self.lr}")
-
-    # ---- checkpoints ----------------------------------------------------------------------
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Leave the frozen teacher out (it is reloaded from ``teacher.path``); record the data position."""
-        state = checkpoint["state_dict"]
-        for key in [k for k in state if k.startswith("teacher.")]:
-            del state[key]
-        super().on_save_checkpoint(checkpoint)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a checkpoint's student (the teacher, left out of checkpoints, keeps its loaded weights).
-
-        A checkpoint of a different student (other architecture or size) fails with a message naming
-        ``student.path`` before any training step runs.
-        """
-        has_teacher = any(k.startswith("teacher.") for k in state_dict)
-        try:
-            result = super().load_state_dict(state_dict, strict=strict and has_teacher, assign=assign)
-        except RuntimeError as error:
-            raise RuntimeError(
-                f"the checkpoint does not fit this student (student.path={self.student_spec.path!r}): {str(error)[:500]}"
-            ) from error
-        if strict and not has_teacher:
-            missing = [k for k in result.missing_keys if not k.startswith("teacher.")]
-            if missing or result.unexpected_keys:
-                raise RuntimeError(
-                    f"the checkpoint does not fit this student (student.path={self.student_spec.path!r}): "
-                    f"missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
-                )
-        return result

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
+import math
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from kdlab.callbacks import run_directory
 from kdlab.components import Component
@@ -35,14 +35,24 @@ from kdlab.provenance import write_run_info
 from kdlab.tasks.base import Example, Task
 
 
-class EpochShuffle(Sampler[int]):
-    """A random order of ``size`` indices drawn from (seed, epoch), so a resumed run shuffles each
-    epoch as an uninterrupted run would (under data parallelism Lightning wraps it in a distributed
-    sampler that keeps this order). ``skip`` drops the first indices of the next pass only: a
-    single-process run resumed in the middle of an epoch continues after the last trained batch."""
+class EpochShuffle(DistributedSampler):
+    """This rank's share of a random order of ``size`` indices drawn from (seed, epoch).
 
-    def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed, self.epoch, self.skip = size, seed, 0, 0
+    The whole order is drawn first, padded by repeating its head to a multiple of ``num_replicas``
+    (as ``DistributedSampler`` pads), and rank r takes positions r, r + W, r + 2W, ...; with one
+    process that is the whole order. A resumed run therefore shuffles each epoch as an uninterrupted
+    run would, whatever the process layout. ``skip`` drops this rank's first indices of the next
+    pass only: a run resumed in the middle of an epoch continues after its last trained batch, on one
+    process or several. Being a ``DistributedSampler``, Lightning does not wrap it.
+    """
+
+    def __init__(self, size: int, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"EpochShuffle: rank {rank} is not in [0, {num_replicas})")
+        self.size, self.seed, self.num_replicas, self.rank = size, seed, num_replicas, rank
+        self.epoch, self.skip = 0, 0
+        self.num_samples = math.ceil(size / num_replicas)
+        self.total_size = self.num_samples * num_replicas
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -50,11 +60,14 @@ class EpochShuffle(Sampler[int]):
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         order = torch.randperm(self.size, generator=generator).tolist()
+        while len(order) < self.total_size:
+            order += order[: self.total_size - len(order)]
+        mine = order[self.rank : self.total_size : self.num_replicas]
         skip, self.skip = self.skip, 0
-        return iter(order[skip:])
+        return iter(mine[skip:])
 
     def __len__(self) -> int:
-        return self.size
+        return self.num_samples
 
 
 class TaskStage(pl.LightningModule):
@@ -113,6 +126,24 @@ class TaskStage(pl.LightningModule):
         self.pass_at_k = torch.nn.ModuleDict({stage: PassAtK(ks=tuple(eval_ks)) for stage in ("val", "test")})
         self.seed = seed
         self._eval_records: list[dict[str, Any]] = []
+        self._sharded = False
+        self._frozen: dict[str, torch.nn.Module] = {}  # a plain dict: not submodules (see hold_frozen)
+
+    # ---- frozen models --------------------------------------------------------------------
+    def hold_frozen(self, name: str, model: torch.nn.Module) -> torch.nn.Module:
+        """Keep ``model`` (a teacher, a KL reference) frozen, in eval mode, and outside this module's
+        tree: it is in no ``state_dict`` (checkpoints, whole or sharded, never carry it: it is reloaded
+        from its path), no ``parameters()`` and no DDP bucket, yet it follows the module's device and
+        dtype moves (``to``, ``cuda``, precision casts)."""
+        model.requires_grad_(False).eval()
+        self._frozen[name] = model
+        return model
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        for model in getattr(self, "_frozen", {}).values():
+            model._apply(fn, recurse)
+        return self
 
     def require_positive(self, name: str, value: float) -> None:
         """Raise ``ValueError`` naming ``<Class>.<name>`` unless ``value > 0``."""
@@ -127,6 +158,39 @@ class TaskStage(pl.LightningModule):
         for component in self.components().values():
             for name, value in component.pop_reports().items():
                 self.log(f"{stage}/{name}", value, batch_size=batch_size)
+
+    # ---- parallelism ----------------------------------------------------------------------
+    def sharded_models(self) -> list[torch.nn.Module]:
+        """The models ``fully_shard`` under ``ModelParallelStrategy`` (default: the trained one)."""
+        return [self.student]
+
+    def configure_model(self) -> None:
+        """FSDP2 under Lightning's ``ModelParallelStrategy``: each decoder layer (the model's
+        ``_no_split_modules``) and then each of :meth:`sharded_models` get ``fully_shard`` over the
+        data-parallel mesh. Other strategies need nothing here."""
+        mesh = self.device_mesh if self._trainer is not None else None
+        if mesh is None or self._sharded:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        data_parallel = mesh["data_parallel"]
+        for model in self.sharded_models():
+            blocks = set(getattr(model, "_no_split_modules", None) or [])
+            for module in model.modules():
+                if type(module).__name__ in blocks:
+                    fully_shard(module, mesh=data_parallel)
+            fully_shard(model, mesh=data_parallel)
+        self._sharded = True
+
+    @property
+    def strict_loading(self) -> bool:
+        """Sharded checkpoints (FSDP2 saves one shard per rank) leave frozen models out, so they load
+        non-strictly; a whole-model checkpoint is checked by ``load_state_dict``."""
+        return not self._sharded
+
+    @strict_loading.setter
+    def strict_loading(self, value: bool) -> None:
+        pass  # decided by the layout (see the getter)
 
     # ---- non-finite steps -----------------------------------------------------------------
     def set_max_bad_steps(self, max_bad_steps: int) -> None:
@@ -162,14 +226,13 @@ class TaskStage(pl.LightningModule):
         examples = [ex for ex in self._split("train") if self.trains_on(ex)]
         if not examples:
             raise ValueError(f"{type(self).__name__} can train on no train example of {type(self.task).__name__}")
-        self._train_sampler = EpochShuffle(len(examples), self.seed)
+        # the data-parallel layout (under tensor parallelism, ranks of one TP group read the same data)
+        layout = (getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self._trainer is not None else None) or {}
+        self._train_sampler = EpochShuffle(len(examples), self.seed, layout.get("num_replicas", 1), layout.get("rank", 0))
         resume, self._resume_position = getattr(self, "_resume_position", None), None
         if resume is not None:
             self._train_sampler.set_epoch(resume["epoch"])
-            if self._trainer is not None and self.trainer.world_size == 1:
-                self._train_sampler.skip = resume["batches_done"] * self.batch_size
-            elif resume["batches_done"]:
-                warnings.warn("resuming mid-epoch with several processes restarts that epoch's data order", stacklevel=2)
+            self._train_sampler.skip = resume["batches_done"] * self.batch_size
         return DataLoader(examples, batch_size=self.batch_size, sampler=self._train_sampler, collate_fn=list)
 
     def on_train_epoch_start(self) -> None:
@@ -284,3 +347,15 @@ class TaskStage(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._resume_position = checkpoint.get("kdlab_data_position")
+
+    trained_role = "student"
+    """How configs name the trained model (``student``, or ``policy`` for RLVR), for error messages."""
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a checkpoint's trained model; one of a different model (other architecture or size)
+        fails with a message naming ``<role>.path`` before any training step runs."""
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except RuntimeError as error:
+            path = getattr(getattr(self, "student_spec", None), "path", "?")
+            raise RuntimeError(f"the checkpoint does not fit this {self.trained_role} ({self.trained_role}.path={path!r}): {str(error)[:500]}") from error

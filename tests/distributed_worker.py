@@ -1,10 +1,12 @@
 """Run by tests/test_distributed.py as its own program: Lightning re-launches it once per rank.
 
-    python tests/distributed_worker.py OUT_DIR {single|fsdp2|ddp}
+    python tests/distributed_worker.py OUT_DIR {single|fsdp2|ddp} [STEPS [EXAMPLES [RESUME]]]
 
-Distils the packaged random tiny pair for two steps from a fixed teacher dataset (so rollouts are the
-same whatever the process layout), with a global batch of 8 prompts, and writes the full student
-weights (rank 0), each rank's local parameter count and the update-sparsity report to OUT_DIR.
+Distils the packaged random tiny pair for STEPS (default 2) steps from a fixed teacher dataset of
+EXAMPLES prompts (default 8; so rollouts are the same whatever the process layout), with a global batch
+of 8 prompts, and writes the full student weights (rank 0), each rank's local parameter count and the
+update-sparsity report to OUT_DIR. A checkpoint is saved after every step (``OUT_DIR/checkpoints/last``);
+RESUME continues from such a checkpoint.
 """
 
 import json
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from kdlab.callbacks import UpdateSparsity
@@ -41,10 +44,10 @@ class Dump(pl.Callback):
             torch.save(state, self.out / "student.pt")
 
 
-def main(out: Path, layout: str) -> None:
+def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, resume: str | None = None) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0)
-    task = Addition(num_train=GLOBAL_BATCH, num_val=0, num_test=0)
+    task = Addition(num_train=examples, num_val=0, num_test=0)
     data = out / "teacher.jsonl"
     if not data.exists():
         data.write_text("".join(json.dumps({"id": ex["id"], "completion": f"<answer>{ex['a'] * 7 ** i}</answer>"}) + "\n"
@@ -62,13 +65,18 @@ def main(out: Path, layout: str) -> None:
         "fsdp2": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo"),
     }[layout]
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
         gradient_clip_val=0.05,  # small enough to clip, so sharded clipping is exercised too
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=str(out),
-        callbacks=[Dump(out), UpdateSparsity(thresholds=(1e-6, 1e-3))],  # counted per shard, then reduced
+        callbacks=[
+            Dump(out),
+            UpdateSparsity(thresholds=(1e-6, 1e-3)),  # counted per shard, then reduced
+            ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, every_n_train_steps=1),
+        ],
     )
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=resume)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    arguments = sys.argv[1:] + [None] * 5
+    main(Path(arguments[0]), arguments[1], int(arguments[2] or 2), int(arguments[3] or GLOBAL_BATCH), arguments[4])

@@ -13,10 +13,10 @@ import torch
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
 
-def run(layout: str, out: Path) -> dict[str, torch.Tensor]:
-    out.mkdir(parents=True)
+def run(layout: str, out: Path, *extra: str) -> dict[str, torch.Tensor]:
+    out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(WORKER), str(out), layout], capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run([sys.executable, str(WORKER), str(out), layout, *extra], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     sparsity = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
     return torch.load(out / "student.pt", weights_only=True), sparsity
@@ -41,3 +41,19 @@ def test_two_processes_train_the_same_student_as_one(single, layout, tmp_path):
     for key in ("sparsity/1e-06", "sparsity/0.001", "sparsity/0.001/attention"):
         assert sharded_sparsity[key] == pytest.approx(whole_sparsity[key], abs=1e-4), key
     assert 0.0 < whole_sparsity["sparsity/0.001"] < 1.0
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "ddp"])
+def test_two_processes_resumed_mid_epoch_end_where_an_uninterrupted_run_ends(layout, tmp_path):
+    """24 prompts, 8 per step: 3 steps an epoch. Stopped after step 4 (one batch into epoch 2) and resumed
+    from that checkpoint (sharded for FSDP2), the run ends at step 5 exactly where an uninterrupted run
+    does: the same data position on each rank, the same weights, the same sparsity against the start."""
+    (whole, whole_sparsity) = run(layout, tmp_path / "whole", "5", "24")
+    run(layout, tmp_path / "parts", "4", "24")
+    last = tmp_path / "parts" / "checkpoints" / "last.ckpt"
+    assert last.exists()
+    (resumed, resumed_sparsity) = run(layout, tmp_path / "parts", "5", "24", str(last))
+    for name, value in whole.items():
+        torch.testing.assert_close(resumed[name], value, atol=1e-6, rtol=0, msg=name)
+    for key in ("sparsity/1e-06", "sparsity/0.001"):
+        assert resumed_sparsity[key] == pytest.approx(whole_sparsity[key], abs=1e-6), key
