@@ -67,3 +67,31 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path, policy)
     full, after = (torch.load(p, weights_only=True) for p in (tmp_path / "a" / "full.pt", tmp_path / "b" / "resume.pt"))
     for name, value in full.items():
         assert torch.equal(value, after[name]), name
+
+
+def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_usable(tiny_pair, tmp_path, monkeypatch):
+    """Checkpoints are written to a temporary file and renamed: a save that dies half-way through its
+    bytes leaves last.ckpt as it was, loadable with weights_only=True, and the run resumes from it."""
+    from fsspec.implementations.local import LocalFileOpener
+
+    pl.seed_everything(0)
+    fit(module(tiny_pair, "offpolicy"), 2, tmp_path, every=1)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    before = last.read_bytes()
+
+    real_write = LocalFileOpener.write
+
+    def dies_half_way(self, data):
+        real_write(self, bytes(data)[: len(data) // 2])
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(LocalFileOpener, "write", dies_half_way)
+    with pytest.raises(OSError, match="simulated"):
+        fit(module(tiny_pair, "offpolicy"), 3, tmp_path, every=1, ckpt_path=str(last))
+    monkeypatch.undo()
+    assert last.read_bytes() == before
+    assert not any(p.name.startswith("epoch=0-step=3") for p in last.parent.iterdir())  # no half-written file
+    state = torch.load(last, weights_only=True)
+    assert state["global_step"] == 2
+    resumed = module(tiny_pair, "offpolicy")
+    fit(resumed, 3, tmp_path / "again", every=1, ckpt_path=str(last))
