@@ -45,12 +45,18 @@ class Rollout:
     ``(B, C)`` bool, True on the completion's tokens including its end-of-sequence token.
     ``sampling_entropy``: ``(B, C)`` entropy (nats) of the distribution each token was drawn from,
     or ``None`` when completions were read from a dataset.
+    ``behaviour_logprobs``: ``(B, C)`` log q of each token under an engine whose weights may lag the
+    student's (vLLM); the module then weights each completion's loss by
+    :func:`kdlab.vllm_engine.importance_weights` with ``importance_cap``. ``None``: exactly on-policy
+    or off-policy, no correction.
     """
 
     prompts: PromptBatch
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor
     sampling_entropy: torch.Tensor | None = None
+    behaviour_logprobs: torch.Tensor | None = None
+    importance_cap: float = 2.0
 
     def model_inputs(self, model: str) -> dict[str, torch.Tensor]:
         """``input_ids``, ``attention_mask`` and ``position_ids`` ``(B, P + C)`` for ``"student"`` or ``"teacher"``."""

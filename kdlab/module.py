@@ -29,6 +29,7 @@ from kdlab.objectives import ForwardKL, KLObjective, kl_diagnostics
 from kdlab.optim import FiniteAdamW, warmup_factor
 from kdlab.rollouts import RolloutContext, RolloutPolicy, TeacherRollouts
 from kdlab.stage import TaskStage
+from kdlab.vllm_engine import importance_weights
 from kdlab.tasks.base import Example, Task
 
 
@@ -162,6 +163,9 @@ class DistillModule(TaskStage):
             teacher_temperature=self.teacher_temperature,
             generator=generator,
             all_done=self.all_done_hook(),
+            step=self.global_step,
+            student_spec=self.student_spec,
+            teacher_spec=self.teacher_spec,
         )
 
     def make_rollout(self, examples: list[Example], seed: int, policy: RolloutPolicy | None = None):
@@ -198,8 +202,16 @@ class DistillModule(TaskStage):
             return None
         student_logits, teacher_logits = self.distillation_logits(rollout)
         self.objective.reseed(seed + 1)
-        loss = self.objective(student_logits, teacher_logits, mask)
         size = len(batch)
+        weights = None
+        if rollout.behaviour_logprobs is not None:  # sampled by an engine whose weights may lag the student's
+            sampled = torch.log_softmax(student_logits.detach().float(), -1).gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
+            weights = importance_weights(sampled, rollout.behaviour_logprobs, mask, rollout.importance_cap)
+            self.log("train/importance_weight", weights.mean(), batch_size=size)
+        if weights is None:  # objectives that override forward need not know about sequence weights
+            loss = self.objective(student_logits, teacher_logits, mask)
+        else:
+            loss = self.objective(student_logits, teacher_logits, mask, sequence_weights=weights)
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         diagnostics = kl_diagnostics(
             student_logits.detach(), teacher_logits, mask, self.objective.reduction, self.objective.chunk_size

@@ -178,9 +178,16 @@ class KLObjective(Component):
     def reseed(self, seed: int) -> None:
         """Set the random stream for this step (only sampled objectives use one)."""
 
-    def forward(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Reduced loss over the masked-in tokens (fp32 scalar). An empty mask warns and returns 0."""
+    def forward(
+        self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, sequence_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Reduced loss over the masked-in tokens (fp32 scalar). An empty mask warns and returns 0.
+
+        ``sequence_weights`` ``(B,)`` multiplies each completion's share of the reduced loss (e.g. the
+        importance weights of rollouts from a lagging engine); ``None`` is all ones."""
         weights = token_weights(mask, self.reduction, compute_dtype(student_logits))
+        if sequence_weights is not None:
+            weights = weights * sequence_weights.to(weights.dtype)[:, None]
         if not bool(mask.any()):
             warnings.warn(
                 f"{type(self).__name__}: the completion mask selects no token in this batch; loss is 0",

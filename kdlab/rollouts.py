@@ -41,6 +41,11 @@ class RolloutContext:
     generator: torch.Generator | None
     all_done: Callable[[bool], bool] | None = None
     """Collective stopping decision under sharded training (see :func:`kdlab.decoding.sample_tokens`)."""
+    step: int = 0
+    """The optimiser step the rollouts are for (engines that sync weights use it)."""
+    student_spec: Any = None
+    teacher_spec: Any = None
+    """Where the models come from (:class:`~kdlab.models.ModelSpec`), for engines that load them themselves."""
     top_p: float = 1.0
     """Nucleus sampling: each token is drawn from the policy's distribution restricted to its top-p set
     (:func:`kdlab.decoding.top_p_logprobs`); 1 samples from the whole distribution (distillation)."""

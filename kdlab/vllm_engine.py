@@ -1,0 +1,261 @@
+"""vLLM back end for rollouts: ``VLLMRollouts`` samples the student's (or the teacher's) completions
+with vLLM instead of kdlab's own KV-cache decoder.
+
+Optional: ``pip install 'kdlab[vllm]'`` on a CUDA machine. Everything vLLM-specific goes through the
+documented API (``vllm.LLM``, ``SamplingParams``, ``TokensPrompt``, ``LLM.generate``,
+``LLM.collective_rpc`` with a ``worker_extension_cls``); what surrounds it is plain PyTorch and tested on
+CPU: the translation of kdlab's sampling settings (:func:`sampling_params`), the mapping of a trained
+(FSDP/DDP/LoRA/compile-wrapped) student's parameter names to the Hugging Face names vLLM loads
+(:func:`vllm_weight_name`, :func:`student_weights`), and the importance weight that corrects for a stale
+sampler (:func:`importance_weights`).
+
+On-policy use: the student's current weights are pushed into the engine every ``sync_every`` optimiser
+steps. Between pushes the engine samples from a slightly older policy q, and each completion's loss is
+weighted by ``w = mean_t min(cap, exp(log p_theta(y_t) - log q(y_t)))`` (the paper's MATH run: cap 2),
+computed by :class:`~kdlab.module.DistillModule` from the log-probs vLLM returns for the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from kdlab.data import PromptBatch, Rollout, right_pad
+from kdlab.rollouts import RolloutContext, RolloutPolicy
+
+INSTALL_HINT = "pip install 'kdlab[vllm]' (vLLM needs a CUDA machine)"
+
+# Wrappers that training adds to parameter names, outermost first; vLLM's load_weights wants the plain
+# Hugging Face names (model.layers.0.self_attn.q_proj.weight, lm_head.weight).
+_WRAPPERS = re.compile(r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod|module)\.")
+
+
+def import_vllm(setting: str = "VLLMRollouts") -> Any:
+    """The ``vllm`` package, or an ImportError that names the setting and the extra to install."""
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError(f"{setting} needs vLLM ({error}); install it with {INSTALL_HINT}") from error
+    return vllm
+
+
+def sampling_params(
+    temperature: float,
+    max_new_tokens: int,
+    stop_token_ids: tuple[int, ...],
+    top_p: float = 1.0,
+    seed: int | None = None,
+    logprobs: bool = True,
+) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments equivalent to kdlab's sampling.
+
+    kdlab samples from ``softmax(logits / temperature)`` (optionally top-p), stops at any of the end
+    tokens and keeps that end token in the completion; it never adds penalties. ``temperature`` 0 is
+    greedy. ``logprobs=True`` asks for the log-prob of each sampled token (``logprobs=0``: the sampled
+    token only), which the importance weight needs. vLLM reports the raw model's log-probs by default;
+    ``VLLMRollouts`` builds its engine with ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10) so
+    they are those of the tempered distribution it sampled from, like kdlab's.
+    """
+    if temperature < 0:
+        raise ValueError(f"sampling_params: temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"sampling_params: top_p must be in (0, 1], got {top_p}")
+    params: dict[str, Any] = {
+        "n": 1,
+        "temperature": float(temperature),
+        "top_p": float(top_p) if temperature > 0 else 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "max_tokens": int(max_new_tokens),
+        "stop_token_ids": [int(t) for t in stop_token_ids],
+        "ignore_eos": False,
+        "skip_special_tokens": False,
+        "detokenize": False,
+        "seed": seed,
+    }
+    if logprobs:
+        params["logprobs"] = 0
+    return params
+
+
+def vllm_weight_name(name: str) -> str | None:
+    """The Hugging Face name vLLM loads for a trained parameter, or ``None`` for a LoRA adapter tensor
+    (adapters are merged before a push, see :func:`student_weights`).
+
+    ``_fsdp_wrapped_module.model.layers.0.mlp.up_proj.weight`` -> ``model.layers.0.mlp.up_proj.weight``;
+    ``base_model.model.model.embed_tokens.weight`` (peft) -> ``model.embed_tokens.weight``;
+    ``model.layers.0.self_attn.q_proj.base_layer.weight`` (peft) -> ``model.layers.0.self_attn.q_proj.weight``.
+    """
+    if "lora_" in name:
+        return None
+    name = _WRAPPERS.sub(r"\1", name)
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model.") :]
+    return name.replace(".base_layer.", ".")
+
+
+def student_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(vLLM name, full tensor)`` for every parameter and persistent buffer of ``model``.
+
+    Sharded (DTensor) parameters are gathered one at a time (``full_tensor``), so at most one full
+    tensor is alive on top of the shards. LoRA-wrapped linears yield ``W + scale * B A`` under the
+    base weight's name.
+    """
+    lora = _lora_deltas(model)
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        target = vllm_weight_name(name)
+        if target is None or target.endswith("inv_freq"):
+            continue
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        full = full.detach()
+        if target in lora:
+            full = full + lora[target].to(full.dtype)
+        yield target, full
+
+
+def _lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{vLLM weight name: scale * B @ A}`` of each peft LoRA linear (active adapter), else empty."""
+    deltas = {}
+    for name, module in model.named_modules():
+        if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")):
+            continue
+        for adapter in getattr(module, "active_adapters", []):
+            if adapter not in module.lora_A:
+                continue
+            a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+            delta = (b @ a) * module.scaling[adapter]
+            key = vllm_weight_name(f"{name}.weight")
+            deltas[key] = deltas[key] + delta if key in deltas else delta
+    return {k: v.detach() for k, v in deltas.items()}
+
+
+def importance_weights(
+    logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float = 2.0
+) -> torch.Tensor:
+    """Per-sequence weights ``(B,)``: ``w = mean_t min(cap, exp(logp_t - logq_t))`` over each completion's
+    masked-in tokens (detached; 1 for an empty completion).
+
+    ``logprobs``: ``(B, C)`` log p_theta of the sampled tokens under the policy being trained;
+    ``behaviour_logprobs``: ``(B, C)`` log q under the engine that sampled them; ``mask``: ``(B, C)`` bool.
+    Truncating each token ratio at ``cap`` bounds the weight by ``cap`` (the paper: 2).
+    """
+    if not cap > 0:
+        raise ValueError(f"importance_weights: cap must be > 0, got {cap}")
+    mask = mask.bool()
+    ratio = torch.exp((logprobs.detach().float() - behaviour_logprobs.float()).masked_fill(~mask, 0.0)).clamp(max=cap)
+    counts = mask.sum(dim=1)
+    weights = (ratio * mask).sum(dim=1) / counts.clamp(min=1)
+    return torch.where(counts > 0, weights, torch.ones_like(weights))
+
+
+class WeightLoaderExtension:
+    """Mixed into vLLM's GPU worker (``LLM(worker_extension_cls="kdlab.vllm_engine.WeightLoaderExtension")``):
+    ``llm.collective_rpc("kdlab_load_weights", args=(weights,))`` loads ``[(name, tensor), ...]`` into the
+    worker's model with the model's own ``load_weights`` (which handles vLLM's fused q/k/v and gate/up)."""
+
+    def kdlab_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        model = self.model_runner.model  # type: ignore[attr-defined]  (set by vLLM on the worker)
+        device = next(model.parameters()).device
+        loaded = model.load_weights((name, tensor.to(device)) for name, tensor in weights)
+        return len(loaded) if loaded is not None else len(weights)
+
+
+class VLLMRollouts(RolloutPolicy):
+    """Completions sampled by a vLLM engine from the student (on-policy) or the teacher.
+
+    Args:
+        model: ``student`` (its current weights are pushed every ``sync_every`` steps) or ``teacher``.
+        sync_every: optimiser steps between weight pushes (1: every step, so rollouts are exactly on-policy).
+        importance_cap: the per-token ratio cap of the importance weight (paper: 2); the module applies it
+            whenever the engine's weights are older than the student's.
+        gpu_memory_utilization, tensor_parallel_size, enforce_eager, max_model_len: passed to ``vllm.LLM``.
+
+    The engine is built on first use on the module's device, from the model's path (``student.path`` or
+    ``teacher.path``) and dtype.
+    """
+
+    def __init__(
+        self,
+        model: str = "student",
+        sync_every: int = 1,
+        importance_cap: float = 2.0,
+        gpu_memory_utilization: float = 0.3,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = True,
+        max_model_len: int | None = None,
+    ) -> None:
+        super().__init__()
+        if model not in ("student", "teacher"):
+            raise ValueError(f"VLLMRollouts.model must be 'student' or 'teacher', got {model!r}")
+        if sync_every < 1:
+            raise ValueError(f"VLLMRollouts.sync_every must be >= 1, got {sync_every}")
+        if not importance_cap > 0:
+            raise ValueError(f"VLLMRollouts.importance_cap must be > 0, got {importance_cap}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"VLLMRollouts.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        import_vllm()  # fails now, naming the extra, rather than at the first step
+        self.model, self.sync_every, self.importance_cap = model, sync_every, importance_cap
+        self.engine_args = {
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "tensor_parallel_size": tensor_parallel_size,
+            "enforce_eager": enforce_eager,
+            "max_model_len": max_model_len,
+        }
+        self._llm: Any = None
+        self._synced_step = -1
+
+    def engine(self, spec: Any, seed: int) -> Any:
+        if self._llm is None:
+            vllm = import_vllm()
+            self._llm = vllm.LLM(
+                model=spec.resolved, dtype=spec.dtype, seed=seed, revision=spec.revision,
+                trust_remote_code=spec.trust_remote_code, worker_extension_cls="kdlab.vllm_engine.WeightLoaderExtension",
+                # log-probs of the tempered distribution actually sampled from (vLLM >= 0.10)
+                logprobs_mode="processed_logprobs",
+                **{k: v for k, v in self.engine_args.items() if v is not None},
+            )
+        return self._llm
+
+    def push_weights(self, student: torch.nn.Module, step: int) -> bool:
+        """Push the student's weights if ``sync_every`` steps have passed; returns whether it pushed."""
+        if self.model != "student" or (self._synced_step >= 0 and step - self._synced_step < self.sync_every):
+            return False
+        self._llm.collective_rpc("kdlab_load_weights", args=(list(student_weights(student)),))
+        self._synced_step = step
+        return True
+
+    def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
+        vllm = import_vllm()
+        spec = context.student_spec if self.model == "student" else context.teacher_spec
+        if spec is None:
+            raise ValueError("VLLMRollouts needs the model's spec in the rollout context (DistillModule provides it)")
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=context.generator).item()) if context.generator is not None else None
+        llm = self.engine(spec, seed or 0)
+        if self.model == "student":
+            self.push_weights(context.student, context.step)
+        temperature = context.student_temperature if self.model == "student" else context.teacher_temperature
+        params = sampling_params(temperature, context.max_new_tokens, context.eos_token_ids, context.top_p, seed)
+        ids = getattr(prompts, f"{self.model}_ids").tolist()
+        mask = getattr(prompts, f"{self.model}_mask").tolist()
+        requests = [vllm.inputs.TokensPrompt(prompt_token_ids=[t for t, m in zip(row, keep) if m]) for row, keep in zip(ids, mask)]
+        outputs = llm.generate(requests, vllm.SamplingParams(**params), use_tqdm=False)
+        tokens, logprobs = [], []
+        for output in outputs:
+            sample = output.outputs[0]
+            tokens.append(list(sample.token_ids))
+            logprobs.append([entry[token].logprob for token, entry in zip(sample.token_ids, sample.logprobs or [])])
+        completion_ids, completion_mask = right_pad(tokens, context.pad_token_id)
+        behaviour = torch.zeros(completion_ids.shape, dtype=torch.float32)
+        for row, values in enumerate(logprobs):
+            behaviour[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        device = prompts.student_ids.device
+        return Rollout(
+            prompts, completion_ids.to(device), completion_mask.to(device), None,
+            behaviour_logprobs=behaviour.to(device) if self.model == "student" else None, importance_cap=self.importance_cap,
+        )

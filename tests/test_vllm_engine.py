@@ -1,0 +1,109 @@
+"""The vLLM back end's CPU-testable parts: sampling settings, weight names, importance weights, and how
+DistillModule applies the weights. vLLM itself needs CUDA and is not installed in CI."""
+
+import math
+import sys
+
+import pytest
+import torch
+
+from kdlab.vllm_engine import importance_weights, sampling_params, student_weights, vllm_weight_name
+
+
+def test_sampling_settings_translate_to_vllm_arguments():
+    params = sampling_params(temperature=0.5, max_new_tokens=512, stop_token_ids=(7, 9), top_p=0.95, seed=3)
+    assert params["temperature"] == 0.5 and params["top_p"] == 0.95 and params["max_tokens"] == 512
+    assert params["stop_token_ids"] == [7, 9] and params["seed"] == 3 and params["logprobs"] == 0
+    # kdlab never reshapes the distribution beyond temperature and top-p
+    assert params["top_k"] == -1 and params["min_p"] == 0.0 and params["repetition_penalty"] == 1.0
+    assert params["presence_penalty"] == params["frequency_penalty"] == 0.0 and not params["ignore_eos"]
+    assert sampling_params(0.0, 8, (1,), top_p=0.5)["top_p"] == 1.0  # greedy: top-p is moot
+    with pytest.raises(ValueError, match="top_p"):
+        sampling_params(1.0, 8, (1,), top_p=0.0)
+    vllm = pytest.importorskip("vllm")
+    vllm.SamplingParams(**params)  # the real class accepts every key
+
+
+@pytest.mark.parametrize(
+    "trained, loaded",
+    [
+        ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight"),
+        ("_fsdp_wrapped_module.model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"),
+        ("model.layers.0._checkpoint_wrapped_module.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight"),
+        ("_orig_mod.lm_head.weight", "lm_head.weight"),
+        ("module.model.norm.weight", "model.norm.weight"),
+        ("base_model.model.model.embed_tokens.weight", "model.embed_tokens.weight"),
+        ("base_model.model.model.layers.0.self_attn.v_proj.base_layer.weight", "model.layers.0.self_attn.v_proj.weight"),
+        ("base_model.model.model.layers.0.self_attn.v_proj.lora_A.default.weight", None),
+    ],
+)
+def test_trained_parameter_names_map_to_the_names_vllm_loads(trained, loaded):
+    assert vllm_weight_name(trained) == loaded
+
+
+def test_pushed_weights_are_the_hugging_face_state_dict_with_lora_merged(tiny_pair):
+    from kdlab.models import ModelSpec, load_causal_lm
+
+    model = load_causal_lm(ModelSpec(tiny_pair[0]))
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    pushed = dict(student_weights(torch.compile(model)))  # the compile wrapper's names are mapped too
+    assert pushed.keys() == expected.keys()
+    assert all(torch.equal(pushed[k], expected[k]) for k in expected)
+
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    for name, parameter in wrapped.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter)  # make the adapters change the weights
+    pushed = dict(student_weights(wrapped))
+    merged = wrapped.merge_and_unload().state_dict()
+    assert pushed.keys() == merged.keys()
+    for key in merged:
+        torch.testing.assert_close(pushed[key], merged[key], atol=1e-6, rtol=0, msg=key)
+    assert not torch.equal(pushed["model.layers.0.self_attn.q_proj.weight"], expected["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_importance_weights_are_capped_per_token_means():
+    logp = torch.tensor([[0.0, 0.0, 0.0], [-1.0, -1.0, 0.0], [0.0, 0.0, 0.0]])
+    logq = torch.tensor([[0.0, math.log(4.0), 0.0], [-1.0 - math.log(3.0), -1.0, 5.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, True, False], [False, False, False]])
+    weights = importance_weights(logp, logq, mask, cap=2.0)
+    # row 0: ratios 1 and 1/4 -> 0.625; row 1: ratios 3 (capped at 2) and 1 -> 1.5; row 2: empty -> 1
+    assert weights.tolist() == pytest.approx([0.625, 1.5, 1.0])
+    assert importance_weights(logp, logp, mask).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_vllm_rollouts_without_vllm_name_the_extra(monkeypatch):
+    from kdlab.vllm_engine import VLLMRollouts
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError, match=r"VLLMRollouts needs vLLM.*pip install 'kdlab\[vllm\]'"):
+        VLLMRollouts()
+
+
+def test_distillation_weights_each_completion_by_its_importance_weight(tiny_pair):
+    """A policy reporting behaviour log-probs log q = log p - log 2 (the engine gave each token half the
+    student's probability) doubles every completion's weight: the loss is twice the plain one."""
+    from kdlab.module import DistillModule
+    from kdlab.rollouts import StudentRollouts
+    from kdlab.tasks import Addition
+
+    class LaggingEngine(StudentRollouts):
+        shift = 0.0
+
+        def sample(self, prompts, context):
+            rollout = super().sample(prompts, context)
+            inputs = rollout.model_inputs("student")
+            with torch.no_grad():
+                logits = context.student(**inputs).logits[:, -rollout.completion_ids.shape[1] - 1 : -1, : context.vocab_size]
+            logp = torch.log_softmax(logits.float() / context.student_temperature, -1).gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
+            rollout.behaviour_logprobs = logp - self.shift
+            return rollout
+
+    policy = LaggingEngine()
+    module = DistillModule(*tiny_pair, Addition(num_train=4), rollout=policy, max_completion_tokens=5, batch_size=4)
+    batch = module.task.examples("train")
+    plain = module.training_step(batch, 0)
+    policy.shift = math.log(2.0)
+    doubled = module.training_step(batch, 0)
+    torch.testing.assert_close(doubled, 2 * plain, atol=1e-5, rtol=1e-5)
