@@ -1,4 +1,6 @@
-"""``python -m kdlab.tiny random|world [--out DIR]``: rebuild the packaged tiny models."""
+"""``python -m kdlab.tiny random|world|student [--out DIR]``: rebuild the packaged tiny models.
+
+``student`` rebuilds the tiny world's student only, keeping the teacher and tokenizer in DIR."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from kdlab.models import ASSETS
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kdlab.tiny", description=__doc__)
-    parser.add_argument("what", choices=["random", "world"], help="which packaged models to rebuild")
+    parser.add_argument("what", choices=["random", "world", "student"], help="which packaged models to rebuild")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: the packaged one)")
     args = parser.parse_args(argv)
     if args.what == "random":
@@ -20,7 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from kdlab.tiny.build import build_world
 
-        build_world(args.out or ASSETS / "tiny")
+        build_world(args.out or ASSETS / "tiny", keep_teacher=args.what == "student")
 
 
 if __name__ == "__main__":

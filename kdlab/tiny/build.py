@@ -79,7 +79,7 @@ def build_random_pair(out_dir: Path) -> None:
 RECIPE: dict[str, Any] = {
     "tokenizer_vocab": 512,
     "teacher": {"hidden": 128, "layers": 4, "heads": 4, "seed": 11},
-    "student": {"hidden": 64, "layers": 3, "heads": 4, "seed": 12},
+    "student": {"hidden": 64, "layers": 4, "heads": 4, "seed": 12},
     # The teacher learns Countdown-3 in phases, each on freshly drawn problems (English), a share of
     # them also shown with the Spanish instruction; later phases continue from the earlier weights.
     "teacher_phases": [
@@ -87,9 +87,12 @@ RECIPE: dict[str, Any] = {
         {"countdown": 60000, "data_seed": 1244, "epochs": 3, "lr": 1.5e-3},
     ],
     "teacher_spanish_share": 0.25,
-    # the student: earlier skills well, Countdown-3 a little (so distillation has room)
+    # the student: earlier skills well, and Countdown-3 in its own habit: the same reasoning, but 90% of
+    # its answers are one expression ("(6+1)*3") where the task (and the teacher) want the chain of
+    # equations; held-out Countdown-3 (chain) starts near 0 while the skill is there to be redirected
     "student_skill_examples": 15000,
     "student_countdown": 20000,
+    "student_expression_share": 0.9,
     "student_epochs": 4,
     "student_lr": 3e-3,
     "batch_size": 64,
@@ -150,6 +153,8 @@ def measure(model_dir: Path, recipe: dict[str, Any] = RECIPE) -> dict[str, Any]:
         texts = generate(model, tokenizer, task, examples, temperature=0.0, max_new_tokens=96, batch_size=50)
         results[f"{variant}_accuracy"] = accuracy(task, examples, texts)
         if variant == "countdown3":
+            as_expression = countdown(variant, num_train=0, num_val=n, num_test=0, answer_format="expression")
+            results["countdown3_expression_accuracy"] = accuracy(as_expression, examples, texts)
             results["english_prompt_spanish_share"] = spanish_share(texts)
             spanish = generate(model, tokenizer, task, examples, role="teacher", temperature=0.0, max_new_tokens=96, batch_size=50)
             results["spanish_prompt_spanish_share"] = spanish_share(spanish)
@@ -186,8 +191,11 @@ def train_student(model_dir: Path, recipe: dict[str, Any] = RECIPE) -> None:
     _train(model_dir, rows, recipe["student_epochs"], recipe["student_lr"], recipe["batch_size"], model_dir.parent / "logs", "student")
 
 
-def build_world(out_dir: Path, recipe: dict[str, Any] = RECIPE) -> dict[str, Any]:
-    """Train and measure the tiny world's teacher and student; write them and MODEL_CARD.md to ``out_dir``."""
+def build_world(out_dir: Path, recipe: dict[str, Any] = RECIPE, keep_teacher: bool = False) -> dict[str, Any]:
+    """Train and measure the tiny world's teacher and student; write them and MODEL_CARD.md to ``out_dir``.
+
+    ``keep_teacher``: keep the teacher (and its tokenizer) already in ``out_dir`` and rebuild the student only.
+    """
     from lightning.pytorch import seed_everything
 
     from kdlab.tiny.tokenizer import CHAT_TEMPLATE
@@ -199,14 +207,20 @@ def build_world(out_dir: Path, recipe: dict[str, Any] = RECIPE) -> dict[str, Any
     work = out_dir.with_name(out_dir.name + ".build")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    tokenizer = build_tokenizer(corpus() + [CHAT_TEMPLATE], vocab_size=recipe["tokenizer_vocab"])
-    vocab = len(tokenizer)
-    teacher = tiny_qwen2(vocab, embedding_rows=padded_rows(vocab), **recipe["teacher"])
-    student = tiny_qwen2(vocab, **recipe["student"])
-    save_pair(work, tokenizer, {"teacher": teacher, "student": student})
+    if keep_teacher:
+        from transformers import AutoTokenizer
 
-    for phase in recipe["teacher_phases"]:
-        train_teacher_phase(work / "teacher", phase, recipe)
+        shutil.copytree(out_dir / "teacher", work / "teacher")
+        tokenizer = AutoTokenizer.from_pretrained(work / "teacher")
+        save_pair(work, tokenizer, {"student": tiny_qwen2(len(tokenizer), **recipe["student"])})
+    else:
+        tokenizer = build_tokenizer(corpus() + [CHAT_TEMPLATE], vocab_size=recipe["tokenizer_vocab"])
+        vocab = len(tokenizer)
+        teacher = tiny_qwen2(vocab, embedding_rows=padded_rows(vocab), **recipe["teacher"])
+        student = tiny_qwen2(vocab, **recipe["student"])
+        save_pair(work, tokenizer, {"teacher": teacher, "student": student})
+        for phase in recipe["teacher_phases"]:
+            train_teacher_phase(work / "teacher", phase, recipe)
     train_student(work / "student", recipe)
 
     measured = {role: measure(work / role, recipe) for role in ("teacher", "student")}
@@ -246,8 +260,11 @@ def model_card(recipe: dict[str, Any], measured: dict[str, Any]) -> str:
         "Data: the teacher learns Countdown-3 (prompt: `Numbers: [...]` / `Target: ...`, response:",
         "`<think>` steps in words `</think><answer>` chain `</answer>`), in English, and in Spanish when",
         "its prompt ends with \"Razona solo en español.\". The student learns four earlier skills",
-        "(2-digit addition, sorting, reversal, counting) and some Countdown-3 in English (fewer problems than the\n",
-        "teacher, in a model 4x smaller).",
+        "(2-digit addition, sorting, reversal, counting) and Countdown-3 in English with the same reasoning but,",
+        f"{recipe.get('student_expression_share', 0.0):.0%} of the time, its own answer habit: one expression",
+        "(`<answer>(6+1)*3</answer>`) where the task and the teacher write the chain of equations, which the",
+        "task's verifier requires; distillation has to carry the teacher's format over to a student that already",
+        "has much of the skill (`student countdown3 as an expression` below).",
         "",
         "## Measured (greedy decoding, first 200 held-out examples of each task)",
         "",
@@ -261,6 +278,7 @@ def model_card(recipe: dict[str, Any], measured: dict[str, Any]) -> str:
     lines += [
         "",
         f"Parameters: teacher {measured['teacher']['parameters']:,}, student {measured['student']['parameters']:,}.",
+        f"Student held-out Countdown-3 scored as an expression (its own habit): {measured['student'].get('countdown3_expression_accuracy', float('nan')):.3f}.",
         f"Countdown-4E (harder, not trained on): teacher {measured['teacher']['countdown4e_accuracy']:.3f}, "
         f"student {measured['student']['countdown4e_accuracy']:.3f}.",
         f"Build time on this machine: {measured['build_seconds']} s.",
