@@ -34,10 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from kdlab.sweep import FILE_KEYS as SWEEP_KEYS
-from kdlab.sweep import Sweep, _Loader, run_sweep
+from kdlab.sweep import Sweep, read_mapping_file, run_sweep
 
 PIPELINE_KEYS = ("output", "distill", "rlvr", "checkpoint", "policy_key")
 STAGE_KEYS = tuple(key for key in SWEEP_KEYS if key != "output")
@@ -73,14 +71,7 @@ def _stage(path: Path, data: dict[str, Any], key: str) -> dict[str, Any]:
 def load_pipeline(path: str | Path) -> Pipeline:
     """Read and check a pipeline file; a ``ValueError`` names the file and the offending key."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"pipeline file {str(path)!r} does not exist")
-    data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a pipeline file is a mapping with the keys {', '.join(PIPELINE_KEYS)}")
-    unknown = [key for key in data if key not in PIPELINE_KEYS]
-    if unknown:
-        raise ValueError(f"{path}: unknown key {unknown[0]!r} (a pipeline file has {', '.join(PIPELINE_KEYS)})")
+    data = read_mapping_file(path, "pipeline", PIPELINE_KEYS)
     if not isinstance(data.get("output"), str) or not data["output"]:
         raise ValueError(f"{path}: 'output' must be a directory path")
     distill, rlvr = _stage(path, data, "distill"), _stage(path, data, "rlvr")

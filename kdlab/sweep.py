@@ -138,17 +138,23 @@ def _check_key(where: str, key: Any) -> None:
             raise ValueError(f"sweep.{where}[{key!r}] is set by the sweep itself (seeds, output and resuming)")
 
 
+def read_mapping_file(path: Path, kind: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """A YAML file that must be a mapping with only ``keys``; ``ValueError`` names the file and key."""
+    if not path.is_file():
+        raise ValueError(f"{kind} file {str(path)!r} does not exist")
+    data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a {kind} file is a mapping with the keys {', '.join(keys)}")
+    unknown = [key for key in data if key not in keys]
+    if unknown:
+        raise ValueError(f"{path}: unknown key {unknown[0]!r} (a {kind} file has {', '.join(keys)})")
+    return data
+
+
 def load_sweep(path: str | Path) -> Sweep:
     """Read and check a sweep file; a ``ValueError`` names the file and the offending key."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"sweep file {str(path)!r} does not exist")
-    data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a sweep file is a mapping with the keys {', '.join(FILE_KEYS)}")
-    unknown = [key for key in data if key not in FILE_KEYS]
-    if unknown:
-        raise ValueError(f"{path}: unknown key {unknown[0]!r} (a sweep file has {', '.join(FILE_KEYS)})")
+    data = read_mapping_file(path, "sweep", FILE_KEYS)
     for key in ("base", "output"):
         if key not in data:
             raise ValueError(f"{path}: the key {key!r} is missing")

@@ -230,3 +230,32 @@ def test_bad_stage_checkpoints_name_the_setting_and_file(tiny_pair, tmp_path):
     torch.save({"state_dict": {f"student.{k}": v for k, v in teacher.state_dict().items()}}, other)
     with pytest.raises(ValueError, match="policy.checkpoint .*teacher.ckpt.*do not fit the model at policy.path"):
         GRPOModule(ModelSpec(tiny_pair[0], checkpoint=str(other)), Addition(num_train=2))
+
+
+def test_tiny_world_rlvr_raises_reward_on_countdown3_from_a_weak_start(tmp_path):
+    """The packaged student answers Countdown-3 in its own expression habit, which the task's verifier
+    rejects: it starts near zero reward. GRPO (no teacher) finds and reinforces the rewarded chain answers."""
+    from kdlab.tasks import Countdown
+
+    pl.seed_everything(0)
+    task = Countdown(variant="countdown3", instruction=False, system_prompt="", num_train=320, num_val=100, num_test=0)
+    module = GRPOModule(
+        "kdlab://tiny/student", task, group_size=8, batch_size=8, top_p=1.0, lr=5e-4, warmup_steps=3, schedule="constant",
+        max_prompt_tokens=64, max_completion_tokens=64, val_examples=100, val_batch_size=100, val_temperature=0.5,
+    )
+    trainer = pl.Trainer(
+        max_steps=40, accelerator="cpu", logger=pl.loggers.CSVLogger(tmp_path, name="rlvr"), enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1, val_check_interval=40, num_sanity_val_steps=0,
+    )
+    before = trainer.validate(module, verbose=False)[0]["val/accuracy"]
+    trainer.fit(module)
+    after = float(trainer.callback_metrics["val/accuracy"])
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "rlvr" / "version_0" / "metrics.csv").open()))
+    rewards = [float(r["rlvr/reward_mean"]) for r in rows if r.get("rlvr/reward_mean")]
+    assert len(rewards) == 40
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    assert before <= 0.05 and first < 0.2  # a weak start
+    assert last > first + 0.1, (first, last)
+    assert after > before + 0.05, (before, after)
