@@ -16,6 +16,7 @@ sharded) carries it: it is reloaded from its path.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -38,7 +39,9 @@ class DistillModule(TaskStage):
 
     Args:
         student: the model trained (all its parameters, full fine-tuning).
-        teacher: the frozen model distilled from; must share the student's vocabulary.
+        teacher: the frozen model distilled from; must share the student's vocabulary. ``None`` when the
+            rollout is ``TeacherRollouts`` with a ``teacher_cache``: the teacher then never sits in
+            training memory (callbacks that sample from the teacher cannot be used).
         task: prompts, per-model prompting and the verifier used for validation accuracy.
         rollout: who writes completions (default :class:`~kdlab.rollouts.TeacherRollouts`, online).
         objective: the token-level divergence (default :class:`~kdlab.objectives.ForwardKL`).
@@ -69,7 +72,7 @@ class DistillModule(TaskStage):
     def __init__(
         self,
         student: ModelSpec | str,
-        teacher: ModelSpec | str,
+        teacher: ModelSpec | str | None,
         task: Task,
         rollout: RolloutPolicy | None = None,
         objective: KLObjective | None = None,
@@ -102,6 +105,9 @@ class DistillModule(TaskStage):
             raise ValueError(f"DistillModule.warmup_steps must be >= 0, got {warmup_steps}")
         self.student_spec = ModelSpec(student) if isinstance(student, str) else student
         self.teacher_spec = ModelSpec(teacher) if isinstance(teacher, str) else teacher
+        cache = getattr(rollout, "cache", None)
+        if teacher is None and cache is None:
+            raise ValueError("DistillModule.teacher is required unless the rollout is TeacherRollouts with a teacher_cache")
         self.rollout = rollout if rollout is not None else TeacherRollouts()
         self.objective = objective if objective is not None else ForwardKL()
         self.teacher_temperature = teacher_temperature
@@ -115,23 +121,38 @@ class DistillModule(TaskStage):
 
         # Tokenizers first: a vocabulary mismatch fails before any weights are read.
         self.student_tokenizer = load_tokenizer(self.student_spec, "student")
-        self.teacher_tokenizer = load_tokenizer(self.teacher_spec, "teacher")
+        self.teacher_tokenizer = load_tokenizer(self.teacher_spec, "teacher") if teacher is not None else self.student_tokenizer
         self.student = load_causal_lm(self.student_spec, "student")
-        self.hold_frozen("teacher", load_causal_lm(self.teacher_spec, "teacher"))
-        self.vocab_size = shared_vocab_size(self.student_tokenizer, self.teacher_tokenizer, self.student, self.teacher)
+        if teacher is not None:
+            self.hold_frozen("teacher", load_causal_lm(self.teacher_spec, "teacher"))
+        self.vocab_size = shared_vocab_size(
+            self.student_tokenizer, self.teacher_tokenizer, self.student, self.teacher if teacher is not None else self.student
+        )
+        if cache is not None:
+            if cache.vocab_size != self.vocab_size:
+                raise ValueError(f"TeacherRollouts.teacher_cache {cache.path!r} has vocabulary {cache.vocab_size}, the student {self.vocab_size}")
+            if not math.isclose(cache.temperature, teacher_temperature):
+                raise ValueError(
+                    f"TeacherRollouts.teacher_cache {cache.path!r} holds log-probs at teacher temperature {cache.temperature}, "
+                    f"but DistillModule.teacher_temperature is {teacher_temperature}"
+                )
         self.student.train()  # from_pretrained returns eval mode; Lightning keeps modes as it finds them
         # a completion ends at either model's end token (their chat templates may differ)
-        self.end_ids = tuple(dict.fromkeys(end_token_ids(self.student_tokenizer, self.student) + end_token_ids(self.teacher_tokenizer, self.teacher)))
+        teacher_ends = end_token_ids(self.teacher_tokenizer, self.teacher) if teacher is not None else ()
+        self.end_ids = tuple(dict.fromkeys(end_token_ids(self.student_tokenizer, self.student) + teacher_ends))
         self.pad_id = int(self.student_tokenizer.pad_token_id)
 
     # ---- parallelism ----------------------------------------------------------------------
     def sharded_models(self) -> list[torch.nn.Module]:
         """The student, and the teacher when ``teacher_placement == "shard"``."""
-        return [self.student] + ([self.teacher] if self.teacher_placement == "shard" else [])
+        shard_teacher = self.teacher_placement == "shard" and "teacher" in self._frozen
+        return [self.student] + ([self.teacher] if shard_teacher else [])
 
     @property
     def teacher(self) -> torch.nn.Module:
         """The frozen teacher (eval mode, outside the module's state; see ``TaskStage.hold_frozen``)."""
+        if "teacher" not in self._frozen:
+            raise RuntimeError("this run has no teacher model (teacher: null, its outputs come from TeacherRollouts.teacher_cache)")
         return self._frozen["teacher"]
 
     def components(self) -> dict[str, Component]:
@@ -153,7 +174,7 @@ class DistillModule(TaskStage):
     def rollout_context(self, generator: torch.Generator | None) -> RolloutContext:
         return RolloutContext(
             student=self.student,
-            teacher=self.teacher,
+            teacher=self._frozen.get("teacher"),
             tokenizer=self.student_tokenizer,
             vocab_size=self.vocab_size,
             max_new_tokens=self.max_completion_tokens,
@@ -185,10 +206,12 @@ class DistillModule(TaskStage):
         """Tempered student and teacher logits ``(B, C, V)`` at the completion positions."""
         length = rollout.completion_ids.shape[1]
         student = completion_logits(self.student, rollout.model_inputs("student"), length, self.vocab_size)
-        with torch.no_grad():
-            teacher = completion_logits(self.teacher, rollout.model_inputs("teacher"), length, self.vocab_size)
         if self.student_temperature != 1.0:
             student = student / self.student_temperature
+        if rollout.teacher_logprobs is not None:  # precomputed, already tempered (kdlab.teacher_cache)
+            return student, rollout.teacher_logprobs.to(student.dtype)
+        with torch.no_grad():
+            teacher = completion_logits(self.teacher, rollout.model_inputs("teacher"), length, self.vocab_size)
         if self.teacher_temperature != 1.0:
             teacher = teacher.div_(self.teacher_temperature)  # a fresh no-grad tensor: no second (B, C, V) copy
         return student, teacher

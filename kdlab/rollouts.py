@@ -114,14 +114,26 @@ class TeacherRollouts(RolloutPolicy):
             is fixed. The first line for an id is used. The end token is appended unless the row says
             ``"ended": false`` (a response cut by the generation budget). ``None`` samples from the teacher online at
             ``teacher_temperature`` with the teacher's own prompt.
+        teacher_cache: the teacher's top-k log-probs on ``dataset``'s completions
+            (``kdlab generate ... --top_k K``); the teacher then never runs during training, and
+            ``DistillModule`` may be built with ``teacher: null``. How full-vocabulary objectives treat a
+            top-k teacher: :mod:`kdlab.teacher_cache`.
     """
 
-    def __init__(self, dataset: str | None = None) -> None:
+    def __init__(self, dataset: str | None = None, teacher_cache: str | None = None) -> None:
         super().__init__()
         self.dataset = dataset
         self._completions: dict[str, str] | None = None
         if dataset is not None:
             self._completions = read_completions(dataset)
+        self.teacher_cache = teacher_cache
+        self.cache = None
+        if teacher_cache is not None:
+            if dataset is None:
+                raise ValueError("TeacherRollouts.teacher_cache needs TeacherRollouts.dataset (the completions it was computed on)")
+            from kdlab.teacher_cache import TeacherCache
+
+            self.cache = TeacherCache(teacher_cache)
 
     def covers(self, example: dict[str, Any]) -> bool:
         return self._completions is None or example["id"] in self._completions
@@ -144,7 +156,16 @@ class TeacherRollouts(RolloutPolicy):
             rows.append(ids[: context.max_new_tokens])
         ids, mask = right_pad(rows, context.pad_token_id)
         device = prompts.student_ids.device
-        return Rollout(prompts, ids.to(device), mask.to(device), None)
+        teacher_logprobs = None
+        if self.cache is not None:
+            from kdlab.teacher_cache import expand_topk
+
+            teacher_logprobs = torch.full((*ids.shape, context.vocab_size), -math.log(context.vocab_size))  # padding: uniform
+            for row, (example, tokens) in enumerate(zip(prompts.examples, rows)):
+                indices, logprobs = self.cache.row(example["id"], tokens)
+                teacher_logprobs[row, : len(tokens)] = expand_topk(indices, logprobs, context.vocab_size)
+            teacher_logprobs = teacher_logprobs.to(device)
+        return Rollout(prompts, ids.to(device), mask.to(device), None, teacher_logprobs=teacher_logprobs)
 
 
 def read_completions(path: str) -> dict[str, tuple[str, bool]]:

@@ -33,6 +33,8 @@ def generate_teacher_data(
     verified_only: bool = False,
     seed: int = 42,
     device: str = "cpu",
+    top_k: int | None = None,
+    cache_temperature: float = 0.5,
 ) -> dict[str, float]:
     """Sample the teacher on ``task``'s ``split`` (its own teacher prompts) and write ``output``.
 
@@ -48,11 +50,19 @@ def generate_teacher_data(
         verified_only: keep only responses with score 1.
         seed: the sampling stream.
         device: where the teacher runs (``cpu``, ``cuda``).
+        top_k: also write ``<output>.topk.safetensors``, the teacher's ``top_k`` log-probs at every position
+            of every kept completion (:mod:`kdlab.teacher_cache`), for ``TeacherRollouts.teacher_cache``.
+        cache_temperature: the teacher temperature of the cached log-probs; must equal the distillation's
+            ``teacher_temperature`` (paper: 0.5). ``max_new_tokens`` also bounds the cached completions.
 
     Returns ``{"prompts", "samples", "kept", "accuracy"}``.
     """
     if samples_per_prompt < 1:
         raise ValueError(f"generate.samples_per_prompt must be >= 1, got {samples_per_prompt}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"generate.top_k must be >= 1 or null, got {top_k}")
+    if not cache_temperature > 0:
+        raise ValueError(f"generate.cache_temperature must be > 0, got {cache_temperature}")
     model = load_causal_lm(teacher, "teacher").to(device)
     tokenizer = load_tokenizer(teacher, "teacher")
     examples = task.examples(split)[:limit]
@@ -87,5 +97,12 @@ def generate_teacher_data(
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
     partial.replace(path)  # never leave a half-written dataset under the final name
     summary = {"prompts": len(examples), "samples": len(repeated), "kept": kept, "accuracy": correct / len(repeated)}
+    if top_k is not None:
+        from kdlab.teacher_cache import build_teacher_cache
+
+        summary["cached"] = build_teacher_cache(
+            model, tokenizer, task, str(path), str(path) + ".topk.safetensors", top_k, cache_temperature,
+            max_new_tokens, max_prompt_tokens, batch_size, teacher_name=teacher.path,
+        )
     print(json.dumps({"output": str(path), **summary}))
     return summary
