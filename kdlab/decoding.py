@@ -47,6 +47,30 @@ def completion_logits(
     return logits[:, :-1, :vocab_size]
 
 
+def completion_head_logits(
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    completion_length: int,
+    vocab_size: int,
+    temperature: float = 1.0,
+):
+    """:class:`~kdlab.objectives.HeadLogits` standing for ``completion_logits(...) / temperature`` without
+    computing them: the final hidden states ``(B, C, H)`` at the positions that predict the completion
+    and the LM head's first ``vocab_size`` rows. Only one position's logits are computed by the model
+    (``logits_to_keep=1``). The head must have no bias."""
+    from kdlab.objectives import HeadLogits
+
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("fused_lm_head needs an LM head without bias")
+    if hasattr(head.weight, "to_local"):
+        raise ValueError("fused_lm_head does not support a sharded (FSDP2) LM head; use the logits path")
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(type(model)) else {}
+    outputs = model(**inputs, use_cache=False, output_hidden_states=True, **keep)
+    hidden = outputs.hidden_states[-1][:, -(completion_length + 1) : -1]
+    return HeadLogits(hidden, head.weight[:vocab_size], 1.0 / temperature)
+
+
 class IncrementalLM:
     """One model decoding a left-padded prompt batch step by step with its KV cache.
 

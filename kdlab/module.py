@@ -24,9 +24,9 @@ import torch
 
 from kdlab.components import Component
 from kdlab.data import encode_prompts
-from kdlab.decoding import completion_logits
+from kdlab.decoding import completion_head_logits, completion_logits
 from kdlab.models import ModelSpec, end_token_ids, load_causal_lm, load_tokenizer, shared_vocab_size
-from kdlab.objectives import ForwardKL, KLObjective, kl_diagnostics
+from kdlab.objectives import ForwardKL, KLObjective, kl_diagnostics, sampled_logprobs
 from kdlab.optim import FiniteAdamW, warmup_factor
 from kdlab.rollouts import RolloutContext, RolloutPolicy, TeacherRollouts
 from kdlab.stage import TaskStage
@@ -64,6 +64,10 @@ class DistillModule(TaskStage):
             message naming the step, the objective and the last good checkpoint.
         teacher_placement: under ``ModelParallelStrategy`` (FSDP2) the student is always sharded;
             ``replicate`` keeps a whole teacher on every device, ``shard`` shards it like the student.
+        fused_lm_head: feed the objective the models' final hidden states and LM heads
+            (:class:`~kdlab.objectives.HeadLogits`) instead of logits, so neither model's ``(B, C, V)``
+            logits (nor the student's logits gradient) is ever materialised; same loss and gradients.
+            Not with a sharded (FSDP2) LM head.
         seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each
             step's streams are derived from (seed, stage, rank, epoch, batch index) and each epoch's
             order from (seed, epoch), not from how long the process has been running.
@@ -93,6 +97,7 @@ class DistillModule(TaskStage):
         eval_ks: tuple[int, ...] = (1,),
         max_bad_steps: int = 10,
         teacher_placement: str = "replicate",
+        fused_lm_head: bool = False,
         seed: int = 42,
     ) -> None:
         super().__init__(
@@ -118,6 +123,7 @@ class DistillModule(TaskStage):
         if teacher_placement not in ("replicate", "shard"):
             raise ValueError(f"DistillModule.teacher_placement must be 'replicate' or 'shard', got {teacher_placement!r}")
         self.teacher_placement = teacher_placement
+        self.fused_lm_head = fused_lm_head
 
         # Tokenizers first: a vocabulary mismatch fails before any weights are read.
         self.student_tokenizer = load_tokenizer(self.student_spec, "student")
@@ -203,8 +209,16 @@ class DistillModule(TaskStage):
             self.student.train(was_training)
 
     def distillation_logits(self, rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tempered student and teacher logits ``(B, C, V)`` at the completion positions."""
+        """Tempered student and teacher logits ``(B, C, V)`` at the completion positions (as
+        :class:`~kdlab.objectives.HeadLogits` with ``fused_lm_head``)."""
         length = rollout.completion_ids.shape[1]
+        if self.fused_lm_head:
+            student = completion_head_logits(self.student, rollout.model_inputs("student"), length, self.vocab_size, self.student_temperature)
+            if rollout.teacher_logprobs is not None:
+                return student, rollout.teacher_logprobs
+            with torch.no_grad():
+                teacher = completion_head_logits(self.teacher, rollout.model_inputs("teacher"), length, self.vocab_size, self.teacher_temperature)
+            return student, teacher.detach()
         student = completion_logits(self.student, rollout.model_inputs("student"), length, self.vocab_size)
         if self.student_temperature != 1.0:
             student = student / self.student_temperature
@@ -228,7 +242,7 @@ class DistillModule(TaskStage):
         size = len(batch)
         weights = None
         if rollout.behaviour_logprobs is not None:  # sampled by an engine whose weights may lag the student's
-            sampled = torch.log_softmax(student_logits.detach().float(), -1).gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
+            sampled = sampled_logprobs(student_logits.detach(), rollout.completion_ids, self.objective.chunk_size)
             weights = importance_weights(sampled, rollout.behaviour_logprobs, mask, rollout.importance_cap)
             self.log("train/importance_weight", weights.mean(), batch_size=size)
         if weights is None:  # objectives that override forward need not know about sequence weights

@@ -73,6 +73,101 @@ def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.promote_types(tensor.dtype, torch.float32)
 
 
+class HeadLogits:
+    """Logits ``(B, T, V)`` that are never materialised: ``scale * hidden @ weight.T``, computed for one
+    chunk of rows at a time (the fused hidden-state + LM-head path).
+
+    ``hidden``: ``(B, T, H)`` final hidden states at the positions that predict the completion;
+    ``weight``: ``(V, H)`` the LM head restricted to the shared vocabulary (no bias); ``scale``:
+    ``1 / temperature``. Objectives and :func:`kl_diagnostics` accept it wherever they accept logits;
+    the student's ``(B, T, V)`` logits and their gradient then never exist, only ``(chunk, V)`` pieces.
+    """
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> None:
+        if hidden.dim() != 3 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
+            raise ValueError(f"HeadLogits: hidden (B, T, H) and weight (V, H) do not fit: {tuple(hidden.shape)}, {tuple(weight.shape)}")
+        self.hidden, self.weight, self.scale = hidden, weight, scale
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.hidden.shape[:2], self.weight.shape[0]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hidden.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden.device
+
+    def rows(self, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        logits = self.hidden[b, t].to(dtype) @ self.weight.to(dtype).T
+        return logits * self.scale if self.scale != 1.0 else logits
+
+    def detach(self) -> HeadLogits:
+        return HeadLogits(self.hidden.detach(), self.weight.detach(), self.scale)
+
+
+Logits = torch.Tensor | HeadLogits
+"""A ``(B, T, V)`` logits tensor, or :class:`HeadLogits` standing for one."""
+
+
+def _rows(logits: Logits, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``(n, V)`` of ``logits`` at positions ``(b, t)``, in ``dtype``."""
+    return logits.rows(b, t, dtype) if isinstance(logits, HeadLogits) else logits[b, t].to(dtype)
+
+
+def _chunk_loss_and_grad(s_chunk, t_chunk, w_chunk, token_loss, loss_and_grad, need_grad):
+    """One chunk's weighted loss (scalar) and its gradient w.r.t. the student rows (or None)."""
+    if need_grad and loss_and_grad is not None:
+        losses, chunk_grad = loss_and_grad(s_chunk, t_chunk)  # closed form, no autograd graph
+        return (losses * w_chunk).sum(), chunk_grad.mul_(w_chunk[:, None])
+    if need_grad:
+        with torch.enable_grad():
+            s_chunk.requires_grad_(True)
+            chunk_loss = (token_loss(s_chunk, t_chunk) * w_chunk).sum()
+            (chunk_grad,) = torch.autograd.grad(chunk_loss, s_chunk)
+        return chunk_loss.detach(), chunk_grad
+    return (token_loss(s_chunk, t_chunk) * w_chunk).sum(), None
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """As :class:`_ChunkedWeightedLoss`, with the student given as hidden states and an LM head: each
+    chunk's logits are ``scale * h W^T``; the gradients ``dL/dh = scale * g W`` and
+    ``dL/dW = scale * g^T h`` are accumulated chunk by chunk, so no ``(B, T, V)`` tensor exists."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, scale, teacher_logits, weights, token_loss, chunk_size, loss_and_grad=None):  # type: ignore[override]
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        dtype = compute_dtype(hidden)
+        grad_hidden = torch.zeros_like(hidden) if need_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_grad else None
+        total = torch.zeros((), dtype=dtype, device=hidden.device)
+        student = HeadLogits(hidden, weight, scale)
+        for b, t in iter_token_chunks(weights > 0, chunk_size):
+            h_chunk = hidden[b, t].to(dtype)
+            s_chunk = student.rows(b, t, dtype)
+            chunk_loss, chunk_grad = _chunk_loss_and_grad(
+                s_chunk, _rows(teacher_logits, b, t, dtype), weights[b, t].to(dtype), token_loss, loss_and_grad, need_grad
+            )
+            if need_grad:
+                chunk_grad = chunk_grad * scale if scale != 1.0 else chunk_grad
+                grad_hidden[b, t] = (chunk_grad @ weight.to(dtype)).to(grad_hidden.dtype)
+                grad_weight.addmm_(chunk_grad.T, h_chunk)
+            total += chunk_loss.detach()
+            del s_chunk, h_chunk, chunk_loss, chunk_grad
+        ctx.grads = (grad_hidden, grad_weight.to(weight.dtype) if need_grad else None)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        (grad_hidden, grad_weight), ctx.grads = ctx.grads, (None, None)
+        if grad_hidden is None:
+            raise RuntimeError("backward through a chunked kdlab objective can run only once per forward")
+        scale = grad_output.to(grad_hidden.dtype)
+        return grad_hidden.mul_(scale), grad_weight.mul_(scale.to(grad_weight.dtype)), None, None, None, None, None, None
+
+
 class _ChunkedWeightedLoss(torch.autograd.Function):
     """sum_{b,t} weights[b,t] * token_loss(s[b,t], t[b,t]), computed chunk by chunk.
 
@@ -88,25 +183,14 @@ class _ChunkedWeightedLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=dtype, device=student_logits.device)
         for b, t in iter_token_chunks(weights > 0, chunk_size):
             s_chunk = student_logits[b, t].to(dtype)
-            t_chunk = teacher_logits[b, t].to(dtype)
-            w_chunk = weights[b, t].to(dtype)
-            if need_grad and loss_and_grad is not None:
-                losses, chunk_grad = loss_and_grad(s_chunk, t_chunk)  # closed form, no autograd graph
-                chunk_grad.mul_(w_chunk[:, None])
-                chunk_loss = (losses * w_chunk).sum()
-            elif need_grad:
-                with torch.enable_grad():
-                    s_chunk.requires_grad_(True)
-                    chunk_loss = (token_loss(s_chunk, t_chunk) * w_chunk).sum()
-                    (chunk_grad,) = torch.autograd.grad(chunk_loss, s_chunk)
-            else:
-                chunk_loss = (token_loss(s_chunk, t_chunk) * w_chunk).sum()
+            chunk_loss, chunk_grad = _chunk_loss_and_grad(
+                s_chunk, _rows(teacher_logits, b, t, dtype), weights[b, t].to(dtype), token_loss, loss_and_grad, need_grad
+            )
             if need_grad:
                 grad[b, t] = chunk_grad.to(grad.dtype)
             total += chunk_loss.detach()
             # free this chunk's (chunk, V) buffers before the next chunk allocates its own
-            del s_chunk, t_chunk, chunk_loss
-            chunk_grad = None
+            del s_chunk, chunk_loss, chunk_grad
         ctx.grad = grad
         return total
 
@@ -120,8 +204,8 @@ class _ChunkedWeightedLoss(torch.autograd.Function):
 
 def chunked_token_loss(
     token_loss: TokenLoss,
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
+    student_logits: Logits,
+    teacher_logits: Logits,
     weights: torch.Tensor,
     chunk_size: int = 256,
     loss_and_grad: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -130,19 +214,26 @@ def chunked_token_loss(
     in :func:`compute_dtype` (fp32 for half-precision logits).
 
     Only positions with ``weights > 0`` are evaluated. Differentiable w.r.t. ``student_logits``
-    only (teacher logits are treated as constants). ``token_loss`` must be row-wise: each output
+    only (teacher logits are treated as constants), or w.r.t. the hidden states and head weight when
+    the student is :class:`HeadLogits` (either side may be). ``token_loss`` must be row-wise: each output
     depends on its own row only, which is what makes chunking exact. ``loss_and_grad``, when given,
     returns ``(token_loss(s, t), d token_loss / d s)`` in closed form and is used instead of
     autograd for the gradient; it must agree with ``token_loss`` (tests check each one that exists).
     """
+    if weights.shape != student_logits.shape[:2]:
+        raise ValueError(f"mask/weights {tuple(weights.shape)} must be (B, T) = {tuple(student_logits.shape[:2])}")
+    teacher_logits = teacher_logits.detach()
+    if isinstance(student_logits, HeadLogits):
+        if tuple(student_logits.shape) != tuple(teacher_logits.shape):
+            raise ValueError(f"student (B, T, V) {tuple(student_logits.shape)} and teacher {tuple(teacher_logits.shape)} differ")
+        head = student_logits
+        return _ChunkedHeadLoss.apply(head.hidden, head.weight, head.scale, teacher_logits, weights, token_loss, chunk_size, loss_and_grad)
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(
             f"student_logits {tuple(student_logits.shape)} and teacher_logits "
             f"{tuple(teacher_logits.shape)} must have the same (B, T, V) shape"
         )
-    if weights.shape != student_logits.shape[:2]:
-        raise ValueError(f"mask/weights {tuple(weights.shape)} must be (B, T) = {tuple(student_logits.shape[:2])}")
-    return _ChunkedWeightedLoss.apply(student_logits, teacher_logits.detach(), weights, token_loss, chunk_size, loss_and_grad)
+    return _ChunkedWeightedLoss.apply(student_logits, teacher_logits, weights, token_loss, chunk_size, loss_and_grad)
 
 
 class KLObjective(Component):
@@ -179,7 +270,7 @@ class KLObjective(Component):
         """Set the random stream for this step (only sampled objectives use one)."""
 
     def forward(
-        self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, sequence_weights: torch.Tensor | None = None
+        self, student_logits: Logits, teacher_logits: Logits, mask: torch.Tensor, sequence_weights: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Reduced loss over the masked-in tokens (fp32 scalar). An empty mask warns and returns 0.
 
@@ -350,9 +441,19 @@ class SampledReverseKL(_SampledKL):
 
 
 @torch.no_grad()
+def sampled_logprobs(logits: Logits, ids: torch.Tensor, chunk_size: int = 256) -> torch.Tensor:
+    """``log_softmax(logits)[b, t, ids[b, t]]`` ``(B, T)`` in fp32, without grad, chunk by chunk
+    (a :class:`HeadLogits` is never materialised)."""
+    out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    for b, t in iter_token_chunks(torch.ones_like(ids, dtype=torch.bool), chunk_size):
+        out[b, t] = torch.log_softmax(_rows(logits, b, t, torch.float32), -1).gather(-1, ids[b, t, None]).squeeze(-1)
+    return out
+
+
+@torch.no_grad()
 def kl_diagnostics(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
+    student_logits: Logits,
+    teacher_logits: Logits,
     mask: torch.Tensor,
     reduction: str = "sequence",
     chunk_size: int = 256,
@@ -364,7 +465,7 @@ def kl_diagnostics(
     weights = token_weights(mask, reduction, dtype)
     totals = torch.zeros(4, dtype=dtype, device=student_logits.device)
     for b, t in iter_token_chunks(weights > 0, chunk_size):
-        log_s, log_t = _log_softmax_pair(student_logits[b, t].to(dtype), teacher_logits[b, t].to(dtype))
+        log_s, log_t = _log_softmax_pair(_rows(student_logits, b, t, dtype), _rows(teacher_logits, b, t, dtype))
         rows = torch.stack(
             [
                 _kl_rows(log_t, log_s),

@@ -300,3 +300,23 @@ def test_data_order_depends_only_on_seed_and_epoch():
     b.set_epoch(1)  # a fresh sampler (a resumed run) at epoch 1 shuffles like the original did
     assert list(b) == list(a)
     assert list(EpochShuffle(50, seed=4)) != first
+
+
+@pytest.mark.parametrize("rollout", ["teacher", "student"])
+def test_fused_lm_head_step_equals_the_logits_step(tiny_pair, rollout):
+    """fused_lm_head gives the same loss and student gradients as the materialised-logits path."""
+    from kdlab.rollouts import StudentRollouts, TeacherRollouts
+    from kdlab.tasks import Addition
+
+    grads, losses = [], []
+    for fused in (False, True):
+        policy = TeacherRollouts() if rollout == "teacher" else StudentRollouts()
+        module = DistillModule(*tiny_pair, Addition(num_train=4), rollout=policy, max_completion_tokens=6, batch_size=4, fused_lm_head=fused)
+        module.log = lambda *args, **kwargs: None
+        loss = module.training_step(module.task.examples("train"), 0)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in module.student.parameters()])
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)

@@ -220,3 +220,30 @@ def test_closed_form_gradient_equals_autograd_of_the_same_formula(objective):
     losses, grad = objective.token_loss_and_grad(s.clone(), t.clone())
     torch.testing.assert_close(losses, objective.token_loss(s, t), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad, s_auto.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("make", [lambda: ForwardKL(chunk_size=3), lambda: ReverseKL(chunk_size=3), lambda: GeneralizedJSD(0.3, chunk_size=3), lambda: TotalVariation(chunk_size=5)])
+def test_fused_hidden_state_path_equals_the_logits_path(make):
+    """HeadLogits(hidden, W, 1/T) gives the same loss, hidden-state gradient and head gradient as
+    materialised logits (hidden @ W.T) / T, for closed-form and autograd objectives alike."""
+    from kdlab.objectives import HeadLogits, kl_diagnostics
+
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 5, 8, generator=generator, dtype=torch.float64)
+    weight = torch.randn(11, 8, generator=generator, dtype=torch.float64)
+    teacher = torch.randn(2, 5, 11, generator=generator, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    results = []
+    for fused in (False, True):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        student = HeadLogits(h, w, scale=0.5) if fused else (h @ w.T) * 0.5
+        loss = make()(student, teacher, mask)
+        loss.backward()
+        diagnostics = kl_diagnostics(student.detach(), teacher, mask)
+        results.append((loss.detach(), h.grad, w.grad, diagnostics))
+    (loss_a, h_a, w_a, d_a), (loss_b, h_b, w_b, d_b) = results
+    torch.testing.assert_close(loss_b, loss_a)
+    torch.testing.assert_close(h_b, h_a)
+    torch.testing.assert_close(w_b, w_a)
+    for key in d_a:
+        torch.testing.assert_close(d_b[key], d_a[key])
