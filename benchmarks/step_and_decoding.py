@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 
-def pair(vocab: int, out: Path):
-    """A student/teacher folder pair sharing the packaged tiny tokenizer, with ``vocab`` embedding rows."""
+def pair(vocab: int, out: Path, pad_teacher: bool = False):
+    """A student/teacher folder pair sharing the packaged tiny tokenizer, with ``vocab`` embedding rows
+    (the teacher 128 more with ``pad_teacher``, as real families pad)."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from kdlab.models import resolve_path
@@ -36,7 +37,8 @@ def pair(vocab: int, out: Path):
     tokenizer = AutoTokenizer.from_pretrained(resolve_path("kdlab://tiny-random/student"))
     for role, seed, hidden in (("student", 1, 64), ("teacher", 2, 96)):
         torch.manual_seed(seed)
-        config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        rows = vocab + 128 if pad_teacher and role == "teacher" else vocab
+        config = Qwen2Config(vocab_size=rows, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
         model = Qwen2ForCausalLM(config)
         model.generation_config.eos_token_id = tokenizer.eos_token_id
