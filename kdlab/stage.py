@@ -167,19 +167,24 @@ class TaskStage(pl.LightningModule):
     def configure_model(self) -> None:
         """FSDP2 under Lightning's ``ModelParallelStrategy``: each decoder layer (the model's
         ``_no_split_modules``) and then each of :meth:`sharded_models` get ``fully_shard`` over the
-        data-parallel mesh. Other strategies need nothing here."""
+        data-parallel mesh; with ``trainer.precision: bf16-mixed`` parameters are gathered in bf16 and
+        gradients reduced in fp32 (``MixedPrecisionPolicy``), the fp32 master weights staying sharded.
+        Other strategies need nothing here."""
         mesh = self.device_mesh if self._trainer is not None else None
         if mesh is None or self._sharded:
             return
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         data_parallel = mesh["data_parallel"]
+        options = {"mesh": data_parallel}
+        if str(self.trainer.precision) == "bf16-mixed":  # FSDP2 takes mixed precision as a sharding policy
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for model in self.sharded_models():
             blocks = set(getattr(model, "_no_split_modules", None) or [])
             for module in model.modules():
                 if type(module).__name__ in blocks:
-                    fully_shard(module, mesh=data_parallel)
-            fully_shard(model, mesh=data_parallel)
+                    fully_shard(module, **options)
+            fully_shard(model, **options)
         self._sharded = True
 
     @property

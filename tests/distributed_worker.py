@@ -52,6 +52,8 @@ def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, r
     if not data.exists():
         data.write_text("".join(json.dumps({"id": ex["id"], "completion": f"<answer>{ex['a'] * 7 ** i}</answer>"}) + "\n"
                                 for i, ex in enumerate(task.examples("train"))))
+    precision = "bf16-mixed" if layout.endswith("-bf16") else "32-true"
+    layout = layout.removesuffix("-bf16")
     devices = 1 if layout == "single" else 2
     module = DistillModule(
         "kdlab://tiny-random/student", "kdlab://tiny-random/teacher", task,
@@ -65,7 +67,7 @@ def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, r
         "fsdp2": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo"),
     }[layout]
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False, precision=precision,
         gradient_clip_val=0.05,  # small enough to clip, so sharded clipping is exercised too
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=str(out),
         callbacks=[

@@ -57,3 +57,14 @@ def test_two_processes_resumed_mid_epoch_end_where_an_uninterrupted_run_ends(lay
         torch.testing.assert_close(resumed[name], value, atol=1e-6, rtol=0, msg=name)
     for key in ("sparsity/1e-06", "sparsity/0.001"):
         assert resumed_sparsity[key] == pytest.approx(whole_sparsity[key], abs=1e-6), key
+
+
+def test_fsdp2_with_bf16_mixed_precision_trains_close_to_fp32(single, tmp_path):
+    """bf16-mixed under FSDP2 is a MixedPrecisionPolicy (bf16 compute, fp32 reduction and master
+    weights): the student stays fp32 and ends within bf16 rounding of the fp32 run."""
+    mixed, _ = run("fsdp2-bf16", tmp_path / "bf16")
+    whole, _ = single
+    for name, value in whole.items():
+        assert mixed[name].dtype == torch.float32
+        torch.testing.assert_close(mixed[name], value, atol=2e-2, rtol=0, msg=name)
+    assert any(not torch.equal(mixed[name], value) for name, value in whole.items())  # bf16 compute did happen
