@@ -28,6 +28,14 @@ class KDLabCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("seed_everything", "model.init_args.seed" if self.subclass_mode_model else "model.seed")
 
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:
+        """Checkpoints are read with ``weights_only=True`` (no arbitrary unpickling) unless the command
+        line says ``--weights_only=false``."""
+        kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        if "weights_only" in kwargs and kwargs["weights_only"] is None:
+            kwargs["weights_only"] = True
+        return kwargs
+
     def before_fit(self) -> None:
         """Every fit ends with a checkpoint of its final state (see :mod:`kdlab.checkpointing`)."""
         if not any(isinstance(callback, FinalCheckpoint) for callback in self.trainer.callbacks):

@@ -271,6 +271,8 @@ class GRPOModule(TaskStage):
             generator=self._generator(seed),
             all_done=self.all_done_hook(),
             top_p=self.top_p,
+            step=self.global_step,
+            student_spec=self.student_spec,
         )
         was_training = self.student.training
         self.student.eval()

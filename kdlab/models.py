@@ -7,6 +7,8 @@ valid wherever kdlab is installed.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,11 +204,83 @@ def end_token_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
+# Wrappers that training adds to parameter names, outermost first; vLLM's load_weights wants the plain
+# Hugging Face names (model.layers.0.self_attn.q_proj.weight, lm_head.weight).
+_WRAPPERS = re.compile(r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod|module)\.")
+
+
+def hf_weight_name(name: str) -> str | None:
+    """The plain Hugging Face name of a trained parameter (what ``from_pretrained`` and vLLM load), or
+    ``None`` for a LoRA adapter tensor (adapters are merged, see :func:`merged_weights`).
+
+    ``_fsdp_wrapped_module.model.layers.0.mlp.up_proj.weight`` -> ``model.layers.0.mlp.up_proj.weight``;
+    ``base_model.model.model.embed_tokens.weight`` (peft) -> ``model.embed_tokens.weight``;
+    ``model.layers.0.self_attn.q_proj.base_layer.weight`` (peft) -> ``model.layers.0.self_attn.q_proj.weight``.
+    """
+    if "lora_" in name:
+        return None
+    name = _WRAPPERS.sub(r"\1", name)
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model.") :]
+    return name.replace(".base_layer.", ".")
+
+
+def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(Hugging Face name, full tensor)`` for every parameter and buffer of ``model`` (rotary
+    ``inv_freq`` buffers excluded), without changing ``model``.
+
+    Sharded (DTensor) parameters are gathered one at a time (``full_tensor``), so at most one full
+    tensor is alive on top of the shards. LoRA-wrapped linears yield ``W + scale * B A`` under the
+    base weight's name.
+    """
+    lora = _lora_deltas(model)
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        target = hf_weight_name(name)
+        if target is None or target.endswith("inv_freq"):
+            continue
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        full = full.detach()
+        if target in lora:
+            full = full + lora[target].to(full.dtype)
+        yield target, full
+
+
+def _lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{Hugging Face weight name: scale * B @ A}`` of each peft LoRA linear (active adapter), else empty."""
+    deltas = {}
+    for name, module in model.named_modules():
+        if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")):
+            continue
+        for adapter in getattr(module, "active_adapters", []):
+            if adapter not in module.lora_A:
+                continue
+            a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+            delta = (b @ a) * module.scaling[adapter]
+            key = hf_weight_name(f"{name}.weight")
+            deltas[key] = deltas[key] + delta if key in deltas else delta
+    return {k: v.detach() for k, v in deltas.items()}
+
+
 def export_pretrained(model: torch.nn.Module, tokenizer: Any, directory: str | Path) -> None:
     """Write ``model`` (LoRA adapters merged into its weights) and ``tokenizer`` as a standard Hugging
-    Face folder that any later stage, vLLM or ``from_pretrained`` can load. Merging LoRA modifies
-    ``model`` in place, so export at the end of training."""
-    if hasattr(model, "merge_and_unload"):
-        model = model.merge_and_unload()
-    model.save_pretrained(directory)
+    Face folder that any later stage, vLLM or ``from_pretrained`` can load. ``model`` is left as it was
+    (a peft model keeps its adapters)."""
+    if not hasattr(model, "get_base_model"):
+        model.save_pretrained(directory)
+    else:
+        from safetensors.torch import save_file
+
+        base = model.get_base_model()
+        expected = {name for name in (hf_weight_name(key) for key in base.state_dict()) if name is not None}
+        state, seen = {}, set()
+        for name, tensor in merged_weights(model):
+            if name in expected:
+                shared = tensor.data_ptr() in seen  # tied embeddings: safetensors stores each tensor once
+                seen.add(tensor.data_ptr())
+                state[name] = (tensor.clone() if shared else tensor).contiguous()
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        base.config.save_pretrained(directory)
+        if getattr(base, "generation_config", None) is not None:
+            base.generation_config.save_pretrained(directory)
+        save_file(state, str(Path(directory) / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(directory)

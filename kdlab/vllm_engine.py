@@ -6,8 +6,8 @@ documented API (``vllm.LLM``, ``SamplingParams``, ``TokensPrompt``, ``LLM.genera
 ``LLM.collective_rpc`` with a ``worker_extension_cls``); what surrounds it is plain PyTorch and tested on
 CPU: the translation of kdlab's sampling settings (:func:`sampling_params`), the mapping of a trained
 (FSDP/DDP/LoRA/compile-wrapped) student's parameter names to the Hugging Face names vLLM loads
-(:func:`vllm_weight_name`, :func:`student_weights`), and the importance weight that corrects for a stale
-sampler (:func:`importance_weights`).
+(:func:`kdlab.models.hf_weight_name`, :func:`kdlab.models.merged_weights`), and the importance weight that
+corrects for a stale sampler (:func:`importance_weights`).
 
 On-policy use: the student's current weights are pushed into the engine every ``sync_every`` optimiser
 steps. Between pushes the engine samples from a slightly older policy q, and each completion's loss is
@@ -17,21 +17,15 @@ computed by :class:`~kdlab.module.DistillModule` from the log-probs vLLM returns
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from kdlab.data import PromptBatch, Rollout, right_pad
+from kdlab.models import merged_weights
 from kdlab.rollouts import RolloutContext, RolloutPolicy
 
 INSTALL_HINT = "pip install 'kdlab[vllm]' (vLLM needs a CUDA machine)"
-
-# Wrappers that training adds to parameter names, outermost first; vLLM's load_weights wants the plain
-# Hugging Face names (model.layers.0.self_attn.q_proj.weight, lm_head.weight).
-_WRAPPERS = re.compile(r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod|module)\.")
-
 
 def import_vllm(setting: str = "VLLMRollouts") -> Any:
     """The ``vllm`` package, or an ImportError that names the setting and the extra to install."""
@@ -82,57 +76,6 @@ def sampling_params(
     if logprobs:
         params["logprobs"] = 0
     return params
-
-
-def vllm_weight_name(name: str) -> str | None:
-    """The Hugging Face name vLLM loads for a trained parameter, or ``None`` for a LoRA adapter tensor
-    (adapters are merged before a push, see :func:`student_weights`).
-
-    ``_fsdp_wrapped_module.model.layers.0.mlp.up_proj.weight`` -> ``model.layers.0.mlp.up_proj.weight``;
-    ``base_model.model.model.embed_tokens.weight`` (peft) -> ``model.embed_tokens.weight``;
-    ``model.layers.0.self_attn.q_proj.base_layer.weight`` (peft) -> ``model.layers.0.self_attn.q_proj.weight``.
-    """
-    if "lora_" in name:
-        return None
-    name = _WRAPPERS.sub(r"\1", name)
-    if name.startswith("base_model.model."):
-        name = name[len("base_model.model.") :]
-    return name.replace(".base_layer.", ".")
-
-
-def student_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(vLLM name, full tensor)`` for every parameter and persistent buffer of ``model``.
-
-    Sharded (DTensor) parameters are gathered one at a time (``full_tensor``), so at most one full
-    tensor is alive on top of the shards. LoRA-wrapped linears yield ``W + scale * B A`` under the
-    base weight's name.
-    """
-    lora = _lora_deltas(model)
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        target = vllm_weight_name(name)
-        if target is None or target.endswith("inv_freq"):
-            continue
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        full = full.detach()
-        if target in lora:
-            full = full + lora[target].to(full.dtype)
-        yield target, full
-
-
-def _lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``{vLLM weight name: scale * B @ A}`` of each peft LoRA linear (active adapter), else empty."""
-    deltas = {}
-    for name, module in model.named_modules():
-        if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")):
-            continue
-        for adapter in getattr(module, "active_adapters", []):
-            if adapter not in module.lora_A:
-                continue
-            a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
-            delta = (b @ a) * module.scaling[adapter]
-            key = vllm_weight_name(f"{name}.weight")
-            deltas[key] = deltas[key] + delta if key in deltas else delta
-    return {k: v.detach() for k, v in deltas.items()}
 
 
 def importance_weights(
@@ -226,7 +169,7 @@ class VLLMRollouts(RolloutPolicy):
         """Push the student's weights if ``sync_every`` steps have passed; returns whether it pushed."""
         if self.model != "student" or (self._synced_step >= 0 and step - self._synced_step < self.sync_every):
             return False
-        self._llm.collective_rpc("kdlab_load_weights", args=(list(student_weights(student)),))
+        self._llm.collective_rpc("kdlab_load_weights", args=(list(merged_weights(student)),))
         self._synced_step = step
         return True
 

@@ -44,7 +44,7 @@ def main(out: Path, mode: str, policy: str) -> None:
         callbacks.append(KillAt(5))
     trainer = pl.Trainer(max_steps=7, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, default_root_dir=str(out / mode), callbacks=callbacks)
-    trainer.fit(model, ckpt_path=str(out / "ckpt" / "last.ckpt") if mode == "resume" else None)
+    trainer.fit(model, ckpt_path=str(out / "ckpt" / "last.ckpt") if mode == "resume" else None, weights_only=True)
     torch.save({k: v.detach().clone() for k, v in model.student.state_dict().items()}, out / f"{mode}.pt")
 
 

@@ -168,3 +168,22 @@ def test_a_run_that_raises_leaves_its_last_state(tmp_path):
         fit(tmp_path, "--trainer.max_steps=5", "--trainer.limit_val_batches=0", "--model.max_bad_steps=1",
             "--model.objective=kdlab.objectives.ForwardKL", "--model.lr=1.0e+30", "--model.warmup_steps=0")
     assert list(Path(tmp_path).rglob("on_exception.ckpt"))
+
+
+def test_resuming_reads_the_checkpoint_with_weights_only(tmp_path, monkeypatch):
+    """kdlab fit --ckpt_path loads with torch.load(weights_only=True): no arbitrary unpickling."""
+    import torch
+
+    first = fit(tmp_path)
+    checkpoint = next(Path(first.trainer.log_dir, "checkpoints").glob("final.ckpt"))
+    calls = []
+    real_load = torch.load
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("weights_only"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    resumed = fit(tmp_path, "--trainer.max_steps=3", f"--ckpt_path={checkpoint}")
+    assert resumed.trainer.global_step == 3
+    assert calls and all(flag is True for flag in calls)

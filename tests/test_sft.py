@@ -62,3 +62,26 @@ def test_saved_model_reloads_with_its_tokenizer(tiny_pair, tmp_path):
     reloaded = SFTModule(str(tmp_path / "out"), tasks=[Addition(num_train=2)])
     for name, value in module.model.state_dict().items():
         assert torch.equal(value, reloaded.model.state_dict()[name])
+
+
+def test_lora_sft_trains_only_the_adapters_and_exports_merged_weights(tiny_pair, tmp_path):
+    pytest.importorskip("peft")
+    from kdlab.models import ModelSpec, load_causal_lm
+    from kdlab.sft import LoraSpec
+
+    module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=8)], lr=1e-2, warmup_steps=1, batch_size=8, schedule="constant",
+                       lora=LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]), export_dir=str(tmp_path / "merged"))
+    trainable = {n for n, p in module.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    batch = module.collate(module.rows)
+    pl.Trainer(max_steps=5, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(module)
+    changed = {n for n, p in module.model.named_parameters() if not torch.equal(before[n], p)}
+    assert changed and changed <= trainable
+    trained_loss = module.loss(batch).item()
+    exported = load_causal_lm(ModelSpec(str(tmp_path / "merged")))  # a plain model: adapters merged in
+    assert not any("lora" in n for n, _ in exported.named_parameters())
+    logits = exported(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]
+    merged_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100).item()
+    assert merged_loss == pytest.approx(trained_loss, rel=1e-4)

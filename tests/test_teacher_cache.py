@@ -1,7 +1,5 @@
 """Top-k teacher caches: the distribution they stand for, the file, and distillation without a teacher."""
 
-import json
-import math
 
 import pytest
 import torch

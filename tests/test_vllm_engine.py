@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from kdlab.vllm_engine import importance_weights, sampling_params, student_weights, vllm_weight_name
+from kdlab.models import hf_weight_name, merged_weights
+from kdlab.vllm_engine import importance_weights, sampling_params
 
 
 def test_sampling_settings_translate_to_vllm_arguments():
@@ -38,7 +39,7 @@ def test_sampling_settings_translate_to_vllm_arguments():
     ],
 )
 def test_trained_parameter_names_map_to_the_names_vllm_loads(trained, loaded):
-    assert vllm_weight_name(trained) == loaded
+    assert hf_weight_name(trained) == loaded
 
 
 def test_pushed_weights_are_the_hugging_face_state_dict_with_lora_merged(tiny_pair):
@@ -46,7 +47,7 @@ def test_pushed_weights_are_the_hugging_face_state_dict_with_lora_merged(tiny_pa
 
     model = load_causal_lm(ModelSpec(tiny_pair[0]))
     expected = {k: v.clone() for k, v in model.state_dict().items()}
-    pushed = dict(student_weights(torch.compile(model)))  # the compile wrapper's names are mapped too
+    pushed = dict(merged_weights(torch.compile(model)))  # the compile wrapper's names are mapped too
     assert pushed.keys() == expected.keys()
     assert all(torch.equal(pushed[k], expected[k]) for k in expected)
 
@@ -55,7 +56,7 @@ def test_pushed_weights_are_the_hugging_face_state_dict_with_lora_merged(tiny_pa
     for name, parameter in wrapped.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(parameter)  # make the adapters change the weights
-    pushed = dict(student_weights(wrapped))
+    pushed = dict(merged_weights(wrapped))
     merged = wrapped.merge_and_unload().state_dict()
     assert pushed.keys() == merged.keys()
     for key in merged:
