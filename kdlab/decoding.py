@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -149,23 +150,47 @@ def top_p_logprobs(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.log_softmax(logprobs.masked_fill(drop, float("-inf")), dim=-1)
 
 
+StopCheck = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(tokens so far (B, t), rows to check (B,) bool) -> (B,) bool``: which rows have just completed a stop."""
+
+
+def stop_strings_check(tokenizer: Any, stop_strings: Sequence[str], window: int = 32) -> StopCheck | None:
+    """A :data:`StopCheck` that ends a row once the text of its last ``window`` tokens contains one of
+    ``stop_strings`` (the tokens that complete it are kept). ``None`` when there are no stop strings."""
+    stops = [text for text in stop_strings if text]
+    if not stops:
+        return None
+
+    def check(tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        hit = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        for row in rows.nonzero().flatten().tolist():
+            tail = tokenizer.decode(tokens[row, -window:].tolist(), skip_special_tokens=False)
+            hit[row] = any(stop in tail for stop in stops)
+        return hit
+
+    return check
+
+
 @torch.no_grad()
 def sample_tokens(
     next_logprobs: NextLogprobs,
     batch_size: int,
-    max_new_tokens: int,
+    max_new_tokens: int | torch.Tensor,
     eos_token_ids: Sequence[int],
     pad_token_id: int,
     generator: torch.Generator | None,
     greedy: bool = False,
     device: torch.device | str = "cpu",
     all_done: Callable[[bool], bool] | None = None,
+    stop: StopCheck | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Draw completions token by token until every row has produced an end token or the budget ends.
+    """Draw completions token by token until every row has produced an end token (or completed a stop
+    string, see :func:`stop_strings_check`) or used its budget.
 
+    ``max_new_tokens``: one budget for every row, or a ``(B,)`` tensor of per-row budgets.
     Returns ``ids (B, C)`` (``pad_token_id`` after a row's end), ``mask (B, C)`` bool (True on each
     row's tokens, end token included) and ``entropy (B, C)`` of the distribution each token was
-    drawn from (0 where masked). ``C <= max_new_tokens``.
+    drawn from (0 where masked). ``C <= max(max_new_tokens)``.
 
     ``all_done(local_done) -> bool`` makes the stopping decision collective: with sharded models every
     forward is a collective operation, so all ranks must take the same number of steps (a rank whose
@@ -173,9 +198,10 @@ def sample_tokens(
     """
     eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    limits = torch.as_tensor(max_new_tokens, device=device).expand(batch_size)
     tokens, masks, entropies = [], [], []
     previous = None
-    for _ in range(max_new_tokens):
+    for step in range(int(limits.max()) if batch_size else 0):
         logprobs = next_logprobs(previous)
         probs = logprobs.exp()
         if greedy:
@@ -187,7 +213,9 @@ def sample_tokens(
         tokens.append(token)
         masks.append(alive)
         entropies.append(torch.where(alive, -(probs * logprobs.clamp(min=-1e30)).sum(-1), 0.0))
-        finished = finished | torch.isin(token, eos)
+        finished = finished | torch.isin(token, eos) | (limits <= step + 1)
+        if stop is not None:
+            finished = finished | stop(torch.stack(tokens, 1), alive & ~finished)
         done = bool(finished.all())
         if all_done is not None:
             done = all_done(done)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from kdlab.data import decode_completions, left_pad, prompt_token_ids
-from kdlab.decoding import IncrementalLM, sample_tokens
+from kdlab.decoding import IncrementalLM, sample_tokens, stop_strings_check
 from kdlab.models import end_token_ids
 from kdlab.tasks.base import Example, Task
 
@@ -26,17 +26,19 @@ def sample_completions(
     *,
     role: str = "student",
     temperature: float = 0.0,
-    max_new_tokens: int = 512,
+    max_new_tokens: int | Sequence[int] = 512,
     max_prompt_tokens: int = 2048,
     batch_size: int = 16,
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
     all_done: Callable[[bool], bool] | None = None,
     end_ids: Sequence[int] | None = None,
+    stop_strings: Sequence[str] = (),
 ) -> list[tuple[str, bool]]:
     """``(text, ended)`` for each of ``examples``, prompted as ``role`` (``"student"`` or ``"teacher"``);
     ``ended`` is False when the completion was cut by ``max_new_tokens`` instead of ending with an end
-    token (``end_ids``, default: the tokenizer's and the model's).
+    token (``end_ids``, default: the tokenizer's and the model's) or a stop string (kept in the text).
+    ``max_new_tokens``: one budget, or one per example.
 
     ``temperature`` 0 decodes greedily. The model is put in eval mode for the call and its mode is
     restored afterwards. ``all_done`` makes stopping collective under sharded training; every rank
@@ -48,6 +50,10 @@ def sample_completions(
     was_training = model.training
     model.eval()
     results: list[tuple[str, bool]] = []
+    stop = stop_strings_check(tokenizer, stop_strings)
+    budgets = [max_new_tokens] * len(examples) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(budgets) != len(examples):
+        raise ValueError(f"sample_completions: {len(budgets)} budgets for {len(examples)} examples")
     try:
         for start in range(0, len(examples), batch_size):
             batch = examples[start : start + batch_size]
@@ -57,16 +63,20 @@ def sample_completions(
             out_ids, out_mask, _ = sample_tokens(
                 decoder,
                 batch_size=len(batch),
-                max_new_tokens=max_new_tokens,
+                max_new_tokens=torch.tensor(budgets[start : start + batch_size], device=device),
                 eos_token_ids=end_ids,
                 pad_token_id=tokenizer.pad_token_id,
                 generator=generator,
                 greedy=temperature == 0,
                 device=device,
                 all_done=all_done,
+                stop=stop,
             )
             texts = decode_completions(tokenizer, out_ids, out_mask, end_ids)
-            ended = [bool(row_mask.any()) and int(row_ids[row_mask][-1]) in end_ids for row_ids, row_mask in zip(out_ids, out_mask)]
+            ended = [
+                bool(row_mask.any()) and (int(row_ids[row_mask][-1]) in end_ids or any(s and s in text for s in stop_strings))
+                for row_ids, row_mask, text in zip(out_ids, out_mask, texts)
+            ]
             results += list(zip(texts, ended))
     finally:
         model.train(was_training)

@@ -152,7 +152,7 @@ class GRPOModule(TaskStage):
         lora: train LoRA adapters only (``pip install kdlab[lora]``).
         betas, eps, weight_decay: AdamW settings.
         max_bad_steps: stop after this many consecutive optimiser steps with non-finite gradients.
-        max_prompt_tokens, max_completion_tokens, batch_size, val_*, eval_*, seed: see
+        max_prompt_tokens, max_completion_tokens, batch_size, val_*, eval_*, seed, stop_strings: see
             :class:`~kdlab.stage.TaskStage`; ``batch_size`` counts prompts (each gives G rows).
         export_dir: when training ends, write the (LoRA-merged) policy and tokenizer there as a Hugging
             Face folder (e.g. an RL-trained teacher for distillation).
@@ -196,11 +196,12 @@ class GRPOModule(TaskStage):
         eval_samples: int = 1,
         eval_ks: tuple[int, ...] = (1,),
         seed: int = 42,
+        stop_strings: list[str] | None = None,
         export_dir: str | None = None,
     ) -> None:
         super().__init__(
             task, batch_size, max_prompt_tokens, max_completion_tokens, val_examples,
-            val_temperature, val_batch_size, eval_samples, tuple(eval_ks), seed,
+            val_temperature, val_batch_size, eval_samples, tuple(eval_ks), seed, stop_strings,
         )
         self.automatic_optimization = False
         for name, value in (("temperature", temperature), ("top_p", top_p), ("lr", lr), ("mini_batches", mini_batches)):
@@ -273,6 +274,7 @@ class GRPOModule(TaskStage):
             top_p=self.top_p,
             step=self.global_step,
             student_spec=self.student_spec,
+            stop=self.stop_check(),
         )
         was_training = self.student.training
         self.student.eval()

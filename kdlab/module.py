@@ -68,6 +68,7 @@ class DistillModule(TaskStage):
             (:class:`~kdlab.objectives.HeadLogits`) instead of logits, so neither model's ``(B, C, V)``
             logits (nor the student's logits gradient) is ever materialised; same loss and gradients.
             Not with a sharded (FSDP2) LM head.
+        stop_strings: rollouts and evaluation also stop once a completion contains one of these.
         seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each
             step's streams are derived from (seed, stage, rank, epoch, batch index) and each epoch's
             order from (seed, epoch), not from how long the process has been running.
@@ -99,10 +100,11 @@ class DistillModule(TaskStage):
         teacher_placement: str = "replicate",
         fused_lm_head: bool = False,
         seed: int = 42,
+        stop_strings: list[str] | None = None,
     ) -> None:
         super().__init__(
             task, batch_size, max_prompt_tokens, max_completion_tokens, val_examples,
-            val_temperature, val_batch_size, eval_samples, tuple(eval_ks), seed,
+            val_temperature, val_batch_size, eval_samples, tuple(eval_ks), seed, stop_strings,
         )
         for name, value in (("teacher_temperature", teacher_temperature), ("student_temperature", student_temperature), ("lr", lr)):
             self.require_positive(name, value)
@@ -193,6 +195,7 @@ class DistillModule(TaskStage):
             step=self.global_step,
             student_spec=self.student_spec,
             teacher_spec=self.teacher_spec,
+            stop=self.stop_check(),
         )
 
     def make_rollout(self, examples: list[Example], seed: int, policy: RolloutPolicy | None = None):

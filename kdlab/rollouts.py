@@ -22,7 +22,7 @@ import torch
 
 from kdlab.components import Component
 from kdlab.data import PromptBatch, Rollout, read_jsonl, right_pad
-from kdlab.decoding import IncrementalLM, NextLogprobs, sample_tokens, top_p_logprobs
+from kdlab.decoding import IncrementalLM, NextLogprobs, StopCheck, sample_tokens, top_p_logprobs
 
 
 @dataclass
@@ -46,6 +46,8 @@ class RolloutContext:
     student_spec: Any = None
     teacher_spec: Any = None
     """Where the models come from (:class:`~kdlab.models.ModelSpec`), for engines that load them themselves."""
+    stop: StopCheck | None = None
+    """Ends a row when it completes a stop string (:func:`kdlab.decoding.stop_strings_check`)."""
     top_p: float = 1.0
     """Nucleus sampling: each token is drawn from the policy's distribution restricted to its top-p set
     (:func:`kdlab.decoding.top_p_logprobs`); 1 samples from the whole distribution (distillation)."""
@@ -71,6 +73,7 @@ class RolloutContext:
             generator=self.generator,
             device=prompts.student_ids.device,
             all_done=self.all_done,
+            stop=self.stop,
         )
         return Rollout(prompts, ids, mask, entropy)
 

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from kdlab.callbacks import run_directory
 from kdlab.components import Component
+from kdlab.decoding import stop_strings_check
 from kdlab.evaluation import generate
 from kdlab.metrics import PassAtK
 from kdlab.optim import FiniteAdamW
@@ -84,6 +85,8 @@ class TaskStage(pl.LightningModule):
         eval_samples: completions per evaluation prompt (paper: 10 for pass@k).
         eval_ks: the k of ``<stage>/pass@k``, each <= ``eval_samples``.
         seed: seeds data order and every sampling stream.
+        stop_strings: a completion (training rollout or evaluation) also ends once it contains one of
+            these (e.g. ``"</answer>"``), the stop string kept; the end tokens always end it.
     """
 
     student: torch.nn.Module
@@ -104,6 +107,7 @@ class TaskStage(pl.LightningModule):
         eval_samples: int,
         eval_ks: tuple[int, ...],
         seed: int,
+        stop_strings: list[str] | None = None,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -125,6 +129,7 @@ class TaskStage(pl.LightningModule):
         self.eval_samples = eval_samples
         self.pass_at_k = torch.nn.ModuleDict({stage: PassAtK(ks=tuple(eval_ks)) for stage in ("val", "test")})
         self.seed = seed
+        self.stop_strings = [text for text in (stop_strings or []) if text]
         self._eval_records: list[dict[str, Any]] = []
         self._sharded = False
         self._frozen: dict[str, torch.nn.Module] = {}  # a plain dict: not submodules (see hold_frozen)
@@ -287,7 +292,12 @@ class TaskStage(pl.LightningModule):
             vocab_size=self.vocab_size,
             all_done=self.all_done_hook(),
             end_ids=self.end_ids,
+            stop_strings=self.stop_strings,
         )
+
+    def stop_check(self):
+        """The rollout engine's stop-string check for this stage (``None`` without stop strings)."""
+        return stop_strings_check(self.student_tokenizer, self.stop_strings)
 
     def _evaluate(self, stage: str, batch: list[Example], batch_idx: int) -> None:
         n = self.eval_samples

@@ -160,3 +160,47 @@ def test_generate_records_whether_each_sample_ended(module, tmp_path):
     samples = sample_completions(module.teacher, module.teacher_tokenizer, module.task, module.task.examples("train")[:4], max_new_tokens=2)
     assert all(isinstance(text, str) for text, _ in samples)
     assert not all(ended for _, ended in samples)  # two tokens rarely end a random model's answer
+
+
+def test_per_row_budgets_and_stop_strings_end_rows_where_they_should():
+    from kdlab.decoding import sample_tokens
+
+    vocab = 6
+
+    def next_logprobs(previous):  # always emits token 3, never an end token
+        logits = torch.full((3, vocab), -30.0)
+        logits[:, 3] = 0.0
+        return torch.log_softmax(logits, -1)
+
+    ids, mask, _ = sample_tokens(next_logprobs, 3, torch.tensor([2, 5, 1]), eos_token_ids=(0,), pad_token_id=5, generator=None, greedy=True)
+    assert mask.sum(1).tolist() == [2, 5, 1] and ids.shape[1] == 5
+    assert (ids[~mask] == 5).all()
+
+    def stop_after_three(tokens, rows):  # a stop string completed by the third token
+        return rows & torch.tensor([tokens.shape[1] >= 3] * tokens.shape[0])
+
+    ids, mask, _ = sample_tokens(next_logprobs, 3, 8, eos_token_ids=(0,), pad_token_id=5, generator=None, greedy=True, stop=stop_after_three)
+    assert mask.sum(1).tolist() == [3, 3, 3]
+
+
+def test_stop_strings_end_rollouts_and_evaluation_keeping_the_string(tiny_pair):
+    from kdlab.decoding import stop_strings_check
+    from kdlab.evaluation import sample_completions
+    from kdlab.models import ModelSpec, load_tokenizer
+
+    tokenizer = load_tokenizer(ModelSpec(tiny_pair[0]))
+    check = stop_strings_check(tokenizer, ["</answer>"])
+    done = torch.tensor([tokenizer("<answer>12</answer>", add_special_tokens=False)["input_ids"]])
+    assert check(done, torch.tensor([True])).tolist() == [True]
+    assert check(done[:, :-2], torch.tensor([True])).tolist() == [False]
+    assert stop_strings_check(tokenizer, []) is None
+
+    module = DistillModule(*tiny_pair, Addition(num_train=4), rollout=StudentRollouts(), max_completion_tokens=12, batch_size=4, stop_strings=["1"])
+    rollout = module.make_rollout(module.task.examples("train"), seed=0)
+    for row, mask in zip(rollout.completion_ids, rollout.completion_mask):
+        tokens = row[mask].tolist()  # a row stops with the token that first writes "1" (or an end token / the budget)
+        assert "1" not in tokenizer.decode(tokens[:-1])
+    results = sample_completions(module.student, tokenizer, module.task, module.task.examples("train"), temperature=1.0,
+                                 max_new_tokens=[12, 12, 3, 12], generator=torch.Generator().manual_seed(0), stop_strings=["1"])
+    for text, ended in results:
+        assert ("1" in text) <= ended
