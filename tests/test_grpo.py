@@ -259,3 +259,34 @@ def test_tiny_world_rlvr_raises_reward_on_countdown3_from_a_weak_start(tmp_path)
     assert before <= 0.05 and first < 0.2  # a weak start
     assert last > first + 0.1, (first, last)
     assert after > before + 0.05, (before, after)
+
+
+def test_an_rlvr_run_resumed_mid_epoch_ends_with_the_uninterrupted_weights(tiny_pair, tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def build():
+        task = Addition(num_train=12, num_val=0, num_test=0)
+        task.score = lambda example, text: float(len(text) % 2 == 0)  # a deterministic reward with variance
+        return GRPOModule(tiny_pair[0], task, group_size=4, batch_size=2, mini_batches=2, max_completion_tokens=6, lr=1e-3,
+                          warmup_steps=2, schedule="cosine", seed=5)
+
+    class StopAt(pl.Callback):  # the run is interrupted at step 4 (its schedule still ends at step 10)
+        def on_train_batch_end(self, trainer, *args):
+            trainer.should_stop = trainer.global_step >= 4
+
+    def fit(module, root, stop=False, ckpt_path=None):
+        callbacks = [ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=2)] + ([StopAt()] if stop else [])
+        trainer = pl.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             limit_val_batches=0, callbacks=callbacks)
+        trainer.fit(module, ckpt_path=ckpt_path, weights_only=True)
+
+    pl.seed_everything(0)
+    whole = build()
+    fit(whole, tmp_path / "whole")  # 12 prompts / 2 = 6 rollout batches per epoch, 2 optimiser steps each
+    pl.seed_everything(0)
+    fit(build(), tmp_path / "part", stop=True)
+    pl.seed_everything(99)
+    resumed = build()
+    fit(resumed, tmp_path / "part", ckpt_path=str(tmp_path / "part" / "last.ckpt"))
+    for a, b in zip(whole.student.parameters(), resumed.student.parameters()):
+        assert torch.equal(a, b)
