@@ -134,12 +134,14 @@ def read_metrics(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
+    """Dotted keys -> JSON values. A null value is left out: it reads the same as an absent key (a run
+    saved before that setting existed), so the two do not split a configuration."""
     if isinstance(value, dict) and value:
         flat = {}
         for key, item in value.items():
             flat.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
         return flat
-    return {prefix: json.dumps(value, sort_keys=True, default=str)}
+    return {} if value is None else {prefix: json.dumps(value, sort_keys=True, default=str)}
 
 
 def _class_name(value: Any, default: str) -> str:

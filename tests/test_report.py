@@ -189,3 +189,9 @@ def test_missing_matplotlib_names_the_extra(runs, tmp_path, monkeypatch):
         monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(ImportError, match=r"pip install 'kdlab\[report\]'"):
         main(["report", str(runs / "off-fkl-42"), "--output", str(tmp_path / "out")])
+
+
+def test_a_null_setting_reads_like_an_absent_one():
+    from kdlab.report import _flatten
+
+    assert _flatten({"model": {"stop_strings": None, "lr": 1e-4}}) == _flatten({"model": {"lr": 1e-4}}) == {"model.lr": "0.0001"}
