@@ -57,7 +57,12 @@ def tiny_models(monkeypatch):
 
 
 def instantiate(args: list[str]):
-    cli = main([*args, *ON_CPU], run=False)
+    try:
+        cli = main([*args, *ON_CPU], run=False)
+    except (ImportError, ValueError) as error:  # an optional back end that cannot be installed here (vLLM needs CUDA)
+        if "kdlab[vllm]" in str(error):  # (jsonargparse reports the ImportError inside a ValueError)
+            pytest.skip(f"needs vLLM: {error}")
+        raise
     assert cli.model is not None and cli.trainer is not None
     return cli
 
