@@ -137,7 +137,7 @@ class UpdateSparsity(_Periodic):
         return {name: _local(p.detach()) for name, p in model.named_parameters()}
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        from kdlab.models import ModelSpec, load_causal_lm
+        from kdlab.models import ModelSpec, hf_weight_name, load_causal_lm
 
         current = self.parameters(pl_module)
         if self.reference is not None or (trainer.ckpt_path and hasattr(pl_module, "student_spec")):
@@ -146,14 +146,23 @@ class UpdateSparsity(_Periodic):
             else:
                 spec, role = (ModelSpec(self.reference) if isinstance(self.reference, str) else self.reference), "UpdateSparsity.reference"
             original = dict(load_causal_lm(spec, role).named_parameters())
-            if set(original) != set(current) or any(original[n].shape != p.shape for n, p in pl_module.student.named_parameters() if n in original):
-                raise ValueError(f"{role} {spec.path!r}: its parameters do not match the trained model's")
-            self.initial = {name: _shard_like(original[name].detach(), p).to(current[name].dtype) for name, p in pl_module.student.named_parameters()}
+            # the trained model may be wrapped (peft, compile): match by plain Hugging Face names; LoRA
+            # adapters have no counterpart in the original and are left out of the count
+            self.initial = {}
+            for name, parameter in pl_module.student.named_parameters():
+                source = original.get(name) if name in original else original.get(hf_weight_name(name) or "")
+                if source is None:
+                    continue
+                if source.shape != parameter.shape:  # a DTensor reports its global shape
+                    raise ValueError(f"{role} {spec.path!r}: parameter {name!r} has shape {tuple(source.shape)}, the trained model {tuple(parameter.shape)}")
+                self.initial[name] = _shard_like(source.detach(), parameter).to(current[name].dtype)
+            if not self.initial:
+                raise ValueError(f"{role} {spec.path!r}: none of its parameters match the trained model's")
         else:
             self.initial = {name: p.to("cpu", copy=True) for name, p in current.items()}
 
     def measure(self, trainer, pl_module) -> None:
-        current = self.parameters(pl_module)
+        current = {name: value for name, value in self.parameters(pl_module).items() if name in self.initial}
         metrics = {}
         groups = sorted({module_group(name) for name in current})
         for tau in self.thresholds:
@@ -442,13 +451,13 @@ class RolloutSensitivity(_Periodic):
     @staticmethod
     def total_variation(policy, student_logits, teacher_logits, mask) -> tuple[float, float]:
         """Mean over masked tokens of TV(policy, teacher) and TV(policy, student), chunked over tokens."""
-        from kdlab.objectives import iter_token_chunks
+        from kdlab.objectives import _rows, iter_token_chunks
 
         totals, count = torch.zeros(2, dtype=torch.float64), int(mask.sum())
         with torch.no_grad():
-            for b, t in iter_token_chunks(mask, 256):
-                log_s = torch.log_softmax(student_logits[b, t].float(), -1)
-                log_t = torch.log_softmax(teacher_logits[b, t].float(), -1)
+            for b, t in iter_token_chunks(mask, 256):  # logits tensors or fused HeadLogits alike
+                log_s = torch.log_softmax(_rows(student_logits, b, t, torch.float32), -1)
+                log_t = torch.log_softmax(_rows(teacher_logits, b, t, torch.float32), -1)
                 p = policy.next_token_logprobs(log_s, log_t).exp()
                 totals[0] += 0.5 * (p - log_t.exp()).abs().sum().item()
                 totals[1] += 0.5 * (p - log_s.exp()).abs().sum().item()

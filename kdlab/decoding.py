@@ -64,6 +64,9 @@ def completion_head_logits(
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("fused_lm_head needs an LM head without bias")
+    config = getattr(model, "config", None)
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", 1.0) not in (None, 1.0):
+        raise ValueError("fused_lm_head: this model transforms its logits after the LM head (soft-capping or scaling); use the logits path")
     if hasattr(head.weight, "to_local"):
         raise ValueError("fused_lm_head does not support a sharded (FSDP2) LM head; use the logits path")
     keep = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(type(model)) else {}
@@ -197,8 +200,8 @@ def sample_tokens(
     rows have all ended keeps feeding padding until every rank is done).
     """
     eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
-    finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
     limits = torch.as_tensor(max_new_tokens, device=device).expand(batch_size)
+    finished = limits <= 0
     tokens, masks, entropies = [], [], []
     previous = None
     for step in range(int(limits.max()) if batch_size else 0):

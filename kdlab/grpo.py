@@ -9,8 +9,9 @@ Per rollout batch of ``batch_size`` prompts:
    paper's Countdown-4 reward is 2 if correct else 0), plus ``format_reward`` if well formed;
 3. advantages are group-normalised (:func:`group_advantages`);
 4. the rows are split into ``mini_batches`` consecutive mini-batches (whole groups), and each one
-   takes one optimiser step on the DAPO loss (:func:`dapo_loss`); the first mini-batch is exactly
-   on-policy (ratio 1), later ones are importance-weighted against the policy that sampled them.
+   takes one optimiser step on the DAPO loss (:func:`dapo_loss`); the first mini-batch is on-policy
+   (ratio 1 up to numerics), later ones are importance-weighted against the policy that sampled them
+   (with an engine that reports its sampling log-probs, e.g. vLLM, every ratio is against those).
 
 Logged: ``rlvr/reward_mean``, ``rlvr/reward_std``, ``rlvr/zero_variance_groups`` (share of groups whose
 rewards are all equal), ``rlvr/completion_length``, ``rlvr/entropy`` (mean per-token entropy of the
@@ -20,12 +21,14 @@ policy on its completions), ``rlvr/clip_fraction`` (share of tokens where the cl
 
 ``trainer.max_steps`` counts optimiser steps (rollout batches x ``mini_batches``). The module
 optimises manually, so gradient clipping is its own ``grad_clip`` setting (``trainer.gradient_clip_val``
-is not used). The trained model is called ``student`` (it starts as the distilled student), so every
-callback of :mod:`kdlab.callbacks` works on this stage too.
+is not used). The trained model is called ``student`` (it starts as the distilled student), so the
+callbacks that read it (``UpdateSparsity``, ``OODForgetting``, ``Coverage``, ``StyleTransfer``'s student
+share, ``RewardCollapse``) work on this stage too; those that need a teacher or an objective do not.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 import torch
 
@@ -310,29 +313,34 @@ class GRPOModule(TaskStage):
         rows = len(rewards)
         grouped = rewards.reshape(-1, self.group_size)
         size = len(batch)
-        self.log("rlvr/reward_mean", rewards.mean(), prog_bar=True, batch_size=size)
-        self.log("rlvr/reward_std", rewards.std() if rows > 1 else torch.zeros(()), batch_size=size)
-        self.log("rlvr/zero_variance_groups", (grouped.max(1).values == grouped.min(1).values).float().mean(), batch_size=size)
-        self.log("rlvr/completion_length", mask.sum(1).float().mean(), batch_size=size)
-        if not bool(mask.any()):
-            warnings.warn(f"step {self.global_step}: the rollouts hold no completion token; batch skipped", stacklevel=2)
-            return
+        # averaged over ranks, so every rank's RewardCollapse sees the same reward
+        self.log("rlvr/reward_mean", rewards.mean(), prog_bar=True, batch_size=size, sync_dist=True)
+        self.log("rlvr/reward_std", rewards.std() if rows > 1 else torch.zeros((), device=self.device), batch_size=size, sync_dist=True)
+        self.log("rlvr/zero_variance_groups", (grouped.max(1).values == grouped.min(1).values).float().mean(), batch_size=size, sync_dist=True)
+        self.log("rlvr/completion_length", mask.sum(1).float().mean(), batch_size=size, sync_dist=True)
+        if not bool(mask.any()):  # no early return: under data parallelism every rank must take the same steps
+            warnings.warn(f"step {self.global_step}: the rollouts hold no completion token; the step changes nothing", stacklevel=2)
         old_logprobs = ref_logprobs = None
         with torch.no_grad():
-            if self.mini_batches > 1:  # later mini-batches are trained after the policy has moved
+            if rollout.behaviour_logprobs is not None:  # the engine's own sampling log-probs (e.g. vLLM)
+                old_logprobs = rollout.behaviour_logprobs
+            elif self.mini_batches > 1:  # later mini-batches are trained after the policy has moved
                 old_logprobs = self._all_rows(self.student, rollout, rows)
             if self.reference is not None:
                 ref_logprobs = self._all_rows(self.reference, rollout, rows)
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        per_mini = rows // self.mini_batches
-        totals = {"clipped": 0.0, "tokens": 0.0, "kl": 0.0, "entropy": 0.0, "loss": 0.0}
+        # whole groups per mini-batch; a short last batch (fewer prompts) takes fewer, smaller steps
+        groups = rows // self.group_size
+        per_mini = max(1, math.ceil(groups / self.mini_batches)) * self.group_size
+        totals = {"clipped": 0.0, "tokens": 0.0, "kl": 0.0, "entropy": 0.0, "loss": 0.0, "steps": 0}
         for start in range(0, rows, per_mini):
             optimizer.zero_grad()
-            mini = slice(start, start + per_mini)
+            end = min(start + per_mini, rows)
+            mini = slice(start, end)
             tokens = int(mask[mini].sum())
             step = self.micro_batch_size or per_mini
-            for micro_start in range(start, start + per_mini, step):
-                micro = slice(micro_start, min(micro_start + step, start + per_mini))
+            for micro_start in range(start, end, step):
+                micro = slice(micro_start, min(micro_start + step, end))
                 logprobs, entropy = self.sequence_logprobs(self.student, rollout, micro)
                 old = logprobs.detach() if old_logprobs is None else old_logprobs[micro]
                 loss, stats = dapo_loss(
@@ -349,9 +357,10 @@ class GRPOModule(TaskStage):
                 self.clip_gradients(optimizer, gradient_clip_val=self.grad_clip, gradient_clip_algorithm="norm")
             optimizer.step()
             scheduler.step()
+            totals["steps"] += 1
             self.count_skipped_step(optimizer.optimizer, f"GRPO, lr {self.lr}")
         count = max(totals["tokens"], 1.0)
-        self.log("train/loss", totals["loss"] / self.mini_batches, prog_bar=True, batch_size=size)
+        self.log("train/loss", totals["loss"] / max(totals["steps"], 1), prog_bar=True, batch_size=size)
         self.log("rlvr/clip_fraction", totals["clipped"] / count, batch_size=size)
         self.log("rlvr/entropy", totals["entropy"] / count, batch_size=size)
         if self.beta > 0:
@@ -371,10 +380,13 @@ class GRPOModule(TaskStage):
     def configure_optimizers(self):
         params = [p for p in self.student.parameters() if p.requires_grad]
         optimizer = FiniteAdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
-        total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer else 1
+        total = 1
+        if self._trainer is not None:  # optimiser steps: rollout batches x mini_batches unless max_steps bounds the run
+            steps = self.trainer.max_steps
+            total = steps if steps and steps > 0 else int(self.trainer.estimated_stepping_batches) * self.mini_batches
         factor = warmup_factor(self.warmup_steps, total, cosine=self.schedule == "cosine", floor=self.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, factor), "interval": "step"}}
 
     def on_train_end(self) -> None:
-        if self.export_dir is not None and self.trainer.is_global_zero:
-            export_pretrained(self.student, self.student_tokenizer, self.export_dir)
+        if self.export_dir is not None:  # every rank gathers (sharded weights), rank zero writes
+            export_pretrained(self.student, self.student_tokenizer, self.export_dir, write=self.trainer.is_global_zero)

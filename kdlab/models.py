@@ -219,7 +219,9 @@ def hf_weight_name(name: str) -> str | None:
     """
     if "lora_" in name:
         return None
-    name = _WRAPPERS.sub(r"\1", name)
+    previous = None
+    while previous != name:  # wrappers may nest (compile around FSDP around checkpointing)
+        previous, name = name, _WRAPPERS.sub(r"\1", name)
     if name.startswith("base_model.model."):
         name = name[len("base_model.model.") :]
     return name.replace(".base_layer.", ".")
@@ -238,11 +240,15 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
         target = hf_weight_name(name)
         if target is None or target.endswith("inv_freq"):
             continue
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        full = full.detach()
+        full = _full(tensor).detach()
         if target in lora:
             full = full + lora[target].to(full.dtype)
         yield target, full
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly DTensor-sharded) parameter; a collective when sharded."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def _lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -254,23 +260,26 @@ def _lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         for adapter in getattr(module, "active_adapters", []):
             if adapter not in module.lora_A:
                 continue
-            a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+            a, b = (_full(module.lora_A[adapter].weight), _full(module.lora_B[adapter].weight))
             delta = (b @ a) * module.scaling[adapter]
             key = hf_weight_name(f"{name}.weight")
             deltas[key] = deltas[key] + delta if key in deltas else delta
     return {k: v.detach() for k, v in deltas.items()}
 
 
-def export_pretrained(model: torch.nn.Module, tokenizer: Any, directory: str | Path) -> None:
+def export_pretrained(model: torch.nn.Module, tokenizer: Any, directory: str | Path, write: bool = True) -> None:
     """Write ``model`` (LoRA adapters merged into its weights) and ``tokenizer`` as a standard Hugging
     Face folder that any later stage, vLLM or ``from_pretrained`` can load. ``model`` is left as it was
-    (a peft model keeps its adapters)."""
-    if not hasattr(model, "get_base_model"):
-        model.save_pretrained(directory)
+    (a peft model keeps its adapters). Under sharding call it on every rank (gathering the weights is
+    a collective) with ``write`` true on one."""
+    sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
+    if not hasattr(model, "get_base_model") and not sharded:
+        if write:
+            model.save_pretrained(directory)
     else:
         from safetensors.torch import save_file
 
-        base = model.get_base_model()
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
         expected = {name for name in (hf_weight_name(key) for key in base.state_dict()) if name is not None}
         state, seen = {}, set()
         for name, tensor in merged_weights(model):
@@ -278,9 +287,12 @@ def export_pretrained(model: torch.nn.Module, tokenizer: Any, directory: str | P
                 shared = tensor.data_ptr() in seen  # tied embeddings: safetensors stores each tensor once
                 seen.add(tensor.data_ptr())
                 state[name] = (tensor.clone() if shared else tensor).contiguous()
+        if not write:
+            return
         Path(directory).mkdir(parents=True, exist_ok=True)
         base.config.save_pretrained(directory)
         if getattr(base, "generation_config", None) is not None:
             base.generation_config.save_pretrained(directory)
         save_file(state, str(Path(directory) / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(directory)
+    if write:
+        tokenizer.save_pretrained(directory)

@@ -87,6 +87,13 @@ class HeadLogits:
         if hidden.dim() != 3 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
             raise ValueError(f"HeadLogits: hidden (B, T, H) and weight (V, H) do not fit: {tuple(hidden.shape)}, {tuple(weight.shape)}")
         self.hidden, self.weight, self.scale = hidden, weight, scale
+        self._cast: dict[torch.dtype, torch.Tensor] = {}
+
+    def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The head in ``dtype``, cast once (not once per chunk)."""
+        if dtype not in self._cast:
+            self._cast[dtype] = self.weight.to(dtype)
+        return self._cast[dtype]
 
     @property
     def shape(self) -> torch.Size:
@@ -101,7 +108,7 @@ class HeadLogits:
         return self.hidden.device
 
     def rows(self, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        logits = self.hidden[b, t].to(dtype) @ self.weight.to(dtype).T
+        logits = self.hidden[b, t].to(dtype) @ self.weight_as(dtype).T
         return logits * self.scale if self.scale != 1.0 else logits
 
     def detach(self) -> HeadLogits:
@@ -141,9 +148,11 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         dtype = compute_dtype(hidden)
         grad_hidden = torch.zeros_like(hidden) if need_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_grad else None
+        # a frozen head (LoRA elsewhere) needs no (V, H) gradient buffer
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if ctx.needs_input_grad[1] else None
         total = torch.zeros((), dtype=dtype, device=hidden.device)
         student = HeadLogits(hidden, weight, scale)
+        weight_c = student.weight_as(dtype)
         for b, t in iter_token_chunks(weights > 0, chunk_size):
             h_chunk = hidden[b, t].to(dtype)
             s_chunk = student.rows(b, t, dtype)
@@ -152,20 +161,22 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             )
             if need_grad:
                 chunk_grad = chunk_grad * scale if scale != 1.0 else chunk_grad
-                grad_hidden[b, t] = (chunk_grad @ weight.to(dtype)).to(grad_hidden.dtype)
-                grad_weight.addmm_(chunk_grad.T, h_chunk)
+                grad_hidden[b, t] = (chunk_grad @ weight_c).to(grad_hidden.dtype)
+                if grad_weight is not None:
+                    grad_weight.addmm_(chunk_grad.T, h_chunk)
             total += chunk_loss.detach()
             del s_chunk, h_chunk, chunk_loss, chunk_grad
-        ctx.grads = (grad_hidden, grad_weight.to(weight.dtype) if need_grad else None)
+        ctx.grads = (grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, need_grad)
         return total
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        (grad_hidden, grad_weight), ctx.grads = ctx.grads, (None, None)
-        if grad_hidden is None:
+        (grad_hidden, grad_weight, computed), ctx.grads = ctx.grads, (None, None, False)
+        if not computed:
             raise RuntimeError("backward through a chunked kdlab objective can run only once per forward")
         scale = grad_output.to(grad_hidden.dtype)
-        return grad_hidden.mul_(scale), grad_weight.mul_(scale.to(grad_weight.dtype)), None, None, None, None, None, None
+        grad_weight = grad_weight.mul_(scale.to(grad_weight.dtype)) if grad_weight is not None else None
+        return grad_hidden.mul_(scale), grad_weight, None, None, None, None, None, None
 
 
 class _ChunkedWeightedLoss(torch.autograd.Function):

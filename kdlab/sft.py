@@ -186,8 +186,8 @@ class SFTModule(pl.LightningModule):
         export_pretrained(self.model, self.tokenizer, directory)
 
     def on_train_end(self) -> None:
-        if self.export_dir is not None and self.trainer.is_global_zero:
-            self.save_pretrained(self.export_dir)
+        if self.export_dir is not None:  # every rank gathers (sharded weights), rank zero writes
+            export_pretrained(self.model, self.tokenizer, self.export_dir, write=self.trainer.is_global_zero)
 
 
 def apply_lora(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:

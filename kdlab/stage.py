@@ -44,7 +44,8 @@ class EpochShuffle(DistributedSampler):
     process that is the whole order. A resumed run therefore shuffles each epoch as an uninterrupted
     run would, whatever the process layout. ``skip`` drops this rank's first indices of the next
     pass only: a run resumed in the middle of an epoch continues after its last trained batch, on one
-    process or several. Being a ``DistributedSampler``, Lightning does not wrap it.
+    process or several (resume with the same number of processes and batch size: the skip counts
+    batches per rank). Being a ``DistributedSampler``, Lightning does not wrap it.
     """
 
     def __init__(self, size: int, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
@@ -191,16 +192,6 @@ class TaskStage(pl.LightningModule):
                     fully_shard(module, **options)
             fully_shard(model, **options)
         self._sharded = True
-
-    @property
-    def strict_loading(self) -> bool:
-        """Sharded checkpoints (FSDP2 saves one shard per rank) leave frozen models out, so they load
-        non-strictly; a whole-model checkpoint is checked by ``load_state_dict``."""
-        return not self._sharded
-
-    @strict_loading.setter
-    def strict_loading(self, value: bool) -> None:
-        pass  # decided by the layout (see the getter)
 
     # ---- non-finite steps -----------------------------------------------------------------
     def set_max_bad_steps(self, max_bad_steps: int) -> None:
@@ -353,7 +344,7 @@ class TaskStage(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the data position (epoch, batches of it already trained) so a resumed run
         continues with the next batch."""
-        if self._trainer is not None and self.trainer.training:
+        if self._trainer is not None and self.trainer.state.fn == "fit":  # also for saves at validation end
             done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
             epoch = self.current_epoch
             if done >= self.trainer.num_training_batches:  # saved at the epoch's last batch: next is a new epoch

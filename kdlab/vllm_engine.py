@@ -178,16 +178,25 @@ class VLLMRollouts(RolloutPolicy):
         spec = context.student_spec if self.model == "student" else context.teacher_spec
         if spec is None:
             raise ValueError("VLLMRollouts needs the model's spec in the rollout context (DistillModule provides it)")
+        if context.stop is not None:
+            raise ValueError("VLLMRollouts does not apply stop_strings yet; leave them empty (end tokens still end completions)")
+        if self.model == "teacher" and spec.checkpoint is not None:
+            raise ValueError("VLLMRollouts(model='teacher') loads teacher.path and cannot apply teacher.checkpoint; export the teacher to a folder")
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=context.generator).item()) if context.generator is not None else None
         llm = self.engine(spec, seed or 0)
         if self.model == "student":
             self.push_weights(context.student, context.step)
         temperature = context.student_temperature if self.model == "student" else context.teacher_temperature
-        params = sampling_params(temperature, context.max_new_tokens, context.eos_token_ids, context.top_p, seed)
         ids = getattr(prompts, f"{self.model}_ids").tolist()
         mask = getattr(prompts, f"{self.model}_mask").tolist()
         requests = [vllm.inputs.TokensPrompt(prompt_token_ids=[t for t, m in zip(row, keep) if m]) for row, keep in zip(ids, mask)]
-        outputs = llm.generate(requests, vllm.SamplingParams(**params), use_tqdm=False)
+        # one seed per request: vLLM seeds requests separately, and repeated prompts (a GRPO group) must differ
+        params = [
+            vllm.SamplingParams(**sampling_params(temperature, context.max_new_tokens, context.eos_token_ids, context.top_p,
+                                                  None if seed is None else seed + row))
+            for row in range(len(requests))
+        ]
+        outputs = llm.generate(requests, params, use_tqdm=False)
         tokens, logprobs = [], []
         for output in outputs:
             sample = output.outputs[0]

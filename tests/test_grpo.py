@@ -290,3 +290,12 @@ def test_an_rlvr_run_resumed_mid_epoch_ends_with_the_uninterrupted_weights(tiny_
     fit(resumed, tmp_path / "part", ckpt_path=str(tmp_path / "part" / "last.ckpt"))
     for a, b in zip(whole.student.parameters(), resumed.student.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_short_last_batch_keeps_whole_groups_and_takes_fewer_steps(tiny_pair):
+    task = Addition(num_train=3, num_val=0, num_test=0)  # batches of 2 prompts, then 1
+    alternate_rewards(task)
+    module = GRPOModule(tiny_pair[0], task, group_size=2, batch_size=2, mini_batches=2, max_completion_tokens=4, lr=1e-3, warmup_steps=0)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
+    trainer.fit(module)
+    assert trainer.global_step == 3  # 2 mini-batch steps, then 1 for the single remaining group

@@ -247,3 +247,12 @@ def test_fused_hidden_state_path_equals_the_logits_path(make):
     torch.testing.assert_close(w_b, w_a)
     for key in d_a:
         torch.testing.assert_close(d_b[key], d_a[key])
+
+
+def test_fused_path_with_a_frozen_head_returns_no_head_gradient():
+    from kdlab.objectives import HeadLogits
+
+    hidden = torch.randn(1, 3, 4, requires_grad=True)
+    weight = torch.randn(6, 4)  # frozen (as under LoRA)
+    ForwardKL()(HeadLogits(hidden, weight), torch.randn(1, 3, 6), torch.ones(1, 3, dtype=torch.bool)).backward()
+    assert hidden.grad is not None and weight.grad is None

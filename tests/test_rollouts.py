@@ -172,8 +172,8 @@ def test_per_row_budgets_and_stop_strings_end_rows_where_they_should():
         logits[:, 3] = 0.0
         return torch.log_softmax(logits, -1)
 
-    ids, mask, _ = sample_tokens(next_logprobs, 3, torch.tensor([2, 5, 1]), eos_token_ids=(0,), pad_token_id=5, generator=None, greedy=True)
-    assert mask.sum(1).tolist() == [2, 5, 1] and ids.shape[1] == 5
+    ids, mask, _ = sample_tokens(next_logprobs, 3, torch.tensor([2, 5, 0]), eos_token_ids=(0,), pad_token_id=5, generator=None, greedy=True)
+    assert mask.sum(1).tolist() == [2, 5, 0] and ids.shape[1] == 5  # a budget of 0 writes nothing
     assert (ids[~mask] == 5).all()
 
     def stop_after_three(tokens, rows):  # a stop string completed by the third token

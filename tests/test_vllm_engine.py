@@ -33,6 +33,7 @@ def test_sampling_settings_translate_to_vllm_arguments():
         ("model.layers.0._checkpoint_wrapped_module.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight"),
         ("_orig_mod.lm_head.weight", "lm_head.weight"),
         ("module.model.norm.weight", "model.norm.weight"),
+        ("_orig_mod._fsdp_wrapped_module.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight"),
         ("base_model.model.model.embed_tokens.weight", "model.embed_tokens.weight"),
         ("base_model.model.model.layers.0.self_attn.v_proj.base_layer.weight", "model.layers.0.self_attn.v_proj.weight"),
         ("base_model.model.model.layers.0.self_attn.v_proj.lora_A.default.weight", None),
