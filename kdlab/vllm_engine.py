@@ -10,8 +10,8 @@ CPU: the translation of kdlab's sampling settings (:func:`sampling_params`), the
 corrects for a stale sampler (:func:`importance_weights`).
 
 On-policy use: the student's current weights are pushed into the engine every ``sync_every`` optimiser
-steps. Between pushes the engine samples from a slightly older policy q, and each completion's loss is
-weighted by ``w = mean_t min(cap, exp(log p_theta(y_t) - log q(y_t)))`` (the paper's MATH run: cap 2),
+steps. Between pushes the engine samples from a slightly older policy q. Every completion's loss (at
+every step, also right after a push, where w differs from 1 only by vLLM-vs-HF numerics) is weighted by ``w = mean_t min(cap, exp(log p_theta(y_t) - log q(y_t)))`` (the paper's MATH run: cap 2),
 computed by :class:`~kdlab.module.DistillModule` from the log-probs vLLM returns for the sampled tokens.
 """
 
@@ -114,9 +114,10 @@ class VLLMRollouts(RolloutPolicy):
 
     Args:
         model: ``student`` (its current weights are pushed every ``sync_every`` steps) or ``teacher``.
-        sync_every: optimiser steps between weight pushes (1: every step, so rollouts are exactly on-policy).
-        importance_cap: the per-token ratio cap of the importance weight (paper: 2); the module applies it
-            whenever the engine's weights are older than the student's.
+        sync_every: optimiser steps between weight pushes (1: every step, so the sampling policy is the
+            current student up to vLLM-vs-HF numerics).
+        importance_cap: the per-token ratio cap of the importance weight (paper: 2), which the module
+            applies to every completion this policy returns.
         gpu_memory_utilization, tensor_parallel_size, enforce_eager, max_model_len: passed to ``vllm.LLM``.
 
     The engine is built on first use on the module's device, from the model's path (``student.path`` or
