@@ -57,8 +57,9 @@ class Rollout:
     sampling_entropy: torch.Tensor | None = None
     behaviour_logprobs: torch.Tensor | None = None
     importance_cap: float = 2.0
-    teacher_logprobs: torch.Tensor | None = None
-    """``(B, C, V)`` the teacher's tempered log-probs when read from a cache (then no teacher forward runs)."""
+    teacher_logprobs: Any = None
+    """The teacher's tempered log-probs ``(B, C, V)`` when read from a cache (then no teacher forward
+    runs): a :class:`~kdlab.teacher_cache.TopKLogprobs`, which objectives expand chunk by chunk."""
 
     def model_inputs(self, model: str) -> dict[str, torch.Tensor]:
         """``input_ids``, ``attention_mask`` and ``position_ids`` ``(B, P + C)`` for ``"student"`` or ``"teacher"``."""

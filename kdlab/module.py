@@ -226,7 +226,7 @@ class DistillModule(TaskStage):
         if self.student_temperature != 1.0:
             student = student / self.student_temperature
         if rollout.teacher_logprobs is not None:  # precomputed, already tempered (kdlab.teacher_cache)
-            return student, rollout.teacher_logprobs.to(student.dtype)
+            return student, rollout.teacher_logprobs
         with torch.no_grad():
             teacher = completion_logits(self.teacher, rollout.model_inputs("teacher"), length, self.vocab_size)
         if self.teacher_temperature != 1.0:

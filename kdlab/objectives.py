@@ -73,7 +73,25 @@ def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.promote_types(tensor.dtype, torch.float32)
 
 
-class HeadLogits:
+class LazyLogits:
+    """Base class: a ``(B, T, V)`` logits (or log-probs) tensor that is never materialised; objectives,
+    :func:`kl_diagnostics` and :func:`sampled_logprobs` ask it for one chunk of rows at a time.
+
+    Subclasses give :meth:`rows`, ``shape``, ``dtype``, ``device`` and :meth:`detach`."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    def rows(self, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``(n, V)`` at positions ``(b[i], t[i])``, in ``dtype``."""
+        raise NotImplementedError
+
+    def detach(self) -> LazyLogits:
+        raise NotImplementedError
+
+
+class HeadLogits(LazyLogits):
     """Logits ``(B, T, V)`` that are never materialised: ``scale * hidden @ weight.T``, computed for one
     chunk of rows at a time (the fused hidden-state + LM-head path).
 
@@ -115,13 +133,14 @@ class HeadLogits:
         return HeadLogits(self.hidden.detach(), self.weight.detach(), self.scale)
 
 
-Logits = torch.Tensor | HeadLogits
-"""A ``(B, T, V)`` logits tensor, or :class:`HeadLogits` standing for one."""
+Logits = torch.Tensor | LazyLogits
+"""A ``(B, T, V)`` logits tensor, or a :class:`LazyLogits` (:class:`HeadLogits`, a cached top-k teacher)
+standing for one."""
 
 
 def _rows(logits: Logits, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``(n, V)`` of ``logits`` at positions ``(b, t)``, in ``dtype``."""
-    return logits.rows(b, t, dtype) if isinstance(logits, HeadLogits) else logits[b, t].to(dtype)
+    return logits.rows(b, t, dtype) if isinstance(logits, LazyLogits) else logits[b, t].to(dtype)
 
 
 def _chunk_loss_and_grad(s_chunk, t_chunk, w_chunk, token_loss, loss_and_grad, need_grad):

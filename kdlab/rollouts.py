@@ -160,14 +160,11 @@ class TeacherRollouts(RolloutPolicy):
         ids, mask = right_pad(rows, context.pad_token_id)
         device = prompts.student_ids.device
         teacher_logprobs = None
-        if self.cache is not None:
-            from kdlab.teacher_cache import expand_topk
+        if self.cache is not None:  # held as the top k: the dense (B, C, V) teacher is never built
+            from kdlab.teacher_cache import TopKLogprobs
 
-            teacher_logprobs = torch.full((*ids.shape, context.vocab_size), -math.log(context.vocab_size))  # padding: uniform
-            for row, (example, tokens) in enumerate(zip(prompts.examples, rows)):
-                indices, logprobs = self.cache.row(example["id"], tokens)
-                teacher_logprobs[row, : len(tokens)] = expand_topk(indices, logprobs, context.vocab_size)
-            teacher_logprobs = teacher_logprobs.to(device)
+            cached = [self.cache.row(example["id"], tokens) for example, tokens in zip(prompts.examples, rows)]
+            teacher_logprobs = TopKLogprobs.from_rows(cached, ids.shape[1], self.cache.top_k, context.vocab_size).to(device)
         return Rollout(prompts, ids.to(device), mask.to(device), None, teacher_logprobs=teacher_logprobs)
 
 

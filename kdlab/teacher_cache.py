@@ -12,7 +12,8 @@ their log-probs under ``softmax(z_T / temperature)``), and metadata: ``top_k``, 
 keeps the k cached probabilities exactly and spreads the remaining mass ``1 - sum_k p_T`` uniformly over
 the other ``V - k`` tokens (:func:`expand_topk`). It is a proper distribution, so every objective
 (forward/reverse KL, JSD, TV, the sampled estimators) is well defined and unchanged in code; with
-``k = V`` it is the teacher exactly. The forward KL then differs from the exact one only through the tail
+``k = V`` it is the teacher exactly. A batch of it is a :class:`TopKLogprobs`: ``(B, C, k)`` in memory,
+expanded to ``(chunk, V)`` rows only inside the objectives' chunk loop. The forward KL then differs from the exact one only through the tail
 (``sum_tail p_T log p_T`` terms and how the tail's student mass is weighted), which vanishes as the
 tail mass does; the diagnostics ``train/kl_forward`` etc. are computed against the same distribution.
 """
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kdlab.objectives import LazyLogits
 
 TAIL_FLOOR = 1e-12
 """Smallest tail mass used: keeps the expanded log-probs finite when the top k hold (almost) all mass."""
@@ -51,6 +54,58 @@ def expand_topk(indices: torch.Tensor, logprobs: torch.Tensor, vocab_size: int) 
     fill = torch.log(tail) - math.log(vocab_size - k)
     full = fill.expand(*indices.shape[:-1], vocab_size).clone()
     return full.scatter_(-1, indices.long(), logprobs.float())
+
+
+class TopKLogprobs(LazyLogits):
+    """The cached teacher of a batch, ``(B, C, V)`` log-probs held as its top k: ``indices`` ``(B, C, k)``
+    (int64) and ``logprobs`` ``(B, C, k)`` (fp32). Objectives expand one chunk of rows at a time with
+    :func:`expand_topk`, so the dense ``(B, C, V)`` teacher is never built (on the host or the device).
+
+    Positions past a row's cached length (padding) stand for the uniform distribution."""
+
+    def __init__(self, indices: torch.Tensor, logprobs: torch.Tensor, vocab_size: int) -> None:
+        if indices.shape != logprobs.shape or indices.dim() != 3:
+            raise ValueError(f"TopKLogprobs: indices and logprobs must both be (B, C, k), got {tuple(indices.shape)}, {tuple(logprobs.shape)}")
+        if indices.shape[-1] > vocab_size:
+            raise ValueError(f"TopKLogprobs: k = {indices.shape[-1]} exceeds the vocabulary ({vocab_size})")
+        self.indices, self.logprobs, self.vocab_size = indices.long(), logprobs.float(), vocab_size
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[torch.Tensor, torch.Tensor]], length: int, k: int, vocab_size: int) -> TopKLogprobs:
+        """Stack per-example ``(indices (n_i, k), logprobs (n_i, k))`` into ``(B, length, k)``; padding
+        holds k tokens at ``log(1/V)`` each, which :func:`expand_topk` turns into the uniform distribution."""
+        indices = torch.arange(k).expand(len(rows), length, k).clone()
+        logprobs = torch.full((len(rows), length, k), -math.log(vocab_size))
+        for row, (row_indices, row_logprobs) in enumerate(rows):
+            indices[row, : row_indices.shape[0]] = row_indices
+            logprobs[row, : row_logprobs.shape[0]] = row_logprobs
+        return cls(indices, logprobs, vocab_size)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.indices.shape[:2], self.vocab_size))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.indices.device
+
+    def rows(self, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        b, t = b.to(self.device), t.to(self.device)
+        return expand_topk(self.indices[b, t], self.logprobs[b, t], self.vocab_size).to(dtype)
+
+    def detach(self) -> TopKLogprobs:
+        return self
+
+    def to(self, device: torch.device | str) -> TopKLogprobs:
+        return TopKLogprobs(self.indices.to(device), self.logprobs.to(device), self.vocab_size)
+
+    def dense(self) -> torch.Tensor:
+        """The full ``(B, C, V)`` log-probs (for tests and small vocabularies only)."""
+        return expand_topk(self.indices, self.logprobs, self.vocab_size)
 
 
 def write_cache(path: str | Path, rows: dict[str, dict[str, torch.Tensor]], metadata: dict[str, Any]) -> None:

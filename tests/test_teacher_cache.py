@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from kdlab.objectives import ForwardKL, ReverseKL
-from kdlab.teacher_cache import TeacherCache, expand_topk, top_k_logprobs, write_cache
+from kdlab.objectives import ForwardKL, ReverseKL, SampledReverseKL, kl_diagnostics
+from kdlab.teacher_cache import TeacherCache, TopKLogprobs, expand_topk, top_k_logprobs, write_cache
 
 
 def test_a_top_k_teacher_keeps_the_top_k_exactly_and_spreads_the_tail_evenly():
@@ -36,6 +36,37 @@ def test_forward_kl_to_a_top_k_teacher_approaches_the_exact_one_as_k_grows():
     exact = ForwardKL()(student, teacher, mask)
     gaps = [abs(float(ForwardKL()(student, expand_topk(*top_k_logprobs(teacher, k), 200), mask) - exact)) for k in (5, 50, 150, 200)]
     assert gaps[-1] < 1e-5 and gaps[0] > gaps[1] > gaps[2]
+
+
+def test_a_top_k_batch_gives_every_objective_the_same_loss_and_gradient_as_its_dense_expansion():
+    """TopKLogprobs expands one chunk of rows at a time; the result must equal the dense (B, C, V) teacher."""
+    generator = torch.Generator().manual_seed(3)
+    student, teacher = torch.randn(3, 7, 40, generator=generator), torch.randn(3, 7, 40, generator=generator)
+    mask = torch.rand(3, 7, generator=generator) > 0.3
+    lazy = TopKLogprobs(*top_k_logprobs(teacher, k=6), 40)
+    dense = lazy.dense()
+    assert lazy.shape == dense.shape == (3, 7, 40)
+    for objective in (ForwardKL(chunk_size=4), ReverseKL(chunk_size=4), SampledReverseKL(seed=5, chunk_size=4)):
+        values, grads = [], []
+        for target in (lazy, dense):
+            logits = student.clone().requires_grad_(True)
+            objective.reseed(5)
+            value = objective(logits, target, mask)
+            value.backward()
+            values.append(value.detach())
+            grads.append(logits.grad)
+        torch.testing.assert_close(values[0], values[1])
+        torch.testing.assert_close(grads[0], grads[1])
+    for name, value in kl_diagnostics(student, lazy, mask, chunk_size=4).items():
+        torch.testing.assert_close(value, kl_diagnostics(student, dense, mask)[name], msg=name)
+
+
+def test_padding_of_a_top_k_batch_is_the_uniform_distribution():
+    rows = [(torch.tensor([[3, 1]]), torch.log(torch.tensor([[0.5, 0.25]])))]
+    lazy = TopKLogprobs.from_rows(rows, length=3, k=2, vocab_size=10)
+    probs = lazy.dense().exp()
+    assert torch.allclose(probs[0, 0, [3, 1]], torch.tensor([0.5, 0.25]))
+    assert torch.allclose(probs[0, 1:], torch.full((2, 10), 0.1))
 
 
 def test_cache_files_check_what_they_were_computed_on(tmp_path):
@@ -85,6 +116,15 @@ def test_distillation_from_a_full_cache_equals_distillation_from_the_teacher_wit
     torch.testing.assert_close(losses[1][0], losses[0][0], atol=1e-5, rtol=1e-5)
     for a, b in zip(losses[0][1], losses[1][1]):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    # a top-k cache (k < V) is held as (B, C, k) and trains exactly like its dense expansion
+    top = tmp_path / "top.jsonl"
+    generate_teacher_data(ModelSpec(tiny_pair[1]), task, str(top), max_new_tokens=6, top_k=5, cache_temperature=0.5)
+    sparse = DistillModule(tiny_pair[0], None, task, rollout=TeacherRollouts(dataset=str(top), teacher_cache=str(top) + ".topk.safetensors"), max_completion_tokens=6, batch_size=4)
+    rollout = sparse.make_rollout(batch, 0)
+    assert isinstance(rollout.teacher_logprobs, TopKLogprobs) and rollout.teacher_logprobs.indices.shape[-1] == 5
+    student, teacher = sparse.distillation_logits(rollout)
+    mask = rollout.completion_mask
+    torch.testing.assert_close(sparse.objective(student, teacher, mask), sparse.objective(student, teacher.dense(), mask))
     with pytest.raises(ValueError, match="teacher temperature 0.5, but DistillModule.teacher_temperature is 1.0"):
         DistillModule(tiny_pair[0], None, task, rollout=TeacherRollouts(dataset=str(data), teacher_cache=cache), teacher_temperature=1.0)
     with pytest.raises(ValueError, match="DistillModule.teacher is required"):
