@@ -227,9 +227,8 @@ class TaskStage(pl.LightningModule):
         examples = [ex for ex in self._split("train") if self.trains_on(ex)]
         if not examples:
             raise ValueError(f"{type(self).__name__} can train on no train example of {type(self.task).__name__}")
-        # the data-parallel layout (under tensor parallelism, ranks of one TP group read the same data)
-        layout = (getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self._trainer is not None else None) or {}
-        self._train_sampler = EpochShuffle(len(examples), self.seed, layout.get("num_replicas", 1), layout.get("rank", 0))
+        layout = self.data_parallel_layout()
+        self._train_sampler = EpochShuffle(len(examples), self.seed, layout["num_replicas"], layout["rank"])
         resume, self._resume_position = getattr(self, "_resume_position", None), None
         if resume is not None:
             self._train_sampler.set_epoch(resume["epoch"])
@@ -251,10 +250,18 @@ class TaskStage(pl.LightningModule):
         return batch  # a list of example dicts; tensors are made on the device in the step
 
     # ---- random streams and collectives ---------------------------------------------------
+    def data_parallel_layout(self) -> dict[str, int]:
+        """``{"num_replicas", "rank"}`` of this process among the data-parallel replicas. Under tensor
+        parallelism the ranks of one TP group are one replica: they read the same data and must draw the
+        same rollouts."""
+        layout = (getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self._trainer is not None else None) or {}
+        return {"num_replicas": int(layout.get("num_replicas", 1)), "rank": int(layout.get("rank", 0))}
+
     def step_seed(self, stage: str, batch_idx: int) -> int:
-        """A 63-bit seed for one step's random streams, from (seed, stage, rank, epoch, batch index):
-        reproducible, resumable, and independent across data-parallel ranks."""
-        key = f"{self.seed}/{stage}/{self.global_rank}/{self.current_epoch}/{batch_idx}"
+        """A 63-bit seed for one step's random streams, from (seed, stage, data-parallel rank, epoch, batch
+        index): reproducible, resumable, independent across data-parallel replicas and shared by the
+        tensor-parallel ranks of one replica."""
+        key = f"{self.seed}/{stage}/{self.data_parallel_layout()['rank']}/{self.current_epoch}/{batch_idx}"
         return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
     def _generator(self, seed: int) -> torch.Generator:

@@ -320,3 +320,21 @@ def test_fused_lm_head_step_equals_the_logits_step(tiny_pair, rollout):
     torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_step_seeds_follow_the_data_parallel_rank_not_the_global_rank(tiny_pair):
+    """Tensor-parallel peers (same data-parallel rank, different global ranks) must draw the same rollouts;
+    data-parallel replicas must draw different ones."""
+    from types import SimpleNamespace
+
+    module = DistillModule(*tiny_pair, Addition(num_train=4, num_val=0, num_test=0))
+
+    def seed_on(global_rank: int, dp_rank: int) -> int:
+        strategy = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": dp_rank})
+        module._trainer = SimpleNamespace(strategy=strategy, global_rank=global_rank, current_epoch=0)
+        return module.step_seed("train", 3)
+
+    assert seed_on(global_rank=0, dp_rank=0) == seed_on(global_rank=1, dp_rank=0)
+    assert seed_on(global_rank=0, dp_rank=0) != seed_on(global_rank=2, dp_rank=1)
+    module._trainer = None
+    assert module.data_parallel_layout() == {"num_replicas": 1, "rank": 0}
