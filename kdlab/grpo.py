@@ -278,6 +278,7 @@ class GRPOModule(TaskStage):
             step=self.global_step,
             student_spec=self.student_spec,
             stop=self.stop_check(),
+            stop_strings=tuple(self.stop_strings),
         )
         was_training = self.student.training
         self.student.eval()

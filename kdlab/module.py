@@ -196,6 +196,7 @@ class DistillModule(TaskStage):
             student_spec=self.student_spec,
             teacher_spec=self.teacher_spec,
             stop=self.stop_check(),
+            stop_strings=tuple(self.stop_strings),
         )
 
     def make_rollout(self, examples: list[Example], seed: int, policy: RolloutPolicy | None = None):

@@ -48,6 +48,8 @@ class RolloutContext:
     """Where the models come from (:class:`~kdlab.models.ModelSpec`), for engines that load them themselves."""
     stop: StopCheck | None = None
     """Ends a row when it completes a stop string (:func:`kdlab.decoding.stop_strings_check`)."""
+    stop_strings: tuple[str, ...] = ()
+    """The stop strings behind ``stop``, for engines that check them themselves (vLLM)."""
     top_p: float = 1.0
     """Nucleus sampling: each token is drawn from the policy's distribution restricted to its top-p set
     (:func:`kdlab.decoding.top_p_logprobs`); 1 samples from the whole distribution (distillation)."""

@@ -43,6 +43,7 @@ def sampling_params(
     top_p: float = 1.0,
     seed: int | None = None,
     logprobs: bool = True,
+    stop: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """``vllm.SamplingParams`` keyword arguments equivalent to kdlab's sampling.
 
@@ -51,7 +52,13 @@ def sampling_params(
     greedy. ``logprobs=True`` asks for the log-prob of each sampled token (``logprobs=0``: the sampled
     token only), which the importance weight needs. vLLM reports the raw model's log-probs by default;
     ``VLLMRollouts`` builds its engine with ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10) so
-    they are those of the tempered distribution it sampled from, like kdlab's.
+    they are those of the distribution it sampled from (tempered, and top-p truncated when
+    ``top_p < 1``).
+
+    ``stop`` strings end a completion like kdlab's decoder does (:func:`kdlab.decoding.stop_strings_check`):
+    the tokens up to and including the one that completes the string are kept. vLLM checks them on the
+    detokenised text, so they switch detokenisation on, and ``include_stop_str_in_output`` keeps the
+    returned text whole (vLLM never cuts the returned token ids).
     """
     if temperature < 0:
         raise ValueError(f"sampling_params: temperature must be >= 0, got {temperature}")
@@ -70,9 +77,12 @@ def sampling_params(
         "stop_token_ids": [int(t) for t in stop_token_ids],
         "ignore_eos": False,
         "skip_special_tokens": False,
-        "detokenize": False,
+        "detokenize": bool(stop),
         "seed": seed,
     }
+    if stop:
+        params["stop"] = [text for text in stop]
+        params["include_stop_str_in_output"] = True
     if logprobs:
         params["logprobs"] = 0
     return params
@@ -179,8 +189,6 @@ class VLLMRollouts(RolloutPolicy):
         spec = context.student_spec if self.model == "student" else context.teacher_spec
         if spec is None:
             raise ValueError("VLLMRollouts needs the model's spec in the rollout context (DistillModule provides it)")
-        if context.stop is not None:
-            raise ValueError("VLLMRollouts does not apply stop_strings yet; leave them empty (end tokens still end completions)")
         if self.model == "teacher" and spec.checkpoint is not None:
             raise ValueError("VLLMRollouts(model='teacher') loads teacher.path and cannot apply teacher.checkpoint; export the teacher to a folder")
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=context.generator).item()) if context.generator is not None else None
@@ -194,7 +202,7 @@ class VLLMRollouts(RolloutPolicy):
         # one seed per request: vLLM seeds requests separately, and repeated prompts (a GRPO group) must differ
         params = [
             vllm.SamplingParams(**sampling_params(temperature, context.max_new_tokens, context.eos_token_ids, context.top_p,
-                                                  None if seed is None else seed + row))
+                                                  None if seed is None else seed + row, stop=context.stop_strings))
             for row in range(len(requests))
         ]
         outputs = llm.generate(requests, params, use_tqdm=False)

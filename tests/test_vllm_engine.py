@@ -109,3 +109,75 @@ def test_distillation_weights_each_completion_by_its_importance_weight(tiny_pair
     policy.shift = math.log(2.0)
     doubled = module.training_step(batch, 0)
     torch.testing.assert_close(doubled, 2 * plain, atol=1e-5, rtol=1e-5)
+
+
+def test_stop_strings_reach_vllm_with_detokenisation_on():
+    params = sampling_params(1.0, 16, (2,), stop=("</answer>",))
+    assert params["stop"] == ["</answer>"] and params["include_stop_str_in_output"] and params["detokenize"]
+    assert "stop" not in sampling_params(1.0, 16, (2,)) and not sampling_params(1.0, 16, (2,))["detokenize"]
+
+
+class _FakeVLLM:
+    """Stands in for the ``vllm`` package (which needs CUDA) to test what VLLMRollouts does around it:
+    the engine arguments, one request per prompt with its own seed, weight pushes, and how outputs are
+    read back. Every completion is ``[5, 6, end]`` with log-prob -1 per token."""
+
+    def __init__(self, end: int) -> None:
+        import types
+
+        fake = self
+        self.end, self.engines, self.requests, self.params, self.pushes = end, [], [], [], []
+        self.inputs = types.SimpleNamespace(TokensPrompt=lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids})
+
+        class SamplingParams:
+            def __init__(self, **kwargs):
+                fake.params.append(kwargs)
+
+        class LLM:
+            def __init__(self, **kwargs):
+                fake.engines.append(kwargs)
+
+            def collective_rpc(self, method, args=()):
+                fake.pushes.append((method, dict(args[0])))
+
+            def generate(self, requests, params, use_tqdm=True):
+                fake.requests.append(requests)
+                tokens = [5, 6, fake.end]
+                sample = types.SimpleNamespace(token_ids=tokens, logprobs=[{t: types.SimpleNamespace(logprob=-1.0)} for t in tokens])
+                return [types.SimpleNamespace(outputs=[sample]) for _ in requests]
+
+        self.SamplingParams, self.LLM = SamplingParams, LLM
+
+
+def test_vllm_rollouts_drive_the_engine_and_weight_each_completion(tiny_pair, monkeypatch):
+    from kdlab.models import end_token_ids
+    from kdlab.module import DistillModule
+    from kdlab.tasks import Addition
+    from kdlab.vllm_engine import VLLMRollouts
+
+    module = DistillModule(*tiny_pair, Addition(num_train=4), max_completion_tokens=5, batch_size=4, stop_strings=["</answer>"])
+    fake = _FakeVLLM(end_token_ids(module.student_tokenizer, module.student)[0])
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    module.rollout = VLLMRollouts(sync_every=2, importance_cap=2.0)
+    logged = {}
+    module.log = lambda name, value, **kwargs: logged.__setitem__(name, float(torch.as_tensor(value).detach()))
+    batch = module.task.examples("train")
+    for step in range(3):
+        monkeypatch.setattr(type(module), "global_step", property(lambda self, s=step: s))
+        module.training_step(batch, step).backward()
+    (engine,) = fake.engines  # built once, from the student's files
+    assert engine["model"] == module.student_spec.resolved and engine["logprobs_mode"] == "processed_logprobs"
+    assert engine["worker_extension_cls"] == "kdlab.vllm_engine.WeightLoaderExtension"
+    assert len(fake.requests) == 3 and len(fake.pushes) == 2  # pushed at steps 0 and 2 (sync_every 2)
+    method, weights = fake.pushes[0]
+    assert method == "kdlab_load_weights" and weights.keys() == module.student.state_dict().keys()
+    prompts = module._prompts(batch)
+    expected = [[t for t, m in zip(row, keep) if m] for row, keep in zip(prompts.student_ids.tolist(), prompts.student_mask.tolist())]
+    assert [r["prompt_token_ids"] for r in fake.requests[0]] == expected  # left padding removed
+    seeds = [p["seed"] for p in fake.params[:4]]
+    assert len(set(seeds)) == 4  # one seed per request: repeated prompts must not repeat completions
+    assert all(p["stop"] == ["</answer>"] and p["logprobs"] == 0 for p in fake.params)
+    # every token's log q is -1, so w = mean_t min(2, exp(log p + 1)) per completion, recomputed here
+    rollout = module.rollout.sample(prompts, module.rollout_context(torch.Generator().manual_seed(0)))
+    assert rollout.completion_ids.tolist() == [[5, 6, fake.end]] * 4 and torch.all(rollout.behaviour_logprobs == -1.0)
+    assert 0 < logged["train/importance_weight"] <= 2.0
