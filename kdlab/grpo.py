@@ -10,13 +10,19 @@ Per rollout batch of ``batch_size`` prompts:
 3. advantages are group-normalised (:func:`group_advantages`);
 4. the rows are split into ``mini_batches`` consecutive mini-batches (whole groups), and each one
    takes one optimiser step on the DAPO loss (:func:`dapo_loss`); the first mini-batch is on-policy
-   (ratio 1 up to numerics), later ones are importance-weighted against the policy that sampled them
-   (with an engine that reports its sampling log-probs, e.g. vLLM, every ratio is against those).
+   (ratio 1), later ones are importance-weighted against pi_old, the policy before this batch's first
+   step, whose log-probs the training model recomputes.
+
+An engine that samples with other numerics or stale weights (vLLM with ``sync_every > 1``, or top-p
+truncation) reports its sampling log-probs q. They are never used as pi_old (they differ from the
+trained model's own by more than the policy's change); each token's policy term is instead weighted by
+the truncated importance weight ``min(importance_cap, pi_old(y) / q(y))`` (logged as
+``rlvr/engine_ratio``), which corrects for sampling from q.
 
 Logged: ``rlvr/reward_mean``, ``rlvr/reward_std``, ``rlvr/zero_variance_groups`` (share of groups whose
 rewards are all equal), ``rlvr/completion_length``, ``rlvr/entropy`` (mean per-token entropy of the
 policy on its completions), ``rlvr/clip_fraction`` (share of tokens where the clipped term is taken),
-``rlvr/kl_to_reference`` (beta > 0), and ``train/loss``, ``train/grad_norm`` (before clipping),
+``rlvr/kl_to_reference`` (beta > 0), ``rlvr/engine_ratio`` (engine rollouts), and ``train/loss``, ``train/grad_norm`` (before clipping),
 ``train/skipped_steps``.
 
 ``trainer.max_steps`` counts optimiser steps (rollout batches x ``mini_batches``). The module
@@ -36,6 +42,7 @@ from kdlab.components import Component
 from kdlab.data import Rollout, decode_completions, encode_prompts
 from kdlab.decoding import completion_logits
 from kdlab.models import ModelSpec, end_token_ids, export_pretrained, load_causal_lm, load_tokenizer
+from kdlab.objectives import iter_token_chunks
 from kdlab.optim import FiniteAdamW, warmup_factor
 from kdlab.rollouts import RolloutContext, RolloutPolicy, StudentRollouts
 from kdlab.sft import SCHEDULES, LoraSpec, apply_lora
@@ -71,6 +78,7 @@ def dapo_loss(
     num_tokens: int | None = None,
     ref_logprobs: torch.Tensor | None = None,
     beta: float = 0.0,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DAPO policy loss (Yu et al., 2025): clip-higher and token-level averaging.
 
@@ -91,6 +99,9 @@ def dapo_loss(
         mask: ``(B, C)`` bool, True on completion tokens.
         num_tokens: ``T``; default ``mask.sum()``. Pass the whole mini-batch's count when the loss is
             accumulated over micro-batches, so the sum of their losses is the mini-batch loss.
+        token_weights: ``(B, C)`` constants multiplying each token's policy term (not the KL term):
+            the truncated importance weights ``min(cap, pi_old / q)`` of tokens an engine sampled from
+            a distribution q other than pi_old (see :class:`GRPOModule`); ``None``: all ones.
 
     Returns the loss and detached statistics summed over this call's tokens: ``clipped`` (tokens
     where the clipped term is the one taken and differs from the unclipped one), ``tokens`` and ``kl``.
@@ -102,6 +113,8 @@ def dapo_loss(
     unclipped = ratio * advantage
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantage
     objective = torch.minimum(unclipped, clipped)
+    if token_weights is not None:
+        objective = objective * token_weights.detach().to(objective.dtype)
     loss = -(objective * mask).sum() / max(total, 1)
     stats = {
         "clipped": ((clipped < unclipped) & mask).sum().detach().float(),
@@ -118,14 +131,47 @@ def dapo_loss(
     return loss, stats
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob ``(B, C)`` of each token ``ids`` under ``logits`` ``(B, C, V)`` and the entropy ``(B, C)``
-    of each position's distribution (detached), in fp32."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(-1, ids[..., None]).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logprobs.exp() * logprobs).sum(-1)
-    return chosen, entropy
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """``log_softmax(scale * logits)[..., ids]`` and the entropy, one chunk of positions at a time: the
+    ``(B, C, V)`` fp32 log-softmax that autograd would keep for backward never exists. Backward
+    recomputes each chunk's softmax from the saved logits: ``d logp_y / d z = scale * (onehot(y) - p)``."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, mask, scale, chunk_size):  # type: ignore[override]
+        chosen = torch.zeros(ids.shape, dtype=torch.float32, device=logits.device)
+        entropy = torch.zeros(ids.shape, dtype=torch.float32, device=logits.device)
+        for b, t in iter_token_chunks(mask, chunk_size):
+            logprobs = torch.log_softmax(logits[b, t].float() * scale, dim=-1)
+            chosen[b, t] = logprobs.gather(-1, ids[b, t, None]).squeeze(-1)
+            entropy[b, t] = -(logprobs.exp() * logprobs).sum(-1)
+            del logprobs
+        ctx.save_for_backward(logits, ids, mask)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.mark_non_differentiable(entropy)
+        return chosen, entropy
+
+    @staticmethod
+    def backward(ctx, grad_chosen, grad_entropy):  # type: ignore[override]
+        logits, ids, mask = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        for b, t in iter_token_chunks(mask, ctx.chunk_size):
+            g = grad_chosen[b, t].float()
+            chunk = torch.softmax(logits[b, t].float() * ctx.scale, dim=-1).mul_(-g[:, None])
+            chunk.scatter_add_(-1, ids[b, t, None], g[:, None])
+            grad[b, t] = chunk.mul_(ctx.scale).to(grad.dtype)
+            del chunk
+        return grad, None, None, None, None
+
+
+def token_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None = None, temperature: float = 1.0, chunk_size: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob ``(B, C)`` of each token ``ids`` under ``softmax(logits / temperature)`` (``logits``
+    ``(B, C, V)``, any float dtype) and the entropy ``(B, C)`` of each position's distribution
+    (detached), in fp32; differentiable w.r.t. ``logits``. Only positions where ``mask`` ``(B, C)``
+    is True are computed (others are 0); fp32 intermediates never exceed ``(chunk_size, V)``."""
+    mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    return _ChunkedTokenLogprobs.apply(logits, ids, mask, 1.0 / temperature, chunk_size)
 
 
 class GRPOModule(TaskStage):
@@ -302,9 +348,7 @@ class GRPOModule(TaskStage):
         inputs = {name: value[rows] for name, value in rollout.model_inputs("student").items()}
         ids = rollout.completion_ids[rows]
         logits = completion_logits(model, inputs, ids.shape[1], self.vocab_size)
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        return token_logprobs(logits, ids)
+        return token_logprobs(logits, ids, rollout.completion_mask[rows], self.temperature)
 
     # ---- training -------------------------------------------------------------------------
     def training_step(self, batch: list[Example], batch_idx: int) -> None:
@@ -322,10 +366,9 @@ class GRPOModule(TaskStage):
         if not bool(mask.any()):  # no early return: under data parallelism every rank must take the same steps
             warnings.warn(f"step {self.global_step}: the rollouts hold no completion token; the step changes nothing", stacklevel=2)
         old_logprobs = ref_logprobs = None
+        behaviour = rollout.behaviour_logprobs  # an engine's (e.g. vLLM's) own sampling log-probs, or None
         with torch.no_grad():
-            if rollout.behaviour_logprobs is not None:  # the engine's own sampling log-probs (e.g. vLLM)
-                old_logprobs = rollout.behaviour_logprobs
-            elif self.mini_batches > 1:  # later mini-batches are trained after the policy has moved
+            if self.mini_batches > 1:  # later mini-batches are trained after the policy has moved
                 old_logprobs = self._all_rows(self.student, rollout, rows)
             if self.reference is not None:
                 ref_logprobs = self._all_rows(self.reference, rollout, rows)
@@ -333,7 +376,7 @@ class GRPOModule(TaskStage):
         # whole groups per mini-batch; a short last batch (fewer prompts) takes fewer, smaller steps
         groups = rows // self.group_size
         per_mini = max(1, math.ceil(groups / self.mini_batches)) * self.group_size
-        totals = {"clipped": 0.0, "tokens": 0.0, "kl": 0.0, "entropy": 0.0, "loss": 0.0, "steps": 0}
+        totals = {"clipped": 0.0, "tokens": 0.0, "kl": 0.0, "entropy": 0.0, "loss": 0.0, "steps": 0, "engine_ratio": 0.0}
         for start in range(0, rows, per_mini):
             optimizer.zero_grad()
             end = min(start + per_mini, rows)
@@ -344,9 +387,13 @@ class GRPOModule(TaskStage):
                 micro = slice(micro_start, min(micro_start + step, end))
                 logprobs, entropy = self.sequence_logprobs(self.student, rollout, micro)
                 old = logprobs.detach() if old_logprobs is None else old_logprobs[micro]
+                correction = None
+                if behaviour is not None:  # truncated importance weights from the engine's q to pi_old
+                    correction = torch.exp((old - behaviour[micro]).masked_fill(~mask[micro], 0.0)).clamp(max=rollout.importance_cap)
+                    totals["engine_ratio"] += float((correction * mask[micro]).sum())
                 loss, stats = dapo_loss(
                     logprobs, old, advantages[micro], mask[micro], self.clip_low, self.clip_high, num_tokens=tokens,
-                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro], beta=self.beta,
+                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro], beta=self.beta, token_weights=correction,
                 )
                 self.manual_backward(loss)
                 for name in ("clipped", "tokens", "kl"):
@@ -366,6 +413,8 @@ class GRPOModule(TaskStage):
         self.log("rlvr/entropy", totals["entropy"] / count, batch_size=size)
         if self.beta > 0:
             self.log("rlvr/kl_to_reference", totals["kl"] / count, batch_size=size)
+        if behaviour is not None:
+            self.log("rlvr/engine_ratio", totals["engine_ratio"] / count, batch_size=size)
         self._log_reports("train", size)
 
     def _all_rows(self, model: torch.nn.Module, rollout: Rollout, rows: int) -> torch.Tensor:

@@ -299,3 +299,75 @@ def test_a_short_last_batch_keeps_whole_groups_and_takes_fewer_steps(tiny_pair):
     trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
     trainer.fit(module)
     assert trainer.global_step == 3  # 2 mini-batch steps, then 1 for the single remaining group
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_token_logprobs_equal_the_plain_log_softmax_in_value_and_gradient(dtype):
+    from kdlab.grpo import token_logprobs
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 17, generator=generator).to(dtype)
+    ids = torch.randint(0, 17, (3, 5), generator=generator)
+    mask = torch.rand(3, 5, generator=generator) > 0.3
+    upstream = torch.randn(3, 5, generator=generator)
+    chunked, plain = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    values, entropy = token_logprobs(chunked, ids, mask, temperature=0.7, chunk_size=4)
+    full = torch.log_softmax(plain.float() / 0.7, -1)
+    expected = full.gather(-1, ids[..., None]).squeeze(-1)
+    (values * upstream * mask).sum().backward()
+    (expected * upstream * mask).sum().backward()
+    torch.testing.assert_close(values[mask], expected[mask])
+    assert torch.all(values[~mask] == 0)  # padding is never computed
+    torch.testing.assert_close(entropy[mask], -(full.exp() * full).sum(-1)[mask])
+    tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(chunked.grad, plain.grad, **tolerance)
+
+
+def test_engine_rollouts_weight_each_token_by_the_truncated_ratio_to_the_old_policy(tiny_pair):
+    """An engine whose sampling log-probs are log q = log pi_old - log 2 gets every token's policy term
+    weighted by min(2, pi_old / q) = 2: the gradient doubles, and rlvr/engine_ratio reports 2. With
+    log q = log pi_old + log 4 the weight is 1/4 (only the top side is truncated)."""
+    from kdlab.grpo import GRPOModule
+    from kdlab.rollouts import StudentRollouts
+
+    class Engine(StudentRollouts):
+        def __init__(self, shift):
+            super().__init__()
+            self.shift = shift
+
+        def sample(self, prompts, context):
+            rollout = super().sample(prompts, context)
+            with torch.no_grad():
+                logits = context.student(**rollout.model_inputs("student")).logits[:, -rollout.completion_ids.shape[1] - 1 : -1, : context.vocab_size]
+            logp = torch.log_softmax(logits.float() / context.student_temperature, -1).gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
+            rollout.behaviour_logprobs = logp - self.shift
+            return rollout
+
+    metrics = {}
+    for shift in (None, math.log(2.0), -math.log(4.0)):
+        module = GRPOModule(
+            tiny_pair[0], Addition(num_train=4, num_val=2, num_test=2), group_size=4, batch_size=1, max_completion_tokens=6,
+            lr=1e-3, warmup_steps=0, rollout=None if shift is None else Engine(shift),
+        )
+        alternate_rewards(module.task)
+        trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
+        trainer.fit(module)
+        metrics[shift] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    plain, doubled, quarter = metrics.values()
+    # equal-length completions with zero-mean advantages make the on-policy loss value 0: compare gradients
+    assert "rlvr/engine_ratio" not in plain and plain["train/grad_norm"] > 0
+    assert doubled["rlvr/engine_ratio"] == pytest.approx(2.0) and doubled["train/grad_norm"] == pytest.approx(2 * plain["train/grad_norm"], rel=1e-4)
+    assert quarter["rlvr/engine_ratio"] == pytest.approx(0.25) and quarter["train/grad_norm"] == pytest.approx(plain["train/grad_norm"] / 4, rel=1e-4)
+
+
+def test_dapo_token_weights_scale_the_policy_term_but_not_the_kl():
+    logprobs = torch.tensor([[-1.0, -2.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    weights = torch.tensor([[2.0, 0.5]])
+    plain, _ = dapo_loss(logprobs, logprobs, torch.tensor([1.0]), mask)
+    weighted, _ = dapo_loss(logprobs, logprobs, torch.tensor([1.0]), mask, token_weights=weights)
+    assert plain.item() == pytest.approx(-1.0) and weighted.item() == pytest.approx(-(2.0 + 0.5) / 2)
+    ref = torch.tensor([[-1.5, -2.0]])
+    with_kl, _ = dapo_loss(logprobs, logprobs, torch.zeros(1), mask, ref_logprobs=ref, beta=1.0, token_weights=weights)
+    without, _ = dapo_loss(logprobs, logprobs, torch.zeros(1), mask, ref_logprobs=ref, beta=1.0)
+    assert with_kl.item() == pytest.approx(without.item())
