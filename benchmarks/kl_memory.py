@@ -1,6 +1,9 @@
 """Peak extra memory and time of full-vocabulary ForwardKL forward+backward: kdlab vs naive autograd.
 
-    python benchmarks/kl_memory.py
+    python benchmarks/kl_memory.py [--objective token_logprobs]
+
+``--objective token_logprobs`` measures GRPO's policy log-probs of given tokens instead
+(:func:`kdlab.grpo.token_logprobs` vs ``log_softmax(logits).gather``), same inputs and method.
 
 Target: kdlab's chunked ForwardKL needs <= 0.2x the naive working memory (peak extra memory minus
 the student-logits gradient that both must return) and is no slower. The peak including the
@@ -57,7 +60,34 @@ def naive_forward_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.T
     return (kl * token_weights(mask)).sum()
 
 
-def loss_fn(impl: str, chunk_size: int):
+def sampled_ids(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, mask.shape, generator=torch.Generator().manual_seed(7))
+
+
+def kdlab_policy_logprobs(chunk_size: int):
+    """GRPO's policy term: the sum of weighted log-probs of given tokens, via kdlab's chunked function."""
+    from kdlab.grpo import token_logprobs
+
+    def loss(student, teacher, mask):
+        values, _ = token_logprobs(student, sampled_ids(mask, student.shape[-1]), mask, chunk_size=chunk_size)
+        return (values * token_weights(mask)).sum()
+
+    return loss
+
+
+def naive_policy_logprobs(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The textbook ``log_softmax(logits).gather(ids)`` (autograd keeps the (B, T, V) fp32 log-softmax),
+    with the per-position entropy GRPO logs, as kdlab computes it too."""
+    logprobs = torch.log_softmax(student.float(), dim=-1)
+    values = logprobs.gather(-1, sampled_ids(mask, student.shape[-1])[..., None]).squeeze(-1)
+    with torch.no_grad():
+        (logprobs.exp() * logprobs).sum(-1)
+    return (values * token_weights(mask)).sum()
+
+
+def loss_fn(impl: str, chunk_size: int, objective: str = "forward_kl"):
+    if objective == "token_logprobs":
+        return kdlab_policy_logprobs(chunk_size) if impl == "kdlab" else naive_policy_logprobs
     return ForwardKL(chunk_size=chunk_size) if impl == "kdlab" else naive_forward_kl
 
 
@@ -79,7 +109,7 @@ def child(args: argparse.Namespace) -> None:
     """Measure one implementation in this (fresh) process; print one JSON line."""
     torch.set_num_threads(args.threads)
     student, teacher, mask = make_inputs(args.tokens, args.vocab, getattr(torch, args.dtype))
-    fn = loss_fn(args.child, args.chunk_size)
+    fn = loss_fn(args.child, args.chunk_size, args.objective)
     times, reset = [], False
     for i in range(1 + args.repeats):  # run 0 measures memory (and warms up); the rest are timed
         student.grad = None
@@ -103,7 +133,7 @@ def check(args: argparse.Namespace) -> None:
     results = []
     for impl in ("kdlab", "naive"):
         student.grad = None
-        loss = loss_fn(impl, chunk)(student, teacher, mask)
+        loss = loss_fn(impl, chunk, args.objective)(student, teacher, mask)
         loss.backward()
         results.append((loss.item(), student.grad.float()))
     (l_k, g_k), (l_n, g_n) = results
@@ -111,7 +141,7 @@ def check(args: argparse.Namespace) -> None:
     diff = (g_k - g_n).abs().max().item()
     grad_tol = 1e-6 if args.dtype == "float32" else 1e-2 * g_n.abs().max().item()  # bf16 grads: ~1 ulp
     ok = rel <= 1e-5 and diff <= grad_tol
-    print(f"check (N=512, V={args.vocab}, chunk={chunk}, {args.dtype}): loss kdlab {l_k:.6f} naive {l_n:.6f} "
+    print(f"check {args.objective} (N=512, V={args.vocab}, chunk={chunk}, {args.dtype}): loss kdlab {l_k:.6f} naive {l_n:.6f} "
           f"rel diff {rel:.1e}; grad max abs diff {diff:.1e} (tol {grad_tol:.0e}) -> {'OK' if ok else 'MISMATCH'}")
 
 
@@ -123,6 +153,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per implementation (median)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads in each run")
+    parser.add_argument("--objective", choices=("forward_kl", "token_logprobs"), default="forward_kl",
+                        help="forward_kl: the distillation loss; token_logprobs: GRPO's policy log-probs of given tokens")
     parser.add_argument("--child", choices=("kdlab", "naive"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -130,9 +162,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     check(args)
-    print(f"N={args.tokens} (B={BATCH}), V={args.vocab}, {args.dtype}, chunk={args.chunk_size}, "
+    print(f"{args.objective}: N={args.tokens} (B={BATCH}), V={args.vocab}, {args.dtype}, chunk={args.chunk_size}, "
           f"threads={args.threads}, repeats={args.repeats}")
-    flags = [f"--tokens={args.tokens}", f"--vocab={args.vocab}", f"--chunk-size={args.chunk_size}",
+    flags = [f"--tokens={args.tokens}", f"--vocab={args.vocab}", f"--chunk-size={args.chunk_size}", f"--objective={args.objective}",
              f"--repeats={args.repeats}", f"--dtype={args.dtype}", f"--threads={args.threads}"]
     res = {}
     for impl in ("kdlab", "naive"):  # each in a fresh process, so neither inherits the other's peak

@@ -134,29 +134,34 @@ def dapo_loss(
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     """``log_softmax(scale * logits)[..., ids]`` and the entropy, one chunk of positions at a time: the
     ``(B, C, V)`` fp32 log-softmax that autograd would keep for backward never exists. Backward
-    recomputes each chunk's softmax from the saved logits: ``d logp_y / d z = scale * (onehot(y) - p)``."""
+    recomputes each chunk's softmax from the saved logits and log-normalisers ``(B, C)``:
+    ``d logp_y / d z = scale * (onehot(y) - p)``."""
 
     @staticmethod
     def forward(ctx, logits, ids, mask, scale, chunk_size):  # type: ignore[override]
         chosen = torch.zeros(ids.shape, dtype=torch.float32, device=logits.device)
         entropy = torch.zeros(ids.shape, dtype=torch.float32, device=logits.device)
+        log_normaliser = torch.zeros(ids.shape, dtype=torch.float32, device=logits.device)
         for b, t in iter_token_chunks(mask, chunk_size):
-            logprobs = torch.log_softmax(logits[b, t].float() * scale, dim=-1)
+            logprobs = logits[b, t].float().mul_(scale)
+            normaliser = torch.logsumexp(logprobs, dim=-1)
+            logprobs.sub_(normaliser[:, None])
+            log_normaliser[b, t] = normaliser
             chosen[b, t] = logprobs.gather(-1, ids[b, t, None]).squeeze(-1)
             entropy[b, t] = -(logprobs.exp() * logprobs).sum(-1)
             del logprobs
-        ctx.save_for_backward(logits, ids, mask)
+        ctx.save_for_backward(logits, ids, mask, log_normaliser)
         ctx.scale, ctx.chunk_size = scale, chunk_size
         ctx.mark_non_differentiable(entropy)
         return chosen, entropy
 
     @staticmethod
     def backward(ctx, grad_chosen, grad_entropy):  # type: ignore[override]
-        logits, ids, mask = ctx.saved_tensors
+        logits, ids, mask, log_normaliser = ctx.saved_tensors
         grad = torch.zeros_like(logits)
         for b, t in iter_token_chunks(mask, ctx.chunk_size):
             g = grad_chosen[b, t].float()
-            chunk = torch.softmax(logits[b, t].float() * ctx.scale, dim=-1).mul_(-g[:, None])
+            chunk = logits[b, t].float().mul_(ctx.scale).sub_(log_normaliser[b, t, None]).exp_().mul_(-g[:, None])
             chunk.scatter_add_(-1, ids[b, t, None], g[:, None])
             grad[b, t] = chunk.mul_(ctx.scale).to(grad.dtype)
             del chunk
