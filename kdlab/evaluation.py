@@ -72,15 +72,22 @@ def sample_completions(
                 all_done=all_done,
                 stop=stop,
             )
-            texts = decode_completions(tokenizer, out_ids, out_mask, end_ids)
-            ended = [
-                bool(row_mask.any()) and (int(row_ids[row_mask][-1]) in end_ids or any(s and s in text for s in stop_strings))
-                for row_ids, row_mask, text in zip(out_ids, out_mask, texts)
-            ]
-            results += list(zip(texts, ended))
+            results += completion_records(tokenizer, out_ids, out_mask, end_ids, stop_strings)
     finally:
         model.train(was_training)
     return results
+
+
+def completion_records(
+    tokenizer: Any, completion_ids: torch.Tensor, completion_mask: torch.Tensor, end_ids: Sequence[int], stop_strings: Sequence[str] = ()
+) -> list[tuple[str, bool]]:
+    """``(text, ended)`` per completion ``(B, C)``: the text without a final end token, and whether the
+    completion ended (an end token or a stop string) rather than running out of budget."""
+    texts = decode_completions(tokenizer, completion_ids, completion_mask, end_ids)
+    return [
+        (text, bool(row_mask.any()) and (int(row_ids[row_mask.bool()][-1]) in end_ids or any(s and s in text for s in stop_strings)))
+        for row_ids, row_mask, text in zip(completion_ids, completion_mask, texts)
+    ]
 
 
 def generate(model: torch.nn.Module, tokenizer: Any, task: Task, examples: Sequence[Example], **settings: Any) -> list[str]:

@@ -5,18 +5,22 @@ Writes a JSONL file with one ``{"id", "completion", "score", "ended"}`` object p
 :class:`kdlab.rollouts.TeacherRollouts` reads as its ``dataset``. With ``verified_only`` only
 responses the task's verifier accepts are kept (the paper kept verified demonstrations), so some
 prompts may end up without a response; distillation then trains on the prompts that have one.
+``engine: vllm`` samples with vLLM instead of kdlab's decoder (same prompts, end tokens and rows).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kdlab.evaluation import sample_completions
 from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
 from kdlab.tasks.base import Task
+
+ENGINES = ("hf", "vllm")
 
 
 def generate_teacher_data(
@@ -35,6 +39,8 @@ def generate_teacher_data(
     device: str = "cpu",
     top_k: int | None = None,
     cache_temperature: float = 0.5,
+    engine: str = "hf",
+    engine_args: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """Sample the teacher on ``task``'s ``split`` (its own teacher prompts) and write ``output``.
 
@@ -54,6 +60,12 @@ def generate_teacher_data(
             of every kept completion (:mod:`kdlab.teacher_cache`), for ``TeacherRollouts.teacher_cache``.
         cache_temperature: the teacher temperature of the cached log-probs; must equal the distillation's
             ``teacher_temperature`` (paper: 0.5). ``max_new_tokens`` also bounds the cached completions.
+        engine: ``hf`` (kdlab's batched KV-cache decoder on ``device``) or ``vllm`` (``pip install
+            'kdlab[vllm]'``, CUDA): the same prompts, end tokens and output format, request ``i`` seeded
+            ``seed + i``. With ``top_k`` the cache is still computed by the Hugging Face teacher on
+            ``device``, after vLLM has finished: leave it room with ``gpu_memory_utilization``.
+        engine_args: keyword arguments for ``vllm.LLM`` (``tensor_parallel_size``,
+            ``gpu_memory_utilization``, ``max_model_len``, ...); only with ``engine: vllm``.
 
     Returns ``{"prompts", "samples", "kept", "accuracy"}``.
     """
@@ -63,25 +75,37 @@ def generate_teacher_data(
         raise ValueError(f"generate.top_k must be >= 1 or null, got {top_k}")
     if not cache_temperature > 0:
         raise ValueError(f"generate.cache_temperature must be > 0, got {cache_temperature}")
-    model = load_causal_lm(teacher, "teacher").to(device)
+    if engine not in ENGINES:
+        raise ValueError(f"generate.engine must be one of {ENGINES}, got {engine!r}")
+    if engine_args and engine != "vllm":
+        raise ValueError(f"generate.engine_args are vLLM settings; set engine: vllm or drop them (got engine {engine!r})")
     tokenizer = load_tokenizer(teacher, "teacher")
     examples = task.examples(split)[:limit]
     if not examples:
         raise ValueError(f"{type(task).__name__}: the {split!r} split is empty")
     repeated = [example for example in examples for _ in range(samples_per_prompt)]
-    generator = torch.Generator(device=device).manual_seed(seed)
-    samples = sample_completions(
-        model,
-        tokenizer,
-        task,
-        repeated,
-        role="teacher",
-        temperature=temperature,
-        max_new_tokens=max_new_tokens,
-        max_prompt_tokens=max_prompt_tokens,
-        batch_size=batch_size,
-        generator=generator,
-    )
+    model = None
+    if engine == "vllm":
+        from kdlab.vllm_engine import vllm_sample_completions
+
+        samples = vllm_sample_completions(
+            teacher, tokenizer, task, repeated, role="teacher", temperature=temperature, max_new_tokens=max_new_tokens,
+            max_prompt_tokens=max_prompt_tokens, seed=seed, engine_args=engine_args,
+        )
+    else:
+        model = load_causal_lm(teacher, "teacher").to(device)
+        samples = sample_completions(
+            model,
+            tokenizer,
+            task,
+            repeated,
+            role="teacher",
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            max_prompt_tokens=max_prompt_tokens,
+            batch_size=batch_size,
+            generator=torch.Generator(device=device).manual_seed(seed),
+        )
     path = Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
     kept = correct = 0
@@ -100,6 +124,8 @@ def generate_teacher_data(
     if top_k is not None:
         from kdlab.teacher_cache import build_teacher_cache
 
+        if model is None:
+            model = load_causal_lm(teacher, "teacher").to(device)
         summary["cached"] = build_teacher_cache(
             model, tokenizer, task, str(path), str(path) + ".topk.safetensors", top_k, cache_temperature,
             max_new_tokens, max_prompt_tokens, batch_size, teacher_name=teacher.path,

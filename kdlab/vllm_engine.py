@@ -107,6 +107,62 @@ def importance_weights(
     return torch.where(counts > 0, weights, torch.ones_like(weights))
 
 
+def engine_end_ids(spec: Any, tokenizer: Any) -> tuple[int, ...]:
+    """The end tokens kdlab uses for ``spec`` (:func:`kdlab.models.end_token_ids`), read from the
+    tokenizer and the checkpoint's generation config without loading the weights."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from kdlab.models import end_token_ids
+
+    try:
+        config = GenerationConfig.from_pretrained(spec.resolved, revision=spec.revision)
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        config = None
+    return end_token_ids(tokenizer, SimpleNamespace(generation_config=config))
+
+
+def vllm_sample_completions(
+    spec: Any,
+    tokenizer: Any,
+    task: Any,
+    examples: list[dict[str, Any]],
+    *,
+    role: str = "teacher",
+    temperature: float = 0.5,
+    max_new_tokens: int = 512,
+    max_prompt_tokens: int = 2048,
+    seed: int = 0,
+    stop_strings: tuple[str, ...] = (),
+    engine_args: dict[str, Any] | None = None,
+    setting: str = "generate.engine",
+) -> list[tuple[str, bool]]:
+    """:func:`kdlab.evaluation.sample_completions` with vLLM: ``(text, ended)`` per example, prompted as
+    ``role`` with kdlab's own prompt tokens, the same end tokens, text decoding and ``ended`` rule.
+    Request ``i`` is seeded ``seed + i`` (repeated prompts get different samples). ``engine_args`` go to
+    ``vllm.LLM`` (e.g. ``tensor_parallel_size``, ``gpu_memory_utilization``)."""
+    from kdlab.data import prompt_token_ids
+    from kdlab.evaluation import completion_records
+
+    vllm = import_vllm(setting)
+    if getattr(spec, "checkpoint", None) is not None:
+        raise ValueError(f"{setting}: vLLM loads {role}.path and cannot apply {role}.checkpoint; export the model to a folder")
+    end_ids = engine_end_ids(spec, tokenizer)
+    requests = [vllm.inputs.TokensPrompt(prompt_token_ids=prompt_token_ids(task, tokenizer, ex, role, max_prompt_tokens)) for ex in examples]
+    llm = vllm.LLM(
+        model=spec.resolved, dtype=spec.dtype, seed=seed, revision=spec.revision, trust_remote_code=spec.trust_remote_code,
+        **(engine_args or {}),
+    )
+    params = [
+        vllm.SamplingParams(**sampling_params(temperature, max_new_tokens, end_ids, seed=seed + row, logprobs=False, stop=tuple(stop_strings)))
+        for row in range(len(requests))
+    ]
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    ids, mask = right_pad([list(output.outputs[0].token_ids) for output in outputs], int(tokenizer.pad_token_id))
+    return completion_records(tokenizer, ids, mask, end_ids, stop_strings)
+
+
 class WeightLoaderExtension:
     """Mixed into vLLM's GPU worker (``LLM(worker_extension_cls="kdlab.vllm_engine.WeightLoaderExtension")``):
     ``llm.collective_rpc("kdlab_load_weights", args=(weights,))`` loads ``[(name, tensor), ...]`` into the

@@ -122,11 +122,12 @@ class _FakeVLLM:
     the engine arguments, one request per prompt with its own seed, weight pushes, and how outputs are
     read back. Every completion is ``[5, 6, end]`` with log-prob -1 per token."""
 
-    def __init__(self, end: int) -> None:
+    def __init__(self, end: int, completion: list[int] | None = None) -> None:
         import types
 
         fake = self
         self.end, self.engines, self.requests, self.params, self.pushes = end, [], [], [], []
+        self.completion = completion if completion is not None else [5, 6, end]
         self.inputs = types.SimpleNamespace(TokensPrompt=lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids})
 
         class SamplingParams:
@@ -142,7 +143,7 @@ class _FakeVLLM:
 
             def generate(self, requests, params, use_tqdm=True):
                 fake.requests.append(requests)
-                tokens = [5, 6, fake.end]
+                tokens = fake.completion
                 sample = types.SimpleNamespace(token_ids=tokens, logprobs=[{t: types.SimpleNamespace(logprob=-1.0)} for t in tokens])
                 return [types.SimpleNamespace(outputs=[sample]) for _ in requests]
 
@@ -181,3 +182,50 @@ def test_vllm_rollouts_drive_the_engine_and_weight_each_completion(tiny_pair, mo
     rollout = module.rollout.sample(prompts, module.rollout_context(torch.Generator().manual_seed(0)))
     assert rollout.completion_ids.tolist() == [[5, 6, fake.end]] * 4 and torch.all(rollout.behaviour_logprobs == -1.0)
     assert 0 < logged["train/importance_weight"] <= 2.0
+
+
+@pytest.mark.parametrize("ends", [True, False])
+def test_teacher_data_from_vllm_has_the_hf_engines_format(tiny_pair, tmp_path, monkeypatch, ends):
+    """kdlab generate with engine: vllm prompts with kdlab's own teacher prompt tokens, seeds each request,
+    never loads the Hugging Face teacher, and writes the same rows (text without the end token, ``ended``)."""
+    import json
+
+    from kdlab import teacher_data
+    from kdlab.data import prompt_token_ids
+    from kdlab.models import ModelSpec, load_tokenizer
+    from kdlab.tasks import Addition
+    from kdlab.vllm_engine import engine_end_ids
+
+    spec = ModelSpec(tiny_pair[1])
+    tokenizer = load_tokenizer(spec)
+    end = engine_end_ids(spec, tokenizer)[0]
+    fake = _FakeVLLM(end, [5, 6, end] if ends else [5, 6, 7])
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(teacher_data, "load_causal_lm", lambda *a, **k: pytest.fail("the HF teacher was loaded"))
+    task = Addition(num_train=3, num_val=0, num_test=0)
+    output = tmp_path / "teacher.jsonl"
+    summary = teacher_data.generate_teacher_data(
+        spec, task, str(output), samples_per_prompt=2, temperature=0.5, max_new_tokens=3, seed=11,
+        engine="vllm", engine_args={"tensor_parallel_size": 2},
+    )
+    assert summary["samples"] == 6 and fake.engines[0]["tensor_parallel_size"] == 2
+    examples = task.examples("train")
+    expected = [prompt_token_ids(task, tokenizer, ex, "teacher", 2048) for ex in examples for _ in range(2)]
+    assert [r["prompt_token_ids"] for r in fake.requests[0]] == expected
+    assert [p["seed"] for p in fake.params] == list(range(11, 17)) and all("logprobs" not in p for p in fake.params)
+    assert all(p["temperature"] == 0.5 and p["max_tokens"] == 3 and end in p["stop_token_ids"] for p in fake.params)
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [ex["id"] for ex in examples for _ in range(2)]
+    text = tokenizer.decode([5, 6] if ends else [5, 6, 7], skip_special_tokens=False)
+    assert all(r["completion"] == text and r["ended"] is ends for r in rows)
+
+
+def test_generate_engine_settings_are_checked_before_any_work(tiny_pair, tmp_path):
+    from kdlab.models import ModelSpec
+    from kdlab.tasks import Addition
+    from kdlab.teacher_data import generate_teacher_data
+
+    with pytest.raises(ValueError, match="generate.engine must be one of"):
+        generate_teacher_data(ModelSpec(tiny_pair[1]), Addition(num_train=2), str(tmp_path / "x.jsonl"), engine="sglang")
+    with pytest.raises(ValueError, match="generate.engine_args are vLLM settings"):
+        generate_teacher_data(ModelSpec(tiny_pair[1]), Addition(num_train=2), str(tmp_path / "x.jsonl"), engine_args={"tensor_parallel_size": 2})
