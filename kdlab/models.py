@@ -118,13 +118,18 @@ def load_causal_lm(spec: ModelSpec, role: str = "model") -> torch.nn.Module:
     if spec.checkpoint is not None:
         load_stage_weights(model, spec.checkpoint, role)
     if spec.gradient_checkpointing:
-        # transformers 5 renamed gradient checkpointing to activation checkpointing
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        enable_activation_checkpointing(model)
     return model
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """Non-reentrant activation checkpointing of a transformers model, and no KV cache in training
+    (transformers 5 renamed gradient checkpointing to activation checkpointing; both are handled)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
 
 
 STAGE_PREFIXES = ("student.", "model.")
