@@ -19,13 +19,32 @@ NextLogprobs = Callable[[torch.Tensor | None], torch.Tensor]
 
 
 @functools.cache
-def _forward_parameters(model_class: type) -> frozenset[str]:
+def _class_forward_parameters(model_class: type) -> frozenset[str]:
     return frozenset(inspect.signature(model_class.forward).parameters)
+
+
+def innermost_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside training wrappers (FSDP1, DDP, ``torch.compile``, peft), whose ``forward``
+    signature says which arguments it takes (the wrappers' own take ``*args, **kwargs``)."""
+    for _ in range(8):  # wrappers nest a few levels at most
+        inner = getattr(model, "_fsdp_wrapped_module", None) or getattr(model, "_orig_mod", None)
+        if inner is None and isinstance(getattr(model, "module", None), torch.nn.Module):
+            inner = model.module
+        if inner is None and callable(getattr(model, "get_base_model", None)):
+            inner = model.get_base_model()
+        if not isinstance(inner, torch.nn.Module) or inner is model:
+            return model
+        model = inner
+    return model
+
+
+def _forward_parameters(model: torch.nn.Module) -> frozenset[str]:
+    return _class_forward_parameters(type(innermost_model(model)))
 
 
 def _cache_argument(model: torch.nn.Module) -> str:
     # transformers 5.x renamed ``past_key_values`` to ``cache``; accept both.
-    return "cache" if "cache" in _forward_parameters(type(model)) else "past_key_values"
+    return "cache" if "cache" in _forward_parameters(model) else "past_key_values"
 
 
 def completion_logits(
@@ -41,7 +60,7 @@ def completion_logits(
     (padded embeddings, e.g. Qwen2.5's 151,936 vs 152,064).
     """
     keep = completion_length + 1
-    if "logits_to_keep" in _forward_parameters(type(model)):
+    if "logits_to_keep" in _forward_parameters(model):
         logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
     else:
         logits = model(**inputs, use_cache=False).logits[:, -keep:]
@@ -69,7 +88,7 @@ def completion_head_logits(
         raise ValueError("fused_lm_head: this model transforms its logits after the LM head (soft-capping or scaling); use the logits path")
     if hasattr(head.weight, "to_local"):
         raise ValueError("fused_lm_head does not support a sharded (FSDP2) LM head; use the logits path")
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(type(model)) else {}
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(model) else {}
     outputs = model(**inputs, use_cache=False, output_hidden_states=True, **keep)
     hidden = outputs.hidden_states[-1][:, -(completion_length + 1) : -1]
     return HeadLogits(hidden, head.weight[:vocab_size], 1.0 / temperature)
@@ -118,7 +137,7 @@ class IncrementalLM:
         if previous is None:
             positions = (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
             self.last_position = positions[:, -1:]
-            keep = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(type(self.model)) else {}
+            keep = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(self.model) else {}
             outputs = self.model(
                 input_ids=self.input_ids,
                 attention_mask=self.attention_mask,

@@ -62,8 +62,9 @@ class DistillModule(TaskStage):
         max_bad_steps: a step whose gradients are non-finite is skipped (no parameter or optimiser-state
             update) and counted in ``train/skipped_steps``; this many in a row stop the run with a
             message naming the step, the objective and the last good checkpoint.
-        teacher_placement: under ``ModelParallelStrategy`` (FSDP2) the student is always sharded;
-            ``replicate`` keeps a whole teacher on every device, ``shard`` shards it like the student.
+        teacher_placement: under ``ModelParallelStrategy`` (FSDP2) or ``strategy: fsdp`` (FSDP1) the
+            student is always sharded; ``replicate`` keeps a whole teacher on every device, ``shard``
+            shards it like the student.
         fused_lm_head: feed the objective the models' final hidden states and LM heads
             (:class:`~kdlab.objectives.HeadLogits`) instead of logits, so neither model's ``(B, C, V)``
             logits (nor the student's logits gradient) is ever materialised; same loss and gradients.

@@ -175,9 +175,24 @@ class TaskStage(pl.LightningModule):
         ``_no_split_modules``) and then each of :meth:`sharded_models` get ``fully_shard`` over the
         data-parallel mesh; with ``trainer.precision: bf16-mixed`` parameters are gathered in bf16 and
         gradients reduced in fp32 (``MixedPrecisionPolicy``), the fp32 master weights staying sharded.
+
+        FSDP1 under ``strategy: fsdp`` (Lightning's ``FSDPStrategy``, CUDA only): each decoder layer and
+        then each of :meth:`sharded_models` is wrapped with the strategy's own settings (Lightning's
+        manual wrapping: ``torch.distributed.fsdp.wrap.wrap`` inside the strategy's context), so layers
+        are gathered one at a time and the rest (embeddings, head) form the model's own unit. Lightning
+        wraps nothing more once a submodule is wrapped, so the trained model must be wrapped whole here:
+        its gradients are then all reduced. Frozen models that are not sharded are moved to the device.
         Other strategies need nothing here."""
-        mesh = self.device_mesh if self._trainer is not None else None
-        if mesh is None or self._sharded:
+        if self._sharded or self._trainer is None:
+            return
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if isinstance(self.trainer.strategy, FSDPStrategy):
+            self._wrap_fsdp1()
+            self._sharded = True
+            return
+        mesh = self.device_mesh
+        if mesh is None:
             return
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -192,6 +207,31 @@ class TaskStage(pl.LightningModule):
                     fully_shard(module, **options)
             fully_shard(model, **options)
         self._sharded = True
+
+    def _wrap_fsdp1(self) -> None:
+        from torch.distributed.fsdp.wrap import wrap
+
+        sharded = self.sharded_models()
+        for model in sharded:
+            blocks = set(getattr(model, "_no_split_modules", None) or [])
+            parents = [(parent, name) for parent in model.modules() for name, child in parent.named_children() if type(child).__name__ in blocks]
+            for parent, name in parents:
+                parent._modules[name] = wrap(parent._modules[name])
+        for name, child in list(self.named_children()):
+            if any(child is model for model in sharded):
+                setattr(self, name, wrap(child))  # the trained model: one FSDP root over its unwrapped rest
+        for name, model in list(self._frozen.items()):
+            if any(model is other for other in sharded):
+                self._frozen[name] = wrap(model)  # FSDP1 moves what it wraps to the device itself
+        # FSDP1 moves only the module tree it wraps; replicated frozen models sit outside it (hold_frozen)
+        self.place_frozen_models(self.trainer.strategy.root_device)
+
+    def place_frozen_models(self, device: torch.device) -> None:
+        """Move each frozen model whose parameters are not on ``device`` there."""
+        for model in self._frozen.values():
+            first = next(model.parameters(), None)
+            if first is not None and first.device != device:
+                model.to(device)
 
     # ---- non-finite steps -----------------------------------------------------------------
     def set_max_bad_steps(self, max_bad_steps: int) -> None:

@@ -338,3 +338,45 @@ def test_step_seeds_follow_the_data_parallel_rank_not_the_global_rank(tiny_pair)
     assert seed_on(global_rank=0, dp_rank=0) != seed_on(global_rank=2, dp_rank=1)
     module._trainer = None
     assert module.data_parallel_layout() == {"num_replicas": 1, "rank": 0}
+
+
+@pytest.mark.parametrize("placement", ["replicate", "shard"])
+def test_fsdp1_wraps_each_decoder_layer_and_each_sharded_model_whole(tiny_pair, placement):
+    """Under strategy: fsdp, configure_model wraps (with whatever wrapper the strategy's context gives)
+    every decoder layer, then the student whole (Lightning wraps nothing more once a submodule is
+    wrapped), and the teacher only with teacher_placement: shard. FSDP1 itself needs CUDA, so a
+    pass-through wrapper stands in for it here; the wrapped module still trains."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp.wrap import enable_wrap
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, module, **settings):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+        def __getattr__(self, name):  # FSDP1 forwards attribute access to the wrapped module too
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.module, name)
+
+    module = DistillModule(*tiny_pair, Addition(num_train=4, num_val=0, num_test=0), teacher_placement=placement, batch_size=4, max_completion_tokens=4)
+    strategy = FSDPStrategy()
+    strategy.parallel_devices = [torch.device("cpu")]
+    module._trainer = SimpleNamespace(strategy=strategy)
+    with enable_wrap(wrapper_cls=Wrapped):
+        module.configure_model()
+    assert isinstance(module.student, Wrapped)
+    layers = module.student.module.model.layers
+    assert len(layers) > 0 and all(isinstance(layer, Wrapped) for layer in layers)
+    assert isinstance(module.teacher, Wrapped) == (placement == "shard")
+    module._trainer = None
+    module.log = lambda *args, **kwargs: None
+    loss = module.training_step(module.task.examples("train"), 0)
+    loss.backward()
+    assert torch.isfinite(loss) and all(layer.module.self_attn.q_proj.weight.grad is not None for layer in layers)

@@ -204,3 +204,21 @@ def test_stop_strings_end_rollouts_and_evaluation_keeping_the_string(tiny_pair):
                                  max_new_tokens=[12, 12, 3, 12], generator=torch.Generator().manual_seed(0), stop_strings=["1"])
     for text, ended in results:
         assert ("1" in text) <= ended
+
+
+def test_wrapped_models_are_asked_with_the_inner_models_arguments(tiny_pair):
+    """FSDP1, DDP, compile and peft wrappers take ``*args, **kwargs``; kdlab looks through them, so a
+    wrapped model still gets ``logits_to_keep`` (no prompt logits) and its KV-cache argument."""
+    peft = pytest.importorskip("peft")
+    from kdlab.decoding import _cache_argument, _forward_parameters, innermost_model
+    from kdlab.models import ModelSpec, load_causal_lm
+
+    model = load_causal_lm(ModelSpec(tiny_pair[0]))
+    compiled = torch.compile(model)
+    assert innermost_model(compiled) is model
+    ddp_like = torch.nn.Module()
+    ddp_like.module = compiled
+    assert innermost_model(ddp_like) is model
+    assert "logits_to_keep" in _forward_parameters(ddp_like) and _cache_argument(ddp_like) == _cache_argument(model)
+    lora = peft.get_peft_model(load_causal_lm(ModelSpec(tiny_pair[0])), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert type(innermost_model(lora)).__name__ == type(model).__name__
