@@ -17,6 +17,7 @@ computed by :class:`~kdlab.module.DistillModule` from the log-probs vLLM returns
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -26,6 +27,8 @@ from kdlab.models import merged_weights
 from kdlab.rollouts import RolloutContext, RolloutPolicy
 
 INSTALL_HINT = "pip install 'kdlab[vllm]' (vLLM needs a CUDA machine)"
+VLLM_TEMPERATURES = (0.01, 2.0)
+"""The non-zero sampling temperatures vLLM honours exactly (checked against vLLM 0.33's ``SamplingParams``)."""
 
 def import_vllm(setting: str = "VLLMRollouts") -> Any:
     """The ``vllm`` package, or an ImportError that names the setting and the extra to install."""
@@ -57,11 +60,13 @@ def sampling_params(
 
     ``stop`` strings end a completion like kdlab's decoder does (:func:`kdlab.decoding.stop_strings_check`):
     the tokens up to and including the one that completes the string are kept. vLLM checks them on the
-    detokenised text, so they switch detokenisation on, and ``include_stop_str_in_output`` keeps the
-    returned text whole (vLLM never cuts the returned token ids).
+    detokenised text, so they switch detokenisation on (vLLM refuses stop strings without it), and
+    ``include_stop_str_in_output`` keeps the returned text whole. vLLM keeps the token ids up to and
+    including the completing one (it drops only surplus tokens of the same step, e.g. speculative ones).
     """
-    if temperature < 0:
-        raise ValueError(f"sampling_params: temperature must be >= 0, got {temperature}")
+    if temperature != 0 and not VLLM_TEMPERATURES[0] <= temperature <= VLLM_TEMPERATURES[1]:
+        # vLLM rejects T > 2 and silently raises T < 0.01 to 0.01, which would make its q differ from kdlab's
+        raise ValueError(f"sampling_params: vLLM samples at temperature 0 or in {list(VLLM_TEMPERATURES)}, got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"sampling_params: top_p must be in (0, 1], got {top_p}")
     params: dict[str, Any] = {
@@ -149,7 +154,7 @@ def vllm_sample_completions(
     if getattr(spec, "checkpoint", None) is not None:
         raise ValueError(f"{setting}: vLLM loads {role}.path and cannot apply {role}.checkpoint; export the model to a folder")
     end_ids = engine_end_ids(spec, tokenizer)
-    requests = [vllm.inputs.TokensPrompt(prompt_token_ids=prompt_token_ids(task, tokenizer, ex, role, max_prompt_tokens)) for ex in examples]
+    requests = [vllm.TokensPrompt(prompt_token_ids=prompt_token_ids(task, tokenizer, ex, role, max_prompt_tokens)) for ex in examples]
     llm = vllm.LLM(
         model=spec.resolved, dtype=spec.dtype, seed=seed, revision=spec.revision, trust_remote_code=spec.trust_remote_code,
         **(engine_args or {}),
@@ -169,10 +174,11 @@ class WeightLoaderExtension:
     worker's model with the model's own ``load_weights`` (which handles vLLM's fused q/k/v and gate/up)."""
 
     def kdlab_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
-        model = self.model_runner.model  # type: ignore[attr-defined]  (set by vLLM on the worker)
+        runner = self.model_runner  # type: ignore[attr-defined]  (set by vLLM on the worker)
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model  # unwrapped from CUDA graphs
         device = next(model.parameters()).device
-        loaded = model.load_weights((name, tensor.to(device)) for name, tensor in weights)
-        return len(loaded) if loaded is not None else len(weights)
+        model.load_weights((name, tensor.to(device)) for name, tensor in weights)
+        return len(weights)  # (load_weights reports vLLM's own fused parameter names, not these)
 
 
 class VLLMRollouts(RolloutPolicy):
@@ -185,6 +191,9 @@ class VLLMRollouts(RolloutPolicy):
         importance_cap: the per-token ratio cap of the importance weight (paper: 2), which the module
             applies to every completion this policy returns.
         gpu_memory_utilization, tensor_parallel_size, enforce_eager, max_model_len: passed to ``vllm.LLM``.
+            With ``model: student`` the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
+            pushed weights reach the worker as tensors, which needs ``tensor_parallel_size: 1``; after each
+            push vLLM's prefix cache is reset (its KV blocks came from the old weights).
 
     The engine is built on first use on the module's device, from the model's path (``student.path`` or
     ``teacher.path``) and dtype.
@@ -209,6 +218,11 @@ class VLLMRollouts(RolloutPolicy):
             raise ValueError(f"VLLMRollouts.importance_cap must be > 0, got {importance_cap}")
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"VLLMRollouts.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if model == "student" and tensor_parallel_size != 1:
+            raise ValueError(
+                "VLLMRollouts.tensor_parallel_size must be 1 for model: student (weight pushes need vLLM's in-process "
+                f"engine, one worker per training rank), got {tensor_parallel_size}"
+            )
         import_vllm()  # fails now, naming the extra, rather than at the first step
         self.model, self.sync_every, self.importance_cap = model, sync_every, importance_cap
         self.engine_args = {
@@ -223,6 +237,11 @@ class VLLMRollouts(RolloutPolicy):
     def engine(self, spec: Any, seed: int) -> Any:
         if self._llm is None:
             vllm = import_vllm()
+            if self.model == "student":
+                # Weight pushes hand tensors to the worker through collective_rpc. With vLLM's default
+                # engine process they would be msgpack-encoded as plain lists and lost; the in-process
+                # engine (one worker, tensor_parallel_size 1) receives them as tensors.
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             self._llm = vllm.LLM(
                 model=spec.resolved, dtype=spec.dtype, seed=seed, revision=spec.revision,
                 trust_remote_code=spec.trust_remote_code, worker_extension_cls="kdlab.vllm_engine.WeightLoaderExtension",
@@ -237,6 +256,7 @@ class VLLMRollouts(RolloutPolicy):
         if self.model != "student" or (self._synced_step >= 0 and step - self._synced_step < self.sync_every):
             return False
         self._llm.collective_rpc("kdlab_load_weights", args=(list(merged_weights(student)),))
+        self._llm.reset_prefix_cache()  # cached prompt KV blocks were computed with the old weights
         self._synced_step = step
         return True
 
@@ -254,7 +274,7 @@ class VLLMRollouts(RolloutPolicy):
         temperature = context.student_temperature if self.model == "student" else context.teacher_temperature
         ids = getattr(prompts, f"{self.model}_ids").tolist()
         mask = getattr(prompts, f"{self.model}_mask").tolist()
-        requests = [vllm.inputs.TokensPrompt(prompt_token_ids=[t for t, m in zip(row, keep) if m]) for row, keep in zip(ids, mask)]
+        requests = [vllm.TokensPrompt(prompt_token_ids=[t for t, m in zip(row, keep) if m]) for row, keep in zip(ids, mask)]
         # one seed per request: vLLM seeds requests separately, and repeated prompts (a GRPO group) must differ
         params = [
             vllm.SamplingParams(**sampling_params(temperature, context.max_new_tokens, context.eos_token_ids, context.top_p,

@@ -2,6 +2,7 @@
 DistillModule applies the weights. vLLM itself needs CUDA and is not installed in CI."""
 
 import math
+import os
 import sys
 
 import pytest
@@ -21,8 +22,15 @@ def test_sampling_settings_translate_to_vllm_arguments():
     assert sampling_params(0.0, 8, (1,), top_p=0.5)["top_p"] == 1.0  # greedy: top-p is moot
     with pytest.raises(ValueError, match="top_p"):
         sampling_params(1.0, 8, (1,), top_p=0.0)
+    for temperature in (2.5, 0.005, -1.0):  # vLLM rejects T > 2 and silently raises T < 0.01
+        with pytest.raises(ValueError, match=r"temperature 0 or in \[0.01, 2.0\]"):
+            sampling_params(temperature, 8, (1,))
     vllm = pytest.importorskip("vllm")
     vllm.SamplingParams(**params)  # the real class accepts every key
+    vllm.SamplingParams(**sampling_params(1.0, 8, (1,), stop=("</answer>",), logprobs=False))
+    # the rest of the API kdlab calls (an engine itself needs CUDA)
+    assert vllm.TokensPrompt(prompt_token_ids=[1, 2]) == {"prompt_token_ids": [1, 2]}
+    assert all(callable(getattr(vllm.LLM, name)) for name in ("generate", "collective_rpc", "reset_prefix_cache"))
 
 
 @pytest.mark.parametrize(
@@ -83,6 +91,15 @@ def test_vllm_rollouts_without_vllm_name_the_extra(monkeypatch):
         VLLMRollouts()
 
 
+def test_a_student_engine_must_be_one_in_process_worker(monkeypatch):
+    from kdlab.vllm_engine import VLLMRollouts
+
+    monkeypatch.setitem(sys.modules, "vllm", _FakeVLLM(0))
+    with pytest.raises(ValueError, match="VLLMRollouts.tensor_parallel_size must be 1 for model: student"):
+        VLLMRollouts(tensor_parallel_size=2)
+    VLLMRollouts(model="teacher", tensor_parallel_size=2)  # no weight pushes: any engine layout
+
+
 def test_distillation_weights_each_completion_by_its_importance_weight(tiny_pair):
     """A policy reporting behaviour log-probs log q = log p - log 2 (the engine gave each token half the
     student's probability) doubles every completion's weight: the loss is twice the plain one."""
@@ -128,7 +145,8 @@ class _FakeVLLM:
         fake = self
         self.end, self.engines, self.requests, self.params, self.pushes = end, [], [], [], []
         self.completion = completion if completion is not None else [5, 6, end]
-        self.inputs = types.SimpleNamespace(TokensPrompt=lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids})
+        self.resets = 0
+        self.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
 
         class SamplingParams:
             def __init__(self, **kwargs):
@@ -139,7 +157,12 @@ class _FakeVLLM:
                 fake.engines.append(kwargs)
 
             def collective_rpc(self, method, args=()):
+                # real vLLM msgpack-encodes RPC arguments for its engine process, turning tensors into lists
+                assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", "tensors would not survive the engine process"
                 fake.pushes.append((method, dict(args[0])))
+
+            def reset_prefix_cache(self):
+                fake.resets += 1
 
             def generate(self, requests, params, use_tqdm=True):
                 fake.requests.append(requests)
@@ -159,6 +182,7 @@ def test_vllm_rollouts_drive_the_engine_and_weight_each_completion(tiny_pair, mo
     module = DistillModule(*tiny_pair, Addition(num_train=4), max_completion_tokens=5, batch_size=4, stop_strings=["</answer>"])
     fake = _FakeVLLM(end_token_ids(module.student_tokenizer, module.student)[0])
     monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's default; the student's engine must override it
     module.rollout = VLLMRollouts(sync_every=2, importance_cap=2.0)
     logged = {}
     module.log = lambda name, value, **kwargs: logged.__setitem__(name, float(torch.as_tensor(value).detach()))
@@ -170,6 +194,7 @@ def test_vllm_rollouts_drive_the_engine_and_weight_each_completion(tiny_pair, mo
     assert engine["model"] == module.student_spec.resolved and engine["logprobs_mode"] == "processed_logprobs"
     assert engine["worker_extension_cls"] == "kdlab.vllm_engine.WeightLoaderExtension"
     assert len(fake.requests) == 3 and len(fake.pushes) == 2  # pushed at steps 0 and 2 (sync_every 2)
+    assert fake.resets == 2  # the prefix cache is dropped after every push
     method, weights = fake.pushes[0]
     assert method == "kdlab_load_weights" and weights.keys() == module.student.state_dict().keys()
     prompts = module._prompts(batch)
