@@ -168,6 +168,21 @@ def vllm_sample_completions(
     return completion_records(tokenizer, ids, mask, end_ids, stop_strings)
 
 
+def colocated_engine_args() -> dict[str, Any]:
+    """``vllm.LLM`` settings for an engine inside a multi-process training job: one engine per rank on
+    that rank's own GPU, joining the job's process group (vLLM's ``external_launcher``, which reads
+    ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``; set here from the process group where the launcher did
+    not). Empty for a single process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {}
+    os.environ.setdefault("RANK", str(dist.get_rank()))
+    os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+    os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if torch.cuda.is_available() else dist.get_rank()))
+    return {"distributed_executor_backend": "external_launcher"}
+
+
 class WeightLoaderExtension:
     """Mixed into vLLM's GPU worker (``LLM(worker_extension_cls="kdlab.vllm_engine.WeightLoaderExtension")``):
     ``llm.collective_rpc("kdlab_load_weights", args=(weights,))`` loads ``[(name, tensor), ...]`` into the
@@ -193,7 +208,9 @@ class VLLMRollouts(RolloutPolicy):
         gpu_memory_utilization, tensor_parallel_size, enforce_eager, max_model_len: passed to ``vllm.LLM``.
             With ``model: student`` the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
             pushed weights reach the worker as tensors, which needs ``tensor_parallel_size: 1``; after each
-            push vLLM's prefix cache is reset (its KV blocks came from the old weights).
+            push vLLM's prefix cache is reset (its KV blocks came from the old weights). Under
+            multi-process training every rank builds its own engine on its own GPU
+            (:func:`colocated_engine_args`).
 
     The engine is built on first use on the module's device, from the model's path (``student.path`` or
     ``teacher.path``) and dtype.
@@ -248,6 +265,7 @@ class VLLMRollouts(RolloutPolicy):
                 # log-probs of the tempered distribution actually sampled from (vLLM >= 0.10)
                 logprobs_mode="processed_logprobs",
                 **{k: v for k, v in self.engine_args.items() if v is not None},
+                **colocated_engine_args(),
             )
         return self._llm
 

@@ -254,3 +254,19 @@ def test_generate_engine_settings_are_checked_before_any_work(tiny_pair, tmp_pat
         generate_teacher_data(ModelSpec(tiny_pair[1]), Addition(num_train=2), str(tmp_path / "x.jsonl"), engine="sglang")
     with pytest.raises(ValueError, match="generate.engine_args are vLLM settings"):
         generate_teacher_data(ModelSpec(tiny_pair[1]), Addition(num_train=2), str(tmp_path / "x.jsonl"), engine_args={"tensor_parallel_size": 2})
+
+
+def test_engines_inside_a_multi_process_job_join_it_through_the_external_launcher(monkeypatch):
+    import torch.distributed as dist
+
+    from kdlab.vllm_engine import colocated_engine_args
+
+    assert colocated_engine_args() == {}  # one process: vLLM's own in-process executor
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # set then deleted: monkeypatch restores the original state
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)
+    assert colocated_engine_args() == {"distributed_executor_backend": "external_launcher"}
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("3", "4")
