@@ -13,9 +13,9 @@
    (FSDP2) on every visible GPU with ``bf16-mixed``, then the same under ``strategy: fsdp`` (FSDP1,
    CUDA only): seconds for the run and whether it finished.
 3. ``vllm`` (needs ``pip install 'kdlab[vllm]'``): on the tiny world, greedy teacher completions from
-   vLLM against kdlab's own decoder (how many are token-identical), the time of each, and a 5-step
-   on-policy ``kdlab fit`` with ``VLLMRollouts`` (weights pushed every step): whether it finished and
-   its mean ``train/importance_weight`` (1 up to vLLM-vs-HF numerics).
+   vLLM in bf16 against kdlab's own decoder in fp32 (how many are identical), the time of each, and a
+   5-step on-policy ``kdlab fit`` with ``VLLMRollouts`` (bf16 engine, weights pushed every step):
+   whether it finished and its mean ``train/importance_weight`` (1 up to bf16-vs-fp32 numerics).
 
 Each section prints its measurement or the error it met and the script goes on, so one run on a lent
 GPU reports everything. Without CUDA (and without ``--smoke``) it says so and measures nothing.
@@ -181,19 +181,19 @@ def vllm_figures(device: str, smoke: bool) -> None:
     task = Countdown(variant="countdown3", num_train=0, num_val=0, num_test=64 if smoke else 512)
     examples = task.examples("test")
     start = time.perf_counter()
-    engine = vllm_sample_completions(spec, tokenizer, task, examples, temperature=0.0, max_new_tokens=64, engine_args={"gpu_memory_utilization": 0.3})
+    engine = vllm_sample_completions(spec, tokenizer, task, examples, temperature=0.0, max_new_tokens=64, engine_args={"gpu_memory_utilization": 0.3, "dtype": "bfloat16"})
     vllm_s = time.perf_counter() - start
     model = load_causal_lm(spec).to("cuda")
     start = time.perf_counter()
     own = sample_completions(model, tokenizer, task, examples, role="teacher", temperature=0.0, max_new_tokens=64, batch_size=128)
     hf_s = time.perf_counter() - start
     same = sum(a == b for a, b in zip(engine, own))
-    print(f"vllm: {len(examples)} greedy tiny-teacher completions: vLLM {vllm_s:.1f} s (engine start included), "
-          f"kdlab decoder {hf_s:.1f} s; identical (text and ended): {same}/{len(examples)}")
+    print(f"vllm: {len(examples)} greedy tiny-teacher completions: vLLM (bf16) {vllm_s:.1f} s (engine start included), "
+          f"kdlab decoder (fp32) {hf_s:.1f} s; identical (text and ended): {same}/{len(examples)}")
     with tempfile.TemporaryDirectory() as root:
         command = quickstart_command(1, "gpu", "32-true", [], 5, root) + [
             "--trainer.log_every_n_steps=1", "--model.rollout=kdlab.vllm_engine.VLLMRollouts",
-            "--model.rollout.sync_every=1", "--model.rollout.gpu_memory_utilization=0.3",
+            "--model.rollout.sync_every=1", "--model.rollout.gpu_memory_utilization=0.3", "--model.rollout.dtype=bfloat16",
         ]
         if not run_fit("vllm: 5 on-policy quickstart steps with VLLMRollouts (sync every step)", command):
             raise RuntimeError("the kdlab fit with VLLMRollouts failed (its stderr is above)")

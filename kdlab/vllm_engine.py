@@ -155,10 +155,8 @@ def vllm_sample_completions(
         raise ValueError(f"{setting}: vLLM loads {role}.path and cannot apply {role}.checkpoint; export the model to a folder")
     end_ids = engine_end_ids(spec, tokenizer)
     requests = [vllm.TokensPrompt(prompt_token_ids=prompt_token_ids(task, tokenizer, ex, role, max_prompt_tokens)) for ex in examples]
-    llm = vllm.LLM(
-        model=spec.resolved, dtype=spec.dtype, seed=seed, revision=spec.revision, trust_remote_code=spec.trust_remote_code,
-        **(engine_args or {}),
-    )
+    settings = {"model": spec.resolved, "dtype": spec.dtype, "seed": seed, "revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
+    llm = vllm.LLM(**{**settings, **(engine_args or {})})  # engine_args win (e.g. dtype: bfloat16)
     params = [
         vllm.SamplingParams(**sampling_params(temperature, max_new_tokens, end_ids, seed=seed + row, logprobs=False, stop=tuple(stop_strings)))
         for row in range(len(requests))
@@ -206,6 +204,8 @@ class VLLMRollouts(RolloutPolicy):
         importance_cap: the per-token ratio cap of the importance weight (paper: 2), which the module
             applies to every completion this policy returns.
         gpu_memory_utilization, tensor_parallel_size, enforce_eager, max_model_len: passed to ``vllm.LLM``.
+        dtype: the engine's weights (e.g. ``bfloat16`` while training in fp32); default the model's own. The
+            importance weight absorbs the numerical difference.
             With ``model: student`` the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
             pushed weights reach the worker as tensors, which needs ``tensor_parallel_size: 1``; after each
             push vLLM's prefix cache is reset (its KV blocks came from the old weights). Under
@@ -225,6 +225,7 @@ class VLLMRollouts(RolloutPolicy):
         tensor_parallel_size: int = 1,
         enforce_eager: bool = True,
         max_model_len: int | None = None,
+        dtype: str | None = None,
     ) -> None:
         super().__init__()
         if model not in ("student", "teacher"):
@@ -247,6 +248,7 @@ class VLLMRollouts(RolloutPolicy):
             "tensor_parallel_size": tensor_parallel_size,
             "enforce_eager": enforce_eager,
             "max_model_len": max_model_len,
+            "dtype": dtype,
         }
         self._llm: Any = None
         self._synced_step = -1
@@ -259,14 +261,14 @@ class VLLMRollouts(RolloutPolicy):
                 # engine process they would be msgpack-encoded as plain lists and lost; the in-process
                 # engine (one worker, tensor_parallel_size 1) receives them as tensors.
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            self._llm = vllm.LLM(
-                model=spec.resolved, dtype=spec.dtype, seed=seed, revision=spec.revision,
-                trust_remote_code=spec.trust_remote_code, worker_extension_cls="kdlab.vllm_engine.WeightLoaderExtension",
-                # log-probs of the tempered distribution actually sampled from (vLLM >= 0.10)
-                logprobs_mode="processed_logprobs",
-                **{k: v for k, v in self.engine_args.items() if v is not None},
-                **colocated_engine_args(),
-            )
+            settings = {
+                "model": spec.resolved, "dtype": spec.dtype, "seed": seed, "revision": spec.revision,
+                "trust_remote_code": spec.trust_remote_code, "worker_extension_cls": "kdlab.vllm_engine.WeightLoaderExtension",
+                # log-probs of the distribution actually sampled from (vLLM >= 0.10)
+                "logprobs_mode": "processed_logprobs",
+            }
+            settings.update({k: v for k, v in self.engine_args.items() if v is not None})
+            self._llm = vllm.LLM(**settings, **colocated_engine_args())
         return self._llm
 
     def push_weights(self, student: torch.nn.Module, step: int) -> bool:
