@@ -405,9 +405,9 @@ class GRPOModule(TaskStage):
                     totals[name] += float(stats[name])
                 totals["entropy"] += float((entropy * mask[micro]).sum())
                 totals["loss"] += float(loss.detach())
-            self.log("train/grad_norm", self._grad_norm())
+            self.log("train/grad_norm", self.student_grad_norm())
             if self.grad_clip > 0:
-                self.clip_gradients(optimizer, gradient_clip_val=self.grad_clip, gradient_clip_algorithm="norm")
+                self.clip_student_gradients(optimizer, self.grad_clip)
             optimizer.step()
             scheduler.step()
             totals["steps"] += 1
@@ -425,12 +425,6 @@ class GRPOModule(TaskStage):
     def _all_rows(self, model: torch.nn.Module, rollout: Rollout, rows: int) -> torch.Tensor:
         step = self.micro_batch_size or rows
         return torch.cat([self.sequence_logprobs(model, rollout, slice(i, min(i + step, rows)))[0] for i in range(0, rows, step)])
-
-    def _grad_norm(self) -> torch.Tensor:
-        grads = [p.grad for p in self.student.parameters() if p.grad is not None]
-        if not grads:
-            return torch.zeros(())
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
 
     def configure_optimizers(self):
         params = [p for p in self.student.parameters() if p.requires_grad]

@@ -237,18 +237,43 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     ``inv_freq`` buffers excluded), without changing ``model``.
 
     Sharded (DTensor) parameters are gathered one at a time (``full_tensor``), so at most one full
-    tensor is alive on top of the shards. LoRA-wrapped linears yield ``W + scale * B A`` under the
-    base weight's name.
+    tensor is alive on top of the shards; an FSDP1-wrapped model is gathered whole while the generator
+    runs (:func:`full_parameters`; consume it fully, on every rank). LoRA-wrapped linears yield
+    ``W + scale * B A`` under the base weight's name.
     """
-    lora = _lora_deltas(model)
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        target = hf_weight_name(name)
-        if target is None or target.endswith("inv_freq"):
-            continue
-        full = _full(tensor).detach()
-        if target in lora:
-            full = full + lora[target].to(full.dtype)
-        yield target, full
+    summoned = fsdp1_wrapped(model)
+    with full_parameters(model):
+        lora = _lora_deltas(model)
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            target = hf_weight_name(name)
+            if target is None or target.endswith("inv_freq"):
+                continue
+            full = _full(tensor).detach()
+            if target in lora:
+                full = full + lora[target].to(full.dtype)
+            elif summoned:  # a view of FSDP1's gathered flat parameter, freed when the context exits
+                full = full.clone()
+            yield target, full
+
+
+def fsdp1_wrapped(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is, or holds, an FSDP1 (``FullyShardedDataParallel``) module."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(module, FullyShardedDataParallel) for module in model.modules())
+
+
+def full_parameters(model: torch.nn.Module):
+    """A context in which an FSDP1-wrapped ``model``'s parameters are whole and in their own shapes
+    (``summon_full_params``, a collective: call it on every rank); outside FSDP1 it does nothing (DTensor
+    parameters are gathered one at a time by :func:`merged_weights` instead)."""
+    import contextlib
+
+    if not fsdp1_wrapped(model):
+        return contextlib.nullcontext()
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -277,7 +302,7 @@ def export_pretrained(model: torch.nn.Module, tokenizer: Any, directory: str | P
     Face folder that any later stage, vLLM or ``from_pretrained`` can load. ``model`` is left as it was
     (a peft model keeps its adapters). Under sharding call it on every rank (gathering the weights is
     a collective) with ``write`` true on one."""
-    sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
+    sharded = any(hasattr(p, "full_tensor") for p in model.parameters()) or fsdp1_wrapped(model)
     if not hasattr(model, "get_base_model") and not sharded:
         if write:
             model.save_pretrained(directory)
@@ -285,10 +310,15 @@ def export_pretrained(model: torch.nn.Module, tokenizer: Any, directory: str | P
         from safetensors.torch import save_file
 
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        expected = {name for name in (hf_weight_name(key) for key in base.state_dict()) if name is not None}
+        from kdlab.decoding import innermost_model
+
+        base = innermost_model(base)  # the Hugging Face model inside FSDP1 / compile wrappers
+        # what a checkpoint holds (not the non-persistent buffers); under FSDP1 every merged name, the only
+        # non-persistent buffers of the supported models being the rotary inv_freq ones merged_weights drops
+        expected = None if fsdp1_wrapped(model) else {name for name in (hf_weight_name(key) for key in base.state_dict()) if name is not None}
         state, seen = {}, set()
         for name, tensor in merged_weights(model):
-            if name in expected:
+            if expected is None or name in expected:
                 shared = tensor.data_ptr() in seen  # tied embeddings: safetensors stores each tensor once
                 seen.add(tensor.data_ptr())
                 state[name] = (tensor.clone() if shared else tensor).contiguous()

@@ -267,10 +267,7 @@ class DistillModule(TaskStage):
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [p.grad for p in self.student.parameters() if p.grad is not None]
-        if grads:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-            self.log("train/grad_norm", norm)  # before clipping: Lightning clips after this hook
+        self.log("train/grad_norm", self.student_grad_norm())  # before clipping: Lightning clips after this hook
 
     def configure_optimizers(self):
         params = [p for p in self.student.parameters() if p.requires_grad]

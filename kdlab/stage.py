@@ -211,6 +211,10 @@ class TaskStage(pl.LightningModule):
     def _wrap_fsdp1(self) -> None:
         from torch.distributed.fsdp.wrap import wrap
 
+        if getattr(self, "fused_lm_head", False):
+            raise ValueError("fused_lm_head reads the LM head's weight directly, which FSDP1 (strategy: fsdp) shards; "
+                             "set fused_lm_head: false or use ModelParallelStrategy (FSDP2) with an unsharded head")
+
         sharded = self.sharded_models()
         for model in sharded:
             blocks = set(getattr(model, "_no_split_modules", None) or [])
@@ -225,6 +229,40 @@ class TaskStage(pl.LightningModule):
                 self._frozen[name] = wrap(model)  # FSDP1 moves what it wraps to the device itself
         # FSDP1 moves only the module tree it wraps; replicated frozen models sit outside it (hold_frozen)
         self.place_frozen_models(self.trainer.strategy.root_device)
+
+    def fsdp1_root(self) -> torch.nn.Module | None:
+        """The trained model when ``strategy: fsdp`` wrapped it (an FSDP1 root), else ``None``."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return self.student if isinstance(self.student, FullyShardedDataParallel) else None
+
+    def student_grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the trained model's gradients (before clipping). Under FSDP1 each rank
+        holds a shard of every flat gradient, so the squared norms are summed over ranks (a collective)."""
+        grads = [p.grad for p in self.student.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        if self.fsdp1_root() is None:  # whole tensors, or DTensors whose norm is already global
+            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(squares)
+        return squares.sqrt()
+
+    def clip_student_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float) -> None:
+        """Clip the trained model's gradients to global norm ``max_norm``: FSDP1's own ``clip_grad_norm_``
+        (Lightning's FSDP1 precision plugin refuses norm clipping), else Lightning's."""
+        root = self.fsdp1_root()
+        if root is not None:
+            root.clip_grad_norm_(max_norm)
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        if gradient_clip_val and self.fsdp1_root() is not None and gradient_clip_algorithm in (None, "norm"):
+            self.clip_student_gradients(optimizer, float(gradient_clip_val))
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def place_frozen_models(self, device: torch.device) -> None:
         """Move each frozen model whose parameters are not on ``device`` there."""

@@ -1,6 +1,6 @@
 """Run by tests/test_distributed.py as its own program: Lightning re-launches it once per rank.
 
-    python tests/distributed_worker.py OUT_DIR {single|fsdp2|ddp} [STEPS [EXAMPLES [RESUME]]]
+    python tests/distributed_worker.py OUT_DIR {single|fsdp2|fsdp1|ddp} [STEPS [EXAMPLES [RESUME]]]
 
 Distils the packaged random tiny pair for STEPS (default 2) steps from a fixed teacher dataset of
 EXAMPLES prompts (default 8; so rollouts are the same whatever the process layout), with a global batch
@@ -11,19 +11,37 @@ RESUME continues from such a checkpoint.
 
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
 from kdlab.callbacks import UpdateSparsity
+from kdlab.models import export_pretrained, merged_weights
 from kdlab.module import DistillModule
 from kdlab.rollouts import TeacherRollouts
 from kdlab.tasks import Addition
 
 GLOBAL_BATCH = 8
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Test only: Lightning refuses ``strategy: fsdp`` on the CPU (it checks for exactly this class) and
+    gives FSDP1 no device on the CPU (``root_device.index`` is None), while torch's FSDP1 itself runs on
+    the CPU with gloo given ``device_id=cpu``. This subclass changes only that, so the tests run kdlab's
+    FSDP1 path (kdlab wraps the modules itself, so Lightning's own root wrapping never runs)."""
+
+    @contextmanager
+    def model_sharded_context(self):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import enable_wrap
+
+        with enable_wrap(wrapper_cls=FullyShardedDataParallel, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
+                         sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self.kwargs):
+            yield
 
 
 class Dump(pl.Callback):
@@ -33,15 +51,21 @@ class Dump(pl.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        # FSDP2 parameters are DTensors (to_local: this rank's shard); FSDP1 ones are this rank's flat shards
         local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in pl_module.student.parameters())
-        total = sum(p.numel() for p in pl_module.student.parameters())
-        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps({"local": local, "total": total}))
         if trainer.world_size > 1 and isinstance(trainer.strategy, ModelParallelStrategy):
             state = get_model_state_dict(pl_module.student, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        else:
+            total = sum(p.numel() for p in pl_module.student.parameters())  # a DTensor's numel is the global one
+        else:  # (an FSDP1 root's state_dict is the full one by default, gathered on every rank)
             state = {k: v.detach().cpu() for k, v in pl_module.student.state_dict().items()}
+            total = sum(v.numel() for k, v in state.items() if not k.endswith("inv_freq"))
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps({"local": local, "total": total}))
+        # what a weight push to vLLM and an export read: whole tensors under Hugging Face names (collectives)
+        shapes = {name: list(tensor.shape) for name, tensor in merged_weights(pl_module.student)}
+        export_pretrained(pl_module.student, pl_module.student_tokenizer, self.out / "export", write=trainer.is_global_zero)
         if trainer.is_global_zero:
             torch.save(state, self.out / "student.pt")
+            (self.out / "merged_shapes.json").write_text(json.dumps(shapes))
 
 
 def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, resume: str | None = None) -> None:
@@ -58,13 +82,14 @@ def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, r
     module = DistillModule(
         "kdlab://tiny-random/student", "kdlab://tiny-random/teacher", task,
         rollout=TeacherRollouts(dataset=str(data)), batch_size=GLOBAL_BATCH // devices, lr=1e-3, warmup_steps=0,
-        teacher_placement="shard" if layout == "fsdp2" else "replicate",
+        teacher_placement="shard" if layout in ("fsdp2", "fsdp1") else "replicate",
     )
     strategy = {
         "single": "auto",
         "ddp": DDPStrategy(process_group_backend="gloo"),
         # tensor_parallel_size must be 1: its default "auto" would silently make this TP=2
         "fsdp2": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo"),
+        "fsdp1": CPUFSDPStrategy(process_group_backend="gloo", state_dict_type="sharded"),
     }[layout]
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False, precision=precision,

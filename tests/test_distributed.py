@@ -1,5 +1,6 @@
-"""Multi-process training on CPU (gloo): FSDP2 through ModelParallelStrategy, and DDP, give the same
-student as one process with the same global batch."""
+"""Multi-process training on CPU (gloo): FSDP2 through ModelParallelStrategy, FSDP1 through Lightning's
+FSDPStrategy (let onto the CPU by a test-only subclass, see tests/distributed_worker.py), and DDP give the
+same student as one process with the same global batch."""
 
 import json
 import os
@@ -27,26 +28,34 @@ def single(tmp_path_factory):
     return run("single", tmp_path_factory.mktemp("single") / "out")
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "ddp"])
+@pytest.mark.parametrize("layout", ["fsdp2", "fsdp1", "ddp"])
 def test_two_processes_train_the_same_student_as_one(single, layout, tmp_path):
     (sharded, sharded_sparsity), (whole, whole_sparsity) = run(layout, tmp_path / layout), single
     assert sharded.keys() == whole.keys()
     for name, value in whole.items():
         torch.testing.assert_close(sharded[name], value, atol=1e-6, rtol=0, msg=name)
-    if layout == "fsdp2":  # and each rank held about half of the student
+    if layout in ("fsdp2", "fsdp1"):  # and each rank held about half of the student
         shares = [json.loads((tmp_path / layout / f"rank{r}.json").read_text()) for r in (0, 1)]
         assert sum(s["local"] for s in shares) == shares[0]["total"]
         assert all(abs(s["local"] / s["total"] - 0.5) < 0.01 for s in shares)
+    # a weight push (vLLM) and an export see whole tensors under Hugging Face names, whatever the layout
+    from transformers import AutoModelForCausalLM
+
+    shapes = json.loads((tmp_path / layout / "merged_shapes.json").read_text())
+    assert shapes == {name: list(value.shape) for name, value in whole.items()}
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / layout / "export").state_dict()
+    for name, value in whole.items():
+        torch.testing.assert_close(exported[name], value, atol=1e-6, rtol=0, msg=name)
     # update sparsity counted on each shard and summed equals the single-process number
     for key in ("sparsity/1e-06", "sparsity/0.001", "sparsity/0.001/attention"):
         assert sharded_sparsity[key] == pytest.approx(whole_sparsity[key], abs=1e-4), key
     assert 0.0 < whole_sparsity["sparsity/0.001"] < 1.0
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "ddp"])
+@pytest.mark.parametrize("layout", ["fsdp2", "fsdp1", "ddp"])
 def test_two_processes_resumed_mid_epoch_end_where_an_uninterrupted_run_ends(layout, tmp_path):
     """24 prompts, 8 per step: 3 steps an epoch. Stopped after step 4 (one batch into epoch 2) and resumed
-    from that checkpoint (sharded for FSDP2), the run ends at step 5 exactly where an uninterrupted run
+    from that checkpoint (sharded for FSDP2 and FSDP1), the run ends at step 5 exactly where an uninterrupted run
     does: the same data position on each rank, the same weights, the same sparsity against the start."""
     (whole, whole_sparsity) = run(layout, tmp_path / "whole", "5", "24")
     run(layout, tmp_path / "parts", "4", "24")

@@ -380,3 +380,7 @@ def test_fsdp1_wraps_each_decoder_layer_and_each_sharded_model_whole(tiny_pair, 
     loss = module.training_step(module.task.examples("train"), 0)
     loss.backward()
     assert torch.isfinite(loss) and all(layer.module.self_attn.q_proj.weight.grad is not None for layer in layers)
+    fused = DistillModule(*tiny_pair, Addition(num_train=4, num_val=0, num_test=0), fused_lm_head=True)
+    fused._trainer = SimpleNamespace(strategy=strategy)
+    with pytest.raises(ValueError, match="fused_lm_head reads the LM head's weight directly, which FSDP1"):
+        fused.configure_model()
