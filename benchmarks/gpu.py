@@ -15,7 +15,8 @@
 3. ``vllm`` (needs ``pip install 'kdlab[vllm]'``): on the tiny world, greedy teacher completions from
    vLLM in bf16 against kdlab's own decoder in fp32 (how many are identical), the time of each, and a
    5-step on-policy ``kdlab fit`` with ``VLLMRollouts`` (bf16 engine, weights pushed every step):
-   whether it finished and its mean ``train/importance_weight`` (1 up to bf16-vs-fp32 numerics).
+   whether it finished, its mean ``train/importance_weight`` and its mean ``train/engine_kl`` (an
+   estimate of KL(engine || student): near 0 when pushes work, up to bf16-vs-fp32 numerics).
 
 Each section prints its measurement or the error it met and the script goes on, so one run on a lent
 GPU reports everything. Without CUDA (and without ``--smoke``) it says so and measures nothing.
@@ -199,8 +200,9 @@ def vllm_figures(device: str, smoke: bool) -> None:
             raise RuntimeError("the kdlab fit with VLLMRollouts failed (its stderr is above)")
         from kdlab.report import read_metrics
 
-        weights = [value for run in Path(root).rglob("version_*") for _, value in read_metrics(run).get("train/importance_weight", [])]
-        print(f"  mean train/importance_weight: {statistics.mean(weights):.4f} over {len(weights)} steps" if weights else "  no importance weight logged")
+        for name in ("train/importance_weight", "train/engine_kl"):  # the KL, not the weight, exposes a stale engine
+            values = [value for run in Path(root).rglob("version_*") for _, value in read_metrics(run).get(name, [])]
+            print(f"  mean {name}: {statistics.mean(values):.4f} over {len(values)} steps" if values else f"  no {name} logged")
 
 
 def main() -> None:

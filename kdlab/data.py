@@ -46,9 +46,9 @@ class Rollout:
     ``sampling_entropy``: ``(B, C)`` entropy (nats) of the distribution each token was drawn from,
     or ``None`` when completions were read from a dataset.
     ``behaviour_logprobs``: ``(B, C)`` log q of each token under an engine whose weights may lag the
-    student's (vLLM); the module then weights each completion's loss by
-    :func:`kdlab.vllm_engine.importance_weights` with ``importance_cap``. ``None``: exactly on-policy
-    or off-policy, no correction.
+    student's (vLLM); distillation then weights each completion's loss by
+    :func:`kdlab.vllm_engine.importance_weights` with ``importance_cap``, and GRPO each token's policy
+    term by ``min(importance_cap, pi_old / q)``. ``None``: exactly on-policy or off-policy, no correction.
     """
 
     prompts: PromptBatch

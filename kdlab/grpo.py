@@ -16,13 +16,15 @@ Per rollout batch of ``batch_size`` prompts:
 An engine that samples with other numerics or stale weights (vLLM with ``sync_every > 1``, or top-p
 truncation) reports its sampling log-probs q. They are never used as pi_old (they differ from the
 trained model's own by more than the policy's change); each token's policy term is instead weighted by
-the truncated importance weight ``min(importance_cap, pi_old(y) / q(y))`` (logged as
-``rlvr/engine_ratio``), which corrects for sampling from q.
+the truncated importance weight ``min(importance_cap, pi_old(y) / q(y))`` (its mean is logged as
+``rlvr/engine_ratio``), which corrects for sampling from q. ``rlvr/engine_kl``, the mean of
+``log q - log pi_old`` over the sampled tokens, estimates KL(q || pi_old): 0 only when the engine samples
+pi_old exactly (the ratio's mean is near 1 for any q that covers pi_old, so it cannot tell).
 
 Logged: ``rlvr/reward_mean``, ``rlvr/reward_std``, ``rlvr/zero_variance_groups`` (share of groups whose
 rewards are all equal), ``rlvr/completion_length``, ``rlvr/entropy`` (mean per-token entropy of the
 policy on its completions), ``rlvr/clip_fraction`` (share of tokens where the clipped term is taken),
-``rlvr/kl_to_reference`` (beta > 0), ``rlvr/engine_ratio`` (engine rollouts), and ``train/loss``, ``train/grad_norm`` (before clipping),
+``rlvr/kl_to_reference`` (beta > 0), ``rlvr/engine_ratio`` and ``rlvr/engine_kl`` (engine rollouts), and ``train/loss``, ``train/grad_norm`` (before clipping),
 ``train/skipped_steps``.
 
 ``trainer.max_steps`` counts optimiser steps (rollout batches x ``mini_batches``). The module
@@ -381,7 +383,7 @@ class GRPOModule(TaskStage):
         # whole groups per mini-batch; a short last batch (fewer prompts) takes fewer, smaller steps
         groups = rows // self.group_size
         per_mini = max(1, math.ceil(groups / self.mini_batches)) * self.group_size
-        totals = {"clipped": 0.0, "tokens": 0.0, "kl": 0.0, "entropy": 0.0, "loss": 0.0, "steps": 0, "engine_ratio": 0.0}
+        totals = {"clipped": 0.0, "tokens": 0.0, "kl": 0.0, "entropy": 0.0, "loss": 0.0, "steps": 0, "engine_ratio": 0.0, "engine_kl": 0.0}
         for start in range(0, rows, per_mini):
             optimizer.zero_grad()
             end = min(start + per_mini, rows)
@@ -396,6 +398,7 @@ class GRPOModule(TaskStage):
                 if behaviour is not None:  # truncated importance weights from the engine's q to pi_old
                     correction = torch.exp((old - behaviour[micro]).masked_fill(~mask[micro], 0.0)).clamp(max=rollout.importance_cap)
                     totals["engine_ratio"] += float((correction * mask[micro]).sum())
+                    totals["engine_kl"] += float(((behaviour[micro] - old) * mask[micro]).sum())
                 loss, stats = dapo_loss(
                     logprobs, old, advantages[micro], mask[micro], self.clip_low, self.clip_high, num_tokens=tokens,
                     ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro], beta=self.beta, token_weights=correction,
@@ -420,6 +423,7 @@ class GRPOModule(TaskStage):
             self.log("rlvr/kl_to_reference", totals["kl"] / count, batch_size=size)
         if behaviour is not None:
             self.log("rlvr/engine_ratio", totals["engine_ratio"] / count, batch_size=size)
+            self.log("rlvr/engine_kl", totals["engine_kl"] / count, batch_size=size)
         self._log_reports("train", size)
 
     def _all_rows(self, model: torch.nn.Module, rollout: Rollout, rows: int) -> torch.Tensor:

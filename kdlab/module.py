@@ -250,6 +250,9 @@ class DistillModule(TaskStage):
             sampled = sampled_logprobs(student_logits.detach(), rollout.completion_ids, self.objective.chunk_size)
             weights = importance_weights(sampled, rollout.behaviour_logprobs, mask, rollout.importance_cap)
             self.log("train/importance_weight", weights.mean(), batch_size=size)
+            # mean log q - log p_theta over sampled tokens: an estimate of KL(q || p_theta), 0 only when the
+            # engine samples the student exactly (the weight's mean is ~1 for any q, so it cannot tell)
+            self.log("train/engine_kl", ((rollout.behaviour_logprobs - sampled) * mask).sum() / mask.sum(), batch_size=size)
         if weights is None:  # objectives that override forward need not know about sequence weights
             loss = self.objective(student_logits, teacher_logits, mask)
         else:

@@ -10,9 +10,12 @@ CPU: the translation of kdlab's sampling settings (:func:`sampling_params`), the
 corrects for a stale sampler (:func:`importance_weights`).
 
 On-policy use: the student's current weights are pushed into the engine every ``sync_every`` optimiser
-steps. Between pushes the engine samples from a slightly older policy q. Every completion's loss (at
-every step, also right after a push, where w differs from 1 only by vLLM-vs-HF numerics) is weighted by ``w = mean_t min(cap, exp(log p_theta(y_t) - log q(y_t)))`` (the paper's MATH run: cap 2),
-computed by :class:`~kdlab.module.DistillModule` from the log-probs vLLM returns for the sampled tokens.
+steps. Between pushes the engine samples from a slightly older policy q. In distillation every
+completion's loss (at every step, also right after a push, where w differs from 1 only by vLLM-vs-HF
+numerics) is weighted by ``w = mean_t min(cap, exp(log p_theta(y_t) - log q(y_t)))`` (the paper's MATH run:
+cap 2), computed by :class:`~kdlab.module.DistillModule` from the log-probs vLLM returns for the sampled
+tokens; GRPO (:class:`~kdlab.grpo.GRPOModule`) weights each token by ``min(cap, pi_old / q)`` instead.
+Both log how far q is from the trained policy (``train/engine_kl``, ``rlvr/engine_kl``).
 """
 
 from __future__ import annotations
@@ -201,19 +204,19 @@ class VLLMRollouts(RolloutPolicy):
         model: ``student`` (its current weights are pushed every ``sync_every`` steps) or ``teacher``.
         sync_every: optimiser steps between weight pushes (1: every step, so the sampling policy is the
             current student up to vLLM-vs-HF numerics).
-        importance_cap: the per-token ratio cap of the importance weight (paper: 2), which the module
-            applies to every completion this policy returns.
+        importance_cap: the per-token ratio cap of the importance weights: distillation weights every
+            completion by ``w = mean_t min(cap, p_theta / q)`` (paper: cap 2); GRPO weights every token by
+            ``min(cap, pi_old / q)``.
         gpu_memory_utilization, tensor_parallel_size, enforce_eager, max_model_len: passed to ``vllm.LLM``.
         dtype: the engine's weights (e.g. ``bfloat16`` while training in fp32); default the model's own. The
-            importance weight absorbs the numerical difference.
-            With ``model: student`` the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
-            pushed weights reach the worker as tensors, which needs ``tensor_parallel_size: 1``; after each
-            push vLLM's prefix cache is reset (its KV blocks came from the old weights). Under
-            multi-process training every rank builds its own engine on its own GPU
-            (:func:`colocated_engine_args`).
+            importance weights absorb the numerical difference.
 
     The engine is built on first use on the module's device, from the model's path (``student.path`` or
-    ``teacher.path``) and dtype.
+    ``teacher.path``) and dtype. With ``model: student`` it runs in-process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so pushed weights reach the worker as tensors, which needs
+    ``tensor_parallel_size: 1``; after each push vLLM's prefix cache is reset (its KV blocks came from the
+    old weights). Under multi-process training every rank builds its own engine on its own GPU
+    (:func:`colocated_engine_args`), with ``tensor_parallel_size: 1``.
     """
 
     def __init__(
@@ -268,7 +271,13 @@ class VLLMRollouts(RolloutPolicy):
                 "logprobs_mode": "processed_logprobs",
             }
             settings.update({k: v for k, v in self.engine_args.items() if v is not None})
-            self._llm = vllm.LLM(**settings, **colocated_engine_args())
+            colocated = colocated_engine_args()
+            if colocated and settings["tensor_parallel_size"] != 1:
+                raise ValueError(
+                    "VLLMRollouts.tensor_parallel_size must be 1 under multi-process training: every rank samples "
+                    f"its own prompts with its own engine, got {settings['tensor_parallel_size']}"
+                )
+            self._llm = vllm.LLM(**settings, **colocated)
         return self._llm
 
     def push_weights(self, student: torch.nn.Module, step: int) -> bool:

@@ -326,7 +326,8 @@ def test_chunked_token_logprobs_equal_the_plain_log_softmax_in_value_and_gradien
 def test_engine_rollouts_weight_each_token_by_the_truncated_ratio_to_the_old_policy(tiny_pair):
     """An engine whose sampling log-probs are log q = log pi_old - log 2 gets every token's policy term
     weighted by min(2, pi_old / q) = 2: the gradient doubles, and rlvr/engine_ratio reports 2. With
-    log q = log pi_old + log 4 the weight is 1/4 (only the top side is truncated)."""
+    log q = log pi_old - log 4 the ratio 4 is truncated to 2; with log q = log pi_old + log 4 the weight is
+    1/4 (only the top side is truncated). rlvr/engine_kl is the mean log q - log pi_old."""
     from kdlab.grpo import GRPOModule
     from kdlab.rollouts import StudentRollouts
 
@@ -344,7 +345,7 @@ def test_engine_rollouts_weight_each_token_by_the_truncated_ratio_to_the_old_pol
             return rollout
 
     metrics = {}
-    for shift in (None, math.log(2.0), -math.log(4.0)):
+    for shift in (None, math.log(2.0), math.log(4.0), -math.log(4.0)):
         module = GRPOModule(
             tiny_pair[0], Addition(num_train=4, num_val=2, num_test=2), group_size=4, batch_size=1, max_completion_tokens=6,
             lr=1e-3, warmup_steps=0, rollout=None if shift is None else Engine(shift),
@@ -353,11 +354,15 @@ def test_engine_rollouts_weight_each_token_by_the_truncated_ratio_to_the_old_pol
         trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
         trainer.fit(module)
         metrics[shift] = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    plain, doubled, quarter = metrics.values()
+    plain, doubled, capped, quarter = metrics.values()
     # equal-length completions with zero-mean advantages make the on-policy loss value 0: compare gradients
     assert "rlvr/engine_ratio" not in plain and plain["train/grad_norm"] > 0
     assert doubled["rlvr/engine_ratio"] == pytest.approx(2.0) and doubled["train/grad_norm"] == pytest.approx(2 * plain["train/grad_norm"], rel=1e-4)
+    # pi_old / q = 4 is truncated at the cap, 2
+    assert capped["rlvr/engine_ratio"] == pytest.approx(2.0) and capped["train/grad_norm"] == pytest.approx(2 * plain["train/grad_norm"], rel=1e-4)
     assert quarter["rlvr/engine_ratio"] == pytest.approx(0.25) and quarter["train/grad_norm"] == pytest.approx(plain["train/grad_norm"] / 4, rel=1e-4)
+    for shift, values in zip((math.log(2.0), math.log(4.0), -math.log(4.0)), (doubled, capped, quarter)):
+        assert values["rlvr/engine_kl"] == pytest.approx(-shift, abs=1e-4)  # mean log q - log pi_old
 
 
 def test_dapo_token_weights_scale_the_policy_term_but_not_the_kl():

@@ -97,7 +97,7 @@ def test_a_student_engine_must_be_one_in_process_worker(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", _FakeVLLM(0))
     with pytest.raises(ValueError, match="VLLMRollouts.tensor_parallel_size must be 1 for model: student"):
         VLLMRollouts(tensor_parallel_size=2)
-    VLLMRollouts(model="teacher", tensor_parallel_size=2)  # no weight pushes: any engine layout
+    VLLMRollouts(model="teacher", tensor_parallel_size=2)  # no weight pushes: a one-process run may use TP
 
 
 def test_distillation_weights_each_completion_by_its_importance_weight(tiny_pair):
@@ -121,11 +121,15 @@ def test_distillation_weights_each_completion_by_its_importance_weight(tiny_pair
 
     policy = LaggingEngine()
     module = DistillModule(*tiny_pair, Addition(num_train=4), rollout=policy, max_completion_tokens=5, batch_size=4)
+    logged = {}
+    module.log = lambda name, value, **kwargs: logged.__setitem__(name, float(torch.as_tensor(value).detach()))
     batch = module.task.examples("train")
     plain = module.training_step(batch, 0)
+    assert logged["train/engine_kl"] == pytest.approx(0.0, abs=1e-5) and logged["train/importance_weight"] == pytest.approx(1.0)
     policy.shift = math.log(2.0)
     doubled = module.training_step(batch, 0)
     torch.testing.assert_close(doubled, 2 * plain, atol=1e-5, rtol=1e-5)
+    assert logged["train/engine_kl"] == pytest.approx(-math.log(2.0), abs=1e-5)  # mean log q - log p_theta
 
 
 def test_stop_strings_reach_vllm_with_detokenisation_on():
@@ -183,7 +187,7 @@ def test_vllm_rollouts_drive_the_engine_and_weight_each_completion(tiny_pair, mo
     fake = _FakeVLLM(end_token_ids(module.student_tokenizer, module.student)[0])
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's default; the student's engine must override it
-    module.rollout = VLLMRollouts(sync_every=2, importance_cap=2.0)
+    module.rollout = VLLMRollouts(sync_every=2, importance_cap=2.0, dtype="bfloat16")
     logged = {}
     module.log = lambda name, value, **kwargs: logged.__setitem__(name, float(torch.as_tensor(value).detach()))
     batch = module.task.examples("train")
@@ -192,6 +196,7 @@ def test_vllm_rollouts_drive_the_engine_and_weight_each_completion(tiny_pair, mo
         module.training_step(batch, step).backward()
     (engine,) = fake.engines  # built once, from the student's files
     assert engine["model"] == module.student_spec.resolved and engine["logprobs_mode"] == "processed_logprobs"
+    assert engine["dtype"] == "bfloat16"  # the engine's own dtype wins over the student's float32
     assert engine["worker_extension_cls"] == "kdlab.vllm_engine.WeightLoaderExtension"
     assert len(fake.requests) == 3 and len(fake.pushes) == 2  # pushed at steps 0 and 2 (sync_every 2)
     assert fake.resets == 2  # the prefix cache is dropped after every push
@@ -231,9 +236,9 @@ def test_teacher_data_from_vllm_has_the_hf_engines_format(tiny_pair, tmp_path, m
     output = tmp_path / "teacher.jsonl"
     summary = teacher_data.generate_teacher_data(
         spec, task, str(output), samples_per_prompt=2, temperature=0.5, max_new_tokens=3, seed=11,
-        engine="vllm", engine_args={"tensor_parallel_size": 2},
+        engine="vllm", engine_args={"tensor_parallel_size": 2, "dtype": "bfloat16"},
     )
-    assert summary["samples"] == 6 and fake.engines[0]["tensor_parallel_size"] == 2
+    assert summary["samples"] == 6 and fake.engines[0]["tensor_parallel_size"] == 2 and fake.engines[0]["dtype"] == "bfloat16"
     examples = task.examples("train")
     expected = [prompt_token_ids(task, tokenizer, ex, "teacher", 2048) for ex in examples for _ in range(2)]
     assert [r["prompt_token_ids"] for r in fake.requests[0]] == expected
@@ -270,3 +275,13 @@ def test_engines_inside_a_multi_process_job_join_it_through_the_external_launche
     monkeypatch.setattr(dist, "get_rank", lambda: 3)
     assert colocated_engine_args() == {"distributed_executor_backend": "external_launcher"}
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("3", "4")
+    # ranks hold different prompts, so an engine spanning several ranks (tensor parallel) cannot serve them
+    from types import SimpleNamespace
+
+    from kdlab.vllm_engine import VLLMRollouts
+
+    monkeypatch.setitem(sys.modules, "vllm", _FakeVLLM(0))
+    spec = SimpleNamespace(resolved="teacher", dtype="float32", revision=None, trust_remote_code=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1 under multi-process training"):
+        VLLMRollouts(model="teacher", tensor_parallel_size=2).engine(spec, seed=0)
+    assert VLLMRollouts(model="teacher").engine(spec, seed=0) is not None
