@@ -42,9 +42,9 @@ import torch
 
 from kdlab.components import Component
 from kdlab.data import Rollout, decode_completions, encode_prompts
-from kdlab.decoding import completion_logits
+from kdlab.decoding import completion_head_logits, completion_logits
 from kdlab.models import ModelSpec, end_token_ids, export_pretrained, load_causal_lm, load_tokenizer
-from kdlab.objectives import iter_token_chunks
+from kdlab.objectives import HeadLogits, Logits, iter_token_chunks
 from kdlab.optim import FiniteAdamW, warmup_factor
 from kdlab.rollouts import RolloutContext, RolloutPolicy, StudentRollouts
 from kdlab.sft import SCHEDULES, LoraSpec, apply_lora
@@ -133,6 +133,23 @@ def dapo_loss(
     return loss, stats
 
 
+def _chunk_logprobs(scaled: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From one chunk's tempered logits ``(n, V)`` fp32 (overwritten): the log-normalisers, the chosen
+    tokens' log-probs and the entropies, each ``(n,)``."""
+    normaliser = torch.logsumexp(scaled, dim=-1)
+    logprobs = scaled.sub_(normaliser[:, None])
+    chosen = logprobs.gather(-1, ids[:, None]).squeeze(-1)
+    return normaliser, chosen, -(logprobs.exp() * logprobs).sum(-1)
+
+
+def _chunk_logit_grad(scaled: torch.Tensor, normaliser: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, scale: float) -> torch.Tensor:
+    """``d sum_i g_i log p(ids_i) / d z`` ``(n, V)`` for raw logits ``z`` with ``scaled = scale * z`` (fp32,
+    overwritten): ``scale * g * (onehot(ids) - p)``."""
+    grad = scaled.sub_(normaliser[:, None]).exp_().mul_(-g[:, None])
+    grad.scatter_add_(-1, ids[:, None], g[:, None])
+    return grad.mul_(scale)
+
+
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     """``log_softmax(scale * logits)[..., ids]`` and the entropy, one chunk of positions at a time: the
     ``(B, C, V)`` fp32 log-softmax that autograd would keep for backward never exists. Backward
@@ -141,17 +158,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, mask, scale, chunk_size):  # type: ignore[override]
-        chosen = torch.zeros(ids.shape, dtype=torch.float32, device=logits.device)
-        entropy = torch.zeros(ids.shape, dtype=torch.float32, device=logits.device)
-        log_normaliser = torch.zeros(ids.shape, dtype=torch.float32, device=logits.device)
+        chosen, entropy, log_normaliser = (torch.zeros(ids.shape, dtype=torch.float32, device=logits.device) for _ in range(3))
         for b, t in iter_token_chunks(mask, chunk_size):
-            logprobs = logits[b, t].float().mul_(scale)
-            normaliser = torch.logsumexp(logprobs, dim=-1)
-            logprobs.sub_(normaliser[:, None])
-            log_normaliser[b, t] = normaliser
-            chosen[b, t] = logprobs.gather(-1, ids[b, t, None]).squeeze(-1)
-            entropy[b, t] = -(logprobs.exp() * logprobs).sum(-1)
-            del logprobs
+            log_normaliser[b, t], chosen[b, t], entropy[b, t] = _chunk_logprobs(logits[b, t].float().mul_(scale), ids[b, t])
         ctx.save_for_backward(logits, ids, mask, log_normaliser)
         ctx.scale, ctx.chunk_size = scale, chunk_size
         ctx.mark_non_differentiable(entropy)
@@ -162,22 +171,57 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         logits, ids, mask, log_normaliser = ctx.saved_tensors
         grad = torch.zeros_like(logits)
         for b, t in iter_token_chunks(mask, ctx.chunk_size):
-            g = grad_chosen[b, t].float()
-            chunk = logits[b, t].float().mul_(ctx.scale).sub_(log_normaliser[b, t, None]).exp_().mul_(-g[:, None])
-            chunk.scatter_add_(-1, ids[b, t, None], g[:, None])
-            grad[b, t] = chunk.mul_(ctx.scale).to(grad.dtype)
-            del chunk
+            scaled = logits[b, t].float().mul_(ctx.scale)
+            grad[b, t] = _chunk_logit_grad(scaled, log_normaliser[b, t], ids[b, t], grad_chosen[b, t].float(), ctx.scale).to(grad.dtype)
         return grad, None, None, None, None
 
 
+class _ChunkedHeadTokenLogprobs(torch.autograd.Function):
+    """As :class:`_ChunkedTokenLogprobs` with the logits given as hidden states ``(B, C, H)`` and an LM
+    head ``(V, H)`` (``z = h W^T``): no ``(B, C, V)`` tensor exists, forward or backward. Backward
+    recomputes each chunk's logits and accumulates ``dL/dh = dz W`` and ``dL/dW = dz^T h``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, mask, scale, chunk_size):  # type: ignore[override]
+        chosen, entropy, log_normaliser = (torch.zeros(ids.shape, dtype=torch.float32, device=hidden.device) for _ in range(3))
+        head = weight.float()
+        for b, t in iter_token_chunks(mask, chunk_size):
+            scaled = (hidden[b, t].float() @ head.T).mul_(scale)
+            log_normaliser[b, t], chosen[b, t], entropy[b, t] = _chunk_logprobs(scaled, ids[b, t])
+        ctx.save_for_backward(hidden, weight, ids, mask, log_normaliser)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.mark_non_differentiable(entropy)
+        return chosen, entropy
+
+    @staticmethod
+    def backward(ctx, grad_chosen, grad_entropy):  # type: ignore[override]
+        hidden, weight, ids, mask, log_normaliser = ctx.saved_tensors
+        head = weight.float()
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(head) if ctx.needs_input_grad[1] else None  # a frozen head needs none
+        for b, t in iter_token_chunks(mask, ctx.chunk_size):
+            h = hidden[b, t].float()
+            scaled = (h @ head.T).mul_(ctx.scale)
+            dz = _chunk_logit_grad(scaled, log_normaliser[b, t], ids[b, t], grad_chosen[b, t].float(), ctx.scale)
+            if grad_hidden is not None:
+                grad_hidden[b, t] = (dz @ head).to(grad_hidden.dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(dz.T, h)
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None
+
+
 def token_logprobs(
-    logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None = None, temperature: float = 1.0, chunk_size: int = 256
+    logits: Logits, ids: torch.Tensor, mask: torch.Tensor | None = None, temperature: float = 1.0, chunk_size: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob ``(B, C)`` of each token ``ids`` under ``softmax(logits / temperature)`` (``logits``
-    ``(B, C, V)``, any float dtype) and the entropy ``(B, C)`` of each position's distribution
-    (detached), in fp32; differentiable w.r.t. ``logits``. Only positions where ``mask`` ``(B, C)``
-    is True are computed (others are 0); fp32 intermediates never exceed ``(chunk_size, V)``."""
+    ``(B, C, V)``, any float dtype, or :class:`~kdlab.objectives.HeadLogits` whose ``scale`` is then used
+    instead of ``temperature``) and the entropy ``(B, C)`` of each position's distribution (detached),
+    in fp32; differentiable w.r.t. the logits (or the hidden states and head). Only positions where
+    ``mask`` ``(B, C)`` is True are computed (others are 0); fp32 intermediates never exceed
+    ``(chunk_size, V)``."""
     mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    if isinstance(logits, HeadLogits):
+        return _ChunkedHeadTokenLogprobs.apply(logits.hidden, logits.weight, ids, mask, logits.scale, chunk_size)
     return _ChunkedTokenLogprobs.apply(logits, ids, mask, 1.0 / temperature, chunk_size)
 
 
@@ -212,6 +256,10 @@ class GRPOModule(TaskStage):
             :class:`~kdlab.stage.TaskStage`; ``batch_size`` counts prompts (each gives G rows).
         export_dir: when training ends, write the (LoRA-merged) policy and tokenizer there as a Hugging
             Face folder (e.g. an RL-trained teacher for distillation).
+        fused_lm_head: compute the loss's log-probs from the final hidden states and the LM head
+            (:func:`token_logprobs` with :class:`~kdlab.objectives.HeadLogits`), so no ``(b, C, V)``
+            logits exist even in the model's dtype (long RLVR traces); same values and gradients. Not with
+            a sharded (FSDP1/FSDP2) head.
     """
 
     trained_role = "policy"
@@ -254,6 +302,7 @@ class GRPOModule(TaskStage):
         seed: int = 42,
         stop_strings: list[str] | None = None,
         export_dir: str | None = None,
+        fused_lm_head: bool = False,
     ) -> None:
         super().__init__(
             task, batch_size, max_prompt_tokens, max_completion_tokens, val_examples,
@@ -284,6 +333,7 @@ class GRPOModule(TaskStage):
         self.grad_clip, self.betas, self.eps, self.weight_decay = grad_clip, tuple(betas), eps, weight_decay
         self.set_max_bad_steps(max_bad_steps)
         self.export_dir = export_dir
+        self.fused_lm_head = fused_lm_head
         self.rollout = rollout if rollout is not None else StudentRollouts()
 
         self.student_spec = ModelSpec(policy) if isinstance(policy, str) else policy
@@ -354,7 +404,10 @@ class GRPOModule(TaskStage):
         """Tempered log-probs and entropies ``(b, C)`` of the completion tokens of ``rows``."""
         inputs = {name: value[rows] for name, value in rollout.model_inputs("student").items()}
         ids = rollout.completion_ids[rows]
-        logits = completion_logits(model, inputs, ids.shape[1], self.vocab_size)
+        if self.fused_lm_head:
+            logits = completion_head_logits(model, inputs, ids.shape[1], self.vocab_size, self.temperature)
+        else:
+            logits = completion_logits(model, inputs, ids.shape[1], self.vocab_size)
         return token_logprobs(logits, ids, rollout.completion_mask[rows], self.temperature)
 
     # ---- training -------------------------------------------------------------------------

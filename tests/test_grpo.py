@@ -376,3 +376,24 @@ def test_dapo_token_weights_scale_the_policy_term_but_not_the_kl():
     with_kl, _ = dapo_loss(logprobs, logprobs, torch.zeros(1), mask, ref_logprobs=ref, beta=1.0, token_weights=weights)
     without, _ = dapo_loss(logprobs, logprobs, torch.zeros(1), mask, ref_logprobs=ref, beta=1.0)
     assert with_kl.item() == pytest.approx(without.item())
+
+
+def test_fused_lm_head_gives_the_same_log_probs_and_gradients_as_the_logits(tiny_pair):
+    """With fused_lm_head the policy's log-probs come from hidden states and the LM head, chunk by chunk;
+    values, entropies and every parameter's gradient equal the logits path (temperature != 1 included)."""
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        module = GRPOModule(tiny_pair[0], Addition(num_train=4, num_val=0, num_test=0), group_size=2, batch_size=2,
+                            max_completion_tokens=6, temperature=0.7, fused_lm_head=fused)
+        rollout, _ = module.sample_groups(module.task.examples("train")[:2], seed=1)
+        logprobs, entropy = module.sequence_logprobs(module.student, rollout, slice(0, 4))
+        mask = rollout.completion_mask
+        (logprobs * mask * torch.linspace(-1, 1, mask.shape[1])).sum().backward()
+        results.append((logprobs.detach(), entropy, {n: p.grad.clone() for n, p in module.student.named_parameters()}))
+    (plain, plain_entropy, plain_grads), (fused, fused_entropy, fused_grads) = results
+    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_entropy, plain_entropy, atol=1e-5, rtol=1e-5)
+    assert plain_grads.keys() == fused_grads.keys()
+    for name in plain_grads:
+        torch.testing.assert_close(fused_grads[name], plain_grads[name], atol=1e-5, rtol=1e-4, msg=name)
