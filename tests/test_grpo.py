@@ -363,6 +363,15 @@ def test_engine_rollouts_weight_each_token_by_the_truncated_ratio_to_the_old_pol
     assert quarter["rlvr/engine_ratio"] == pytest.approx(0.25) and quarter["train/grad_norm"] == pytest.approx(plain["train/grad_norm"] / 4, rel=1e-4)
     for shift, values in zip((math.log(2.0), math.log(4.0), -math.log(4.0)), (doubled, capped, quarter)):
         assert values["rlvr/engine_kl"] == pytest.approx(-shift, abs=1e-4)  # mean log q - log pi_old
+    # with two mini-batches pi_old is recomputed before the first update, so the second one still sees 2
+    module = GRPOModule(
+        tiny_pair[0], Addition(num_train=4, num_val=2, num_test=2), group_size=4, batch_size=2, mini_batches=2,
+        max_completion_tokens=6, lr=1e-3, warmup_steps=0, rollout=Engine(math.log(2.0)),
+    )
+    alternate_rewards(module.task)
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
+    trainer.fit(module)
+    assert trainer.global_step == 2 and float(trainer.callback_metrics["rlvr/engine_ratio"]) == pytest.approx(2.0)
 
 
 def test_dapo_token_weights_scale_the_policy_term_but_not_the_kl():
