@@ -118,7 +118,7 @@ def test_grpo_fit_logs_the_rl_statistics(grpo, tmp_path):
     assert float(trainer.logged_metrics["rlvr/zero_variance_groups"]) == 0.0
 
 
-def test_lora_trains_only_the_adapters(tiny_pair):
+def test_lora_trains_only_the_adapters(tiny_pair, tmp_path):
     pytest.importorskip("peft")
     from kdlab.sft import LoraSpec
 
@@ -130,7 +130,7 @@ def test_lora_trains_only_the_adapters(tiny_pair):
     assert trainable and all("lora_" in n for n in trainable)
     before = {n: p.detach().clone() for n, p in module.student.named_parameters()}
     alternate_rewards(module.task)
-    pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0).fit(module)
+    pl.Trainer(max_steps=3, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0).fit(module)
     changed = {n for n, p in module.student.named_parameters() if not torch.equal(before[n], p)}
     assert changed and changed <= trainable
 
@@ -203,7 +203,7 @@ def test_a_stage_starts_from_the_previous_stages_checkpoint(tiny_pair, tmp_path)
     from kdlab.module import DistillModule
 
     distill = DistillModule(tiny_pair[0], tiny_pair[1], Addition(num_train=4, num_val=2, num_test=2), max_completion_tokens=4, lr=1e-2, warmup_steps=0, batch_size=2)
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
     trainer.fit(distill)
     path = tmp_path / "distilled.ckpt"
     trainer.save_checkpoint(path)
@@ -276,8 +276,8 @@ def test_an_rlvr_run_resumed_mid_epoch_ends_with_the_uninterrupted_weights(tiny_
 
     def fit(module, root, stop=False, ckpt_path=None):
         callbacks = [ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=2)] + ([StopAt()] if stop else [])
-        trainer = pl.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                             limit_val_batches=0, callbacks=callbacks)
+        trainer = pl.Trainer(max_steps=10, accelerator="cpu", logger=False, default_root_dir=root, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, callbacks=callbacks)
         trainer.fit(module, ckpt_path=ckpt_path, weights_only=True)
 
     pl.seed_everything(0)
@@ -292,11 +292,11 @@ def test_an_rlvr_run_resumed_mid_epoch_ends_with_the_uninterrupted_weights(tiny_
         assert torch.equal(a, b)
 
 
-def test_a_short_last_batch_keeps_whole_groups_and_takes_fewer_steps(tiny_pair):
+def test_a_short_last_batch_keeps_whole_groups_and_takes_fewer_steps(tiny_pair, tmp_path):
     task = Addition(num_train=3, num_val=0, num_test=0)  # batches of 2 prompts, then 1
     alternate_rewards(task)
     module = GRPOModule(tiny_pair[0], task, group_size=2, batch_size=2, mini_batches=2, max_completion_tokens=4, lr=1e-3, warmup_steps=0)
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
     trainer.fit(module)
     assert trainer.global_step == 3  # 2 mini-batch steps, then 1 for the single remaining group
 
@@ -323,7 +323,7 @@ def test_chunked_token_logprobs_equal_the_plain_log_softmax_in_value_and_gradien
     torch.testing.assert_close(chunked.grad, plain.grad, **tolerance)
 
 
-def test_engine_rollouts_weight_each_token_by_the_truncated_ratio_to_the_old_policy(tiny_pair):
+def test_engine_rollouts_weight_each_token_by_the_truncated_ratio_to_the_old_policy(tiny_pair, tmp_path):
     """An engine whose sampling log-probs are log q = log pi_old - log 2 gets every token's policy term
     weighted by min(2, pi_old / q) = 2: the gradient doubles, and rlvr/engine_ratio reports 2. With
     log q = log pi_old - log 4 the ratio 4 is truncated to 2; with log q = log pi_old + log 4 the weight is
@@ -351,7 +351,7 @@ def test_engine_rollouts_weight_each_token_by_the_truncated_ratio_to_the_old_pol
             lr=1e-3, warmup_steps=0, rollout=None if shift is None else Engine(shift),
         )
         alternate_rewards(module.task)
-        trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
+        trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
         trainer.fit(module)
         metrics[shift] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     plain, doubled, capped, quarter = metrics.values()
@@ -369,7 +369,7 @@ def test_engine_rollouts_weight_each_token_by_the_truncated_ratio_to_the_old_pol
         max_completion_tokens=6, lr=1e-3, warmup_steps=0, rollout=Engine(math.log(2.0)),
     )
     alternate_rewards(module.task)
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
     trainer.fit(module)
     assert trainer.global_step == 2 and float(trainer.callback_metrics["rlvr/engine_ratio"]) == pytest.approx(2.0)
 

@@ -29,7 +29,7 @@ def test_sft_on_task_references_learns_them(tiny_pair, tmp_path):
     module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=8)], lr=1e-2, warmup_steps=1, batch_size=8, schedule="constant")
     batch = module.collate(module.rows)
     before = module.loss(batch).item()
-    pl.Trainer(max_steps=40, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(module)
+    pl.Trainer(max_steps=40, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False).fit(module)
     assert module.loss(batch).item() < 0.5 * before
 
 
@@ -41,7 +41,7 @@ def test_cosine_schedule_warms_up_then_decays(tiny_pair, tmp_path):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             seen.append(optimizer.param_groups[0]["lr"])
 
-    pl.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[Record()]).fit(module)
+    pl.Trainer(max_steps=6, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False, callbacks=[Record()]).fit(module)
     assert seen[:2] == pytest.approx([0.5, 1.0])
     assert seen[2] == pytest.approx(1.0) and seen[-1] < seen[3] < seen[2]
 
@@ -75,7 +75,7 @@ def test_lora_sft_trains_only_the_adapters_and_exports_merged_weights(tiny_pair,
     assert trainable and all("lora_" in n for n in trainable)
     before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
     batch = module.collate(module.rows)
-    pl.Trainer(max_steps=5, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(module)
+    pl.Trainer(max_steps=5, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False).fit(module)
     changed = {n for n, p in module.model.named_parameters() if not torch.equal(before[n], p)}
     assert changed and changed <= trainable
     trained_loss = module.loss(batch).item()
