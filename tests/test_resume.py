@@ -104,8 +104,8 @@ def test_checkpoints_saved_at_validation_end_record_the_data_position(tiny_pair,
     model = module(tiny_pair, "offpolicy")
     model.task = Addition(num_train=8, num_val=2)
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)  # saves on validation end
-    trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         val_check_interval=3, num_sanity_val_steps=0, limit_val_batches=1, callbacks=[checkpoint])
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
+                         enable_model_summary=False, val_check_interval=3, num_sanity_val_steps=0, limit_val_batches=1, callbacks=[checkpoint])
     trainer.fit(model)
     state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
     assert state["kdlab_data_position"] == {"epoch": 0, "batches_done": 3}
