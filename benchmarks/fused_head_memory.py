@@ -4,7 +4,11 @@
 * ``logits``: logits = hidden @ W.T, kdlab's chunked ForwardKL (closed-form gradient);
 * ``fused``: kdlab's ``HeadLogits(hidden, W)``: the ``(N, V)`` student logits and their gradient never exist.
 
-    python benchmarks/fused_head_memory.py [--tokens 8192 --vocab 32000 --hidden 1024]
+    python benchmarks/fused_head_memory.py [--tokens 8192 --vocab 32000 --hidden 1024] [--objective token_logprobs]
+
+``--objective token_logprobs`` measures GRPO's policy term instead (weighted log-probs of given tokens, and
+the entropy GRPO logs): ``naive`` is ``log_softmax(h W^T).gather``, ``logits`` is
+:func:`kdlab.grpo.token_logprobs` on ``h W^T``, ``fused`` is ``token_logprobs(HeadLogits(h, W))``.
 
 Each runs forward + backward to the hidden states and the head weight in a fresh process (peak RSS via
 /proc, as in ``kl_memory.py``), after a check that all three give the same loss and gradients. Ratios
@@ -41,7 +45,24 @@ def make_inputs(tokens: int, vocab: int, hidden_size: int, seed: int = 0):
     return hidden, weight, teacher, mask
 
 
-def loss(impl: str, hidden, weight, teacher, mask):
+def policy_term(impl: str, hidden, weight, mask):
+    """GRPO's policy term: sum of weighted log-probs of fixed tokens (plus the entropy it logs)."""
+    from kdlab.grpo import token_logprobs
+
+    ids = torch.randint(0, weight.shape[0], mask.shape, generator=torch.Generator().manual_seed(7))
+    if impl == "naive":
+        logprobs = torch.log_softmax(hidden @ weight.T, -1)
+        values = logprobs.gather(-1, ids[..., None]).squeeze(-1)
+        with torch.no_grad():
+            (logprobs.exp() * logprobs).sum(-1)
+    else:
+        values, _ = token_logprobs(HeadLogits(hidden, weight) if impl == "fused" else hidden @ weight.T, ids, mask)
+    return (values * token_weights(mask)).sum()
+
+
+def loss(impl: str, hidden, weight, teacher, mask, objective: str = "forward_kl"):
+    if objective == "token_logprobs":
+        return policy_term(impl, hidden, weight, mask)
     if impl == "fused":
         return ForwardKL()(HeadLogits(hidden, weight), teacher, mask)
     logits = hidden @ weight.T
@@ -61,7 +82,7 @@ def child(args) -> None:
             reset = reset_peak_rss()
             baseline = proc_kib("VmRSS")
         start = time.perf_counter()
-        loss(args.child, hidden, weight, teacher, mask).backward()
+        loss(args.child, hidden, weight, teacher, mask, args.objective).backward()
         if i == 0:
             extra = (proc_kib("VmHWM") - baseline) / 1024
         else:
@@ -76,6 +97,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--objective", choices=("forward_kl", "token_logprobs"), default="forward_kl")
     parser.add_argument("--child", choices=("naive", "logits", "fused"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -84,18 +106,20 @@ def main() -> None:
     results = []
     for impl in ("naive", "logits", "fused"):
         hidden, weight, teacher, mask = (t.detach().clone().requires_grad_(t.requires_grad) for t in small)
-        value = loss(impl, hidden, weight, teacher, mask)
+        value = loss(impl, hidden, weight, teacher, mask, args.objective)
         value.backward()
         results.append((value.item(), hidden.grad, weight.grad))
     agree = all(abs(r[0] - results[0][0]) < 1e-5 and torch.allclose(r[1], results[0][1], atol=1e-5) and torch.allclose(r[2], results[0][2], atol=1e-4) for r in results)
     print(f"check (N=512): the three agree on loss and gradients -> {'OK' if agree else 'MISMATCH'}")
-    flags = [f"--tokens={args.tokens}", f"--vocab={args.vocab}", f"--hidden={args.hidden}", f"--repeats={args.repeats}", f"--threads={args.threads}"]
+    flags = [f"--tokens={args.tokens}", f"--vocab={args.vocab}", f"--hidden={args.hidden}", f"--repeats={args.repeats}",
+             f"--threads={args.threads}", f"--objective={args.objective}"]
     res = {}
     for impl in ("naive", "logits", "fused"):
         out = subprocess.run([sys.executable, __file__, *flags, f"--child={impl}"], check=True, capture_output=True, text=True).stdout
         res[impl] = json.loads(out.strip().splitlines()[-1])
     logits_mib = args.tokens * args.vocab * 4 / 2**20
-    print(f"N={args.tokens} (B={BATCH}), V={args.vocab}, H={args.hidden}, fp32, threads={args.threads}; one (N, V) fp32 tensor = {logits_mib:.0f} MiB")
+    print(f"{args.objective}: N={args.tokens} (B={BATCH}), V={args.vocab}, H={args.hidden}, fp32, threads={args.threads}; "
+          f"one (N, V) fp32 tensor = {logits_mib:.0f} MiB")
     print(f"{'implementation':<16}{'peak extra MiB':>16}{'x naive':>10}{'time s':>10}{'x naive':>10}")
     for impl, r in res.items():
         print(f"{impl:<16}{r['extra_mib']:>16.0f}{r['extra_mib'] / res['naive']['extra_mib']:>10.2f}{r['time_s']:>10.2f}{r['time_s'] / res['naive']['time_s']:>10.2f}")
