@@ -59,7 +59,8 @@ class Dump(pl.Callback):
         else:  # (an FSDP1 root's state_dict is the full one by default, gathered on every rank)
             state = {k: v.detach().cpu() for k, v in pl_module.student.state_dict().items()}
             total = sum(v.numel() for k, v in state.items() if not k.endswith("inv_freq"))
-        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps({"local": local, "total": total}))
+        grad_norm = float(pl_module.student_grad_norm())  # the last step's (clipped) gradient; a collective
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps({"local": local, "total": total, "grad_norm": grad_norm}))
         # what a weight push to vLLM and an export read: whole tensors under Hugging Face names (collectives)
         shapes = {name: list(tensor.shape) for name, tensor in merged_weights(pl_module.student)}
         export_pretrained(pl_module.student, pl_module.student_tokenizer, self.out / "export", write=trainer.is_global_zero)

@@ -23,9 +23,15 @@ def run(layout: str, out: Path, *extra: str) -> dict[str, torch.Tensor]:
     return torch.load(out / "student.pt", weights_only=True), sparsity
 
 
+SINGLE_GRAD_NORM: list[float] = []
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    return run("single", tmp_path_factory.mktemp("single") / "out")
+    out = tmp_path_factory.mktemp("single") / "out"
+    result = run("single", out)
+    SINGLE_GRAD_NORM[:] = [json.loads((out / "rank0.json").read_text())["grad_norm"]]
+    return result
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "fsdp1", "ddp"])
@@ -34,6 +40,9 @@ def test_two_processes_train_the_same_student_as_one(single, layout, tmp_path):
     assert sharded.keys() == whole.keys()
     for name, value in whole.items():
         torch.testing.assert_close(sharded[name], value, atol=1e-6, rtol=0, msg=name)
+    # the global gradient norm (what clipping and train/grad_norm use) is the same on every rank and layout
+    norms = [json.loads((tmp_path / layout / f"rank{r}.json").read_text())["grad_norm"] for r in (0, 1)]
+    assert norms == pytest.approx([SINGLE_GRAD_NORM[0]] * 2, abs=1e-6)
     if layout in ("fsdp2", "fsdp1"):  # and each rank held about half of the student
         shares = [json.loads((tmp_path / layout / f"rank{r}.json").read_text()) for r in (0, 1)]
         assert sum(s["local"] for s in shares) == shares[0]["total"]
