@@ -302,7 +302,8 @@ def export_pretrained(model: torch.nn.Module, tokenizer: Any, directory: str | P
     Face folder that any later stage, vLLM or ``from_pretrained`` can load. ``model`` is left as it was
     (a peft model keeps its adapters). Under sharding call it on every rank (gathering the weights is
     a collective) with ``write`` true on one."""
-    sharded = any(hasattr(p, "full_tensor") for p in model.parameters()) or fsdp1_wrapped(model)
+    fsdp1 = fsdp1_wrapped(model)
+    sharded = any(hasattr(p, "full_tensor") for p in model.parameters()) or fsdp1
     if not hasattr(model, "get_base_model") and not sharded:
         if write:
             model.save_pretrained(directory)
@@ -315,7 +316,7 @@ def export_pretrained(model: torch.nn.Module, tokenizer: Any, directory: str | P
         base = innermost_model(base)  # the Hugging Face model inside FSDP1 / compile wrappers
         # what a checkpoint holds (not the non-persistent buffers); under FSDP1 every merged name, the only
         # non-persistent buffers of the supported models being the rotary inv_freq ones merged_weights drops
-        expected = None if fsdp1_wrapped(model) else {name for name in (hf_weight_name(key) for key in base.state_dict()) if name is not None}
+        expected = None if fsdp1 else {name for name in (hf_weight_name(key) for key in base.state_dict()) if name is not None}
         state, seen = {}, set()
         for name, tensor in merged_weights(model):
             if expected is None or name in expected:

@@ -72,6 +72,12 @@ class EpochShuffle(DistributedSampler):
         return self.num_samples
 
 
+def decoder_layer_classes(model: torch.nn.Module) -> set[str]:
+    """Class names of ``model``'s decoder layers (a transformers model's ``_no_split_modules``): the
+    units FSDP shards one at a time."""
+    return set(getattr(model, "_no_split_modules", None) or [])
+
+
 class TaskStage(pl.LightningModule):
     """Base of :class:`~kdlab.module.DistillModule` and :class:`~kdlab.grpo.GRPOModule` (see module docstring).
 
@@ -201,7 +207,7 @@ class TaskStage(pl.LightningModule):
         if str(self.trainer.precision) == "bf16-mixed":  # FSDP2 takes mixed precision as a sharding policy
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for model in self.sharded_models():
-            blocks = set(getattr(model, "_no_split_modules", None) or [])
+            blocks = decoder_layer_classes(model)
             for module in model.modules():
                 if type(module).__name__ in blocks:
                     fully_shard(module, **options)
@@ -217,7 +223,7 @@ class TaskStage(pl.LightningModule):
 
         sharded = self.sharded_models()
         for model in sharded:
-            blocks = set(getattr(model, "_no_split_modules", None) or [])
+            blocks = decoder_layer_classes(model)
             parents = [(parent, name) for parent in model.modules() for name, child in parent.named_children() if type(child).__name__ in blocks]
             for parent, name in parents:
                 parent._modules[name] = wrap(parent._modules[name])

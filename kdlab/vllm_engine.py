@@ -131,6 +131,11 @@ def engine_end_ids(spec: Any, tokenizer: Any) -> tuple[int, ...]:
     return end_token_ids(tokenizer, SimpleNamespace(generation_config=config))
 
 
+def engine_settings(spec: Any, seed: int) -> dict[str, Any]:
+    """``vllm.LLM`` arguments that load the model a :class:`~kdlab.models.ModelSpec` names."""
+    return {"model": spec.resolved, "dtype": spec.dtype, "seed": seed, "revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
+
+
 def vllm_sample_completions(
     spec: Any,
     tokenizer: Any,
@@ -158,8 +163,7 @@ def vllm_sample_completions(
         raise ValueError(f"{setting}: vLLM loads {role}.path and cannot apply {role}.checkpoint; export the model to a folder")
     end_ids = engine_end_ids(spec, tokenizer)
     requests = [vllm.TokensPrompt(prompt_token_ids=prompt_token_ids(task, tokenizer, ex, role, max_prompt_tokens)) for ex in examples]
-    settings = {"model": spec.resolved, "dtype": spec.dtype, "seed": seed, "revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
-    llm = vllm.LLM(**{**settings, **(engine_args or {})})  # engine_args win (e.g. dtype: bfloat16)
+    llm = vllm.LLM(**{**engine_settings(spec, seed), **(engine_args or {})})  # engine_args win (e.g. dtype: bfloat16)
     params = [
         vllm.SamplingParams(**sampling_params(temperature, max_new_tokens, end_ids, seed=seed + row, logprobs=False, stop=tuple(stop_strings)))
         for row in range(len(requests))
@@ -265,8 +269,7 @@ class VLLMRollouts(RolloutPolicy):
                 # engine (one worker, tensor_parallel_size 1) receives them as tensors.
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             settings = {
-                "model": spec.resolved, "dtype": spec.dtype, "seed": seed, "revision": spec.revision,
-                "trust_remote_code": spec.trust_remote_code, "worker_extension_cls": "kdlab.vllm_engine.WeightLoaderExtension",
+                **engine_settings(spec, seed), "worker_extension_cls": "kdlab.vllm_engine.WeightLoaderExtension",
                 # log-probs of the distribution actually sampled from (vLLM >= 0.10)
                 "logprobs_mode": "processed_logprobs",
             }
