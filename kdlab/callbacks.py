@@ -4,9 +4,11 @@ Every number goes to the Trainer's loggers (TensorBoard by default) under ``stag
 is appended to ``<log_dir>/metrics.jsonl`` (one ``{"step": ..., "<name>": value}`` object per
 report) so sweeps can be tabulated without TensorBoard.
 
-They work on any module that has ``student`` and ``student_tokenizer`` attributes (a
-:class:`~kdlab.module.DistillModule`); teacher references also use ``teacher`` and
-``teacher_tokenizer``.
+They work on any module that has ``student`` and ``student_tokenizer`` attributes
+(:class:`~kdlab.module.DistillModule`, :class:`~kdlab.grpo.GRPOModule`). :class:`StyleTransfer`'s teacher
+reference uses the module's ``teacher`` and ``teacher_tokenizer`` or a teacher given to the callback;
+:class:`RolloutSensitivity` needs a :class:`~kdlab.module.DistillModule` with its teacher model. A
+callback that cannot measure on the module stops ``fit`` at setup, before any work, naming the setting.
 """
 
 from __future__ import annotations
@@ -206,13 +208,19 @@ class _Evaluates(_Periodic):
         self.examples, self.temperature = examples, temperature
         self.max_new_tokens, self.batch_size, self.seed = max_new_tokens, batch_size, seed
 
-    def sample(self, pl_module, task: Task, examples, role: str = "student", repeat: int = 1) -> list[str]:
-        model = pl_module.student if role == "student" else pl_module.teacher
-        tokenizer = pl_module.student_tokenizer if role == "student" else pl_module.teacher_tokenizer
+    def sample(self, pl_module, task: Task, examples, role: str = "student", repeat: int = 1, model: Any = None) -> list[str]:
+        """Completions of ``examples`` (each ``repeat`` times) prompted as ``role``, from the module's
+        student or teacher, or from ``model = (network, tokenizer)`` (its own vocabulary) when given."""
+        if model is not None:
+            (network, tokenizer), vocab_size = model, None
+        else:
+            network = pl_module.student if role == "student" else pl_module.teacher
+            tokenizer = pl_module.student_tokenizer if role == "student" else pl_module.teacher_tokenizer
+            vocab_size = getattr(pl_module, "vocab_size", None)
         generator = torch.Generator(device=pl_module.device).manual_seed(self.seed)
         repeated = [ex for ex in examples for _ in range(repeat)]
         return generate(
-            model,
+            network,
             tokenizer,
             task,
             repeated,
@@ -221,7 +229,7 @@ class _Evaluates(_Periodic):
             max_new_tokens=self.max_new_tokens,
             batch_size=self.batch_size,
             generator=generator,
-            vocab_size=getattr(pl_module, "vocab_size", None),
+            vocab_size=vocab_size,
             all_done=pl_module.all_done_hook() if hasattr(pl_module, "all_done_hook") else None,
         )
 
@@ -333,33 +341,75 @@ class OODForgetting(_Evaluates):
         self.before = state_dict.get("before")
 
 
+def module_teacher(pl_module: pl.LightningModule) -> torch.nn.Module | None:
+    """The module's teacher model, or ``None`` (a GRPOModule; a DistillModule reading a teacher cache)."""
+    try:
+        return getattr(pl_module, "teacher", None)
+    except RuntimeError:  # DistillModule(teacher=None) says so when asked
+        return None
+
+
 class StyleTransfer(_Evaluates):
     """``style/spanish_share``: share of student responses that are primarily Spanish (real language
     detection after removing tags, equations, numbers and code), on the student's own prompts.
 
     The teacher's share on its own prompts (which may carry the style instruction) is logged once at
-    the start as ``style/teacher_spanish_share`` for reference.
+    the start of fit as ``style/teacher_spanish_share`` for reference. The teacher is ``teacher`` when
+    given, else the module's own. A module without a teacher model (a :class:`~kdlab.grpo.GRPOModule`, a
+    :class:`~kdlab.module.DistillModule` with ``teacher: null`` reading a teacher cache) needs
+    ``teacher``; without it ``fit`` stops at setup with an error naming ``StyleTransfer.teacher``.
 
     Args:
         tasks: prompt sources (each task's ``val`` split; first ``examples`` of each).
         temperature: sampling temperature (paper's style run: 1.0).
+        teacher: the reference teacher (a model path, ``kdlab://...``, or a
+            :class:`~kdlab.models.ModelSpec`). Its tokenizer is read at setup; its weights are loaded at
+            the start of fit onto the module's device for the one measurement, then released.
     """
 
-    def __init__(self, tasks: list[Task], temperature: float = 1.0, **settings: Any) -> None:
+    def __init__(self, tasks: list[Task], temperature: float = 1.0, teacher: Any = None, **settings: Any) -> None:
+        from kdlab.models import ModelSpec
+
         super().__init__(temperature=temperature, **settings)
         if not tasks:
             raise ValueError("StyleTransfer.tasks must name at least one task")
         spanish_share(["probe"])  # fails now, naming the extra, if the detector is not installed
         self.tasks = list(tasks)
+        self.teacher = ModelSpec(teacher) if isinstance(teacher, str) else teacher
+        self._teacher_tokenizer: Any = None
 
-    def share(self, pl_module, role: str) -> float:
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.teacher is not None:
+            from kdlab.models import load_tokenizer
+
+            self._teacher_tokenizer = load_tokenizer(self.teacher, "StyleTransfer.teacher")
+        elif module_teacher(pl_module) is None:
+            raise ValueError(
+                f"StyleTransfer.teacher is required on a {type(pl_module).__name__} without a teacher model: "
+                "style/teacher_spanish_share needs a teacher to sample from (give StyleTransfer.teacher a model path)"
+            )
+
+    def share(self, pl_module, role: str, model: Any = None) -> float:
         texts = []
         for task in self.tasks:
-            texts += self.sample(pl_module, task, task.examples("val")[: self.examples], role=role)
+            texts += self.sample(pl_module, task, task.examples("val")[: self.examples], role=role, model=model)
         return spanish_share(texts)
 
+    def teacher_share(self, pl_module) -> float:
+        if self.teacher is None:
+            return self.share(pl_module, "teacher")
+        from kdlab.models import load_causal_lm
+
+        network = load_causal_lm(self.teacher, "StyleTransfer.teacher").to(pl_module.device).eval().requires_grad_(False)
+        try:
+            return self.share(pl_module, "teacher", model=(network, self._teacher_tokenizer))
+        finally:
+            del network  # held for this one measurement only
+
     def on_fit_start(self, trainer, pl_module) -> None:
-        report(trainer, {"style/teacher_spanish_share": self.share(pl_module, "teacher"), "style/spanish_share": self.share(pl_module, "student")})
+        report(trainer, {"style/teacher_spanish_share": self.teacher_share(pl_module), "style/spanish_share": self.share(pl_module, "student")})
 
     def measure(self, trainer, pl_module) -> None:
         report(trainer, {"style/spanish_share": self.share(pl_module, "student")})
@@ -438,6 +488,14 @@ class RolloutSensitivity(_Periodic):
         if examples < 1:
             raise ValueError(f"RolloutSensitivity.examples must be >= 1, got {examples}")
         self.reference, self.examples, self.seed = reference, examples, seed
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not hasattr(pl_module, "distillation_logits"):
+            raise ValueError(f"RolloutSensitivity measures a distillation objective's gradients and needs a DistillModule, got {type(pl_module).__name__}")
+        if module_teacher(pl_module) is None:
+            raise ValueError("RolloutSensitivity needs the teacher model (DistillModule.teacher): the reference rollouts' teacher log-probs are not in a teacher cache")
 
     def reference_policy(self, pl_module):
         from kdlab.rollouts import StudentRollouts, TeacherRollouts

@@ -94,7 +94,7 @@ def test_style_transfer_judges_real_text(module, tmp_path):
     task = Addition(num_val=2, seed=4)
     callback = StyleTransfer([task], examples=2)
     replies = {"teacher": ["primero sumo y luego obtengo el resultado"] * 2, "student": ["first I add and then I get it", "primero sumo y luego obtengo"]}
-    callback.sample = lambda pl_module, task, examples, role="student", repeat=1: replies[role]
+    callback.sample = lambda pl_module, task, examples, role="student", repeat=1, model=None: replies[role]
     callback.on_fit_start(trainer, module)
     (row,) = metrics_file(trainer)
     assert row["style/teacher_spanish_share"] == 1.0 and row["style/spanish_share"] == 0.5
@@ -157,3 +157,96 @@ def test_missing_language_detector_fails_at_construction_naming_the_extra(monkey
             StyleTransfer([Addition(num_val=1)])
     finally:
         metrics._identifier.cache_clear()
+
+
+# ---- StyleTransfer and RolloutSensitivity on stages without a teacher model -----------------------
+def spy_on_generation(monkeypatch):
+    """Record (role, hidden size of the model sampled) of every generation the callbacks run."""
+    import kdlab.callbacks as callbacks
+
+    calls, real = [], callbacks.generate
+    monkeypatch.setattr(callbacks, "generate", lambda model, *a, **k: calls.append((k["role"], model.config.hidden_size)) or real(model, *a, **k))
+    return calls
+
+
+def fit(module, callbacks, tmp_path, steps=1):
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=TensorBoardLogger(tmp_path), callbacks=callbacks,
+                         limit_val_batches=0, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(module)
+    return trainer
+
+
+@pytest.fixture
+def grpo(tiny_pair):
+    from kdlab.grpo import GRPOModule
+
+    return GRPOModule(tiny_pair[0], Addition(num_train=4, num_val=2), group_size=2, batch_size=2, max_completion_tokens=4, warmup_steps=0)
+
+
+@pytest.fixture
+def cached_distill(tiny_pair, tmp_path):
+    """A DistillModule with teacher: null: teacher log-probs come from a top-k cache written beforehand."""
+    from kdlab.models import ModelSpec
+    from kdlab.rollouts import TeacherRollouts
+    from kdlab.teacher_data import generate_teacher_data
+
+    task = Addition(num_train=2, num_val=2, num_test=0)
+    data = tmp_path / "teacher.jsonl"
+    generate_teacher_data(ModelSpec(tiny_pair[1]), task, str(data), max_new_tokens=3, top_k=4, cache_temperature=0.5)
+    rollout = TeacherRollouts(dataset=str(data), teacher_cache=str(data) + ".topk.safetensors")
+    return DistillModule(tiny_pair[0], None, task, rollout=rollout, max_completion_tokens=3, batch_size=2)
+
+
+def test_every_measuring_callback_runs_on_a_grpo_stage(grpo, tiny_pair, tmp_path, monkeypatch):
+    """docs/stages.md: UpdateSparsity, OODForgetting, Coverage and StyleTransfer (given a teacher) work on GRPOModule."""
+    calls = spy_on_generation(monkeypatch)
+    tasks = [Addition(num_val=2, seed=5)]
+    callbacks = [
+        UpdateSparsity(every_n_steps=1),
+        OODForgetting(tasks, examples=2, max_new_tokens=3),
+        StyleTransfer(tasks, examples=2, max_new_tokens=3, teacher=tiny_pair[1]),
+        Coverage(Addition(num_val=2, seed=6), ks=(1, 2), samples=2, examples=2, max_new_tokens=3),
+    ]
+    trainer = fit(grpo, callbacks, tmp_path)
+    keys = set().union(*metrics_file(trainer))
+    for key in ("sparsity/1e-06", "ood/mean_delta", "style/teacher_spanish_share", "style/spanish_share", "coverage/addition/pass@2"):
+        assert key in keys, key
+    assert ("teacher", 64) in calls and ("student", 32) in calls  # the given teacher (hidden 64), the policy (32)
+    assert all(size == 64 for role, size in calls if role == "teacher")
+
+
+def test_style_transfer_refuses_a_grpo_stage_without_a_teacher_at_setup(grpo, tmp_path, monkeypatch):
+    calls = spy_on_generation(monkeypatch)
+    with pytest.raises(ValueError, match="StyleTransfer.teacher is required on a GRPOModule without a teacher model"):
+        fit(grpo, [StyleTransfer([Addition(num_val=2)], examples=2, max_new_tokens=3)], tmp_path)
+    assert calls == [] and grpo.global_step == 0  # nothing sampled, nothing trained
+
+
+def test_style_transfer_on_distillation_from_a_teacher_cache(cached_distill, tiny_pair, tmp_path, monkeypatch):
+    calls = spy_on_generation(monkeypatch)
+    tasks = [Addition(num_val=2, seed=7)]
+    with pytest.raises(ValueError, match="StyleTransfer.teacher is required on a DistillModule without a teacher model"):
+        fit(cached_distill, [StyleTransfer(tasks, examples=2, max_new_tokens=3)], tmp_path / "refused")
+    assert calls == [] and cached_distill.global_step == 0
+    trainer = fit(cached_distill, [StyleTransfer(tasks, examples=2, max_new_tokens=3, teacher=tiny_pair[1])], tmp_path / "given")
+    start, end = metrics_file(trainer)  # at the start of fit, and at its end
+    assert {"style/teacher_spanish_share", "style/spanish_share"} <= start.keys() and "style/spanish_share" in end
+    assert ("teacher", 64) in calls and "teacher" not in cached_distill._frozen  # loaded for the callback only
+
+
+def test_style_transfer_prefers_the_teacher_it_is_given(module, tmp_path, monkeypatch):
+    calls = spy_on_generation(monkeypatch)
+    callback = StyleTransfer([Addition(num_val=1)], examples=1, max_new_tokens=2, teacher="kdlab://tiny-random/student")
+    callback.setup(bare_trainer(tmp_path), module, "fit")
+    callback.on_fit_start(bare_trainer(tmp_path), module)
+    assert calls == [("teacher", 32), ("student", 32)]  # the module's teacher (hidden 64) was not used
+    with pytest.raises(FileNotFoundError, match="StyleTransfer.teacher"):
+        StyleTransfer([Addition(num_val=1)], teacher=str(tmp_path / "missing")).setup(bare_trainer(tmp_path), module, "fit")
+
+
+def test_rollout_sensitivity_refuses_stages_it_cannot_measure_at_setup(grpo, cached_distill, tmp_path):
+    with pytest.raises(ValueError, match="RolloutSensitivity .* needs a DistillModule, got GRPOModule"):
+        fit(grpo, [RolloutSensitivity(examples=2)], tmp_path / "grpo")
+    with pytest.raises(ValueError, match=r"RolloutSensitivity needs the teacher model \(DistillModule.teacher\)"):
+        fit(cached_distill, [RolloutSensitivity(examples=2)], tmp_path / "cache")
+    assert grpo.global_step == 0 and cached_distill.global_step == 0
