@@ -4,6 +4,7 @@ teacher training) when a config names one with ``model: {class_path: ..., init_a
 ``kdlab generate --config X.yaml``: teacher data for off-policy runs (:mod:`kdlab.teacher_data`);
 ``kdlab sweep --config S.yaml``: a grid of fit runs (:mod:`kdlab.sweep`);
 ``kdlab pipeline --config P.yaml``: distillation runs, then RLVR from each (:mod:`kdlab.pipeline`);
+``kdlab prune --model M --layers every_other --output DIR``: a depth-pruned student (:mod:`kdlab.pruning`);
 ``kdlab report RUN_DIR...``: the paper's tables and figures from finished runs (:mod:`kdlab.report`).
 
 Components (``task``, ``rollout``, ``objective``) are chosen with ``class_path``/``init_args``;
@@ -36,10 +37,35 @@ class KDLabCLI(LightningCLI):
             kwargs["weights_only"] = True
         return kwargs
 
+    def before_instantiate_classes(self) -> None:
+        """``fit --ckpt_path <save_dir>/<name>/version_N/...``: the TensorBoard or CSV logger continues in
+        ``version_N`` (unless the config names a version), so a resumed run is one run directory."""
+        config = self.config.get(self.subcommand) if self.subcommand else None
+        ckpt_path = config.get("ckpt_path") if config is not None and self.subcommand == "fit" else None
+        logger = config.get("trainer.logger") if ckpt_path else None
+        if not ckpt_path or not hasattr(logger, "get") or not str(logger.get("class_path", "")).endswith(("TensorBoardLogger", "CSVLogger")):
+            return
+        args = logger.get("init_args")
+        if args is None or args.get("version") is not None:
+            return
+        from kdlab.checkpointing import resume_version
+
+        version = resume_version(args.get("save_dir") or ".", args.get("name") or "lightning_logs", ckpt_path)
+        if version is not None:
+            args["version"] = version
+
     def before_fit(self) -> None:
-        """Every fit ends with a checkpoint of its final state (see :mod:`kdlab.checkpointing`)."""
+        """Every fit ends with a checkpoint of its final state (see :mod:`kdlab.checkpointing`); a resumed
+        fit first removes what the interrupted run logged after its checkpoint."""
         if not any(isinstance(callback, FinalCheckpoint) for callback in self.trainer.callbacks):
             self.trainer.callbacks.append(FinalCheckpoint())
+        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+        if ckpt_path and self.trainer.is_global_zero and self.trainer.log_dir:
+            from kdlab.checkpointing import log_position, trim_logs
+
+            position = log_position(ckpt_path)
+            if position is not None and Path(self.trainer.log_dir).is_dir():
+                trim_logs(self.trainer.log_dir, position)
 
 
 def names_model_class(argv: list[str]) -> bool:
@@ -77,6 +103,12 @@ def main(args: list[str] | None = None, run: bool = True):
         from kdlab.pipeline import main as pipeline
 
         return pipeline(argv[1:])
+    if argv[:1] == ["prune"]:  # a depth-pruned copy of a model (kdlab.pruning)
+        from jsonargparse import auto_cli
+
+        from kdlab.pruning import prune_checkpoint
+
+        return auto_cli(prune_checkpoint, args=argv[1:])
     if argv[:1] == ["report"]:
         from kdlab.report import main as report
 

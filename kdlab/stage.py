@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,18 @@ class EpochShuffle(DistributedSampler):
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+class ResumableLoader(DataLoader):
+    """The training DataLoader. It resumes mid-epoch through its :class:`EpochShuffle` sampler (the data
+    position is in the checkpoint, see :meth:`TaskStage.on_save_checkpoint`); ``state_dict`` and
+    ``load_state_dict`` tell Lightning so, which otherwise warns that a mid-epoch resume is unreliable."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
 
 
 def decoder_layer_classes(model: torch.nn.Module) -> set[str]:
@@ -140,6 +153,8 @@ class TaskStage(pl.LightningModule):
         self._eval_records: list[dict[str, Any]] = []
         self._sharded = False
         self._frozen: dict[str, torch.nn.Module] = {}  # a plain dict: not submodules (see hold_frozen)
+        self._resume_log_step: int | None = None  # see _next_log_step
+        self._log_step_at_batch_start: int | None = None
 
     # ---- frozen models --------------------------------------------------------------------
     def hold_frozen(self, name: str, model: torch.nn.Module) -> torch.nn.Module:
@@ -317,7 +332,7 @@ class TaskStage(pl.LightningModule):
         if resume is not None:
             self._train_sampler.set_epoch(resume["epoch"])
             self._train_sampler.skip = resume["batches_done"] * self.batch_size
-        return DataLoader(examples, batch_size=self.batch_size, sampler=self._train_sampler, collate_fn=list)
+        return ResumableLoader(examples, batch_size=self.batch_size, sampler=self._train_sampler, collate_fn=list)
 
     def on_train_epoch_start(self) -> None:
         # Lightning may wrap the sampler for data parallelism and then set the wrapper's epoch only
@@ -434,16 +449,49 @@ class TaskStage(pl.LightningModule):
     # ---- checkpoints ----------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the data position (epoch, batches of it already trained) so a resumed run
-        continues with the next batch."""
+        continues with the next batch, and the log position (``kdlab_log_position``: the logger step
+        of the next batch, the global step, the save's wall time and the size of ``metrics.jsonl``) so
+        a resumed run logs each step at the step the uninterrupted run did (see
+        :func:`kdlab.checkpointing.trim_logs`)."""
         if self._trainer is not None and self.trainer.state.fn == "fit":  # also for saves at validation end
-            done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            loop = self.trainer.fit_loop.epoch_loop
+            done = loop.batch_progress.current.processed
             epoch = self.current_epoch
             if done >= self.trainer.num_training_batches:  # saved at the epoch's last batch: next is a new epoch
                 epoch, done = epoch + 1, 0
             checkpoint["kdlab_data_position"] = {"epoch": epoch, "batches_done": done}
+            metrics = Path(run_directory(self.trainer)) / "metrics.jsonl"  # on every rank: a collective call
+            checkpoint["kdlab_log_position"] = {
+                "step": self._next_log_step(),
+                "global_step": self.trainer.global_step,
+                "time": time.time(),
+                "metrics_bytes": metrics.stat().st_size if metrics.is_file() else 0,
+            }
+
+    def _next_log_step(self) -> int:
+        """The logger step (Lightning's count of stepped batches) of the batch after the last processed one.
+
+        Lightning counts a batch only after its validation, and on resume adds one to the saved count
+        whatever the save interrupted; from a checkpoint written on an exception inside a batch that
+        puts every later scalar one step late. The count is therefore taken here from the step at the
+        start of the last batch, plus one when that batch was processed and stepped the optimiser."""
+        loop = self.trainer.fit_loop.epoch_loop
+        if self._resume_log_step is not None:  # saved before the first batch after a resume
+            return self._resume_log_step
+        progress = loop.batch_progress.current
+        if self._log_step_at_batch_start is None or progress.ready > progress.processed:
+            return loop._batches_that_stepped  # no batch yet, or the last one was interrupted: nothing pending
+        return self._log_step_at_batch_start + (0 if loop._should_accumulate() else 1)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        loop = self.trainer.fit_loop.epoch_loop
+        if self._resume_log_step is not None:  # the first batch after a resume: Lightning's guess corrected
+            loop._batches_that_stepped, self._resume_log_step = self._resume_log_step, None
+        self._log_step_at_batch_start = loop._batches_that_stepped
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._resume_position = checkpoint.get("kdlab_data_position")
+        self._resume_log_step = (checkpoint.get("kdlab_log_position") or {}).get("step")
 
     trained_role = "student"
     """How configs name the trained model (``student``, or ``policy`` for RLVR), for error messages."""

@@ -2,6 +2,10 @@
 optimiser, scheduler, data order and position, rollout sampling and sampled-KL streams; in the middle
 of an epoch and at its end."""
 
+import json
+import warnings
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -109,3 +113,86 @@ def test_checkpoints_saved_at_validation_end_record_the_data_position(tiny_pair,
     trainer.fit(model)
     state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
     assert state["kdlab_data_position"] == {"epoch": 0, "batches_done": 3}
+
+
+# ---- through the CLI: a resumed run's logs are the uninterrupted run's ------------------------------
+SMOKE = str(Path(__file__).parents[1] / "experiments" / "tiny" / "smoke.yaml")
+LOGGED = [  # validation at step 4, checkpoints every 2 steps, a callback writing metrics.jsonl every 2 steps
+    "--trainer.max_steps=6", "--trainer.val_check_interval=4", "--trainer.accumulate_grad_batches=1", "--trainer.log_every_n_steps=1",
+    "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", "--trainer.callbacks.save_last=true",
+    "--trainer.callbacks.every_n_train_steps=2",
+    "--trainer.callbacks+=kdlab.callbacks.UpdateSparsity", "--trainer.callbacks.every_n_steps=2",
+]
+
+
+def cli_fit(save_dir, *extra):
+    from kdlab.cli import main
+
+    return main(["fit", f"--config={SMOKE}", *LOGGED, f"--trainer.logger.init_args.save_dir={save_dir}", *extra])
+
+
+def logged(run_dir):
+    """Every TensorBoard scalar as (step, value) in logging order, metrics.jsonl, and samples/ by name."""
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={SCALARS: 0})
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    metrics = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+    samples = {p.name: p.read_text() for p in sorted(Path(run_dir, "samples").glob("*.jsonl"))}
+    return scalars, metrics, samples
+
+
+def interrupted_at(monkeypatch, step):
+    """Ctrl-C (KeyboardInterrupt) inside the training step after ``step`` optimiser steps."""
+    real = DistillModule.training_step
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == step:
+            raise KeyboardInterrupt
+        return real(self, batch, batch_idx)
+
+    monkeypatch.setattr(DistillModule, "training_step", training_step)
+
+
+@pytest.fixture(autouse=True)
+def clean_argv(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+
+
+@pytest.mark.parametrize("stop, resume_from", [(3, "on_exception.ckpt"), (5, "last.ckpt")], ids=["on_exception", "older-last"])
+def test_a_resumed_cli_run_logs_what_the_uninterrupted_run_logs_step_for_step(tmp_path, monkeypatch, capsys, stop, resume_from):
+    """Ctrl-C at a step, then ``--ckpt_path`` of the on-exception checkpoint (nothing logged after it) or
+    of an older last.ckpt (step 4: the interrupted run logged step 5 after it): the resumed run continues
+    in the same version_N and its TensorBoard scalars (each at the uninterrupted run's step, once),
+    metrics.jsonl and samples/ equal the uninterrupted run's; Ctrl-C named the checkpoint to resume from.
+    Fails with Lightning's own resume (every train/* scalar one step late after an on-exception
+    checkpoint, duplicated steps after an older one, a new version_1)."""
+    import signal
+
+    full = cli_fit(tmp_path / "full")
+    interrupted_at(monkeypatch, stop)
+    try:
+        with pytest.raises(SystemExit):
+            cli_fit(tmp_path / "part")
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignores further Ctrl-C after one
+    monkeypatch.undo()
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+    run_dir = tmp_path / "part" / "tiny-smoke" / "version_0"
+    err = capsys.readouterr().err
+    assert f"interrupted at step {stop}" in err and f"--ckpt_path={run_dir / 'checkpoints' / 'on_exception.ckpt'}" in err
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = cli_fit(tmp_path / "part", f"--ckpt_path={run_dir / 'checkpoints' / resume_from}")
+    assert Path(resumed.trainer.log_dir) == run_dir and not (run_dir.parent / "version_1").exists()
+    assert not [w for w in caught if "not resumable" in str(w.message)]  # the sampler resumes mid-epoch
+    expected, got = logged(full.trainer.log_dir), logged(run_dir)
+    assert {"train/loss", "train/kl_forward", "val/accuracy", "sparsity/1e-06"} <= set(got[0])
+    for tag, points in expected[0].items():
+        assert got[0].get(tag) == points, tag
+    assert set(got[0]) == set(expected[0])
+    assert got[1] == expected[1]  # metrics.jsonl
+    assert got[2] == expected[2] and list(got[2]) == ["val-step000004.jsonl"]
+    for a, b in zip(full.model.student.parameters(), resumed.model.student.parameters()):
+        assert torch.equal(a, b)
