@@ -2,15 +2,26 @@
 
 Each run directory needs the ``config.yaml`` the fit wrote (what was run: task, rollout policy and its
 ``lam``, objective, learning rate, seed); directories without one are listed and skipped. A sweep's
-output directory (it holds ``sweep.json``) stands for all its runs. Metrics come from ``metrics.jsonl``
+output directory (it holds ``sweep.json``) stands for all its runs, and any other folder for the run
+directories inside it (``runs/<name>`` for its ``version_N``). Metrics come from ``metrics.jsonl``
 and the TensorBoard event files together; a metric's value is the one at its last step (at the same
 step ``metrics.jsonl``'s float64 wins over TensorBoard's float32). Missing metrics are left out.
 
-Runs whose configs differ only in the seed are one configuration: mean +- sample standard deviation
-(n - 1) over them, n shown. Settings other than task, rollout, ``lam``, objective and learning rate that
-vary between configurations are shown in an ``other`` column, so no two settings are ever averaged.
+Unfinished runs are refused (listed as skipped, never averaged): a run is finished when it has a done
+marker (``DONE`` from ``kdlab sweep``, ``checkpoints/final.ckpt`` from every ``kdlab fit``) or, without
+one, when its last logged step reaches ``trainer.max_steps - 1``; a run with neither marker nor
+``max_steps`` is reported and flagged.
 
-Written to ``--output`` (default ``report/``):
+Runs whose configs differ only in the seed are one configuration: mean +- sample standard deviation
+(n - 1) over its seeds, n seeds shown; reruns of one seed are averaged into that seed first. Each
+value also gets a 95% interval in brackets where one can be made: a bootstrap over problems and
+samples of each seed's last evaluation (``samples/val-*.jsonl``) for ``val/accuracy`` and
+``val/pass@k``, a Wilson interval over the callback's examples x samples for
+``coverage/<task>/pass@1``. Settings other than task, rollout, ``lam``, objective and learning rate
+that vary between configurations are shown in an ``other`` column, so no two settings are ever averaged.
+
+Written to ``--output`` (default: ``report/`` in the folder holding every given run, e.g.
+``runs/sweep-smoke/report``):
 
 - ``report.md``: results by configuration (``val/accuracy``, ``ood/mean_delta``, ``sparsity/1e-06``)
   with the paper's headline numbers beside the matching rows; the rollout spectrum (MixtureRollouts,
@@ -18,7 +29,9 @@ Written to ``--output`` (default ``report/``):
   ``style/spanish_share``; final ``rlvr/reward*``. Fractions are shown in percent, ``ood/*`` in points.
 - CSV files in the units the runs logged: ``runs.csv`` (every run, every metric's last value),
   ``summary.csv``, ``spectrum.csv``, ``pass_at_k.csv``, ``style.csv``, ``rlvr_curves.csv`` (whole curves).
-- PNG figures, also embedded with the Markdown in TensorBoard under ``<output>/tensorboard``.
+- PNG figures (each titled with its metric, error bars the 95% interval or else +- std over seeds, a
+  note on the figure when every plotted value is equal), also embedded with the Markdown in
+  TensorBoard under ``<output>/tensorboard``.
 
 The paper's numbers sit beside a row when the setting matches: rollout OffPD (TeacherRollouts, or
 MixtureRollouts at lam = -1) or OnPD (StudentRollouts, or lam = 1), full-vocabulary ForwardKL or
@@ -163,6 +176,9 @@ class RunResult:
     seed: int | None
     settings: dict[str, str]
     series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    unfinished: str = ""  # why the run is not finished ("" when it is)
+    flag: str = ""  # a caveat shown in the report (e.g. no done marker)
+    coverage_draws: dict[str, int] = field(default_factory=dict)  # coverage/<name> -> examples x samples
 
     @property
     def last(self) -> dict[str, float]:
@@ -196,6 +212,8 @@ def read_run(run_dir: str | Path) -> RunResult:
         for key, value in _flatten(config).items()
         if not any(key == k or key.startswith(k + ".") for k in PER_RUN_KEYS)
     }
+    series = read_metrics(run_dir)
+    unfinished, flag = run_status(run_dir, config, series)
     return RunResult(
         path=run_dir,
         task=variant or _class_name(task, "?"),
@@ -205,8 +223,69 @@ def read_run(run_dir: str | Path) -> RunResult:
         lr=float(model.get("lr", 1e-5)),
         seed=seed,
         settings=settings,
-        series=read_metrics(run_dir),
+        series=series,
+        unfinished=unfinished,
+        flag=flag,
+        coverage_draws=_coverage_draws(config),
     )
+
+
+DONE_MARKERS = ("DONE", "checkpoints/final.ckpt")  # kdlab sweep's summary; the checkpoint every kdlab fit ends with
+
+
+def run_status(run_dir: Path, config: dict[str, Any], series: dict[str, list[tuple[int, float]]]) -> tuple[str, str]:
+    """``(unfinished, flag)``: ``unfinished`` says why a run did not finish ("" when it did), ``flag`` a
+    caveat. A run with a done marker (``DONE``, ``checkpoints/final.ckpt``) finished; one without, whose
+    last logged step is before ``trainer.max_steps - 1`` (Lightning logs step s's scalars at s - 1), did
+    not (interrupted, crashed or still running); one without a marker or ``max_steps`` is flagged."""
+    if any((run_dir / marker).is_file() for marker in DONE_MARKERS):
+        return "", ""
+    max_steps = (config.get("trainer") or {}).get("max_steps") if isinstance(config.get("trainer"), dict) else None
+    last = max((points[-1][0] for points in series.values() if points), default=None)
+    if type(max_steps) is int and max_steps > 0:
+        if last is None or last < max_steps - 1:
+            logged = "nothing logged" if last is None else f"last logged step {last}"
+            return f"unfinished: no done marker ({' or '.join(DONE_MARKERS)}) and {logged} of max_steps={max_steps}", ""
+        return "", ""
+    return "", "no done marker and no trainer.max_steps: cannot tell whether it finished"
+
+
+def _coverage_draws(config: dict[str, Any]) -> dict[str, int]:
+    """``coverage/<name>`` -> examples x samples of each ``Coverage`` callback in the config (for the
+    interval of its pass@1)."""
+    callbacks = (config.get("trainer") or {}).get("callbacks") if isinstance(config.get("trainer"), dict) else None
+    draws = {}
+    for callback in callbacks if isinstance(callbacks, list) else []:
+        if not (isinstance(callback, dict) and str(callback.get("class_path", "")).endswith("Coverage")):
+            continue
+        args = callback.get("init_args") or {}
+        task = args.get("task") or {}
+        task_args = (task.get("init_args") or {}) if isinstance(task, dict) else {}
+        name = args.get("name") or task_args.get("variant") or _class_name(task, "task").lower()
+        examples = args.get("examples", 200)
+        samples = args.get("samples", 10)
+        if isinstance(examples, int) and isinstance(samples, int):
+            draws[f"coverage/{name}"] = examples * samples
+    return draws
+
+
+def read_samples(run_dir: str | Path, stage: str = "val") -> dict[str, list[float]] | None:
+    """The scores of a run's last evaluation (``samples/<stage>-stepNNNNNN[-rankR].jsonl`` at the
+    largest step, every rank) as ``example id -> [score of each sample]``; None without such files."""
+    files: dict[int, list[Path]] = {}
+    for path in Path(run_dir, "samples").glob(f"{stage}-step*.jsonl"):
+        match = re.fullmatch(rf"{stage}-step(\d+)(-rank\d+)?\.jsonl", path.name)
+        if match:
+            files.setdefault(int(match.group(1)), []).append(path)
+    if not files:
+        return None
+    scores: dict[str, list[float]] = {}
+    for path in sorted(files[max(files)]):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                record = json.loads(line)
+                scores.setdefault(str(record["id"]), []).append(float(record["score"]))
+    return scores or None
 
 
 def collect(paths: list[str | Path]) -> tuple[list[RunResult], list[tuple[str, str]]]:
@@ -217,6 +296,9 @@ def collect(paths: list[str | Path]) -> tuple[list[RunResult], list[tuple[str, s
     for path in map(Path, paths):
         if path.is_dir() and not (path / "config.yaml").is_file() and (path / "sweep.json").is_file():
             expanded += sorted(p for p in path.iterdir() if p.is_dir())
+        elif path.is_dir() and not (path / "config.yaml").is_file():
+            found = run_directories(path)
+            expanded += found or [path]  # nothing inside: skipped below as "no config.yaml"
         else:
             expanded.append(path)
     for path in expanded:
@@ -233,6 +315,60 @@ def collect(paths: list[str | Path]) -> tuple[list[RunResult], list[tuple[str, s
     return runs, skipped
 
 
+# ---- uncertainty -------------------------------------------------------------------------------
+def bootstrap_interval(tables: list[dict[str, list[float]]], k: int | None = None, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval (2.5th, 97.5th percentiles) of the mean over ``tables`` (one per seed:
+    ``example id -> scores of its samples``) of the mean accuracy (``k`` None) or of the unbiased pass@k.
+
+    Each draw resamples the problems with replacement (the same problems for every seed when they
+    share their ids) and, within each problem, its samples with replacement: the interval covers both
+    which problems were drawn and which completions were sampled. A problem's samples are cut to the
+    smallest count of the table. Deterministic (``seed``)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = [sorted(table) for table in tables]
+    shared = all(i == ids[0] for i in ids)
+    problem_draws = rng.integers(len(ids[0]), size=(draws, len(ids[0]))) if shared else None
+    means = np.zeros(draws)
+    for table, keys in zip(tables, ids):
+        n = min(len(table[key]) for key in keys)
+        scores = np.array([table[key][:n] for key in keys], dtype=np.float64)  # (P, n)
+        problems = problem_draws if shared else rng.integers(len(keys), size=(draws, len(keys)))  # (B, P)
+        samples = rng.integers(n, size=(*problems.shape, n))  # (B, P, n)
+        drawn = scores[problems[..., None], samples]  # (B, P, n)
+        if k is None:
+            means += drawn.mean(axis=(1, 2))
+        else:
+            from math import comb
+
+            correct = (drawn >= 1.0).sum(axis=2)  # (B, P)
+            estimate = np.array([1.0 - comb(n - c, k) / comb(n, k) for c in range(n + 1)])
+            means += estimate[correct].mean(axis=1)
+    means /= len(tables)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def wilson_interval(fraction: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95% Wilson score interval of a fraction of ``n`` Bernoulli draws."""
+    centre = (fraction + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(fraction * (1 - fraction) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def run_directories(folder: Path, depth: int = 3) -> list[Path]:
+    """Run directories (with a ``config.yaml``) inside ``folder`` up to ``depth`` levels down, e.g. the
+    ``version_N`` of ``runs/<name>`` or every run of ``runs/``; ``checkpoints``/``samples`` are not searched."""
+    found: list[Path] = []
+    for child in sorted(p for p in folder.iterdir() if p.is_dir() and p.name not in ("checkpoints", "samples", "report")):
+        if (child / "config.yaml").is_file():
+            found.append(child)
+        elif depth > 1:
+            found += run_directories(child, depth - 1)
+    return found
+
+
 # ---- configurations ------------------------------------------------------------------------------
 @dataclass
 class Group:
@@ -241,6 +377,7 @@ class Group:
     runs: list[RunResult]
     other: str = ""
     level: str | None = None  # "low" / "high" learning rate, for the paper's numbers
+    _intervals: dict = field(default_factory=dict, repr=False)
 
     # what the columns show is the same in every run of the configuration
     task = property(lambda self: self.runs[0].task)
@@ -266,12 +403,57 @@ class Group:
     def direction(self) -> str | None:
         return {"ForwardKL": "forward", "ReverseKL": "reverse"}.get(self.objective)
 
+    def by_seed(self) -> dict[Any, list[RunResult]]:
+        """The runs of each seed (a run without a seed is its own): reruns of a seed are one seed."""
+        seeds: dict[Any, list[RunResult]] = {}
+        for index, run in enumerate(self.runs):
+            seeds.setdefault(run.seed if run.seed is not None else ("run", index), []).append(run)
+        return seeds
+
+    @property
+    def seeds(self) -> int:
+        return len(self.by_seed())
+
     def stats(self, metric: str) -> tuple[float, float | None, int] | None:
-        """(mean, sample std or None for one value, n) of the metric's last values, None when absent."""
-        values = [run.last[metric] for run in self.runs if metric in run.last]
+        """(mean, sample std or None for one value, n seeds) of the metric's last values, None when
+        absent. Reruns of one seed are averaged first: they are one seed, not more evidence."""
+        values = [
+            statistics.fmean(run.last[metric] for run in runs if metric in run.last)
+            for runs in self.by_seed().values()
+            if any(metric in run.last for run in runs)
+        ]
         if not values:
             return None
         return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None, len(values)
+
+    def interval(self, metric: str) -> tuple[float, float, str] | None:
+        """:meth:`compute_interval`, computed once per metric."""
+        if metric not in self._intervals:
+            self._intervals[metric] = self.compute_interval(metric)
+        return self._intervals[metric]
+
+    def compute_interval(self, metric: str, draws: int = 2000) -> tuple[float, float, str] | None:
+        """A 95% interval of the metric's mean over the configuration's seeds, with how it was made:
+        ``val/accuracy`` and ``val/pass@k`` by bootstrap over problems and samples of each seed's last
+        evaluation (``samples/val-*.jsonl``); ``coverage/<name>/pass@1`` by a Wilson interval over the
+        callback's examples x samples (correlated samples of one problem make it a little narrow);
+        None otherwise."""
+        if metric == "val/accuracy" or re.fullmatch(r"val/pass@\d+", metric):
+            tables = []
+            for runs in self.by_seed().values():
+                scores = read_samples(runs[-1].path)
+                if scores is None:
+                    return None
+                tables.append(scores)
+            k = None if metric == "val/accuracy" else int(metric.rsplit("@", 1)[1])
+            return (*bootstrap_interval(tables, k=k, draws=draws), "bootstrap")
+        match = re.fullmatch(r"(coverage/.+)/pass@1", metric)
+        stats = self.stats(metric)
+        if match and stats is not None:
+            total = sum(run.coverage_draws.get(match.group(1), 0) for runs in self.by_seed().values() for run in runs[-1:])
+            if total:
+                return (*wilson_interval(stats[0], total), "Wilson")
+        return None
 
     def paper(self, metric: str) -> list[PaperResult]:
         if self.kind is None or self.direction is None:  # outside the paper's grid
@@ -336,13 +518,40 @@ def _number(metric: str, value: float) -> str:
 
 
 def cell(group: Group, metric: str) -> str:
-    """``mean ± std`` in report units; ``(n=k)`` when fewer runs than the configuration's have it."""
+    """``mean ± std [low, high]`` in report units: the mean over seeds, the sample std over seeds (two or
+    more), the 95% interval where one can be made (:meth:`Group.interval`); ``(n=k)`` when fewer seeds
+    than the configuration's have the metric."""
     stats = group.stats(metric)
     if stats is None:
         return ""
     mean, std, n = stats
     text = _number(metric, mean) + (f" ± {_number(metric, std)}" if std is not None else "")
-    return text + (f" (n={n})" if n < len(group.runs) else "")
+    interval = group.interval(metric)
+    if interval is not None:
+        text += f" [{_number(metric, interval[0])}, {_number(metric, interval[1])}]"
+    return text + (f" (n={n})" if n < group.seeds else "")
+
+
+def error_bars(groups: list[Group], metric: str) -> tuple[list[float], list[list[float]]]:
+    """Means and (below, above) error-bar lengths in report units: the 95% interval where there is one,
+    else ± the std over seeds, else none."""
+    scale = 100.0 if _percent(metric) else 1.0
+    means, below, above = [], [], []
+    for g in groups:
+        mean, std, _ = g.stats(metric)
+        interval = g.interval(metric)
+        low, high = interval[:2] if interval else (mean - (std or 0.0), mean + (std or 0.0))
+        means.append(scale * mean)
+        below.append(scale * max(0.0, mean - low))
+        above.append(scale * max(0.0, high - mean))
+    return means, [below, above]
+
+
+def note_if_equal(ax: Any, values: list[float], what: str) -> None:
+    """Say on the figure when every plotted value is the same (a flat chart is otherwise unreadable)."""
+    if values and max(values) - min(values) < 1e-9:
+        ax.text(0.5, 0.5, f"all {len(values)} values of {what} are {values[0]:.4g}", transform=ax.transAxes,
+                ha="center", va="center", fontsize=9, bbox={"facecolor": "white", "alpha": 0.8})
 
 
 def _unit(metric: str) -> str:
@@ -412,21 +621,23 @@ class _Report:
 
     def csv(self, name: str, groups: list[Group], metrics: list[str]) -> None:
         """One row per configuration: its columns, then mean, std and n of each metric (logged units)."""
-        header = ["task", "rollout", "lam", "objective", "lr", "lr_level", "other", "n"]
-        header += [f"{metric} {part}" for metric in metrics for part in ("mean", "std", "n")]
+        header = ["task", "rollout", "lam", "objective", "lr", "lr_level", "other", "n", "runs"]
+        header += [f"{metric} {part}" for metric in metrics for part in ("mean", "std", "n", "ci_low", "ci_high", "ci")]
         rows = []
         for g in groups:
-            row = [g.task, g.rollout, "" if g.lam is None else g.lam, g.objective, g.lr, g.level or "", g.other, len(g.runs)]
+            row = [g.task, g.rollout, "" if g.lam is None else g.lam, g.objective, g.lr, g.level or "", g.other, g.seeds, len(g.runs)]
             for metric in metrics:
                 stats = g.stats(metric)
+                interval = g.interval(metric) if stats else None
                 row += [stats[0], "" if stats[1] is None else stats[1], stats[2]] if stats else ["", "", 0]
+                row += list(interval) if interval else ["", "", ""]
             rows.append(row)
         write_csv(self.output / name, header, rows)
 
     def metric_section(self, title: str, metrics: list[str], csv_name: str, note: str | None = None) -> list[Group]:
         """A table (and CSV) of ``metrics`` for the configurations that logged any of them."""
         shown = [g for g in self.groups if any(g.stats(m) for m in metrics)]
-        rows = [self.describe(g) + [str(len(g.runs))] + [cell(g, m) for m in metrics] for g in shown]
+        rows = [self.describe(g) + [str(g.seeds)] + [cell(g, m) for m in metrics] for g in shown]
         self.md += ["", f"## {title}", "", markdown_table(self.describe_header + ["n", *map(_unit, metrics)], rows)]
         if note:
             self.md += ["", f"> Paper: {note}"]
@@ -443,7 +654,7 @@ class _Report:
             header += [_unit(metric)] + (["paper"] if metric in with_paper else [])
         rows = []
         for group in self.groups:
-            row = self.describe(group) + [str(len(group.runs))]
+            row = self.describe(group) + [str(group.seeds)]
             for metric in metrics:
                 row.append(cell(group, metric))
                 if metric in with_paper:
@@ -468,13 +679,17 @@ class _Report:
         ]
         shown = [g for g in self.groups if g.stats("val/accuracy")]
         if shown:
-            fig = self.new_figure(figsize=(7, 0.45 * len(shown) + 1.5))
+            fig = self.new_figure(figsize=(7, 0.45 * len(shown) + 1.8))
             ax = fig.add_subplot()
-            stats = [g.stats("val/accuracy") for g in shown]
-            ax.barh(range(len(shown)), [100 * s[0] for s in stats], xerr=[100 * (s[1] or 0.0) for s in stats], alpha=0.8)
+            means, errors = error_bars(shown, "val/accuracy")
+            ax.barh(range(len(shown)), means, xerr=errors, capsize=3, alpha=0.8)
+            ax.plot(means, range(len(shown)), "k|", markersize=12)  # a zero-length bar still shows its value
             ax.set_yticks(range(len(shown)), [_label(g) for g in shown], fontsize=8)
             ax.invert_yaxis()
-            ax.set_xlabel("val/accuracy (%)")
+            ax.set_xlim(0, 100)
+            ax.set(xlabel="val/accuracy (%)", title="val/accuracy (held-out, last evaluation): mean over seeds, bar = 95% interval or ± std")
+            ax.title.set_fontsize(9)
+            note_if_equal(ax, means, "val/accuracy (%)")
             fig.tight_layout()
             self.figures["accuracy"] = fig
 
@@ -495,24 +710,29 @@ class _Report:
                 row = [f"{lam:g}"]
                 for members in curves.values():
                     match = [g for g in members if g.lam == lam]
-                    row.append(f"{cell(match[0], 'val/accuracy')} (n={len(match[0].runs)})" if match else "")
+                    row.append(f"{cell(match[0], 'val/accuracy')} (n={match[0].seeds})" if match else "")
                 table.append(row)
             self.md += [f"{task}: val/accuracy (%) by lam", "", markdown_table(["lam", *curves], table), ""]
             fig = self.new_figure(figsize=(6, 4))
             ax = fig.add_subplot()
+            plotted = []
             for label, members in curves.items():
-                stats = [g.stats("val/accuracy") for g in members]
-                lams, means, errors = [g.lam for g in members], [100 * s[0] for s in stats], [100 * (s[1] or 0) for s in stats]
-                ax.errorbar(lams, means, yerr=errors, marker="o", capsize=3, label=label)
-            ax.set(xlabel="lam (-1 teacher, 1 student)", ylabel="val/accuracy (%)", title=f"Rollout spectrum: {task}")
+                means, errors = error_bars(members, "val/accuracy")
+                ax.errorbar([g.lam for g in members], means, yerr=errors, marker="o", capsize=3, label=label)
+                plotted += means
+            ax.set(xlabel="lam (-1 teacher, 1 student)", ylabel="val/accuracy (%)", ylim=(0, 100),
+                   title=f"Rollout spectrum, {task}: val/accuracy (bars: 95% interval or ± std)")
+            ax.title.set_fontsize(9)
+            note_if_equal(ax, plotted, "val/accuracy (%)")
             ax.legend(fontsize=8)
             fig.tight_layout()
             self.figures[f"spectrum-{task}"] = fig
             for g in here:
                 mean, std, n = g.stats("val/accuracy")
-                csv_rows.append([task, g.objective, g.lr, g.other, g.lam, n, mean, "" if std is None else std])
+                interval = g.interval("val/accuracy")
+                csv_rows.append([task, g.objective, g.lr, g.other, g.lam, n, mean, "" if std is None else std, *(interval[:2] if interval else ("", ""))])
         self.md.append(f"> Paper: {PAPER_NOTES['spectrum']}")
-        header = ["task", "objective", "lr", "other", "lam", "n", "val/accuracy mean", "val/accuracy std"]
+        header = ["task", "objective", "lr", "other", "lam", "n", "val/accuracy mean", "val/accuracy std", "val/accuracy ci_low", "val/accuracy ci_high"]
         write_csv(self.output / "spectrum.csv", header, csv_rows)
 
     def pass_at_k(self) -> None:
@@ -524,13 +744,18 @@ class _Report:
             here = [g for g in shown if g.task == task and g.lam is not None]
             fig = self.new_figure(figsize=(6, 4))
             ax = fig.add_subplot()
+            plotted = []
             for metric in metrics:
                 for objective, lr in sorted({(g.objective, g.lr) for g in here}):
-                    points = sorted((g.lam, g.stats(metric)[0]) for g in here if (g.objective, g.lr) == (objective, lr) and g.stats(metric))
-                    if points:
-                        lams, values = zip(*points)
-                        ax.plot(lams, [100 * v for v in values], marker="o", label=f"{metric} {objective} lr={lr:g}")
-            ax.set(xlabel="lam (-1 teacher, 1 student)", ylabel="pass@k (%)", title=f"pass@k vs lam: {task}")
+                    members = sorted((g for g in here if (g.objective, g.lr) == (objective, lr) and g.stats(metric)), key=lambda g: g.lam)
+                    if members:
+                        means, errors = error_bars(members, metric)
+                        ax.errorbar([g.lam for g in members], means, yerr=errors, marker="o", capsize=3, label=f"{metric} {objective} lr={lr:g}")
+                        plotted += means
+            ax.set(xlabel="lam (-1 teacher, 1 student)", ylabel="pass@k (%)", ylim=(0, 100),
+                   title=f"pass@k vs lam, {task}: {', '.join(metrics)}")
+            ax.title.set_fontsize(8)
+            note_if_equal(ax, plotted, "pass@k (%)")
             ax.legend(fontsize=7)
             fig.tight_layout()
             self.figures[f"pass_at_k-{task}"] = fig
@@ -592,10 +817,22 @@ def write_report(
         "",
         (
             f"{len(runs)} runs in {len(report.groups)} configurations: mean ± sample standard deviation over the "
-            "seeds of a configuration (n runs). Accuracy, pass@k, sparsity and Spanish share in percent; "
-            "ood/mean_delta in points (after - before). The CSV files keep the units the runs logged."
+            "seeds of a configuration (n seeds; reruns of one seed are averaged into that seed), then, in brackets, "
+            "a 95% interval of that mean: for val/accuracy and val/pass@k a bootstrap over the problems and samples "
+            "of each seed's last evaluation (samples/val-*.jsonl), for coverage/<task>/pass@1 a Wilson interval over "
+            "the callback's examples x samples. Accuracy, pass@k, sparsity and Spanish share in percent; "
+            "ood/mean_delta in points (after - before). The CSV files keep the units the runs logged. "
+            "val/accuracy is the mean score of eval_samples completions per held-out prompt at the last validation; "
+            "coverage/<task>/pass@k is the Coverage callback's own draw on its task, a different number."
         ),
     ]
+    reruns = [(g, g.seeds) for g in report.groups if len(g.runs) > g.seeds]
+    if reruns:
+        report.md += ["", "Reruns of a seed (averaged as one seed, not counted as more seeds):"]
+        report.md += [f"- {_label(g)}: {len(g.runs)} runs, {seeds} seeds" for g, seeds in reruns]
+    flagged = [run for run in runs if run.flag]
+    if flagged:
+        report.md += ["", "Flagged:", *(f"- `{run.path}`: {run.flag}" for run in flagged)]
     if levels:
         how = "as given" if (low_lr or high_lr) else "default: the smaller of two learning rates is low; set with --low_lr / --high_lr"
         mapping = ", ".join(f"{lr:g} = {level}" for lr, level in sorted(levels.items()))
@@ -634,20 +871,36 @@ def _write_tensorboard(directory: Path, figures: dict[str, Any], text: str) -> N
         writer.close()
 
 
+def default_output(paths: list[str | Path]) -> Path:
+    """``<the folder holding every given run>/report``: beside the runs, never the current directory by
+    accident (``kdlab report runs/sweep`` writes ``runs/sweep/report``)."""
+    import os
+
+    folders = [Path(path).resolve() for path in paths]
+    return Path(os.path.commonpath(folders)) / "report"
+
+
 def main(argv: list[str] | None = None) -> None:
     """``kdlab report RUN_DIR... [--output DIR] [--low_lr LR...] [--high_lr LR...]``."""
     parser = argparse.ArgumentParser(
         prog="kdlab report", description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or a sweep's output directory)")
-    parser.add_argument("--output", default="report", help="where the report goes (default: report/)")
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                        help="run directories, folders holding them (runs/<name> with its version_N) or a sweep's output directory")
+    parser.add_argument("--output", help="where the report goes (default: report/ in the folder holding every given run)")
     parser.add_argument("--low_lr", type=float, nargs="+", help="learning rates compared with the paper's 1e-5")
     parser.add_argument("--high_lr", type=float, nargs="+", help="learning rates compared with the paper's 5e-5")
     options = parser.parse_args(argv)
     runs, skipped = collect(options.runs)
+    skipped += [(str(run.path), run.unfinished) for run in runs if run.unfinished]  # never averaged with finished runs
+    runs = [run for run in runs if not run.unfinished]
     for path, reason in skipped:
         print(f"[report] skipped {path}: {reason}", file=sys.stderr)
+    for run in runs:
+        if run.flag:
+            print(f"[report] flagged {run.path}: {run.flag}", file=sys.stderr)
     if not runs:
-        parser.error("no run directory with a config.yaml among " + " ".join(options.runs))
-    path = write_report(runs, skipped, options.output, options.low_lr, options.high_lr)
+        parser.error("no finished run directory with a config.yaml among " + " ".join(options.runs))
+    output = Path(options.output) if options.output else default_output(options.runs)
+    path = write_report(runs, skipped, output, options.low_lr, options.high_lr)
     print(f"[report] {len(runs)} runs -> {path} (CSV, PNG and tensorboard/ beside it)")

@@ -195,3 +195,134 @@ def test_a_null_setting_reads_like_an_absent_one():
     from kdlab.report import _flatten
 
     assert _flatten({"model": {"stop_strings": None, "lr": 1e-4}}) == _flatten({"model": {"lr": 1e-4}}) == {"model.lr": "0.0001"}
+
+
+# ---- bad input: refused or flagged, never averaged silently ----------------------------------------
+def test_an_unfinished_run_is_refused_not_averaged_and_same_seed_reruns_are_one_seed(tmp_path, capsys):
+    """The issue's case: an interrupted run logged only its "before" coverage (step 0 of max_steps=150);
+    two finished runs agree at 36.5%. The report shows 36.5 over n=2, lists the interrupted run as
+    unfinished, and a rerun of seed 42 (a done marker, same value) does not become a third seed."""
+    root = tmp_path / "runs"
+    before_only = [{"step": 0, "coverage/countdown3/pass@1": 0.0}]
+    finished = [*before_only, {"step": 150, "coverage/countdown3/pass@1": 0.365, "val/accuracy": 0.4}]
+    make_run(root, "seed42", "TeacherRollouts", "ForwardKL", 1e-4, 42, finished, max_steps=150)
+    make_run(root, "seed43", "TeacherRollouts", "ForwardKL", 1e-4, 43, finished, max_steps=150)
+    rerun = make_run(root, "seed42-again", "TeacherRollouts", "ForwardKL", 1e-4, 42, [{"step": 3, "val/accuracy": 0.1}], max_steps=150)
+    (rerun / "checkpoints").mkdir()
+    (rerun / "checkpoints" / "final.ckpt").write_bytes(b"")  # the done marker every kdlab fit ends with
+    make_run(root, "interrupted", "TeacherRollouts", "ForwardKL", 1e-4, 44, before_only, max_steps=150)
+    main(["report", str(root), "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "skipped" in err and "interrupted: unfinished: no done marker" in err and "last logged step 0 of max_steps=150" in err
+    text = (tmp_path / "out" / "report.md").read_text()
+    (row,) = markdown_table(text, "## Results by configuration")
+    assert row["n"] == "2"  # seeds 42 and 43; the rerun of 42 is averaged into 42
+    assert row["val/accuracy (%)"].startswith("32.5 ± 10.6")  # seed 42: (0.4 + 0.1) / 2, seed 43: 0.4
+    (passes,) = markdown_table(text, "## pass@k")
+    assert passes["coverage/countdown3/pass@1 (%)"].startswith("36.5 ± 0.0")  # not 24.3 ± 21.1 with the "before"
+    assert "1 runs, 2 seeds" not in text and "3 runs, 2 seeds" in text
+    assert "`" + str(root / "interrupted") + "`: unfinished" in text
+
+
+def test_a_run_folder_stands_for_its_versions_and_the_report_goes_beside_the_runs(tmp_path, monkeypatch):
+    """``kdlab report runs/<name>`` finds ``version_N`` inside; without --output the report is written
+    in the folder holding the runs, not in the current directory."""
+    name = tmp_path / "runs" / "tiny-quickstart"
+    make_run(name, "version_0", "TeacherRollouts", "ForwardKL", 1e-4, 42, [{"step": 4, "val/accuracy": 0.25}])
+    make_run(name, "version_1", "TeacherRollouts", "ForwardKL", 1e-4, 43, [{"step": 4, "val/accuracy": 0.75}])
+    found, skipped = collect([name])
+    assert [run.path.name for run in found] == ["version_0", "version_1"] and not skipped
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    main(["report", str(name)])
+    assert not list(elsewhere.iterdir())
+    (row,) = markdown_table((name / "report" / "report.md").read_text(), "## Results by configuration")
+    assert row["n"] == "2" and row["val/accuracy (%)"] == "50.0 ± 35.4"
+
+
+def test_a_run_without_a_done_marker_or_max_steps_is_flagged(tmp_path, capsys):
+    run = make_run(tmp_path, "hand-made", "TeacherRollouts", "ForwardKL", 1e-4, 42, [{"step": 4, "val/accuracy": 0.5}])
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    del config["trainer"]["max_steps"]
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    main(["report", str(run), "--output", str(tmp_path / "out")])
+    assert "flagged" in capsys.readouterr().err
+    assert "cannot tell whether it finished" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_figures_name_their_metric_and_say_when_every_value_is_equal(tmp_path, monkeypatch):
+    """All accuracies 0 (the issue's empty chart): the axis still spans 0-100%, the title names
+    val/accuracy and the figure says that every value is 0."""
+    make_run(tmp_path, "a", "TeacherRollouts", "ForwardKL", 1e-4, 42, [{"step": 4, "val/accuracy": 0.0}])
+    make_run(tmp_path, "b", "StudentRollouts", "ForwardKL", 1e-4, 42, [{"step": 4, "val/accuracy": 0.0}])
+    figures = {}
+    monkeypatch.setattr("kdlab.report._write_tensorboard", lambda directory, figs, text: figures.update(figs))
+    main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--output", str(tmp_path / "out")])
+    (ax,) = figures["accuracy"].axes
+    assert ax.get_xlim() == (0.0, 100.0) and "val/accuracy" in ax.get_title()
+    assert any("all 2 values of val/accuracy (%) are 0" in text.get_text() for text in ax.texts)
+
+
+# ---- uncertainty -------------------------------------------------------------------------------
+def test_bootstrap_interval_covers_problems_and_samples():
+    from kdlab.report import bootstrap_interval
+
+    assert bootstrap_interval([{"a": [1.0, 1.0], "b": [0.0, 0.0]}] * 2, draws=500)[0] < 0.5  # problems vary
+    assert bootstrap_interval([{str(i): [1.0] * 3 for i in range(5)}]) == (1.0, 1.0)
+    low, high = bootstrap_interval([{"only": [1.0] * 5 + [0.0] * 5}])  # one problem: only its samples vary
+    assert low < 0.3 and high > 0.7
+    # 200 problems, one sample each, 80 correct: close to the normal approximation 0.4 +- 1.96 sqrt(0.24 / 200)
+    low, high = bootstrap_interval([{str(i): [float(i < 80)] for i in range(200)}], draws=4000)
+    half = 1.96 * math.sqrt(0.4 * 0.6 / 200)
+    assert low == pytest.approx(0.4 - half, abs=0.01) and high == pytest.approx(0.4 + half, abs=0.01)
+    # pass@2 of 2 samples: a problem counts when either sample is right
+    assert bootstrap_interval([{str(i): [1.0, 0.0] for i in range(4)}], k=2, draws=300)[1] == 1.0
+
+
+def test_accuracy_from_samples_files_and_coverage_get_a_95_percent_interval(tmp_path, capsys):
+    """val/accuracy: bootstrap from samples/val-step*.jsonl (the last step's file); the README's
+    coverage 36.5% over 200 examples x 1 sample: Wilson interval [30.1, 43.4]."""
+    run = make_run(tmp_path, "r", "TeacherRollouts", "ForwardKL", 1e-4, 42,
+                   [{"step": 4, "val/accuracy": 0.5, "coverage/countdown3/pass@1": 0.365}])
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["trainer"]["callbacks"] = [{"class_path": "kdlab.callbacks.Coverage", "init_args": {
+        "task": {"class_path": "kdlab.tasks.Countdown", "init_args": {"variant": "countdown3"}}, "samples": 1, "examples": 200}}]
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    (run / "samples").mkdir()
+    (run / "samples" / "val-step000002.jsonl").write_text(json.dumps({"id": "x", "score": 0.0}) + "\n")  # an earlier evaluation
+    (run / "samples" / "val-step000004.jsonl").write_text("".join(json.dumps({"id": str(i), "score": 1.0}) + "\n" for i in range(5)))
+    main(["report", str(run), "--output", str(tmp_path / "out")])
+    text = (tmp_path / "out" / "report.md").read_text()
+    (row,) = markdown_table(text, "## Results by configuration")
+    assert row["val/accuracy (%)"] == "50.0 [100.0, 100.0]"  # the interval comes from the last samples file
+    (passes,) = markdown_table(text, "## pass@k")
+    assert passes["coverage/countdown3/pass@1 (%)"] == "36.5 [30.1, 43.4]"
+    summary = read_csv(tmp_path / "out" / "pass_at_k.csv")[0]
+    assert summary["coverage/countdown3/pass@1 ci"] == "Wilson" and float(summary["coverage/countdown3/pass@1 ci_low"]) == pytest.approx(0.3014, abs=5e-4)
+
+
+def test_the_report_of_a_real_fit_and_of_its_interrupted_rerun(tmp_path, monkeypatch, capsys):
+    """A real ``kdlab fit`` (done marker, samples file) is reported with a bootstrap interval from its
+    samples; a second fit of the same config stopped by Ctrl-C before it finished is refused."""
+    import signal
+
+    from kdlab.module import DistillModule
+
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+    smoke = str(Path(__file__).parents[1] / "experiments" / "tiny" / "smoke.yaml")
+    args = ["fit", f"--config={smoke}", "--trainer.max_steps=2", "--trainer.val_check_interval=2",
+            f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}"]
+    main(args)
+    real = DistillModule.training_step
+    monkeypatch.setattr(DistillModule, "training_step", lambda self, *a: (_ for _ in ()).throw(KeyboardInterrupt) if self.global_step else real(self, *a))
+    try:
+        with pytest.raises(SystemExit):
+            main(args)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    capsys.readouterr()
+    main(["report", str(tmp_path / "runs" / "tiny-smoke")])
+    assert "version_1: unfinished" in capsys.readouterr().err
+    (row,) = markdown_table((tmp_path / "runs" / "tiny-smoke" / "report" / "report.md").read_text(), "## Results by configuration")
+    assert row["n"] == "1" and row["val/accuracy (%)"] == "0.0 [0.0, 0.0]"  # the random tiny pair scores 0 on all 8
