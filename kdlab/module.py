@@ -261,7 +261,8 @@ class DistillModule(TaskStage):
         else:
             loss = self.objective(student_logits, teacher_logits, mask, sequence_weights=weights)
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
-        diagnostics = kl_diagnostics(
+        # the objective's own pass computed them; a subclass that overrides forward gets a second pass
+        diagnostics = self.objective.take_diagnostics() or kl_diagnostics(
             student_logits.detach(), teacher_logits, mask, self.objective.reduction, self.objective.chunk_size
         )
         for name, value in diagnostics.items():

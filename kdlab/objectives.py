@@ -27,17 +27,29 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator
 
 import torch
 
 from kdlab.components import Component
-
-TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""``(student_logits (n, V) fp32, teacher_logits (n, V) fp32) -> per-token loss (n,)``."""
+from kdlab.kl_kernels import (  # noqa: F401  (HeadLogits, LazyLogits, Logits, iter_token_chunks: public here)
+    DIAGNOSTICS,
+    LOG_FLOOR,
+    HeadGradient,
+    HeadLogits,
+    LazyLogits,
+    Logits,
+    LogitsGradient,
+    RowsLossAndGrad,
+    RowStatistics,
+    TokenLoss,
+    chunked_pass,
+    compute_dtype,
+    gather_rows,
+    iter_token_chunks,
+    rowdot,
+)
 
 REDUCTIONS = ("sequence", "token")
-_LOG_FLOOR = -1e30
 
 
 def token_weights(mask: torch.Tensor, reduction: str = "sequence", dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -60,210 +72,91 @@ def token_weights(mask: torch.Tensor, reduction: str = "sequence", dtype: torch.
     return weights / (lengths.clamp(min=1.0) * n_sequences)
 
 
-def iter_token_chunks(mask: torch.Tensor, chunk_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield ``(batch_index, time_index)`` long tensors for the masked-in positions, ``chunk_size`` at a time."""
-    positions = mask.nonzero(as_tuple=False)
-    for start in range(0, positions.shape[0], chunk_size):
-        chunk = positions[start : start + chunk_size]
-        yield chunk[:, 0], chunk[:, 1]
-
-
-def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """fp32 for half-precision inputs (bf16/fp16 logits are upcast chunk by chunk), else the input's."""
-    return torch.promote_types(tensor.dtype, torch.float32)
-
-
-class LazyLogits:
-    """Base class: a ``(B, T, V)`` logits (or log-probs) tensor that is never materialised; objectives,
-    :func:`kl_diagnostics` and :func:`sampled_logprobs` ask it for one chunk of rows at a time.
-
-    Subclasses give :meth:`rows`, ``shape``, ``dtype``, ``device`` and :meth:`detach`."""
-
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
-
-    def rows(self, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``(n, V)`` at positions ``(b[i], t[i])``, in ``dtype``."""
-        raise NotImplementedError
-
-    def detach(self) -> LazyLogits:
-        raise NotImplementedError
-
-
-class HeadLogits(LazyLogits):
-    """Logits ``(B, T, V)`` that are never materialised: ``scale * hidden @ weight.T``, computed for one
-    chunk of rows at a time (the fused hidden-state + LM-head path).
-
-    ``hidden``: ``(B, T, H)`` final hidden states at the positions that predict the completion;
-    ``weight``: ``(V, H)`` the LM head restricted to the shared vocabulary (no bias); ``scale``:
-    ``1 / temperature``. Objectives and :func:`kl_diagnostics` accept it wherever they accept logits;
-    the student's ``(B, T, V)`` logits and their gradient then never exist, only ``(chunk, V)`` pieces.
-    """
-
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> None:
-        if hidden.dim() != 3 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
-            raise ValueError(f"HeadLogits: hidden (B, T, H) and weight (V, H) do not fit: {tuple(hidden.shape)}, {tuple(weight.shape)}")
-        self.hidden, self.weight, self.scale = hidden, weight, scale
-        self._cast: dict[torch.dtype, torch.Tensor] = {}
-
-    def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
-        """The head in ``dtype``, cast once (not once per chunk)."""
-        if dtype not in self._cast:
-            self._cast[dtype] = self.weight.to(dtype)
-        return self._cast[dtype]
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((*self.hidden.shape[:2], self.weight.shape[0]))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.hidden.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.hidden.device
-
-    def rows(self, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        logits = self.hidden[b, t].to(dtype) @ self.weight_as(dtype).T
-        return logits * self.scale if self.scale != 1.0 else logits
-
-    def detach(self) -> HeadLogits:
-        return HeadLogits(self.hidden.detach(), self.weight.detach(), self.scale)
-
-
-Logits = torch.Tensor | LazyLogits
-"""A ``(B, T, V)`` logits tensor, or a :class:`LazyLogits` (:class:`HeadLogits`, a cached top-k teacher)
-standing for one."""
-
-
-def _rows(logits: Logits, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``(n, V)`` of ``logits`` at positions ``(b, t)``, in ``dtype``."""
-    return logits.rows(b, t, dtype) if isinstance(logits, LazyLogits) else logits[b, t].to(dtype)
-
-
-def _chunk_loss_and_grad(s_chunk, t_chunk, w_chunk, token_loss, loss_and_grad, need_grad):
-    """One chunk's weighted loss (scalar) and its gradient w.r.t. the student rows (or None)."""
-    if need_grad and loss_and_grad is not None:
-        losses, chunk_grad = loss_and_grad(s_chunk, t_chunk)  # closed form, no autograd graph
-        return (losses * w_chunk).sum(), chunk_grad.mul_(w_chunk[:, None])
-    if need_grad:
-        with torch.enable_grad():
-            s_chunk.requires_grad_(True)
-            chunk_loss = (token_loss(s_chunk, t_chunk) * w_chunk).sum()
-            (chunk_grad,) = torch.autograd.grad(chunk_loss, s_chunk)
-        return chunk_loss.detach(), chunk_grad
-    return (token_loss(s_chunk, t_chunk) * w_chunk).sum(), None
-
-
-class _ChunkedHeadLoss(torch.autograd.Function):
-    """As :class:`_ChunkedWeightedLoss`, with the student given as hidden states and an LM head: each
-    chunk's logits are ``scale * h W^T``; the gradients ``dL/dh = scale * g W`` and
-    ``dL/dW = scale * g^T h`` are accumulated chunk by chunk, so no ``(B, T, V)`` tensor exists."""
+class _ChunkedObjective(torch.autograd.Function):
+    """``sum_{b,t} weights[b,t] * loss(student[b,t], teacher[b,t])`` by :func:`~kdlab.kl_kernels.chunked_pass`,
+    its gradient computed in forward (so backward is one in-place scale) and the diagnostics of the same
+    pass kept in ``out["diagnostics"]``. The student is plain logits ``(B, T, V)`` or a :class:`HeadLogits`
+    given as its hidden states and head (either may need grad)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, scale, teacher_logits, weights, token_loss, chunk_size, loss_and_grad=None):  # type: ignore[override]
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        dtype = compute_dtype(hidden)
-        grad_hidden = torch.zeros_like(hidden) if need_grad else None
-        # a frozen head (LoRA elsewhere) needs no (V, H) gradient buffer
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if ctx.needs_input_grad[1] else None
-        total = torch.zeros((), dtype=dtype, device=hidden.device)
-        student = HeadLogits(hidden, weight, scale)
-        weight_c = student.weight_as(dtype)
-        for b, t in iter_token_chunks(weights > 0, chunk_size):
-            h_chunk = hidden[b, t].to(dtype)
-            s_chunk = student.rows(b, t, dtype)
-            chunk_loss, chunk_grad = _chunk_loss_and_grad(
-                s_chunk, _rows(teacher_logits, b, t, dtype), weights[b, t].to(dtype), token_loss, loss_and_grad, need_grad
-            )
-            if need_grad:
-                chunk_grad = chunk_grad * scale if scale != 1.0 else chunk_grad
-                grad_hidden[b, t] = (chunk_grad @ weight_c).to(grad_hidden.dtype)
-                if grad_weight is not None:
-                    grad_weight.addmm_(chunk_grad.T, h_chunk)
-            total += chunk_loss.detach()
-            del s_chunk, h_chunk, chunk_loss, chunk_grad
-        ctx.grads = (grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, need_grad)
+    def forward(ctx, student_logits, hidden, weight, head, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, out):  # type: ignore[override]
+        dtype = compute_dtype(hidden if head is not None else student_logits)
+        if head is not None:
+            need = (ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+            gradient = HeadGradient(head, need[0], need[1], dtype) if any(need) else None
+            student = head
+        else:
+            student = student_logits
+            gradient = LogitsGradient(student_logits, (weights > 0) | (diagnostic_weights > 0), dtype) if ctx.needs_input_grad[0] else None
+        total, out["diagnostics"] = chunked_pass(
+            student, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, gradient
+        )
+        ctx.gradient = gradient
+        ctx.input_dtypes = (student_logits.dtype if student_logits is not None else None, weight.dtype if weight is not None else None)
         return total
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        (grad_hidden, grad_weight, computed), ctx.grads = ctx.grads, (None, None, False)
-        if not computed:
+        gradient, ctx.gradient = ctx.gradient, None
+        if gradient is None:
             raise RuntimeError("backward through a chunked kdlab objective can run only once per forward")
-        scale = grad_output.to(grad_hidden.dtype)
-        grad_weight = grad_weight.mul_(scale.to(grad_weight.dtype)) if grad_weight is not None else None
-        return grad_hidden.mul_(scale), grad_weight, None, None, None, None, None, None
-
-
-class _ChunkedWeightedLoss(torch.autograd.Function):
-    """sum_{b,t} weights[b,t] * token_loss(s[b,t], t[b,t]), computed chunk by chunk.
-
-    The gradient w.r.t. the student logits is computed per chunk in forward (in fp32, stored in the
-    student logits' dtype) so that backward is a single in-place scale.
-    """
-
-    @staticmethod
-    def forward(ctx, student_logits, teacher_logits, weights, token_loss, chunk_size, loss_and_grad=None):  # type: ignore[override]
-        need_grad = ctx.needs_input_grad[0]
-        grad = torch.zeros_like(student_logits) if need_grad else None
-        dtype = compute_dtype(student_logits)
-        total = torch.zeros((), dtype=dtype, device=student_logits.device)
-        for b, t in iter_token_chunks(weights > 0, chunk_size):
-            s_chunk = student_logits[b, t].to(dtype)
-            chunk_loss, chunk_grad = _chunk_loss_and_grad(
-                s_chunk, _rows(teacher_logits, b, t, dtype), weights[b, t].to(dtype), token_loss, loss_and_grad, need_grad
-            )
-            if need_grad:
-                grad[b, t] = chunk_grad.to(grad.dtype)
-            total += chunk_loss.detach()
-            # free this chunk's (chunk, V) buffers before the next chunk allocates its own
-            del s_chunk, chunk_loss, chunk_grad
-        ctx.grad = grad
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
-        grad, ctx.grad = ctx.grad, None
-        if grad is None:
-            raise RuntimeError("backward through a chunked kdlab objective can run only once per forward")
-        return grad.mul_(grad_output.to(grad.dtype)), None, None, None, None, None
+        unit = bool(grad_output == 1)  # the usual case: no pass over the (B, T, V) gradient at all
+        if isinstance(gradient, LogitsGradient):
+            grad = gradient.grad if unit else gradient.grad.mul_(grad_output.to(gradient.grad.dtype))
+            return grad, None, None, None, None, None, None, None, None, None, None
+        grad_hidden, grad_weight = gradient.hidden, gradient.weight
+        if not unit:
+            grad_hidden = grad_hidden.mul_(grad_output.to(grad_hidden.dtype)) if grad_hidden is not None else None
+            grad_weight = grad_weight.mul_(grad_output.to(grad_weight.dtype)) if grad_weight is not None else None
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(ctx.input_dtypes[1])
+        return None, grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def chunked_token_loss(
-    token_loss: TokenLoss,
+    token_loss: TokenLoss | None,
     student_logits: Logits,
     teacher_logits: Logits,
     weights: torch.Tensor,
     chunk_size: int = 256,
-    loss_and_grad: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    rows_loss_and_grad: RowsLossAndGrad | None = None,
+    diagnostic_weights: torch.Tensor | None = None,
+    diagnostics: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``sum_{b,t} weights[b,t] * token_loss(student_logits[b,t], teacher_logits[b,t])`` as a scalar
     in :func:`compute_dtype` (fp32 for half-precision logits).
 
-    Only positions with ``weights > 0`` are evaluated. Differentiable w.r.t. ``student_logits``
-    only (teacher logits are treated as constants), or w.r.t. the hidden states and head weight when
-    the student is :class:`HeadLogits` (either side may be). ``token_loss`` must be row-wise: each output
-    depends on its own row only, which is what makes chunking exact. ``loss_and_grad``, when given,
-    returns ``(token_loss(s, t), d token_loss / d s)`` in closed form and is used instead of
-    autograd for the gradient; it must agree with ``token_loss`` (tests check each one that exists).
-    """
+    Only positions with ``weights > 0`` (or ``diagnostic_weights > 0``) are evaluated. Differentiable
+    w.r.t. ``student_logits`` only (teacher logits are treated as constants), or w.r.t. the hidden states
+    and head weight when the student is :class:`HeadLogits` (either side may be). ``token_loss`` must be
+    row-wise: each output depends on its own row only, which is what makes chunking exact.
+    ``rows_loss_and_grad``, when given, computes the loss and its gradient in closed form from the
+    block's :class:`~kdlab.kl_kernels.RowStatistics` and is used instead of ``token_loss`` and autograd;
+    it must agree with ``token_loss`` (tests check each one that exists). When ``diagnostics`` is a dict,
+    it receives the same pass's ``kl_forward``, ``kl_reverse``, ``student_entropy`` and
+    ``teacher_entropy``, reduced with ``diagnostic_weights`` (default: ``weights``)."""
     if weights.shape != student_logits.shape[:2]:
         raise ValueError(f"mask/weights {tuple(weights.shape)} must be (B, T) = {tuple(student_logits.shape[:2])}")
-    teacher_logits = teacher_logits.detach()
-    if isinstance(student_logits, HeadLogits):
-        if tuple(student_logits.shape) != tuple(teacher_logits.shape):
-            raise ValueError(f"student (B, T, V) {tuple(student_logits.shape)} and teacher {tuple(teacher_logits.shape)} differ")
-        head = student_logits
-        return _ChunkedHeadLoss.apply(head.hidden, head.weight, head.scale, teacher_logits, weights, token_loss, chunk_size, loss_and_grad)
-    if student_logits.shape != teacher_logits.shape:
+    if tuple(student_logits.shape) != tuple(teacher_logits.shape):
         raise ValueError(
             f"student_logits {tuple(student_logits.shape)} and teacher_logits "
             f"{tuple(teacher_logits.shape)} must have the same (B, T, V) shape"
         )
-    return _ChunkedWeightedLoss.apply(student_logits, teacher_logits, weights, token_loss, chunk_size, loss_and_grad)
+    teacher_logits = teacher_logits.detach()
+    diagnostic_weights = weights if diagnostic_weights is None else diagnostic_weights
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(student_logits, HeadLogits):
+        head = student_logits
+        total = _ChunkedObjective.apply(
+            None, head.hidden, head.weight, head, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, out
+        )
+    else:
+        total = _ChunkedObjective.apply(
+            student_logits, None, None, None, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, out
+        )
+    if diagnostics is not None:
+        diagnostics.update(zip(DIAGNOSTICS, out["diagnostics"].unbind()))
+    return total
 
 
 class KLObjective(Component):
@@ -293,8 +186,11 @@ class KLObjective(Component):
         """Per-token loss ``(n,)`` from fp32 ``(n, V)`` student and teacher logits."""
         raise NotImplementedError
 
-    token_loss_and_grad: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
-    """Optional closed form ``(losses (n,), d losses / d student_logits (n, V))`` that saves memory."""
+    rows_loss_and_grad: RowsLossAndGrad | None = None
+    """Optional closed form: ``(stats, grad) -> losses (k,)`` from a block's
+    :class:`~kdlab.kl_kernels.RowStatistics` (both softmaxes, log-normalisers, the exact KLs), writing
+    ``d loss / d student logits`` ``(k, V)`` into ``grad`` when it is given. Computed from the same
+    normalisation as the logged diagnostics, so the objective and its diagnostics cost one pass."""
 
     def reseed(self, seed: int) -> None:
         """Set the random stream for this step (only sampled objectives use one)."""
@@ -305,8 +201,11 @@ class KLObjective(Component):
         """Reduced loss over the masked-in tokens (fp32 scalar). An empty mask warns and returns 0.
 
         ``sequence_weights`` ``(B,)`` multiplies each completion's share of the reduced loss (e.g. the
-        importance weights of rollouts from a lagging engine); ``None`` is all ones."""
+        importance weights of rollouts from a lagging engine); ``None`` is all ones. The same pass
+        computes the batch's exact ``kl_forward``, ``kl_reverse`` and both entropies, reduced like the
+        loss but without ``sequence_weights``: :meth:`take_diagnostics` returns them."""
         weights = token_weights(mask, self.reduction, compute_dtype(student_logits))
+        diagnostic_weights = weights
         if sequence_weights is not None:
             weights = weights * sequence_weights.to(weights.dtype)[:, None]
         if not bool(mask.any()):
@@ -314,9 +213,19 @@ class KLObjective(Component):
                 f"{type(self).__name__}: the completion mask selects no token in this batch; loss is 0",
                 stacklevel=2,
             )
+        self._diagnostics: dict[str, torch.Tensor] = {}
+        token_loss = None if self.rows_loss_and_grad is not None else self.token_loss
         return chunked_token_loss(
-            self.token_loss, student_logits, teacher_logits, weights, self.chunk_size, self.token_loss_and_grad
+            token_loss, student_logits, teacher_logits, weights, self.chunk_size, self.rows_loss_and_grad,
+            diagnostic_weights, self._diagnostics,
         )
+
+    def take_diagnostics(self) -> dict[str, torch.Tensor]:
+        """The diagnostics of the last :meth:`forward` (``{}`` if there was none since the last call):
+        ``kl_forward`` = KL(pi_T||pi_S), ``kl_reverse`` = KL(pi_S||pi_T), ``student_entropy``,
+        ``teacher_entropy`` (nats, fp32 scalars)."""
+        diagnostics, self._diagnostics = getattr(self, "_diagnostics", {}), {}
+        return diagnostics
 
 
 def _log_softmax_pair(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,7 +238,7 @@ def _kl_rows(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     ``log_p`` is floored at a finite value so that a token with p = 0 contributes exactly 0 (and a
     zero gradient) instead of ``0 * inf = nan``; finite logits never reach the floor.
     """
-    log_p = log_p.clamp(min=_LOG_FLOOR)
+    log_p = log_p.clamp(min=LOG_FLOOR)
     return (log_p.exp() * (log_p - log_q)).sum(-1)
 
 
@@ -355,13 +264,11 @@ class ForwardKL(KLObjective):
     def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
         return forward_kl_per_token(student_logits, teacher_logits)
 
-    def token_loss_and_grad(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """KL(pi_T || pi_S) and its gradient pi_S - pi_T, reusing the chunk's buffers in place."""
-        log_s = torch.log_softmax(student_logits, dim=-1)
-        log_t = torch.log_softmax(teacher_logits, dim=-1).clamp_(min=_LOG_FLOOR)
-        p_t = log_t.exp()
-        losses = (p_t * (log_t - log_s)).sum(-1)
-        return losses, log_s.exp_().sub_(p_t)
+    def rows_loss_and_grad(self, stats: RowStatistics, grad: torch.Tensor | None) -> torch.Tensor:
+        """KL(pi_T || pi_S) and its gradient pi_S - pi_T."""
+        if grad is not None:
+            torch.sub(stats.p_s, stats.p_t, out=grad)
+        return stats.kl_forward
 
 
 class ReverseKL(KLObjective):
@@ -371,13 +278,14 @@ class ReverseKL(KLObjective):
     def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
         return reverse_kl_per_token(student_logits, teacher_logits)
 
-    def token_loss_and_grad(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """KL(pi_S || pi_T) and its gradient pi_S * (log pi_S - log pi_T - KL), in place."""
-        log_s = torch.log_softmax(student_logits, dim=-1).clamp_(min=_LOG_FLOOR)
-        ratio = torch.log_softmax(teacher_logits, dim=-1).neg_().add_(log_s)  # log pi_S - log pi_T
-        p_s = log_s.exp_()
-        losses = (p_s * ratio).sum(-1)
-        return losses, ratio.sub_(losses[:, None]).mul_(p_s)
+    def rows_loss_and_grad(self, stats: RowStatistics, grad: torch.Tensor | None) -> torch.Tensor:
+        """KL(pi_S || pi_T) and its gradient pi_S * (log pi_S - log pi_T - KL)."""
+        if grad is not None:
+            # log pi_S - log pi_T - KL = (s - t) - (lse_s - lse_t + KL), one shift per row
+            ratio = torch.sub(stats.s, stats.t, out=stats.scratch)
+            ratio.sub_((stats.lse_s - stats.lse_t + stats.kl_reverse)[:, None])
+            torch.mul(ratio, stats.p_s, out=grad)
+        return stats.kl_reverse
 
 
 class GeneralizedJSD(KLObjective):
@@ -417,6 +325,16 @@ class TotalVariation(KLObjective):
 
     def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
         return 0.5 * (torch.softmax(student_logits, -1) - torch.softmax(teacher_logits, -1)).abs().sum(-1)
+
+    def rows_loss_and_grad(self, stats: RowStatistics, grad: torch.Tensor | None) -> torch.Tensor:
+        """TV and its gradient: with u = sign(pi_S - pi_T) / 2, d TV / d s_v = pi_S(v) (u_v - sum_w pi_S(w) u_w)."""
+        diff = torch.sub(stats.p_s, stats.p_t, out=stats.scratch)
+        losses = 0.5 * torch.linalg.vector_norm(diff, ord=1, dim=-1)
+        if grad is not None:
+            u = diff.sign_().mul_(0.5)
+            u.sub_(rowdot(stats.p_s, u)[:, None])
+            torch.mul(u, stats.p_s, out=grad)
+        return losses
 
 
 class _SampledKL(KLObjective):
@@ -476,7 +394,7 @@ def sampled_logprobs(logits: Logits, ids: torch.Tensor, chunk_size: int = 256) -
     (a :class:`HeadLogits` is never materialised)."""
     out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
     for b, t in iter_token_chunks(torch.ones_like(ids, dtype=torch.bool), chunk_size):
-        out[b, t] = torch.log_softmax(_rows(logits, b, t, torch.float32), -1).gather(-1, ids[b, t, None]).squeeze(-1)
+        out[b, t] = torch.log_softmax(gather_rows(logits, b, t, torch.float32), -1).gather(-1, ids[b, t, None]).squeeze(-1)
     return out
 
 
@@ -489,20 +407,9 @@ def kl_diagnostics(
     chunk_size: int = 256,
 ) -> dict[str, torch.Tensor]:
     """Exact full-vocabulary ``kl_forward`` = KL(pi_T||pi_S), ``kl_reverse`` = KL(pi_S||pi_T) and
-    ``student_entropy`` / ``teacher_entropy`` (nats), reduced like the objectives, without grad,
-    in one chunked pass. Shapes as for the objectives."""
-    dtype = compute_dtype(student_logits)
-    weights = token_weights(mask, reduction, dtype)
-    totals = torch.zeros(4, dtype=dtype, device=student_logits.device)
-    for b, t in iter_token_chunks(weights > 0, chunk_size):
-        log_s, log_t = _log_softmax_pair(_rows(student_logits, b, t, dtype), _rows(teacher_logits, b, t, dtype))
-        rows = torch.stack(
-            [
-                _kl_rows(log_t, log_s),
-                _kl_rows(log_s, log_t),
-                -_kl_rows(log_s, torch.zeros_like(log_s)),  # entropy = -sum p log p
-                -_kl_rows(log_t, torch.zeros_like(log_t)),
-            ]
-        )
-        totals += (rows * weights[b, t].to(dtype)).sum(-1)
-    return dict(zip(("kl_forward", "kl_reverse", "student_entropy", "teacher_entropy"), totals.unbind()))
+    ``student_entropy`` / ``teacher_entropy`` (nats), reduced like the objectives, without grad, in one
+    chunked pass. Shapes as for the objectives. Objectives compute the same numbers in their own pass
+    (:meth:`KLObjective.take_diagnostics`); this is for objectives that override ``forward``."""
+    weights = token_weights(mask, reduction, compute_dtype(student_logits))
+    _, totals = chunked_pass(student_logits, teacher_logits.detach(), torch.zeros_like(weights), weights, chunk_size)
+    return dict(zip(DIAGNOSTICS, totals.unbind()))

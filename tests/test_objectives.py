@@ -210,16 +210,29 @@ def test_shape_mismatch_is_reported():
     assert math.isfinite(ForwardKL()(logits(1), logits(2), ragged_mask()).item())
 
 
-@pytest.mark.parametrize("objective", [ForwardKL(), ReverseKL()])
-def test_closed_form_gradient_equals_autograd_of_the_same_formula(objective):
-    """The memory-lean path must train exactly the loss the formula defines (no silent fast path)."""
-    s, t = logits(29, shape=(7, V)), logits(30, shape=(7, V))
-    t[0, 1] = -50.0  # a nearly impossible teacher token
-    s_auto = s.clone().requires_grad_(True)
-    objective.token_loss(s_auto, t).sum().backward()
-    losses, grad = objective.token_loss_and_grad(s.clone(), t.clone())
-    torch.testing.assert_close(losses, objective.token_loss(s, t), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(grad, s_auto.grad, rtol=1e-10, atol=1e-12)
+@pytest.mark.parametrize("objective", [ForwardKL(), ReverseKL(), TotalVariation()])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_closed_form_gradient_equals_autograd_of_the_same_formula(objective, dtype):
+    """The one-pass path (closed-form loss and gradient from the shared row statistics) must train
+    exactly the loss the formula defines (no silent fast path): same value, same gradient as autograd
+    through ``token_loss``, on a nearly impossible teacher token and on ragged masks."""
+    from kdlab.objectives import chunked_token_loss, token_weights
+
+    s, t, mask = logits(29, dtype=dtype), logits(30, dtype=dtype), ragged_mask()
+    t[0, 1, 2] = -50.0  # a nearly impossible teacher token
+    weights = token_weights(mask, "sequence", dtype)
+    results = []
+    for closed in (False, True):
+        s_leaf = s.clone().requires_grad_(True)
+        value = chunked_token_loss(
+            None if closed else objective.token_loss, s_leaf, t, weights, 2, objective.rows_loss_and_grad if closed else None
+        )
+        value.backward()
+        results.append((value.detach(), s_leaf.grad))
+    tol = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-6}
+    torch.testing.assert_close(results[1][0], results[0][0], **tol)
+    torch.testing.assert_close(results[1][1], results[0][1], **tol)
+    assert results[1][1][~mask].abs().sum() == 0
 
 
 @pytest.mark.parametrize("make", [lambda: ForwardKL(chunk_size=3), lambda: ReverseKL(chunk_size=3), lambda: GeneralizedJSD(0.3, chunk_size=3), lambda: TotalVariation(chunk_size=5)])
@@ -256,3 +269,89 @@ def test_fused_path_with_a_frozen_head_returns_no_head_gradient():
     weight = torch.randn(6, 4)  # frozen (as under LoRA)
     ForwardKL()(HeadLogits(hidden, weight), torch.randn(1, 3, 6), torch.ones(1, 3, dtype=torch.bool)).backward()
     assert hidden.grad is not None and weight.grad is None
+
+
+def reference_diagnostics(s, t, mask):
+    """kl_forward, kl_reverse and both entropies with torch.distributions, sequence-reduced."""
+    ps, pt = torch.distributions.Categorical(logits=s), torch.distributions.Categorical(logits=t)
+    values = [torch.distributions.kl_divergence(pt, ps), torch.distributions.kl_divergence(ps, pt), ps.entropy(), pt.entropy()]
+    return dict(zip(("kl_forward", "kl_reverse", "student_entropy", "teacher_entropy"), (sequence_mean(v, mask) for v in values)))
+
+
+class OwnSquaredDistance(KLObjective):
+    """A notebook subclass: only token_loss (the autograd path)."""
+
+    def token_loss(self, student_logits, teacher_logits):
+        return ((torch.softmax(student_logits, -1) - torch.softmax(teacher_logits, -1)) ** 2).sum(-1)
+
+
+@pytest.mark.parametrize(
+    "objective",
+    [ForwardKL(chunk_size=4), ReverseKL(chunk_size=4), GeneralizedJSD(0.3, chunk_size=4), TotalVariation(chunk_size=4),
+     SampledForwardKL(chunk_size=4), SampledReverseKL(chunk_size=4), OwnSquaredDistance(chunk_size=4)],
+    ids=lambda o: type(o).__name__,
+)
+@pytest.mark.parametrize("block_elements", [1, 3 * V, 1 << 30], ids=["row", "3rows", "chunk"])
+def test_every_objective_reports_exact_diagnostics_from_its_own_pass(objective, block_elements, monkeypatch):
+    """The loss pass gives the exact KLs and entropies (reduced like the loss, not importance-weighted),
+    whatever the block size; the separate kl_diagnostics pass is never needed."""
+    import kdlab.kl_kernels as kernels
+
+    monkeypatch.setattr(kernels, "CPU_BLOCK_ELEMENTS", block_elements)
+    s, t, mask = logits(41).requires_grad_(True), logits(42), ragged_mask()
+    objective(s, t, mask, sequence_weights=torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)).backward()
+    diagnostics = objective.take_diagnostics()
+    for name, value in reference_diagnostics(s.detach(), t, mask).items():
+        torch.testing.assert_close(diagnostics[name], value, rtol=1e-9, atol=1e-12, msg=name)
+    assert objective.take_diagnostics() == {}  # taken once
+
+
+@pytest.mark.parametrize("block_elements", [1, 2 * V, 1 << 30], ids=["row", "2rows", "chunk"])
+@pytest.mark.parametrize("make", [ForwardKL, ReverseKL, TotalVariation])
+def test_block_size_changes_nothing_on_ragged_and_bf16_inputs(make, block_elements, monkeypatch):
+    """Blocks read rows in place when positions are consecutive and copy them otherwise (ragged masks,
+    bf16 logits); the loss and gradient are those of the autograd formula either way."""
+    import kdlab.kl_kernels as kernels
+
+    s32, t32, mask = logits(43, dtype=torch.float32), logits(44, dtype=torch.float32), ragged_mask()
+    reference = s32.clone().requires_grad_(True)
+    objective = make(chunk_size=3)
+    expected = (torch.stack([objective.token_loss(reference[b], t32[b]) for b in range(B)]) * token_weights(mask)).sum()
+    expected.backward()
+    monkeypatch.setattr(kernels, "CPU_BLOCK_ELEMENTS", block_elements)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        s = s32.to(dtype).detach().requires_grad_(True)
+        value = objective(s, t32.to(dtype), mask)
+        value.backward()
+        if dtype == torch.float32:
+            torch.testing.assert_close(value, expected.detach(), rtol=tol, atol=tol)
+            torch.testing.assert_close(s.grad, reference.grad, rtol=tol, atol=tol)
+        else:
+            assert s.grad.dtype == torch.bfloat16 and value.dtype == torch.float32
+            torch.testing.assert_close(s.grad.float(), reference.grad, rtol=0, atol=tol)
+        assert s.grad[~mask].abs().sum() == 0
+
+
+def test_each_row_is_read_once_per_step_for_loss_gradient_and_diagnostics():
+    """One pass: a lazy teacher is asked for each completion row exactly once by the objective, which
+    also yields the diagnostics (the old second full-vocabulary pass asked twice)."""
+    from kdlab.objectives import LazyLogits
+
+    class Counting(LazyLogits):
+        def __init__(self, dense):
+            self.dense, self.asked = dense, 0
+            self.shape, self.dtype, self.device = dense.shape, dense.dtype, dense.device
+
+        def rows(self, b, t, dtype):
+            self.asked += b.shape[0]
+            return self.dense[b, t].to(dtype)
+
+        def detach(self):
+            return self
+
+    mask = ragged_mask()
+    teacher = Counting(logits(45))
+    s = logits(46).requires_grad_(True)
+    ForwardKL(chunk_size=3)(s, teacher, mask).backward()
+    assert teacher.asked == int(mask.sum())
+    assert ForwardKL().take_diagnostics() == {}  # a fresh objective has none

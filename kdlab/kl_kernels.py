@@ -1,0 +1,406 @@
+"""The shared maths of the chunked objectives: both models' next-token distributions, normalised once
+per row, and everything the objectives and the logged diagnostics need, from that one pass.
+
+For a block of ``k`` student rows ``s`` and teacher rows ``t`` ``(k, V)`` (fp32, already tempered),
+:func:`row_statistics` computes, with one exponential per element and model:
+
+* ``p_s = softmax(s)``, ``p_t = softmax(t)`` ``(k, V)``, written into buffers reused from block to block;
+* ``lse_s``, ``lse_t`` ``(k,)``: the log-normalisers, ``lse = max - log p[argmax]`` (no second exponential);
+* four row-wise dot products ``p_s.s``, ``p_s.t``, ``p_t.s``, ``p_t.t`` ``(k,)``, and from them
+
+  - ``kl_forward  = KL(p_t || p_s) = p_t.t - p_t.s - (lse_t - lse_s)``
+  - ``kl_reverse  = KL(p_s || p_t) = p_s.s - p_s.t + (lse_t - lse_s)``
+  - ``student_entropy = lse_s - p_s.s``, ``teacher_entropy = lse_t - p_t.t`` (nats).
+
+A row holding ``-inf`` (a teacher that gives a token probability 0, a top-k cache) makes a dot product
+``0 * -inf = nan``; only such rows are recomputed with ``-inf`` floored at ``-1e30`` (exactly what the
+limit p log p -> 0 gives), so finite inputs pay nothing for it. The dot products of raw logits lose about
+``1e-7 * max|logit|`` nats to fp32 rounding (the KLs are differences of cross-entropies), well below what
+the logged diagnostics resolve.
+
+Why blocks: on a CPU at a real vocabulary (V = 151,936, 0.6 MB per fp32 row) every pass over a
+``(chunk, V)`` tensor that is not in cache costs a trip to memory, and a fresh ``(chunk, V)`` allocation
+costs page faults. Working one or a few rows at a time in buffers allocated once keeps every pass after
+the first read in cache (:func:`block_rows` picks ``k``); on a GPU a block is the whole chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+LOG_FLOOR = -1e30
+"""Stands for ``-inf`` in the recomputation of rows whose dot products were not finite."""
+
+CPU_BLOCK_ELEMENTS = 1 << 18
+"""fp32 elements per CPU block and buffer (1 MiB): a row of a 151,936-token vocabulary is one block."""
+
+DIAGNOSTICS = ("kl_forward", "kl_reverse", "student_entropy", "teacher_entropy")
+"""The names, in order, of the columns of :attr:`RowStatistics.diagnostics`."""
+
+
+def block_rows(vocab_size: int, chunk_size: int, device: torch.device) -> int:
+    """Rows per block: the whole chunk on an accelerator; on the CPU as many rows as fit
+    :data:`CPU_BLOCK_ELEMENTS` (at least one, at most ``chunk_size``)."""
+    if device.type != "cpu":
+        return chunk_size
+    return max(1, min(chunk_size, CPU_BLOCK_ELEMENTS // max(vocab_size, 1)))
+
+
+def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Row-wise dot products ``(k,)`` of ``a``, ``b`` ``(k, V)``, without a ``(k, V)`` product tensor."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(a.shape[0])
+
+
+class Workspace:
+    """Buffers ``(rows, V)`` in one dtype and device, allocated on first use and reused by every block
+    of one objective call (a fresh large allocation per block would pay page faults each time)."""
+
+    def __init__(self, rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.rows, self.vocab_size, self.dtype, self.device = rows, vocab_size, dtype, device
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, k: int) -> torch.Tensor:
+        """Buffer ``name`` cut to ``(k, V)`` (``k <= rows``); contents are whatever was left there."""
+        buffer = self._buffers.get(name)
+        if buffer is None:
+            buffer = torch.empty(self.rows, self.vocab_size, dtype=self.dtype, device=self.device)
+            self._buffers[name] = buffer
+        return buffer[:k]
+
+
+@dataclass
+class RowStatistics:
+    """One block's normalised distributions and their diagnostics (see the module docstring).
+
+    ``s``, ``t``: the input rows ``(k, V)`` (read only); ``p_s``, ``p_t``: their softmaxes ``(k, V)``;
+    ``lse_s``, ``lse_t``: log-normalisers ``(k,)``; ``diagnostics``: ``(k, 4)`` in the order of
+    :data:`DIAGNOSTICS`; ``scratch``: a ``(k, V)`` buffer an objective may overwrite."""
+
+    s: torch.Tensor
+    t: torch.Tensor
+    p_s: torch.Tensor
+    p_t: torch.Tensor
+    lse_s: torch.Tensor
+    lse_t: torch.Tensor
+    diagnostics: torch.Tensor
+    scratch: torch.Tensor
+
+    @property
+    def kl_forward(self) -> torch.Tensor:
+        return self.diagnostics[:, 0]
+
+    @property
+    def kl_reverse(self) -> torch.Tensor:
+        return self.diagnostics[:, 1]
+
+
+def _normalise(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Softmax of ``x`` into ``out`` and the log-normaliser ``(k,)``: ``max(x) - log(max(p))``."""
+    peak = x.amax(-1)
+    torch.softmax(x, -1, out=out)
+    return peak - out.amax(-1).log()
+
+
+def _dots(p_s, p_t, s, t) -> torch.Tensor:
+    return torch.stack((rowdot(p_s, s), rowdot(p_s, t), rowdot(p_t, s), rowdot(p_t, t)), dim=1)
+
+
+def row_statistics(s: torch.Tensor, t: torch.Tensor, workspace: Workspace) -> RowStatistics:
+    """:class:`RowStatistics` of student rows ``s`` and teacher rows ``t`` ``(k, V)`` (fp32)."""
+    k = s.shape[0]
+    p_s, p_t = workspace.get("p_s", k), workspace.get("p_t", k)
+    lse_s, lse_t = _normalise(s, p_s), _normalise(t, p_t)
+    dots = _dots(p_s, p_t, s, t)
+    bad = ~torch.isfinite(dots).all(dim=1)
+    if bad.any():  # rows holding -inf: 0 * -inf; floor them and recompute those rows only
+        rows = bad.nonzero().squeeze(1)
+        dots[rows] = _dots(p_s[rows], p_t[rows], s[rows].clamp(min=LOG_FLOOR), t[rows].clamp(min=LOG_FLOOR))
+    ss, st, ts, tt = dots.unbind(1)
+    shift = lse_t - lse_s
+    diagnostics = torch.stack((tt - ts - shift, ss - st + shift, lse_s - ss, lse_t - tt), dim=1)
+    return RowStatistics(s, t, p_s, p_t, lse_s, lse_t, diagnostics, workspace.get("scratch", k))
+
+
+def iter_token_chunks(mask: torch.Tensor, chunk_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield ``(batch_index, time_index)`` long tensors for the masked-in positions, ``chunk_size`` at a time."""
+    positions = mask.nonzero(as_tuple=False)
+    for start in range(0, positions.shape[0], chunk_size):
+        chunk = positions[start : start + chunk_size]
+        yield chunk[:, 0], chunk[:, 1]
+
+
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """fp32 for half-precision inputs (bf16/fp16 logits are upcast chunk by chunk), else the input's."""
+    return torch.promote_types(tensor.dtype, torch.float32)
+
+
+class LazyLogits:
+    """Base class: a ``(B, T, V)`` logits (or log-probs) tensor that is never materialised; objectives,
+    :func:`kl_diagnostics` and :func:`sampled_logprobs` ask it for one chunk of rows at a time.
+
+    Subclasses give :meth:`rows`, ``shape``, ``dtype``, ``device`` and :meth:`detach`."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    def rows(self, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``(n, V)`` at positions ``(b[i], t[i])``, in ``dtype``."""
+        raise NotImplementedError
+
+    def detach(self) -> LazyLogits:
+        raise NotImplementedError
+
+
+class HeadLogits(LazyLogits):
+    """Logits ``(B, T, V)`` that are never materialised: ``scale * hidden @ weight.T``, computed for one
+    chunk of rows at a time (the fused hidden-state + LM-head path).
+
+    ``hidden``: ``(B, T, H)`` final hidden states at the positions that predict the completion;
+    ``weight``: ``(V, H)`` the LM head restricted to the shared vocabulary (no bias); ``scale``:
+    ``1 / temperature``. Objectives and :func:`kl_diagnostics` accept it wherever they accept logits;
+    the student's ``(B, T, V)`` logits and their gradient then never exist, only ``(chunk, V)`` pieces.
+    """
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> None:
+        if hidden.dim() != 3 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
+            raise ValueError(f"HeadLogits: hidden (B, T, H) and weight (V, H) do not fit: {tuple(hidden.shape)}, {tuple(weight.shape)}")
+        self.hidden, self.weight, self.scale = hidden, weight, scale
+        self._cast: dict[torch.dtype, torch.Tensor] = {}
+
+    def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The head in ``dtype``, cast once (not once per chunk)."""
+        if dtype not in self._cast:
+            self._cast[dtype] = self.weight.to(dtype)
+        return self._cast[dtype]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.hidden.shape[:2], self.weight.shape[0]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hidden.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden.device
+
+    def rows(self, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        logits = self.hidden[b, t].to(dtype) @ self.weight_as(dtype).T
+        return logits * self.scale if self.scale != 1.0 else logits
+
+    def detach(self) -> HeadLogits:
+        return HeadLogits(self.hidden.detach(), self.weight.detach(), self.scale)
+
+
+Logits = torch.Tensor | LazyLogits
+"""A ``(B, T, V)`` logits tensor, or a :class:`LazyLogits` (:class:`HeadLogits`, a cached top-k teacher)
+standing for one."""
+
+
+def gather_rows(logits: Logits, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``(n, V)`` of ``logits`` at positions ``(b, t)``, in ``dtype``."""
+    return logits.rows(b, t, dtype) if isinstance(logits, LazyLogits) else logits[b, t].to(dtype)
+
+
+
+
+TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(student_logits (n, V) fp32, teacher_logits (n, V) fp32) -> per-token loss (n,)``."""
+
+RowsLossAndGrad = Callable[[RowStatistics, "torch.Tensor | None"], torch.Tensor]
+"""``(statistics of a block, gradient buffer (k, V) or None) -> per-token loss (k,)``; when a buffer is
+given, ``d loss / d student logits`` is written into it (unweighted)."""
+
+
+def _materialise(logits: LazyLogits, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype, buffer: torch.Tensor) -> torch.Tensor:
+    """Rows ``(n, V)`` of a lazy source; a :class:`HeadLogits` is computed straight into ``buffer``."""
+    if isinstance(logits, HeadLogits):
+        torch.matmul(logits.hidden[b, t].to(dtype), logits.weight_as(dtype).T, out=buffer)
+        return buffer.mul_(logits.scale) if logits.scale != 1.0 else buffer
+    return logits.rows(b, t, dtype)
+
+
+class _Plan:
+    """The covered positions ``(P, 2)`` of a ``(B, T)`` grid, in chunks of ``chunk_size`` positions and
+    blocks of ``k`` rows. A block of consecutive positions of one sequence carries ``run = (b, t0)``, so
+    a plain tensor's rows are read (and its gradient written) in place."""
+
+    def __init__(self, positions: torch.Tensor, chunk_size: int, k: int) -> None:
+        self.positions, self.chunk_size, self.k = positions, chunk_size, k
+        self.listed = positions.tolist()
+
+    def chunks(self) -> Iterator[tuple[int, int]]:
+        for start in range(0, len(self.listed), self.chunk_size):
+            yield start, min(start + self.chunk_size, len(self.listed))
+
+    def blocks(self, start: int, stop: int) -> Iterator[tuple[int, int, tuple[int, int] | None]]:
+        for i0 in range(start, stop, self.k):
+            i1 = min(i0 + self.k, stop)
+            (b0, t0), (b1, t1) = self.listed[i0], self.listed[i1 - 1]
+            yield i0, i1, ((b0, t0) if b0 == b1 and t1 - t0 == i1 - 1 - i0 else None)
+
+
+class _Side:
+    """One model's rows over one chunk, a block at a time: a plain tensor's consecutive rows in the
+    compute dtype are views; other rows are copied into a reused buffer; a :class:`LazyLogits` is
+    materialised once for the chunk (into a reused buffer for :class:`HeadLogits`)."""
+
+    def __init__(self, logits: Logits, positions: torch.Tensor, dtype: torch.dtype, chunk_ws: Workspace, block_ws: Workspace, name: str) -> None:
+        self.logits, self.positions, self.dtype, self.block_ws, self.name = logits, positions, dtype, block_ws, name
+        b, t = positions[:, 0], positions[:, 1]
+        self.chunk = _materialise(logits, b, t, dtype, chunk_ws.get(name, b.shape[0])) if isinstance(logits, LazyLogits) else None
+
+    def whole(self) -> torch.Tensor:
+        """The chunk's rows ``(n, V)`` in the compute dtype (a copy for a plain tensor)."""
+        if self.chunk is not None:
+            return self.chunk
+        return self.logits[self.positions[:, 0], self.positions[:, 1]].to(self.dtype)
+
+    def block(self, j0: int, j1: int, run: tuple[int, int] | None) -> torch.Tensor:
+        if self.chunk is not None:
+            return self.chunk[j0:j1]
+        if run is not None:
+            view = self.logits[run[0], run[1] : run[1] + j1 - j0]
+            if view.dtype == self.dtype:
+                return view
+        else:
+            view = self.logits[self.positions[j0:j1, 0], self.positions[j0:j1, 1]]
+        return self.block_ws.get(self.name, j1 - j0).copy_(view)
+
+
+class LogitsGradient:
+    """The gradient ``(B, T, V)`` w.r.t. plain student logits, in their dtype. Blocks of consecutive
+    positions in the compute dtype are written in place; rows no chunk covers are zero."""
+
+    chunked = False
+
+    def __init__(self, student: torch.Tensor, covered: torch.Tensor, dtype: torch.dtype) -> None:
+        self.grad = torch.empty(student.shape, dtype=student.dtype, device=student.device)
+        if not bool(covered.all()):
+            self.grad[~covered] = 0
+        self.dtype = dtype
+
+    def target(self, run: tuple[int, int] | None, k: int, block_ws: Workspace) -> torch.Tensor:
+        """Where a block's gradient ``(k, V)`` is computed (then scaled in place by the token weights)."""
+        if run is not None and self.grad.dtype == self.dtype:
+            return self.grad[run[0], run[1] : run[1] + k]
+        return block_ws.get("grad", k)
+
+    def commit(self, positions: torch.Tensor, run: tuple[int, int] | None, target: torch.Tensor) -> None:
+        if run is not None and self.grad.dtype == self.dtype:
+            return  # already in place
+        if run is not None:
+            self.grad[run[0], run[1] : run[1] + target.shape[0]].copy_(target)
+        else:
+            self.grad[positions[:, 0], positions[:, 1]] = target.to(self.grad.dtype)
+
+    def add_chunk(self, positions: torch.Tensor, chunk_grad: torch.Tensor) -> None:
+        self.grad[positions[:, 0], positions[:, 1]] = chunk_grad.to(self.grad.dtype)
+
+
+class HeadGradient:
+    """The gradients w.r.t. the hidden states ``(B, T, H)`` and the head ``(V, H)`` of a
+    :class:`HeadLogits` student: each chunk's logits gradient ``g`` ``(n, V)`` gives
+    ``dL/dh = scale * g W`` and ``dL/dW += scale * g^T h``; no ``(B, T, V)`` tensor exists."""
+
+    chunked = True
+
+    def __init__(self, student: HeadLogits, need_hidden: bool, need_weight: bool, dtype: torch.dtype) -> None:
+        self.student, self.dtype = student, dtype
+        self.hidden = torch.zeros_like(student.hidden) if need_hidden else None
+        # a frozen head (LoRA elsewhere) needs no (V, H) gradient buffer
+        self.weight = torch.zeros(student.weight.shape, dtype=dtype, device=student.weight.device) if need_weight else None
+
+    def add_chunk(self, positions: torch.Tensor, chunk_grad: torch.Tensor) -> None:
+        b, t = positions[:, 0], positions[:, 1]
+        if self.student.scale != 1.0:
+            chunk_grad = chunk_grad.mul_(self.student.scale)
+        if self.hidden is not None:
+            self.hidden[b, t] = (chunk_grad @ self.student.weight_as(self.dtype)).to(self.hidden.dtype)
+        if self.weight is not None:
+            self.weight.addmm_(chunk_grad.T, self.student.hidden[b, t].to(self.dtype))
+
+
+def chunked_pass(
+    student: Logits,
+    teacher: Logits,
+    weights: torch.Tensor,
+    diagnostic_weights: torch.Tensor,
+    chunk_size: int,
+    token_loss: TokenLoss | None = None,
+    rows_loss_and_grad: RowsLossAndGrad | None = None,
+    gradient: LogitsGradient | HeadGradient | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one pass behind every chunked objective and :func:`kl_diagnostics`.
+
+    Walks the positions where ``weights`` or ``diagnostic_weights`` ``(B, T)`` are positive, chunk by
+    chunk and block by block, normalises each row of both models once (:func:`row_statistics`) and
+    returns ``(sum weights * loss, sum diagnostic_weights * [kl_forward, kl_reverse, student_entropy,
+    teacher_entropy])`` as a scalar and a ``(4,)`` tensor in :func:`compute_dtype`. The loss comes from
+    ``rows_loss_and_grad`` (closed form, from the same statistics) or else ``token_loss`` (autograd on the
+    chunk's rows); with neither, only the diagnostics. The gradient of the weighted loss w.r.t. the
+    student goes to ``gradient``."""
+    dtype = compute_dtype(student)
+    device = student.device
+    vocab = student.shape[-1]
+    covered = (weights > 0) | (diagnostic_weights > 0)
+    positions = covered.nonzero()
+    k = block_rows(vocab, chunk_size, device)
+    block_ws = Workspace(k, vocab, dtype, device)
+    chunk_ws = Workspace(max(1, min(chunk_size, positions.shape[0])), vocab, dtype, device)
+    w_all, d_all = weights[covered].to(dtype), diagnostic_weights[covered].to(dtype)
+    total = torch.zeros((), dtype=dtype, device=device)
+    diagnostics = torch.zeros(4, dtype=dtype, device=device)
+    plan = _Plan(positions, chunk_size, k)
+    for start, stop in plan.chunks():
+        chunk_positions = positions[start:stop]
+        s_side = _Side(student, chunk_positions, dtype, chunk_ws, block_ws, "s")
+        t_side = _Side(teacher, chunk_positions, dtype, chunk_ws, block_ws, "t")
+        if rows_loss_and_grad is None and token_loss is not None:  # autograd on the chunk's rows
+            s_chunk, t_chunk = s_side.whole(), t_side.whole()
+            chunk_loss, chunk_grad = _autograd_chunk(token_loss, s_chunk, t_chunk, w_all[start:stop], gradient is not None)
+            total += chunk_loss
+            for i0, i1, _ in plan.blocks(start, stop):
+                j0, j1 = i0 - start, i1 - start
+                stats = row_statistics(s_chunk[j0:j1].detach(), t_chunk[j0:j1], block_ws)
+                diagnostics += torch.mv(stats.diagnostics.T, d_all[i0:i1])
+            if gradient is not None:
+                gradient.add_chunk(chunk_positions, chunk_grad)
+            continue
+        chunk_grad = chunk_ws.get("grad", stop - start) if gradient is not None and gradient.chunked else None
+        for i0, i1, run in plan.blocks(start, stop):
+            j0, j1 = i0 - start, i1 - start
+            stats = row_statistics(s_side.block(j0, j1, run), t_side.block(j0, j1, run), block_ws)
+            diagnostics += torch.mv(stats.diagnostics.T, d_all[i0:i1])
+            if rows_loss_and_grad is None:
+                continue
+            target = None
+            if chunk_grad is not None:
+                target = chunk_grad[j0:j1]
+            elif gradient is not None:
+                target = gradient.target(run, i1 - i0, block_ws)
+            losses = rows_loss_and_grad(stats, target)
+            total += rowdot(losses[None], w_all[None, i0:i1])[0]
+            if target is not None:
+                target.mul_(w_all[i0:i1, None])
+                if chunk_grad is None:
+                    gradient.commit(chunk_positions[j0:j1], run, target)
+        if chunk_grad is not None:
+            gradient.add_chunk(chunk_positions, chunk_grad)
+    return total, diagnostics
+
+
+def _autograd_chunk(token_loss: TokenLoss, s_chunk, t_chunk, w_chunk, need_grad: bool):
+    """One chunk's weighted loss (scalar, detached) and its gradient w.r.t. the student rows (or None)."""
+    if not need_grad:
+        return (token_loss(s_chunk, t_chunk) * w_chunk).sum(), None
+    with torch.enable_grad():
+        s_chunk = s_chunk.detach().requires_grad_(True)
+        chunk_loss = (token_loss(s_chunk, t_chunk) * w_chunk).sum()
+        (chunk_grad,) = torch.autograd.grad(chunk_loss, s_chunk)
+    return chunk_loss.detach(), chunk_grad
