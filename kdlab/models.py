@@ -371,8 +371,9 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
     Sharded (DTensor) parameters are gathered one at a time (``full_tensor``), so at most one full
     tensor is alive on top of the shards; an FSDP1-wrapped model is gathered whole while the generator
-    runs (:func:`full_parameters`; consume it fully, on every rank). LoRA-wrapped linears yield
-    ``W + scale * B A`` under the base weight's name.
+    runs (:func:`full_parameters`; consume it fully, on every rank). LoRA-wrapped layers yield
+    ``W + delta`` under the base weight's name, ``delta`` from peft's ``get_delta_weight`` (see
+    :func:`_lora_deltas`; DoRA and other variants are refused).
     """
     summoned = fsdp1_wrapped(model)
     with full_parameters(model):
