@@ -86,12 +86,21 @@ def completion_head_logits(
     config = getattr(model, "config", None)
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", 1.0) not in (None, 1.0):
         raise ValueError("fused_lm_head: this model transforms its logits after the LM head (soft-capping or scaling); use the logits path")
-    if hasattr(head.weight, "to_local"):
-        raise ValueError("fused_lm_head does not support a sharded (FSDP2) LM head; use the logits path")
     keep = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(model) else {}
     outputs = model(**inputs, use_cache=False, output_hidden_states=True, **keep)
     hidden = outputs.hidden_states[-1][:, -(completion_length + 1) : -1]
-    return HeadLogits(hidden, head.weight[:vocab_size], 1.0 / temperature)
+    return HeadLogits(hidden, full_head_weight(head)[:vocab_size], 1.0 / temperature)
+
+
+def full_head_weight(head: torch.nn.Module) -> torch.Tensor:
+    """The LM head's whole ``(V, H)`` weight, read after the model's forward. Under FSDP2 the root's
+    parameters (embeddings, final norm, head) are still gathered then (a root unit does not reshard
+    after forward), so this is the unsharded parameter and its gradient is reduce-scattered by FSDP2
+    after backward as usual; a head still sharded (a ``DTensor``) is all-gathered with ``full_tensor()``,
+    whose backward reduce-scatters the gradient into the shards. FSDP1 flattens parameters and is refused
+    before training (``TaskStage``)."""
+    weight = head.weight
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
 
 
 class IncrementalLM:

@@ -68,7 +68,7 @@ class DistillModule(TaskStage):
         fused_lm_head: feed the objective the models' final hidden states and LM heads
             (:class:`~kdlab.objectives.HeadLogits`) instead of logits, so neither model's ``(B, C, V)``
             logits (nor the student's logits gradient) is ever materialised; same loss and gradients.
-            Not with a sharded (FSDP2) LM head.
+            Works under FSDP2 (the head is read whole after the forward); refused under FSDP1.
         stop_strings: rollouts and evaluation also stop once a completion contains one of these.
         seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each
             step's streams are derived from (seed, stage, rank, epoch, batch index) and each epoch's

@@ -1,6 +1,6 @@
 """Run by tests/test_distributed.py as its own program: Lightning re-launches it once per rank.
 
-    python tests/distributed_worker.py OUT_DIR {single|fsdp2|fsdp1|ddp} [STEPS [EXAMPLES [RESUME]]]
+    python tests/distributed_worker.py OUT_DIR {single|fsdp2|fsdp1|ddp}[-fused][-bf16] [STEPS [EXAMPLES [RESUME]]]
 
 Distils the packaged random tiny pair for STEPS (default 2) steps from a fixed teacher dataset of
 EXAMPLES prompts (default 8; so rollouts are the same whatever the process layout), with a global batch
@@ -79,11 +79,13 @@ def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, r
                                 for i, ex in enumerate(task.examples("train"))))
     precision = "bf16-mixed" if layout.endswith("-bf16") else "32-true"
     layout = layout.removesuffix("-bf16")
+    fused = layout.endswith("-fused")  # the hidden-state + LM-head path (HeadLogits) instead of logits
+    layout = layout.removesuffix("-fused")
     devices = 1 if layout == "single" else 2
     module = DistillModule(
         "kdlab://tiny-random/student", "kdlab://tiny-random/teacher", task,
         rollout=TeacherRollouts(dataset=str(data)), batch_size=GLOBAL_BATCH // devices, lr=1e-3, warmup_steps=0,
-        teacher_placement="shard" if layout in ("fsdp2", "fsdp1") else "replicate",
+        teacher_placement="shard" if layout in ("fsdp2", "fsdp1") else "replicate", fused_lm_head=fused,
     )
     strategy = {
         "single": "auto",
