@@ -66,10 +66,20 @@ def test_ood_forgetting_reports_before_after_and_delta_in_points(module, tmp_pat
     assert restored.before == {"addition": 50.0, "sorting": 100.0}
 
 
-def test_ood_scores_are_real_accuracies(module):
-    task = Addition(num_val=3, seed=2)
+def test_ood_scores_are_real_accuracies(module, monkeypatch):
+    import kdlab.callbacks as callbacks
+
+    task = Addition(num_val=4, seed=2)
     callback = OODForgetting([task], examples=3, max_new_tokens=6)
     assert callback.scores(module) == {"addition": 0.0}  # a random student cannot add
+    # known completions through the same path: right on the 1st and 3rd of the first 3 problems, a wrong sum on the 2nd
+    def known(model, tokenizer, task, examples, **settings):
+        assert [ex["id"] for ex in examples] == [ex["id"] for ex in task.examples("val")[:3]]
+        wrong = f"<answer>{examples[1]['a'] + examples[1]['b'] + 1}</answer>"
+        return [task.reference_completion(examples[0]), wrong, task.reference_completion(examples[2])]
+
+    monkeypatch.setattr(callbacks, "generate", known)
+    assert callback.scores(module) == {"addition": pytest.approx(200 / 3)}  # in points
     with pytest.raises(ValueError, match="at least one task"):
         OODForgetting([])
 

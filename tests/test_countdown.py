@@ -333,4 +333,38 @@ _ANSWER_ALPHABET = "0123456789+-*/x×÷=,() \n<>answer"
     target=st.integers(min_value=-5, max_value=1000),
 )
 def test_verify_never_raises(answer_format: str, text: str, nums: list[int], target: int) -> None:
-    assert verify(nums, target, text, answer_format) in (True, False)
+    result = verify(nums, target, text, answer_format)
+    assert result is (result is True)  # a bool, not a truthy stand-in
+    if "<answer>" not in text:
+        assert result is False  # no answer tag: nothing to accept
+    # only the last answer counts: a later answer that cannot be right (an empty one) overrides this one
+    assert verify(nums, target, text + "<answer></answer>", answer_format) is False
+
+
+def random_solution(rng: random.Random, nums: list[int]) -> tuple[str, int]:
+    """A correct chain over all of ``nums`` (random pairs and operations, exact non-negative steps) and its value."""
+    pool, steps = list(nums), []
+    while len(pool) > 1:
+        a, b = (pool.pop(rng.randrange(len(pool))) for _ in range(2))
+        ops = ["+", "*"] + (["-"] if a >= b else []) + (["/"] if b and a % b == 0 else [])
+        op = rng.choice(ops)
+        c = {"+": a + b, "*": a * b, "-": a - b, "/": a // b if b else 0}[op]
+        steps.append(f"{a}{op}{b}={c}")
+        pool.append(c)
+    return ",".join(steps), pool[0]
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(nums=st.lists(st.integers(min_value=0, max_value=100), min_size=2, max_size=5), rng=st.randoms(use_true_random=False))
+def test_verify_accepts_every_correct_solution_and_rejects_it_for_another_target(nums: list[int], rng: random.Random) -> None:
+    chain, value = random_solution(rng, nums)
+    expression = chain_to_expression(chain)
+    assert verify(nums, value, answer(chain)) is True
+    assert verify(nums, value, answer(expression), answer_format="expression") is True
+    assert verify(nums, value, answer(f"{expression} = {value}"), answer_format="expression") is True
+    for wrong in (value + 1, value - 1):
+        assert verify(nums, wrong, answer(chain)) is False
+        assert verify(nums, wrong, answer(expression), answer_format="expression") is False
+    assert verify(nums + [1], value, answer(chain)) is False  # an operand left unused
+    assert verify(nums, value, answer("1+1=3") + answer(chain)) is True  # the last answer counts
+    assert verify(nums, value, answer(chain) + answer("1+1=3")) is False

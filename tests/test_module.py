@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from kdlab.data import Rollout
+from kdlab.data import Rollout, prompt_token_ids
 from kdlab.module import DistillModule
 from kdlab.objectives import ForwardKL
 from kdlab.rollouts import RolloutPolicy, StudentRollouts, TeacherRollouts
@@ -216,7 +216,29 @@ def test_generated_teacher_data_feeds_off_policy_training(tiny_pair, tmp_path):
     module = make_module(tiny_pair, task=EvenVerified(num_train=6), rollout=TeacherRollouts(dataset=str(output)), batch_size=8)
     (batch,) = list(module.train_dataloader())
     assert sorted(ex["id"] for ex in batch) == ["add-train-0", "add-train-2", "add-train-4"]
-    assert module.training_step(batch, 0) is not None
+    module.log = lambda *args, **kwargs: None
+    loss = module.training_step(batch, 0)
+    # recomputed without kdlab's rollouts, padding or objective: each kept teacher completion (plus the end
+    # token, it ended) read by both models after their own prompt; forward KL(pi_T || pi_S) at T_T = 0.5,
+    # T_S = 1, averaged over each completion's tokens, then over completions
+    rows = {}
+    for row in map(json.loads, output.read_text().splitlines()):
+        rows.setdefault(row["id"], row)  # two samples per prompt: TeacherRollouts trains on the first
+    per_sequence = []
+    for example in batch:
+        row = rows[example["id"]]
+        completion = module.student_tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
+        completion = (completion + [module.end_ids[0]] if row["ended"] else completion)[: module.max_completion_tokens]
+        logprobs = {}
+        for role, model, tokenizer, temperature in (("student", module.student, module.student_tokenizer, 1.0),
+                                                    ("teacher", module.teacher, module.teacher_tokenizer, 0.5)):
+            prompt = prompt_token_ids(module.task, tokenizer, example, role, 2048)
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1, : module.vocab_size]
+            logprobs[role] = torch.log_softmax(logits.double() / temperature, -1)
+        teacher, student = logprobs["teacher"], logprobs["student"]
+        per_sequence.append((teacher.exp() * (teacher - student)).sum(-1).mean())
+    assert loss.item() == pytest.approx(torch.stack(per_sequence).mean().item(), rel=1e-4)
 
 
 class NaNOnSteps(ForwardKL):
