@@ -33,24 +33,31 @@ def tiny_models(monkeypatch):
 
     tokenizer_dir = models.resolve_path("kdlab://tiny-random/student")
     real_model, real_tokenizer = transformers.AutoModelForCausalLM.from_pretrained, transformers.AutoTokenizer.from_pretrained
+    real_config = transformers.AutoConfig.from_pretrained
     built = []
+
+    def tiny_config(path):
+        config_class = transformers.LlamaConfig if "llama" in str(path).lower() else transformers.Qwen2Config
+        vocab = len(real_tokenizer(tokenizer_dir))
+        return config_class(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
 
     def load_model(path, *args, **kwargs):
         if str(path).startswith(str(models.ASSETS)):
             return real_model(path, *args, **kwargs)
         llama = "llama" in str(path).lower()
-        config_class = transformers.LlamaConfig if llama else transformers.Qwen2Config
         model_class = transformers.LlamaForCausalLM if llama else transformers.Qwen2ForCausalLM
-        vocab = len(real_tokenizer(tokenizer_dir))
-        config = config_class(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
         built.append((str(path), model_class.__name__))
-        return model_class(config)
+        return model_class(tiny_config(path))
+
+    def load_config(path, *args, **kwargs):  # read before any weights (the vocabulary check)
+        return real_config(path, *args, **kwargs) if str(path).startswith(str(models.ASSETS)) else tiny_config(path)
 
     def load_tokenizer(path, *args, **kwargs):
         return real_tokenizer(path if str(path).startswith(str(models.ASSETS)) else tokenizer_dir)
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load_model)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", load_tokenizer)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", load_config)
     monkeypatch.setattr(models, "_check_local", lambda spec, role: None)  # teacher folders made by earlier stages
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # instantiating must not need the network
     return built
