@@ -30,8 +30,8 @@ def select_layers(layers: str | list[int] | tuple[int, ...], num_layers: int | N
     """The kept layer indices (increasing) of a ``num_layers``-layer decoder for the selection ``layers``.
 
     With ``num_layers`` ``None`` only the form is checked (indices against the depth come later).
-    Raises ``ValueError`` naming ``key`` for an unknown form, an empty selection, a repeated, decreasing,
-    negative or out-of-range index, or a selection that keeps every layer.
+    Raises ``ValueError`` naming ``key`` for an unknown form, an empty selection, or a repeated,
+    decreasing, negative or out-of-range index. A selection of every layer is allowed (no change).
     """
     if isinstance(layers, str):
         text = layers.strip()
@@ -75,8 +75,6 @@ def select_layers(layers: str | list[int] | tuple[int, ...], num_layers: int | N
         outside = [i for i in chosen if i >= num_layers]
         if outside:
             raise ValueError(f"{key}: layer(s) {outside} out of range; the model has {num_layers} layers (0..{num_layers - 1})")
-        if len(chosen) == num_layers:
-            raise ValueError(f"{key}: {layers!r} keeps all {num_layers} layers; nothing to prune")
     return chosen
 
 
