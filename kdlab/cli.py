@@ -14,58 +14,162 @@ Components (``task``, ``rollout``, ``objective``) are chosen with ``class_path``
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import re
 import sys
 from pathlib import Path
 
-import lightning.pytorch as pl
 import yaml
-from lightning.pytorch.cli import LightningCLI
 
-from kdlab.checkpointing import FinalCheckpoint
-from kdlab.module import DistillModule
+from kdlab import __version__
+
+LIGHTNING_COMMANDS = ("fit", "validate", "test")
+COMMANDS = {
+    "fit": "train a stage from a YAML config (distillation by default): kdlab fit --config X.yaml",
+    "validate": "evaluate on the validation split (val/accuracy, val/pass@k): kdlab validate --config X.yaml",
+    "test": "evaluate on the test split (test/accuracy, test/pass@k): kdlab test --config X.yaml",
+    "generate": "write teacher data for off-policy runs: kdlab generate --config gen.yaml",
+    "sweep": "run a grid of fits: kdlab sweep --config S.yaml",
+    "pipeline": "distillation runs, then RLVR from each: kdlab pipeline --config P.yaml",
+    "report": "tables and figures from finished runs: kdlab report runs/<name>...",
+    "prune": "a depth-pruned copy of a model: kdlab prune --help",
+}
+HELP = """usage: kdlab COMMAND [options]          (kdlab COMMAND --help: that command's options)
+
+kdlab {version}: strong-to-weak distillation of language models with PyTorch Lightning.
+
+commands:
+{commands}
+
+A fit logs to <save_dir>/<name>/version_<n>/ (TensorBoard events, config.yaml, metrics.jsonl,
+samples/, checkpoints/final.ckpt); it prints that directory when it starts. Resume an interrupted fit
+with the same command plus --ckpt_path=<run>/checkpoints/on_exception.ckpt (or last.ckpt).
+A configuration error ends in one line naming the key (exit status 2); KDLAB_TRACEBACK=1 or
+--traceback shows the whole traceback.
+"""
 
 
-class KDLabCLI(LightningCLI):
-    def add_arguments_to_parser(self, parser) -> None:
-        parser.link_arguments("seed_everything", "model.init_args.seed" if self.subclass_mode_model else "model.seed")
+def top_help() -> str:
+    """``kdlab --help``: every command, without importing Lightning (it answers at once)."""
+    width = max(map(len, COMMANDS))
+    return HELP.format(version=__version__, commands="\n".join(f"  {name.ljust(width)}  {text}" for name, text in COMMANDS.items()))
 
-    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:
-        """Checkpoints are read with ``weights_only=True`` (no arbitrary unpickling) unless the command
-        line says ``--weights_only=false``."""
-        kwargs = super()._prepare_subcommand_kwargs(subcommand)
-        if "weights_only" in kwargs and kwargs["weights_only"] is None:
-            kwargs["weights_only"] = True
-        return kwargs
 
-    def before_instantiate_classes(self) -> None:
-        """``fit --ckpt_path <save_dir>/<name>/version_N/...``: the TensorBoard or CSV logger continues in
-        ``version_N`` (unless the config names a version), so a resumed run is one run directory."""
-        config = self.config.get(self.subcommand) if self.subcommand else None
-        ckpt_path = config.get("ckpt_path") if config is not None and self.subcommand == "fit" else None
-        logger = config.get("trainer.logger") if ckpt_path else None
-        if not ckpt_path or not hasattr(logger, "get") or not str(logger.get("class_path", "")).endswith(("TensorBoardLogger", "CSVLogger")):
+def _lightning_cli_class():
+    """:class:`KDLabCLI`, defined on first use so that ``kdlab --help`` and the other commands do not
+    import Lightning."""
+    global KDLabCLI
+    if "KDLabCLI" in globals():
+        return KDLabCLI
+    from lightning.pytorch.cli import LightningCLI
+
+    from kdlab.checkpointing import FinalCheckpoint
+
+    class KDLabCLI(LightningCLI):
+        def add_arguments_to_parser(self, parser) -> None:
+            parser.link_arguments("seed_everything", "model.init_args.seed" if self.subclass_mode_model else "model.seed")
+
+        def parse_arguments(self, parser, args) -> None:
+            """An unknown key (``--model.lrr``, or ``lrr:`` in a config file) fails naming it and the
+            nearest key the command accepts."""
+            try:
+                super().parse_arguments(parser, args)
+            except Exception as error:
+                from kdlab.config_errors import ConfigError, nearest
+
+                text = str(error)
+                unknown = re.search(r"unrecognized arguments: --?([\w.]+)|does not accept option '([\w.]+)'|Key '([\w.]+)' is not expected", text)
+                command = next((name for name in self._subcommand_parsers if name in (args or sys.argv[1:])[:1]), None)
+                if unknown is None or command is None:
+                    raise
+                key = next(group for group in unknown.groups() if group)
+                keys = [action.dest for action in self._subcommand_parsers[command]._actions if "." in action.dest or action.dest.isidentifier()]
+                raise ConfigError(f"{key}: no such key for kdlab {command}{nearest(key, keys)}") from error
+
+        def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:
+            """Checkpoints are read with ``weights_only=True`` (no arbitrary unpickling) unless the command
+            line says ``--weights_only=false``."""
+            kwargs = super()._prepare_subcommand_kwargs(subcommand)
+            if "weights_only" in kwargs and kwargs["weights_only"] is None:
+                kwargs["weights_only"] = True
+            return kwargs
+
+        def before_instantiate_classes(self) -> None:
+            """``fit --ckpt_path <save_dir>/<name>/version_N/...``: the TensorBoard or CSV logger continues in
+            ``version_N`` (unless the config names a version), so a resumed run is one run directory."""
+            config = self.config.get(self.subcommand) if self.subcommand else None
+            if config is not None:
+                check_hub_paths(config)
+            ckpt_path = config.get("ckpt_path") if config is not None and self.subcommand == "fit" else None
+            logger = config.get("trainer.logger") if ckpt_path else None
+            if not ckpt_path or not hasattr(logger, "get") or not str(logger.get("class_path", "")).endswith(("TensorBoardLogger", "CSVLogger")):
+                return
+            args = logger.get("init_args")
+            if args is None or args.get("version") is not None:
+                return
+            from kdlab.checkpointing import resume_version
+
+            version = resume_version(args.get("save_dir") or ".", args.get("name") or "lightning_logs", ckpt_path)
+            if version is not None:
+                args["version"] = version
+
+        def before_fit(self) -> None:
+            """Every fit ends with a checkpoint of its final state (see :mod:`kdlab.checkpointing`); a resumed
+            fit first removes what the interrupted run logged after its checkpoint."""
+            if not any(isinstance(callback, FinalCheckpoint) for callback in self.trainer.callbacks):
+                self.trainer.callbacks.append(FinalCheckpoint())
+            ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+            if ckpt_path and self.trainer.is_global_zero and self.trainer.log_dir:
+                from kdlab.checkpointing import log_position, trim_logs
+
+                position = log_position(ckpt_path)
+                if position is not None and Path(self.trainer.log_dir).is_dir():
+                    trim_logs(self.trainer.log_dir, position)
+
+    return KDLabCLI
+
+
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def check_hub_paths(config) -> None:
+    """Fail at once, naming the key, when a model ``path`` (``model.student.path``, ...) is neither a
+    local folder, nor ``kdlab://``, nor in the Hugging Face cache, so loading it needs the model hub,
+    and the hub cannot be reached (offline mode, or no connection within 5 s): otherwise transformers
+    retries for about a minute and then names no key."""
+    needed = []
+    for key, value in config.items():
+        if key.rsplit(".", 1)[-1] == "path" and isinstance(value, str) and HUB_ID.match(value) and not Path(value).exists():
+            needed.append((key, value))
+    if not needed:
+        return
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        needed = [(key, value) for key, value in needed if not isinstance(try_to_load_from_cache(value, "config.json"), str)]
+    except Exception:  # noqa: BLE001 - no cache to consult: the hub is needed
+        pass
+    if not needed:
+        return
+    from kdlab.config_errors import ConfigError
+
+    key, value = needed[0]
+    if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get("TRANSFORMERS_OFFLINE", "") not in ("", "0"):
+        why = "HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE forbid the model hub"
+    else:
+        import socket
+
+        try:
+            socket.create_connection(("huggingface.co", 443), timeout=5).close()
             return
-        args = logger.get("init_args")
-        if args is None or args.get("version") is not None:
-            return
-        from kdlab.checkpointing import resume_version
-
-        version = resume_version(args.get("save_dir") or ".", args.get("name") or "lightning_logs", ckpt_path)
-        if version is not None:
-            args["version"] = version
-
-    def before_fit(self) -> None:
-        """Every fit ends with a checkpoint of its final state (see :mod:`kdlab.checkpointing`); a resumed
-        fit first removes what the interrupted run logged after its checkpoint."""
-        if not any(isinstance(callback, FinalCheckpoint) for callback in self.trainer.callbacks):
-            self.trainer.callbacks.append(FinalCheckpoint())
-        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
-        if ckpt_path and self.trainer.is_global_zero and self.trainer.log_dir:
-            from kdlab.checkpointing import log_position, trim_logs
-
-            position = log_position(ckpt_path)
-            if position is not None and Path(self.trainer.log_dir).is_dir():
-                trim_logs(self.trainer.log_dir, position)
+        except OSError as error:
+            why = f"the model hub (huggingface.co) cannot be reached ({error})"
+    raise ConfigError(
+        f"{key}={value!r} is not a local folder, kdlab:// model or cached download, so it needs the model hub, and {why}; "
+        f"point {key} at a local folder holding the model (config.json, weights, tokenizer)"
+    )
 
 
 def names_model_class(argv: list[str]) -> bool:
@@ -75,20 +179,35 @@ def names_model_class(argv: list[str]) -> bool:
     paths = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg in ("--config", "-c")]
     paths += [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
     for path in paths:
+        from kdlab.config_errors import ConfigError
+
         try:
             config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError):
-            continue  # LightningCLI reports the bad file itself
+        except OSError as error:
+            raise ConfigError(f"--config {path}: cannot be read ({error.strerror or error})") from error
+        except yaml.YAMLError as error:
+            where = getattr(error, "problem_mark", None)
+            line = f" line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+            raise ConfigError(f"--config {path}:{line}: not valid YAML ({problem})") from error
         model = config.get("model") if isinstance(config, dict) else None
         if isinstance(model, dict) and "class_path" in model:
             return True
     return False
 
 
-def main(args: list[str] | None = None, run: bool = True):
+def main(args: list[str] | None = None, run: bool = True, raise_parse_errors: bool = False):
     """``kdlab generate ...`` writes teacher data; every other subcommand is LightningCLI's
-    (``run=False``: parse and instantiate the model and trainer, then return without running)."""
+    (``run=False``: parse and instantiate the model and trainer, then return without running).
+    A command-line or config-file error exits with jsonargparse's message (``SystemExit(2)``), or with
+    ``raise_parse_errors`` raises it (what :func:`entry` shortens to one line)."""
     argv = sys.argv[1:] if args is None else list(args)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(top_help())
+        return None
+    if argv[0] == "--version":
+        print(f"kdlab {__version__}")
+        return None
     if argv[:1] == ["generate"]:
         from jsonargparse import auto_cli
 
@@ -113,22 +232,77 @@ def main(args: list[str] | None = None, run: bool = True):
         from kdlab.report import main as report
 
         return report(argv[1:])
+    if argv[0] not in (*LIGHTNING_COMMANDS, "predict") and not argv[0].startswith("-"):
+        from kdlab.config_errors import ConfigError, nearest
+
+        raise ConfigError(f"unknown command {argv[0]!r}{nearest(argv[0], list(COMMANDS))}; kdlab --help lists them")
     stage_class = names_model_class(argv)
-    return KDLabCLI(
-        pl.LightningModule if stage_class else DistillModule,
-        subclass_mode_model=stage_class,
-        seed_everything_default=42,
-        trainer_defaults={"default_root_dir": "runs"},
-        save_config_kwargs={"overwrite": True},
-        args=(argv[1:] if not run and argv[:1] in (["fit"], ["validate"], ["test"]) else args),
-        run=run,
-    )
+    import lightning.pytorch as pl
+
+    from kdlab.module import DistillModule
+
+    subcommand_kwargs = {"exit_on_error": not raise_parse_errors}
+    cli_args = argv[1:] if not run and argv[:1] in (["fit"], ["validate"], ["test"]) else args
+    with _clean_help(argv):
+        return _lightning_cli_class()(
+            pl.LightningModule if stage_class else DistillModule,
+            subclass_mode_model=stage_class,
+            seed_everything_default=42,
+            trainer_defaults={"default_root_dir": "runs"},
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={**subcommand_kwargs, **{name: dict(subcommand_kwargs) for name in (*LIGHTNING_COMMANDS, "predict")}},
+            args=cli_args,
+            run=run,
+        )
+
+
+_RST = [
+    (re.compile(r":(?:class|func|meth|mod|attr|data|obj):`~?([\w.]+)`"), lambda m: m.group(1).rsplit(".", 1)[-1]),
+    (re.compile(r"``([^`]+)``"), lambda m: m.group(1)),
+    (re.compile(r"`([^`<]+) <[^>]+>`_"), lambda m: m.group(1)),
+]
+
+
+def clean_help(text: str) -> str:
+    """Docstring markup out of ``--help`` text: ``:class:`~a.B``` -> B, ````x```` -> x, links -> their text."""
+    for pattern, replacement in _RST:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+@contextlib.contextmanager
+def _clean_help(argv: list[str]):
+    """Around ``kdlab fit|validate|test --help``: print the help without reStructuredText markup."""
+    if not any(arg in ("-h", "--help") for arg in argv):
+        yield
+        return
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            yield
+    finally:
+        sys.stdout.write(clean_help(buffer.getvalue()))
 
 
 if __name__ == "__main__":
     main()
 
 
-def entry() -> None:
-    """The ``kdlab`` console script: exit status 0 on success (``main``'s return value is for Python callers)."""
-    main()
+def entry(args: list[str] | None = None) -> None:
+    """The ``kdlab`` console script: exit status 0 on success (``main``'s return value is for Python
+    callers). A configuration error ends in one line, ``kdlab: error: <key>: <cause>``, and exit status
+    2 (:mod:`kdlab.config_errors`); ``KDLAB_TRACEBACK=1`` or ``--traceback`` shows the traceback."""
+    argv = sys.argv[1:] if args is None else list(args)
+    show_traceback = os.environ.get("KDLAB_TRACEBACK", "") not in ("", "0") or "--traceback" in argv
+    sys.argv[1:] = [arg for arg in argv if arg != "--traceback"]
+    try:
+        main(raise_parse_errors=True)
+    except Exception as error:  # noqa: BLE001 - shortened only when it is a configuration error
+        from kdlab.config_errors import short_message
+
+        message = None if show_traceback else short_message(error)
+        if message is None:
+            raise
+        sys.stdout.flush()
+        print(f"kdlab: error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
