@@ -2,7 +2,11 @@
 
 The default run throws 300 generated strings at each verifier; ``-m slow`` throws 10,000 at each.
 Strings mix arbitrary text with fragments that look like answers, so the parsers' deep paths are hit.
+Some fragments call a sentinel installed as a Python builtin: a verifier that evaluated its input
+(``eval``, ``exec``, ``sympify``) would call it, and every check asserts it was never touched.
 """
+
+import builtins
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -12,8 +16,9 @@ from kdlab.tasks.countdown import verify
 from kdlab.tasks.math import answers_match, final_number, last_boxed
 from kdlab.tasks.multiple_choice import read_letter
 
+SENTINEL_CODE = ["kdlab_sentinel()", "__import__('builtins').kdlab_sentinel()", "(lambda: kdlab_sentinel())()", "kdlab_sentinel.touch"]
 FRAGMENTS = ["<answer>", "</answer>", "\\boxed{", "}", "{", "(", ")", "=", ",", "+", "-", "*", "/", "**", "2", "75", "9" * 30,
-             "####", "$", "\\frac{1}{2}", "A", "(B)", "C.", "__import__('os').system('true')", "\x00", "é", "\n"]
+             "####", "$", "\\frac{1}{2}", "A", "(B)", "C.", "__import__('os').system('true')", "\x00", "é", "\n", *SENTINEL_CODE]
 hostile_text = st.one_of(st.text(), st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=3), max_size=60).map("".join))
 
 VERIFIERS = {
@@ -25,8 +30,50 @@ VERIFIERS = {
 }
 
 
+class Sentinel:
+    """Records every call and attribute read: visible proof that some code evaluated a verifier's input."""
+
+    def __init__(self) -> None:
+        self.touched: list[str] = []
+
+    def __call__(self, *args, **kwargs):
+        self.touched.append("call")
+        return 0
+
+    def __getattr__(self, name):
+        if name.startswith("__"):  # Python's and pytest's own probing (e.g. __test__), not an evaluation
+            raise AttributeError(name)
+        self.touched.append(name)
+        return self
+
+
+SENTINEL = Sentinel()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def sentinel_builtin():
+    builtins.kdlab_sentinel = SENTINEL  # reachable by name from any eval/exec with default builtins
+    yield SENTINEL
+    del builtins.kdlab_sentinel
+
+
 def check(name, text):
     VERIFIERS[name](text)  # must return, whatever the text
+    assert SENTINEL.touched == [], f"{name} evaluated {text!r}"
+
+
+def test_the_sentinel_shows_an_evaluation():
+    for code in SENTINEL_CODE:
+        eval(code)  # what a verifier that evaluated its input would do
+    assert SENTINEL.touched == ["call", "call", "call", "touch"]
+    SENTINEL.touched.clear()
+
+
+@pytest.mark.parametrize("name", VERIFIERS)
+@pytest.mark.parametrize("code", SENTINEL_CODE)
+def test_answers_that_are_code_are_never_evaluated(name, code):
+    for text in (code, f"<answer>{code}</answer>", f"\\boxed{{{code}}}", f"#### {code}", f"The answer is {code}"):
+        check(name, text)
 
 
 @pytest.mark.parametrize("name", VERIFIERS)
