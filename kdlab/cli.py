@@ -135,13 +135,22 @@ HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
 def check_hub_paths(config) -> None:
-    """Fail at once, naming the key, when a model ``path`` (``model.student.path``, ...) is neither a
+    """Fail at once, naming the key, when a ``kdlab://`` model ``path`` is not a packaged one (listing
+    those), or when a model ``path`` (``model.student.path``, ...) is neither a
     local folder, nor ``kdlab://``, nor in the Hugging Face cache, so loading it needs the model hub,
     and the hub cannot be reached (offline mode, or no connection within 5 s): otherwise transformers
     retries for about a minute and then names no key."""
+    from kdlab.config_errors import ConfigError, nearest
+
     needed = []
+    assets = Path(__file__).with_name("assets")
+    packaged = sorted(f"kdlab://{family.name}/{model.name}" for family in assets.iterdir() if family.is_dir() for model in family.iterdir() if model.is_dir())
     for key, value in config.items():
-        if key.rsplit(".", 1)[-1] == "path" and isinstance(value, str) and HUB_ID.match(value) and not Path(value).exists():
+        if key.rsplit(".", 1)[-1] != "path" or not isinstance(value, str):
+            continue
+        if value.startswith("kdlab://") and value.rstrip("/") not in packaged:
+            raise ConfigError(f"{key}={value!r} is not a packaged model{nearest(value, packaged)}; packaged: {', '.join(packaged)}")
+        if HUB_ID.match(value) and not Path(value).exists():
             needed.append((key, value))
     if not needed:
         return
@@ -153,8 +162,6 @@ def check_hub_paths(config) -> None:
         pass
     if not needed:
         return
-    from kdlab.config_errors import ConfigError
-
     key, value = needed[0]
     if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get("TRANSFORMERS_OFFLINE", "") not in ("", "0"):
         why = "HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE forbid the model hub"
@@ -172,13 +179,35 @@ def check_hub_paths(config) -> None:
     )
 
 
+def config_paths(argv: list[str]) -> list[str]:
+    """The ``--config`` / ``-c`` files of a command line, in order."""
+    paths = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg in ("--config", "-c")]
+    return paths + [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
+
+
+def overlay_hint(argv: list[str]) -> str:
+    """``"; X.yaml is an overlay: run kdlab fit --config B.yaml --config X.yaml"`` when a config file's
+    first line (its command) puts other config files before it that the command line lacks, else ``""``."""
+    given = [Path(path).resolve() for path in config_paths(argv)]
+    for path in config_paths(argv):
+        try:
+            first = Path(path).read_text(encoding="utf-8").splitlines()[0]
+        except (OSError, IndexError, UnicodeDecodeError):
+            continue
+        command = first.lstrip("# ").strip()
+        bases = config_paths(command.split())
+        own = [base for base in bases if Path(base).name == Path(path).name]
+        missing = [base for base in bases[: bases.index(own[0])] if Path(base).resolve() not in given] if own else []
+        if command.startswith("kdlab ") and missing:
+            return f"; {path} is an overlay of {', '.join(missing)}: run `{command}`"
+    return ""
+
+
 def names_model_class(argv: list[str]) -> bool:
     """Whether a ``--config`` file (or ``--model.class_path``) in ``argv`` chooses the stage class."""
     if any(arg.startswith("--model.class_path") for arg in argv):
         return True
-    paths = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg in ("--config", "-c")]
-    paths += [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
-    for path in paths:
+    for path in config_paths(argv):
         from kdlab.config_errors import ConfigError
 
         try:
@@ -303,6 +332,7 @@ def entry(args: list[str] | None = None) -> None:
         message = None if show_traceback else short_message(error)
         if message is None:
             raise
+        message += overlay_hint(sys.argv[1:])
         sys.stdout.flush()
         print(f"kdlab: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -47,11 +47,12 @@ def _argument_candidates(class_path: str) -> list[str]:
         return []
 
 
-_NOISE = re.compile(r"^(Expected a <class 'NoneType'>|Given value|Subtypes:|Errors:|Does not validate against|- Expected a <class 'NoneType'>)")
+_NOISE = re.compile(r"^(Expected a <class 'NoneType'>|Given value|Subtypes:|Errors:|Does not validate against|Not a valid subclass|Expected a path but|a class path \(str\)|a dict with|a dict without)")
 
 
 def _causes(text: str) -> list[str]:
-    """The items of jsonargparse's ``Errors:`` lists that are not the ``None`` alternative, innermost last."""
+    """The items of jsonargparse's ``Errors:`` lists that say what is wrong, in order (not the ``None``
+    alternative, not the list of accepted forms)."""
     causes = []
     lines = text.splitlines()
     for index, line in enumerate(lines):
@@ -87,7 +88,7 @@ def short_message(error: BaseException) -> str | None:
 def _jsonargparse_message(text: str) -> str:
     key = _key(text)
     causes = _causes(text)
-    cause = causes[-1] if causes else " ".join(text.splitlines()[-1].split())
+    cause = causes[0] if causes else " ".join(text.splitlines()[-1].split())
     unknown_class = re.search(r"Problem with given class_path '([\w.]+)':.*has no attribute '(\w+)'", cause)
     if unknown_class:
         name, candidates = _class_candidates(unknown_class.group(1))

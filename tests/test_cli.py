@@ -200,3 +200,97 @@ def test_the_same_config_and_seed_give_identical_metrics_and_another_seed_differ
     assert "train/loss" in runs["a"] and "train/kl_forward" in runs["a"]
     assert runs["a"] == runs["b"]
     assert runs["a"]["train/kl_forward"] != runs["c"]["train/kl_forward"]
+
+
+# ---- help and one-line configuration errors ---------------------------------------------------------
+def test_top_level_help_lists_every_command_and_does_not_import_lightning():
+    import subprocess
+    import sys
+
+    code = "import sys; from kdlab.cli import entry; entry(['--help']); print('lightning' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.startswith("usage: kdlab COMMAND") and "Lightning Trainer command line tool" not in out
+    for command in ("fit", "validate", "test", "generate", "sweep", "pipeline", "report"):
+        assert f"\n  {command} " in out, command
+    assert "--ckpt_path" in out and out.strip().endswith("False")  # resume is explained; Lightning was not imported
+
+
+def test_fit_help_has_no_docstring_markup(capsys):
+    from kdlab.cli import clean_help
+
+    assert clean_help("see :class:`~kdlab.rollouts.MixtureRollouts` and ``lam`` (`docs <https://x>`_)") == "see MixtureRollouts and lam (docs)"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "--model.rollout" in out and "--trainer.max_steps" in out
+    assert "``" not in out and ":class:" not in out and ":meth:" not in out
+
+
+def entry_error(capsys, args):
+    """Run the console script in-process; its exit status and the last line of stderr."""
+    from kdlab.cli import entry
+
+    with pytest.raises(SystemExit) as exit_info:
+        entry(args)
+    return exit_info.value.code, capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_misspellings_get_the_nearest_name_and_a_malformed_yaml_names_its_file_and_line(tmp_path, capsys):
+    save = f"--trainer.logger.init_args.save_dir={tmp_path}"
+    cases = [
+        (["fti", f"--config={SMOKE}"], "unknown command 'fti' (did you mean 'fit'?)"),
+        (["fit", f"--config={SMOKE}", save, "--model.objective=kdlab.objectives.FowardKL"],
+         "model.objective: no class 'kdlab.objectives.FowardKL' (did you mean 'ForwardKL'?)"),
+        (["fit", f"--config={SMOKE}", save, "--trainer.max_stepz=3"], "trainer.max_stepz: no such key for kdlab fit (did you mean 'trainer.max_steps'?)"),
+        (["fit", f"--config={SMOKE}", save, "--model.teacher.path=kdlab://tiny/teacherr"],
+         "model.teacher.path='kdlab://tiny/teacherr' is not a packaged model (did you mean 'kdlab://tiny/teacher'?); packaged: kdlab://tiny-random/student"),
+    ]
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("model:\n  lrr: 1.0\n")
+    cases.append((["fit", f"--config={SMOKE}", f"--config={typo}", save], "model.lrr: no such key for kdlab fit (did you mean 'model.lr'?)"))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model:\n  lr: [1, 2\n  batch_size: 3\n")
+    cases.append((["fit", f"--config={broken}"], f"--config {broken}: line 3, column 13: not valid YAML"))
+    for args, expected in cases:
+        status, last = entry_error(capsys, args)
+        assert status == 2 and last.startswith("kdlab: error: ") and expected in last, (args, last)
+
+
+def test_an_overlay_without_its_base_says_which_command_runs_it(capsys):
+    overlay = str(Path(SMOKE).with_name("onpd_rkl.yaml"))
+    status, last = entry_error(capsys, ["fit", f"--config={overlay}"])
+    assert status == 2 and f"is an overlay of experiments/tiny/quickstart.yaml: run `kdlab fit --config experiments/tiny/quickstart.yaml --config experiments/tiny/onpd_rkl.yaml`" in last
+
+
+def test_a_hub_id_that_cannot_be_reached_fails_at_once_naming_the_key(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-cache"))  # nothing cached
+    status, last = entry_error(capsys, ["fit", f"--config={SMOKE}", f"--trainer.logger.init_args.save_dir={tmp_path}",
+                                        "--model.student.path=Qwen/Qwen2.5-0.5B-Instruct"])
+    assert status == 2 and "model.student.path='Qwen/Qwen2.5-0.5B-Instruct' is not a local folder" in last and "needs the model hub" in last
+
+
+def test_the_console_script_prints_one_line_and_no_traceback(tmp_path):
+    """The issue's case: MixtureRollouts lam = 3 ended in 70 lines of jsonargparse traceback."""
+    import os
+    import subprocess
+
+    result = subprocess.run(["kdlab", "fit", f"--config={SMOKE}", f"--trainer.logger.init_args.save_dir={tmp_path}",
+                             "--model.rollout=kdlab.rollouts.MixtureRollouts", "--model.rollout.lam=3"],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "NoneType" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "kdlab: error: MixtureRollouts.lam must be in [-2, 2], got 3.0"
+
+
+def test_the_traceback_is_shown_on_request(tmp_path, capsys, monkeypatch):
+    from kdlab.cli import entry
+
+    args = ["fit", f"--config={SMOKE}", f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.rollout=kdlab.rollouts.MixtureRollouts",
+            "--model.rollout.lam=3"]
+    status, last = entry_error(capsys, args)
+    assert status == 2 and last == "kdlab: error: MixtureRollouts.lam must be in [-2, 2], got 3.0"
+    with pytest.raises(ValueError, match=r"MixtureRollouts.lam must be in \[-2, 2\]"):
+        entry([*args, "--traceback"])
+    monkeypatch.setenv("KDLAB_TRACEBACK", "1")
+    with pytest.raises(ValueError, match=r"MixtureRollouts.lam must be in \[-2, 2\]"):
+        entry(args)
