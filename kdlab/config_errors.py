@@ -47,7 +47,7 @@ def _argument_candidates(class_path: str) -> list[str]:
         return []
 
 
-_NOISE = re.compile(r"^(Expected a <class 'NoneType'>|Given value|Subtypes:|Errors:|Does not validate against|Not a valid subclass|Expected a path but|a class path \(str\)|a dict with|a dict without)")
+_NOISE = re.compile(r"^(Expected a <class 'NoneType'>|Expected a <class|Given value|Subtypes:|Errors:|Does not validate against|Not a valid subclass|Expected a path but|a class path \(str\)|a dict with|a dict without)")
 
 
 def _causes(text: str) -> list[str]:
@@ -78,7 +78,7 @@ def short_message(error: BaseException) -> str | None:
     if isinstance(error, yaml.YAMLError):
         return f"a YAML file does not parse: {error}".replace("\n", " ")
     text = str(error)
-    if type(error).__name__ == "ArgumentError" or "Expected a <class 'NoneType'>" in text or 'Parser key "' in text:
+    if type(error).__name__ == "ArgumentError" or "Does not validate against any of" in text or 'Parser key "' in text:
         return _jsonargparse_message(text)
     if isinstance(error, (ValueError, TypeError, FileNotFoundError, ImportError, NotADirectoryError)):
         return " ".join(text.split()) or type(error).__name__
@@ -99,7 +99,11 @@ def _jsonargparse_message(text: str) -> str:
         cause = f"{unknown_option.group(1).rsplit('.', 1)[-1]} has no argument {option!r}{nearest(option, _argument_candidates(unknown_option.group(1)))}"
         key = f"{key}.{option}" if key else option
     cause = re.sub(r"^Problem with given class_path '[\w.]+':\s*", "", cause)
-    if not causes:  # a plain "Parser key "x": Expected a <class 'float'>. Got value: abc"
+    if not causes and "Errors:" in text:  # every alternative type failed: say which and what was given
+        kind = re.search(r"Not a valid subclass of \w+", text)
+        given = re.search(r"Given value: (.*)", text)
+        cause = f"not a valid value ({kind.group(0) if kind else 'no accepted type'}" + (f"; given {given.group(1)[:200]})" if given else ")")
+    elif not causes:  # a plain "Parser key "x": Expected a <class 'float'>. Got value: abc"
         plain = re.search(r'Parser key "[^"]+":\s*(.*)', text, flags=re.S)
         cause = " ".join(plain.group(1).split()) if plain else cause
     return f"{key}: {cause}" if key and not cause.startswith(key) else cause

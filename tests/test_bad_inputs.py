@@ -45,6 +45,91 @@ def test_resuming_with_a_different_student_fails_before_any_step(tmp_path):
             f"--ckpt_path={checkpoint}")
 
 
+# ---- every row through the console script: one line naming the key, exit status 2 -------------------
+FIT = ["fit", f"--config={SMOKE}", "--trainer.max_steps=1", "--trainer.limit_val_batches=0"]
+RLVR = ["fit", str(Path(SMOKE).with_name("rlvr.yaml")), "--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--trainer.callbacks=[]"]
+RLVR[1] = f"--config={RLVR[1]}"
+MIXTURE = ["--model.rollout=kdlab.rollouts.MixtureRollouts"]
+CALLBACK = "--trainer.callbacks+="
+# row -> (arguments after the command; {tmp} is a temporary folder, text the last line must contain)
+CLI_CASES = {
+    "1": (FIT + ["--model.lr=abc"], "model.lr: Expected a <class 'float'>"),
+    "2": (FIT + MIXTURE + ["--model.rollout.lamda=0.5"], "model.rollout.lamda: MixtureRollouts has no argument 'lamda' (did you mean 'lam'?)"),
+    "3": (FIT + ["--model.objective=kdlab.objectives.NoSuchKL"], "model.objective: no class 'kdlab.objectives.NoSuchKL'"),
+    "4": (FIT + MIXTURE + ["--model.rollout.lam=3"], "MixtureRollouts.lam must be in [-2, 2], got 3.0"),
+    "5": (FIT + MIXTURE + ["--model.rollout.alpha=0"], "MixtureRollouts.alpha"),
+    "6": (FIT + ["--model.lr=0"], "DistillModule.lr"),
+    "7": (FIT + ["--model.objective=kdlab.objectives.GeneralizedJSD", "--model.objective.beta=2"], "GeneralizedJSD.beta"),
+    "8": (FIT + [CALLBACK + "kdlab.callbacks.UpdateSparsity", "--trainer.callbacks.thresholds=[-1]"], "UpdateSparsity.thresholds must be positive"),
+    "9": (FIT + ["--model.student.path=kdlab://tiny/student"], "student and teacher tokenizers differ (student.path="),
+    "10": (FIT + ["--model.teacher.path={tmp}/no-such-model"], "teacher.path: no model directory at"),
+    "12": (FIT + ["--model.rollout.dataset={tmp}/row.jsonl"], "row.jsonl:1: missing string field 'completion'"),
+    "14": (FIT + ["--model.rollout.dataset={tmp}/empty.jsonl"], "TeacherRollouts.dataset"),
+    "15": (FIT + ["--model.max_prompt_tokens=2"], "the student prompt has"),
+    "17": (FIT + [CALLBACK + "kdlab.callbacks.OODForgetting", "--trainer.callbacks.lm_eval_tasks=[nosuchtask]"], "OODForgetting.lm_eval_tasks"),
+    "21": (RLVR + ["--model.init_args.policy.checkpoint={tmp}/missing.ckpt"], "policy.checkpoint"),
+    "22": (RLVR + ["--model.init_args.group_size=1"], "GRPOModule.group_size must be >= 2"),
+    "24": (FIT + ["--model.rollout.teacher_cache={tmp}/missing.pt"], "TeacherRollouts.teacher_cache"),
+    "25": (FIT + ["--model.rollout=kdlab.vllm_engine.VLLMRollouts"], "VLLMRollouts needs vLLM"),
+    "27": (FIT + ["--model.rollout=kdlab.vllm_engine.VLLMRollouts", "--model.rollout.model=student", "--model.rollout.tensor_parallel_size=2"],
+           "VLLMRollouts"),
+    "30": (RLVR + [CALLBACK + "kdlab.callbacks.StyleTransfer", "--trainer.callbacks.tasks=[{class_path: kdlab.tasks.Addition}]"],
+           "StyleTransfer.teacher is required"),
+    "31": (RLVR + [CALLBACK + "kdlab.callbacks.RolloutSensitivity"], "RolloutSensitivity"),
+    "32": (FIT + ["--model.teacher.path=pkg://llm_smollm3_missing/model"], "teacher.path 'pkg://"),
+    "33": (FIT + ["--model.student.path={tmp}/missing.gguf"], "student.path: no GGUF file at"),
+    "35": (FIT + ["--model.student.layers=[0, 0]"], "layers (path 'kdlab://tiny-random/student'): layer(s) [0] repeated"),
+    "37": (FIT + ["--model.objective=kdlab.objectives.FowardKL"], "(did you mean 'ForwardKL'?)"),
+    "38": (["fit", "--config={tmp}/no-such.yaml"], "no-such.yaml: cannot be read"),
+    "39": (FIT + ["--model.teacher.path={tmp}/no-such-model"], "teacher.path"),  # a hub id: tests/test_cli.py (needs HF_HUB_OFFLINE)
+    "40": (["fit", "--config=" + str(Path(SMOKE).with_name("onpd_rkl.yaml"))], "is an overlay of experiments/tiny/quickstart.yaml"),
+}
+NOT_CLI = {  # rows whose input is not a configuration a command line can give, with where they are tested
+    "11": "a corrupted weight file: tested by loading a damaged copy (test_models.py)",
+    "13": "a dataset row of a real task read from local files (test_real_tasks.py)",
+    "16": "needs a checkpoint of another student: test_resuming_with_a_different_student_fails_before_any_step",
+    "18": "an optional package missing: simulated by hiding the module (test_lm_eval_suite.py, test_callbacks.py)",
+    "19": "a batch without completion tokens: a warning during training, not an error",
+    "20": "model responses: scored, never an error",
+    "23": "kdlab pipeline files: their own usage error naming file and key (test_pipeline.py)",
+    "26": "kdlab generate settings: checked before any model loads (test_vllm_engine.py)",
+    "28": "vLLM sampling temperatures: needs vLLM (test_vllm_engine.py)",
+    "29": "strategy: fsdp needs CUDA; the check is tested with a stand-in strategy (test_module.py)",
+    "34": "a model config whose head is smaller than its tokenizer: built in test_models.py",
+    "36": "exporting a DoRA adapter: a Python call, not a configuration (test_models.py)",
+    "41": "kdlab report input: its own usage messages (test_report.py)",
+}
+
+
+@pytest.mark.parametrize("row", CLI_CASES)
+def test_each_row_through_the_console_script_ends_in_one_line_naming_the_key(row, tmp_path, capsys):
+    """``kdlab`` (the console script's entry, in-process) exits with status 2 and its last line is
+    ``kdlab: error: ...`` naming the key or file, not jsonargparse's "Expected a <class 'NoneType'>"."""
+    import json
+
+    from kdlab.cli import entry
+
+    (tmp_path / "row.jsonl").write_text(json.dumps({"id": "add-train-0"}) + "\n")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    args, expected = CLI_CASES[row]
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args] + [f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    with pytest.raises(SystemExit) as exit_info:
+        entry(args)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2 and last.startswith("kdlab: error: ") and expected in last, last
+    assert "NoneType" not in last and "Given value" not in last
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_every_row_of_the_bad_inputs_table_has_a_console_script_case_or_a_reason():
+    import re
+
+    text = (Path(__file__).parents[1] / "docs" / "bad_inputs.md").read_text(encoding="utf-8")
+    rows = set(re.findall(r"^\| (\d+) \|", text, flags=re.M))
+    assert not set(CLI_CASES) & set(NOT_CLI)
+    assert rows == set(CLI_CASES) | set(NOT_CLI), sorted(rows ^ (set(CLI_CASES) | set(NOT_CLI)), key=int)
+
+
 def test_the_bad_inputs_table_has_15_rows_and_names_only_tests_that_exist():
     import re
 
