@@ -16,6 +16,11 @@ numerics) is weighted by ``w = mean_t min(cap, exp(log p_theta(y_t) - log q(y_t)
 cap 2), computed by :class:`~kdlab.module.DistillModule` from the log-probs vLLM returns for the sampled
 tokens; GRPO (:class:`~kdlab.grpo.GRPOModule`) weights each token by ``min(cap, pi_old / q)`` instead.
 Both log how far q is from the trained policy (``train/engine_kl``, ``rlvr/engine_kl``).
+
+Every vLLM argument, value and output field kdlab uses is listed in :data:`VLLM_API` and
+:data:`VLLM_SETTING_VALUES`. The CPU tests' stand-in for ``vllm`` accepts only those names, and
+``python scripts/check_vllm_api.py`` (``pytest -m slow tests/test_vllm_engine.py``) checks each against the
+real classes of vLLM :data:`VLLM_VERSION`, installed without its dependencies into a side environment.
 """
 
 from __future__ import annotations
@@ -30,8 +35,32 @@ from kdlab.models import merged_weights
 from kdlab.rollouts import RolloutContext, RolloutPolicy
 
 INSTALL_HINT = "pip install 'kdlab[vllm]' (vLLM needs a CUDA machine)"
+VLLM_VERSION = "0.33.0"
+"""The vLLM release kdlab's use of vLLM is checked against (``python scripts/check_vllm_api.py``)."""
 VLLM_TEMPERATURES = (0.01, 2.0)
-"""The non-zero sampling temperatures vLLM honours exactly (checked against vLLM 0.33's ``SamplingParams``)."""
+"""The non-zero sampling temperatures vLLM honours exactly (checked against vLLM's ``SamplingParams``)."""
+VLLM_API: dict[str, tuple[str, ...]] = {
+    "SamplingParams": (  # keyword arguments (sampling_params)
+        "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+        "max_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens", "detokenize", "seed", "stop",
+        "include_stop_str_in_output", "logprobs",
+    ),
+    "LLM": (  # keyword arguments of vllm.LLM, its own or passed on to EngineArgs
+        "model", "dtype", "seed", "revision", "trust_remote_code", "worker_extension_cls", "logprobs_mode",
+        "gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_model_len", "distributed_executor_backend",
+    ),
+    "LLM.generate": ("prompts", "sampling_params", "use_tqdm"),  # called as generate(requests, params, use_tqdm=False)
+    "LLM.collective_rpc": ("method", "args"),  # collective_rpc(name, args=(weights,))
+    "LLM.reset_prefix_cache": (),
+    "TokensPrompt": ("prompt_token_ids",),
+    "RequestOutput": ("outputs",),  # fields read from generate's results
+    "CompletionOutput": ("token_ids", "logprobs"),
+    "Logprob": ("logprob",),
+}
+"""Every vLLM name kdlab uses: the tests' stand-in for vLLM accepts exactly these, and
+``scripts/check_vllm_api.py`` checks each against the real classes of :data:`VLLM_VERSION`."""
+VLLM_SETTING_VALUES = {"logprobs_mode": "processed_logprobs", "distributed_executor_backend": "external_launcher"}
+"""Values kdlab passes to ``vllm.LLM`` that must be among the values vLLM accepts (checked the same way)."""
 
 def import_vllm(setting: str = "VLLMRollouts") -> Any:
     """The ``vllm`` package, or an ImportError that names the setting and the extra to install."""
@@ -113,6 +142,14 @@ def importance_weights(
     counts = mask.sum(dim=1)
     weights = (ratio * mask).sum(dim=1) / counts.clamp(min=1)
     return torch.where(counts > 0, weights, torch.ones_like(weights))
+
+
+def sampled_token_logprobs(sample: Any) -> list[float]:
+    """The log-prob of each sampled token of a vLLM ``CompletionOutput`` (requested with ``logprobs=0``).
+
+    ``sample.logprobs`` holds one ``{token id: Logprob}`` mapping per position (a list of dicts, or vLLM's
+    ``FlatLogprobs``, which reads the same); the sampled token is always among its keys."""
+    return [float(entry[token].logprob) for token, entry in zip(sample.token_ids, sample.logprobs or [])]
 
 
 def engine_end_ids(spec: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -318,7 +355,7 @@ class VLLMRollouts(RolloutPolicy):
         for output in outputs:
             sample = output.outputs[0]
             tokens.append(list(sample.token_ids))
-            logprobs.append([entry[token].logprob for token, entry in zip(sample.token_ids, sample.logprobs or [])])
+            logprobs.append(sampled_token_logprobs(sample))
         completion_ids, completion_mask = right_pad(tokens, context.pad_token_id)
         behaviour = torch.zeros(completion_ids.shape, dtype=torch.float32)
         for row, values in enumerate(logprobs):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kdlab.models import hf_weight_name, merged_weights
-from kdlab.vllm_engine import importance_weights, sampling_params
+from kdlab.vllm_engine import VLLM_API, importance_weights, sampled_token_logprobs, sampling_params
 
 
 def test_sampling_settings_translate_to_vllm_arguments():
@@ -138,43 +138,82 @@ def test_stop_strings_reach_vllm_with_detokenisation_on():
     assert "stop" not in sampling_params(1.0, 16, (2,)) and not sampling_params(1.0, 16, (2,))["detokenize"]
 
 
+def _only(api: str, given: dict) -> None:
+    """A TypeError, as Python gives, for a keyword that the named vLLM callable does not take."""
+    unknown = sorted(set(given) - set(VLLM_API[api]))
+    if unknown:
+        raise TypeError(f"{api}() got unexpected keyword arguments {unknown} (the stand-in takes kdlab.vllm_engine.VLLM_API[{api!r}])")
+
+
 class _FakeVLLM:
     """Stands in for the ``vllm`` package (which needs CUDA) to test what VLLMRollouts does around it:
     the engine arguments, one request per prompt with its own seed, weight pushes, and how outputs are
-    read back. Every completion is ``[5, 6, end]`` with log-prob -1 per token."""
+    read back. Every completion is ``completion`` (default ``[5, 6, end]``) with log-prob ``logprobs[t]``
+    for its t-th token (default -1 each).
 
-    def __init__(self, end: int, completion: list[int] | None = None) -> None:
+    Its callables have vLLM's signatures (``LLM(model, **engine_args)``, ``generate(prompts,
+    sampling_params=None, *, use_tqdm=True)``, ``collective_rpc(method, timeout=None, args=(),
+    kwargs=None)``) and accept only the keywords listed in :data:`kdlab.vllm_engine.VLLM_API`, which
+    ``scripts/check_vllm_api.py`` checks against the real classes; any other keyword is a TypeError."""
+
+    def __init__(self, end: int, completion: list[int] | None = None, logprobs: list[float] | None = None) -> None:
         import types
 
         fake = self
         self.end, self.engines, self.requests, self.params, self.pushes = end, [], [], [], []
         self.completion = completion if completion is not None else [5, 6, end]
+        self.logprobs = logprobs if logprobs is not None else [-1.0] * len(self.completion)
         self.resets = 0
-        self.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+
+        def TokensPrompt(**kwargs):  # a TypedDict
+            _only("TokensPrompt", kwargs)
+            return dict(kwargs)
 
         class SamplingParams:
             def __init__(self, **kwargs):
+                _only("SamplingParams", kwargs)
                 fake.params.append(kwargs)
 
         class LLM:
-            def __init__(self, **kwargs):
-                fake.engines.append(kwargs)
+            def __init__(self, model, **kwargs):
+                _only("LLM", {"model": model, **kwargs})
+                fake.engines.append({"model": model, **kwargs})
 
-            def collective_rpc(self, method, args=()):
+            def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
                 # real vLLM msgpack-encodes RPC arguments for its engine process, turning tensors into lists
                 assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", "tensors would not survive the engine process"
                 fake.pushes.append((method, dict(args[0])))
+                return [len(args[0])]
 
-            def reset_prefix_cache(self):
+            def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
                 fake.resets += 1
+                return True
 
-            def generate(self, requests, params, use_tqdm=True):
-                fake.requests.append(requests)
+            def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None, priority=None):
+                fake.requests.append(prompts)
                 tokens = fake.completion
-                sample = types.SimpleNamespace(token_ids=tokens, logprobs=[{t: types.SimpleNamespace(logprob=-1.0)} for t in tokens])
-                return [types.SimpleNamespace(outputs=[sample]) for _ in requests]
+                logprobs = [{t: types.SimpleNamespace(logprob=value)} for t, value in zip(tokens, fake.logprobs)]
+                sample = types.SimpleNamespace(token_ids=tokens, logprobs=logprobs)
+                return [types.SimpleNamespace(outputs=[sample]) for _ in prompts]
 
-        self.SamplingParams, self.LLM = SamplingParams, LLM
+        self.TokensPrompt, self.SamplingParams, self.LLM = TokensPrompt, SamplingParams, LLM
+
+
+def test_the_stand_in_rejects_what_vllm_would(monkeypatch):
+    """A renamed or misspelt argument fails in the CPU tests too (the names are checked against real vLLM
+    by scripts/check_vllm_api.py)."""
+    fake = _FakeVLLM(0)
+    with pytest.raises(TypeError, match=r"SamplingParams\(\) got unexpected keyword arguments \['logprob'\]"):
+        fake.SamplingParams(temperature=1.0, logprob=0)
+    with pytest.raises(TypeError, match=r"\['logprob_mode'\]"):
+        fake.LLM("model", logprob_mode="processed_logprobs")
+    with pytest.raises(TypeError, match=r"\['prompt_ids'\]"):
+        fake.TokensPrompt(prompt_ids=[1])
+    with pytest.raises(TypeError):
+        fake.LLM("model").generate([], [], False)  # use_tqdm is keyword-only in vLLM
+    # everything kdlab itself passes is accepted
+    for stop, logprobs in ((("</answer>",), True), ((), False)):
+        fake.SamplingParams(**sampling_params(1.0, 8, (1,), stop=stop, logprobs=logprobs))
 
 
 def test_vllm_rollouts_drive_the_engine_and_weight_each_completion(tiny_pair, monkeypatch):
@@ -184,7 +223,8 @@ def test_vllm_rollouts_drive_the_engine_and_weight_each_completion(tiny_pair, mo
     from kdlab.vllm_engine import VLLMRollouts
 
     module = DistillModule(*tiny_pair, Addition(num_train=4), max_completion_tokens=5, batch_size=4, stop_strings=["</answer>"])
-    fake = _FakeVLLM(end_token_ids(module.student_tokenizer, module.student)[0])
+    # log q per token: the 2nd token's -30 makes its ratio p / q huge, so the cap (2) decides it
+    fake = _FakeVLLM(end_token_ids(module.student_tokenizer, module.student)[0], logprobs=[-1.0, -30.0, -0.5])
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's default; the student's engine must override it
     module.rollout = VLLMRollouts(sync_every=2, importance_cap=2.0, dtype="bfloat16")
@@ -208,10 +248,20 @@ def test_vllm_rollouts_drive_the_engine_and_weight_each_completion(tiny_pair, mo
     seeds = [p["seed"] for p in fake.params[:4]]
     assert len(set(seeds)) == 4  # one seed per request: repeated prompts must not repeat completions
     assert all(p["stop"] == ["</answer>"] and p["logprobs"] == 0 for p in fake.params)
-    # every token's log q is -1, so w = mean_t min(2, exp(log p + 1)) per completion, recomputed here
     rollout = module.rollout.sample(prompts, module.rollout_context(torch.Generator().manual_seed(0)))
-    assert rollout.completion_ids.tolist() == [[5, 6, fake.end]] * 4 and torch.all(rollout.behaviour_logprobs == -1.0)
-    assert 0 < logged["train/importance_weight"] <= 2.0
+    assert rollout.completion_ids.tolist() == [[5, 6, fake.end]] * 4
+    assert rollout.behaviour_logprobs.tolist() == [[-1.0, -30.0, -0.5]] * 4
+    # w = mean_t min(2, p(y_t) / q(y_t)) per completion, then the batch mean; p recomputed here from the
+    # student on each unpadded prompt followed by [5, 6, end]
+    completion, log_q = [5, 6, fake.end], torch.tensor([-1.0, -30.0, -0.5], dtype=torch.float64)
+    weights = []
+    for prompt in expected:
+        with torch.no_grad():
+            logits = module.student(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1, : module.vocab_size]
+        log_p = torch.log_softmax(logits.double(), -1)[torch.arange(3), completion]
+        assert log_p[1] - log_q[1] > math.log(2.0)  # the capped token
+        weights.append(torch.exp(log_p - log_q).clamp(max=2.0).mean())
+    assert logged["train/importance_weight"] == pytest.approx(torch.stack(weights).mean().item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("ends", [True, False])
@@ -285,3 +335,46 @@ def test_engines_inside_a_multi_process_job_join_it_through_the_external_launche
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1 under multi-process training"):
         VLLMRollouts(model="teacher", tensor_parallel_size=2).engine(spec, seed=0)
     assert VLLMRollouts(model="teacher").engine(spec, seed=0) is not None
+
+
+@pytest.mark.slow
+def test_the_vllm_api_kdlab_relies_on_matches_the_pinned_release():
+    """scripts/check_vllm_api.py installs vllm==VLLM_VERSION from PyPI without its dependencies into a side
+    environment outside the repository (KDLAB_VLLM_API_VENV, default /tmp/kdlab-vllm-api-<version>) and
+    checks every argument, value and output field kdlab relies on against the real classes (no GPU)."""
+    import subprocess
+    from pathlib import Path
+
+    from kdlab.vllm_engine import VLLM_VERSION
+
+    root = Path(__file__).parents[1]
+    venv = os.environ.get("KDLAB_VLLM_API_VENV", f"/tmp/kdlab-vllm-api-{VLLM_VERSION}")
+    result = subprocess.run([sys.executable, str(root / "scripts" / "check_vllm_api.py"), "--venv", venv],
+                            capture_output=True, text=True, timeout=3600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "FAIL" not in result.stdout and "checks passed" in result.stdout
+
+    # the same checks fail for a renamed argument or a changed output format in vLLM's source
+    sys.path.insert(0, str(root / "scripts"))
+    try:
+        import check_vllm_api
+    finally:
+        sys.path.remove(str(root / "scripts"))
+
+    class Renamed(check_vllm_api.Source):
+        def read(self, relative):
+            text = super().read(relative)
+            if relative == "engine/arg_utils.py":
+                text = text.replace("    logprobs_mode: LogprobsMode", "    logprob_mode: LogprobsMode")
+            if relative == "sampling_params.py":
+                text = text.replace("    include_stop_str_in_output: bool", "    include_stop_string_in_output: bool")
+            return text
+
+    package = check_vllm_api.site_packages(Path(venv)) / "vllm"
+    failed = []
+    for description, check in check_vllm_api.checks(Renamed(package)):
+        try:
+            check()
+        except AssertionError as error:
+            failed.append(str(error))
+    assert any("logprobs_mode" in message for message in failed) and any("include_stop_str_in_output" in message for message in failed)
