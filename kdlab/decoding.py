@@ -55,16 +55,21 @@ def completion_logits(
 ) -> torch.Tensor:
     """Logits ``(B, C, vocab_size)`` that predict the last ``C = completion_length`` tokens of ``inputs``.
 
-    Asks the model for only the last ``C + 1`` positions (``logits_to_keep``), so the prompt's
-    logits are never computed, and drops embedding rows beyond the tokenizer's vocabulary
-    (padded embeddings, e.g. Qwen2.5's 151,936 vs 152,064).
+    Asks the model for only those ``C`` positions (``logits_to_keep`` as a position tensor), so the
+    prompt's logits are never computed and the result is contiguous, and drops embedding rows beyond the
+    tokenizer's vocabulary (padded embeddings, e.g. Qwen2.5's 151,936 vs 152,064).
     """
-    keep = completion_length + 1
     if "logits_to_keep" in _forward_parameters(model):
+        # exactly the C positions that predict the completion, so the logits (and the gradient an
+        # objective hands back) are one contiguous (B, C, V) tensor, with no slice to undo in backward
+        length = inputs["input_ids"].shape[1]
+        keep = torch.arange(length - completion_length - 1, length - 1, device=inputs["input_ids"].device)
         logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
     else:
-        logits = model(**inputs, use_cache=False).logits[:, -keep:]
-    return logits[:, :-1, :vocab_size]
+        logits = model(**inputs, use_cache=False).logits
+    if logits.shape[1] != completion_length:
+        logits = logits[:, -(completion_length + 1) : -1]
+    return logits if logits.shape[-1] == vocab_size else logits[..., :vocab_size]
 
 
 def completion_head_logits(

@@ -274,25 +274,30 @@ class _Side:
 
 
 class LogitsGradient:
-    """The gradient ``(B, T, V)`` w.r.t. plain student logits, in their dtype. Blocks of consecutive
-    positions in the compute dtype are written in place; rows no chunk covers are zero."""
+    """The gradient ``(B, T, V)`` w.r.t. plain student logits, in their dtype; rows no chunk covers are
+    zero. Blocks of consecutive positions in the compute dtype are written in place.
+
+    ``consume``: the gradient overwrites the student logits themselves (their storage becomes the
+    gradient), so no second ``(B, T, V)`` tensor exists; each block is computed in a buffer and copied in
+    after its rows were read. Only for callers that never read those logits again (``DistillModule``);
+    an autograd node that saved them would raise at backward (version counter), not compute garbage."""
 
     chunked = False
 
-    def __init__(self, student: torch.Tensor, covered: torch.Tensor, dtype: torch.dtype) -> None:
-        self.grad = torch.empty(student.shape, dtype=student.dtype, device=student.device)
+    def __init__(self, student: torch.Tensor, covered: torch.Tensor, dtype: torch.dtype, consume: bool = False) -> None:
+        self.grad = student.detach() if consume else torch.empty(student.shape, dtype=student.dtype, device=student.device)
         if not bool(covered.all()):
             self.grad[~covered] = 0
-        self.dtype = dtype
+        self.dtype, self.in_place = dtype, not consume and student.dtype == dtype
 
     def target(self, run: tuple[int, int] | None, k: int, block_ws: Workspace) -> torch.Tensor:
         """Where a block's gradient ``(k, V)`` is computed (then scaled in place by the token weights)."""
-        if run is not None and self.grad.dtype == self.dtype:
+        if run is not None and self.in_place:
             return self.grad[run[0], run[1] : run[1] + k]
         return block_ws.get("grad", k)
 
     def commit(self, positions: torch.Tensor, run: tuple[int, int] | None, target: torch.Tensor) -> None:
-        if run is not None and self.grad.dtype == self.dtype:
+        if run is not None and self.in_place:
             return  # already in place
         if run is not None:
             self.grad[run[0], run[1] : run[1] + target.shape[0]].copy_(target)

@@ -256,10 +256,10 @@ class DistillModule(TaskStage):
             # mean log q - log p_theta over sampled tokens: an estimate of KL(q || p_theta), 0 only when the
             # engine samples the student exactly (the weight's mean is ~1 for any q, so it cannot tell)
             self.log("train/engine_kl", ((rollout.behaviour_logprobs - sampled) * mask).sum() / mask.sum(), batch_size=size)
-        if weights is None:  # objectives that override forward need not know about sequence weights
-            loss = self.objective(student_logits, teacher_logits, mask)
-        else:
-            loss = self.objective(student_logits, teacher_logits, mask, sequence_weights=weights)
+        extra = {} if weights is None else {"sequence_weights": weights}  # overridden forwards need not take them
+        if isinstance(student_logits, torch.Tensor) and type(self.objective).forward is KLObjective.forward:
+            extra["consume"] = True  # nothing reads the student logits again: their storage becomes the gradient
+        loss = self.objective(student_logits, teacher_logits, mask, **extra)
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         # the objective's own pass computed them; a subclass that overrides forward gets a second pass
         diagnostics = self.objective.take_diagnostics() or kl_diagnostics(

@@ -79,7 +79,7 @@ class _ChunkedObjective(torch.autograd.Function):
     given as its hidden states and head (either may need grad)."""
 
     @staticmethod
-    def forward(ctx, student_logits, hidden, weight, head, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, out):  # type: ignore[override]
+    def forward(ctx, student_logits, hidden, weight, head, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, out, consume):  # type: ignore[override]
         dtype = compute_dtype(hidden if head is not None else student_logits)
         if head is not None:
             need = (ctx.needs_input_grad[1], ctx.needs_input_grad[2])
@@ -87,7 +87,8 @@ class _ChunkedObjective(torch.autograd.Function):
             student = head
         else:
             student = student_logits
-            gradient = LogitsGradient(student_logits, (weights > 0) | (diagnostic_weights > 0), dtype) if ctx.needs_input_grad[0] else None
+            covered = (weights > 0) | (diagnostic_weights > 0)
+            gradient = LogitsGradient(student_logits, covered, dtype, consume) if ctx.needs_input_grad[0] else None
         total, out["diagnostics"] = chunked_pass(
             student, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, gradient
         )
@@ -103,14 +104,14 @@ class _ChunkedObjective(torch.autograd.Function):
         unit = bool(grad_output == 1)  # the usual case: no pass over the (B, T, V) gradient at all
         if isinstance(gradient, LogitsGradient):
             grad = gradient.grad if unit else gradient.grad.mul_(grad_output.to(gradient.grad.dtype))
-            return grad, None, None, None, None, None, None, None, None, None, None
+            return grad, None, None, None, None, None, None, None, None, None, None, None
         grad_hidden, grad_weight = gradient.hidden, gradient.weight
         if not unit:
             grad_hidden = grad_hidden.mul_(grad_output.to(grad_hidden.dtype)) if grad_hidden is not None else None
             grad_weight = grad_weight.mul_(grad_output.to(grad_weight.dtype)) if grad_weight is not None else None
         if grad_weight is not None:
             grad_weight = grad_weight.to(ctx.input_dtypes[1])
-        return None, grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+        return None, grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
 
 
 def chunked_token_loss(
@@ -122,6 +123,7 @@ def chunked_token_loss(
     rows_loss_and_grad: RowsLossAndGrad | None = None,
     diagnostic_weights: torch.Tensor | None = None,
     diagnostics: dict[str, torch.Tensor] | None = None,
+    consume: bool = False,
 ) -> torch.Tensor:
     """``sum_{b,t} weights[b,t] * token_loss(student_logits[b,t], teacher_logits[b,t])`` as a scalar
     in :func:`compute_dtype` (fp32 for half-precision logits).
@@ -134,7 +136,9 @@ def chunked_token_loss(
     block's :class:`~kdlab.kl_kernels.RowStatistics` and is used instead of ``token_loss`` and autograd;
     it must agree with ``token_loss`` (tests check each one that exists). When ``diagnostics`` is a dict,
     it receives the same pass's ``kl_forward``, ``kl_reverse``, ``student_entropy`` and
-    ``teacher_entropy``, reduced with ``diagnostic_weights`` (default: ``weights``)."""
+    ``teacher_entropy``, reduced with ``diagnostic_weights`` (default: ``weights``). ``consume``: plain
+    student logits are overwritten with their gradient instead of a new ``(B, T, V)`` tensor being
+    allocated (:class:`~kdlab.kl_kernels.LogitsGradient`); the caller must not read them afterwards."""
     if weights.shape != student_logits.shape[:2]:
         raise ValueError(f"mask/weights {tuple(weights.shape)} must be (B, T) = {tuple(student_logits.shape[:2])}")
     if tuple(student_logits.shape) != tuple(teacher_logits.shape):
@@ -148,11 +152,11 @@ def chunked_token_loss(
     if isinstance(student_logits, HeadLogits):
         head = student_logits
         total = _ChunkedObjective.apply(
-            None, head.hidden, head.weight, head, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, out
+            None, head.hidden, head.weight, head, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, out, False
         )
     else:
         total = _ChunkedObjective.apply(
-            student_logits, None, None, None, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, out
+            student_logits, None, None, None, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, out, consume
         )
     if diagnostics is not None:
         diagnostics.update(zip(DIAGNOSTICS, out["diagnostics"].unbind()))
@@ -196,14 +200,17 @@ class KLObjective(Component):
         """Set the random stream for this step (only sampled objectives use one)."""
 
     def forward(
-        self, student_logits: Logits, teacher_logits: Logits, mask: torch.Tensor, sequence_weights: torch.Tensor | None = None
+        self, student_logits: Logits, teacher_logits: Logits, mask: torch.Tensor, sequence_weights: torch.Tensor | None = None,
+        *, consume: bool = False,
     ) -> torch.Tensor:
         """Reduced loss over the masked-in tokens (fp32 scalar). An empty mask warns and returns 0.
 
         ``sequence_weights`` ``(B,)`` multiplies each completion's share of the reduced loss (e.g. the
         importance weights of rollouts from a lagging engine); ``None`` is all ones. The same pass
         computes the batch's exact ``kl_forward``, ``kl_reverse`` and both entropies, reduced like the
-        loss but without ``sequence_weights``: :meth:`take_diagnostics` returns them."""
+        loss but without ``sequence_weights``: :meth:`take_diagnostics` returns them. ``consume=True``
+        lets the objective overwrite plain student logits with their gradient (no second ``(B, T, V)``
+        tensor); the caller must not read them afterwards (``DistillModule`` does this)."""
         weights = token_weights(mask, self.reduction, compute_dtype(student_logits))
         diagnostic_weights = weights
         if sequence_weights is not None:
@@ -217,7 +224,7 @@ class KLObjective(Component):
         token_loss = None if self.rows_loss_and_grad is not None else self.token_loss
         return chunked_token_loss(
             token_loss, student_logits, teacher_logits, weights, self.chunk_size, self.rows_loss_and_grad,
-            diagnostic_weights, self._diagnostics,
+            diagnostic_weights, self._diagnostics, consume=consume and isinstance(student_logits, torch.Tensor),
         )
 
     def take_diagnostics(self) -> dict[str, torch.Tensor]:

@@ -355,3 +355,28 @@ def test_each_row_is_read_once_per_step_for_loss_gradient_and_diagnostics():
     ForwardKL(chunk_size=3)(s, teacher, mask).backward()
     assert teacher.asked == int(mask.sum())
     assert ForwardKL().take_diagnostics() == {}  # a fresh objective has none
+
+
+@pytest.mark.parametrize("make", [ForwardKL, ReverseKL, TotalVariation, OwnSquaredDistance])
+def test_consuming_the_student_logits_gives_the_same_loss_and_gradient_in_their_storage(make):
+    """consume=True: the student logits' storage becomes their gradient (no second (B, T, V) tensor),
+    with the same loss, gradient and diagnostics as the allocating path."""
+    s, t, mask = logits(47, dtype=torch.float32), logits(48, dtype=torch.float32), ragged_mask()
+    results = []
+    for consume in (False, True):
+        leaf = s.clone().requires_grad_(True)
+        student = leaf * 1.0  # a non-leaf, as a model's output is
+        handed = []
+        student.register_hook(lambda grad: handed.append(grad.data_ptr()))
+        objective = make(chunk_size=2)
+        value = objective(student, t, mask, consume=consume)
+        value.backward()
+        results.append((value.detach(), leaf.grad, objective.take_diagnostics(), student, handed))
+    (v0, g0, d0, s0, h0), (v1, g1, d1, s1, h1) = results
+    torch.testing.assert_close(v1, v0)
+    torch.testing.assert_close(g1, g0)
+    for key in d0:
+        torch.testing.assert_close(d1[key], d0[key])
+    assert torch.equal(s0, s)  # the allocating path leaves the logits alone
+    assert h1 == [s1.data_ptr()] and h0 != [s0.data_ptr()]  # the consuming path handed back the logits' own storage
+    torch.testing.assert_close(s1.detach(), g0)

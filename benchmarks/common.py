@@ -1,0 +1,109 @@
+"""What every kdlab benchmark shares: a tokenizer whose ``len()`` is exactly the vocabulary it reports,
+a random model pair with that many embedding rows, peak-RSS memory readings, and the JSON result files
+under ``benchmarks/results/`` (command, versions, threads, machine, shapes, every figure).
+
+Why the tokenizer matters: ``DistillModule`` restricts logits to the shared *tokenizer* vocabulary, so a
+353-token tokenizer under a 151,936-row head makes every objective 353 columns wide. Here the packaged
+tiny tokenizer is extended with added tokens until ``len(tokenizer) == V``, and the benchmarks assert the
+columns their objectives actually received.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def check_threads(threads: int) -> int:
+    if threads < 1:
+        raise SystemExit(f"--threads must be >= 1, got {threads}")
+    return threads
+
+
+def vocab_tokenizer(vocab: int, folder: Path):
+    """The packaged tiny tokenizer extended with added tokens ``<v0>, <v1>, ...`` so that its ``len()`` is
+    exactly ``vocab``; saved to ``folder`` and returned."""
+    from transformers import AutoTokenizer
+
+    from kdlab.models import resolve_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_path("kdlab://tiny-random/student"))
+    base = len(tokenizer)
+    if vocab < base:
+        raise SystemExit(f"--vocab {vocab} is smaller than the base tokenizer's {base} tokens")
+    tokenizer.add_tokens([f"<v{i}>" for i in range(vocab - base)])
+    if len(tokenizer) != vocab:
+        raise SystemExit(f"built a tokenizer of {len(tokenizer)} tokens, wanted {vocab}")
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def random_pair(vocab: int, out: Path, student_hidden: int = 64, teacher_hidden: int = 96, layers: int = 2) -> tuple[str, str]:
+    """A random Qwen2 student/teacher pair with ``vocab`` embedding rows each and a tokenizer of exactly
+    ``vocab`` tokens; small bodies so that the vocabulary dominates, as it does in distillation."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = vocab_tokenizer(vocab, out / "tokenizer")
+    for role, seed, hidden in (("student", 1, student_hidden), ("teacher", 2, teacher_hidden)):
+        torch.manual_seed(seed)
+        config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+        model = Qwen2ForCausalLM(config)
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.save_pretrained(out / role)
+        tokenizer.save_pretrained(out / role)
+    return str(out / "student"), str(out / "teacher")
+
+
+def proc_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (VmHWM) of this process; False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def versions(*packages: str) -> dict[str, str | None]:
+    found = {}
+    for name in ("torch", "transformers", "lightning", *packages):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def machine() -> dict[str, object]:
+    model = platform.processor()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "system": platform.platform()}
+
+
+def write_result(name: str, payload: dict, packages: tuple[str, ...] = (), out: Path | None = None) -> Path:
+    """Write ``payload`` with the command, versions and machine to ``out`` (default
+    ``benchmarks/results/<name>.json``); returns the path."""
+    path = out or RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"command": "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
+              "versions": versions(*packages), "machine": machine(), **payload}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path

@@ -1,0 +1,355 @@
+"""One off-policy forward-KL distillation step at a real vocabulary, kdlab and its peers side by side.
+
+    python benchmarks/real_vocab_step.py [--vocab 151936] [--batch 2] [--tokens 512] [--threads 1]
+        [--repeats 3] [--dtypes float32 bfloat16] [--variants ...] [--out FILE]
+
+Every variant trains the same random Qwen2 pair (tokenizer of exactly V tokens, V embedding rows, small
+bodies so that the vocabulary dominates) on the same fixed completion (B x T random token ids after a
+short prompt), temperatures 1, AdamW, gradient clipping at 1.0, in a fresh process each:
+
+* ``floor``: what any distillation step pays: teacher forward (no grad) + student forward/backward with
+  cross-entropy on the same positions + AdamW, as a Lightning step (``DistillModule``'s Trainer path).
+* ``bare``: the floor without a loss: the student's logits gradient is a constant tensor given to
+  backward. No implementation that materialises logits can be cheaper: a ratio below it is a bug.
+* ``kdlab``: ``DistillModule.training_step`` (logits path) through ``Trainer.fit``, with its logging:
+  loss, exact ``kl_forward``/``kl_reverse``/entropies, completion length, grad norm, to TensorBoard.
+* ``kdlab-fused``: the same with ``fused_lm_head: true``.
+* ``textbook``: the same Lightning step with the full-logit KL written plainly (log_softmax both,
+  ``sum p_T (log p_T - log p_S)``, fp32), no diagnostics.
+* ``liger``: the same Lightning step with Liger's ``LigerFusedLinearJSDLoss`` (beta 0 = forward KL,
+  ``weight_hard_loss=0``, eager: ``compiled=False``) on hidden states and heads.
+* ``trl``: TRL's ``GKDTrainer.compute_loss`` (``lmbda=0`` off-policy, ``beta=0`` forward KL), backward,
+  ``clip_grad_norm_`` and ``torch.optim.AdamW`` on the same token ids (its own full-sequence logits).
+
+Time: median step wall time over ``--repeats`` steps after one warm-up step (the optimiser state exists
+from step 1). Memory: peak RSS of step 1 above the RSS before it (``/proc``; torch has no CPU peak
+counter). Before any ratio is printed the script checks that every KL variant received V columns and
+``B x T`` positions in the requested dtype and thread count, and that their first-step losses agree
+(kdlab, fused, textbook, Liger, TRL compute the same forward KL); a mismatch exits 1. Writes
+``benchmarks/results/real_vocab_step-V<V>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import check_threads, random_pair, reset_peak_rss, proc_kib, write_result  # noqa: E402
+
+KL_VARIANTS = ("kdlab", "kdlab-fused", "textbook", "liger", "trl")
+VARIANTS = ("floor", "bare", *KL_VARIANTS)
+CLIP = 1.0
+LR = 1e-5
+
+
+class Observed:
+    """What a variant's loss actually received: columns, positions, dtype."""
+
+    def __init__(self) -> None:
+        self.columns: set[int] = set()
+        self.positions: set[int] = set()
+        self.dtypes: set[str] = set()
+
+    def see(self, columns: int, positions: int, dtype: torch.dtype) -> None:
+        self.columns.add(int(columns))
+        self.positions.add(int(positions))
+        self.dtypes.add(str(dtype).removeprefix("torch."))
+
+    def as_dict(self) -> dict:
+        return {"columns": sorted(self.columns), "positions": sorted(self.positions), "dtypes": sorted(self.dtypes)}
+
+
+def lightning_variant(variant: str, student: str, teacher: str, args, observed: Observed):
+    """A ``DistillModule`` whose rollout is the fixed completion and whose step is ``variant``'s."""
+    import torch.nn.functional as F
+
+    from kdlab.data import Rollout
+    from kdlab.decoding import completion_head_logits, completion_logits
+    from kdlab.models import ModelSpec
+    from kdlab.module import DistillModule
+    from kdlab.objectives import token_weights
+    from kdlab.tasks import Addition
+
+    dtype = args.dtype
+
+    class Bench(DistillModule):
+        def make_rollout(self, examples, seed, policy=None):
+            prompts = self._prompts(examples)
+            ids = torch.randint(0, self.vocab_size, (len(examples), args.tokens), generator=torch.Generator().manual_seed(0))
+            return Rollout(prompts, ids, torch.ones_like(ids, dtype=torch.bool))
+
+        def training_step(self, batch, batch_idx):
+            if variant in ("kdlab", "kdlab-fused"):
+                return super().training_step(batch, batch_idx)
+            rollout = self.make_rollout(batch, 0)
+            ids, mask, length = rollout.completion_ids, rollout.completion_mask, rollout.completion_ids.shape[1]
+            if variant == "liger":
+                student_h = completion_head_logits(self.student, rollout.model_inputs("student"), length, self.vocab_size)
+                with torch.no_grad():
+                    teacher_h = completion_head_logits(self.teacher, rollout.model_inputs("teacher"), length, self.vocab_size)
+                observed.see(student_h.weight.shape[0], mask.sum(), student_h.hidden.dtype)
+                loss = self.liger(student_h.hidden.reshape(-1, student_h.hidden.shape[-1]), student_h.weight,
+                                  teacher_h.hidden.reshape(-1, teacher_h.hidden.shape[-1]), teacher_h.weight, ids.reshape(-1))
+            else:
+                with torch.no_grad():
+                    teacher_logits = completion_logits(self.teacher, rollout.model_inputs("teacher"), length, self.vocab_size)
+                logits = completion_logits(self.student, rollout.model_inputs("student"), length, self.vocab_size)
+                observed.see(logits.shape[-1], mask.sum(), logits.dtype)
+                if variant == "floor":
+                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
+                elif variant == "bare":
+                    logits.backward(self.constant_grad.expand_as(logits))
+                    loss = logits.new_zeros((), requires_grad=True)  # gradients are already in place
+                else:  # textbook
+                    log_s = torch.log_softmax(logits.float(), -1)
+                    log_t = torch.log_softmax(teacher_logits.float(), -1)
+                    loss = ((log_t.exp() * (log_t - log_s)).sum(-1) * token_weights(mask)).sum()
+            self.log("train/loss", loss.detach(), batch_size=len(batch))
+            return loss
+
+    task = Addition(num_train=args.batch * (args.repeats + 1), num_val=0, num_test=0)
+    module = Bench(ModelSpec(student, dtype=dtype), ModelSpec(teacher, dtype=dtype), task, teacher_temperature=1.0,
+                   student_temperature=1.0, max_completion_tokens=args.tokens, batch_size=args.batch, lr=LR, warmup_steps=0,
+                   fused_lm_head=variant == "kdlab-fused")
+    if variant == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+        module.liger = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, temperature=1.0, compiled=False)
+    if variant == "bare":
+        module.constant_grad = torch.full((1, 1, module.vocab_size), 1e-6, dtype=getattr(torch, dtype))
+    if variant in ("kdlab", "kdlab-fused"):
+        module.objective.register_forward_pre_hook(lambda mod, inputs: observed.see(inputs[0].shape[-1], inputs[2].sum(), inputs[0].dtype))
+    return module
+
+
+def run_lightning(variant: str, student: str, teacher: str, args) -> dict:
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    observed = Observed()
+    module = lightning_variant(variant, student, teacher, args, observed)
+    record = {"times": [], "losses": []}
+
+    class Clock(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 1:
+                record["reset"] = reset_peak_rss()
+                record["baseline_kib"] = proc_kib("VmRSS")
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            record["times"].append(time.perf_counter() - self.start)
+            if batch_idx == 1:
+                record["extra_mib"] = (proc_kib("VmHWM") - record["baseline_kib"]) / 1024
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            record["losses"].append(float(loss))
+
+    with tempfile.TemporaryDirectory() as logs:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=args.repeats + 1, gradient_clip_val=CLIP, log_every_n_steps=1,
+                             logger=TensorBoardLogger(logs, name="bench"), enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Clock()])
+        trainer.fit(module)
+    record["observed"] = observed.as_dict()
+    return record
+
+
+def run_trl(student: str, teacher: str, args) -> dict:
+    """TRL's GKDTrainer loss on the same token ids (its collator is bypassed so the ids are identical)."""
+    import os
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    from kdlab.data import encode_prompts
+    from kdlab.tasks import Addition
+
+    dtype = getattr(torch, args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(student)
+    model = AutoModelForCausalLM.from_pretrained(student, dtype=dtype)
+    teacher_model = AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype)
+    rows = [{"messages": [{"role": "user", "content": "1+2"}, {"role": "assistant", "content": "3"}]}] * args.batch
+    config = GKDConfig(output_dir=tempfile.mkdtemp(), lmbda=0.0, beta=0.0, temperature=1.0, per_device_train_batch_size=args.batch,
+                       report_to=[], use_cpu=True, max_steps=1, bf16=False, fp16=False, learning_rate=LR, max_grad_norm=CLIP)
+    trainer = GKDTrainer(model=model, teacher_model=teacher_model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    task = Addition(num_train=args.batch, num_val=0, num_test=0)
+    prompts = encode_prompts(task, task.examples("train"), tokenizer, tokenizer, 256, tokenizer.pad_token_id)
+    ids = torch.randint(0, len(tokenizer), (args.batch, args.tokens), generator=torch.Generator().manual_seed(0))
+    input_ids = torch.cat([prompts.student_ids, ids], 1)
+    attention = torch.cat([prompts.student_mask.long(), torch.ones_like(ids)], 1)
+    labels = torch.cat([torch.full_like(prompts.student_ids, -100), ids], 1)
+    batch = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+    observed = Observed()
+    original = trainer.generalized_jsd_loss
+
+    def watched(student_logits, teacher_logits, labels=None, **kwargs):
+        observed.see(student_logits.shape[-1], (labels != -100).sum(), student_logits.dtype)
+        return original(student_logits, teacher_logits, labels=labels, **kwargs)
+
+    trainer.generalized_jsd_loss = watched
+    optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=LR)
+    record = {"times": [], "losses": [], "trl_positions": int(input_ids.shape[1] - 1)}
+    for step in range(args.repeats + 1):
+        if step == 1:
+            record["reset"] = reset_peak_rss()
+            record["baseline_kib"] = proc_kib("VmRSS")
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), CLIP)
+        optimizer.step()
+        record["times"].append(time.perf_counter() - start)
+        record["losses"].append(float(loss))
+        if step == 1:
+            record["extra_mib"] = (proc_kib("VmHWM") - record["baseline_kib"]) / 1024
+    record["observed"] = observed.as_dict()
+    return record
+
+
+def child(args) -> None:
+    torch.set_num_threads(args.threads)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    if args.child == "trl":
+        record = run_trl(args.student, args.teacher, args)
+    else:
+        record = run_lightning(args.child, args.student, args.teacher, args)
+    record["threads"] = torch.get_num_threads()
+    record["time_s"] = statistics.median(record["times"][1:])
+    print("RESULT " + json.dumps(record))
+
+
+def available(variant: str) -> str | None:
+    """Why ``variant`` cannot run here, or None."""
+    import importlib.util
+
+    need = {"liger": "liger_kernel", "trl": "trl"}.get(variant)
+    if need and importlib.util.find_spec(need) is None:
+        return f"{need} is not installed (pip install {need.replace('_', '-')})"
+    return None
+
+
+def measure(args, dtype: str, student: str, teacher: str) -> dict:
+    results = {}
+    for variant in args.variants:
+        reason = available(variant)
+        if reason:
+            results[variant] = {"skipped": reason}
+            print(f"  {dtype} {variant}: skipped ({reason})", flush=True)
+            continue
+        command = [sys.executable, __file__, f"--child={variant}", f"--student={student}", f"--teacher={teacher}", f"--dtype={dtype}",
+                   f"--threads={args.threads}", f"--repeats={args.repeats}", f"--tokens={args.tokens}", f"--batch={args.batch}"]
+        done = subprocess.run(command, capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode != 0 or not lines:
+            results[variant] = {"failed": done.stderr[-2000:]}
+            print(f"  {dtype} {variant}: FAILED\n{done.stderr[-2000:]}", flush=True)
+            continue
+        results[variant] = json.loads(lines[-1].removeprefix("RESULT "))
+        print(f"  {dtype} {variant}: {results[variant]['time_s']:.3f} s, +{results[variant]['extra_mib']:.0f} MiB", flush=True)
+    return results
+
+
+def verify(args, dtype: str, results: dict) -> list[str]:
+    """Every way the run could have measured something other than what it claims."""
+    problems = []
+    positions = args.batch * args.tokens
+    for variant, r in results.items():
+        if "time_s" not in r:
+            continue
+        seen = r["observed"]
+        if seen["columns"] != [args.vocab]:
+            problems.append(f"{dtype} {variant}: the loss received {seen['columns']} columns, not V = {args.vocab}")
+        if seen["positions"] != [positions]:
+            problems.append(f"{dtype} {variant}: {seen['positions']} positions, not B x T = {positions}")
+        if seen["dtypes"] != [dtype]:
+            problems.append(f"{dtype} {variant}: inputs in {seen['dtypes']}, not {dtype}")
+        if r["threads"] != args.threads:
+            problems.append(f"{dtype} {variant}: ran on {r['threads']} threads, not {args.threads}")
+        if not r.get("reset"):
+            problems.append(f"{dtype} {variant}: the peak-RSS counter could not be reset")
+    first = {v: results[v]["losses"][0] for v in KL_VARIANTS if "losses" in results.get(v, {})}
+    if "kdlab" in first:
+        tol = 1e-3 if dtype == "float32" else 5e-2
+        for variant, value in first.items():
+            if abs(value - first["kdlab"]) > tol * max(1.0, abs(first["kdlab"])):
+                problems.append(f"{dtype}: first-step loss of {variant} {value:.6f} differs from kdlab's {first['kdlab']:.6f}")
+    bare, logits_path = results.get("bare", {}).get("time_s"), results.get("kdlab", {}).get("time_s")
+    if bare and logits_path and logits_path < 0.9 * bare:  # (the fused path never builds logits: bare is no floor for it)
+        problems.append(f"{dtype} kdlab: {logits_path:.3f} s is below the bare floor {bare:.3f} s")
+    return problems
+
+
+def summary(args, dtype: str, results: dict) -> dict:
+    floor = results.get("floor", {}).get("time_s")
+    tokens = args.batch * args.tokens
+    rows = {}
+    for variant, r in results.items():
+        if "time_s" not in r:
+            rows[variant] = {k: v for k, v in r.items() if k in ("skipped", "failed")}
+            continue
+        rows[variant] = {"time_s": r["time_s"], "times_s": r["times"], "extra_peak_mib": r["extra_mib"], "tokens_per_s": tokens / r["time_s"],
+                         "first_loss": r["losses"][0], "floor_ratio": r["time_s"] / floor if floor else None, "observed": r["observed"]}
+        if "trl_positions" in r:
+            rows[variant]["logit_positions_per_sequence"] = r["trl_positions"]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--out", type=Path, help="result file (default benchmarks/results/real_vocab_step-V<V>.json)")
+    parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--student", help=argparse.SUPPRESS)
+    parser.add_argument("--teacher", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    check_threads(args.threads)
+    if args.child:
+        return child(args)
+    print(f"V = {args.vocab}, B = {args.batch}, T = {args.tokens}, {args.threads} thread(s), median of {args.repeats} steps after a warm-up",
+          flush=True)
+    tables, problems = {}, []
+    with tempfile.TemporaryDirectory() as folder:
+        student, teacher = random_pair(args.vocab, Path(folder))
+        for dtype in args.dtypes:
+            results = measure(args, dtype, student, teacher)
+            problems += verify(args, dtype, results)
+            tables[dtype] = summary(args, dtype, results)
+    for dtype, rows in tables.items():
+        print(f"\n{dtype}: {'variant':<12}{'step s':>9}{'x floor':>9}{'tokens/s':>10}{'extra MiB':>11}")
+        for variant, row in rows.items():
+            if "time_s" in row:
+                ratio = f"{row['floor_ratio']:.3f}" if row["floor_ratio"] else "-"
+                print(f"{'':9}{variant:<12}{row['time_s']:>9.3f}{ratio:>9}{row['tokens_per_s']:>10.0f}{row['extra_peak_mib']:>11.0f}")
+            else:
+                print(f"{'':9}{variant:<12} {next(iter(row.values()), '')[:80]}")
+    payload = {"shapes": {"vocab": args.vocab, "batch": args.batch, "tokens": args.tokens}, "threads": args.threads,
+               "repeats": args.repeats, "clip": CLIP, "results": tables, "problems": problems}
+    path = write_result(f"real_vocab_step-V{args.vocab}", payload, ("trl", "liger-kernel", "datasets"), args.out)
+    print(f"\nwrote {path}")
+    if problems:
+        print("MISMATCH:\n  " + "\n  ".join(problems))
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
