@@ -118,8 +118,12 @@ def _lightning_cli_class():
         def before_fit(self) -> None:
             """Every fit ends with a checkpoint of its final state (see :mod:`kdlab.checkpointing`); a resumed
             fit first removes what the interrupted run logged after its checkpoint."""
+            from kdlab.console import Console
+
             if not any(isinstance(callback, FinalCheckpoint) for callback in self.trainer.callbacks):
                 self.trainer.callbacks.append(FinalCheckpoint())
+            if not any(isinstance(callback, Console) for callback in self.trainer.callbacks):
+                self.trainer.callbacks.append(Console())
             ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
             if ckpt_path and self.trainer.is_global_zero and self.trainer.log_dir:
                 from kdlab.checkpointing import log_position, trim_logs
@@ -268,6 +272,13 @@ def main(args: list[str] | None = None, run: bool = True, raise_parse_errors: bo
     stage_class = names_model_class(argv)
     import lightning.pytorch as pl
 
+    from kdlab.console import choose_cpu_threads, quiet
+
+    quiet()
+    threads = choose_cpu_threads() if argv[0] in LIGHTNING_COMMANDS and not any(a in ("-h", "--help") for a in argv) else None
+    if threads:
+        print(threads, flush=True)
+
     from kdlab.module import DistillModule
 
     subcommand_kwargs = {"exit_on_error": not raise_parse_errors}
@@ -277,7 +288,7 @@ def main(args: list[str] | None = None, run: bool = True, raise_parse_errors: bo
             pl.LightningModule if stage_class else DistillModule,
             subclass_mode_model=stage_class,
             seed_everything_default=42,
-            trainer_defaults={"default_root_dir": "runs"},
+            trainer_defaults={"default_root_dir": "runs", "enable_progress_bar": sys.stdout.isatty()},  # else Console's lines
             save_config_kwargs={"overwrite": True},
             parser_kwargs={**subcommand_kwargs, **{name: dict(subcommand_kwargs) for name in (*LIGHTNING_COMMANDS, "predict")}},
             args=cli_args,

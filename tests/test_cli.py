@@ -294,3 +294,31 @@ def test_the_traceback_is_shown_on_request(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("KDLAB_TRACEBACK", "1")
     with pytest.raises(ValueError, match=r"MixtureRollouts.lam must be in \[-2, 2\]"):
         entry(args)
+
+
+def test_the_console_says_where_the_run_goes_how_it_progresses_and_what_it_measured(tmp_path):
+    """The real console script with its output in a file (no terminal): the run directory first, a line
+    per step, a summary naming each metric (coverage before -> after, val/accuracy), and none of the
+    noise (transformers' "Loading weights" bars, Lightning's litlogger/litmodels tips, the LeafSpec
+    deprecation warning, "`weights_only` was not set")."""
+    import os
+    import subprocess
+
+    coverage = ["--trainer.callbacks+=kdlab.callbacks.Coverage", "--trainer.callbacks.task=kdlab.tasks.Addition",
+                "--trainer.callbacks.examples=4", "--trainer.callbacks.samples=1", "--trainer.callbacks.ks=[1]",
+                "--trainer.callbacks.max_new_tokens=8"]
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    result = subprocess.run(["kdlab", "fit", f"--config={SMOKE}", f"--trainer.logger.init_args.save_dir={tmp_path}", *coverage],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out, everything = result.stdout, result.stdout + result.stderr
+    run_dir = tmp_path / "tiny-smoke" / "version_0"
+    lines = out.splitlines()
+    assert lines[0].startswith("[kdlab] CPU threads: ")  # chosen (OMP_NUM_THREADS unset) and said
+    assert f"[kdlab] run directory: {run_dir}" in out
+    assert [line.split(" train/loss")[0] for line in lines if line.startswith("[kdlab] step ")] == [f"[kdlab] step {s}/6" for s in range(1, 7)]
+    assert f"[kdlab] fit finished at step 6 in" in out and f"results in {run_dir}" in out
+    assert "  coverage/addition/pass@1: 0.0% at step 0 -> 0.0% at step 6  (Coverage callback" in out
+    assert "  val/accuracy: 0.0% at step 6  (held-out accuracy" in out
+    for noise in ("Loading weights", "Tip:", "LeafSpec", "weights_only` was not set", "Epoch 0/-2"):
+        assert noise not in everything, noise
