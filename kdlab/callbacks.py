@@ -509,13 +509,13 @@ class RolloutSensitivity(_Periodic):
     @staticmethod
     def total_variation(policy, student_logits, teacher_logits, mask) -> tuple[float, float]:
         """Mean over masked tokens of TV(policy, teacher) and TV(policy, student), chunked over tokens."""
-        from kdlab.objectives import _rows, iter_token_chunks
+        from kdlab.kl_kernels import gather_rows, iter_token_chunks
 
         totals, count = torch.zeros(2, dtype=torch.float64), int(mask.sum())
         with torch.no_grad():
             for b, t in iter_token_chunks(mask, 256):  # logits tensors or fused HeadLogits alike
-                log_s = torch.log_softmax(_rows(student_logits, b, t, torch.float32), -1)
-                log_t = torch.log_softmax(_rows(teacher_logits, b, t, torch.float32), -1)
+                log_s = torch.log_softmax(gather_rows(student_logits, b, t, torch.float32), -1)
+                log_t = torch.log_softmax(gather_rows(teacher_logits, b, t, torch.float32), -1)
                 p = policy.next_token_logprobs(log_s, log_t).exp()
                 totals[0] += 0.5 * (p - log_t.exp()).abs().sum().item()
                 totals[1] += 0.5 * (p - log_s.exp()).abs().sum().item()

@@ -83,6 +83,16 @@ def test_importance_weights_are_capped_per_token_means():
     assert importance_weights(logp, logp, mask).tolist() == [1.0, 1.0, 1.0]
 
 
+def test_the_sampled_tokens_log_probs_are_read_from_each_position():
+    """vLLM returns one {token: Logprob} per position, the sampled token among possibly more (the
+    real containers are checked by scripts/check_vllm_api.py)."""
+    from types import SimpleNamespace as Logprob
+
+    sample = Logprob(token_ids=[7, 3], logprobs=[{9: Logprob(logprob=-0.1), 7: Logprob(logprob=-2.0)}, {3: Logprob(logprob=-0.5)}])
+    assert sampled_token_logprobs(sample) == [-2.0, -0.5]
+    assert sampled_token_logprobs(Logprob(token_ids=[7], logprobs=None)) == []  # not requested
+
+
 def test_vllm_rollouts_without_vllm_name_the_extra(monkeypatch):
     from kdlab.vllm_engine import VLLMRollouts
 
