@@ -47,4 +47,7 @@ def tests_write_nothing_into_the_repository():
         stray = sorted(after - before)
     else:
         stray = sorted({path.name for path in root.iterdir()} - before_root - {".pytest_cache", ".hypothesis", "runs", "lightning_logs"})
-    assert not stray, f"tests wrote {stray} into the repository; give their Trainer default_root_dir=tmp_path (or a logger under tmp_path)"
+    assert not stray, (
+        f"tests wrote {stray} into the repository; give their Trainer default_root_dir=tmp_path (or a logger under "
+        "tmp_path). (A file another process created in the checkout during the session is counted too.)"
+    )
