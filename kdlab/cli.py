@@ -124,6 +124,9 @@ def _lightning_cli_class():
                 self.trainer.callbacks.append(FinalCheckpoint())
             if not any(isinstance(callback, Console) for callback in self.trainer.callbacks):
                 self.trainer.callbacks.append(Console())
+            check = getattr(self.model, "training_examples", None)
+            if check is not None:  # before any run directory, "before" evaluation or model placement
+                check()
             ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
             if ckpt_path and self.trainer.is_global_zero and self.trainer.log_dir:
                 from kdlab.checkpointing import log_position, trim_logs

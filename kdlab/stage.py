@@ -322,10 +322,25 @@ class TaskStage(pl.LightningModule):
             raise ValueError(f"{type(self.task).__name__}: the {split!r} split is empty")
         return examples[:limit] if limit is not None else examples
 
+    def training_examples(self) -> list[Example]:
+        """The train split's examples this stage trains on; a ``ValueError`` naming the task and the
+        rollout's dataset (when there is one) when that is none of them, e.g. a teacher dataset whose ids
+        match no example. ``kdlab fit`` calls it before the trainer starts (no run directory is written,
+        no evaluation runs); :meth:`setup` calls it for Python callers."""
+        examples = self._split("train")
+        kept = [ex for ex in examples if self.trains_on(ex)]
+        if not kept:
+            dataset = getattr(getattr(self, "rollout", None), "dataset", None)
+            source = f" ({type(self.rollout).__name__}.dataset={str(dataset)!r} covers none of its ids, e.g. {examples[0]['id']!r})" if dataset else ""
+            raise ValueError(f"{type(self).__name__} can train on no train example of {type(self.task).__name__}{source}")
+        return kept
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit":
+            self.training_examples()
+
     def train_dataloader(self) -> DataLoader:
-        examples = [ex for ex in self._split("train") if self.trains_on(ex)]
-        if not examples:
-            raise ValueError(f"{type(self).__name__} can train on no train example of {type(self.task).__name__}")
+        examples = self.training_examples()
         layout = self.data_parallel_layout()
         self._train_sampler = EpochShuffle(len(examples), self.seed, layout["num_replicas"], layout["rank"])
         resume, self._resume_position = getattr(self, "_resume_position", None), None

@@ -83,6 +83,7 @@ CLI_CASES = {
     "38": (["fit", "--config={tmp}/no-such.yaml"], "no-such.yaml: cannot be read"),
     "39": (FIT + ["--model.teacher.path={tmp}/no-such-model"], "teacher.path"),  # a hub id: tests/test_cli.py (needs HF_HUB_OFFLINE)
     "40": (["fit", "--config=" + str(Path(SMOKE).with_name("onpd_rkl.yaml"))], "is an overlay of experiments/tiny/quickstart.yaml"),
+    "42": (FIT + ["--model.rollout.dataset={tmp}/other-task.jsonl"], "TeacherRollouts.dataset='"),
 }
 NOT_CLI = {  # rows whose input is not a configuration a command line can give, with where they are tested
     "11": "a corrupted weight file: tested by loading a damaged copy (test_models.py)",
@@ -111,6 +112,7 @@ def test_each_row_through_the_console_script_ends_in_one_line_naming_the_key(row
 
     (tmp_path / "row.jsonl").write_text(json.dumps({"id": "add-train-0"}) + "\n")
     (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "other-task.jsonl").write_text(json.dumps({"id": "countdown3-train-0", "completion": "x"}) + "\n")
     args, expected = CLI_CASES[row]
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in args] + [f"--trainer.logger.init_args.save_dir={tmp_path}"]
     with pytest.raises(SystemExit) as exit_info:
@@ -138,3 +140,22 @@ def test_the_bad_inputs_table_has_15_rows_and_names_only_tests_that_exist():
     assert len(re.findall(r"^\| \d+ \|", text, flags=re.M)) >= 15
     for file, name in re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", text):
         assert f"def {name}(" in (root / file).read_text(encoding="utf-8"), f"{file}::{name}"
+
+
+def test_a_teacher_dataset_matching_no_example_fails_before_the_run_directory_and_the_before_evaluation(tmp_path, capsys):
+    """The issue's case: ids of another task's dataset. The error names the dataset and an id it lacks,
+    before a run directory is written and before Coverage's "before" evaluation runs."""
+    import json
+
+    from kdlab.cli import entry
+
+    dataset = tmp_path / "other-task.jsonl"
+    dataset.write_text(json.dumps({"id": "countdown3-train-0", "completion": "x"}) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        entry([*FIT, f"--model.rollout.dataset={dataset}", f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
+               "--trainer.callbacks+=kdlab.callbacks.Coverage", "--trainer.callbacks.task=kdlab.tasks.Addition"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2
+    assert last == (f"kdlab: error: DistillModule can train on no train example of Addition (TeacherRollouts.dataset={str(dataset)!r} "
+                    "covers none of its ids, e.g. 'add-train-0')")
+    assert not (tmp_path / "runs").exists()  # no half-written run directory, no "before" evaluation logged
