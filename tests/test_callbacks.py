@@ -245,11 +245,19 @@ def test_style_transfer_on_distillation_from_a_teacher_cache(cached_distill, tin
 
 
 def test_style_transfer_prefers_the_teacher_it_is_given(module, tmp_path, monkeypatch):
-    calls = spy_on_generation(monkeypatch)
+    import gc
+    import weakref
+
+    import kdlab.models as models
+
+    calls, loaded, real_load = spy_on_generation(monkeypatch), [], models.load_causal_lm
+    monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: loaded.append(weakref.ref(model := real_load(*a, **k))) or model)
     callback = StyleTransfer([Addition(num_val=1)], examples=1, max_new_tokens=2, teacher="kdlab://tiny-random/student")
     callback.setup(bare_trainer(tmp_path), module, "fit")
     callback.on_fit_start(bare_trainer(tmp_path), module)
     assert calls == [("teacher", 32), ("student", 32)]  # the module's teacher (hidden 64) was not used
+    gc.collect()
+    assert len(loaded) == 1 and loaded[0]() is None  # loaded for the one measurement, then released
     with pytest.raises(FileNotFoundError, match="StyleTransfer.teacher"):
         StyleTransfer([Addition(num_val=1)], teacher=str(tmp_path / "missing")).setup(bare_trainer(tmp_path), module, "fit")
 
