@@ -320,3 +320,46 @@ def test_a_pruned_student_distils_from_its_full_teacher(tmp_path):
     again = load_causal_lm(ModelSpec(TINY_WORLD_STUDENT, layers="first:2", checkpoint=str(tmp_path / "stage.ckpt")), "student")
     for (name, a), (_, b) in zip(again.state_dict().items(), module.student.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def write_tiny_llama_gguf(path, layers=2, hidden=16, heads=2, kv_heads=1, ffn=32, vocab=32):
+    """A random float32 Llama GGUF file written with the ``gguf`` package (no tokenizer inside)."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_context_length, 64), (writer.add_embedding_length, hidden), (writer.add_block_count, layers),
+                       (writer.add_feed_forward_length, ffn), (writer.add_head_count, heads), (writer.add_head_count_kv, kv_heads),
+                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_rope_freq_base, 10000.0), (writer.add_vocab_size, vocab)):
+        add(value)
+    rng = np.random.default_rng(0)
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * hidden // heads, hidden), "attn_v": (kv_heads * hidden // heads, hidden),
+              "attn_output": (hidden, hidden), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
+    writer.add_tensor("token_embd.weight", rng.standard_normal((vocab, hidden)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(layers):
+        for name, shape in shapes.items():
+            writer.add_tensor(f"blk.{i}.{name}.weight", rng.standard_normal(shape).astype(np.float32))
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(hidden, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gguf_file_loads_dense_in_the_requested_dtype_pruned_and_exportable(tmp_path):
+    """save_pretrained refuses a model that still carries transformers' GGUF quantizer; kdlab's loads don't."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(path, layers=3)
+    model = load_causal_lm(ModelSpec(str(path), dtype="bfloat16", layers="every_other"), "student")
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 2
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert getattr(model, "hf_quantizer", None) is None and not hasattr(model.config, "quantization_config")
+    model.save_pretrained(tmp_path / "exported")
+    reloaded = load_causal_lm(ModelSpec(str(tmp_path / "exported"), dtype="bfloat16"))
+    ids = torch.tensor([[1, 5, 7, 30]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
