@@ -199,7 +199,7 @@ class _FakeVLLM:
                 fake.resets += 1
                 return True
 
-            def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None, priority=None):
+            def generate(self, prompts, sampling_params=None, *, use_tqdm=True):
                 fake.requests.append(prompts)
                 tokens = fake.completion
                 logprobs = [{t: types.SimpleNamespace(logprob=value)} for t, value in zip(tokens, fake.logprobs)]
