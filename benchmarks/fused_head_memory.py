@@ -12,8 +12,8 @@ the entropy GRPO logs): ``naive`` is ``log_softmax(h W^T).gather``, ``logits`` i
 
 Each runs forward + backward to the hidden states and the head weight in a fresh process (peak RSS via
 /proc, as in ``kl_memory.py``), after a check that all three give the same loss and gradients. Ratios
-are printed against ``naive``; the teacher logits ``(N, V)`` are an input to all three. Exits 0 whether
-or not anything is met.
+are printed against ``naive``; the teacher logits ``(N, V)`` are an input to all three. Writes
+``benchmarks/results/fused_head_memory-<objective>.json``; exits 1 on a mismatch.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kl_memory import BATCH, proc_kib, reset_peak_rss  # noqa: E402
+from common import check_threads, proc_kib, reset_peak_rss, write_result  # noqa: E402
+from kl_memory import BATCH  # noqa: E402
 
 from kdlab.objectives import ForwardKL, HeadLogits, token_weights  # noqa: E402
 
@@ -87,7 +88,8 @@ def child(args) -> None:
             extra = (proc_kib("VmHWM") - baseline) / 1024
         else:
             times.append(time.perf_counter() - start)
-    print(json.dumps({"extra_mib": extra, "time_s": statistics.median(times), "reset": reset}))
+    assert hidden.shape == (BATCH, args.tokens // BATCH, args.hidden) and weight.shape == (args.vocab, args.hidden)
+    print(json.dumps({"extra_mib": extra, "time_s": statistics.median(times), "reset": reset, "threads": torch.get_num_threads()}))
 
 
 def main() -> None:
@@ -98,8 +100,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--objective", choices=("forward_kl", "token_logprobs"), default="forward_kl")
+    parser.add_argument("--out", type=Path, help="result file (default benchmarks/results/fused_head_memory-<objective>.json)")
     parser.add_argument("--child", choices=("naive", "logits", "fused"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    check_threads(args.threads)
     if args.child:
         return child(args)
     small = make_inputs(512, min(args.vocab, 4096), 64, seed=1)
@@ -122,7 +126,18 @@ def main() -> None:
           f"one (N, V) fp32 tensor = {logits_mib:.0f} MiB")
     print(f"{'implementation':<16}{'peak extra MiB':>16}{'x naive':>10}{'time s':>10}{'x naive':>10}")
     for impl, r in res.items():
-        print(f"{impl:<16}{r['extra_mib']:>16.0f}{r['extra_mib'] / res['naive']['extra_mib']:>10.2f}{r['time_s']:>10.2f}{r['time_s'] / res['naive']['time_s']:>10.2f}")
+        r["extra_ratio"] = r["extra_mib"] / res["naive"]["extra_mib"]
+        r["time_ratio"] = r["time_s"] / res["naive"]["time_s"]
+        print(f"{impl:<16}{r['extra_mib']:>16.0f}{r['extra_ratio']:>10.2f}{r['time_s']:>10.2f}{r['time_ratio']:>10.2f}")
+    problems = [] if agree else ["the three implementations disagree on loss or gradients at N = 512"]
+    problems += [f"{impl}: ran on {r['threads']} threads, not {args.threads}" for impl, r in res.items() if r["threads"] != args.threads]
+    payload = {"objective": args.objective, "shapes": {"tokens": args.tokens, "batch": BATCH, "vocab": args.vocab, "hidden": args.hidden},
+               "dtype": "float32", "threads": args.threads, "repeats": args.repeats, "results": res, "problems": problems}
+    path = write_result(f"fused_head_memory-{args.objective}", payload, out=args.out)
+    print(f"wrote {path}")
+    if problems:
+        print("MISMATCH: " + "; ".join(problems))
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def memory(peak: float | None) -> str:
 
 def step_figures(tokens: int, repeats: int, device: str, smoke: bool) -> None:
     from kdlab.decoding import completion_head_logits, completion_logits
-    from kdlab.objectives import ForwardKL, kl_diagnostics
+    from kdlab.objectives import ForwardKL
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     student = build(TOY_STUDENT if smoke else QWEN_1_5B, dtype, device, checkpointing=True)
@@ -102,8 +102,8 @@ def step_figures(tokens: int, repeats: int, device: str, smoke: bool) -> None:
         with torch.no_grad():
             t = completion_head_logits(teacher, inputs, tokens, vocab, 0.5) if fused else completion_logits(teacher, inputs, tokens, vocab) / 0.5
         s = completion_head_logits(student, inputs, tokens, vocab) if fused else completion_logits(student, inputs, tokens, vocab)
-        objective(s, t, mask).backward()
-        kl_diagnostics(s.detach(), t, mask)
+        objective(s, t, mask, consume=not fused).backward()  # as DistillModule calls it
+        objective.take_diagnostics()  # the exact KLs and entropies, from the same pass
 
     def floor_step():
         student.zero_grad(set_to_none=True)

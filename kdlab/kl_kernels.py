@@ -50,7 +50,11 @@ def block_rows(vocab_size: int, chunk_size: int, device: torch.device) -> int:
 
 
 def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Row-wise dot products ``(k,)`` of ``a``, ``b`` ``(k, V)``, without a ``(k, V)`` product tensor."""
+    """Row-wise dot products ``(k,)`` of ``a``, ``b`` ``(k, V)``. A batched matrix product (no ``(k, V)``
+    product tensor) for one row or on an accelerator; ``vecdot`` for several rows on the CPU, where
+    the batched product takes a slow path (about 3x at k = 5, V = 49,152)."""
+    if a.shape[0] > 1 and a.device.type == "cpu":
+        return torch.linalg.vecdot(a, b)
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(a.shape[0])
 
 
