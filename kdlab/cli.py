@@ -118,7 +118,13 @@ def _lightning_cli_class():
         def before_fit(self) -> None:
             """Every fit ends with a checkpoint of its final state (see :mod:`kdlab.checkpointing`); a resumed
             fit first removes what the interrupted run logged after its checkpoint."""
-            from kdlab.console import Console
+            from lightning.pytorch.callbacks import RichProgressBar
+
+            from kdlab.console import Console, step_progress_bar
+
+            bars = [index for index, callback in enumerate(self.trainer.callbacks) if type(callback) is RichProgressBar]
+            for index in bars:  # Lightning's default bar: counted in steps instead (Console's docstring)
+                self.trainer.callbacks[index] = step_progress_bar()()
 
             if not any(isinstance(callback, FinalCheckpoint) for callback in self.trainer.callbacks):
                 self.trainer.callbacks.append(FinalCheckpoint())

@@ -154,3 +154,41 @@ class Console(pl.Callback):
         lines = summary(log_dir, final, trainer.global_step)
         elapsed = time.monotonic() - self._start
         self._print(trainer, "\n".join([f"[kdlab] fit finished at step {trainer.global_step} in {elapsed:.0f} s; results in {log_dir}", *lines]))
+
+
+def step_progress_bar():
+    """A Rich progress bar counted in optimiser steps when the run is bounded by ``max_steps``:
+    ``Step 73/150`` (Lightning's reads ``Epoch 0/-2`` and, after a resume, ``150/78``), without the
+    logger's ``v_num``. The class is made on first use (Rich is imported only then)."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    class StepProgressBar(RichProgressBar):
+        def _by_steps(self) -> bool:
+            return bool(self.trainer.max_steps and self.trainer.max_steps > 0)
+
+        @property
+        def total_train_batches(self):
+            return self.trainer.max_steps if self._by_steps() else super().total_train_batches
+
+        def _get_train_description(self, current_epoch: int) -> str:
+            if self._by_steps():
+                return f"{'Step':{len(self.validation_description)}}"
+            epochs = self.trainer.max_epochs
+            return f"Epoch {current_epoch}" + (f"/{epochs - 1}" if epochs and epochs > 0 else "")
+
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            super().on_train_epoch_start(trainer, pl_module)
+            if self._by_steps():
+                self._update(self.train_progress_bar_id, trainer.global_step)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            if self._by_steps():
+                self._update(self.train_progress_bar_id, trainer.global_step)
+
+        def get_metrics(self, trainer, pl_module):
+            metrics = super().get_metrics(trainer, pl_module)
+            metrics.pop("v_num", None)
+            return metrics
+
+    return StepProgressBar

@@ -343,3 +343,21 @@ print(sorted({{name.split(".")[0] for name in sys.modules}} & {extras!r}))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "DistillModule ['Coverage', 'OODForgetting', 'UpdateSparsity'" in result.stdout
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_progress_bar_counts_optimiser_steps_also_after_a_resume(tmp_path):
+    """With a terminal, the bar reads ``Step 6/6`` (not ``Epoch 0/-2``, not ``6/3`` after a resume) and
+    shows no ``v_num``."""
+    def bar_of(cli):
+        (bar,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "StepProgressBar"]
+        task = bar.progress.tasks[bar.train_progress_bar_id] if bar.progress is not None else None
+        return bar, task
+
+    first = fit(tmp_path, "--trainer.max_steps=3", "--trainer.enable_progress_bar=true", "--trainer.limit_val_batches=0")
+    bar, task = bar_of(first)
+    assert (task.description.strip(), task.total, task.completed) == ("Step", 3, 3)
+    assert "v_num" not in bar.get_metrics(first.trainer, first.model)
+    checkpoint = Path(first.trainer.log_dir, "checkpoints", "final.ckpt")
+    resumed = fit(tmp_path, "--trainer.enable_progress_bar=true", "--trainer.limit_val_batches=0", f"--ckpt_path={checkpoint}", "--trainer.max_steps=6")
+    _, task = bar_of(resumed)
+    assert (task.description.strip(), task.total, task.completed) == ("Step", 6, 6)
