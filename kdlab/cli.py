@@ -19,6 +19,7 @@ import io
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import yaml
@@ -134,6 +135,8 @@ def _lightning_cli_class():
             if check is not None:  # before any run directory, "before" evaluation or model placement
                 check()
             ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+            if ckpt_path:  # resuming into its own run directory: its checkpoints are expected there
+                warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
             if ckpt_path and self.trainer.is_global_zero and self.trainer.log_dir:
                 from kdlab.checkpointing import log_position, trim_logs
 
