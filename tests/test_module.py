@@ -137,12 +137,19 @@ def test_teacher_and_student_get_their_own_prompts(tiny_pair):
     assert s.shape == t.shape == (2, rollout.completion_ids.shape[1], module.vocab_size)
 
 
-def test_distillation_logits_predict_the_completion_tokens(tiny_pair):
-    """The logits returned at position c must be the model's prediction of completion token c."""
-    module = make_module(tiny_pair)
+@pytest.mark.parametrize("fused", [False, True, None], ids=["logits", "fused", "default"])
+def test_distillation_logits_predict_the_completion_tokens(tiny_pair, fused):
+    """The logits returned at position c must be the model's prediction of completion token c, on the
+    logits path and on the fused hidden-state path (the default wherever it is valid, as here)."""
+    from kdlab.objectives import HeadLogits
+
+    module = make_module(tiny_pair, fused_lm_head=fused)
     rollout = module.make_rollout(module.task.examples("train")[:3], seed=1)
     module.student_temperature = 1.0
     s, _ = module.distillation_logits(rollout)
+    assert isinstance(s, HeadLogits) == (fused is not False)
+    if isinstance(s, HeadLogits):
+        s = (s.hidden @ s.weight.T) * s.scale
     inputs = rollout.model_inputs("student")
     full = module.student(**inputs).logits[..., : module.vocab_size]
     prompt_width = rollout.prompts.student_ids.shape[1]
