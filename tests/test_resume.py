@@ -143,16 +143,16 @@ def logged(run_dir):
     return scalars, metrics, samples
 
 
-def interrupted_at(monkeypatch, step):
-    """Ctrl-C (KeyboardInterrupt) inside the training step after ``step`` optimiser steps."""
-    real = DistillModule.training_step
+def interrupted_at(monkeypatch, step, hook="training_step"):
+    """Ctrl-C (KeyboardInterrupt) inside ``hook`` (the training or validation step) after ``step`` optimiser steps."""
+    real = getattr(DistillModule, hook)
 
-    def training_step(self, batch, batch_idx):
-        if self.global_step == step:
+    def interrupted(self, batch, batch_idx):
+        if self.global_step == step and not self.trainer.sanity_checking:
             raise KeyboardInterrupt
         return real(self, batch, batch_idx)
 
-    monkeypatch.setattr(DistillModule, "training_step", training_step)
+    monkeypatch.setattr(DistillModule, hook, interrupted)
 
 
 @pytest.fixture(autouse=True)
@@ -160,10 +160,12 @@ def clean_argv(monkeypatch):
     monkeypatch.setattr("sys.argv", ["kdlab"])
 
 
-@pytest.mark.parametrize("stop, resume_from", [(3, "on_exception.ckpt"), (5, "last.ckpt")], ids=["on_exception", "older-last"])
-def test_a_resumed_cli_run_logs_what_the_uninterrupted_run_logs_step_for_step(tmp_path, monkeypatch, capsys, stop, resume_from):
-    """Ctrl-C at a step, then ``--ckpt_path`` of the on-exception checkpoint (nothing logged after it) or
-    of an older last.ckpt (step 4: the interrupted run logged step 5 after it): the resumed run continues
+@pytest.mark.parametrize("stop, hook, resume_from", [(3, "training_step", "on_exception.ckpt"), (5, "training_step", "last.ckpt"),
+                                                     (4, "validation_step", "on_exception.ckpt")], ids=["on_exception", "older-last", "in-validation"])
+def test_a_resumed_cli_run_logs_what_the_uninterrupted_run_logs_step_for_step(tmp_path, monkeypatch, capsys, stop, hook, resume_from):
+    """Ctrl-C at a step (or during the validation at step 4), then ``--ckpt_path`` of the on-exception
+    checkpoint (nothing logged after it) or of an older last.ckpt (step 4: the interrupted run logged
+    step 5 after it): the resumed run continues
     in the same version_N and its TensorBoard scalars (each at the uninterrupted run's step, once),
     metrics.jsonl and samples/ equal the uninterrupted run's; Ctrl-C named the checkpoint to resume from.
     Fails with Lightning's own resume (every train/* scalar one step late after an on-exception
@@ -171,7 +173,7 @@ def test_a_resumed_cli_run_logs_what_the_uninterrupted_run_logs_step_for_step(tm
     import signal
 
     full = cli_fit(tmp_path / "full")
-    interrupted_at(monkeypatch, stop)
+    interrupted_at(monkeypatch, stop, hook)
     try:
         with pytest.raises(SystemExit):
             cli_fit(tmp_path / "part")
