@@ -40,18 +40,25 @@ def quiet() -> None:
         pass
 
 
+_CHOSEN: list[str] = []  # the line of this process's choice: made once, so runs in one process match
+
+
 def choose_cpu_threads() -> str | None:
     """Set torch's CPU threads when nothing chose them (no GPU, no ``OMP_NUM_THREADS``); returns the line
-    to print, or None when the user or a GPU decides."""
+    to print, or None when the user or a GPU decides. The choice is made once per process (the thread
+    count can change the last bits of floating-point results, so runs of one process keep one count)."""
     import torch
 
     if os.environ.get("OMP_NUM_THREADS") or torch.cuda.is_available():
         return None
+    if _CHOSEN:
+        return _CHOSEN[0]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     busy = int(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
     threads = max(1, min(cores, cores - busy))
     torch.set_num_threads(threads)
-    return f"[kdlab] CPU threads: {threads} ({cores} cores, about {busy} busy by the load average; set OMP_NUM_THREADS to choose)"
+    _CHOSEN.append(f"[kdlab] CPU threads: {threads} ({cores} cores, about {busy} busy by the load average; set OMP_NUM_THREADS to choose)")
+    return _CHOSEN[0]
 
 
 DESCRIPTIONS = {

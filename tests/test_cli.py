@@ -361,3 +361,27 @@ def test_the_progress_bar_counts_optimiser_steps_also_after_a_resume(tmp_path):
     resumed = fit(tmp_path, "--trainer.enable_progress_bar=true", "--trainer.limit_val_batches=0", f"--ckpt_path={checkpoint}", "--trainer.max_steps=6")
     _, task = bar_of(resumed)
     assert (task.description.strip(), task.total, task.completed) == ("Step", 6, 6)
+
+
+def test_cpu_threads_are_chosen_once_per_process_from_the_free_cores(monkeypatch):
+    import torch
+
+    from kdlab import console
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(console, "_CHOSEN", [])
+    monkeypatch.setattr(console.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(console.os, "getloadavg", lambda: (2.6, 0.0, 0.0))
+    before = torch.get_num_threads()
+    try:
+        assert console.choose_cpu_threads() == "[kdlab] CPU threads: 2 (4 cores, about 2 busy by the load average; set OMP_NUM_THREADS to choose)"
+        assert torch.get_num_threads() == 2
+        monkeypatch.setattr(console.os, "getloadavg", lambda: (9.0, 0.0, 0.0))  # busier later: the same count
+        assert console.choose_cpu_threads().startswith("[kdlab] CPU threads: 2 ") and torch.get_num_threads() == 2
+        monkeypatch.setattr(console, "_CHOSEN", [])
+        assert console.choose_cpu_threads().startswith("[kdlab] CPU threads: 1 (4 cores, about 9 busy")  # at least one
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert console.choose_cpu_threads() is None  # the user's choice stands
+    finally:
+        torch.set_num_threads(before)
