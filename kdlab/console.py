@@ -110,7 +110,7 @@ def summary(log_dir: str | Path, final: dict[str, float], step: int) -> list[str
         text = describe(name)
         if text is None:
             continue
-        points = series[name]
+        points = series.get(f"{name}_before", [])[:1] + series[name]  # OODForgetting logs its "before" apart
         (first_step, first), (last_step, last) = points[0], points[-1]
         if len(points) > 1 and first_step != last_step:
             numbers = f"{_value(name, first)} at step {first_step} -> {_value(name, last)} at step {last_step}"

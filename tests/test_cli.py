@@ -1,5 +1,6 @@
 """End-to-end: ``kdlab fit --config`` on the packaged tiny pair, for every rollout policy x objective."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -385,3 +386,18 @@ def test_cpu_threads_are_chosen_once_per_process_from_the_free_cores(monkeypatch
         assert console.choose_cpu_threads() is None  # the user's choice stands
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_end_summary_names_each_metric_before_and_after(tmp_path):
+    from kdlab.console import summary
+
+    rows = [{"step": 0, "coverage/countdown3/pass@1": 0.0, "ood/mean_before": 100.0, "ood/addition_before": 100.0},
+            {"step": 150, "coverage/countdown3/pass@1": 0.365, "ood/mean": 99.75, "ood/mean_delta": -0.25, "sparsity/1e-06": 0.126,
+             "sparsity/1e-06/attention": 0.2}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    lines = summary(tmp_path, {"val/accuracy": 0.4, "train/loss": 0.0338}, 150)
+    assert [line.split(":")[0].strip() for line in lines] == [
+        "coverage/countdown3/pass@1", "ood/mean", "ood/mean_delta", "sparsity/1e-06", "train/loss", "val/accuracy"]
+    assert lines[0].startswith("  coverage/countdown3/pass@1: 0.0% at step 0 -> 36.5% at step 150  (Coverage callback")
+    assert lines[1].startswith("  ood/mean: 100 at step 0 -> 99.75 at step 150  (OODForgetting")
+    assert lines[-1].startswith("  val/accuracy: 40.0% at step 150  (held-out accuracy")
