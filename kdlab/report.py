@@ -295,7 +295,7 @@ def collect(paths: list[str | Path]) -> tuple[list[RunResult], list[tuple[str, s
     expanded: list[Path] = []
     for path in map(Path, paths):
         if path.is_dir() and not (path / "config.yaml").is_file() and (path / "sweep.json").is_file():
-            expanded += sorted(p for p in path.iterdir() if p.is_dir())
+            expanded += sorted(p for p in path.iterdir() if p.is_dir() and not (p / "report.md").is_file())  # not an earlier report
         elif path.is_dir() and not (path / "config.yaml").is_file():
             found = run_directories(path)
             expanded += found or [path]  # nothing inside: skipped below as "no config.yaml"
@@ -361,7 +361,7 @@ def run_directories(folder: Path, depth: int = 3) -> list[Path]:
     """Run directories (with a ``config.yaml``) inside ``folder`` up to ``depth`` levels down, e.g. the
     ``version_N`` of ``runs/<name>`` or every run of ``runs/``; ``checkpoints``/``samples`` are not searched."""
     found: list[Path] = []
-    for child in sorted(p for p in folder.iterdir() if p.is_dir() and p.name not in ("checkpoints", "samples", "report")):
+    for child in sorted(p for p in folder.iterdir() if p.is_dir() and p.name not in ("checkpoints", "samples") and not (p / "report.md").is_file()):
         if (child / "config.yaml").is_file():
             found.append(child)
         elif depth > 1:

@@ -239,6 +239,8 @@ def test_a_run_folder_stands_for_its_versions_and_the_report_goes_beside_the_run
     assert not list(elsewhere.iterdir())
     (row,) = markdown_table((name / "report" / "report.md").read_text(), "## Results by configuration")
     assert row["n"] == "2" and row["val/accuracy (%)"] == "50.0 ± 35.4"
+    found, skipped = collect([name])  # the report written there is not taken for a run the next time
+    assert len(found) == 2 and not skipped
 
 
 def test_a_run_without_a_done_marker_or_max_steps_is_flagged(tmp_path, capsys):
