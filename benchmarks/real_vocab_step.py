@@ -373,6 +373,15 @@ def main() -> None:
     payload = {"shapes": {"vocab": args.vocab, "batch": args.batch, "tokens": args.tokens}, "threads": args.threads,
                "repeats": args.repeats, "clip": CLIP, "results": tables, "problems": problems}
     payload["pair"] = args.pair
+    payload["notes"] = [
+        "trl: GKDTrainer.compute_loss computes both models' logits at every position of the sequence (prompt included) and "
+        "its generalized_jsd_loss (beta 0 = forward KL, token mean); TRL has no fused or Liger loss option for GKD "
+        "(use_liger_kernel, deprecated, only swaps model layer kernels for Triton ones, which need CUDA), so its plain path runs.",
+        "liger: LigerFusedLinearJSDLoss from liger_kernel.chunked_loss, pure PyTorch with compiled=False (torch.compile off), "
+        "weight_hard_loss=0, beta=0 (forward KL, token mean), on the final hidden states and LM heads.",
+        "textbook: log_softmax of both (B, T, V) fp32 logits, sum p_T (log p_T - log p_S), per-sequence mean; no diagnostics.",
+        "kdlab and kdlab-fused also compute and log the exact kl_forward, kl_reverse and both entropies every step.",
+    ]
     path = write_result(f"real_vocab_step-{args.pair}-V{args.vocab}", payload, ("trl", "liger-kernel", "datasets", "gguf"), args.out)
     print(f"\nwrote {path}")
     if problems:

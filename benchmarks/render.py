@@ -49,6 +49,7 @@ def _step(record: dict) -> str:
                 continue
             x_bare = f"{row['time_s'] / bare:.2f}" if bare else "-"
             lines.append(f"| {variant} | {row['time_s']:.3f} | {row['floor_ratio']:.2f} | {x_bare} | {row['tokens_per_s']:.0f} | {row['extra_peak_mib']:.0f} |")
+    lines += ["\nHow each peer ran:\n"] + [f"- {note}" for note in record.get("notes", [])]
     if record["problems"]:
         lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
     return "\n".join(lines) + "\n"

@@ -458,7 +458,7 @@ class Coverage(_Evaluates):
         report(trainer, metrics)
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if self.at_start and trainer.global_step == 0:
+        if self.at_start and trainer.global_step == 0 and not trainer.ckpt_path:  # a resumed run's "before" was logged by the first run
             self.measure(trainer, pl_module)
 
 

