@@ -95,7 +95,8 @@ def machine() -> dict[str, object]:
         model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "system": platform.platform()}
+    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "system": platform.platform(),
+            "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()]}
 
 
 def write_result(name: str, payload: dict, packages: tuple[str, ...] = (), out: Path | None = None) -> Path:

@@ -30,7 +30,9 @@ percent are within noise.
 def _setting(record: dict) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in record["versions"].items() if v)
     machine = record["machine"]
-    return (f"`{record['command']}`\n\nMachine: {machine['cpu']}, {machine['cores']} cores, {record['threads']} thread(s); {versions}.\n")
+    load = machine.get("load_average_1_5_15min")
+    load = f" Load average when the file was written (1, 5, 15 min): {', '.join(map(str, load))}." if load else ""
+    return (f"`{record['command']}`\n\nMachine: {machine['cpu']}, {machine['cores']} cores, {record['threads']} thread(s); {versions}.{load}\n")
 
 
 def _step(record: dict) -> str:
