@@ -13,8 +13,9 @@ so that the vocabulary dominates. ``--pair smollm2``: the real SmolLM2-135M-Inst
 
 * ``floor``: what any distillation step pays: teacher forward (no grad) + student forward/backward with
   cross-entropy on the same positions + AdamW, as a Lightning step (``DistillModule``'s Trainer path).
-* ``bare``: the floor without a loss: the student's logits gradient is a constant tensor given to
-  backward. No implementation that materialises logits can be cheaper: a ratio below it is a bug.
+* ``bare``: the floor without a loss: a constant logits gradient, written into the logits' own storage
+  (no allocation), goes to backward. No implementation that materialises logits can be cheaper: the
+  logits path below it is reported as a bug (exit 1).
 * ``kdlab``: ``DistillModule.training_step`` (logits path) through ``Trainer.fit``, with its logging:
   loss, exact ``kl_forward``/``kl_reverse``/entropies, completion length, grad norm, to TensorBoard.
 * ``kdlab-fused``: the same with ``fused_lm_head: true``.
@@ -121,7 +122,9 @@ def lightning_variant(variant: str, student: str, teacher: str, args, observed: 
                 if variant == "floor":
                     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
                 elif variant == "bare":
-                    logits.backward(self.constant_grad.expand_as(logits))
+                    # a constant gradient written into the logits' own storage (as kdlab's objective does):
+                    # no allocation, one write pass, and the LM head's backward as every variant pays it
+                    logits.backward(logits.detach().fill_(1e-6))
                     loss = logits.new_zeros((), requires_grad=True)  # gradients are already in place
                 else:  # textbook
                     log_s = torch.log_softmax(logits.float(), -1)
@@ -139,8 +142,6 @@ def lightning_variant(variant: str, student: str, teacher: str, args, observed: 
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 
         module.liger = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, temperature=1.0, compiled=False)
-    if variant == "bare":
-        module.constant_grad = torch.full((1, 1, module.vocab_size), 1e-6, dtype=getattr(torch, dtype))
     if variant in ("kdlab", "kdlab-fused"):
         module.objective.register_forward_pre_hook(lambda mod, inputs: observed.see(inputs[0].shape[-1], inputs[2].sum(), inputs[0].dtype))
     return module

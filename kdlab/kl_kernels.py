@@ -64,14 +64,16 @@ class Workspace:
 
     def __init__(self, rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.rows, self.vocab_size, self.dtype, self.device = rows, vocab_size, dtype, device
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
-    def get(self, name: str, k: int) -> torch.Tensor:
-        """Buffer ``name`` cut to ``(k, V)`` (``k <= rows``); contents are whatever was left there."""
-        buffer = self._buffers.get(name)
+    def get(self, name: str, k: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Buffer ``name`` cut to ``(k, V)`` (``k <= rows``), in ``dtype`` (default: the workspace's);
+        contents are whatever was left there."""
+        dtype = dtype or self.dtype
+        buffer = self._buffers.get((name, dtype))
         if buffer is None:
-            buffer = torch.empty(self.rows, self.vocab_size, dtype=self.dtype, device=self.device)
-            self._buffers[name] = buffer
+            buffer = torch.empty(self.rows, self.vocab_size, dtype=dtype, device=self.device)
+            self._buffers[(name, dtype)] = buffer
         return buffer[:k]
 
 
@@ -221,10 +223,14 @@ RowsLossAndGrad = Callable[[RowStatistics, "torch.Tensor | None"], torch.Tensor]
 given, ``d loss / d student logits`` is written into it (unweighted)."""
 
 
-def _materialise(logits: LazyLogits, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype, buffer: torch.Tensor) -> torch.Tensor:
-    """Rows ``(n, V)`` of a lazy source; a :class:`HeadLogits` is computed straight into ``buffer``."""
+def _materialise(logits: LazyLogits, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype, chunk_ws: Workspace, name: str) -> torch.Tensor:
+    """Rows ``(n, V)`` of a lazy source. A :class:`HeadLogits` is computed straight into a reused buffer,
+    in the model's own dtype (bf16 hidden states and head give bf16 logits, as the model's LM head would,
+    at the speed of a bf16 matrix product); blocks are upcast to ``dtype`` as they are read."""
     if isinstance(logits, HeadLogits):
-        torch.matmul(logits.hidden[b, t].to(dtype), logits.weight_as(dtype).T, out=buffer)
+        native = logits.hidden.dtype
+        buffer = chunk_ws.get(name, b.shape[0], native)
+        torch.matmul(logits.hidden[b, t], logits.weight_as(native).T, out=buffer)
         return buffer.mul_(logits.scale) if logits.scale != 1.0 else buffer
     return logits.rows(b, t, dtype)
 
@@ -257,17 +263,19 @@ class _Side:
     def __init__(self, logits: Logits, positions: torch.Tensor, dtype: torch.dtype, chunk_ws: Workspace, block_ws: Workspace, name: str) -> None:
         self.logits, self.positions, self.dtype, self.block_ws, self.name = logits, positions, dtype, block_ws, name
         b, t = positions[:, 0], positions[:, 1]
-        self.chunk = _materialise(logits, b, t, dtype, chunk_ws.get(name, b.shape[0])) if isinstance(logits, LazyLogits) else None
+        self.chunk = _materialise(logits, b, t, dtype, chunk_ws, name) if isinstance(logits, LazyLogits) else None
 
     def whole(self) -> torch.Tensor:
         """The chunk's rows ``(n, V)`` in the compute dtype (a copy for a plain tensor)."""
         if self.chunk is not None:
-            return self.chunk
+            return self.chunk.to(self.dtype)
         return self.logits[self.positions[:, 0], self.positions[:, 1]].to(self.dtype)
 
     def block(self, j0: int, j1: int, run: tuple[int, int] | None) -> torch.Tensor:
         if self.chunk is not None:
-            return self.chunk[j0:j1]
+            if self.chunk.dtype == self.dtype:
+                return self.chunk[j0:j1]
+            return self.block_ws.get(self.name, j1 - j0).copy_(self.chunk[j0:j1])
         if run is not None:
             view = self.logits[run[0], run[1] : run[1] + j1 - j0]
             if view.dtype == self.dtype:
@@ -322,17 +330,25 @@ class HeadGradient:
     def __init__(self, student: HeadLogits, need_hidden: bool, need_weight: bool, dtype: torch.dtype) -> None:
         self.student, self.dtype = student, dtype
         self.hidden = torch.zeros_like(student.hidden) if need_hidden else None
-        # a frozen head (LoRA elsewhere) needs no (V, H) gradient buffer
+        # a frozen head (LoRA elsewhere) needs no (V, H) gradient buffer; it accumulates in fp32
         self.weight = torch.zeros(student.weight.shape, dtype=dtype, device=student.weight.device) if need_weight else None
 
     def add_chunk(self, positions: torch.Tensor, chunk_grad: torch.Tensor) -> None:
+        """Both products in the model's dtype (bf16 models: bf16 matrix products, as autograd does on the
+        logits path), the head's gradient accumulated over chunks in fp32."""
         b, t = positions[:, 0], positions[:, 1]
+        native = self.student.hidden.dtype
         if self.student.scale != 1.0:
             chunk_grad = chunk_grad.mul_(self.student.scale)
+        grad = chunk_grad.to(native)
+        hidden = self.student.hidden[b, t]
         if self.hidden is not None:
-            self.hidden[b, t] = (chunk_grad @ self.student.weight_as(self.dtype)).to(self.hidden.dtype)
+            self.hidden[b, t] = grad @ self.student.weight_as(native)
         if self.weight is not None:
-            self.weight.addmm_(chunk_grad.T, self.student.hidden[b, t].to(self.dtype))
+            if native == self.weight.dtype:
+                self.weight.addmm_(grad.T, hidden)
+            else:
+                self.weight.add_(grad.T @ hidden)
 
 
 def chunked_pass(

@@ -380,3 +380,29 @@ def test_consuming_the_student_logits_gives_the_same_loss_and_gradient_in_their_
     assert torch.equal(s0, s)  # the allocating path leaves the logits alone
     assert h1 == [s1.data_ptr()] and h0 != [s0.data_ptr()]  # the consuming path handed back the logits' own storage
     torch.testing.assert_close(s1.detach(), g0)
+
+
+@pytest.mark.parametrize("make", [ForwardKL, ReverseKL])
+def test_fused_path_in_bf16_matches_the_bf16_logits_path(make):
+    """bf16 hidden states and head: the fused path computes its logits and gradients with bf16 matrix
+    products, as the model's head and autograd do on the logits path; the two agree to bf16 precision
+    and return gradients in bf16."""
+    from kdlab.objectives import HeadLogits
+
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 6, 16, generator=generator).to(torch.bfloat16)
+    weight = (torch.randn(40, 16, generator=generator) * 0.5).to(torch.bfloat16)
+    teacher = torch.randn(2, 6, 40, generator=generator).to(torch.bfloat16)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    results = []
+    for fused in (False, True):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        student = HeadLogits(h, w, scale=0.5) if fused else (h @ w.T) * 0.5
+        loss = make(chunk_size=4)(student, teacher, mask)
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad))
+    (loss_a, h_a, w_a), (loss_b, h_b, w_b) = results
+    assert h_b.dtype == w_b.dtype == torch.bfloat16
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(h_b.float(), h_a.float(), rtol=0, atol=2e-2 * h_a.abs().max().item())
+    torch.testing.assert_close(w_b.float(), w_a.float(), rtol=0, atol=2e-2 * w_a.abs().max().item())
