@@ -105,7 +105,7 @@ class ModelSpec:
     def pretrained_args(self) -> tuple[str, dict[str, Any]]:
         """``(folder or hub id, keyword arguments)`` for transformers' ``from_pretrained``."""
         if self.is_gguf:
-            file = Path(self.resolved)
+            file = Path(self.resolved).expanduser()
             return str(file.parent), {"gguf_file": file.name, "trust_remote_code": self.trust_remote_code}
         return self.resolved, {"trust_remote_code": self.trust_remote_code, "revision": self.revision}
 

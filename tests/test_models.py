@@ -129,6 +129,17 @@ def test_a_missing_gguf_file_names_the_key_and_file(tmp_path, no_weights_read):
         load_causal_lm(ModelSpec(str(tmp_path / "absent.gguf")), "student")
 
 
+def test_a_gguf_file_without_the_gguf_package_names_the_key_and_the_install(tmp_path, monkeypatch, no_weights_read):
+    import importlib.util
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF")
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else found(name, *a))
+    with pytest.raises(ImportError, match=r"teacher.path .*model.gguf': reading a GGUF file needs `pip install gguf`"):
+        load_tokenizer(ModelSpec(str(path)), "teacher")
+
+
 def test_a_corrupt_gguf_file_names_the_key_and_file(tmp_path, no_weights_read):
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
