@@ -108,3 +108,13 @@ def write_result(name: str, payload: dict, packages: tuple[str, ...] = (), out: 
               "versions": versions(*packages), "machine": machine(), **payload}
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+def finish(name: str, payload: dict, packages: tuple[str, ...] = (), out: Path | None = None) -> None:
+    """Write the result file (see :func:`write_result`), say where, and exit 1 when ``payload["problems"]``
+    lists any: a benchmark that measured something other than what it claims must not look like a result."""
+    path = write_result(name, payload, packages, out)
+    print(f"wrote {path}")
+    if payload.get("problems"):
+        print("MISMATCH:\n  " + "\n  ".join(payload["problems"]))
+        raise SystemExit(1)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, proc_kib, reset_peak_rss, write_result  # noqa: E402
+from common import check_threads, proc_kib, reset_peak_rss, finish  # noqa: E402
 from kl_memory import BATCH  # noqa: E402
 
 from kdlab.objectives import ForwardKL, HeadLogits, token_weights  # noqa: E402
@@ -133,11 +133,7 @@ def main() -> None:
     problems += [f"{impl}: ran on {r['threads']} threads, not {args.threads}" for impl, r in res.items() if r["threads"] != args.threads]
     payload = {"objective": args.objective, "shapes": {"tokens": args.tokens, "batch": BATCH, "vocab": args.vocab, "hidden": args.hidden},
                "dtype": "float32", "threads": args.threads, "repeats": args.repeats, "results": res, "problems": problems}
-    path = write_result(f"fused_head_memory-{args.objective}", payload, out=args.out)
-    print(f"wrote {path}")
-    if problems:
-        print("MISMATCH: " + "; ".join(problems))
-        raise SystemExit(1)
+    finish(f"fused_head_memory-{args.objective}", payload, out=args.out)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, proc_kib, reset_peak_rss, write_result  # noqa: E402,F401  (proc_kib, reset_peak_rss: used by children)
+from common import check_threads, proc_kib, reset_peak_rss, finish  # noqa: E402,F401  (proc_kib, reset_peak_rss: used by children)
 
 from kdlab.objectives import ForwardKL, token_weights  # noqa: E402
 
@@ -193,11 +193,7 @@ def main() -> None:
     payload = {"objective": args.objective, "shapes": {"tokens": args.tokens, "batch": BATCH, "vocab": args.vocab}, "dtype": args.dtype,
                "chunk_size": args.chunk_size, "threads": args.threads, "repeats": args.repeats, "gradient_mib": grad_mib,
                "check": checks, "results": res, "problems": problems}
-    path = write_result(f"kl_memory-{args.objective}-{args.dtype}", payload, out=args.out)
-    print(f"wrote {path}")
-    if problems:
-        print("MISMATCH:\n  " + "\n  ".join(problems))
-        raise SystemExit(1)
+    finish(f"kl_memory-{args.objective}-{args.dtype}", payload, out=args.out)
 
 
 if __name__ == "__main__":

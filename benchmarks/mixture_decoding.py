@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, random_pair, write_result  # noqa: E402
+from common import check_threads, random_pair, finish  # noqa: E402
 
 
 def median_time(fn, repeats: int) -> float:
@@ -74,7 +74,7 @@ def main() -> None:
           f"ratio {ratio:.3f} (target <= 1.15: {'met' if ratio <= 1.15 else 'NOT met'})")
     payload = {"shapes": {"vocab": args.vocab, "prompts": 8, "new_tokens": args.decode}, "threads": torch.get_num_threads(),
                "repeats": args.repeats, "times_s": times, "ratio": ratio, "target": 1.15}
-    print(f"wrote {write_result(f'mixture_decoding-V{args.vocab}', payload, out=args.out)}")
+    finish(f"mixture_decoding-V{args.vocab}", payload, out=args.out)
 
 
 if __name__ == "__main__":

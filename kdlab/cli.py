@@ -287,7 +287,9 @@ def main(args: list[str] | None = None, run: bool = True, raise_parse_errors: bo
     from kdlab.console import choose_cpu_threads, quiet
 
     quiet()
-    threads = choose_cpu_threads() if argv[0] in LIGHTNING_COMMANDS and not any(a in ("-h", "--help") for a in argv) else None
+    # nothing but the config may reach stdout under --print_config (it is read back as YAML)
+    printing = any(a in ("-h", "--help") or a.startswith("--print_config") for a in argv)
+    threads = choose_cpu_threads() if argv[0] in LIGHTNING_COMMANDS and not printing else None
     if threads:
         print(threads, flush=True)
 

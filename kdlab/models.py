@@ -142,19 +142,25 @@ def _gguf_error(spec: ModelSpec, role: str, error: Exception) -> Exception:
     return OSError(f"{role}.path: {spec.resolved!r} is not a readable GGUF file, truncated or corrupt ({type(error).__name__}: {text[:200]})")
 
 
+def _from_pretrained(auto_class: Any, spec: ModelSpec, role: str) -> Any:
+    """``auto_class.from_pretrained`` of what ``spec`` names (a config or a tokenizer: no weights), a
+    GGUF file's failure turned into an error naming ``<role>.path`` and the file."""
+    _check_local(spec, role)
+    where, kwargs = spec.pretrained_args()
+    try:
+        return auto_class.from_pretrained(where, **kwargs)
+    except Exception as error:
+        if spec.is_gguf:
+            raise _gguf_error(spec, role, error) from error
+        raise
+
+
 def load_config(spec: ModelSpec, role: str = "model") -> Any:
     """The model's ``AutoConfig`` (for a GGUF file, from its metadata), reading no weights; checks
     ``spec.layers`` against its depth. Raises naming ``<role>.path`` or ``<role>.layers``."""
     from transformers import AutoConfig
 
-    _check_local(spec, role)
-    where, kwargs = spec.pretrained_args()
-    try:
-        config = AutoConfig.from_pretrained(where, **kwargs)
-    except Exception as error:
-        if spec.is_gguf:
-            raise _gguf_error(spec, role, error) from error
-        raise
+    config = _from_pretrained(AutoConfig, spec, role)
     if spec.layers is not None:
         from kdlab.pruning import select_layers
 
@@ -170,14 +176,7 @@ def load_tokenizer(spec: ModelSpec, role: str = "model") -> Any:
     """
     from transformers import AutoTokenizer
 
-    _check_local(spec, role)
-    where, kwargs = spec.pretrained_args()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-    except Exception as error:
-        if spec.is_gguf:
-            raise _gguf_error(spec, role, error) from error
-        raise
+    tokenizer = _from_pretrained(AutoTokenizer, spec, role)
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ValueError(f"{role}.path {spec.path!r}: tokenizer has neither a pad nor an EOS token")
