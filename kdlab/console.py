@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -93,15 +92,11 @@ def _value(name: str, value: float) -> str:
 def summary(log_dir: str | Path, final: dict[str, float], step: int) -> list[str]:
     """Lines naming each headline metric with its first and last value (``metrics.jsonl``) or its final
     value (``final``: the trainer's last logged values, e.g. ``val/accuracy``)."""
+    from kdlab.report import metrics_lines
+
     series: dict[str, list[tuple[int, float]]] = {}
-    path = Path(log_dir, "metrics.jsonl")
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                row = json.loads(line)
-                at = int(row.pop("step"))
-                for name, value in row.items():
-                    series.setdefault(name, []).append((at, float(value)))
+    for at, name, value in metrics_lines(Path(log_dir, "metrics.jsonl")):
+        series.setdefault(name, []).append((at, value))
     for name, value in final.items():
         if name not in series:
             series[name] = [(step, float(value))]

@@ -135,15 +135,23 @@ def read_metrics(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     for tag in events.Tags().get("scalars", []):
         for event in events.Scalars(tag):
             points.setdefault(tag, {})[int(event.step)] = float(event.value)
-    jsonl = Path(run_dir, "metrics.jsonl")
-    if jsonl.is_file():
-        for line in jsonl.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                row = json.loads(line)
-                step = int(row.pop("step"))
-                for name, value in row.items():
-                    points.setdefault(name, {})[step] = float(value)
+    for step, name, value in metrics_lines(Path(run_dir, "metrics.jsonl")):
+        points.setdefault(name, {})[step] = value
     return {name: sorted(series.items()) for name, series in points.items()}
+
+
+def metrics_lines(path: str | Path):
+    """``(step, name, value)`` for every scalar of a ``metrics.jsonl`` file, in file order (none if it
+    does not exist)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            step = int(row.pop("step"))
+            for name, value in row.items():
+                yield step, name, float(value)
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
