@@ -84,7 +84,7 @@ class Observed:
         return {"columns": sorted(self.columns), "positions": sorted(self.positions), "dtypes": sorted(self.dtypes)}
 
 
-def lightning_variant(variant: str, student: str, teacher: str, args, observed: Observed):
+def lightning_variant(variant: str, args, observed: Observed):
     """A ``DistillModule`` whose rollout is the fixed completion and whose step is ``variant``'s."""
     import torch.nn.functional as F
 
@@ -145,12 +145,12 @@ def lightning_variant(variant: str, student: str, teacher: str, args, observed: 
     return module
 
 
-def run_lightning(variant: str, student: str, teacher: str, args) -> dict:
+def run_lightning(variant: str, args) -> dict:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
 
     observed = Observed()
-    module = lightning_variant(variant, student, teacher, args, observed)
+    module = lightning_variant(variant, args, observed)
     record = {"times": [], "losses": []}
 
     class Clock(pl.Callback):
@@ -176,7 +176,7 @@ def run_lightning(variant: str, student: str, teacher: str, args) -> dict:
     return record
 
 
-def run_trl(student: str, teacher: str, args) -> dict:
+def run_trl(args) -> dict:
     """TRL's GKDTrainer loss on the same token ids (its collator is bypassed so the ids are identical)."""
     import os
 
@@ -237,9 +237,9 @@ def child(args) -> None:
 
     warnings.filterwarnings("ignore")
     if args.child == "trl":
-        record = run_trl(args.student, args.teacher, args)
+        record = run_trl(args)
     else:
-        record = run_lightning(args.child, args.student, args.teacher, args)
+        record = run_lightning(args.child, args)
     record["threads"] = torch.get_num_threads()
     record["time_s"] = statistics.median(record["times"][1:])
     print("RESULT " + json.dumps(record))

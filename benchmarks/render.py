@@ -51,6 +51,12 @@ def _step(record: dict) -> str:
                 continue
             x_bare = f"{row['time_s'] / bare:.2f}" if bare else "-"
             lines.append(f"| {variant} | {row['time_s']:.3f} | {row['floor_ratio']:.2f} | {x_bare} | {row['tokens_per_s']:.0f} | {row['extra_peak_mib']:.0f} |")
+    for dtype, rows in record["results"].items():  # said in words, from the same numbers
+        logits, fused = rows.get("kdlab", {}).get("time_s"), rows.get("kdlab-fused", {}).get("time_s")
+        if logits and fused and fused > logits:
+            lines.append(f"\nIn {dtype} the fused path was slower than the logits path on this machine "
+                         f"({fused / logits:.2f}x its step time), at {rows['kdlab-fused']['extra_peak_mib']:.0f} vs "
+                         f"{rows['kdlab']['extra_peak_mib']:.0f} MiB extra peak memory.")
     lines += ["\nHow each peer ran:\n"] + [f"- {note}" for note in record.get("notes", [])]
     if record["problems"]:
         lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))

@@ -25,7 +25,7 @@ import torch
 from kdlab.components import Component
 from kdlab.data import encode_prompts
 from kdlab.decoding import completion_head_logits, completion_logits, fused_head_unsupported
-from kdlab.models import ModelSpec, end_token_ids, load_causal_lm, load_tokenizer, shared_vocab_size
+from kdlab.models import ModelSpec, end_token_ids, load_causal_lm, load_config, load_tokenizer, shared_vocab_size
 from kdlab.objectives import ForwardKL, KLObjective, kl_diagnostics, sampled_logprobs
 from kdlab.optim import FiniteAdamW, warmup_factor
 from kdlab.rollouts import RolloutContext, RolloutPolicy, TeacherRollouts
@@ -134,8 +134,6 @@ class DistillModule(TaskStage):
 
         # Tokenizers and configs first: a vocabulary mismatch (or a head too small for the tokenizer)
         # fails before any weights are read.
-        from kdlab.models import load_config
-
         self.student_tokenizer = load_tokenizer(self.student_spec, "student")
         self.teacher_tokenizer = load_tokenizer(self.teacher_spec, "teacher") if teacher is not None else self.student_tokenizer
         student_config = load_config(self.student_spec, "student")

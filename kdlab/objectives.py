@@ -95,7 +95,7 @@ class _ChunkedObjective(torch.autograd.Function):
             student, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, gradient
         )
         ctx.gradient = gradient
-        ctx.input_dtypes = (student_logits.dtype if student_logits is not None else None, weight.dtype if weight is not None else None)
+        ctx.weight_dtype = weight.dtype if weight is not None else None
         return total
 
     @staticmethod
@@ -112,7 +112,7 @@ class _ChunkedObjective(torch.autograd.Function):
             grad_hidden = grad_hidden.mul_(grad_output.to(grad_hidden.dtype)) if grad_hidden is not None else None
             grad_weight = grad_weight.mul_(grad_output.to(grad_weight.dtype)) if grad_weight is not None else None
         if grad_weight is not None:
-            grad_weight = grad_weight.to(ctx.input_dtypes[1])
+            grad_weight = grad_weight.to(ctx.weight_dtype)
         return None, grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
 
 
