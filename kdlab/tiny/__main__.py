@@ -1,6 +1,7 @@
-"""``python -m kdlab.tiny random|world|student [--out DIR]``: rebuild the packaged tiny models.
+"""``python -m kdlab.tiny random|world|student|teacher-4e [--out DIR]``: rebuild the packaged tiny models.
 
-``student`` rebuilds the tiny world's student only, keeping the teacher and tokenizer in DIR."""
+``student`` rebuilds the tiny world's student only, keeping the teacher and tokenizer in DIR;
+``teacher-4e`` trains DIR/teacher further on Countdown-4E into DIR/teacher-4e (``kdlab://tiny/teacher-4e``)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,17 @@ from kdlab.models import ASSETS
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kdlab.tiny", description=__doc__)
-    parser.add_argument("what", choices=["random", "world", "student"], help="which packaged models to rebuild")
+    parser.add_argument("what", choices=["random", "world", "student", "teacher-4e"], help="which packaged models to rebuild")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: the packaged one)")
     args = parser.parse_args(argv)
     if args.what == "random":
         from kdlab.tiny.build import build_random_pair
 
         build_random_pair(args.out or ASSETS / "tiny-random")
+    elif args.what == "teacher-4e":
+        from kdlab.tiny.build import build_teacher_4e
+
+        build_teacher_4e(args.out or ASSETS / "tiny")
     else:
         from kdlab.tiny.build import build_world
 

@@ -100,6 +100,22 @@ RECIPE: dict[str, Any] = {
     "data_seed": 1234,
 }
 
+# The extended teacher (``kdlab://tiny/teacher-4e``): the packaged teacher, further trained on Countdown-4E
+# (four operands 1-10, three steps) with Countdown-3 mixed in so it keeps that skill, in English only.
+# The main study keeps the packaged teacher; this one makes the harder set's pass@k testable
+# (the packaged teacher and student solve no Countdown-4E problem).
+TEACHER_4E: dict[str, Any] = {
+    "countdown4e": 20000,
+    "countdown3": 10000,
+    "data_seed": 1264,
+    "epochs": 2,
+    "lr": 1e-3,
+    "batch_size": 64,
+    "eval_examples": 200,
+    "pass_at_k_samples": 10,
+    "pass_at_k_temperature": 0.5,
+}
+
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     with path.open("w", encoding="utf-8") as handle:
@@ -233,6 +249,115 @@ def build_world(out_dir: Path, recipe: dict[str, Any] = RECIPE, keep_teacher: bo
     work.rename(out_dir)
     print(json.dumps(measured, indent=2))
     return measured
+
+
+def measure_4e(model_dir: Path, recipe: dict[str, Any] = TEACHER_4E) -> dict[str, Any]:
+    """Greedy held-out Countdown-3 and Countdown-4E accuracy, and Countdown-4E pass@1/pass@10 from
+    ``pass_at_k_samples`` samples per problem at ``pass_at_k_temperature`` (seeded), of one model."""
+    from kdlab.evaluation import accuracy, generate
+    from kdlab.metrics import pass_at_k
+    from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
+    from kdlab.tiny.world import countdown
+
+    spec = ModelSpec(str(model_dir))
+    model, tokenizer = load_causal_lm(spec), load_tokenizer(spec)
+    n, samples = recipe["eval_examples"], recipe["pass_at_k_samples"]
+    results: dict[str, Any] = {}
+    for variant in ("countdown3", "countdown4e"):
+        task = countdown(variant, num_train=0, num_val=n, num_test=0)
+        examples = task.examples("val")
+        texts = generate(model, tokenizer, task, examples, temperature=0.0, max_new_tokens=96, batch_size=50)
+        results[f"{variant}_accuracy"] = accuracy(task, examples, texts)
+    repeated = [example for example in examples for _ in range(samples)]
+    generator = torch.Generator().manual_seed(0)
+    texts = generate(model, tokenizer, task, repeated, temperature=recipe["pass_at_k_temperature"], max_new_tokens=96,
+                     batch_size=200, generator=generator)
+    correct = [sum(task.score(e, t) >= 1.0 for e, t in zip(repeated[i:i + samples], texts[i:i + samples]))
+               for i in range(0, len(repeated), samples)]
+    for k in (1, samples):
+        results[f"countdown4e_pass@{k}"] = sum(pass_at_k(samples, c, k) for c in correct) / len(correct)
+    return results
+
+
+def build_teacher_4e(tiny_dir: Path, recipe: dict[str, Any] = TEACHER_4E) -> dict[str, Any]:
+    """Train ``tiny_dir/teacher`` further on Countdown-4E and Countdown-3 (:data:`TEACHER_4E`) and write
+    it, measured, to ``tiny_dir/teacher-4e`` with ``MODEL_CARD.md`` and ``metrics.json``; the packaged
+    teacher and student are left as they are."""
+    from lightning.pytorch import seed_everything
+
+    from kdlab.tiny.world import countdown, countdown_rows
+
+    torch.set_num_threads(1)  # as build_world: repeatable
+    seed_everything(0, workers=True)
+    started = time.time()
+    out_dir = tiny_dir / "teacher-4e"
+    work = tiny_dir.parent / "teacher-4e.build"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(tiny_dir / "teacher", work / "teacher-4e")
+    rows = []
+    for offset, variant in enumerate(("countdown4e", "countdown3")):
+        task = countdown(variant, num_train=recipe[variant], num_val=0, num_test=0, seed=recipe["data_seed"] + offset)
+        rows += countdown_rows(task, "train", "english")
+    _train(work / "teacher-4e", rows, recipe["epochs"], recipe["lr"], recipe["batch_size"], work / "logs", "teacher-4e")
+    measured = {"teacher-4e": measure_4e(work / "teacher-4e", recipe), "teacher": measure_4e(tiny_dir / "teacher", recipe),
+                "student": measure_4e(tiny_dir / "student", recipe)}
+    measured["build_seconds"] = round(time.time() - started)
+    model = work / "teacher-4e"
+    (model / "metrics.json").write_text(json.dumps({"recipe": recipe, "measured": measured}, indent=2) + "\n")
+    (model / "MODEL_CARD.md").write_text(teacher_4e_card(recipe, measured), encoding="utf-8")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    model.rename(out_dir)
+    shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(measured, indent=2))
+    return measured
+
+
+TEACHER_4E_TARGETS = (
+    ("teacher-4e", f"countdown4e_pass@{TEACHER_4E['pass_at_k_samples']}", ">=", 0.20, "teacher-4e Countdown-4E pass@10 (T = 0.5)"),
+    ("teacher-4e", "countdown3_accuracy", ">=", 0.75, "teacher-4e greedy Countdown-3 accuracy (kept)"),
+    ("student", f"countdown4e_pass@{TEACHER_4E['pass_at_k_samples']}", "<=", 0.05, "student Countdown-4E pass@10 before distillation"),
+)
+
+
+def _target_rows(targets: tuple, measured: dict[str, Any]) -> list[str]:
+    rows = []
+    for role, key, op, bound, label in targets:
+        value = measured[role][key]
+        met = value >= bound if op == ">=" else value <= bound
+        rows.append(f"| {label} | {value:.3f} | {op} {bound} | {'yes' if met else 'NO'} |")
+    return rows
+
+
+def teacher_4e_card(recipe: dict[str, Any], measured: dict[str, Any]) -> str:
+    """The extended teacher's model card: what changed from the packaged teacher, and what it measures."""
+    lines = [
+        "# kdlab tiny world: the Countdown-4E teacher (`kdlab://tiny/teacher-4e`)",
+        "",
+        "Built by `python -m kdlab.tiny teacher-4e` (kdlab/tiny/build.py, `build_teacher_4e`): the packaged tiny",
+        f"teacher (`kdlab://tiny/teacher`, unchanged) trained further with kdlab's `SFTModule` on {recipe['countdown4e']:,}",
+        f"Countdown-4E problems (four operands 1-10, three-step chains) and {recipe['countdown3']:,} Countdown-3 problems,",
+        f"English only, {recipe['epochs']} epochs at LR {recipe['lr']:g} (cosine, 5% warm-up), one thread, fixed seeds. Same",
+        "tokenizer and architecture as the packaged pair. It exists so that the harder set's pass@k can be",
+        "measured (docs/tiny_reproduction.md): the packaged teacher and student solve no Countdown-4E problem.",
+        "",
+        f"## Measured (first {recipe['eval_examples']} held-out problems; greedy accuracy, and pass@k from "
+        f"{recipe['pass_at_k_samples']} samples per problem at T = {recipe['pass_at_k_temperature']:g})",
+        "",
+        "| target | measured | wanted | met |",
+        "| --- | --- | --- | --- |",
+        *_target_rows(TEACHER_4E_TARGETS, measured),
+        "",
+        "| model | Countdown-3 greedy | Countdown-4E greedy | Countdown-4E pass@1 | Countdown-4E pass@10 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    most = f"countdown4e_pass@{recipe['pass_at_k_samples']}"
+    for role in ("teacher-4e", "teacher", "student"):
+        m = measured[role]
+        lines.append(f"| {role} | {m['countdown3_accuracy']:.3f} | {m['countdown4e_accuracy']:.3f} | "
+                     f"{m['countdown4e_pass@1']:.3f} | {m[most]:.3f} |")
+    lines += ["", f"Build time on this machine: {measured['build_seconds']} s.", "", "## Recipe", "", "```json",
+              json.dumps(recipe, indent=2), "```", ""]
+    return "\n".join(lines)
 
 
 TARGETS = (
