@@ -326,36 +326,52 @@ def collect(paths: list[str | Path]) -> tuple[list[RunResult], list[tuple[str, s
 # ---- uncertainty -------------------------------------------------------------------------------
 def bootstrap_interval(tables: list[dict[str, list[float]]], k: int | None = None, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95% bootstrap interval (2.5th, 97.5th percentiles) of the mean over ``tables`` (one per seed:
-    ``example id -> scores of its samples``) of the mean accuracy (``k`` None) or of the unbiased pass@k.
+    ``example id -> scores of its samples``) of the mean accuracy (``k`` None) or of the unbiased pass@k:
+    :func:`bootstrap_contrast` of one configuration."""
+    return bootstrap_contrast([(1.0, tables)], k, draws, seed)[1:]
 
-    Each draw resamples the problems with replacement (the same problems for every seed when they
-    share their ids) and, within each problem, its samples with replacement: the interval covers both
-    which problems were drawn and which completions were sampled. A problem's samples are cut to the
-    smallest count of the table. Deterministic (``seed``)."""
+
+def bootstrap_contrast(
+    terms: list[tuple[float, list[dict[str, list[float]]]]], k: int | None = None, draws: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
+    """``(estimate, low, high)`` of ``sum_i w_i * mean_i`` over ``terms`` ``(w_i, tables_i)``, where
+    ``mean_i`` is configuration i's mean over its tables (one per seed: ``example id -> scores of its
+    samples``) of the mean accuracy (``k`` None) or of the unbiased pass@k; ``low``/``high`` are the 2.5th
+    and 97.5th percentiles of its bootstrap distribution. One configuration with weight 1 is its mean's
+    interval; ``[(1, OnPD), (-1, OffPD)]`` their difference's.
+
+    Each draw resamples the problems with replacement and, within each problem, its samples with
+    replacement: the interval covers both which problems were drawn and which completions were sampled.
+    When every table holds the same problem ids, every table of every term uses the same problem draw
+    (a paired comparison: the problems' difficulty cancels in a difference); otherwise each table draws
+    its own. A problem's samples are cut to the smallest count of its table. Deterministic (``seed``)."""
     import numpy as np
+    from math import comb
 
     rng = np.random.default_rng(seed)
-    ids = [sorted(table) for table in tables]
+    all_tables = [table for _, tables in terms for table in tables]
+    ids = [sorted(table) for table in all_tables]
     shared = all(i == ids[0] for i in ids)
     problem_draws = rng.integers(len(ids[0]), size=(draws, len(ids[0]))) if shared else None
-    means = np.zeros(draws)
-    for table, keys in zip(tables, ids):
-        n = min(len(table[key]) for key in keys)
-        scores = np.array([table[key][:n] for key in keys], dtype=np.float64)  # (P, n)
-        problems = problem_draws if shared else rng.integers(len(keys), size=(draws, len(keys)))  # (B, P)
-        samples = rng.integers(n, size=(*problems.shape, n))  # (B, P, n)
-        drawn = scores[problems[..., None], samples]  # (B, P, n)
-        if k is None:
-            means += drawn.mean(axis=(1, 2))
-        else:
-            from math import comb
-
-            correct = (drawn >= 1.0).sum(axis=2)  # (B, P)
-            estimate = np.array([1.0 - comb(n - c, k) / comb(n, k) for c in range(n + 1)])
-            means += estimate[correct].mean(axis=1)
-    means /= len(tables)
-    low, high = np.percentile(means, [2.5, 97.5])
-    return float(low), float(high)
+    total, estimate = np.zeros(draws), 0.0
+    for weight, tables in terms:
+        for table in tables:
+            keys = sorted(table)
+            n = min(len(table[key]) for key in keys)
+            scores = np.array([table[key][:n] for key in keys], dtype=np.float64)  # (P, n)
+            problems = problem_draws if shared else rng.integers(len(keys), size=(draws, len(keys)))  # (B, P)
+            samples = rng.integers(n, size=(*problems.shape, n))  # (B, P, n)
+            drawn = scores[problems[..., None], samples]  # (B, P, n)
+            share = weight / len(tables)
+            if k is None:
+                total += share * drawn.mean(axis=(1, 2))
+                estimate += share * float(scores.mean())
+            else:
+                pass_k = np.array([1.0 - comb(n - c, k) / comb(n, k) for c in range(n + 1)])
+                total += share * pass_k[(drawn >= 1.0).sum(axis=2)].mean(axis=1)
+                estimate += share * float(pass_k[(scores >= 1.0).sum(axis=1)].mean())
+    low, high = np.percentile(total, [2.5, 97.5])
+    return estimate, float(low), float(high)
 
 
 def wilson_interval(fraction: float, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -912,3 +928,8 @@ def main(argv: list[str] | None = None) -> None:
     output = Path(options.output) if options.output else default_output(options.runs)
     path = write_report(runs, skipped, output, options.low_lr, options.high_lr)
     print(f"[report] {len(runs)} runs -> {path} (CSV, PNG and tensorboard/ beside it)")
+    from kdlab.verdicts import is_study, write_verdicts
+
+    if len(options.runs) == 1 and is_study(Path(options.runs[0])):
+        write_verdicts(Path(options.runs[0]), runs, output)
+        print(f"[report] the study's verdicts -> {output / 'verdicts.md'}")
