@@ -1,0 +1,82 @@
+"""HeldOutKL: full-vocabulary KL on teacher samples of held-out prompts, checked against a hand
+computation with plain log-softmaxes, zero between identical models, and refused without a teacher."""
+
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from kdlab.decoding import completion_logits
+from kdlab.heldout_kl import HeldOutKL
+from kdlab.module import DistillModule
+from kdlab.tasks import Addition
+
+
+def bare_trainer(tmp_path):
+    return pl.Trainer(accelerator="cpu", logger=TensorBoardLogger(tmp_path), enable_progress_bar=False)
+
+
+def rows(trainer):
+    return [json.loads(line) for line in open(f"{trainer.log_dir}/metrics.jsonl")]
+
+
+def by_hand(module, rollouts):
+    """Token-mean KL(T||S) and KL(S||T) with log_softmax on whole logits, tempered as the module does."""
+    totals, count = torch.zeros(2, dtype=torch.float64), 0
+    with torch.no_grad():
+        for rollout in rollouts:
+            length, mask = rollout.completion_ids.shape[1], rollout.completion_mask.bool()
+            s = completion_logits(module.student, rollout.model_inputs("student"), length, module.vocab_size) / module.student_temperature
+            t = completion_logits(module.teacher, rollout.model_inputs("teacher"), length, module.vocab_size) / module.teacher_temperature
+            log_s, log_t = torch.log_softmax(s.double(), -1)[mask], torch.log_softmax(t.double(), -1)[mask]
+            totals[0] += (log_t.exp() * (log_t - log_s)).sum()
+            totals[1] += (log_s.exp() * (log_s - log_t)).sum()
+            count += int(mask.sum())
+    return (totals / count).tolist()
+
+
+def test_heldout_kl_matches_a_hand_computation_and_reports_the_closed_share(tiny_pair, tmp_path):
+    module = DistillModule(*tiny_pair, Addition(num_train=8, num_val=6), max_completion_tokens=6, batch_size=4,
+                           teacher_temperature=0.5, student_temperature=1.0)
+    trainer = bare_trainer(tmp_path)
+    callback = HeldOutKL(examples=5, batch_size=2)  # 3 batches, the last one short
+    callback.on_fit_start(trainer, module)
+    forward, reverse = by_hand(module, callback._rollouts)
+    (before,) = rows(trainer)
+    assert before["heldout_kl/forward_before"] == pytest.approx(forward, rel=1e-5) and forward > 0.01
+    assert before["heldout_kl/reverse_before"] == pytest.approx(reverse, rel=1e-5) and reverse > 0.01
+    assert sum(int(r.completion_mask.shape[0]) for r in callback._rollouts) == 5
+    with torch.no_grad():  # move the student: the same completions now give another KL
+        module.student.lm_head.weight.mul_(0.5)
+    callback.measure(trainer, module)
+    after = rows(trainer)[-1]
+    new_forward, _ = by_hand(module, callback._rollouts)
+    assert after["heldout_kl/forward"] == pytest.approx(new_forward, rel=1e-5)
+    assert after["heldout_kl/forward_closed"] == pytest.approx(1 - new_forward / forward, abs=1e-5)
+    assert HeldOutKL(examples=1).state_dict() == {"before": {}}
+    restored = HeldOutKL()
+    restored.load_state_dict(callback.state_dict())
+    assert restored.before == {"forward": pytest.approx(forward, rel=1e-5), "reverse": pytest.approx(reverse, rel=1e-5)}
+
+
+def test_heldout_kl_is_zero_between_a_model_and_itself(tiny_pair, tmp_path):
+    student, _ = tiny_pair
+    module = DistillModule(student, student, Addition(num_train=8, num_val=4), max_completion_tokens=6, batch_size=4,
+                           teacher_temperature=1.0, student_temperature=1.0)
+    callback = HeldOutKL(examples=4, batch_size=4)
+    trainer = bare_trainer(tmp_path)
+    callback.on_fit_start(trainer, module)
+    (row,) = rows(trainer)
+    assert row["heldout_kl/forward"] == pytest.approx(0.0, abs=1e-6) and row["heldout_kl/reverse"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_heldout_kl_refuses_a_stage_without_a_teacher(tiny_pair, tmp_path):
+    from kdlab.grpo import GRPOModule
+
+    student, _ = tiny_pair
+    with pytest.raises(ValueError, match="HeldOutKL .*needs a DistillModule, got GRPOModule"):
+        HeldOutKL().setup(bare_trainer(tmp_path), GRPOModule(student, Addition(num_train=4, num_val=2)), "fit")
+    with pytest.raises(ValueError, match="HeldOutKL.examples"):
+        HeldOutKL(examples=0)
