@@ -26,3 +26,31 @@ def test_skill_answers_by_hand():
 def test_negative_split_size_names_the_key():
     with pytest.raises(ValueError, match="Sorting.num_val"):
         Sorting(num_val=-1)
+
+
+def test_answer_from_last_number_reads_the_last_integer_anywhere():
+    from kdlab.tasks import Addition, Counting
+    from kdlab.tasks.base import last_integer
+
+    counting = Counting(num_val=4, answer_from="last_number")
+    example = counting.examples("val")[0]
+    right = example["word"].count(example["letter"])
+    assert counting.score(example, f"I count the letters... so there are {right}.") == 1.0
+    assert counting.score(example, f"<answer>{right}</answer>") == 1.0  # the tag's number is also the last one
+    assert counting.score(example, f"{right}, no wait, {right + 1}") == 0.0  # the last number decides
+    assert counting.score(example, "no number") == 0.0 and not counting.well_formed("no number")
+    assert Counting(num_val=4).score(example, f"so there are {right}.") == 0.0  # the default still needs the tag
+    addition = Addition(num_val=2, answer_from="last_number")
+    sum_ = addition.examples("val")[0]
+    assert addition.score(sum_, f"The sum is {sum_['a'] + sum_['b']:,}.") == 1.0  # thousands commas ignored
+    assert last_integer("x" * 200_000) is None and last_integer("7" * 65) is None and last_integer(b"3") is None
+    assert last_integer("from -3 to 12") == 12 and last_integer("down to -3") == -3
+
+
+def test_answer_from_is_checked_and_named():
+    from kdlab.tasks import Addition, Reversal
+
+    with pytest.raises(ValueError, match="Reversal.answer_from 'last_number' needs a numeric answer"):
+        Reversal(answer_from="last_number")
+    with pytest.raises(ValueError, match=r"Addition.answer_from must be one of \('tag', 'last_number'\), got 'number'"):
+        Addition(answer_from="number")

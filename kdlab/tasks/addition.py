@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kdlab.tasks.base import Example, Task, last_tagged
+from kdlab.tasks.base import Example, Task, check_answer_source, last_integer, last_tagged
 
 
 class Addition(Task):
@@ -19,6 +19,8 @@ class Addition(Task):
         max_digits: operands have 1..max_digits digits.
         num_train / num_val / num_test: examples per split.
         seed: split ``s`` is generated from ``seed`` and the split name, so splits never share a stream.
+        answer_from: ``"tag"`` (the last ``<answer>...</answer>``) or ``"last_number"`` (the last integer
+            anywhere in the response, for pretrained models that answer in their own words).
         **prompting: the prompting settings of :class:`~kdlab.tasks.base.Task`.
     """
 
@@ -31,9 +33,11 @@ class Addition(Task):
         num_val: int = 100,
         num_test: int = 100,
         seed: int = 0,
+        answer_from: str = "tag",
         **prompting: Any,
     ) -> None:
         super().__init__(**prompting)
+        self.answer_from = check_answer_source("Addition", answer_from)
         if max_digits < 1:
             raise ValueError(f"Addition.max_digits must be >= 1, got {max_digits}")
         for key, value in (("num_train", num_train), ("num_val", num_val), ("num_test", num_test)):
@@ -55,6 +59,8 @@ class Addition(Task):
         return f"Add the numbers. Put the sum in <answer></answer>.\n{example['a']}+{example['b']}"
 
     def score(self, example: Example, completion: str) -> float:
+        if self.answer_from == "last_number":
+            return float(last_integer(completion) == example["a"] + example["b"])
         answer = last_tagged(completion)
         if answer is None:
             return 0.0
@@ -62,6 +68,9 @@ class Addition(Task):
         if not answer.isdigit() or len(answer) > 64:
             return 0.0
         return float(int(answer) == example["a"] + example["b"])
+
+    def well_formed(self, completion: str) -> bool:
+        return last_integer(completion) is not None if self.answer_from == "last_number" else super().well_formed(completion)
 
     def reference_completion(self, example: Example) -> str:
         return f"<answer>{example['a'] + example['b']}</answer>"

@@ -8,6 +8,8 @@ tokens, each model conditioned on its own prompt.
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Sequence
 from typing import Any
 
@@ -150,3 +152,27 @@ def last_tagged(text: str, tag: str = "answer") -> str | None:
     if start < 0:
         return None
     return text[start + len(open_tag) : close]
+
+
+ANSWER_SOURCES = ("tag", "last_number")
+"""Where a numeric task reads the answer: the last ``<answer>`` tag (kdlab's format), or the last integer
+written anywhere (``last_number``: for pretrained models that answer in their own words)."""
+_MAX_INTEGER_DIGITS = 64
+
+
+def last_integer(text: str) -> int | None:
+    """The last integer written in ``text`` (thousands commas ignored, a leading ``-`` kept), or ``None``
+    when there is none or ``text`` is not a ``str``. Linear time; numbers over 64 digits are ignored."""
+    if not isinstance(text, str):
+        return None
+    for match in reversed(re.findall(r"-?\d[\d,]*", text)):
+        digits = match.replace(",", "")
+        if 0 < len(digits.lstrip("-")) <= _MAX_INTEGER_DIGITS:
+            return int(digits)
+    return None
+
+
+def check_answer_source(owner: str, answer_from: str) -> str:
+    if answer_from not in ANSWER_SOURCES:
+        raise ValueError(f"{owner}.answer_from must be one of {ANSWER_SOURCES}, got {answer_from!r}")
+    return answer_from

@@ -11,16 +11,24 @@ import random
 import string
 from typing import Any
 
-from kdlab.tasks.base import Example, Task, last_tagged
+from kdlab.tasks.base import Example, Task, check_answer_source, last_integer, last_tagged
 
 
 class _Skill(Task):
-    """Shared split generation and exact-match scoring of the answer tag."""
+    """Shared split generation and exact-match scoring of the answer tag.
+
+    ``answer_from``: ``"tag"`` (the last ``<answer>...</answer>``) or, for a numeric skill (counting),
+    ``"last_number"`` (the last integer anywhere in the response, for models that answer in their own words).
+    """
 
     name = "skill"
+    numeric = False
 
-    def __init__(self, num_train: int = 1000, num_val: int = 100, num_test: int = 100, seed: int = 0, **prompting: Any) -> None:
+    def __init__(self, num_train: int = 1000, num_val: int = 100, num_test: int = 100, seed: int = 0, answer_from: str = "tag", **prompting: Any) -> None:
         super().__init__(**prompting)
+        self.answer_from = check_answer_source(type(self).__name__, answer_from)
+        if answer_from == "last_number" and not self.numeric:
+            raise ValueError(f"{type(self).__name__}.answer_from 'last_number' needs a numeric answer; {type(self).__name__} has none")
         for key, value in (("num_train", num_train), ("num_val", num_val), ("num_test", num_test)):
             if value < 0:
                 raise ValueError(f"{type(self).__name__}.{key} must be >= 0, got {value}")
@@ -38,8 +46,13 @@ class _Skill(Task):
         return [{"id": f"{self.name}-{split}-{i}", **self.draw(rng)} for i in range(self.sizes[split])]
 
     def score(self, example: Example, completion: str) -> float:
+        if self.answer_from == "last_number":
+            return float(last_integer(completion) == int(self.answer(example)))
         answer = last_tagged(completion)
         return float(answer is not None and answer.strip() == self.answer(example))
+
+    def well_formed(self, completion: str) -> bool:
+        return last_integer(completion) is not None if self.answer_from == "last_number" else super().well_formed(completion)
 
     def reference_completion(self, example: Example) -> str:
         return f"<answer>{self.answer(example)}</answer>"
@@ -79,6 +92,7 @@ class Counting(_Skill):
     """Count how often a letter occurs in a string of 4-9 letters from ``abcd``."""
 
     name = "counting"
+    numeric = True
 
     def draw(self, rng: random.Random) -> dict[str, Any]:
         word = "".join(rng.choice("abcd") for _ in range(rng.randint(4, 9)))
