@@ -14,8 +14,8 @@ one, when its last logged step reaches ``trainer.max_steps - 1``; a run with nei
 
 Runs whose configs differ only in the seed are one configuration: mean +- sample standard deviation
 (n - 1) over its seeds, n seeds shown; reruns of one seed are averaged into that seed first. Each
-value also gets a 95% interval in brackets where one can be made: a bootstrap over problems and
-samples of each seed's last evaluation (``samples/val-*.jsonl``) for ``val/accuracy`` and
+value also gets a 95% interval in brackets where one can be made: a bootstrap over problems (and,
+for the accuracy, the samples within each) of each seed's last evaluation (``samples/val-*.jsonl``) for ``val/accuracy`` and
 ``val/pass@k``, a Wilson interval over the callback's examples x samples for
 ``coverage/<task>/pass@1``. Settings other than task, rollout, ``lam``, objective and learning rate
 that vary between configurations are shown in an ``other`` column, so no two settings are ever averaged.
@@ -340,8 +340,11 @@ def bootstrap_contrast(
     and 97.5th percentiles of its bootstrap distribution. One configuration with weight 1 is its mean's
     interval; ``[(1, OnPD), (-1, OffPD)]`` their difference's.
 
-    Each draw resamples the problems with replacement and, within each problem, its samples with
-    replacement: the interval covers both which problems were drawn and which completions were sampled.
+    Each draw resamples the problems with replacement and, for the accuracy, within each problem its
+    samples with replacement: the interval covers both which problems were drawn and which completions
+    were sampled. For pass@k each drawn problem keeps its unbiased estimate (resampling its samples with
+    replacement would repeat completions and bias pass@k down); that estimate's own sampling noise is in
+    the spread between problems.
     When every table holds the same problem ids, every table of every term uses the same problem draw
     (a paired comparison: the problems' difficulty cancels in a difference); otherwise each table draws
     its own. A problem's samples are cut to the smallest count of its table. Deterministic (``seed``)."""
@@ -360,16 +363,16 @@ def bootstrap_contrast(
             n = min(len(table[key]) for key in keys)
             scores = np.array([table[key][:n] for key in keys], dtype=np.float64)  # (P, n)
             problems = problem_draws if shared else rng.integers(len(keys), size=(draws, len(keys)))  # (B, P)
-            samples = rng.integers(n, size=(*problems.shape, n))  # (B, P, n)
-            drawn = scores[problems[..., None], samples]  # (B, P, n)
             share = weight / len(tables)
             if k is None:
-                total += share * drawn.mean(axis=(1, 2))
+                samples = rng.integers(n, size=(*problems.shape, n))  # (B, P, n)
+                total += share * scores[problems[..., None], samples].mean(axis=(1, 2))
                 estimate += share * float(scores.mean())
-            else:
+            else:  # each problem's unbiased estimate as it is: resampling its samples would bias pass@k down
                 pass_k = np.array([1.0 - comb(n - c, k) / comb(n, k) for c in range(n + 1)])
-                total += share * pass_k[(drawn >= 1.0).sum(axis=2)].mean(axis=1)
-                estimate += share * float(pass_k[(scores >= 1.0).sum(axis=1)].mean())
+                per_problem = pass_k[(scores >= 1.0).sum(axis=1)]  # (P,)
+                total += share * per_problem[problems].mean(axis=1)
+                estimate += share * float(per_problem.mean())
     low, high = np.percentile(total, [2.5, 97.5])
     return estimate, float(low), float(high)
 
@@ -458,7 +461,7 @@ class Group:
 
     def compute_interval(self, metric: str, draws: int = 2000) -> tuple[float, float, str] | None:
         """A 95% interval of the metric's mean over the configuration's seeds, with how it was made:
-        ``val/accuracy`` and ``val/pass@k`` by bootstrap over problems and samples of each seed's last
+        ``val/accuracy`` and ``val/pass@k`` by bootstrap over problems (and samples, for the accuracy) of each seed's last
         evaluation (``samples/val-*.jsonl``); ``coverage/<name>/pass@1`` by a Wilson interval over the
         callback's examples x samples (correlated samples of one problem make it a little narrow);
         None otherwise."""
@@ -842,7 +845,7 @@ def write_report(
         (
             f"{len(runs)} runs in {len(report.groups)} configurations: mean ± sample standard deviation over the "
             "seeds of a configuration (n seeds; reruns of one seed are averaged into that seed), then, in brackets, "
-            "a 95% interval of that mean: for val/accuracy and val/pass@k a bootstrap over the problems and samples "
+            "a 95% interval of that mean: for val/accuracy and val/pass@k a bootstrap over the problems (for val/accuracy also the samples within each) "
             "of each seed's last evaluation (samples/val-*.jsonl), for coverage/<task>/pass@1 a Wilson interval over "
             "the callback's examples x samples. Accuracy, pass@k, sparsity and Spanish share in percent; "
             "ood/mean_delta in points (after - before). The CSV files keep the units the runs logged. "

@@ -39,6 +39,7 @@ from kdlab.report import Group, RunResult, bootstrap_contrast, group_runs, lr_le
 
 PARTS = ("distill", "rlvr", "bf16", "spectrum", "spectrum_high", "style", "hard")
 REPRODUCED, NOT_REPRODUCED, NOT_DISTINGUISHABLE = "reproduced", "not reproduced", "not distinguishable"
+NOT_RUN = "not run"
 # two-sided 97.5% quantiles of Student's t by degrees of freedom
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
@@ -370,11 +371,12 @@ def style_transfer(study: Study) -> Verdict:
 
 METHOD = (
     "Written by `kdlab report` from the study's runs (kdlab/verdicts.py). Each effect is a difference of configuration "
-    "means in points, with a 95% interval: for held-out accuracy and pass@k a paired bootstrap over the problems and "
-    "the samples of each seed's last evaluation, for per-run numbers (OOD change, sparsity, Spanish share) a t interval "
+    "means in points, with a 95% interval: for held-out accuracy and pass@k a paired bootstrap over the problems (for "
+    "accuracy also over the samples within each) of each seed's last evaluation, for per-run numbers (OOD change, sparsity, Spanish share) a t interval "
     "over seeds. An effect is beyond its interval when the interval excludes 0. \"reproduced\": the paper's effect is "
     "beyond its interval in the paper's direction; \"not reproduced\": beyond its interval the other way; \"not "
-    "distinguishable\": neither. For a claim of no difference, \"reproduced\" means no difference beyond its interval."
+    "distinguishable\": neither. For a claim of no difference, \"reproduced\" means no difference beyond its interval. "
+    "\"not run\": the finding's own runs are missing."
 )
 
 FINDINGS: tuple[Callable[[Study], Verdict], ...] = (
@@ -392,6 +394,9 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path) -> list[Verd
     (``<root>/wall_times.jsonl``, written by ``experiments/tiny/study.sh``)."""
     study = Study(root, runs)
     verdicts = [finding(study) for finding in FINDINGS]
+    for verdict in verdicts:  # a finding whose own runs (its first evidence) are missing was not tested
+        if verdict.evidence.split("; ")[0].startswith("no runs"):
+            verdict.verdict = NOT_RUN
     header = ["finding (paper)", "paper", "tiny world: effect [95% interval]", "verdict", "evidence", "command"]
     rows = [[v.finding, v.paper, v.tiny, f"**{v.verdict}**", v.evidence, f"`{v.command}`"] for v in verdicts]
     lines = ["# Verdicts: the paper's headline findings on the tiny world", "", METHOD, "", markdown_table(header, rows)]

@@ -12,6 +12,7 @@ from kdlab.report import bootstrap_contrast, collect
 from kdlab.verdicts import (
     NOT_DISTINGUISHABLE,
     NOT_REPRODUCED,
+    NOT_RUN,
     REPRODUCED,
     Study,
     forgetting,
@@ -120,10 +121,12 @@ def test_report_writes_the_verdicts_and_sums_wall_time(tmp_path, capsys):
     assert len(rows) == 9
 
 
-def test_verdicts_without_a_part_say_not_distinguishable(tmp_path):
+def test_verdicts_without_their_runs_say_not_run(tmp_path):
     make_grid(tmp_path, lambda *a: 0.5, lambda *a: 0.0)
     runs, _ = collect([tmp_path])
     verdicts = write_verdicts(tmp_path, runs, tmp_path / "out")
     by_finding = {v.finding: v for v in verdicts}
     hard = next(v for f, v in by_finding.items() if "pass@k" in f)
-    assert hard.verdict == NOT_DISTINGUISHABLE and hard.evidence.startswith("no runs in")
+    assert hard.verdict == NOT_RUN and hard.evidence.startswith("no runs in")
+    sparsity = next(v for f, v in by_finding.items() if f.startswith("Updates are sparse"))
+    assert sparsity.verdict == NOT_RUN  # its bf16 runs are missing, though the fp32 grid is there
