@@ -189,3 +189,23 @@ def test_a_truncated_gguf_file_fails_naming_the_key_before_weights(real, tmp_pat
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("weights were read"))
     with pytest.raises(OSError, match=r"teacher.path: .*half.gguf' is not a readable GGUF file, truncated or corrupt"):
         load_causal_lm(ModelSpec(str(half)), "teacher")
+
+
+@needs_real
+def test_heldout_kl_on_the_real_pair_and_lenient_counting(real, tmp_path):
+    """HeldOutKL over SmolLM2's whole 49,152-token vocabulary, and the last-number scorer on its own words."""
+    import json
+
+    from kdlab.heldout_kl import HeldOutKL
+    from kdlab.tasks import Counting
+
+    task = Counting(num_train=2, num_val=2, answer_from="last_number")
+    module = distill(real, TeacherRollouts(), task=task, max_completion_tokens=8)
+    assert module.vocab_size == 49152
+    fit = trainer(tmp_path, 1)
+    HeldOutKL(examples=2, batch_size=2).on_fit_start(fit, module)
+    (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert 0 < row["heldout_kl/forward_before"] < 50 and 0 < row["heldout_kl/reverse_before"] < 50
+    example = task.examples("val")[0]
+    count = example["word"].count(example["letter"])
+    assert task.score(example, f"The letter appears {count} times.") == 1.0
