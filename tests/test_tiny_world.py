@@ -54,3 +54,27 @@ def test_packaged_teacher_solves_and_switches_language_on_a_few_problems():
     spanish = generate(model, tokenizer, task, examples, role="teacher", max_new_tokens=80)
     assert accuracy(task, examples, english) >= 0.5
     assert spanish_share(english) == 0.0 and spanish_share(spanish) == 1.0
+
+
+def test_teacher_4e_build_trains_a_copy_and_writes_its_card(tmp_path):
+    """A two-step build of the Countdown-4E teacher on a copy of the packaged pair: the packaged teacher
+    is left as it was, the new folder loads and its card and metrics.json hold every target."""
+    import json
+    import shutil
+
+    from kdlab.models import ASSETS
+    from kdlab.tiny.build import TEACHER_4E, build_teacher_4e, teacher_4e_targets
+
+    tiny = tmp_path / "tiny"
+    shutil.copytree(ASSETS / "tiny", tiny, ignore=shutil.ignore_patterns("teacher-4e"))
+    before = (tiny / "teacher" / "model.safetensors").read_bytes()
+    recipe = dict(TEACHER_4E, countdown4e=64, countdown3=64, epochs=1, eval_examples=4, pass_at_k_samples=2)
+    measured = build_teacher_4e(tiny, recipe)
+    assert (tiny / "teacher" / "model.safetensors").read_bytes() == before
+    assert (tiny / "teacher-4e" / "model.safetensors").read_bytes() != before
+    card = (tiny / "teacher-4e" / "MODEL_CARD.md").read_text()
+    assert card.count("| yes |") + card.count("| NO |") == len(teacher_4e_targets(recipe))
+    saved = json.loads((tiny / "teacher-4e" / "metrics.json").read_text())
+    assert saved["recipe"] == recipe and set(saved["measured"]) == {"teacher-4e", "teacher", "student", "build_seconds"}
+    assert set(measured["student"]) == {"countdown3_accuracy", "countdown4e_accuracy", "countdown4e_pass@1", "countdown4e_pass@2"}
+    assert not (tmp_path / "teacher-4e.build").exists()
