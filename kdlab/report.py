@@ -204,12 +204,16 @@ def read_run(run_dir: str | Path) -> RunResult:
     except yaml.YAMLError as error:
         raise ValueError(f"config.yaml does not parse: {error}") from error
     model = config.get("model") or {}
+    stage = "DistillModule"
     if isinstance(model.get("class_path"), str):  # a stage chosen by class (e.g. GRPOModule)
+        stage = _class_name(model, "DistillModule")
         model = model.get("init_args") or {}
     task = model.get("task") or {}
     variant = (task.get("init_args") or {}).get("variant") if isinstance(task, dict) else None
     rollout = model.get("rollout") or {}
-    rollout_name = _class_name(rollout, "TeacherRollouts")  # DistillModule's defaults
+    # DistillModule's defaults; another stage (GRPO, SFT) has no rollout policy or KL objective: its
+    # name stands in both columns, so it never reads as (or takes the paper's numbers of) a distillation
+    rollout_name = _class_name(rollout, "TeacherRollouts") if stage == "DistillModule" else stage
     lam = None
     if rollout_name == "MixtureRollouts":
         lam = float(((rollout.get("init_args") or {}) if isinstance(rollout, dict) else {}).get("lam", 0.0))
@@ -227,7 +231,7 @@ def read_run(run_dir: str | Path) -> RunResult:
         task=variant or _class_name(task, "?"),
         rollout=rollout_name,
         lam=lam,
-        objective=_class_name(model.get("objective"), "ForwardKL"),
+        objective=_class_name(model.get("objective"), "ForwardKL") if stage == "DistillModule" else stage,
         lr=float(model.get("lr", 1e-5)),
         seed=seed,
         settings=settings,

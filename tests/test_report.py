@@ -328,3 +328,20 @@ def test_the_report_of_a_real_fit_and_of_its_interrupted_rerun(tmp_path, monkeyp
     assert "version_1: unfinished" in capsys.readouterr().err
     (row,) = markdown_table((tmp_path / "runs" / "tiny-smoke" / "report" / "report.md").read_text(), "## Results by configuration")
     assert row["n"] == "1" and row["val/accuracy (%)"] == "0.0 [0.0, 0.0]"  # the random tiny pair scores 0 on all 8
+
+
+def test_a_grpo_run_is_named_by_its_stage_not_as_a_distillation(tmp_path):
+    """A GRPOModule config has no rollout policy or KL objective: it must not read as OffPD forward KL
+    (the defaults of DistillModule), nor take the paper's distillation numbers."""
+    from kdlab.report import read_run
+
+    run = tmp_path / "grpo"
+    run.mkdir()
+    config = {"seed_everything": 0, "trainer": {"max_steps": 2},
+              "model": {"class_path": "kdlab.grpo.GRPOModule", "init_args": {"lr": 5e-4, "task": {"class_path": "kdlab.tasks.Addition"}}}}
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "val/accuracy": 0.5}) + "\n")
+    result = read_run(run)
+    assert (result.rollout, result.objective, result.lr) == ("GRPOModule", "GRPOModule", 5e-4)
+    (group,) = group_runs([result], lr_levels({5e-4}))
+    assert group.kind is None and group.direction is None and group.paper("val/accuracy") == []

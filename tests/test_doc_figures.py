@@ -1,0 +1,89 @@
+"""Every figure a results page quotes is in a file a committed command wrote.
+
+Results pages copy their tables row for row from the generated Markdown (``kdlab report``'s ``report.md``
+and ``verdicts.md``), and the few figures written in sentences are checked against the CSV they come
+from. A figure typed by hand, or left behind when the generated files change, fails here."""
+
+import csv
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+
+def table_rows(text: str) -> list[str]:
+    """Markdown table rows holding a digit, minus header rules."""
+    return [line.strip() for line in text.splitlines() if line.startswith("|") and re.search(r"\d", line) and not set(line) <= set("|- :")]
+
+
+def generated_rows(folder: Path) -> set[str]:
+    return {row for path in folder.glob("*.md") for row in table_rows(path.read_text(encoding="utf-8"))}
+
+
+def section(text: str, heading: str) -> str:
+    """The text of ``## heading`` up to the next ``## ``."""
+    start = text.index(f"## {heading}")
+    end = text.find("\n## ", start + 3)
+    return text[start : end if end >= 0 else None]
+
+
+def runs_csv(folder: Path) -> list[dict[str, str]]:
+    with (folder / "runs.csv").open(encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_the_reproduction_page_quotes_only_generated_rows():
+    page = (DOCS / "tiny_reproduction.md").read_text(encoding="utf-8")
+    generated = generated_rows(DOCS / "tiny_reproduction")
+    quoted = table_rows(page)
+    assert quoted, "the page quotes no table"
+    assert [row for row in quoted if row not in generated] == []
+
+
+def test_the_verdict_table_has_one_row_per_headline_finding_and_none_not_run():
+    rows = table_rows(section((DOCS / "tiny_reproduction" / "verdicts.md").read_text(encoding="utf-8") + "\n## end", "Wall time").split("\n## ")[0])
+    verdicts = list(csv.DictReader((DOCS / "tiny_reproduction" / "verdicts.csv").open(encoding="utf-8")))
+    assert len(verdicts) == 8
+    assert all(v["verdict"] != "not run" for v in verdicts), [v["finding"] for v in verdicts if v["verdict"] == "not run"]
+    assert rows  # the wall-time table exists
+
+
+def test_the_tiny_world_page_quotes_the_generated_lr_sweep_and_rlvr_rows():
+    page = (DOCS / "tiny_world.md").read_text(encoding="utf-8")
+    generated = generated_rows(DOCS / "tiny_world_runs")
+    for heading in ("The quickstart and the learning rates", "RLVR from the tiny student"):
+        quoted = table_rows(section(page, heading))
+        assert quoted and [row for row in quoted if row not in generated] == []
+
+
+def quickstart_run() -> dict[str, str]:
+    (run,) = [r for r in runs_csv(DOCS / "tiny_world_runs") if r["rollout"] == "TeacherRollouts" and float(r["lr"]) == 1e-4]
+    return run
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/quickstart.md", "docs/tiny_world.md"])
+def test_the_quickstart_figures_are_the_lr_sweeps_1e4_run(page):
+    """The quickstart is the LR sweep's 1e-4 run (experiments/tiny/lr_sweep.yaml: quickstart.yaml unchanged)."""
+    text = (ROOT / page).read_text(encoding="utf-8")
+    run = quickstart_run()
+    after = f"{100 * float(run['coverage/countdown3/pass@1']):.1f}%"
+    quoted = set(re.findall(r"0(?:\.0)?% (?:to|->) (\d+\.\d%)", text)) | set(re.findall(r"-> (\d+\.\d%) at step 150", text))
+    assert quoted == {after}, (page, quoted, after)
+    if page == "README.md":
+        assert f"`val/accuracy` ({100 * float(run['val/accuracy']):.1f}%)" in text
+
+
+def test_the_tiny_world_models_table_is_the_build_metrics():
+    measured = json.loads((ROOT / "kdlab" / "assets" / "tiny" / "metrics.json").read_text())["measured"]
+    table = section((DOCS / "tiny_world.md").read_text(encoding="utf-8"), "Measured")
+    teacher, student = measured["teacher"], measured["student"]
+    assert f"**{100 * teacher['countdown3_accuracy']:.1f}%**" in table and f"**{100 * student['countdown3_accuracy']:.1f}%**" in table
+    assert f"| {100 * student['countdown3_expression_accuracy']:.1f}% |" in table
+    skills = " / ".join(f"{100 * student[f'{s}_accuracy']:g}" for s in ("addition", "sorting", "reversal", "counting"))
+    assert skills + "%" in table
+    four = json.loads((ROOT / "kdlab" / "assets" / "tiny" / "teacher-4e" / "metrics.json").read_text())["measured"]
+    assert f"{100 * four['teacher-4e']['countdown4e_pass@10']:.1f}%" in (DOCS / "tiny_world.md").read_text(encoding="utf-8")
