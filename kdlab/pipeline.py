@@ -11,6 +11,8 @@ A pipeline file is plain YAML::
     rlvr:                               # a sweep run once per finished distillation run
       base: experiments/tiny/rlvr.yaml
       overrides: {trainer.max_steps: 300}
+      mode: processes                   # with max_parallel N: N chains at a time (each chain's runs in turn)
+      max_parallel: 2
     checkpoint: final.ckpt              # the file in each distillation run's checkpoints/ RLVR starts from
     policy_key: model.policy.checkpoint # the RLVR config key that receives that path
 
@@ -137,13 +139,24 @@ def run_pipeline(pipeline: Pipeline, pipeline_file: str) -> list[dict[str, Any]]
     """Run both stages; returns every run record (distillation first), each with its ``stage``."""
     distilled_records = [dict(r, stage="distill") for r in run_sweep(pipeline.distill, pipeline_file)]
     records, chains = list(distilled_records), []
+    finished = []
     for record in distilled_records:
-        distilled = record["name"]
-        if record["status"] not in ("done", "skipped"):
-            print(f"[pipeline] {distilled}: distillation did not finish; no RLVR stage from it", file=sys.stderr)
-            continue
-        rlvr = pipeline.rlvr_sweep(distilled)
-        stage = run_sweep(rlvr, pipeline_file)
+        if record["status"] in ("done", "skipped"):
+            finished.append(record["name"])
+        else:
+            print(f"[pipeline] {record['name']}: distillation did not finish; no RLVR stage from it", file=sys.stderr)
+    sweeps = [pipeline.rlvr_sweep(distilled) for distilled in finished]
+    at_once = pipeline.rlvr_sweep("check").max_parallel if pipeline.rlvr_sweep("check").mode == "processes" else 1
+    if at_once > 1:  # chains side by side, each chain's runs one at a time: max_parallel processes in all
+        from concurrent.futures import ThreadPoolExecutor
+
+        for sweep in sweeps:
+            sweep.max_parallel = 1
+        with ThreadPoolExecutor(max_workers=at_once) as pool:
+            stages = list(pool.map(lambda sweep: run_sweep(sweep, pipeline_file), sweeps))
+    else:
+        stages = [run_sweep(sweep, pipeline_file) for sweep in sweeps]
+    for distilled, rlvr, stage in zip(finished, sweeps, stages):
         records += [dict(r, stage="rlvr", distilled=distilled) for r in stage]
         chains += [(Path(pipeline.distill.output, distilled), Path(rlvr.output, r["name"])) for r in stage if r["status"] in ("done", "skipped")]
     path = write_tracking(pipeline, chains)

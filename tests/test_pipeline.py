@@ -63,3 +63,23 @@ def test_bad_pipeline_files_name_the_key(tmp_path):
         data["rlvr"]["outputs"] = "x"
         (tmp_path / "p3.yaml").write_text(yaml.safe_dump(data))
         load_pipeline(tmp_path / "p3.yaml")
+
+
+def test_rlvr_chains_run_side_by_side_with_max_parallel(tmp_path):
+    """rlvr.mode processes with max_parallel 2: the two chains' RLVR runs overlap in time."""
+    import json
+    from datetime import datetime
+
+    data = yaml.safe_load(smoke_file(tmp_path).read_text())
+    data["rlvr"].update(mode="processes", max_parallel=2)
+    path = tmp_path / "parallel.yaml"
+    path.write_text(yaml.safe_dump(data))
+    main(["pipeline", "--config", str(path)])
+    spans = []
+    for done in sorted((tmp_path / "out" / "rlvr").glob("*/seed=42/DONE")):
+        record = json.loads(done.read_text())
+        end = datetime.fromisoformat(record["finished"]).timestamp()
+        spans.append((end - record["seconds"], end))
+    assert len(spans) == 2
+    (start_a, end_a), (start_b, end_b) = spans
+    assert start_a < end_b and start_b < end_a  # each started before the other ended
