@@ -84,6 +84,8 @@ CLI_CASES = {
     "39": (FIT + ["--model.teacher.path={tmp}/no-such-model"], "teacher.path"),  # a hub id: tests/test_cli.py (needs HF_HUB_OFFLINE)
     "40": (["fit", "--config=" + str(Path(SMOKE).with_name("onpd_rkl.yaml"))], "is an overlay of experiments/tiny/quickstart.yaml"),
     "42": (FIT + ["--model.rollout.dataset={tmp}/other-task.jsonl"], "TeacherRollouts.dataset='"),
+    "43": (RLVR + [CALLBACK + "kdlab.heldout_kl.HeldOutKL"], "HeldOutKL compares a student with its teacher and needs a DistillModule"),
+    "44": (FIT + ["--model.task.answer_from=number"], "Addition.answer_from must be one of"),
 }
 NOT_CLI = {  # rows whose input is not a configuration a command line can give, with where they are tested
     "11": "a corrupted weight file: tested by loading a damaged copy (test_models.py)",
