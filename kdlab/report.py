@@ -27,7 +27,8 @@ Written to ``--output`` (default: ``report/`` in the folder holding every given 
   with the paper's headline numbers beside the matching rows; the rollout spectrum (MixtureRollouts,
   x = lam, y = val/accuracy, per objective); pass@k (``val/pass@k``, ``coverage/<name>/pass@k``);
   ``style/spanish_share``; final ``rlvr/reward*``. Fractions are shown in percent, ``ood/*`` in points.
-- CSV files in the units the runs logged: ``runs.csv`` (every run, every metric's last value),
+- CSV files in the units the runs logged: ``runs.csv`` (every run, every metric's last value, and the
+  fit's wall time from ``kdlab sweep``'s ``DONE`` summary),
   ``summary.csv``, ``spectrum.csv``, ``pass_at_k.csv``, ``style.csv``, ``rlvr_curves.csv`` (whole curves).
 - PNG figures (each titled with its metric, error bars the 95% interval or else +- std over seeds, a
   note on the figure when every plotted value is equal), also embedded with the Markdown in
@@ -187,6 +188,7 @@ class RunResult:
     unfinished: str = ""  # why the run is not finished ("" when it is)
     flag: str = ""  # a caveat shown in the report (e.g. no done marker)
     coverage_draws: dict[str, int] = field(default_factory=dict)  # coverage/<name> -> examples x samples
+    seconds: float | None = None  # the fit's own wall time, from kdlab sweep's DONE summary
 
     @property
     def last(self) -> dict[str, float]:
@@ -239,7 +241,16 @@ def read_run(run_dir: str | Path) -> RunResult:
         unfinished=unfinished,
         flag=flag,
         coverage_draws=_coverage_draws(config),
+        seconds=_fit_seconds(run_dir),
     )
+
+
+def _fit_seconds(run_dir: Path) -> float | None:
+    try:
+        seconds = json.loads((run_dir / "DONE").read_text(encoding="utf-8")).get("seconds")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(seconds) if isinstance(seconds, (int, float)) else None
 
 
 DONE_MARKERS = ("DONE", "checkpoints/final.ckpt")  # kdlab sweep's summary; the checkpoint every kdlab fit ends with
@@ -823,11 +834,13 @@ class _Report:
     def every_run(self) -> None:
         names = sorted(self.present)
         rows = [
-            [str(r.path), r.task, r.rollout, "" if r.lam is None else r.lam, r.objective, r.lr, self.levels.get(r.lr, ""), r.seed]
+            [str(r.path), r.task, r.rollout, "" if r.lam is None else r.lam, r.objective, r.lr, self.levels.get(r.lr, ""), r.seed,
+             "" if r.seconds is None else r.seconds]
             + [r.last.get(name, "") for name in names]
             for r in self.runs
         ]
-        write_csv(self.output / "runs.csv", ["run", "task", "rollout", "lam", "objective", "lr", "lr_level", "seed", *names], rows)
+        header = ["run", "task", "rollout", "lam", "objective", "lr", "lr_level", "seed", "fit_seconds", *names]
+        write_csv(self.output / "runs.csv", header, rows)
 
 
 def write_report(

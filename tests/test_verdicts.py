@@ -119,6 +119,10 @@ def test_report_writes_the_verdicts_and_sums_wall_time(tmp_path, capsys):
     assert "| grid | 11.0 |" in text and "Whole study: 16.0 min of wall time; 24.0 min summed" in text
     rows = (tmp_path / "out" / "verdicts.csv").read_text().splitlines()
     assert len(rows) == 9
+    import csv
+
+    runs = list(csv.DictReader((tmp_path / "out" / "runs.csv").open()))
+    assert len(runs) == 24 and {r["fit_seconds"] for r in runs} == {"60.0"}  # each run's DONE summary
 
 
 def test_verdicts_without_their_runs_say_not_run(tmp_path):
