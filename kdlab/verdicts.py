@@ -37,7 +37,16 @@ from pathlib import Path
 
 from kdlab.report import Group, RunResult, bootstrap_contrast, group_runs, lr_levels, markdown_table, read_run, read_samples, write_csv
 
-PARTS = ("distill", "rlvr", "bf16", "spectrum", "spectrum_high", "style", "hard")
+PART_COMMANDS = {  # each part's folder and the command of experiments/tiny/study.sh that fills it
+    "distill": "kdlab sweep --config experiments/tiny/grid.yaml",
+    "rlvr": "kdlab pipeline --config experiments/tiny/rlvr_pipeline.yaml",
+    "bf16": "kdlab sweep --config experiments/tiny/bf16_grid.yaml",
+    "spectrum": "kdlab sweep --config experiments/tiny/spectrum_sweep.yaml",
+    "spectrum_high": "kdlab sweep --config experiments/tiny/spectrum_high.yaml",
+    "style": "kdlab sweep --config experiments/tiny/style_grid.yaml",
+    "hard": "kdlab sweep --config experiments/tiny/hard_passk.yaml",
+}
+PARTS = tuple(PART_COMMANDS)
 REPRODUCED, NOT_REPRODUCED, NOT_DISTINGUISHABLE = "reproduced", "not reproduced", "not distinguishable"
 NOT_RUN = "not run"
 # two-sided 97.5% quantiles of Student's t by degrees of freedom
@@ -117,6 +126,7 @@ class Study:
 
     def __init__(self, root: Path, runs: list[RunResult]) -> None:
         self.root = root
+        self._groups: dict[str, list[Group]] = {}
         self.parts: dict[str, list[RunResult]] = {part: [] for part in PARTS}
         for run in runs:
             relative = Path(run.path).resolve().relative_to(root.resolve()) if _inside(run.path, root) else None
@@ -124,26 +134,21 @@ class Study:
                 self.parts[relative.parts[0]].append(run)
 
     def groups(self, part: str) -> list[Group]:
-        runs = self.parts[part]
-        return group_runs(runs, lr_levels({r.lr for r in runs}))
+        """The part's configurations (grouped once: each group keeps its computed intervals)."""
+        if part not in self._groups:
+            runs = self.parts[part]
+            self._groups[part] = group_runs(runs, lr_levels({r.lr for r in runs}))
+        return self._groups[part]
 
-    def cell(self, part: str, kind: str, direction: str | None = None, level: str | None = None, lam: float | None = None) -> Group | None:
+    def cell(self, part: str, kind: str, direction: str | None = None, level: str | None = None) -> Group | None:
+        """The part's pure-policy configuration of rollout ``kind`` (OffPD/OnPD), KL ``direction`` and LR ``level``."""
         for group in self.groups(part):
-            if lam is not None:
-                if group.lam is None or not math.isclose(group.lam, lam) or (direction and group.direction != direction):
-                    continue
-                return group
-            if group.lam is None and group.kind == kind and (direction is None or group.direction == direction) and (level is None or group.level == level):
+            if group.lam is None and group.kind == kind and direction in (None, group.direction) and level in (None, group.level):
                 return group
         return None
 
     def command(self, part: str) -> str:
-        files = sorted({json.loads((Path(r.path).parent / "sweep.json").read_text())["sweep"]
-                        for r in self.parts[part] if (Path(r.path).parent / "sweep.json").is_file()})
-        verb = "pipeline" if part == "rlvr" else "sweep"
-        if part == "rlvr":
-            files = ["experiments/tiny/rlvr_pipeline.yaml"]
-        return "; ".join(f"kdlab {verb} --config {f}" for f in files) or "(no runs)"
+        return PART_COMMANDS[part]
 
     def evidence(self, part: str) -> str:
         runs = self.parts[part]
