@@ -537,13 +537,19 @@ def group_runs(runs: list[RunResult], levels: dict[float, str]) -> list[Group]:
         by_settings.setdefault(json.dumps(run.settings, sort_keys=True), []).append(run)
     groups = [Group(sorted(members, key=lambda r: (r.seed is None, r.seed or 0, str(r.path)))) for members in by_settings.values()]
     keys = sorted({key for run in runs for key in run.settings} - set(COLUMN_KEYS))
-    varying = [key for key in keys if _varies(key, [g.runs[0].settings for g in groups])]
-    short = short_keys([key.removesuffix(".class_path") for key in varying])
+    # settings are compared among configurations of the same stage (a GRPO config has other keys)
+    stages: dict[str | None, list[Group]] = {}
     for group in groups:
-        settings = group.runs[0].settings
-        group.other = ", ".join(
-            f"{short[key.removesuffix('.class_path')]}={value_label(json.loads(settings[key]))}" for key in varying if key in settings
-        )
+        stages.setdefault(group.runs[0].settings.get("model.class_path"), []).append(group)
+    for same_stage in stages.values():
+        varying = [key for key in keys if _varies(key, [g.runs[0].settings for g in same_stage])]
+        short = short_keys([key.removesuffix(".class_path") for key in varying])
+        for group in same_stage:
+            settings = group.runs[0].settings
+            group.other = ", ".join(
+                f"{short[key.removesuffix('.class_path')]}={value_label(json.loads(settings[key]))}" for key in varying if key in settings
+            )
+    for group in groups:
         group.level = levels.get(group.lr)
     return sorted(groups, key=lambda g: (g.task, ROLLOUT_ORDER.get(g.rollout, 3), g.rollout, g.lam or 0.0, g.objective, g.lr, g.other))
 

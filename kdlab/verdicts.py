@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kdlab.report import Group, RunResult, bootstrap_contrast, group_runs, lr_levels, markdown_table, read_run, read_samples, write_csv
+from kdlab.report import Group, RunResult, bootstrap_contrast, group_runs, lr_levels, markdown_table, read_run, read_samples, write_csv, write_report
 
 PART_COMMANDS = {  # each part's folder and the command of experiments/tiny/study.sh that fills it
     "distill": "kdlab sweep --config experiments/tiny/grid.yaml",
@@ -418,6 +418,11 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path) -> list[Verd
                   markdown_table(["step", "wall time (min)", "command"], [[s["step"], f"{s['seconds'] / 60:.1f}", f"`{s['command']}`"] for s in last.values()]),
                   "", f"Whole study: {total / 60:.1f} min of wall time; {run_seconds / 60:.1f} min summed over the runs' own fit times."]
     output.mkdir(parents=True, exist_ok=True)
+    for part in PARTS:  # each part's own tables, without the other parts' settings in their columns
+        if study.parts[part]:
+            levels = {r.lr for r in study.parts[part]}
+            write_report(study.parts[part], [], output / part, *((None, None) if len(levels) != 2 else ([min(levels)], [max(levels)])))
+    lines += ["", "## Each part's tables", "", *(f"- [{part}]({part}/report.md): `{PART_COMMANDS[part]}`" for part in PARTS if study.parts[part])]
     (output / "verdicts.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     write_csv(output / "verdicts.csv", ["finding", "paper", "tiny", "verdict", "evidence", "command"],
               [[v.finding, v.paper, v.tiny, v.verdict, v.evidence, v.command] for v in verdicts])

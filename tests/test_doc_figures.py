@@ -21,7 +21,7 @@ def table_rows(text: str) -> list[str]:
 
 
 def generated_rows(folder: Path) -> set[str]:
-    return {row for path in folder.glob("*.md") for row in table_rows(path.read_text(encoding="utf-8"))}
+    return {row for path in folder.rglob("*.md") for row in table_rows(path.read_text(encoding="utf-8"))}
 
 
 def section(text: str, heading: str) -> str:

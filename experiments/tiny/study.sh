@@ -23,6 +23,6 @@ step spectrum_high kdlab sweep --config experiments/tiny/spectrum_high.yaml
 step lr kdlab sweep --config experiments/tiny/lr_sweep.yaml
 step rlvr_student kdlab sweep --config experiments/tiny/rlvr_student.yaml
 step spectrum kdlab sweep --config experiments/tiny/spectrum_sweep.yaml
-step report kdlab report runs/tiny-study --output docs/tiny_reproduction
+step report kdlab report runs/tiny-study --output docs/tiny_reproduction --low_lr 1e-4 --high_lr 2e-3
 step report_world kdlab report runs/tiny-world --output docs/tiny_world_runs --low_lr 1e-4 --high_lr 2e-3
 exit $status
