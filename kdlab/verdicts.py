@@ -270,13 +270,12 @@ def spectrum(study: Study) -> Verdict:
 
     low_r, _ = side_contrast("spectrum", "reverse")
     high_r, high_groups = side_contrast("spectrum_high", "reverse")
-    forward = sorted((g for g in study.groups("spectrum") if g.lam is not None and g.direction == "forward"), key=lambda g: g.lam)
-    spread = None
-    if len(forward) >= 2:
-        best = max(forward, key=lambda g: g.stats("val/accuracy")[0])
-        worst = min(forward, key=lambda g: g.stats("val/accuracy")[0])
-        spread = accuracy_effect([(1.0, best), (-1.0, worst)])
-        spread_text = f"forward KL from {_pct(worst)}% (lam {worst.lam:g}) to {_pct(best)}% (lam {best.lam:g}), difference {spread.text() if spread else 'n/a'}"
+    low_f, forward = side_contrast("spectrum", "forward")
+    means = sorted((g.stats("val/accuracy")[0], g.lam) for g in forward if g.stats("val/accuracy"))
+    if means:  # the range is descriptive: its ends are chosen after the fact, so no interval is given for it
+        (worst, worst_lam), (best, best_lam) = means[0], means[-1]
+        spread_text = (f"forward KL means from {100 * worst:.1f}% (lam {worst_lam:g}) to {100 * best:.1f}% (lam {best_lam:g}), "
+                       f"lam > 0 minus lam < 0 {low_f.text() if low_f else 'n/a'}")
     else:
         spread_text = "forward KL: n/a"
     words = [f"low LR {verdict_word(low_r, +1)}"] + ([f"high LR {verdict_word(high_r, +1)}"] if high_r else [])
