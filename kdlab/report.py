@@ -166,6 +166,49 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
     return {} if value is None else {prefix: json.dumps(value, sort_keys=True, default=str)}
 
 
+def _defaults(class_path: str) -> dict[str, Any]:
+    """``{argument: default}`` of a class's ``__init__`` (empty when it cannot be imported)."""
+    import importlib
+    import inspect
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        parameters = inspect.signature(cls.__init__).parameters.values()
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return {}
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+
+def without_defaults(value: Any, class_path: str | None = None) -> Any:
+    """``value`` with every ``init_args`` entry (and, for ``class_path``, every top-level entry) that equals
+    its class's default removed, at any depth: a run saved before a setting existed reads the same as one
+    that left it at its default, so adding an argument to a class never splits a configuration."""
+    if isinstance(value, list):
+        return [without_defaults(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    inner = value.get("class_path") if isinstance(value.get("class_path"), str) else None
+    result = {key: without_defaults(item) for key, item in value.items()}
+    for target, path in ((result.get("init_args"), inner), (result, class_path)):
+        if isinstance(target, dict) and path:
+            defaults = _defaults(path)
+            for key in [k for k in target if k in defaults]:
+                if json.dumps(target[key], sort_keys=True, default=str) == json.dumps(defaults[key], sort_keys=True, default=str):
+                    del target[key]
+    return result
+
+
+def _settings_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config with defaults removed (:func:`without_defaults`); a ``model`` given without ``class_path``
+    is a ``DistillModule`` (kdlab fit's default)."""
+    normal = without_defaults(config)
+    model = normal.get("model")
+    if isinstance(model, dict) and "class_path" not in model:
+        normal["model"] = without_defaults(model, "kdlab.module.DistillModule")
+    return normal
+
+
 def _class_name(value: Any, default: str) -> str:
     if isinstance(value, dict):
         value = value.get("class_path")
@@ -223,7 +266,7 @@ def read_run(run_dir: str | Path) -> RunResult:
     seed = seed if type(seed) is int else model.get("seed")
     settings = {
         key: value
-        for key, value in _flatten(config).items()
+        for key, value in _flatten(_settings_config(config)).items()
         if not any(key == k or key.startswith(k + ".") for k in PER_RUN_KEYS)
     }
     series = read_metrics(run_dir)

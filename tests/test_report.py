@@ -345,3 +345,25 @@ def test_a_grpo_run_is_named_by_its_stage_not_as_a_distillation(tmp_path):
     assert (result.rollout, result.objective, result.lr) == ("GRPOModule", "GRPOModule", 5e-4)
     (group,) = group_runs([result], lr_levels({5e-4}))
     assert group.kind is None and group.direction is None and group.paper("val/accuracy") == []
+
+
+def test_a_setting_at_its_default_reads_as_absent(tmp_path):
+    """Runs saved before a class gained an argument (absent) and after (at its default) are one
+    configuration; a run that changed the argument is another."""
+    from kdlab.report import read_run
+
+    def run(name, task_args, lr=1e-4):
+        folder = tmp_path / name
+        folder.mkdir()
+        callback = {"class_path": "kdlab.callbacks.OODForgetting",
+                    "init_args": {"tasks": [{"class_path": "kdlab.tasks.Counting", "init_args": task_args}]}}
+        config = {"seed_everything": 1, "trainer": {"max_steps": 2, "callbacks": [callback]},
+                  "model": {"lr": lr, "warmup_steps": 10, "task": {"class_path": "kdlab.tasks.Addition"}}}
+        (folder / "config.yaml").write_text(yaml.safe_dump(config))
+        (folder / "metrics.jsonl").write_text(json.dumps({"step": 1, "val/accuracy": 0.5}) + "\n")
+        return read_run(folder)
+
+    before, after, changed = run("before", {"num_val": 5}), run("after", {"num_val": 5, "answer_from": "tag"}), run("changed", {"num_val": 5, "answer_from": "last_number"})
+    assert before.settings == after.settings != changed.settings
+    assert "model.warmup_steps" not in before.settings  # DistillModule's own default (model without class_path)
+    assert len(group_runs([before, after, changed], {})) == 2
