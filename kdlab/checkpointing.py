@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,10 @@ class FinalCheckpoint(pl.Callback):
         trainer.save_checkpoint(self.directory(trainer) / "final.ckpt", weights_only=False)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, SystemExit) and not exception.code:
+            # Lightning stops on SIGTERM (a cluster's time limit or preemption) with SIGTERMException, a
+            # SystemExit whose status is 0: the process would look finished to a scheduler or kdlab sweep
+            exception.code = 128 + signal.SIGTERM
         if trainer.state.fn == "fit" and trainer.global_step > 0:
             path = self.directory(trainer) / "on_exception.ckpt"
             trainer.save_checkpoint(path, weights_only=False)

@@ -238,3 +238,32 @@ def test_ctrl_c_stops_the_sweep_and_running_it_again_continues(tmp_path, fits):
     assert statuses(tmp_path) == {"lr=0.001-seed=42": "interrupted", "lr=0.005-seed=42": "pending"} and len(fits) == 1
     main(["sweep", "--config", str(write_sweep(tmp_path, {"model.lr": [1.0e-3, 5.0e-3]}))])
     assert statuses(tmp_path) == {"lr=0.001-seed=42": "done", "lr=0.005-seed=42": "done"} and len(fits) == 3
+
+
+def test_a_run_stopped_by_sigterm_exits_non_zero_and_is_not_marked_done(tmp_path):
+    """A cluster's time limit sends SIGTERM: Lightning stops with SIGTERMException, a SystemExit of status 0.
+    kdlab fit saves on_exception.ckpt and exits 143, so kdlab sweep records the run as failed (no DONE)
+    and a rerun resumes it."""
+    import subprocess
+    import time
+
+    from kdlab.sweep import _Sweeper
+
+    path = write_sweep(tmp_path, {"model.lr": [1.0e-3]}, mode="processes")
+    sweeper = _Sweeper(load_sweep(path), str(path))
+    run, record = sweeper.pending()[0]
+    run_dir = sweeper.output / run.name
+    run_dir.mkdir(parents=True)
+    args = [a for a in fit_args(sweeper.sweep, run, None) if not a.startswith("--trainer.max_steps")] + ["--trainer.max_steps=2000"]
+    log = (run_dir / "fit.log").open("w")
+    process = subprocess.Popen([sys.executable, "-m", "kdlab.cli", *args], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while "[kdlab] step" not in (run_dir / "fit.log").read_text() and time.time() < deadline:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    returncode = process.wait(timeout=120)
+    log.close()
+    assert returncode == 128 + signal.SIGTERM, (run_dir / "fit.log").read_text()[-2000:]
+    assert list(run_dir.rglob("on_exception.ckpt")) and not list(run_dir.rglob("final.ckpt"))
+    sweeper._finish_process(run, record, returncode, time.time())
+    assert record["status"] == "failed" and not (run_dir / "DONE").exists()
