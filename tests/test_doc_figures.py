@@ -87,3 +87,14 @@ def test_the_tiny_world_models_table_is_the_build_metrics():
     assert skills + "%" in table
     four = json.loads((ROOT / "kdlab" / "assets" / "tiny" / "teacher-4e" / "metrics.json").read_text())["measured"]
     assert f"{100 * four['teacher-4e']['countdown4e_pass@10']:.1f}%" in (DOCS / "tiny_world.md").read_text(encoding="utf-8")
+
+
+def test_the_readme_describes_the_packaged_pair_with_the_build_metrics():
+    measured = json.loads((ROOT / "kdlab" / "assets" / "tiny" / "metrics.json").read_text())["measured"]
+    teacher, student = measured["teacher"], measured["student"]
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"{round(teacher['parameters'] / 1000)}k parameters, {100 * teacher['countdown3_accuracy']:g}% greedy" in text
+    assert f"{teacher['parameters'] / student['parameters']:.1f}x smaller student" in text
+    skills = min(student[f"{s}_accuracy"] for s in ("addition", "sorting", "reversal", "counting"))
+    assert f">= {100 * skills:g}% on four earlier skills" in text
+    assert f"{100 * student['countdown3_expression_accuracy']:g}% correct as expressions, {100 * student['countdown3_accuracy']:g}% in" in text
