@@ -249,10 +249,10 @@ def sparsity(study: Study) -> Verdict:
     at_least = by_rollout is not None and by_rollout.sign >= 0  # "OffPD at least as sparse": fails only below 0
     word = lr_word if lr_word != REPRODUCED else (REPRODUCED if at_least else "partly: low LR sparser, but OffPD less sparse than OnPD")
     means = ", ".join(f"{k} {lv} {_pct(g, metric)}%" for (k, lv), g in cells.items() if g)
-    fp32 = [study.cell("distill", k, "forward", lv) for k in ("OffPD", "OnPD") for lv in ("low", "high")]
+    fp32 = {(k, lv): study.cell("distill", k, "forward", lv) for k in ("OffPD", "OnPD") for lv in ("low", "high")}
     tiny = (f"bf16 weights, forward KL, sparsity tau 1e-6: {means}; low - high LR " + (by_lr.text() if by_lr else "n/a") +
             " points, OffPD - OnPD " + (by_rollout.text() if by_rollout else "n/a") +
-            " points. fp32 grid (forward KL): " + ", ".join(f"{_pct(g, metric)}%" for g in fp32 if g))
+            " points. fp32 grid (forward KL): " + ", ".join(f"{k} {lv} {_pct(g, metric)}%" for (k, lv), g in fp32.items() if g))
     return Verdict("Updates are sparse at the low LR, far less at the high LR; OffPD at least as sparse as OnPD",
                    "85.3-89.6% at 1e-5 vs 51.9-60.0% at 5e-5", tiny, word,
                    study.evidence("bf16") + "; " + study.evidence("distill"), study.command("bf16"))
