@@ -267,3 +267,22 @@ def test_a_run_stopped_by_sigterm_exits_non_zero_and_is_not_marked_done(tmp_path
     assert list(run_dir.rglob("on_exception.ckpt")) and not list(run_dir.rglob("final.ckpt"))
     sweeper._finish_process(run, record, returncode, time.time())
     assert record["status"] == "failed" and not (run_dir / "DONE").exists()
+
+
+class SigtermAtStart(Callback):
+    """What Lightning raises when the process gets SIGTERM (a SystemExit of status 0)."""
+
+    def on_train_start(self, trainer, pl_module):
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        raise SIGTERMException
+
+
+def test_sigterm_stops_a_sequential_sweep_instead_of_starting_the_next_run(tmp_path, fits):
+    stopping = {**FAST, "trainer.callbacks": [*FAST["trainer.callbacks"], {"class_path": f"{__name__}.SigtermAtStart"}]}
+    path = write_sweep(tmp_path, {"model.lr": [1.0e-3, 5.0e-3]}, overrides=stopping)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sweep", "--config", str(path)])
+    assert exit_info.value.code == 130
+    assert statuses(tmp_path) == {"lr=0.001-seed=42": "interrupted", "lr=0.005-seed=42": "pending"} and len(fits) == 1
+    assert not (tmp_path / "out" / "lr=0.001-seed=42" / "DONE").exists()
