@@ -101,3 +101,14 @@ def test_the_readme_describes_the_packaged_pair_with_the_build_metrics():
     skills = min(student[f"{s}_accuracy"] for s in ("addition", "sorting", "reversal", "counting"))
     assert f">= {100 * skills:g}% on four earlier skills" in text
     assert f"{100 * student['countdown3_expression_accuracy']:g}% correct as expressions, {100 * student['countdown3_accuracy']:g}% in" in text
+
+
+def test_the_discarded_runs_say_what_the_page_says_of_them():
+    """The RLVR stage at LR 5e-4 lowered every distilled student; the harder set at LR 1e-4 solved nothing."""
+    folder = DOCS / "tiny_reproduction_discarded"
+    with (folder / "rlvr_lr5e-4" / "pipeline.csv").open(encoding="utf-8") as handle:
+        chains = list(csv.DictReader(handle))
+    assert len(chains) == 12
+    assert all(float(c["rlvr val/accuracy"]) < float(c["distill val/accuracy"]) for c in chains)
+    (run,) = runs_csv(folder / "hard_lr1e-4")
+    assert float(run["lr"]) == 1e-4 and float(run["val/pass@10"]) == 0.0
