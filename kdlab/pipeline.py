@@ -11,8 +11,8 @@ A pipeline file is plain YAML::
     rlvr:                               # a sweep run once per finished distillation run
       base: experiments/tiny/rlvr.yaml
       overrides: {trainer.max_steps: 300}
-      mode: processes                   # with max_parallel N: N chains at a time (each chain's runs in turn;
-      max_parallel: 2                   # Ctrl+C then waits for the running chains' fits to stop)
+      mode: processes                   # with max_parallel N: N chains at a time (each chain's runs in turn)
+      max_parallel: 2
     checkpoint: final.ckpt              # the file in each distillation run's checkpoints/ RLVR starts from
     policy_key: model.policy.checkpoint # the RLVR config key that receives that path
 
