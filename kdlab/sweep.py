@@ -29,8 +29,9 @@ Runs are ordered seed by seed, so a sweep stopped halfway has every configuratio
 
 Restarting: a run is done when ``<output>/<name>/DONE`` exists (a JSON summary written after fit
 returns). Running the same sweep again skips done runs. A run without ``DONE`` (interrupted or failed)
-starts again: from ``checkpoints/last.ckpt`` when the run saved one (``ModelCheckpoint(save_last=True)``),
-otherwise from scratch after its directory is deleted. A failing run is recorded and the sweep goes on;
+starts again: from the newer of ``checkpoints/on_exception.ckpt`` (saved when a run stops on an exception,
+Ctrl+C or SIGTERM) and ``checkpoints/last.ckpt`` (``ModelCheckpoint(save_last=True)``) when the run saved
+one, otherwise from scratch after its directory is deleted. A failing run is recorded and the sweep goes on;
 the command then exits with status 1 and lists the failures (Ctrl+C: status 130).
 ``<output>/sweep.json`` lists every run: name, settings, seed, status and the fit command.
 
@@ -256,10 +257,11 @@ class RunFailed(RuntimeError):
 
 
 def _prepare(run_dir: Path) -> str | None:
-    """The checkpoint to resume from, or None after clearing what an unfinished run left behind."""
-    last = run_dir / "checkpoints" / "last.ckpt"
-    if last.is_file():
-        return str(last)
+    """The checkpoint to resume from (the newer of ``on_exception.ckpt``, which a run stopped by an
+    exception or SIGTERM saves, and ``last.ckpt``), or None after clearing what an unfinished run left behind."""
+    saved = [path for path in (run_dir / "checkpoints" / name for name in ("on_exception.ckpt", "last.ckpt")) if path.is_file()]
+    if saved:
+        return str(max(saved, key=lambda path: path.stat().st_mtime))
     if run_dir.exists():
         shutil.rmtree(run_dir)
     return None

@@ -286,3 +286,21 @@ def test_sigterm_stops_a_sequential_sweep_instead_of_starting_the_next_run(tmp_p
     assert exit_info.value.code == 130
     assert statuses(tmp_path) == {"lr=0.001-seed=42": "interrupted", "lr=0.005-seed=42": "pending"} and len(fits) == 1
     assert not (tmp_path / "out" / "lr=0.001-seed=42" / "DONE").exists()
+
+
+def test_a_rerun_resumes_from_the_newer_of_on_exception_and_last(tmp_path):
+    import os
+
+    from kdlab.sweep import _prepare
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "on_exception.ckpt").write_text("x")
+    assert _prepare(tmp_path / "run") == str(checkpoints / "on_exception.ckpt")  # a SIGTERM'd run saved only this
+    (checkpoints / "last.ckpt").write_text("x")
+    os.utime(checkpoints / "on_exception.ckpt", (1, 1))
+    assert _prepare(tmp_path / "run") == str(checkpoints / "last.ckpt")
+    os.utime(checkpoints / "last.ckpt", (0, 0))
+    assert _prepare(tmp_path / "run") == str(checkpoints / "on_exception.ckpt")
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    assert _prepare(tmp_path / "empty") is None and not (tmp_path / "empty").exists()
