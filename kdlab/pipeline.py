@@ -17,7 +17,7 @@ A pipeline file is plain YAML::
     policy_key: model.policy.checkpoint # the RLVR config key that receives that path
 
 Both stages keep the sweep's rules: finished runs (``DONE``) are skipped, interrupted ones resume from
-``checkpoints/last.ckpt``, a failed run is recorded and the rest go on (exit status 1 at the end). An
+their newest checkpoint (``on_exception.ckpt`` or ``last.ckpt``), a failed run is recorded and the rest go on (exit status 1 at the end). An
 RLVR chain starts only from a distillation run that finished.
 
 ``<output>/pipeline.md`` and ``pipeline.csv`` then hold one row per chain: the distilled run's and the
