@@ -146,7 +146,8 @@ def run_pipeline(pipeline: Pipeline, pipeline_file: str) -> list[dict[str, Any]]
         else:
             print(f"[pipeline] {record['name']}: distillation did not finish; no RLVR stage from it", file=sys.stderr)
     sweeps = [pipeline.rlvr_sweep(distilled) for distilled in finished]
-    at_once = pipeline.rlvr_sweep("check").max_parallel if pipeline.rlvr_sweep("check").mode == "processes" else 1
+    settings = pipeline.rlvr_sweep("check")
+    at_once = settings.max_parallel if settings.mode == "processes" else 1
     if at_once > 1:  # chains side by side, each chain's runs one at a time: max_parallel processes in all
         from concurrent.futures import ThreadPoolExecutor
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import math
 import re
@@ -166,6 +167,7 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
     return {} if value is None else {prefix: json.dumps(value, sort_keys=True, default=str)}
 
 
+@functools.lru_cache(maxsize=None)
 def _defaults(class_path: str) -> dict[str, Any]:
     """``{argument: default}`` of a class's ``__init__`` (empty when it cannot be imported)."""
     import importlib

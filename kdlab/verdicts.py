@@ -88,6 +88,11 @@ def accuracy_effect(terms: list[tuple[float, Group]], k: int | None = None, draw
     return Effect(value, low, high, "paired bootstrap")
 
 
+def difference(plus: list[Group], minus: list[Group]) -> list[tuple[float, Group]]:
+    """Terms of ``mean(plus) - mean(minus)``, each configuration weighted equally within its side."""
+    return [(1.0 / len(plus), g) for g in plus] + [(-1.0 / len(minus), g) for g in minus]
+
+
 def scalar_effect(terms: list[tuple[float, Group]], metric: str) -> Effect | None:
     """``sum w * mean`` of a per-run metric over seeds, with a t interval (None without two seeds each)."""
     value, variance, seeds = 0.0, 0.0, []
@@ -265,8 +270,7 @@ def spectrum(study: Study) -> Verdict:
         below = [g for g in groups if g.lam < 0 and not math.isclose(g.lam, 0.0)]
         if not (above and below):
             return None, groups
-        terms = [(1.0 / len(above), g) for g in above] + [(-1.0 / len(below), g) for g in below]
-        return accuracy_effect(terms), groups
+        return accuracy_effect(difference(above, below)), groups
 
     low_r, _ = side_contrast("spectrum", "reverse")
     high_r, high_groups = side_contrast("spectrum_high", "reverse")
@@ -300,8 +304,8 @@ def harder_pass_at_k(study: Study) -> Verdict:
     k = max(ks) if ks else None
     on = [g for g in groups if g.kind == "OnPD" and g.lam is None]
     off = [g for g in groups if g.kind == "OffPD" and g.lam is None]
-    effect = accuracy_effect([(1.0 / len(on), g) for g in on] + [(-1.0 / len(off), g) for g in off], k=k) if on and off and k else None
-    one = accuracy_effect([(1.0 / len(on), g) for g in on] + [(-1.0 / len(off), g) for g in off], k=1) if on and off and k else None
+    effect = accuracy_effect(difference(on, off), k=k) if on and off and k else None
+    one = accuracy_effect(difference(on, off), k=1) if on and off and k else None
     means = "; ".join(f"{g.kind} {g.direction}: pass@1 {_pct(g, 'val/pass@1')}%, pass@{k} {_pct(g, f'val/pass@{k}')}%" for g in off + on) if k else ""
     tiny = (f"Countdown-4E held-out, distilled from kdlab://tiny/teacher-4e: {means}; OnPD - OffPD pass@{k} " +
             (effect.text() if effect else "n/a") + ", pass@1 " + (one.text() if one else "n/a") + " points")
@@ -326,7 +330,7 @@ def rlvr_edge(study: Study) -> Verdict:
     def contrast(on: list[Group], off: list[Group], k: int | None) -> Effect | None:
         if not (on and off):
             return None
-        return accuracy_effect([(1.0 / len(on), g) for g in on] + [(-1.0 / len(off), g) for g in off], k=k)
+        return accuracy_effect(difference(on, off), k=k)
 
     # one configuration per distilled run (its seed is the distilled run's): group RLVR runs by source
     after_groups = {kind: [Group([run]) for run in runs] for kind, runs in after.items()}
@@ -407,14 +411,14 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path) -> list[Verd
     times = root / "wall_times.jsonl"
     if times.is_file():
         steps = [json.loads(line) for line in times.read_text().splitlines() if line.strip()]
-        last: dict[str, dict] = {}
+        by_step: dict[str, dict] = {}
         for step in steps:  # a step run again (resumed, or finding its runs done) adds its time
-            seen = last.setdefault(step["step"], dict(step, seconds=0))
+            seen = by_step.setdefault(step["step"], dict(step, seconds=0))
             seen["seconds"] += step["seconds"]
-        total = sum(step["seconds"] for step in last.values())
-        run_seconds = sum(json.loads((Path(r.path) / "DONE").read_text()).get("seconds", 0.0) for r in runs if (Path(r.path) / "DONE").is_file())
+        total = sum(step["seconds"] for step in by_step.values())
+        run_seconds = sum(r.seconds or 0.0 for r in runs)
         lines += ["", "## Wall time (2-core CPU, two runs at a time, one thread each)", "",
-                  markdown_table(["step", "wall time (min)", "command"], [[s["step"], f"{s['seconds'] / 60:.1f}", f"`{s['command']}`"] for s in last.values()]),
+                  markdown_table(["step", "wall time (min)", "command"], [[s["step"], f"{s['seconds'] / 60:.1f}", f"`{s['command']}`"] for s in by_step.values()]),
                   "", f"Whole study: {total / 60:.1f} min of wall time; {run_seconds / 60:.1f} min summed over the runs' own fit times."]
     output.mkdir(parents=True, exist_ok=True)
     for part in PARTS:  # each part's own tables, without the other parts' settings in their columns
