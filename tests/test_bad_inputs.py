@@ -101,6 +101,7 @@ NOT_CLI = {  # rows whose input is not a configuration a command line can give, 
     "34": "a model config whose head is smaller than its tokenizer: built in test_models.py",
     "36": "exporting a DoRA adapter: a Python call, not a configuration (test_models.py)",
     "41": "kdlab report input: its own usage messages (test_report.py)",
+    "45": "kdlab sweep files: their own usage error naming the key (test_sweep.py)",
 }
 
 
