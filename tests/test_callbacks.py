@@ -250,7 +250,7 @@ def test_style_transfer_prefers_the_teacher_it_is_given(module, tmp_path, monkey
     import gc
     import weakref
 
-    import kdlab.models as models
+    import kdlab.models.loading as models
 
     calls, loaded, real_load = spy_on_generation(monkeypatch), [], models.load_causal_lm
     monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: loaded.append(weakref.ref(model := real_load(*a, **k))) or model)

@@ -208,7 +208,7 @@ def test_top_level_help_lists_every_command_and_does_not_import_lightning():
     import subprocess
     import sys
 
-    code = "import sys; from kdlab.cli import entry; entry(['--help']); print('lightning' in sys.modules)"
+    code = "import sys; from kdlab.cli.main import entry; entry(['--help']); print('lightning' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.startswith("usage: kdlab COMMAND") and "Lightning Trainer command line tool" not in out
     for command in ("fit", "validate", "test", "generate", "sweep", "pipeline", "report"):

@@ -29,7 +29,7 @@ def tiny_models(monkeypatch):
     name says (Llama for ``llama``, else Qwen2), with the packaged random pair's tokenizer."""
     import transformers
 
-    from kdlab import models
+    from kdlab.models import loading as models
 
     tokenizer_dir = models.resolve_path("kdlab://tiny-random/student")
     real_model, real_tokenizer = transformers.AutoModelForCausalLM.from_pretrained, transformers.AutoTokenizer.from_pretrained

@@ -117,7 +117,7 @@ BAD = {
     "missing base file": ({"base": "no/such.yaml"}, r"sweep\.base: no such file 'no/such.yaml'"),
     "missing output": ({"output": None}, r"the key 'output' is missing"),
     "empty grid list": ({"grid": {"model.lr": []}}, r"sweep\.grid\['model\.lr'\] must be a non-empty list"),
-    "unknown mode": ({"mode": "parallel"}, r"sweep\.mode must be one of sequential, processes, print, got 'parallel'"),
+    "unknown mode": ({"mode": "parallel"}, r"sweep\.mode must be one of sequential, processes, print, slurm, got 'parallel'"),
     "seeds not ints": ({"seeds": [42, "43"]}, r"sweep\.seeds must be a non-empty list of ints"),
     "seeds not a list": ({"seeds": 42}, r"sweep\.seeds must be a non-empty list of ints, got 42"),
     "unknown key": ({"seed": [1]}, r"unknown key 'seed'"),

@@ -5,8 +5,8 @@
 Reads ``experiments/smollm2/report/runs.csv`` and ``summary.csv`` (``kdlab report runs/smollm2-grid
 --output experiments/smollm2/report``) and ``experiments/smollm2/baselines_grid_eval.csv`` (the teacher
 and the fresh student on the grid's own evaluation: counting ``val``, 50 problems, greedy, 32 new tokens,
-scored by the last integer). Writes ``experiments/smollm2/grid_summary.md`` and ``.csv``, one row per
-cell:
+scored by the last integer). Writes ``experiments/smollm2/baselines.md`` (``baselines.csv`` as a table) and
+``experiments/smollm2/grid_summary.md`` and ``.csv``, one row per cell:
 
 - held-out KL to the teacher on its own samples of the 50 held-out prompts (``HeldOutKL``), before and
   after, forward and reverse, and the share of the forward-KL gap closed (the teacher's KL to itself is 0);
@@ -43,10 +43,39 @@ def number(row: dict[str, str], key: str) -> float:
     return float(row[key])
 
 
+def cell(row: dict[str, str], prefix: str = "") -> str:
+    """``0.22 [0.12, 0.34]`` (an accuracy and its 95% interval), and a student's paired gap to the teacher."""
+    text = f"{number(row, prefix + 'accuracy'):.2f} [{number(row, prefix + 'ci_low'):.2f}, {number(row, prefix + 'ci_high'):.2f}]"
+    gap = "teacher_minus_student" if not prefix else prefix + "teacher_minus_student"
+    low, high = ("gap_ci_low", "gap_ci_high") if not prefix else (prefix + "gap_ci_low", prefix + "gap_ci_high")
+    if row.get(gap, "") != "":
+        text += f" (gap {number(row, gap):+.2f} [{number(row, low):+.2f}, {number(row, high):+.2f}])"
+    return text
+
+
+def baselines_table(rows: list[dict[str, str]]) -> list[str]:
+    """Teacher and fresh students on every offline task (``baselines.csv``): the tag verifier and, for the
+    numeric tasks, the last-integer one; and how often completions ended within the token budget."""
+    models = list(dict.fromkeys((r["model"], r["layers"], r["parameters"]) for r in rows))
+    names = [f"{m} `{layers}` ({int(parameters) / 1e6:.1f} M)" for m, layers, parameters in models]
+    lines = ["| task, check | " + " | ".join(names) + " |", "|" + " --- |" * (len(names) + 1)]
+    by = {(r["task"], r["model"], r["layers"]): r for r in rows}
+    for task in dict.fromkeys(r["task"] for r in rows):
+        for prefix, check in (("", "tag"), ("last_number_", "last number")):
+            cells = [by.get((task, m, layers)) for m, layers, _ in models]
+            if any(c is None or c.get(prefix + "accuracy", "") == "" for c in cells):
+                continue
+            lines.append(f"| {task}, {check} | " + " | ".join(cell(c, prefix) for c in cells) + " |")
+        cells = [by.get((task, m, layers)) for m, layers, _ in models]
+        lines.append(f"| {task}, ended within the budget | " + " | ".join(f"{number(c, 'ended'):.2f}" for c in cells) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--report", default=str(HERE / "report"))
     parser.add_argument("--baselines", default=str(HERE / "baselines_grid_eval.csv"))
+    parser.add_argument("--all-tasks", default=str(HERE / "baselines.csv"))
     parser.add_argument("--out", default=str(HERE / "grid_summary"))
     args = parser.parse_args()
     runs = read(Path(args.report) / "runs.csv")
@@ -89,6 +118,9 @@ def main() -> None:
                          "accuracy_before", "teacher_accuracy", "ood_addition_before", "ood_addition_after", "sparsity_1e-06", "fit_seconds"])
         writer.writerows(csv_rows)
     print("\n".join(lines))
+    table = baselines_table(read(Path(args.all_tasks)))
+    Path(args.out).with_name("baselines.md").write_text("\n".join(table) + "\n", encoding="utf-8")
+    print("\n".join(table))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@
   top-k teacher cache builder; :mod:`kdlab.rollouts.teacher_cache`: the cache reader.
 """
 
-from kdlab.rollouts.policies import MixtureRollouts, RolloutContext, RolloutPolicy, StudentRollouts, TeacherRollouts
+from kdlab.rollouts.policies import MixtureRollouts, RolloutContext, RolloutPolicy, StudentRollouts, TeacherRollouts, mixture_logprobs
 from kdlab.rollouts.vllm import VLLMRollouts
 
-__all__ = ["RolloutPolicy", "RolloutContext", "TeacherRollouts", "StudentRollouts", "MixtureRollouts", "VLLMRollouts"]
+__all__ = ["RolloutPolicy", "RolloutContext", "TeacherRollouts", "StudentRollouts", "MixtureRollouts", "VLLMRollouts", "mixture_logprobs"]
