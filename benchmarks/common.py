@@ -34,7 +34,7 @@ def vocab_tokenizer(vocab: int, folder: Path):
     exactly ``vocab``; saved to ``folder`` and returned."""
     from transformers import AutoTokenizer
 
-    from kdlab.models import resolve_path
+    from kdlab.models.loading import resolve_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_path("kdlab://tiny-random/student"))
     base = len(tokenizer)

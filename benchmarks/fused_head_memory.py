@@ -8,7 +8,7 @@
 
 ``--objective token_logprobs`` measures GRPO's policy term instead (weighted log-probs of given tokens, and
 the entropy GRPO logs): ``naive`` is ``log_softmax(h W^T).gather``, ``logits`` is
-:func:`kdlab.grpo.token_logprobs` on ``h W^T``, ``fused`` is ``token_logprobs(HeadLogits(h, W))``.
+:func:`kdlab.objectives.logprobs.token_logprobs` on ``h W^T``, ``fused`` is ``token_logprobs(HeadLogits(h, W))``.
 
 Each runs forward + backward to the hidden states and the head weight in a fresh process (peak RSS via
 /proc, as in ``kl_memory.py``), after a check that all three give the same loss and gradients. Ratios
@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import check_threads, proc_kib, reset_peak_rss, finish  # noqa: E402
 from kl_memory import BATCH  # noqa: E402
 
-from kdlab.objectives import ForwardKL, HeadLogits, token_weights  # noqa: E402
+from kdlab.objectives import ForwardKL, HeadLogits
+from kdlab.objectives.kl import token_weights
 
 
 def make_inputs(tokens: int, vocab: int, hidden_size: int, seed: int = 0):
@@ -48,7 +49,7 @@ def make_inputs(tokens: int, vocab: int, hidden_size: int, seed: int = 0):
 
 def policy_term(impl: str, hidden, weight, mask):
     """GRPO's policy term: sum of weighted log-probs of fixed tokens (plus the entropy it logs)."""
-    from kdlab.grpo import token_logprobs
+    from kdlab.objectives.logprobs import token_logprobs
 
     ids = torch.randint(0, weight.shape[0], mask.shape, generator=torch.Generator().manual_seed(7))
     if impl == "naive":

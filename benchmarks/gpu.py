@@ -52,7 +52,7 @@ def build(shape: dict, dtype: torch.dtype, device: str, checkpointing: bool):
     with torch.device(device):
         model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=False)).to(dtype)
     if checkpointing:
-        from kdlab.models import enable_activation_checkpointing
+        from kdlab.models.loading import enable_activation_checkpointing
 
         enable_activation_checkpointing(model)
     return model
@@ -84,7 +84,7 @@ def memory(peak: float | None) -> str:
 
 
 def step_figures(tokens: int, repeats: int, device: str, smoke: bool) -> None:
-    from kdlab.decoding import completion_head_logits, completion_logits
+    from kdlab.objectives.logits import completion_head_logits, completion_logits
     from kdlab.objectives import ForwardKL
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -172,10 +172,10 @@ def vllm_figures(device: str, smoke: bool) -> None:
     if device != "cuda":
         print("vllm: skipped (vLLM needs CUDA)")
         return
-    from kdlab.evaluation import sample_completions
+    from kdlab.rollouts.decoding import sample_completions
     from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
     from kdlab.tasks import Countdown
-    from kdlab.vllm_engine import vllm_sample_completions
+    from kdlab.rollouts.vllm import vllm_sample_completions
 
     spec = ModelSpec("kdlab://tiny/teacher")
     tokenizer = load_tokenizer(spec)
@@ -193,12 +193,12 @@ def vllm_figures(device: str, smoke: bool) -> None:
           f"kdlab decoder (fp32) {hf_s:.1f} s; identical (text and ended): {same}/{len(examples)}")
     with tempfile.TemporaryDirectory() as root:
         command = quickstart_command(1, "gpu", "32-true", [], 5, root) + [
-            "--trainer.log_every_n_steps=1", "--model.rollout=kdlab.vllm_engine.VLLMRollouts",
+            "--trainer.log_every_n_steps=1", "--model.rollout=kdlab.rollouts.VLLMRollouts",
             "--model.rollout.sync_every=1", "--model.rollout.gpu_memory_utilization=0.3", "--model.rollout.dtype=bfloat16",
         ]
         if not run_fit("vllm: 5 on-policy quickstart steps with VLLMRollouts (sync every step)", command):
             raise RuntimeError("the kdlab fit with VLLMRollouts failed (its stderr is above)")
-        from kdlab.report import read_metrics
+        from kdlab.study.runs import read_metrics
 
         for name in ("train/importance_weight", "train/engine_kl"):  # the KL, not the weight, exposes a stale engine
             values = [value for run in Path(root).rglob("version_*") for _, value in read_metrics(run).get(name, [])]

@@ -8,7 +8,7 @@ it: the gradient is written into the student logits' own storage) and ``naive`` 
 log_softmax both, ``(p_T * (log p_T - log p_S)).sum(-1)``, the same per-sequence mean via
 ``token_weights``, upcast to fp32 like kdlab, so all compute the same number). Inputs are
 ``(8, N / 8, V)`` logits with a ragged completion mask. ``--objective token_logprobs`` measures GRPO's
-policy log-probs of given tokens instead (:func:`kdlab.grpo.token_logprobs` vs
+policy log-probs of given tokens instead (:func:`kdlab.objectives.logprobs.token_logprobs` vs
 ``log_softmax(logits).gather``).
 
 Target: extra peak memory <= 0.2x naive. A naive peak is about five ``(N, V)`` fp32 tensors and the
@@ -37,7 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import check_threads, proc_kib, reset_peak_rss, finish  # noqa: E402,F401  (proc_kib, reset_peak_rss: used by children)
 
-from kdlab.objectives import ForwardKL, token_weights  # noqa: E402
+from kdlab.objectives import ForwardKL
+from kdlab.objectives.kl import token_weights
 
 BATCH = 8
 
@@ -69,7 +70,7 @@ def sampled_ids(mask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def kdlab_policy_logprobs(chunk_size: int):
     """GRPO's policy term: the sum of weighted log-probs of given tokens, via kdlab's chunked function."""
-    from kdlab.grpo import token_logprobs
+    from kdlab.objectives.logprobs import token_logprobs
 
     def loss(student, teacher, mask):
         values, _ = token_logprobs(student, sampled_ids(mask, student.shape[-1]), mask, chunk_size=chunk_size)

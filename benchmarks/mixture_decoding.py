@@ -38,13 +38,13 @@ def median_time(fn, repeats: int) -> float:
 
 
 def decode_times(student: str, teacher: str, new_tokens: int, repeats: int, vocab: int) -> dict[str, float]:
-    from kdlab.module import DistillModule
+    from kdlab.stages import DistillModule
     from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherRollouts
     from kdlab.tasks import Addition
 
     module = DistillModule(student, teacher, Addition(num_train=8), max_completion_tokens=new_tokens, batch_size=8)
-    if module.vocab_size != vocab:
-        raise SystemExit(f"the module's shared vocabulary is {module.vocab_size}, not V = {vocab}")
+    if module.token_columns != vocab:
+        raise SystemExit(f"the module's shared vocabulary is {module.token_columns}, not V = {vocab}")
     module.end_ids = (-1,)  # never stop early: every policy decodes exactly new_tokens tokens
     examples = module.task.examples("train")
     times = {}

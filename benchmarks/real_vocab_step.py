@@ -89,15 +89,15 @@ def lightning_variant(variant: str, args, observed: Observed):
     import torch.nn.functional as F
 
     from kdlab.data import Rollout
-    from kdlab.decoding import completion_head_logits, completion_logits
-    from kdlab.module import DistillModule
-    from kdlab.objectives import token_weights
+    from kdlab.objectives.logits import completion_head_logits, completion_logits
+    from kdlab.stages import DistillModule
+    from kdlab.objectives.kl import token_weights
     from kdlab.tasks import Addition
 
     class Bench(DistillModule):
         def make_rollout(self, examples, seed, policy=None):
             prompts = self._prompts(examples)
-            ids = torch.randint(0, self.vocab_size, (len(examples), args.tokens), generator=torch.Generator().manual_seed(0))
+            ids = torch.randint(0, self.token_columns, (len(examples), args.tokens), generator=torch.Generator().manual_seed(0))
             return Rollout(prompts, ids, torch.ones_like(ids, dtype=torch.bool))
 
         def training_step(self, batch, batch_idx):
@@ -106,16 +106,16 @@ def lightning_variant(variant: str, args, observed: Observed):
             rollout = self.make_rollout(batch, 0)
             ids, mask, length = rollout.completion_ids, rollout.completion_mask, rollout.completion_ids.shape[1]
             if variant == "liger":
-                student_h = completion_head_logits(self.student, rollout.model_inputs("student"), length, self.vocab_size)
+                student_h = completion_head_logits(self.student, rollout.model_inputs("student"), length, self.token_columns)
                 with torch.no_grad():
-                    teacher_h = completion_head_logits(self.teacher, rollout.model_inputs("teacher"), length, self.vocab_size)
+                    teacher_h = completion_head_logits(self.teacher, rollout.model_inputs("teacher"), length, self.token_columns)
                 observed.see(student_h.weight.shape[0], mask.sum(), student_h.hidden.dtype)
                 loss = self.liger(student_h.hidden.reshape(-1, student_h.hidden.shape[-1]), student_h.weight,
                                   teacher_h.hidden.reshape(-1, teacher_h.hidden.shape[-1]), teacher_h.weight, ids.reshape(-1))
             else:
                 with torch.no_grad():
-                    teacher_logits = completion_logits(self.teacher, rollout.model_inputs("teacher"), length, self.vocab_size)
-                logits = completion_logits(self.student, rollout.model_inputs("student"), length, self.vocab_size)
+                    teacher_logits = completion_logits(self.teacher, rollout.model_inputs("teacher"), length, self.token_columns)
+                logits = completion_logits(self.student, rollout.model_inputs("student"), length, self.token_columns)
                 observed.see(logits.shape[-1], mask.sum(), logits.dtype)
                 if variant == "floor":
                     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))

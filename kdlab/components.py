@@ -3,8 +3,8 @@
 Each part is a ``LightningModule`` so that it can hold parameters or buffers of its own, follows the
 parent's device and dtype, and is chosen in YAML with ``class_path``. A child LightningModule cannot
 call ``self.log``: only the module the Trainer drives is attached to it. Components therefore
-``report`` scalars, and :class:`kdlab.module.DistillModule` logs every reported value after each step
-under ``<stage>/<name>`` (``train/rollout_entropy``, ``val/accuracy``), which is what reaches
+``record`` scalars, and :class:`kdlab.stages.distill.DistillModule` logs every recorded value after each step
+under ``<split>/<name>`` (``train/rollout_entropy``, ``val/accuracy``), which is what reaches
 TensorBoard.
 """
 
@@ -15,22 +15,22 @@ import torch
 
 
 class Component(pl.LightningModule):
-    """A swappable part of a :class:`~kdlab.module.DistillModule`."""
+    """A swappable part of a :class:`~kdlab.stages.distill.DistillModule`."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._reports: dict[str, float | torch.Tensor] = {}
+        self._records: dict[str, float | torch.Tensor] = {}
 
-    def report(self, name: str, value: float | torch.Tensor) -> None:
-        """Queue a scalar to be logged by the parent module as ``<stage>/<name>``.
+    def record(self, name: str, value: float | torch.Tensor) -> None:
+        """Queue a scalar to be logged by the parent module as ``<split>/<name>``.
 
-        A tensor is detached; reporting the same name twice in one step keeps the last value.
+        A tensor is detached; recording the same name twice in one step keeps the last value.
         """
         if isinstance(value, torch.Tensor):
             value = value.detach()
-        self._reports[name] = value
+        self._records[name] = value
 
-    def pop_reports(self) -> dict[str, float | torch.Tensor]:
-        """Return and clear the scalars reported since the last call."""
-        reports, self._reports = self._reports, {}
-        return reports
+    def pop_records(self) -> dict[str, float | torch.Tensor]:
+        """Return and clear the scalars recorded since the last call."""
+        records, self._records = self._records, {}
+        return records

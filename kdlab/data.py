@@ -47,7 +47,7 @@ class Rollout:
     or ``None`` when completions were read from a dataset.
     ``behaviour_logprobs``: ``(B, C)`` log q of each token under an engine whose weights may lag the
     student's (vLLM); distillation then weights each completion's loss by
-    :func:`kdlab.vllm_engine.importance_weights` with ``importance_cap``, and GRPO each token's policy
+    :func:`kdlab.rollouts.policies.importance_weights` with ``importance_cap``, and GRPO each token's policy
     term by ``min(importance_cap, pi_old / q)``. ``None``: exactly on-policy or off-policy, no correction.
     """
 
@@ -59,7 +59,7 @@ class Rollout:
     importance_cap: float = 2.0
     teacher_logprobs: Any = None
     """The teacher's tempered log-probs ``(B, C, V)`` when read from a cache (then no teacher forward
-    runs): a :class:`~kdlab.teacher_cache.TopKLogprobs`, which objectives expand chunk by chunk."""
+    runs): a :class:`~kdlab.rollouts.teacher_cache.TopKLogprobs`, which objectives expand chunk by chunk."""
 
     def model_inputs(self, model: str) -> dict[str, torch.Tensor]:
         """``input_ids``, ``attention_mask`` and ``position_ids`` ``(B, P + C)`` for ``"student"`` or ``"teacher"``."""

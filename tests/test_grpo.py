@@ -4,7 +4,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from kdlab.grpo import GRPOModule, dapo_loss, group_advantages
+from kdlab.stages import GRPOModule
+from kdlab.stages.grpo import dapo_loss, group_advantages
 from kdlab.tasks import Addition
 
 
@@ -120,7 +121,7 @@ def test_grpo_fit_logs_the_rl_statistics(grpo, tmp_path):
 
 def test_lora_trains_only_the_adapters(tiny_pair, tmp_path):
     pytest.importorskip("peft")
-    from kdlab.sft import LoraSpec
+    from kdlab.stages.lora import LoraSpec
 
     module = GRPOModule(
         tiny_pair[0], Addition(num_train=4, num_val=2, num_test=2), group_size=2, batch_size=2, max_completion_tokens=4,
@@ -200,7 +201,7 @@ def test_format_reward_is_paid_for_a_well_formed_answer(grpo):
 
 def test_a_stage_starts_from_the_previous_stages_checkpoint(tiny_pair, tmp_path):
     from kdlab.models import ModelSpec
-    from kdlab.module import DistillModule
+    from kdlab.stages import DistillModule
 
     distill = DistillModule(tiny_pair[0], tiny_pair[1], Addition(num_train=4, num_val=2, num_test=2), max_completion_tokens=4, lr=1e-2, warmup_steps=0, batch_size=2)
     trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
@@ -303,7 +304,7 @@ def test_a_short_last_batch_keeps_whole_groups_and_takes_fewer_steps(tiny_pair, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_token_logprobs_equal_the_plain_log_softmax_in_value_and_gradient(dtype):
-    from kdlab.grpo import token_logprobs
+    from kdlab.objectives.logprobs import token_logprobs
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5, 17, generator=generator).to(dtype)
@@ -328,8 +329,8 @@ def test_engine_rollouts_weight_each_token_by_the_truncated_ratio_to_the_old_pol
     weighted by min(2, pi_old / q) = 2: the gradient doubles, and rlvr/engine_ratio reports 2. With
     log q = log pi_old - log 4 the ratio 4 is truncated to 2; with log q = log pi_old + log 4 the weight is
     1/4 (only the top side is truncated). rlvr/engine_kl is the mean log q - log pi_old."""
-    from kdlab.grpo import GRPOModule
     from kdlab.rollouts import StudentRollouts
+    from kdlab.stages import GRPOModule
 
     class Engine(StudentRollouts):
         def __init__(self, shift):
@@ -339,7 +340,7 @@ def test_engine_rollouts_weight_each_token_by_the_truncated_ratio_to_the_old_pol
         def sample(self, prompts, context):
             rollout = super().sample(prompts, context)
             with torch.no_grad():
-                logits = context.student(**rollout.model_inputs("student")).logits[:, -rollout.completion_ids.shape[1] - 1 : -1, : context.vocab_size]
+                logits = context.student(**rollout.model_inputs("student")).logits[:, -rollout.completion_ids.shape[1] - 1 : -1, : context.token_columns]
             logp = torch.log_softmax(logits.float() / context.student_temperature, -1).gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
             rollout.behaviour_logprobs = logp - self.shift
             return rollout

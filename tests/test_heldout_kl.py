@@ -8,9 +8,9 @@ import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from kdlab.decoding import completion_logits
-from kdlab.heldout_kl import HeldOutKL
-from kdlab.module import DistillModule
+from kdlab.callbacks import HeldOutKL
+from kdlab.objectives.logits import completion_logits
+from kdlab.stages import DistillModule
 from kdlab.tasks import Addition
 
 
@@ -28,8 +28,8 @@ def by_hand(module, rollouts):
     with torch.no_grad():
         for rollout in rollouts:
             length, mask = rollout.completion_ids.shape[1], rollout.completion_mask.bool()
-            s = completion_logits(module.student, rollout.model_inputs("student"), length, module.vocab_size) / module.student_temperature
-            t = completion_logits(module.teacher, rollout.model_inputs("teacher"), length, module.vocab_size) / module.teacher_temperature
+            s = completion_logits(module.student, rollout.model_inputs("student"), length, module.token_columns) / module.student_temperature
+            t = completion_logits(module.teacher, rollout.model_inputs("teacher"), length, module.token_columns) / module.teacher_temperature
             log_s, log_t = torch.log_softmax(s.double(), -1)[mask], torch.log_softmax(t.double(), -1)[mask]
             totals[0] += (log_t.exp() * (log_t - log_s)).sum()
             totals[1] += (log_s.exp() * (log_s - log_t)).sum()
@@ -73,7 +73,7 @@ def test_heldout_kl_is_zero_between_a_model_and_itself(tiny_pair, tmp_path):
 
 
 def test_heldout_kl_refuses_a_stage_without_a_teacher(tiny_pair, tmp_path):
-    from kdlab.grpo import GRPOModule
+    from kdlab.stages import GRPOModule
 
     student, _ = tiny_pair
     with pytest.raises(ValueError, match="HeldOutKL .*needs a DistillModule, got GRPOModule"):

@@ -14,8 +14,15 @@ from lightning.pytorch.loggers import TensorBoardLogger
 pytest.importorskip("lm_eval")
 
 from kdlab.callbacks import OODForgetting  # noqa: E402
-from kdlab.lm_eval_suite import MMLU_PRO_SUBJECTS, PAPER_SUITE, LMEvalTask, evaluate_suite, task_manager, validate_suite  # noqa: E402
-from kdlab.module import DistillModule  # noqa: E402
+from kdlab.evaluation.lm_eval_suite import (
+    MMLU_PRO_SUBJECTS,
+    PAPER_SUITE,
+    LMEvalTask,
+    evaluate_suite,
+    task_manager,
+    validate_suite,
+)  # noqa: E402
+from kdlab.stages import DistillModule  # noqa: E402
 from kdlab.tasks import Addition  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "lm_eval"

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from kdlab.metrics import PassAtK, detect_language, pass_at_k, spanish_share, strip_language_neutral, update_sparsity
+from kdlab.evaluation.metrics import PassAtK, detect_language, pass_at_k, spanish_share, strip_language_neutral, update_sparsity
 
 
 def test_pass_at_k_matches_the_binomial_formula_by_hand():

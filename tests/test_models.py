@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from kdlab.models import ModelSpec, load_causal_lm, load_config, load_tokenizer, resolve_path, shared_vocab_size
-from kdlab.module import DistillModule
+from kdlab.models import ModelSpec, load_causal_lm, load_config, load_tokenizer
+from kdlab.models.loading import resolve_path, shared_vocab_size
+from kdlab.stages import DistillModule
 from kdlab.tasks import Addition
 from kdlab.tiny import build_tokenizer, tiny_qwen2
 
@@ -16,10 +17,10 @@ def test_padded_teacher_embedding_is_restricted_to_the_tokenizer_vocabulary(tiny
     module = DistillModule(*tiny_pair, Addition(num_train=4), max_completion_tokens=4)
     teacher_rows = module.teacher.get_output_embeddings().weight.shape[0]
     student_rows = module.student.get_output_embeddings().weight.shape[0]
-    assert teacher_rows > student_rows == module.vocab_size == len(module.student_tokenizer)
+    assert teacher_rows > student_rows == module.token_columns == len(module.student_tokenizer)
     rollout = module.make_rollout(module.task.examples("train")[:2], seed=0)
     student, teacher = module.distillation_logits(rollout)
-    assert student.shape[-1] == teacher.shape[-1] == module.vocab_size
+    assert student.shape[-1] == teacher.shape[-1] == module.token_columns
 
 
 def test_teacher_is_frozen_and_stays_in_eval_mode(tiny_pair):
@@ -66,7 +67,7 @@ def test_vocab_check_rejects_a_model_with_too_few_rows(tiny_pair):
 def test_corrupted_weight_file_names_the_file(tiny_pair, tmp_path):
     import shutil
 
-    from kdlab.models import resolve_path
+    from kdlab.models.loading import resolve_path
 
     folder = tmp_path / "student"
     shutil.copytree(resolve_path(tiny_pair[0]), folder)
@@ -212,7 +213,7 @@ def test_lora_merge_uses_peft_for_fan_in_fan_out_layers():
     peft = pytest.importorskip("peft")
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from kdlab.models import merged_weights
+    from kdlab.models.export import merged_weights
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32))
     wrapped, expected = _peft_merged(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], fan_in_fan_out=True))
@@ -224,7 +225,7 @@ def test_lora_merge_uses_peft_for_fan_in_fan_out_layers():
 
 def test_lora_merge_includes_embedding_adapters(tiny_pair):
     peft = pytest.importorskip("peft")
-    from kdlab.models import merged_weights
+    from kdlab.models.export import merged_weights
 
     model = load_causal_lm(ModelSpec(tiny_pair[0]))
     wrapped, expected = _peft_merged(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["embed_tokens", "q_proj"]))
@@ -236,7 +237,7 @@ def test_lora_merge_includes_embedding_adapters(tiny_pair):
 
 def test_dora_adapters_are_refused_naming_the_layer(tiny_pair):
     peft = pytest.importorskip("peft")
-    from kdlab.models import merged_weights
+    from kdlab.models.export import merged_weights
 
     wrapped = peft.get_peft_model(load_causal_lm(ModelSpec(tiny_pair[0])), peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
     with pytest.raises(ValueError, match=r"LoRA adapter 'default' on .*q_proj is a variant \(DoRA"):
@@ -250,7 +251,7 @@ TINY_WORLD_STUDENT = "kdlab://tiny/student"  # 4 decoder layers
 
 @pytest.mark.parametrize("selection, kept", [("every_other", [0, 2, 4]), ("first:2", [0, 1]), ("every:3", [0, 3]), ("1,4", [1, 4]), ([0, 5], [0, 5])])
 def test_layer_selections(selection, kept):
-    from kdlab.pruning import select_layers
+    from kdlab.models.pruning import select_layers
 
     assert select_layers(selection, 6, "student.layers") == kept
 
@@ -261,7 +262,7 @@ def test_layer_selections(selection, kept):
     ("odd", "not a layer selection"),
 ])
 def test_bad_layer_selections_name_the_key(selection, cause):
-    from kdlab.pruning import select_layers
+    from kdlab.models.pruning import select_layers
 
     with pytest.raises(ValueError, match=rf"student.layers: .*{cause}"):
         select_layers(selection, 6, "student.layers")
@@ -277,7 +278,7 @@ def test_a_layer_list_out_of_range_fails_before_weights_are_read(no_weights_read
 
 def test_a_pruned_model_keeps_the_chosen_layers_and_its_kv_cache_indices():
     """Kept layer j must read and write KV-cache slot j: cached greedy decoding equals uncached."""
-    from kdlab.pruning import prune_layers
+    from kdlab.models.pruning import prune_layers
 
     full = load_causal_lm(ModelSpec(TINY_WORLD_STUDENT))
     pruned = load_causal_lm(ModelSpec(TINY_WORLD_STUDENT, layers="1,3"))
@@ -297,7 +298,7 @@ def test_a_pruned_model_keeps_the_chosen_layers_and_its_kv_cache_indices():
 def test_kdlab_prune_writes_a_folder_that_reloads_and_records_what_it_kept(tmp_path):
     import json
 
-    from kdlab.cli import main
+    from kdlab.cli.main import main
 
     out = tmp_path / "pruned"
     main(["prune", "--model", TINY_WORLD_STUDENT, "--layers", "every_other", "--output", str(out)])

@@ -9,9 +9,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from kdlab.data import Rollout, prompt_token_ids
-from kdlab.module import DistillModule
 from kdlab.objectives import ForwardKL
 from kdlab.rollouts import RolloutPolicy, StudentRollouts, TeacherRollouts
+from kdlab.stages import DistillModule
 from kdlab.tasks import Addition
 
 
@@ -26,14 +26,14 @@ class HalfHalfRollouts(RolloutPolicy):
         pad = lambda x, value: torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
         ids = torch.cat([pad(teacher.completion_ids, context.pad_token_id)[:half], pad(student.completion_ids, context.pad_token_id)[half:]])
         mask = torch.cat([pad(teacher.completion_mask, False)[:half], pad(student.completion_mask, False)[half:]])
-        self.report("teacher_share", half / len(prompts))
+        self.record("teacher_share", half / len(prompts))
         return Rollout(prompts, ids, mask)
 
 
 class ReportingKL(ForwardKL):
     def forward(self, student_logits, teacher_logits, mask):
         loss = super().forward(student_logits, teacher_logits, mask)
-        self.report("my_diagnostic", loss * 2)
+        self.record("my_diagnostic", loss * 2)
         return loss
 
 
@@ -134,7 +134,7 @@ def test_teacher_and_student_get_their_own_prompts(tiny_pair):
     assert "hint" in teacher_text and "hint" not in student_text
     # both models are scored on the same completion tokens
     s, t = module.distillation_logits(rollout)
-    assert s.shape == t.shape == (2, rollout.completion_ids.shape[1], module.vocab_size)
+    assert s.shape == t.shape == (2, rollout.completion_ids.shape[1], module.token_columns)
 
 
 @pytest.mark.parametrize("fused", [False, True, None], ids=["logits", "fused", "default"])
@@ -151,7 +151,7 @@ def test_distillation_logits_predict_the_completion_tokens(tiny_pair, fused):
     if isinstance(s, HeadLogits):
         s = (s.hidden @ s.weight.T) * s.scale
     inputs = rollout.model_inputs("student")
-    full = module.student(**inputs).logits[..., : module.vocab_size]
+    full = module.student(**inputs).logits[..., : module.token_columns]
     prompt_width = rollout.prompts.student_ids.shape[1]
     for c in range(rollout.completion_ids.shape[1]):
         torch.testing.assert_close(s[:, c], full[:, prompt_width + c - 1], atol=1e-5, rtol=1e-5)
@@ -210,7 +210,7 @@ def test_validation_logs_pass_at_k_from_several_samples(tiny_pair, tmp_path):
 
 def test_generated_teacher_data_feeds_off_policy_training(tiny_pair, tmp_path):
     from kdlab.models import ModelSpec
-    from kdlab.teacher_data import generate_teacher_data
+    from kdlab.rollouts.teacher_data import generate_teacher_data
 
     class EvenVerified(Addition):
         def score(self, example, completion):
@@ -241,7 +241,7 @@ def test_generated_teacher_data_feeds_off_policy_training(tiny_pair, tmp_path):
                                                     ("teacher", module.teacher, module.teacher_tokenizer, 0.5)):
             prompt = prompt_token_ids(module.task, tokenizer, example, role, 2048)
             with torch.no_grad():
-                logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1, : module.vocab_size]
+                logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1, : module.token_columns]
             logprobs[role] = torch.log_softmax(logits.double() / temperature, -1)
         teacher, student = logprobs["teacher"], logprobs["student"]
         per_sequence.append((teacher.exp() * (teacher - student)).sum(-1).mean())
@@ -320,7 +320,7 @@ def test_token_reduction_is_not_invariant_to_accumulation_with_ragged_lengths(ti
 
 
 def test_data_order_depends_only_on_seed_and_epoch():
-    from kdlab.stage import EpochShuffle
+    from kdlab.stages.loaders import EpochShuffle
 
     a, b = EpochShuffle(50, seed=3), EpochShuffle(50, seed=3)
     first = list(a)
@@ -419,8 +419,8 @@ def test_fsdp1_wraps_each_decoder_layer_and_each_sharded_model_whole(tiny_pair, 
 def test_a_training_step_logs_the_exact_diagnostics_without_a_second_pass(tiny_pair, monkeypatch, fused):
     """The step logs kl_forward, kl_reverse and both entropies from the objective's own pass: the separate
     kl_diagnostics pass is never called, and the logged values equal that pass run on the same logits."""
-    import kdlab.module
-    from kdlab.objectives import kl_diagnostics
+    import kdlab.stages.distill
+    from kdlab.objectives.kl import kl_diagnostics
 
     module = make_module(tiny_pair, fused_lm_head=fused)
     batch = module.task.examples("train")[:4]
@@ -431,7 +431,7 @@ def test_a_training_step_logs_the_exact_diagnostics_without_a_second_pass(tiny_p
         expected = kl_diagnostics(student, teacher, rollout.completion_mask)
     logged = {}
     module.log = lambda name, value, **kwargs: logged.__setitem__(name, value)
-    monkeypatch.setattr(kdlab.module, "kl_diagnostics", lambda *args, **kwargs: pytest.fail("a second diagnostics pass ran"))
+    monkeypatch.setattr(kdlab.stages.distill, "kl_diagnostics", lambda *args, **kwargs: pytest.fail("a second diagnostics pass ran"))
     module.training_step(batch, 0)
     for name, value in expected.items():
         torch.testing.assert_close(logged[f"train/{name}"], value, rtol=1e-5, atol=1e-6, msg=name)

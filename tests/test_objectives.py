@@ -3,17 +3,8 @@ import math
 import pytest
 import torch
 
-from kdlab.objectives import (
-    ForwardKL,
-    GeneralizedJSD,
-    KLObjective,
-    ReverseKL,
-    SampledForwardKL,
-    SampledReverseKL,
-    TotalVariation,
-    kl_diagnostics,
-    token_weights,
-)
+from kdlab.objectives import ForwardKL, GeneralizedJSD, KLObjective, ReverseKL, SampledForwardKL, SampledReverseKL, TotalVariation
+from kdlab.objectives.kl import kl_diagnostics, token_weights
 
 B, T, V = 3, 5, 11
 
@@ -216,7 +207,7 @@ def test_closed_form_gradient_equals_autograd_of_the_same_formula(objective, dty
     """The one-pass path (closed-form loss and gradient from the shared row statistics) must train
     exactly the loss the formula defines (no silent fast path): same value, same gradient as autograd
     through ``token_loss``, on a nearly impossible teacher token and on ragged masks."""
-    from kdlab.objectives import chunked_token_loss, token_weights
+    from kdlab.objectives.kl import chunked_token_loss, token_weights
 
     s, t, mask = logits(29, dtype=dtype), logits(30, dtype=dtype), ragged_mask()
     t[0, 1, 2] = -50.0  # a nearly impossible teacher token
@@ -239,7 +230,8 @@ def test_closed_form_gradient_equals_autograd_of_the_same_formula(objective, dty
 def test_fused_hidden_state_path_equals_the_logits_path(make):
     """HeadLogits(hidden, W, 1/T) gives the same loss, hidden-state gradient and head gradient as
     materialised logits (hidden @ W.T) / T, for closed-form and autograd objectives alike."""
-    from kdlab.objectives import HeadLogits, kl_diagnostics
+    from kdlab.objectives import HeadLogits
+    from kdlab.objectives.kl import kl_diagnostics
 
     generator = torch.Generator().manual_seed(3)
     hidden = torch.randn(2, 5, 8, generator=generator, dtype=torch.float64)
@@ -295,7 +287,7 @@ class OwnSquaredDistance(KLObjective):
 def test_every_objective_reports_exact_diagnostics_from_its_own_pass(objective, block_elements, monkeypatch):
     """The loss pass gives the exact KLs and entropies (reduced like the loss, not importance-weighted),
     whatever the block size; the separate kl_diagnostics pass is never needed."""
-    import kdlab.kl_kernels as kernels
+    import kdlab.objectives.kernels as kernels
 
     monkeypatch.setattr(kernels, "CPU_BLOCK_ELEMENTS", block_elements)
     s, t, mask = logits(41).requires_grad_(True), logits(42), ragged_mask()
@@ -311,7 +303,7 @@ def test_every_objective_reports_exact_diagnostics_from_its_own_pass(objective, 
 def test_block_size_changes_nothing_on_ragged_and_bf16_inputs(make, block_elements, monkeypatch):
     """Blocks read rows in place when positions are consecutive and copy them otherwise (ragged masks,
     bf16 logits); the loss and gradient are those of the autograd formula either way."""
-    import kdlab.kl_kernels as kernels
+    import kdlab.objectives.kernels as kernels
 
     s32, t32, mask = logits(43, dtype=torch.float32), logits(44, dtype=torch.float32), ragged_mask()
     reference = s32.clone().requires_grad_(True)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import yaml
 
-from kdlab.cli import main
-from kdlab.pipeline import load_pipeline
+from kdlab.cli.main import main
+from kdlab.study.pipeline import load_pipeline
 
 ROOT = Path(__file__).parents[1]
 

@@ -18,9 +18,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from kdlab.models import ModelSpec, end_token_ids, export_pretrained, load_causal_lm, load_tokenizer, merged_weights, shared_vocab_size
-from kdlab.module import DistillModule
+from kdlab.models import ModelSpec, export_pretrained, load_causal_lm, load_tokenizer
+from kdlab.models.export import merged_weights
+from kdlab.models.loading import end_token_ids, shared_vocab_size
 from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherRollouts
+from kdlab.stages import DistillModule
 from kdlab.tasks import Addition
 from kdlab.tasks.base import Task
 
@@ -43,7 +45,7 @@ def test_the_real_model_tests_ran_where_ci_requires_them():
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
     """The GGUF model and tokenizer (loaded once), its Hugging Face export and its pruned copy."""
-    from kdlab.cli import main
+    from kdlab.cli.main import main
 
     root = tmp_path_factory.mktemp("smollm2")
     spec = ModelSpec(REAL)
@@ -196,12 +198,12 @@ def test_heldout_kl_on_the_real_pair_and_lenient_counting(real, tmp_path):
     """HeldOutKL over SmolLM2's whole 49,152-token vocabulary, and the last-number scorer on its own words."""
     import json
 
-    from kdlab.heldout_kl import HeldOutKL
+    from kdlab.callbacks import HeldOutKL
     from kdlab.tasks import Counting
 
     task = Counting(num_train=2, num_val=2, answer_from="last_number")
     module = distill(real, TeacherRollouts(), task=task, max_completion_tokens=8)
-    assert module.vocab_size == 49152
+    assert module.token_columns == 49152
     fit = trainer(tmp_path, 1)
     HeldOutKL(examples=2, batch_size=2).on_fit_start(fit, module)
     (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

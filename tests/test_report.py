@@ -11,8 +11,9 @@ import pytest
 import yaml
 from torch.utils.tensorboard import SummaryWriter
 
-from kdlab.cli import main
-from kdlab.report import collect, group_runs, lr_levels
+from kdlab.cli.main import main
+from kdlab.study.groups import group_runs, lr_levels
+from kdlab.study.runs import collect
 
 
 def make_run(root, name, rollout, objective, lr, seed, rows=(), lam=None, max_steps=4):
@@ -192,7 +193,7 @@ def test_missing_matplotlib_names_the_extra(runs, tmp_path, monkeypatch):
 
 
 def test_a_null_setting_reads_like_an_absent_one():
-    from kdlab.report import _flatten
+    from kdlab.study.runs import _flatten
 
     assert _flatten({"model": {"stop_strings": None, "lr": 1e-4}}) == _flatten({"model": {"lr": 1e-4}}) == {"model.lr": "0.0001"}
 
@@ -259,7 +260,7 @@ def test_figures_name_their_metric_and_say_when_every_value_is_equal(tmp_path, m
     make_run(tmp_path, "a", "TeacherRollouts", "ForwardKL", 1e-4, 42, [{"step": 4, "val/accuracy": 0.0}])
     make_run(tmp_path, "b", "StudentRollouts", "ForwardKL", 1e-4, 42, [{"step": 4, "val/accuracy": 0.0}])
     figures = {}
-    monkeypatch.setattr("kdlab.report._write_tensorboard", lambda directory, figs, text: figures.update(figs))
+    monkeypatch.setattr("kdlab.study.report._write_tensorboard", lambda directory, figs, text: figures.update(figs))
     main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--output", str(tmp_path / "out")])
     (ax,) = figures["accuracy"].axes
     assert ax.get_xlim() == (0.0, 100.0) and "val/accuracy" in ax.get_title()
@@ -268,7 +269,7 @@ def test_figures_name_their_metric_and_say_when_every_value_is_equal(tmp_path, m
 
 # ---- uncertainty -------------------------------------------------------------------------------
 def test_bootstrap_interval_covers_problems_and_samples():
-    from kdlab.report import bootstrap_interval
+    from kdlab.study.stats import bootstrap_interval
 
     assert bootstrap_interval([{"a": [1.0, 1.0], "b": [0.0, 0.0]}] * 2, draws=500)[0] < 0.5  # problems vary
     assert bootstrap_interval([{str(i): [1.0] * 3 for i in range(5)}]) == (1.0, 1.0)
@@ -309,7 +310,7 @@ def test_the_report_of_a_real_fit_and_of_its_interrupted_rerun(tmp_path, monkeyp
     samples; a second fit of the same config stopped by Ctrl-C before it finished is refused."""
     import signal
 
-    from kdlab.module import DistillModule
+    from kdlab.stages import DistillModule
 
     monkeypatch.setattr("sys.argv", ["kdlab"])
     smoke = str(Path(__file__).parents[1] / "experiments" / "tiny" / "smoke.yaml")
@@ -333,12 +334,12 @@ def test_the_report_of_a_real_fit_and_of_its_interrupted_rerun(tmp_path, monkeyp
 def test_a_grpo_run_is_named_by_its_stage_not_as_a_distillation(tmp_path):
     """A GRPOModule config has no rollout policy or KL objective: it must not read as OffPD forward KL
     (the defaults of DistillModule), nor take the paper's distillation numbers."""
-    from kdlab.report import read_run
+    from kdlab.study.runs import read_run
 
     run = tmp_path / "grpo"
     run.mkdir()
     config = {"seed_everything": 0, "trainer": {"max_steps": 2},
-              "model": {"class_path": "kdlab.grpo.GRPOModule", "init_args": {"lr": 5e-4, "task": {"class_path": "kdlab.tasks.Addition"}}}}
+              "model": {"class_path": "kdlab.stages.GRPOModule", "init_args": {"lr": 5e-4, "task": {"class_path": "kdlab.tasks.Addition"}}}}
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "val/accuracy": 0.5}) + "\n")
     result = read_run(run)
@@ -350,7 +351,7 @@ def test_a_grpo_run_is_named_by_its_stage_not_as_a_distillation(tmp_path):
 def test_a_setting_at_its_default_reads_as_absent(tmp_path):
     """Runs saved before a class gained an argument (absent) and after (at its default) are one
     configuration; a run that changed the argument is another."""
-    from kdlab.report import read_run
+    from kdlab.study.runs import read_run
 
     def run(name, task_args, lr=1e-4):
         folder = tmp_path / name

@@ -11,9 +11,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from kdlab.module import DistillModule
 from kdlab.objectives import SampledForwardKL
 from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherRollouts
+from kdlab.stages import DistillModule
 from kdlab.tasks import Addition
 
 POLICIES = {"offpolicy": TeacherRollouts, "onpolicy": StudentRollouts, "mixture": lambda: MixtureRollouts(0.3)}
@@ -129,7 +129,7 @@ LOGGED = [  # validation at step 4, checkpoints every 2 steps, a callback writin
 
 
 def cli_fit(save_dir, *extra):
-    from kdlab.cli import main
+    from kdlab.cli.main import main
 
     return main(["fit", f"--config={SMOKE}", *LOGGED, f"--trainer.logger.init_args.save_dir={save_dir}", *extra])
 

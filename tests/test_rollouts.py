@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from kdlab.module import DistillModule
-from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherRollouts, mixture_logprobs
+from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherRollouts
+from kdlab.rollouts.policies import mixture_logprobs
+from kdlab.stages import DistillModule
 from kdlab.tasks import Addition
 
 V = 9
@@ -155,7 +156,7 @@ def test_truncated_teacher_responses_do_not_get_an_end_token(module, tmp_path):
 
 
 def test_generate_records_whether_each_sample_ended(module, tmp_path):
-    from kdlab.evaluation import sample_completions
+    from kdlab.rollouts.decoding import sample_completions
 
     samples = sample_completions(module.teacher, module.teacher_tokenizer, module.task, module.task.examples("train")[:4], max_new_tokens=2)
     assert all(isinstance(text, str) for text, _ in samples)
@@ -163,7 +164,7 @@ def test_generate_records_whether_each_sample_ended(module, tmp_path):
 
 
 def test_per_row_budgets_and_stop_strings_end_rows_where_they_should():
-    from kdlab.decoding import sample_tokens
+    from kdlab.rollouts.decoding import sample_tokens
 
     vocab = 6
 
@@ -184,9 +185,8 @@ def test_per_row_budgets_and_stop_strings_end_rows_where_they_should():
 
 
 def test_stop_strings_end_rollouts_and_evaluation_keeping_the_string(tiny_pair):
-    from kdlab.decoding import stop_strings_check
-    from kdlab.evaluation import sample_completions
     from kdlab.models import ModelSpec, load_tokenizer
+    from kdlab.rollouts.decoding import sample_completions, stop_strings_check
 
     tokenizer = load_tokenizer(ModelSpec(tiny_pair[0]))
     check = stop_strings_check(tokenizer, ["</answer>"])
@@ -210,8 +210,8 @@ def test_wrapped_models_are_asked_with_the_inner_models_arguments(tiny_pair):
     """FSDP1, DDP, compile and peft wrappers take ``*args, **kwargs``; kdlab looks through them, so a
     wrapped model still gets ``logits_to_keep`` (no prompt logits) and its KV-cache argument."""
     peft = pytest.importorskip("peft")
-    from kdlab.decoding import _cache_argument, _forward_parameters, innermost_model
     from kdlab.models import ModelSpec, load_causal_lm
+    from kdlab.objectives.logits import cache_argument, forward_parameters, innermost_model
 
     model = load_causal_lm(ModelSpec(tiny_pair[0]))
     compiled = torch.compile(model)
@@ -219,6 +219,6 @@ def test_wrapped_models_are_asked_with_the_inner_models_arguments(tiny_pair):
     ddp_like = torch.nn.Module()
     ddp_like.module = compiled
     assert innermost_model(ddp_like) is model
-    assert "logits_to_keep" in _forward_parameters(ddp_like) and _cache_argument(ddp_like) == _cache_argument(model)
+    assert "logits_to_keep" in forward_parameters(ddp_like) and cache_argument(ddp_like) == cache_argument(model)
     lora = peft.get_peft_model(load_causal_lm(ModelSpec(tiny_pair[0])), peft.LoraConfig(r=2, target_modules=["q_proj"]))
     assert type(innermost_model(lora)).__name__ == type(model).__name__

@@ -4,7 +4,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from kdlab.sft import SFTModule
+from kdlab.stages import SFTModule
 from kdlab.tasks import Addition
 
 
@@ -67,7 +67,7 @@ def test_saved_model_reloads_with_its_tokenizer(tiny_pair, tmp_path):
 def test_lora_sft_trains_only_the_adapters_and_exports_merged_weights(tiny_pair, tmp_path):
     pytest.importorskip("peft")
     from kdlab.models import ModelSpec, load_causal_lm
-    from kdlab.sft import LoraSpec
+    from kdlab.stages.lora import LoraSpec
 
     module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=8)], lr=1e-2, warmup_steps=1, batch_size=8, schedule="constant",
                        lora=LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]), export_dir=str(tmp_path / "merged"))

@@ -12,9 +12,9 @@ import pytest
 import yaml
 from lightning.pytorch import Callback
 
-import kdlab.cli
-from kdlab.cli import main
-from kdlab.sweep import Sweep, expand, fit_args, load_sweep, short_keys
+import kdlab.cli.lightning
+from kdlab.cli.main import main
+from kdlab.study.grid import Sweep, expand, fit_args, load_sweep, short_keys
 
 ROOT = Path(__file__).parents[1]
 SMOKE = str(ROOT / "experiments" / "tiny" / "smoke.yaml")
@@ -40,8 +40,8 @@ def clean_argv(monkeypatch):
 @pytest.fixture
 def fits(monkeypatch):
     """The argument lists of every in-process ``kdlab fit`` the sweep starts."""
-    calls, real = [], kdlab.cli.main
-    monkeypatch.setattr(kdlab.cli, "main", lambda args=None: calls.append(sys.argv[1:] if args is None else args) or real(args))
+    calls, real = [], kdlab.cli.lightning.run_lightning
+    monkeypatch.setattr(kdlab.cli.lightning, "run_lightning", lambda args, **kw: calls.append(list(args)) or real(args, **kw))
     return calls
 
 
@@ -117,7 +117,7 @@ BAD = {
     "missing base file": ({"base": "no/such.yaml"}, r"sweep\.base: no such file 'no/such.yaml'"),
     "missing output": ({"output": None}, r"the key 'output' is missing"),
     "empty grid list": ({"grid": {"model.lr": []}}, r"sweep\.grid\['model\.lr'\] must be a non-empty list"),
-    "unknown mode": ({"mode": "parallel"}, r"sweep\.mode must be one of sequential, processes, print, got 'parallel'"),
+    "unknown mode": ({"mode": "parallel"}, r"sweep\.mode must be one of sequential, processes, print, slurm, got 'parallel'"),
     "seeds not ints": ({"seeds": [42, "43"]}, r"sweep\.seeds must be a non-empty list of ints"),
     "seeds not a list": ({"seeds": 42}, r"sweep\.seeds must be a non-empty list of ints, got 42"),
     "unknown key": ({"seed": [1]}, r"unknown key 'seed'"),
@@ -247,7 +247,7 @@ def test_a_run_stopped_by_sigterm_exits_non_zero_and_is_not_marked_done(tmp_path
     import subprocess
     import time
 
-    from kdlab.sweep import _Sweeper
+    from kdlab.study.sweep import _Sweeper
 
     path = write_sweep(tmp_path, {"model.lr": [1.0e-3]}, mode="processes")
     sweeper = _Sweeper(load_sweep(path), str(path))
@@ -291,7 +291,7 @@ def test_sigterm_stops_a_sequential_sweep_instead_of_starting_the_next_run(tmp_p
 def test_a_rerun_resumes_from_the_newer_of_on_exception_and_last(tmp_path):
     import os
 
-    from kdlab.sweep import _prepare
+    from kdlab.study.sweep import _prepare
 
     checkpoints = tmp_path / "run" / "checkpoints"
     checkpoints.mkdir(parents=True)
@@ -304,3 +304,33 @@ def test_a_rerun_resumes_from_the_newer_of_on_exception_and_last(tmp_path):
     assert _prepare(tmp_path / "run") == str(checkpoints / "on_exception.ckpt")
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     assert _prepare(tmp_path / "empty") is None and not (tmp_path / "empty").exists()
+
+
+# ---- slurm mode (submitit; its local executor stands in for the cluster) ------------------------
+def test_slurm_mode_runs_each_run_as_a_submitit_job_and_resumes_nothing_done(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("submitit")
+    monkeypatch.chdir(ROOT)  # jobs start where the sweep started: SMOKE's relative paths resolve from here
+    path = write_sweep(tmp_path, {"model.objective": [FKL, RKL]}, mode="slurm", max_parallel=2, slurm={"cluster": "local", "timeout_min": 10})
+    main(["sweep", "--config", str(path)])
+    runs = json.loads((tmp_path / "out" / "sweep.json").read_text())["runs"]
+    assert [r["status"] for r in runs] == ["done", "done"]
+    assert all(r["job_id"] for r in runs) and len({r["job_id"] for r in runs}) == 2  # one job per run
+    for r in runs:  # each job ran kdlab fit: the run's own directory, its checkpoint and the sweep's DONE summary
+        run_dir = tmp_path / "out" / r["name"]
+        assert (run_dir / "DONE").is_file() and (run_dir / "checkpoints" / "final.ckpt").is_file()
+        assert json.loads((run_dir / "DONE").read_text())["global_step"] == 1
+    assert list((tmp_path / "out" / "slurm").glob("*_log.out"))  # submitit's job logs
+    capsys.readouterr()
+    main(["sweep", "--config", str(path)])  # run again: both done, nothing is submitted
+    assert "submitted" not in capsys.readouterr().out
+    assert statuses(tmp_path) == {r["name"]: "skipped" for r in runs}
+
+
+def test_slurm_settings_submitit_does_not_know_fail_before_any_job(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("submitit")
+    monkeypatch.chdir(ROOT)
+    path = write_sweep(tmp_path, {"model.objective": [FKL]}, mode="slurm", slurm={"cluster": "local", "slurm_partiton": "gpu"})
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sweep", "--config", str(path)])
+    assert exit_info.value.code == 2 and re.search(r"sweep.slurm: .*partiton", capsys.readouterr().err)
+    assert not (tmp_path / "out" / "slurm").exists() or not list((tmp_path / "out" / "slurm").iterdir())

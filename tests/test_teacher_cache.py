@@ -4,8 +4,9 @@
 import pytest
 import torch
 
-from kdlab.objectives import ForwardKL, ReverseKL, SampledReverseKL, kl_diagnostics
-from kdlab.teacher_cache import TeacherCache, TopKLogprobs, expand_topk, top_k_logprobs, write_cache
+from kdlab.objectives import ForwardKL, ReverseKL, SampledReverseKL
+from kdlab.objectives.kl import kl_diagnostics
+from kdlab.rollouts.teacher_cache import TeacherCache, TopKLogprobs, expand_topk, top_k_logprobs, write_cache
 
 
 def test_a_top_k_teacher_keeps_the_top_k_exactly_and_spreads_the_tail_evenly():
@@ -90,10 +91,10 @@ def test_cache_files_check_what_they_were_computed_on(tmp_path):
 def test_distillation_from_a_full_cache_equals_distillation_from_the_teacher_without_loading_it(tiny_pair, tmp_path):
     """kdlab generate --top_k V writes the teacher's exact log-probs; a DistillModule with teacher: null
     reading them computes the same loss and gradients as one that runs the teacher."""
-    from kdlab.module import DistillModule
     from kdlab.rollouts import TeacherRollouts
+    from kdlab.rollouts.teacher_data import generate_teacher_data
+    from kdlab.stages import DistillModule
     from kdlab.tasks import Addition
-    from kdlab.teacher_data import generate_teacher_data
 
     task = Addition(num_train=4, num_val=0, num_test=0)
     data = tmp_path / "teacher.jsonl"

@@ -1,4 +1,4 @@
-from kdlab.metrics import detect_language
+from kdlab.evaluation.metrics import detect_language
 from kdlab.tasks.countdown import verify
 from kdlab.tiny.world import SPANISH_INSTRUCTION, countdown, countdown_rows, trace
 
@@ -29,7 +29,8 @@ def test_tiny_countdown_prompt_is_only_the_problem():
 
 
 def test_packaged_world_pair_shares_a_vocabulary_and_the_teacher_is_several_times_larger():
-    from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer, shared_vocab_size
+    from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
+    from kdlab.models.loading import shared_vocab_size
 
     specs = {role: ModelSpec(f"kdlab://tiny/{role}") for role in ("student", "teacher")}
     models = {role: load_causal_lm(spec) for role, spec in specs.items()}
@@ -42,16 +43,16 @@ def test_packaged_world_pair_shares_a_vocabulary_and_the_teacher_is_several_time
 
 def test_packaged_teacher_solves_and_switches_language_on_a_few_problems():
     """A cheap check of the model card's claims on 12 held-out problems (the card measures 200)."""
-    from kdlab.evaluation import accuracy, generate
-    from kdlab.metrics import spanish_share
+    from kdlab.evaluation.metrics import spanish_share
+    from kdlab.evaluation.scoring import accuracy, completion_texts
     from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
 
     spec = ModelSpec("kdlab://tiny/teacher")
     model, tokenizer = load_causal_lm(spec), load_tokenizer(spec)
     task = countdown(num_train=0, num_val=12, num_test=0)
     examples = task.examples("val")
-    english = generate(model, tokenizer, task, examples, max_new_tokens=80)
-    spanish = generate(model, tokenizer, task, examples, role="teacher", max_new_tokens=80)
+    english = completion_texts(model, tokenizer, task, examples, max_new_tokens=80)
+    spanish = completion_texts(model, tokenizer, task, examples, role="teacher", max_new_tokens=80)
     assert accuracy(task, examples, english) >= 0.5
     assert spanish_share(english) == 0.0 and spanish_share(spanish) == 1.0
 
@@ -62,7 +63,7 @@ def test_teacher_4e_build_trains_a_copy_and_writes_its_card(tmp_path):
     import json
     import shutil
 
-    from kdlab.models import ASSETS
+    from kdlab.models.loading import ASSETS
     from kdlab.tiny.build import TEACHER_4E, build_teacher_4e, teacher_4e_targets
 
     tiny = tmp_path / "tiny"

@@ -1,4 +1,4 @@
-"""The study's verdicts (kdlab.verdicts): hand-made study folders with known per-sample scores, so each
+"""The study's verdicts (kdlab.study.verdicts): hand-made study folders with known per-sample scores, so each
 verdict's effect, interval and word are known in advance."""
 
 import json
@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kdlab.report import bootstrap_contrast, collect
-from kdlab.verdicts import (
+from kdlab.study.runs import collect
+from kdlab.study.stats import bootstrap_contrast
+from kdlab.study.verdicts import (
     NOT_DISTINGUISHABLE,
     NOT_REPRODUCED,
     NOT_RUN,
@@ -105,7 +106,7 @@ def test_forgetting_needs_the_high_lr_drop_beyond_its_interval(tmp_path):
 
 
 def test_report_writes_the_verdicts_and_sums_wall_time(tmp_path, capsys):
-    from kdlab.report import main
+    from kdlab.study.report import main
 
     make_grid(tmp_path, lambda *a: 0.5, lambda *a: 0.0)
     assert is_study(tmp_path) and not is_study(tmp_path / "distill")

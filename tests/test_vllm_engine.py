@@ -2,15 +2,16 @@
 DistillModule applies the weights. vLLM itself needs CUDA and is not installed in CI."""
 
 import math
-import re
 import os
+import re
 import sys
 
 import pytest
 import torch
 
-from kdlab.models import hf_weight_name, merged_weights
-from kdlab.vllm_engine import VLLM_API, importance_weights, sampled_token_logprobs, sampling_params
+from kdlab.models.export import hf_weight_name, merged_weights
+from kdlab.rollouts.policies import importance_weights
+from kdlab.rollouts.vllm import VLLM_API, sampled_token_logprobs, sampling_params
 
 
 def test_sampling_settings_translate_to_vllm_arguments():
@@ -95,7 +96,7 @@ def test_the_sampled_tokens_log_probs_are_read_from_each_position():
 
 
 def test_vllm_rollouts_without_vllm_name_the_extra(monkeypatch):
-    from kdlab.vllm_engine import VLLMRollouts
+    from kdlab.rollouts import VLLMRollouts
 
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ImportError, match=r"VLLMRollouts needs vLLM.*pip install 'kdlab\[vllm\]'"):
@@ -103,7 +104,7 @@ def test_vllm_rollouts_without_vllm_name_the_extra(monkeypatch):
 
 
 def test_a_student_engine_must_be_one_in_process_worker(monkeypatch):
-    from kdlab.vllm_engine import VLLMRollouts
+    from kdlab.rollouts import VLLMRollouts
 
     monkeypatch.setitem(sys.modules, "vllm", _FakeVLLM(0))
     with pytest.raises(ValueError, match="VLLMRollouts.tensor_parallel_size must be 1 for model: student"):
@@ -114,8 +115,8 @@ def test_a_student_engine_must_be_one_in_process_worker(monkeypatch):
 def test_distillation_weights_each_completion_by_its_importance_weight(tiny_pair):
     """A policy reporting behaviour log-probs log q = log p - log 2 (the engine gave each token half the
     student's probability) doubles every completion's weight: the loss is twice the plain one."""
-    from kdlab.module import DistillModule
     from kdlab.rollouts import StudentRollouts
+    from kdlab.stages import DistillModule
     from kdlab.tasks import Addition
 
     class LaggingEngine(StudentRollouts):
@@ -125,7 +126,7 @@ def test_distillation_weights_each_completion_by_its_importance_weight(tiny_pair
             rollout = super().sample(prompts, context)
             inputs = rollout.model_inputs("student")
             with torch.no_grad():
-                logits = context.student(**inputs).logits[:, -rollout.completion_ids.shape[1] - 1 : -1, : context.vocab_size]
+                logits = context.student(**inputs).logits[:, -rollout.completion_ids.shape[1] - 1 : -1, : context.token_columns]
             logp = torch.log_softmax(logits.float() / context.student_temperature, -1).gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
             rollout.behaviour_logprobs = logp - self.shift
             return rollout
@@ -153,7 +154,7 @@ def _only(api: str, given: dict) -> None:
     """A TypeError, as Python gives, for a keyword that the named vLLM callable does not take."""
     unknown = sorted(set(given) - set(VLLM_API[api]))
     if unknown:
-        raise TypeError(f"{api}() got unexpected keyword arguments {unknown} (the stand-in takes kdlab.vllm_engine.VLLM_API[{api!r}])")
+        raise TypeError(f"{api}() got unexpected keyword arguments {unknown} (the stand-in takes kdlab.rollouts.vllm.VLLM_API[{api!r}])")
 
 
 class _FakeVLLM:
@@ -164,7 +165,7 @@ class _FakeVLLM:
 
     Its callables have vLLM's signatures (``LLM(model, **engine_args)``, ``generate(prompts,
     sampling_params=None, *, use_tqdm=True)``, ``collective_rpc(method, timeout=None, args=(),
-    kwargs=None)``) and accept only the keywords listed in :data:`kdlab.vllm_engine.VLLM_API`, which
+    kwargs=None)``) and accept only the keywords listed in :data:`kdlab.rollouts.vllm.VLLM_API`, which
     ``scripts/check_vllm_api.py`` checks against the real classes; any other keyword is a TypeError."""
 
     def __init__(self, end: int, completion: list[int] | None = None, logprobs: list[float] | None = None) -> None:
@@ -228,10 +229,10 @@ def test_the_stand_in_rejects_what_vllm_would(monkeypatch):
 
 
 def test_vllm_rollouts_drive_the_engine_and_weight_each_completion(tiny_pair, monkeypatch):
-    from kdlab.models import end_token_ids
-    from kdlab.module import DistillModule
+    from kdlab.models.loading import end_token_ids
+    from kdlab.rollouts import VLLMRollouts
+    from kdlab.stages import DistillModule
     from kdlab.tasks import Addition
-    from kdlab.vllm_engine import VLLMRollouts
 
     module = DistillModule(*tiny_pair, Addition(num_train=4), max_completion_tokens=5, batch_size=4, stop_strings=["</answer>"])
     # log q per token: the 2nd token's -30 makes its ratio p / q huge, so the cap (2) decides it
@@ -248,7 +249,7 @@ def test_vllm_rollouts_drive_the_engine_and_weight_each_completion(tiny_pair, mo
     (engine,) = fake.engines  # built once, from the student's files
     assert engine["model"] == module.student_spec.resolved and engine["logprobs_mode"] == "processed_logprobs"
     assert engine["dtype"] == "bfloat16"  # the engine's own dtype wins over the student's float32
-    assert engine["worker_extension_cls"] == "kdlab.vllm_engine.WeightLoaderExtension"
+    assert engine["worker_extension_cls"] == "kdlab.rollouts.vllm.WeightLoaderExtension"
     assert len(fake.requests) == 3 and len(fake.pushes) == 2  # pushed at steps 0 and 2 (sync_every 2)
     assert fake.resets == 2  # the prefix cache is dropped after every push
     method, weights = fake.pushes[0]
@@ -268,7 +269,7 @@ def test_vllm_rollouts_drive_the_engine_and_weight_each_completion(tiny_pair, mo
     weights = []
     for prompt in expected:
         with torch.no_grad():
-            logits = module.student(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1, : module.vocab_size]
+            logits = module.student(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1, : module.token_columns]
         log_p = torch.log_softmax(logits.double(), -1)[torch.arange(3), completion]
         assert log_p[1] - log_q[1] > math.log(2.0)  # the capped token
         weights.append(torch.exp(log_p - log_q).clamp(max=2.0).mean())
@@ -281,11 +282,11 @@ def test_teacher_data_from_vllm_has_the_hf_engines_format(tiny_pair, tmp_path, m
     never loads the Hugging Face teacher, and writes the same rows (text without the end token, ``ended``)."""
     import json
 
-    from kdlab import teacher_data
     from kdlab.data import prompt_token_ids
     from kdlab.models import ModelSpec, load_tokenizer
+    from kdlab.rollouts import teacher_data
+    from kdlab.rollouts.vllm import engine_end_ids
     from kdlab.tasks import Addition
-    from kdlab.vllm_engine import engine_end_ids
 
     spec = ModelSpec(tiny_pair[1])
     tokenizer = load_tokenizer(spec)
@@ -313,8 +314,8 @@ def test_teacher_data_from_vllm_has_the_hf_engines_format(tiny_pair, tmp_path, m
 
 def test_generate_engine_settings_are_checked_before_any_work(tiny_pair, tmp_path):
     from kdlab.models import ModelSpec
+    from kdlab.rollouts.teacher_data import generate_teacher_data
     from kdlab.tasks import Addition
-    from kdlab.teacher_data import generate_teacher_data
 
     with pytest.raises(ValueError, match="generate.engine must be one of"):
         generate_teacher_data(ModelSpec(tiny_pair[1]), Addition(num_train=2), str(tmp_path / "x.jsonl"), engine="sglang")
@@ -325,7 +326,7 @@ def test_generate_engine_settings_are_checked_before_any_work(tiny_pair, tmp_pat
 def test_engines_inside_a_multi_process_job_join_it_through_the_external_launcher(monkeypatch):
     import torch.distributed as dist
 
-    from kdlab.vllm_engine import colocated_engine_args
+    from kdlab.rollouts.vllm import colocated_engine_args
 
     assert colocated_engine_args() == {}  # one process: vLLM's own in-process executor
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # set then deleted: monkeypatch restores the original state
@@ -339,7 +340,7 @@ def test_engines_inside_a_multi_process_job_join_it_through_the_external_launche
     # ranks hold different prompts, so an engine spanning several ranks (tensor parallel) cannot serve them
     from types import SimpleNamespace
 
-    from kdlab.vllm_engine import VLLMRollouts
+    from kdlab.rollouts import VLLMRollouts
 
     monkeypatch.setitem(sys.modules, "vllm", _FakeVLLM(0))
     spec = SimpleNamespace(resolved="teacher", dtype="float32", revision=None, trust_remote_code=False)
@@ -356,7 +357,7 @@ def test_the_vllm_api_kdlab_relies_on_matches_the_pinned_release():
     import subprocess
     from pathlib import Path
 
-    from kdlab.vllm_engine import VLLM_VERSION
+    from kdlab.rollouts.vllm import VLLM_VERSION
 
     root = Path(__file__).parents[1]
     venv = os.environ.get("KDLAB_VLLM_API_VENV", f"/tmp/kdlab-vllm-api-{VLLM_VERSION}")
@@ -399,7 +400,7 @@ def test_an_engine_is_not_started_for_a_model_vllm_would_load_differently(spec, 
     """vLLM loads ``spec.resolved`` itself: a depth-pruned spec (it would load every layer, then receive
     pruned weights) or a GGUF file (kdlab dequantises it) is refused, naming the model, before any engine."""
     from kdlab.models import ModelSpec
-    from kdlab.vllm_engine import engine_settings
+    from kdlab.rollouts.vllm import engine_settings
 
     with pytest.raises(ValueError, match=re.escape(words)):
         engine_settings(ModelSpec(**spec), seed=0)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kdlab.evaluation import sample_completions
+from kdlab.rollouts.decoding import sample_completions
 from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
 from kdlab.tasks import Addition, Countdown, Counting, Reversal, Sorting
 
@@ -66,7 +66,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", type=int, default=50)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--layers", nargs="+", default=["every_other"], help="each student's kept layers (kdlab.pruning)")
+    parser.add_argument("--layers", nargs="+", default=["every_other"], help="each student's kept layers (kdlab.models.pruning)")
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--split", default="test", choices=["val", "test"], help="the tasks' split (grid.yaml evaluates on val)")
     parser.add_argument("--tasks", nargs="+", help="only these tasks (default: every offline task)")

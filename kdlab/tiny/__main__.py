@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kdlab.models import ASSETS
+from kdlab.models.loading import ASSETS
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,7 +5,7 @@ for tests that need real architectures but no skill.
 
 ``world``: the tiny world (``kdlab://tiny``). A byte-level BPE tokenizer is trained on the world's
 text; a teacher (Qwen2, several times larger) and a student are initialised from fixed seeds and
-trained from scratch with :class:`kdlab.sft.SFTModule` on CPU; both are then measured and a model
+trained from scratch with :class:`kdlab.stages.sft.SFTModule` on CPU; both are then measured and a model
 card records how they were built and what they score. The same command rebuilds them
 bit-for-bit on the same software stack (fixed seeds, one thread, deterministic kernels).
 """
@@ -131,7 +131,7 @@ def _train(model_dir: Path, rows: list[dict[str, Any]], epochs: int, lr: float, 
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from kdlab.sft import SFTModule
+    from kdlab.stages.sft import SFTModule
 
     data = model_dir.parent / f"{name}-sft.jsonl"
     _write_jsonl(data, rows)
@@ -154,19 +154,19 @@ def _train(model_dir: Path, rows: list[dict[str, Any]], epochs: int, lr: float, 
 
 def greedy_countdown(model: Any, tokenizer: Any, variant: str, n: int) -> tuple[Any, list, list[str]]:
     """``(task, examples, greedy completions)`` for the first ``n`` held-out problems of a tiny-world Countdown."""
-    from kdlab.evaluation import generate
+    from kdlab.evaluation.scoring import completion_texts
     from kdlab.tiny.world import countdown
 
     task = countdown(variant, num_train=0, num_val=n, num_test=0)
     examples = task.examples("val")
-    return task, examples, generate(model, tokenizer, task, examples, temperature=0.0, max_new_tokens=96, batch_size=50)
+    return task, examples, completion_texts(model, tokenizer, task, examples, temperature=0.0, max_new_tokens=96, batch_size=50)
 
 
 def measure(model_dir: Path, recipe: dict[str, Any] = RECIPE) -> dict[str, Any]:
     """Greedy held-out accuracies and Spanish shares of one tiny-world model."""
-    from kdlab.evaluation import accuracy, generate
-    from kdlab.metrics import spanish_share
-    from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
+    from kdlab.evaluation.metrics import spanish_share
+    from kdlab.evaluation.scoring import accuracy, completion_texts
+    from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer
     from kdlab.tiny.world import countdown, skills
 
     spec = ModelSpec(str(model_dir))
@@ -180,12 +180,12 @@ def measure(model_dir: Path, recipe: dict[str, Any] = RECIPE) -> dict[str, Any]:
             as_expression = countdown(variant, num_train=0, num_val=n, num_test=0, answer_format="expression")
             results["countdown3_expression_accuracy"] = accuracy(as_expression, examples, texts)
             results["english_prompt_spanish_share"] = spanish_share(texts)
-            spanish = generate(model, tokenizer, task, examples, role="teacher", temperature=0.0, max_new_tokens=96, batch_size=50)
+            spanish = completion_texts(model, tokenizer, task, examples, role="teacher", temperature=0.0, max_new_tokens=96, batch_size=50)
             results["spanish_prompt_spanish_share"] = spanish_share(spanish)
             results["spanish_prompt_accuracy"] = accuracy(task, examples, spanish)
     for task in skills(num_train=0, num_val=n):
         examples = task.examples("val")
-        texts = generate(model, tokenizer, task, examples, temperature=0.0, max_new_tokens=24, batch_size=100)
+        texts = completion_texts(model, tokenizer, task, examples, temperature=0.0, max_new_tokens=24, batch_size=100)
         results[f"{type(task).__name__.lower()}_accuracy"] = accuracy(task, examples, texts)
     results["parameters"] = sum(p.numel() for p in model.parameters())
     return results
@@ -262,9 +262,9 @@ def build_world(out_dir: Path, recipe: dict[str, Any] = RECIPE, keep_teacher: bo
 def measure_4e(model_dir: Path, recipe: dict[str, Any] = TEACHER_4E) -> dict[str, Any]:
     """Greedy held-out Countdown-3 and Countdown-4E accuracy, and Countdown-4E pass@1/pass@10 from
     ``pass_at_k_samples`` samples per problem at ``pass_at_k_temperature`` (seeded), of one model."""
-    from kdlab.evaluation import accuracy, generate
-    from kdlab.metrics import pass_at_k
-    from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
+    from kdlab.evaluation.metrics import pass_at_k
+    from kdlab.evaluation.scoring import accuracy, completion_texts
+    from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer
 
     spec = ModelSpec(str(model_dir))
     model, tokenizer = load_causal_lm(spec), load_tokenizer(spec)
@@ -275,7 +275,7 @@ def measure_4e(model_dir: Path, recipe: dict[str, Any] = TEACHER_4E) -> dict[str
         results[f"{variant}_accuracy"] = accuracy(task, examples, texts)
     repeated = [example for example in examples for _ in range(samples)]
     generator = torch.Generator().manual_seed(0)
-    texts = generate(model, tokenizer, task, repeated, temperature=recipe["pass_at_k_temperature"], max_new_tokens=96,
+    texts = completion_texts(model, tokenizer, task, repeated, temperature=recipe["pass_at_k_temperature"], max_new_tokens=96,
                      batch_size=200, generator=generator)
     correct = [sum(task.score(e, t) >= 1.0 for e, t in zip(repeated[i:i + samples], texts[i:i + samples]))
                for i in range(0, len(repeated), samples)]

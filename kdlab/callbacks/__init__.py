@@ -1,0 +1,17 @@
+"""Callbacks that measure what a stage does to the student: they read and log, never train.
+
+* :mod:`kdlab.callbacks.periodic`: the shared schedule (every N steps, at start and end) and sampling;
+* :mod:`kdlab.callbacks.sparsity`: ``UpdateSparsity``;
+* :mod:`kdlab.callbacks.evaluations`: ``OODForgetting``, ``StyleTransfer``, ``Coverage``;
+* :mod:`kdlab.callbacks.heldout_kl`: ``HeldOutKL``;
+* :mod:`kdlab.callbacks.monitors`: ``RolloutSensitivity``, ``RewardCollapse``;
+* :mod:`kdlab.callbacks.checkpoints`: ``FinalCheckpoint``, ``ExceptionCheckpoint`` (Lightning's ``OnExceptionCheckpoint``).
+"""
+
+from kdlab.callbacks.checkpoints import ExceptionCheckpoint, FinalCheckpoint
+from kdlab.callbacks.evaluations import Coverage, OODForgetting, StyleTransfer
+from kdlab.callbacks.heldout_kl import HeldOutKL
+from kdlab.callbacks.monitors import RewardCollapse, RolloutSensitivity
+from kdlab.callbacks.sparsity import UpdateSparsity
+
+__all__ = ["UpdateSparsity", "OODForgetting", "StyleTransfer", "Coverage", "HeldOutKL", "RolloutSensitivity", "RewardCollapse", "FinalCheckpoint", "ExceptionCheckpoint"]

@@ -1,0 +1,106 @@
+"""What kdlab's callbacks share: a schedule (every ``every_n_steps`` optimiser steps, and at fit start
+and end), and sampling from the student (or a teacher) through the task's prompts for the evaluating
+callbacks.
+
+They work on any module that has ``student`` and ``student_tokenizer`` attributes
+(:class:`~kdlab.stages.DistillModule`, :class:`~kdlab.stages.GRPOModule`). A callback that cannot
+measure on the module stops ``fit`` at setup, before any work, naming the setting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from kdlab.evaluation.scoring import completion_texts
+from kdlab.tasks.base import Task
+
+
+def _due(every_n_steps: int | None, trainer: pl.Trainer) -> bool:
+    return bool(every_n_steps) and trainer.global_step > 0 and trainer.global_step % every_n_steps == 0
+
+
+class PeriodicCallback(pl.Callback):
+    """Runs :meth:`measure` every ``every_n_steps`` optimiser steps (after the step) and at the end of fit."""
+
+    def __init__(self, every_n_steps: int | None = None) -> None:
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"{type(self).__name__}.every_n_steps must be >= 1 or null, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self._last_step = -1
+
+    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        raise NotImplementedError
+
+    def _measure_once(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step != self._last_step:
+            self._last_step = trainer.global_step
+            self.measure(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # after the last micro-batch of an accumulation the step counter has moved; measure once per step
+        if _due(self.every_n_steps, trainer):
+            self._measure_once(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._measure_once(trainer, pl_module)
+
+
+# ---- evaluation callbacks ----------------------------------------------------------------------
+def task_name(task: Task) -> str:
+    return getattr(task, "variant", None) or type(task).__name__.lower()
+
+
+class EvaluationCallback(PeriodicCallback):
+    """Shared settings of callbacks that sample from the student."""
+
+    def __init__(
+        self,
+        examples: int = 200,
+        temperature: float = 0.0,
+        max_new_tokens: int = 256,
+        batch_size: int = 32,
+        every_n_steps: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(every_n_steps)
+        if examples < 1:
+            raise ValueError(f"{type(self).__name__}.examples must be >= 1, got {examples}")
+        if temperature < 0:
+            raise ValueError(f"{type(self).__name__}.temperature must be >= 0, got {temperature}")
+        self.examples, self.temperature = examples, temperature
+        self.max_new_tokens, self.batch_size, self.seed = max_new_tokens, batch_size, seed
+
+    def sample(self, pl_module, task: Task, examples, role: str = "student", repeat: int = 1, model: Any = None) -> list[str]:
+        """Completions of ``examples`` (each ``repeat`` times) prompted as ``role``, from the module's
+        student or teacher, or from ``model = (network, tokenizer)`` (its own vocabulary) when given."""
+        if model is not None:
+            (network, tokenizer), token_columns = model, None
+        else:
+            network = pl_module.student if role == "student" else pl_module.teacher
+            tokenizer = pl_module.student_tokenizer if role == "student" else pl_module.teacher_tokenizer
+            token_columns = getattr(pl_module, "token_columns", None)
+        generator = torch.Generator(device=pl_module.device).manual_seed(self.seed)
+        repeated = [ex for ex in examples for _ in range(repeat)]
+        return completion_texts(
+            network,
+            tokenizer,
+            task,
+            repeated,
+            role=role,
+            temperature=self.temperature,
+            max_new_tokens=self.max_new_tokens,
+            batch_size=self.batch_size,
+            generator=generator,
+            token_columns=token_columns,
+            all_done=pl_module.all_done_hook() if hasattr(pl_module, "all_done_hook") else None,
+        )
+
+
+def module_teacher(pl_module: pl.LightningModule) -> torch.nn.Module | None:
+    """The module's teacher model, or ``None`` (a GRPOModule; a DistillModule reading a teacher cache)."""
+    try:
+        return getattr(pl_module, "teacher", None)
+    except RuntimeError:  # DistillModule(teacher=None) says so when asked
+        return None

@@ -1,0 +1,266 @@
+"""LightningCLI over kdlab's stages (``kdlab fit|validate|test``): the config's ``model`` is a
+:class:`~kdlab.stages.distill.DistillModule` unless it names another LightningModule by ``class_path``;
+``seed_everything`` is linked to the module's seed; every fit ends with :class:`~kdlab.callbacks.FinalCheckpoint` and saves on an exception with
+:class:`~kdlab.callbacks.ExceptionCheckpoint`.
+Also the checks and messages around it: ``hf://`` paths, overlay hints, help text without markup."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import yaml
+
+LIGHTNING_COMMANDS = ("fit", "validate", "test")
+
+
+def lightning_cli_class():
+    """:class:`KDLabCLI`, defined on first use so that ``kdlab --help`` and the other commands do not
+    import Lightning."""
+    global KDLabCLI
+    if "KDLabCLI" in globals():
+        return KDLabCLI
+    from lightning.pytorch.cli import LightningCLI
+
+    from kdlab.callbacks.checkpoints import ExceptionCheckpoint, FinalCheckpoint
+
+    class KDLabCLI(LightningCLI):
+        def add_arguments_to_parser(self, parser) -> None:
+            parser.link_arguments("seed_everything", "model.init_args.seed" if self.subclass_mode_model else "model.seed")
+
+        def parse_arguments(self, parser, args) -> None:
+            """An unknown key (``--model.lrr``, or ``lrr:`` in a config file) fails naming it and the
+            nearest key the command accepts."""
+            try:
+                super().parse_arguments(parser, args)
+            except Exception as error:
+                from kdlab.cli.config_errors import ConfigError, nearest
+
+                text = str(error)
+                unknown = re.search(r"unrecognized arguments: --?([\w.]+)|does not accept option '([\w.]+)'|Key '([\w.]+)' is not expected", text)
+                command = next((name for name in self._subcommand_parsers if name in (args or sys.argv[1:])[:1]), None)
+                if unknown is None or command is None:
+                    raise
+                key = next(group for group in unknown.groups() if group)
+                keys = [action.dest for action in self._subcommand_parsers[command]._actions if "." in action.dest or action.dest.isidentifier()]
+                raise ConfigError(f"{key}: no such key for kdlab {command}{nearest(key, keys)}") from error
+
+        def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:
+            """Checkpoints are read with ``weights_only=True`` (no arbitrary unpickling) unless the command
+            line says ``--weights_only=false``."""
+            kwargs = super()._prepare_subcommand_kwargs(subcommand)
+            if "weights_only" in kwargs and kwargs["weights_only"] is None:
+                kwargs["weights_only"] = True
+            return kwargs
+
+        def before_instantiate_classes(self) -> None:
+            """``fit --ckpt_path <save_dir>/<name>/version_N/...``: the TensorBoard or CSV logger continues in
+            ``version_N`` (unless the config names a version), so a resumed run is one run directory."""
+            config = self.config.get(self.subcommand) if self.subcommand else None
+            if config is not None:
+                check_hub_paths(config)
+            ckpt_path = config.get("ckpt_path") if config is not None and self.subcommand == "fit" else None
+            logger = config.get("trainer.logger") if ckpt_path else None
+            if not ckpt_path or not hasattr(logger, "get") or not str(logger.get("class_path", "")).endswith(("TensorBoardLogger", "CSVLogger")):
+                return
+            args = logger.get("init_args")
+            if args is None or args.get("version") is not None:
+                return
+            from kdlab.cli.resume import resume_version
+
+            version = resume_version(args.get("save_dir") or ".", args.get("name") or "lightning_logs", ckpt_path)
+            if version is not None:
+                args["version"] = version
+
+        def before_fit(self) -> None:
+            """Every fit ends with a checkpoint of its final state (see :mod:`kdlab.cli.resume`); a resumed
+            fit first removes what the interrupted run logged after its checkpoint."""
+            from lightning.pytorch.callbacks import RichProgressBar
+
+            from kdlab.cli.console import Console, step_progress_bar
+
+            bars = [index for index, callback in enumerate(self.trainer.callbacks) if type(callback) is RichProgressBar]
+            for index in bars:  # Lightning's default bar: counted in steps instead (Console's docstring)
+                self.trainer.callbacks[index] = step_progress_bar()()
+
+            for kind in (FinalCheckpoint, ExceptionCheckpoint):
+                if not any(isinstance(callback, kind) for callback in self.trainer.callbacks):
+                    self.trainer.callbacks.append(kind())
+            if not any(isinstance(callback, Console) for callback in self.trainer.callbacks):
+                self.trainer.callbacks.append(Console())
+            check = getattr(self.model, "training_examples", None)
+            if check is not None:  # before any run directory, "before" evaluation or model placement
+                check()
+            ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+            if ckpt_path:  # resuming into its own run directory: its checkpoints are expected there
+                warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+            if ckpt_path and self.trainer.is_global_zero and self.trainer.log_dir:
+                from kdlab.cli.resume import log_position, trim_logs
+
+                position = log_position(ckpt_path)
+                if position is not None and Path(self.trainer.log_dir).is_dir():
+                    trim_logs(self.trainer.log_dir, position)
+
+    return KDLabCLI
+
+
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def check_hub_paths(config) -> None:
+    """Fail at once, naming the key, when a ``kdlab://`` model ``path`` is not a packaged one (listing
+    those), or when a model ``path`` (``model.student.path``, ...) is neither a
+    local folder, nor ``kdlab://``, nor in the Hugging Face cache, so loading it needs the model hub,
+    and the hub cannot be reached (offline mode, or no connection within 5 s): otherwise transformers
+    retries for about a minute and then names no key."""
+    from kdlab.cli.config_errors import ConfigError, nearest
+    from kdlab.models.loading import ASSETS as assets
+
+    needed = []
+    packaged = sorted(f"kdlab://{family.name}/{model.name}" for family in assets.iterdir() if family.is_dir() for model in family.iterdir() if model.is_dir())
+    for key, value in config.items():
+        if key.rsplit(".", 1)[-1] != "path" or not isinstance(value, str):
+            continue
+        if value.startswith("kdlab://") and value.rstrip("/") not in packaged:
+            raise ConfigError(f"{key}={value!r} is not a packaged model{nearest(value, packaged)}; packaged: {', '.join(packaged)}")
+        if HUB_ID.match(value) and not Path(value).exists():
+            needed.append((key, value))
+    if not needed:
+        return
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        needed = [(key, value) for key, value in needed if not isinstance(try_to_load_from_cache(value, "config.json"), str)]
+    except Exception:  # noqa: BLE001 - no cache to consult: the hub is needed
+        pass
+    if not needed:
+        return
+    key, value = needed[0]
+    if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get("TRANSFORMERS_OFFLINE", "") not in ("", "0"):
+        why = "HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE forbid the model hub"
+    else:
+        import socket
+
+        try:
+            socket.create_connection(("huggingface.co", 443), timeout=5).close()
+            return
+        except OSError as error:
+            why = f"the model hub (huggingface.co) cannot be reached ({error})"
+    raise ConfigError(
+        f"{key}={value!r} is not a local folder, kdlab:// model or cached download, so it needs the model hub, and {why}; "
+        f"point {key} at a local folder holding the model (config.json, weights, tokenizer)"
+    )
+
+
+def config_paths(argv: list[str]) -> list[str]:
+    """The ``--config`` / ``-c`` files of a command line, in order."""
+    paths = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg in ("--config", "-c")]
+    return paths + [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
+
+
+def overlay_hint(argv: list[str]) -> str:
+    """``"; X.yaml is an overlay: run kdlab fit --config B.yaml --config X.yaml"`` when a config file's
+    first line (its command) puts other config files before it that the command line lacks, else ``""``."""
+    given = [Path(path).resolve() for path in config_paths(argv)]
+    for path in config_paths(argv):
+        try:
+            first = Path(path).read_text(encoding="utf-8").splitlines()[0]
+        except (OSError, IndexError, UnicodeDecodeError):
+            continue
+        command = first.lstrip("# ").strip()
+        bases = config_paths(command.split())
+        own = [base for base in bases if Path(base).name == Path(path).name]
+        missing = [base for base in bases[: bases.index(own[0])] if Path(base).resolve() not in given] if own else []
+        if command.startswith("kdlab ") and missing:
+            return f"; {path} is an overlay of {', '.join(missing)}: run `{command}`"
+    return ""
+
+
+def names_model_class(argv: list[str]) -> bool:
+    """Whether a ``--config`` file (or ``--model.class_path``) in ``argv`` chooses the stage class."""
+    if any(arg.startswith("--model.class_path") for arg in argv):
+        return True
+    for path in config_paths(argv):
+        from kdlab.cli.config_errors import ConfigError
+
+        try:
+            config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except OSError as error:
+            raise ConfigError(f"--config {path}: cannot be read ({error.strerror or error})") from error
+        except yaml.YAMLError as error:
+            where = getattr(error, "problem_mark", None)
+            line = f" line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+            raise ConfigError(f"--config {path}:{line}: not valid YAML ({problem})") from error
+        model = config.get("model") if isinstance(config, dict) else None
+        if isinstance(model, dict) and "class_path" in model:
+            return True
+    return False
+
+
+_RST = [
+    (re.compile(r":(?:class|func|meth|mod|attr|data|obj):`~?([\w.]+)`"), lambda m: m.group(1).rsplit(".", 1)[-1]),
+    (re.compile(r"``([^`]+)``"), lambda m: m.group(1)),
+    (re.compile(r"`([^`<]+) <[^>]+>`_"), lambda m: m.group(1)),
+]
+
+
+def clean_help(text: str) -> str:
+    """Docstring markup out of ``--help`` text: ``:class:`~a.B``` -> B, ````x```` -> x, links -> their text."""
+    for pattern, replacement in _RST:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+@contextlib.contextmanager
+def clean_help_output(argv: list[str]):
+    """Around ``kdlab fit|validate|test --help``: print the help without reStructuredText markup."""
+    if not any(arg in ("-h", "--help") for arg in argv):
+        yield
+        return
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            yield
+    finally:
+        sys.stdout.write(clean_help(buffer.getvalue()))
+
+
+def run_lightning(argv: list[str], run: bool = True, raise_parse_errors: bool = False, from_sys_argv: bool = False):
+    """``kdlab fit|validate|test ...`` (``argv`` starts with the subcommand): LightningCLI over
+    :class:`~kdlab.stages.distill.DistillModule`, or over the LightningModule the config names.
+    ``run=False`` parses and instantiates, then returns; ``from_sys_argv``: LightningCLI reads
+    ``sys.argv`` itself (what ``run_info.json`` records as the command line)."""
+    stage_class = names_model_class(argv)
+    import lightning.pytorch as pl
+
+    from kdlab.cli.console import choose_cpu_threads, quiet
+
+    quiet()
+    # nothing but the config may reach stdout under --print_config (it is read back as YAML)
+    printing = any(a in ("-h", "--help") or a.startswith("--print_config") for a in argv)
+    threads = choose_cpu_threads() if argv[0] in LIGHTNING_COMMANDS and not printing else None
+    if threads:
+        print(threads, flush=True)
+
+    from kdlab.stages.distill import DistillModule
+
+    subcommand_kwargs = {"exit_on_error": not raise_parse_errors}
+    cli_args = argv[1:] if not run and argv[:1] in (["fit"], ["validate"], ["test"]) else (None if from_sys_argv else argv)
+    with clean_help_output(argv):
+        return lightning_cli_class()(
+            pl.LightningModule if stage_class else DistillModule,
+            subclass_mode_model=stage_class,
+            seed_everything_default=42,
+            trainer_defaults={"default_root_dir": "runs", "enable_progress_bar": sys.stdout.isatty()},  # else Console's lines
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={**subcommand_kwargs, **{name: dict(subcommand_kwargs) for name in (*LIGHTNING_COMMANDS, "predict")}},
+            args=cli_args,
+            run=run,
+        )
+

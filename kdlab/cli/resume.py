@@ -1,0 +1,100 @@
+"""Resume into the same logs.
+
+Resuming (``kdlab fit --config X.yaml --ckpt_path <run>/checkpoints/<file>.ckpt``) continues in the run
+directory the checkpoint came from (:func:`resume_version`), after :func:`trim_logs` removed what the
+interrupted run logged after the checkpoint was written, so the run's TensorBoard scalars,
+``metrics.jsonl`` and ``samples/`` end up as an uninterrupted run's, step for step."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+
+# ---- resuming into the same run directory ----------------------------------------------------------
+def resume_version(save_dir: str | Path, name: str, ckpt_path: str | Path) -> int | None:
+    """N when ``ckpt_path`` lies inside ``<save_dir>/<name>/version_N/`` (the logger's run directory),
+    else None: a resumed run then continues in that directory instead of opening ``version_{N+1}``."""
+    try:
+        relative = Path(ckpt_path).resolve().relative_to((Path(save_dir) / name).resolve())
+    except ValueError:
+        return None
+    match = re.fullmatch(r"version_(\d+)", relative.parts[0]) if len(relative.parts) > 1 else None
+    return int(match.group(1)) if match else None
+
+
+def log_position(ckpt_path: str | Path) -> dict[str, Any] | None:
+    """The ``kdlab_log_position`` a checkpoint file recorded (see ``TaskStage.on_save_checkpoint``), read
+    with ``weights_only=True`` and memory-mapped; None for a directory (a sharded checkpoint) or a
+    checkpoint without one."""
+    import torch
+
+    path = Path(ckpt_path)
+    if not path.is_file():
+        return None
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return checkpoint.get("kdlab_log_position")
+
+
+def trim_logs(log_dir: str | Path, position: dict[str, Any]) -> dict[str, int]:
+    """Remove from ``log_dir`` what a run logged after the checkpoint at ``position`` was written and a
+    run resumed from it logs again: TensorBoard events written after the save at a logger step >= the
+    next batch's (``position["step"]``); ``metrics.jsonl`` lines appended after the save for a global step
+    beyond the checkpoint's; ``samples/*-stepNNNNNN*.jsonl`` files written after the save for such a step.
+    Lines and events from before the save stay, so do values logged after it that the resumed run does
+    not repeat (the checkpoint batch's own scalars). Returns the counts removed."""
+    log_dir = Path(log_dir)
+    saved, step, global_step = float(position["time"]), int(position["step"]), int(position["global_step"])
+    removed = {"events": 0, "metrics_lines": 0, "samples": 0}
+    for events in sorted(log_dir.glob("events.out.tfevents.*")):
+        removed["events"] += _trim_event_file(events, saved, step)
+    metrics = log_dir / "metrics.jsonl"
+    if metrics.is_file():
+        data = metrics.read_bytes()
+        head, tail = data[: int(position["metrics_bytes"])], data[int(position["metrics_bytes"]) :]
+        kept = []
+        for line in tail.decode("utf-8", errors="replace").splitlines(keepends=True):
+            try:
+                late = int(json.loads(line)["step"]) > global_step
+            except (ValueError, KeyError, TypeError):
+                late = False
+            removed["metrics_lines"] += late
+            if not late:
+                kept.append(line)
+        if removed["metrics_lines"]:
+            metrics.write_bytes(head + "".join(kept).encode("utf-8"))
+    for sample in sorted((log_dir / "samples").glob("*.jsonl")):
+        match = re.search(r"-step(\d+)", sample.name)
+        if match and int(match.group(1)) > global_step and sample.stat().st_mtime > saved:
+            sample.unlink()
+            removed["samples"] += 1
+    return removed
+
+
+def _trim_event_file(path: Path, saved: float, step: int) -> int:
+    """Rewrite one TensorBoard event file without its events written after ``saved`` (wall time) at a
+    step >= ``step``; returns how many were dropped (the file is untouched when none)."""
+    from tensorboard.backend.event_processing.event_file_loader import (
+        RawEventFileLoader,
+    )
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    records = list(RawEventFileLoader(str(path)).Load())
+    kept = []
+    for record in records:
+        event = Event.FromString(record)
+        if not (event.wall_time > saved and event.step >= step and event.HasField("summary")):
+            kept.append(record)
+    if len(kept) == len(records):
+        return 0
+    temporary = path.with_name(path.name + ".trimmed")
+    with temporary.open("wb") as handle:
+        writer = RecordWriter(handle)
+        for record in kept:
+            writer.write(record)
+        writer.flush()
+    temporary.replace(path)
+    return len(records) - len(kept)

@@ -1,0 +1,185 @@
+"""From a trained stage back to a Hugging Face model: stage-checkpoint weights by Hugging Face name
+(FSDP, activation-checkpointing and compile wrappers stripped), LoRA adapters merged, full parameters
+gathered from FSDP shards, and :func:`export_pretrained` (what stage exports and vLLM weight pushes use)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STAGE_PREFIXES = ("student.", "model.")
+
+
+def load_stage_weights(model: torch.nn.Module, checkpoint: str, role: str = "model") -> None:
+    """Copy the trained model of a kdlab stage checkpoint into ``model`` (in place, its dtype kept).
+
+    Raises naming ``<role>.checkpoint`` and the file when it is missing, unreadable, holds no kdlab
+    stage, holds LoRA adapters (merge them first: ``SFTModule.save_pretrained``) or does not fit.
+    """
+    where = f"{role}.checkpoint {checkpoint!r}"
+    if not Path(checkpoint).is_file():
+        raise FileNotFoundError(f"{where}: no such file")
+    try:
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+    except Exception as error:  # a truncated file, a pickle of foreign classes, no state_dict
+        raise OSError(f"{where}: not a readable Lightning checkpoint ({type(error).__name__}: {str(error)[:200]})") from error
+    expected = model.state_dict()
+    for prefix in STAGE_PREFIXES:
+        weights = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+        if not weights:
+            continue
+        if any("lora_" in key for key in weights):
+            raise ValueError(f"{where}: holds LoRA adapters; export merged weights (save_pretrained) and use them as the path")
+        missing = sorted(set(expected) - set(weights))
+        unexpected = sorted(set(weights) - set(expected))
+        shapes = [k for k in set(expected) & set(weights) if expected[k].shape != weights[k].shape]
+        if missing or unexpected or shapes:
+            raise ValueError(
+                f"{where}: its {prefix.rstrip('.')!r} weights do not fit the model at {role}.path "
+                f"(missing {missing[:3]}, unexpected {unexpected[:3]}, other shapes {shapes[:3]})"
+            )
+        model.load_state_dict({k: v.to(expected[k].dtype) for k, v in weights.items()})
+        return
+    raise ValueError(f"{where}: holds no kdlab stage weights (no keys starting with {' or '.join(STAGE_PREFIXES)})")
+
+
+# Wrappers that training adds to parameter names, outermost first; vLLM's load_weights wants the plain
+# Hugging Face names (model.layers.0.self_attn.q_proj.weight, lm_head.weight).
+_WRAPPERS = re.compile(r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod|module)\.")
+
+
+def hf_weight_name(name: str) -> str | None:
+    """The plain Hugging Face name of a trained parameter (what ``from_pretrained`` and vLLM load), or
+    ``None`` for a LoRA adapter tensor (adapters are merged, see :func:`merged_weights`).
+
+    ``_fsdp_wrapped_module.model.layers.0.mlp.up_proj.weight`` -> ``model.layers.0.mlp.up_proj.weight``;
+    ``base_model.model.model.embed_tokens.weight`` (peft) -> ``model.embed_tokens.weight``;
+    ``model.layers.0.self_attn.q_proj.base_layer.weight`` (peft) -> ``model.layers.0.self_attn.q_proj.weight``.
+    """
+    if "lora_" in name:
+        return None
+    previous = None
+    while previous != name:  # wrappers may nest (compile around FSDP around checkpointing)
+        previous, name = name, _WRAPPERS.sub(r"\1", name)
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model.") :]
+    return name.replace(".base_layer.", ".")
+
+
+def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(Hugging Face name, full tensor)`` for every parameter and buffer of ``model`` (rotary
+    ``inv_freq`` buffers excluded), without changing ``model``.
+
+    Sharded (DTensor) parameters are gathered one at a time (``full_tensor``), so at most one full
+    tensor is alive on top of the shards; an FSDP1-wrapped model is gathered whole while the generator
+    runs (:func:`full_parameters`; consume it fully, on every rank). LoRA-wrapped layers yield
+    ``W + delta`` under the base weight's name, ``delta`` from peft's ``get_delta_weight`` (see
+    :func:`_lora_deltas`; DoRA and other variants are refused).
+    """
+    summoned = fsdp1_wrapped(model)
+    with full_parameters(model):
+        lora = _lora_deltas(model)
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            target = hf_weight_name(name)
+            if target is None or target.endswith("inv_freq"):
+                continue
+            full = _full(tensor).detach()
+            if target in lora:
+                full = full + lora[target].to(full.dtype)
+            elif summoned:  # a view of FSDP1's gathered flat parameter, freed when the context exits
+                full = full.clone()
+            yield target, full
+
+
+def fsdp1_wrapped(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is, or holds, an FSDP1 (``FullyShardedDataParallel``) module."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(module, FullyShardedDataParallel) for module in model.modules())
+
+
+def full_parameters(model: torch.nn.Module):
+    """A context in which an FSDP1-wrapped ``model``'s parameters are whole and in their own shapes
+    (``summon_full_params``, a collective: call it on every rank); outside FSDP1 it does nothing (DTensor
+    parameters are gathered one at a time by :func:`merged_weights` instead)."""
+    import contextlib
+
+    if not fsdp1_wrapped(model):
+        return contextlib.nullcontext()
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly DTensor-sharded) parameter; a collective when sharded."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{Hugging Face weight name: delta}`` of each peft LoRA layer's active, unmerged adapters, each
+    delta from peft's own ``get_delta_weight`` (``fan_in_fan_out`` layouts and embedding adapters
+    included); else empty.
+
+    Raises ``ValueError`` naming the layer for an adapter whose merge is not ``W + delta`` (DoRA and
+    other peft LoRA variants): merge it with peft (``merge_and_unload``) first.
+    """
+    deltas = {}
+    for name, module in model.named_modules():
+        if not (hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")):
+            continue
+        adapters = set(getattr(module, "lora_A", {})) | set(getattr(module, "lora_embedding_A", {}))
+        merged = set(getattr(module, "merged_adapters", []))  # already inside the base weight
+        for adapter in getattr(module, "active_adapters", []):
+            if adapter not in adapters or adapter in merged:
+                continue
+            if getattr(module, "use_dora", {}).get(adapter, False) or adapter in getattr(module, "lora_variant", {}):
+                raise ValueError(
+                    f"LoRA adapter {adapter!r} on {name} is a variant (DoRA or another) whose merge is not W + B A; "
+                    "kdlab cannot merge it on the fly: call peft's merge_and_unload() and export that model"
+                )
+            delta = _full(module.get_delta_weight(adapter))
+            key = hf_weight_name(f"{name}.weight")
+            deltas[key] = deltas[key] + delta if key in deltas else delta
+    return {k: v.detach() for k, v in deltas.items()}
+
+
+def export_pretrained(model: torch.nn.Module, tokenizer: Any, directory: str | Path, write: bool = True) -> None:
+    """Write ``model`` (LoRA adapters merged into its weights) and ``tokenizer`` as a standard Hugging
+    Face folder that any later stage, vLLM or ``from_pretrained`` can load. ``model`` is left as it was
+    (a peft model keeps its adapters). Under sharding call it on every rank (gathering the weights is
+    a collective) with ``write`` true on one."""
+    fsdp1 = fsdp1_wrapped(model)
+    sharded = any(hasattr(p, "full_tensor") for p in model.parameters()) or fsdp1
+    if not hasattr(model, "get_base_model") and not sharded:
+        if write:
+            model.save_pretrained(directory)
+    else:
+        from safetensors.torch import save_file
+
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        from kdlab.objectives.logits import innermost_model
+
+        base = innermost_model(base)  # the Hugging Face model inside FSDP1 / compile wrappers
+        # what a checkpoint holds (not the non-persistent buffers); under FSDP1 every merged name, the only
+        # non-persistent buffers of the supported models being the rotary inv_freq ones merged_weights drops
+        expected = None if fsdp1 else {name for name in (hf_weight_name(key) for key in base.state_dict()) if name is not None}
+        state, seen = {}, set()
+        for name, tensor in merged_weights(model):
+            if expected is None or name in expected:
+                shared = tensor.data_ptr() in seen  # tied embeddings: safetensors stores each tensor once
+                seen.add(tensor.data_ptr())
+                state[name] = (tensor.clone() if shared else tensor).contiguous()
+        if not write:
+            return
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        base.config.save_pretrained(directory)
+        if getattr(base, "generation_config", None) is not None:
+            base.generation_config.save_pretrained(directory)
+        save_file(state, str(Path(directory) / "model.safetensors"), metadata={"format": "pt"})
+    if write:
+        tokenizer.save_pretrained(directory)

@@ -1,0 +1,21 @@
+"""Token-level objectives (``KLObjective``) and the kernels they run on.
+
+* :mod:`kdlab.objectives.kl`: the objectives a config chooses (``ForwardKL``, ``ReverseKL``,
+  ``SampledForwardKL``, ...), their per-token maths and diagnostics;
+* :mod:`kdlab.objectives.kernels`: the chunked, fused-head KL kernels they share;
+* :mod:`kdlab.objectives.logits`: the student's and teacher's completion logits (full or lazy head);
+* :mod:`kdlab.objectives.logprobs`: chunked token log-probabilities (GRPO's policy term).
+"""
+
+from kdlab.objectives.kernels import HeadLogits, LazyLogits, Logits
+from kdlab.objectives.kl import (
+    ForwardKL,
+    GeneralizedJSD,
+    KLObjective,
+    ReverseKL,
+    SampledForwardKL,
+    SampledReverseKL,
+    TotalVariation,
+)
+
+__all__ = ["KLObjective", "ForwardKL", "ReverseKL", "GeneralizedJSD", "TotalVariation", "SampledForwardKL", "SampledReverseKL", "HeadLogits", "LazyLogits", "Logits"]

@@ -1,0 +1,423 @@
+"""Token-level divergences between the teacher's and the student's next-token distributions.
+
+Every objective is called as ``objective(student_logits, teacher_logits, mask) -> scalar``:
+
+* ``student_logits``, ``teacher_logits``: ``(B, T, V)``, already divided by each model's temperature
+  and restricted to the shared tokenizer vocabulary; any float dtype. Teacher logits carry no grad.
+* ``mask``: ``(B, T)`` bool, True at completion tokens. False positions contribute nothing, neither
+  to the value nor to the gradient.
+
+Reduction (``reduction="sequence"``, the paper's Eq. 1): the mean over each sequence's masked-in
+tokens, then the mean over the sequences that have at least one. ``reduction="token"``: the mean
+over all masked-in tokens of the batch.
+
+One pass: the forward walks the masked-in tokens chunk by chunk (and, on the CPU, block by block in
+reused buffers, see :mod:`kdlab.objectives.kernels`), normalises each row of both models once and takes from
+that one normalisation the loss, its gradient with respect to the student logits and the exact
+diagnostics ``kl_forward``, ``kl_reverse`` and both entropies (:meth:`KLObjective.take_diagnostics`).
+Only the gradient is kept (one tensor of the student logits' size and dtype, which backward needs
+anyway, or the logits' own storage with ``consume=True``); backward scales it by the incoming gradient,
+or hands it on untouched when that is 1. So no ``(B, T, V)`` fp32 copy of either model's logits is ever
+built, while a naive implementation peaks at about five (measured by ``benchmarks/kl_memory.py``).
+
+Direction conventions (a frequent source of bugs): ``F.kl_div(input, target)`` computes
+KL(target || input), with ``input`` in log space. kdlab never calls it; every formula below is
+written out in the direction its docstring names.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from kdlab.components import Component
+from kdlab.objectives.kernels import (
+    DIAGNOSTICS,
+    LOG_FLOOR,
+    HeadGradient,
+    HeadLogits,
+    Logits,
+    LogitsGradient,
+    RowsLossAndGrad,
+    RowStatistics,
+    TokenLoss,
+    chunked_pass,
+    compute_dtype,
+    gather_rows,
+    iter_token_chunks,
+    rowdot,
+)
+
+REDUCTIONS = ("sequence", "token")
+
+
+def token_weights(mask: torch.Tensor, reduction: str = "sequence", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-token weights ``(B, T)`` in ``dtype`` whose weighted sum of token losses is the reduced loss.
+
+    ``sequence``: ``1 / (L_b * n)`` for the ``L_b`` masked-in tokens of sequence b and the ``n``
+    sequences with ``L_b > 0``; ``token``: ``1 / sum(mask)``. Masked-out positions get 0. An
+    all-False mask gives all zeros (the caller decides what an empty batch means).
+    """
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be (B, T), got shape {tuple(mask.shape)}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    mask = mask.bool()
+    weights = mask.to(dtype)
+    if reduction == "token":
+        return weights / weights.sum().clamp(min=1.0)
+    lengths = weights.sum(dim=1, keepdim=True)
+    n_sequences = (lengths > 0).sum().clamp(min=1)
+    return weights / (lengths.clamp(min=1.0) * n_sequences)
+
+
+class _ChunkedObjective(torch.autograd.Function):
+    """``sum_{b,t} weights[b,t] * loss(student[b,t], teacher[b,t])`` by :func:`~kdlab.objectives.kernels.chunked_pass`,
+    its gradient computed in forward (so backward is one in-place scale) and the diagnostics of the same
+    pass kept in ``out["diagnostics"]``. The student is plain logits ``(B, T, V)`` or a :class:`HeadLogits`
+    given as its hidden states and head (either may need grad)."""
+
+    @staticmethod
+    def forward(ctx, student_logits, hidden, weight, head, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, out, consume):  # type: ignore[override]
+        dtype = compute_dtype(hidden if head is not None else student_logits)
+        if head is not None:
+            need = (ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+            gradient = HeadGradient(head, need[0], need[1], dtype) if any(need) else None
+            student = head
+        else:
+            student = student_logits
+            covered = (weights > 0) | (diagnostic_weights > 0)
+            gradient = LogitsGradient(student_logits, covered, dtype, consume) if ctx.needs_input_grad[0] else None
+        total, out["diagnostics"] = chunked_pass(
+            student, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, gradient
+        )
+        ctx.gradient = gradient
+        ctx.weight_dtype = weight.dtype if weight is not None else None
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        gradient, ctx.gradient = ctx.gradient, None
+        if gradient is None:
+            raise RuntimeError("backward through a chunked kdlab objective can run only once per forward")
+        unit = bool(grad_output == 1)  # the usual case: no pass over the (B, T, V) gradient at all
+        if isinstance(gradient, LogitsGradient):
+            grad = gradient.grad if unit else gradient.grad.mul_(grad_output.to(gradient.grad.dtype))
+            return grad, None, None, None, None, None, None, None, None, None, None, None
+        grad_hidden, grad_weight = gradient.hidden, gradient.weight
+        if not unit:
+            grad_hidden = grad_hidden.mul_(grad_output.to(grad_hidden.dtype)) if grad_hidden is not None else None
+            grad_weight = grad_weight.mul_(grad_output.to(grad_weight.dtype)) if grad_weight is not None else None
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(ctx.weight_dtype)
+        return None, grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
+
+
+def chunked_token_loss(
+    token_loss: TokenLoss | None,
+    student_logits: Logits,
+    teacher_logits: Logits,
+    weights: torch.Tensor,
+    chunk_size: int = 256,
+    rows_loss_and_grad: RowsLossAndGrad | None = None,
+    diagnostic_weights: torch.Tensor | None = None,
+    diagnostics: dict[str, torch.Tensor] | None = None,
+    consume: bool = False,
+) -> torch.Tensor:
+    """``sum_{b,t} weights[b,t] * token_loss(student_logits[b,t], teacher_logits[b,t])`` as a scalar
+    in :func:`compute_dtype` (fp32 for half-precision logits).
+
+    Only positions with ``weights > 0`` (or ``diagnostic_weights > 0``) are evaluated. Differentiable
+    w.r.t. ``student_logits`` only (teacher logits are treated as constants), or w.r.t. the hidden states
+    and head weight when the student is :class:`HeadLogits` (either side may be). ``token_loss`` must be
+    row-wise: each output depends on its own row only, which is what makes chunking exact.
+    ``rows_loss_and_grad``, when given, computes the loss and its gradient in closed form from the
+    block's :class:`~kdlab.objectives.kernels.RowStatistics` and is used instead of ``token_loss`` and autograd;
+    it must agree with ``token_loss`` (tests check each one that exists). When ``diagnostics`` is a dict,
+    it receives the same pass's ``kl_forward``, ``kl_reverse``, ``student_entropy`` and
+    ``teacher_entropy``, reduced with ``diagnostic_weights`` (default: ``weights``). ``consume``: plain
+    student logits are overwritten with their gradient instead of a new ``(B, T, V)`` tensor being
+    allocated (:class:`~kdlab.objectives.kernels.LogitsGradient`); the caller must not read them afterwards."""
+    if weights.shape != student_logits.shape[:2]:
+        raise ValueError(f"mask/weights {tuple(weights.shape)} must be (B, T) = {tuple(student_logits.shape[:2])}")
+    if tuple(student_logits.shape) != tuple(teacher_logits.shape):
+        raise ValueError(
+            f"student_logits {tuple(student_logits.shape)} and teacher_logits "
+            f"{tuple(teacher_logits.shape)} must have the same (B, T, V) shape"
+        )
+    teacher_logits = teacher_logits.detach()
+    diagnostic_weights = weights if diagnostic_weights is None else diagnostic_weights
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(student_logits, HeadLogits):
+        head = student_logits
+        total = _ChunkedObjective.apply(
+            None, head.hidden, head.weight, head, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, out, False
+        )
+    else:
+        total = _ChunkedObjective.apply(
+            student_logits, None, None, None, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, out, consume
+        )
+    if diagnostics is not None:
+        diagnostics.update(zip(DIAGNOSTICS, out["diagnostics"].unbind()))
+    return total
+
+
+class KLObjective(Component):
+    """Base class: a per-token divergence, reduced over completion tokens.
+
+    Subclasses implement :meth:`token_loss`, a plain differentiable function of one chunk of rows;
+    the base class handles chunking, masking, reduction and fp32 accumulation. A subclass may
+    instead override :meth:`forward` entirely.
+
+    Args:
+        reduction: ``"sequence"`` (the paper's per-completion mean, then mean over completions) or
+            ``"token"`` (mean over all completion tokens of the batch).
+        chunk_size: tokens per chunk; bounds the fp32 intermediates to ``(chunk_size, V)``. 256 was
+            the fastest and leanest on CPU in ``benchmarks/kl_memory.py`` (large chunks pay for fresh pages).
+    """
+
+    def __init__(self, reduction: str = "sequence", chunk_size: int = 256) -> None:
+        super().__init__()
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"{type(self).__name__}.reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        if chunk_size < 1:
+            raise ValueError(f"{type(self).__name__}.chunk_size must be >= 1, got {chunk_size}")
+        self.reduction = reduction
+        self.chunk_size = chunk_size
+
+    def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        """Per-token loss ``(n,)`` from fp32 ``(n, V)`` student and teacher logits."""
+        raise NotImplementedError
+
+    rows_loss_and_grad: RowsLossAndGrad | None = None
+    """Optional closed form: ``(stats, grad) -> losses (k,)`` from a block's
+    :class:`~kdlab.objectives.kernels.RowStatistics` (both softmaxes, log-normalisers, the exact KLs), writing
+    ``d loss / d student logits`` ``(k, V)`` into ``grad`` when it is given. Computed from the same
+    normalisation as the logged diagnostics, so the objective and its diagnostics cost one pass."""
+
+    def reseed(self, seed: int) -> None:
+        """Set the random stream for this step (only sampled objectives use one)."""
+
+    def forward(
+        self, student_logits: Logits, teacher_logits: Logits, mask: torch.Tensor, sequence_weights: torch.Tensor | None = None,
+        *, consume: bool = False,
+    ) -> torch.Tensor:
+        """Reduced loss over the masked-in tokens (fp32 scalar). An empty mask warns and returns 0.
+
+        ``sequence_weights`` ``(B,)`` multiplies each completion's share of the reduced loss (e.g. the
+        importance weights of rollouts from a lagging engine); ``None`` is all ones. The same pass
+        computes the batch's exact ``kl_forward``, ``kl_reverse`` and both entropies, reduced like the
+        loss but without ``sequence_weights``: :meth:`take_diagnostics` returns them. ``consume=True``
+        lets the objective overwrite plain student logits with their gradient (no second ``(B, T, V)``
+        tensor); the caller must not read them afterwards (``DistillModule`` does this)."""
+        weights = token_weights(mask, self.reduction, compute_dtype(student_logits))
+        diagnostic_weights = weights
+        if sequence_weights is not None:
+            weights = weights * sequence_weights.to(weights.dtype)[:, None]
+        if not bool(mask.any()):
+            warnings.warn(
+                f"{type(self).__name__}: the completion mask selects no token in this batch; loss is 0",
+                stacklevel=2,
+            )
+        self._diagnostics: dict[str, torch.Tensor] = {}
+        token_loss = None if self.rows_loss_and_grad is not None else self.token_loss
+        return chunked_token_loss(
+            token_loss, student_logits, teacher_logits, weights, self.chunk_size, self.rows_loss_and_grad,
+            diagnostic_weights, self._diagnostics, consume=consume and isinstance(student_logits, torch.Tensor),
+        )
+
+    def take_diagnostics(self) -> dict[str, torch.Tensor]:
+        """The diagnostics of the last :meth:`forward` (``{}`` if there was none since the last call):
+        ``kl_forward`` = KL(pi_T||pi_S), ``kl_reverse`` = KL(pi_S||pi_T), ``student_entropy``,
+        ``teacher_entropy`` (nats, fp32 scalars)."""
+        diagnostics, self._diagnostics = getattr(self, "_diagnostics", {}), {}
+        return diagnostics
+
+
+def _log_softmax_pair(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.log_softmax(student_logits, dim=-1), torch.log_softmax(teacher_logits, dim=-1)
+
+
+def _kl_rows(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) = sum_v p(v) (log p(v) - log q(v)) per row, from normalised log-probs ``(n, V)``.
+
+    ``log_p`` is floored at a finite value so that a token with p = 0 contributes exactly 0 (and a
+    zero gradient) instead of ``0 * inf = nan``; finite logits never reach the floor.
+    """
+    log_p = log_p.clamp(min=LOG_FLOOR)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def forward_kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(pi_T || pi_S) = sum_v pi_T(v) (log pi_T(v) - log pi_S(v)), per row. ``(n, V) -> (n,)``."""
+    log_s, log_t = _log_softmax_pair(student_logits, teacher_logits)
+    return _kl_rows(log_t, log_s)
+
+
+def reverse_kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(pi_S || pi_T) = sum_v pi_S(v) (log pi_S(v) - log pi_T(v)), per row. ``(n, V) -> (n,)``."""
+    log_s, log_t = _log_softmax_pair(student_logits, teacher_logits)
+    return _kl_rows(log_s, log_t)
+
+
+class ForwardKL(KLObjective):
+    """Forward KL(pi_T || pi_S) over the full vocabulary: mode-covering, the SFT-like direction.
+
+    Its gradient w.r.t. student logit v is ``pi_S(v) - pi_T(v)`` (times the token weight), bounded
+    in [-1, 1].
+    """
+
+    def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        return forward_kl_per_token(student_logits, teacher_logits)
+
+    def rows_loss_and_grad(self, stats: RowStatistics, grad: torch.Tensor | None) -> torch.Tensor:
+        """KL(pi_T || pi_S) and its gradient pi_S - pi_T."""
+        if grad is not None:
+            torch.sub(stats.p_s, stats.p_t, out=grad)
+        return stats.kl_forward
+
+
+class ReverseKL(KLObjective):
+    """Reverse KL(pi_S || pi_T) over the full vocabulary: mode-seeking; its gradient carries an
+    unbounded log-ratio term weighted by pi_S."""
+
+    def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        return reverse_kl_per_token(student_logits, teacher_logits)
+
+    def rows_loss_and_grad(self, stats: RowStatistics, grad: torch.Tensor | None) -> torch.Tensor:
+        """KL(pi_S || pi_T) and its gradient pi_S * (log pi_S - log pi_T - KL)."""
+        if grad is not None:
+            # log pi_S - log pi_T - KL = (s - t) - (lse_s - lse_t + KL), one shift per row
+            ratio = torch.sub(stats.s, stats.t, out=stats.scratch)
+            ratio.sub_((stats.lse_s - stats.lse_t + stats.kl_reverse)[:, None])
+            torch.mul(ratio, stats.p_s, out=grad)
+        return stats.kl_reverse
+
+
+class GeneralizedJSD(KLObjective):
+    """Skew Jensen-Shannon divergence rescaled so that both endpoints are the KLs.
+
+    With P = pi_T, Q = pi_S and M = beta P + (1 - beta) Q:
+
+        D_beta = [beta KL(P || M) + (1 - beta) KL(Q || M)] / (beta (1 - beta))
+               = KL(P || M) / (1 - beta) + KL(Q || M) / beta
+
+    ``D_0 = KL(pi_T || pi_S)`` (ForwardKL) and ``D_1 = KL(pi_S || pi_T)`` (ReverseKL), and D is
+    continuous in beta on [0, 1]; ``D_0.5`` is 4 x the usual JSD. The unscaled JSD that peers use
+    tends to 0 at both ends, so their endpoints are special cases that do not match the interior.
+    Near an endpoint (beta < ~1e-3) the small term is a ratio of two small numbers and loses fp32
+    precision; exactly 0 and 1 are computed as the KLs directly.
+    """
+
+    def __init__(self, beta: float = 0.5, reduction: str = "sequence", chunk_size: int = 256) -> None:
+        super().__init__(reduction=reduction, chunk_size=chunk_size)
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"GeneralizedJSD.beta must be in [0, 1], got {beta}")
+        self.beta = float(beta)
+
+    def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        beta = self.beta
+        if beta == 0.0:
+            return forward_kl_per_token(student_logits, teacher_logits)
+        if beta == 1.0:
+            return reverse_kl_per_token(student_logits, teacher_logits)
+        log_q, log_p = _log_softmax_pair(student_logits, teacher_logits)
+        log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+        return _kl_rows(log_p, log_m) / (1.0 - beta) + _kl_rows(log_q, log_m) / beta
+
+
+class TotalVariation(KLObjective):
+    """Total-variation distance 0.5 * sum_v |pi_T(v) - pi_S(v)| per token, in [0, 1]."""
+
+    def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        return 0.5 * (torch.softmax(student_logits, -1) - torch.softmax(teacher_logits, -1)).abs().sum(-1)
+
+    def rows_loss_and_grad(self, stats: RowStatistics, grad: torch.Tensor | None) -> torch.Tensor:
+        """TV and its gradient: with u = sign(pi_S - pi_T) / 2, d TV / d s_v = pi_S(v) (u_v - sum_w pi_S(w) u_w)."""
+        diff = torch.sub(stats.p_s, stats.p_t, out=stats.scratch)
+        losses = 0.5 * torch.linalg.vector_norm(diff, ord=1, dim=-1)
+        if grad is not None:
+            u = diff.sign_().mul_(0.5)
+            u.sub_(rowdot(stats.p_s, u)[:, None])
+            torch.mul(u, stats.p_s, out=grad)
+        return losses
+
+
+class _SampledKL(KLObjective):
+    """Shared seeding for the Monte-Carlo estimators: one token is drawn per position, independent of
+    the rollout token. ``seed`` fixes the stream; :meth:`reseed` (called by DistillModule with a
+    per-step seed) makes every step reproducible and resumable. The draw order follows the chunks,
+    so a different ``chunk_size`` gives a different (equally valid) draw."""
+
+    def __init__(self, seed: int = 0, reduction: str = "sequence", chunk_size: int = 256) -> None:
+        super().__init__(reduction=reduction, chunk_size=chunk_size)
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def reseed(self, seed: int) -> None:
+        self.seed = seed
+        self._generators.clear()
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row from softmax(logits) ``(n, V) -> (n,)``, using this objective's stream."""
+        generator = self._generators.get(logits.device)
+        if generator is None:
+            generator = torch.Generator(device=logits.device).manual_seed(self.seed)
+            self._generators[logits.device] = generator
+        probs = torch.softmax(logits.detach(), dim=-1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class SampledForwardKL(_SampledKL):
+    """Monte-Carlo forward KL: y ~ pi_T per position, loss -log pi_S(y).
+
+    Unbiased for the gradient of KL(pi_T || pi_S): E_y[-grad log pi_S(y)] = pi_S - pi_T.
+    """
+
+    def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        drawn = self.draw(teacher_logits)
+        return -torch.log_softmax(student_logits, dim=-1).gather(-1, drawn[:, None]).squeeze(-1)
+
+
+class SampledReverseKL(_SampledKL):
+    """Monte-Carlo reverse KL: y ~ pi_S per position, surrogate
+    ``stopgrad[log pi_S(y) - log pi_T(y)] * log pi_S(y)``.
+
+    Its gradient is the score-function estimate of grad KL(pi_S || pi_T) (unbiased since
+    E_y[grad log pi_S(y)] = 0). Its *value* is not the KL; the exact KL is logged beside it.
+    """
+
+    def token_loss(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        drawn = self.draw(student_logits)[:, None]
+        log_s = torch.log_softmax(student_logits, dim=-1).gather(-1, drawn).squeeze(-1)
+        log_t = torch.log_softmax(teacher_logits, dim=-1).gather(-1, drawn).squeeze(-1)
+        return (log_s - log_t).detach() * log_s
+
+
+@torch.no_grad()
+def sampled_logprobs(logits: Logits, ids: torch.Tensor, chunk_size: int = 256) -> torch.Tensor:
+    """``log_softmax(logits)[b, t, ids[b, t]]`` ``(B, T)`` in fp32, without grad, chunk by chunk
+    (a :class:`HeadLogits` is never materialised)."""
+    out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    for b, t in iter_token_chunks(torch.ones_like(ids, dtype=torch.bool), chunk_size):
+        out[b, t] = torch.log_softmax(gather_rows(logits, b, t, torch.float32), -1).gather(-1, ids[b, t, None]).squeeze(-1)
+    return out
+
+
+@torch.no_grad()
+def kl_diagnostics(
+    student_logits: Logits,
+    teacher_logits: Logits,
+    mask: torch.Tensor,
+    reduction: str = "sequence",
+    chunk_size: int = 256,
+) -> dict[str, torch.Tensor]:
+    """Exact full-vocabulary ``kl_forward`` = KL(pi_T||pi_S), ``kl_reverse`` = KL(pi_S||pi_T) and
+    ``student_entropy`` / ``teacher_entropy`` (nats), reduced like the objectives, without grad, in one
+    chunked pass. Shapes as for the objectives. Objectives compute the same numbers in their own pass
+    (:meth:`KLObjective.take_diagnostics`); this is for objectives that override ``forward``."""
+    weights = token_weights(mask, reduction, compute_dtype(student_logits))
+    _, totals = chunked_pass(student_logits, teacher_logits.detach(), torch.zeros_like(weights), weights, chunk_size)
+    return dict(zip(DIAGNOSTICS, totals.unbind()))

@@ -1,0 +1,250 @@
+"""Token-by-token decoding with KV caches, shared by every rollout policy and by evaluation.
+
+kdlab decodes with its own loop instead of ``model.generate`` because the token-level mixture
+policy must combine two models' next-token distributions at every step, and because sampling must
+use an explicit seeded ``torch.Generator`` so rollouts are reproducible and resumable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kdlab.data import decode_completions, left_pad, prompt_token_ids
+from kdlab.models.loading import end_token_ids
+from kdlab.objectives.logits import cache_argument, forward_parameters
+from kdlab.tasks.base import Example, Task
+
+NextLogprobs = Callable[[torch.Tensor | None], torch.Tensor]
+"""``previous tokens (B,) or None for the first step -> next-token log-probs (B, V)``."""
+
+
+class IncrementalLM:
+    """One model decoding a left-padded prompt batch step by step with its KV cache.
+
+    Args:
+        model: a causal LM (put in eval mode by the caller).
+        input_ids, attention_mask: ``(B, P)`` left-padded prompt.
+        token_columns: logits beyond this index (padded embedding rows) are dropped.
+        temperature: next-token log-probs are ``log_softmax(logits / temperature)``;
+            0 gives the untempered ``log_softmax(logits)`` (for greedy decoding).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_columns: int,
+        temperature: float,
+    ) -> None:
+        self.model = model
+        self.input_ids = input_ids
+        self.attention_mask = attention_mask
+        self.token_columns = token_columns
+        self.temperature = temperature
+        self.cache_argument = cache_argument(model)
+        self.cache = None
+        self.last_position: torch.Tensor | None = None
+
+    def _logprobs(self, outputs) -> torch.Tensor:
+        self.cache = getattr(outputs, self.cache_argument, None)
+        if self.cache is None:
+            self.cache = outputs.past_key_values
+        logits = outputs.logits[:, -1, : self.token_columns].float()
+        if self.temperature > 0:
+            logits = logits / self.temperature
+        return torch.log_softmax(logits, dim=-1)
+
+    @torch.no_grad()
+    def __call__(self, previous: torch.Tensor | None) -> torch.Tensor:
+        """Next-token log-probs ``(B, V)`` after feeding ``previous`` ``(B,)`` (None on the first call)."""
+        if previous is None:
+            positions = (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+            self.last_position = positions[:, -1:]
+            keep = {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters(self.model) else {}
+            outputs = self.model(
+                input_ids=self.input_ids,
+                attention_mask=self.attention_mask,
+                position_ids=positions,
+                use_cache=True,
+                **keep,
+            )
+            return self._logprobs(outputs)
+        ones = torch.ones_like(self.attention_mask[:, :1])
+        self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)
+        self.last_position = self.last_position + 1
+        outputs = self.model(
+            input_ids=previous[:, None],
+            attention_mask=self.attention_mask,
+            position_ids=self.last_position,
+            use_cache=True,
+            **{self.cache_argument: self.cache},
+        )
+        return self._logprobs(outputs)
+
+
+def top_p_logprobs(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filtering of normalised log-probs ``(B, V)``: keep the smallest set of most likely tokens
+    whose probabilities sum to at least ``top_p`` (the most likely token always stays), renormalise,
+    and give every other token -inf. ``top_p >= 1`` returns ``logprobs`` unchanged."""
+    if top_p >= 1.0:
+        return logprobs
+    sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
+    mass_before = sorted_logprobs.exp().cumsum(dim=-1) - sorted_logprobs.exp()
+    drop_sorted = mass_before >= top_p  # a token is kept while the mass before it is still short of top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return torch.log_softmax(logprobs.masked_fill(drop, float("-inf")), dim=-1)
+
+
+StopCheck = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(tokens so far (B, t), rows to check (B,) bool) -> (B,) bool``: which rows have just completed a stop."""
+
+
+def stop_strings_check(tokenizer: Any, stop_strings: Sequence[str], window: int = 32) -> StopCheck | None:
+    """A :data:`StopCheck` that ends a row once the text of its last ``window`` tokens contains one of
+    ``stop_strings`` (the tokens that complete it are kept). ``None`` when there are no stop strings."""
+    stops = [text for text in stop_strings if text]
+    if not stops:
+        return None
+
+    def check(tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        hit = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        for row in rows.nonzero().flatten().tolist():
+            tail = tokenizer.decode(tokens[row, -window:].tolist(), skip_special_tokens=False)
+            hit[row] = any(stop in tail for stop in stops)
+        return hit
+
+    return check
+
+
+@torch.no_grad()
+def sample_tokens(
+    next_logprobs: NextLogprobs,
+    batch_size: int,
+    max_new_tokens: int | torch.Tensor,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    generator: torch.Generator | None,
+    greedy: bool = False,
+    device: torch.device | str = "cpu",
+    all_done: Callable[[bool], bool] | None = None,
+    stop: StopCheck | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw completions token by token until every row has produced an end token (or completed a stop
+    string, see :func:`stop_strings_check`) or used its budget.
+
+    ``max_new_tokens``: one budget for every row, or a ``(B,)`` tensor of per-row budgets.
+    Returns ``ids (B, C)`` (``pad_token_id`` after a row's end), ``mask (B, C)`` bool (True on each
+    row's tokens, end token included) and ``entropy (B, C)`` of the distribution each token was
+    drawn from (0 where masked). ``C <= max(max_new_tokens)``.
+
+    ``all_done(local_done) -> bool`` makes the stopping decision collective: with sharded models every
+    forward is a collective operation, so all ranks must take the same number of steps (a rank whose
+    rows have all ended keeps feeding padding until every rank is done).
+    """
+    eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
+    limits = torch.as_tensor(max_new_tokens, device=device).expand(batch_size)
+    finished = limits <= 0
+    tokens, masks, entropies = [], [], []
+    previous = None
+    for step in range(int(limits.max()) if batch_size else 0):
+        logprobs = next_logprobs(previous)
+        probs = logprobs.exp()
+        if greedy:
+            token = logprobs.argmax(dim=-1)
+        else:
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        alive = ~finished
+        token = torch.where(alive, token, torch.full_like(token, pad_token_id))
+        tokens.append(token)
+        masks.append(alive)
+        entropies.append(torch.where(alive, -(probs * logprobs.clamp(min=-1e30)).sum(-1), 0.0))
+        finished = finished | torch.isin(token, eos) | (limits <= step + 1)
+        if stop is not None:
+            finished = finished | stop(torch.stack(tokens, 1), alive & ~finished)
+        done = bool(finished.all())
+        if all_done is not None:
+            done = all_done(done)
+        if done:
+            break
+        previous = token
+    if not tokens:
+        empty = torch.zeros(batch_size, 0, device=device)
+        return empty.long(), empty.bool(), empty
+    return torch.stack(tokens, 1), torch.stack(masks, 1), torch.stack(entropies, 1)
+
+
+@torch.no_grad()
+def sample_completions(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: Task,
+    examples: Sequence[Example],
+    *,
+    role: str = "student",
+    temperature: float = 0.0,
+    max_new_tokens: int | Sequence[int] = 512,
+    max_prompt_tokens: int = 2048,
+    batch_size: int = 16,
+    generator: torch.Generator | None = None,
+    token_columns: int | None = None,
+    all_done: Callable[[bool], bool] | None = None,
+    end_ids: Sequence[int] | None = None,
+    stop_strings: Sequence[str] = (),
+) -> list[tuple[str, bool]]:
+    """``(text, ended)`` for each of ``examples``, prompted as ``role`` (``"student"`` or ``"teacher"``);
+    ``ended`` is False when the completion was cut by ``max_new_tokens`` instead of ending with an end
+    token (``end_ids``, default: the tokenizer's and the model's) or a stop string (kept in the text).
+    ``max_new_tokens``: one budget, or one per example.
+
+    ``temperature`` 0 decodes greedily. The model is put in eval mode for the call and its mode is
+    restored afterwards. ``all_done`` makes stopping collective under sharded training; every rank
+    must then call with the same number of batches.
+    """
+    device = next(model.parameters()).device
+    vocab = token_columns or len(tokenizer)
+    end_ids = tuple(end_ids) if end_ids else end_token_ids(tokenizer, model)
+    was_training = model.training
+    model.eval()
+    results: list[tuple[str, bool]] = []
+    stop = stop_strings_check(tokenizer, stop_strings)
+    budgets = [max_new_tokens] * len(examples) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(budgets) != len(examples):
+        raise ValueError(f"sample_completions: {len(budgets)} budgets for {len(examples)} examples")
+    try:
+        for start in range(0, len(examples), batch_size):
+            batch = examples[start : start + batch_size]
+            rows = [prompt_token_ids(task, tokenizer, ex, role, max_prompt_tokens) for ex in batch]
+            ids, mask = left_pad(rows, tokenizer.pad_token_id)
+            decoder = IncrementalLM(model, ids.to(device), mask.to(device), vocab, temperature)
+            out_ids, out_mask, _ = sample_tokens(
+                decoder,
+                batch_size=len(batch),
+                max_new_tokens=torch.tensor(budgets[start : start + batch_size], device=device),
+                eos_token_ids=end_ids,
+                pad_token_id=tokenizer.pad_token_id,
+                generator=generator,
+                greedy=temperature == 0,
+                device=device,
+                all_done=all_done,
+                stop=stop,
+            )
+            results += completion_records(tokenizer, out_ids, out_mask, end_ids, stop_strings)
+    finally:
+        model.train(was_training)
+    return results
+
+
+def completion_records(
+    tokenizer: Any, completion_ids: torch.Tensor, completion_mask: torch.Tensor, end_ids: Sequence[int], stop_strings: Sequence[str] = ()
+) -> list[tuple[str, bool]]:
+    """``(text, ended)`` per completion ``(B, C)``: the text without a final end token, and whether the
+    completion ended (an end token or a stop string) rather than running out of budget."""
+    texts = decode_completions(tokenizer, completion_ids, completion_mask, end_ids)
+    return [
+        (text, bool(row_mask.any()) and (int(row_ids[row_mask.bool()][-1]) in end_ids or any(s and s in text for s in stop_strings)))
+        for row_ids, row_mask, text in zip(completion_ids, completion_mask, texts)
+    ]

@@ -1,0 +1,295 @@
+"""Rollout policies: who writes the completions that the KL is taken on.
+
+* :class:`TeacherRollouts` - off-policy (OffPD): a fixed dataset of teacher responses, or online
+  samples from the teacher at ``teacher_temperature``.
+* :class:`StudentRollouts` - on-policy (OnPD): samples from the current student at
+  ``student_temperature``.
+* :class:`MixtureRollouts` - the paper's token-level spectrum pi_lambda between them, decoded jointly
+  with both models' KV caches.
+
+No gradient flows through sampling: every policy decodes under ``torch.no_grad`` with the models in
+eval mode, and the parent module restores the student's training mode afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kdlab.components import Component
+from kdlab.data import PromptBatch, Rollout, read_jsonl, right_pad
+from kdlab.rollouts.decoding import (
+    IncrementalLM,
+    NextLogprobs,
+    StopCheck,
+    sample_tokens,
+    top_p_logprobs,
+)
+
+
+@dataclass
+class RolloutContext:
+    """What a policy may use to write completions for one batch."""
+
+    student: torch.nn.Module
+    teacher: torch.nn.Module
+    tokenizer: Any
+    token_columns: int  # len(tokenizer): the logit columns sampled from (the head may have padding rows)
+    max_new_tokens: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    student_temperature: float
+    teacher_temperature: float
+    generator: torch.Generator | None
+    all_done: Callable[[bool], bool] | None = None
+    """Collective stopping decision under sharded training (see :func:`kdlab.rollouts.decoding.sample_tokens`)."""
+    step: int = 0
+    """The optimiser step the rollouts are for (engines that sync weights use it)."""
+    student_spec: Any = None
+    teacher_spec: Any = None
+    """Where the models come from (:class:`~kdlab.models.loading.ModelSpec`), for engines that load them themselves."""
+    stop: StopCheck | None = None
+    """Ends a row when it completes a stop string (:func:`kdlab.rollouts.decoding.stop_strings_check`)."""
+    stop_strings: tuple[str, ...] = ()
+    """The stop strings behind ``stop``, for engines that check them themselves (vLLM)."""
+    top_p: float = 1.0
+    """Nucleus sampling: each token is drawn from the policy's distribution restricted to its top-p set
+    (:func:`kdlab.rollouts.decoding.top_p_logprobs`); 1 samples from the whole distribution (distillation)."""
+
+    def decoder(self, model: str, prompts: PromptBatch) -> IncrementalLM:
+        """An incremental decoder for ``"student"`` or ``"teacher"`` at that model's temperature."""
+        ids = getattr(prompts, f"{model}_ids")
+        mask = getattr(prompts, f"{model}_mask")
+        return IncrementalLM(
+            getattr(self, model), ids, mask, self.token_columns, getattr(self, f"{model}_temperature")
+        )
+
+    def sample(self, next_logprobs: NextLogprobs, prompts: PromptBatch) -> Rollout:
+        if self.top_p < 1.0:
+            policy, top_p = next_logprobs, self.top_p
+            next_logprobs = lambda previous: top_p_logprobs(policy(previous), top_p)  # noqa: E731
+        ids, mask, entropy = sample_tokens(
+            next_logprobs,
+            batch_size=len(prompts),
+            max_new_tokens=self.max_new_tokens,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            generator=self.generator,
+            device=prompts.student_ids.device,
+            all_done=self.all_done,
+            stop=self.stop,
+        )
+        return Rollout(prompts, ids, mask, entropy)
+
+
+class RolloutPolicy(Component):
+    """Base class: turn a batch of prompts into completions.
+
+    Subclasses implement :meth:`sample`. A policy that reads completions from elsewhere returns a
+    :class:`~kdlab.data.Rollout` with ``sampling_entropy=None``.
+    """
+
+    def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
+        raise NotImplementedError
+
+    def covers(self, example: dict[str, Any]) -> bool:
+        """Whether this policy can write a completion for ``example`` (training skips prompts it cannot)."""
+        return True
+
+    def next_token_logprobs(self, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+        """The policy's next-token log-probs ``(..., V)`` given the two models' tempered ones at the same
+        prefix; used by diagnostics (e.g. total variation to each model along a rollout)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define its next-token distribution")
+
+
+class StudentRollouts(RolloutPolicy):
+    """On-policy: the current student samples each completion at ``student_temperature``."""
+
+    def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
+        return context.sample(context.decoder("student", prompts), prompts)
+
+    def next_token_logprobs(self, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+        return student_logprobs
+
+
+class TeacherRollouts(RolloutPolicy):
+    """Off-policy: completions written by the teacher.
+
+    Args:
+        dataset: a JSONL file with one ``{"id": <example id>, "completion": <text>}`` object per line
+            (as written by ``kdlab generate``): the paper's OffPD, where each prompt's teacher response
+            is fixed. The first line for an id is used. The end token is appended unless the row says
+            ``"ended": false`` (a response cut by the generation budget). ``None`` samples from the teacher online at
+            ``teacher_temperature`` with the teacher's own prompt.
+        teacher_cache: the teacher's top-k log-probs on ``dataset``'s completions
+            (``kdlab generate ... --top_k K``); the teacher then never runs during training, and
+            ``DistillModule`` may be built with ``teacher: null``. How full-vocabulary objectives treat a
+            top-k teacher: :mod:`kdlab.rollouts.teacher_cache`.
+    """
+
+    def __init__(self, dataset: str | None = None, teacher_cache: str | None = None) -> None:
+        super().__init__()
+        self.dataset = dataset
+        self._completions: dict[str, str] | None = None
+        if dataset is not None:
+            self._completions = read_completions(dataset)
+        self.teacher_cache = teacher_cache
+        self.cache = None
+        if teacher_cache is not None:
+            if dataset is None:
+                raise ValueError("TeacherRollouts.teacher_cache needs TeacherRollouts.dataset (the completions it was computed on)")
+            from kdlab.rollouts.teacher_cache import TeacherCache
+
+            self.cache = TeacherCache(teacher_cache)
+
+    def covers(self, example: dict[str, Any]) -> bool:
+        return self._completions is None or example["id"] in self._completions
+
+    def next_token_logprobs(self, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+        """The teacher's distribution (for a dataset, the one it was sampled from at that temperature)."""
+        return teacher_logprobs
+
+    def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
+        if self._completions is None:
+            return context.sample(context.decoder("teacher", prompts), prompts)
+        rows = []
+        for example in prompts.examples:
+            if example["id"] not in self._completions:
+                raise KeyError(f"TeacherRollouts.dataset {self.dataset}: no completion for example id {example['id']!r}")
+            text, ended = self._completions[example["id"]]
+            ids = context.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if ended:  # a response cut by the generation budget must not teach the student to stop there
+                ids = ids + [context.eos_token_ids[0]]
+            rows.append(ids[: context.max_new_tokens])
+        ids, mask = right_pad(rows, context.pad_token_id)
+        device = prompts.student_ids.device
+        teacher_logprobs = None
+        if self.cache is not None:  # held as the top k: the dense (B, C, V) teacher is never built
+            from kdlab.rollouts.teacher_cache import TopKLogprobs
+
+            cached = [self.cache.row(example["id"], tokens) for example, tokens in zip(prompts.examples, rows)]
+            teacher_logprobs = TopKLogprobs.from_rows(cached, ids.shape[1], self.cache.top_k, context.token_columns).to(device)
+        return Rollout(prompts, ids.to(device), mask.to(device), None, teacher_logprobs=teacher_logprobs)
+
+
+def read_completions(path: str) -> dict[str, tuple[str, bool]]:
+    """``{example id: (completion text, ended)}`` from a JSONL file (``ended`` defaults to true: the
+    response ended with an end token); errors name the file, line and field."""
+    completions: dict[str, tuple[str, bool]] = {}
+    rows = read_jsonl(path, "TeacherRollouts.dataset", ("id", "completion"), " (write one with `kdlab generate`)")
+    for where, row in rows:
+        ended = row.get("ended", True)
+        if not isinstance(ended, bool):
+            raise ValueError(f"{where}: field 'ended' must be true or false, got {ended!r}")
+        completions.setdefault(row["id"], (row["completion"], ended))
+    if not completions:
+        raise ValueError(f"TeacherRollouts.dataset {path!r} holds no completions")
+    return completions
+
+
+def mixture_logprobs(
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    lam: float,
+    alpha: float = 0.2,
+    clip: float = 2 * math.log(3),
+) -> torch.Tensor:
+    """Normalised log pi_lambda ``(..., V)`` from normalised student/teacher log-probs ``s``, ``t``.
+
+    With r = s - t:
+
+    * -1 <= lam <= 1: log-space interpolation ``z = (1+lam)/2 s + (1-lam)/2 t`` (lam = -1 is the
+      teacher, 1 the student, 0 the normalised geometric mean);
+    * lam > 1: ``z = s + (lam-1)/2 * M_S * clamp(r, 0, clip)``, amplifying tokens the student prefers
+      more than the teacher, only inside the student's plausible set
+      ``M_S = {v : s(v) >= max s + log alpha}``; other tokens keep their anchor score s;
+    * lam < -1: the mirror image, anchored on t with ``M_T * clamp(-r, 0, clip)``.
+
+    The endpoints lam = -1 and lam = 1 return ``t`` and ``s`` themselves, so mixture sampling there is
+    exactly teacher or student sampling.
+    """
+    validate_mixture(lam, alpha, clip)
+    s, t = student_logprobs, teacher_logprobs
+    if lam == 1:
+        return s
+    if lam == -1:
+        return t
+    if -1 < lam < 1:
+        z = (1 + lam) / 2 * s + (1 - lam) / 2 * t  # both weights are > 0 here, so -inf stays -inf
+    elif lam > 1:
+        z = s + (lam - 1) / 2 * _bonus(s, s - t, alpha, clip)
+    else:
+        z = t + (-lam - 1) / 2 * _bonus(t, t - s, alpha, clip)
+    return torch.log_softmax(z, dim=-1)
+
+
+def _bonus(anchor: torch.Tensor, advantage: torch.Tensor, alpha: float, clip: float) -> torch.Tensor:
+    """``M * min(max(advantage, 0), clip)`` with ``M`` the anchor's plausible set; 0 outside it."""
+    plausible = anchor >= anchor.max(dim=-1, keepdim=True).values + math.log(alpha)
+    return torch.where(plausible, advantage.nan_to_num(nan=0.0).clamp(min=0.0, max=clip), 0.0)
+
+
+def validate_mixture(lam: float, alpha: float, clip: float) -> None:
+    if not -2.0 <= lam <= 2.0:
+        raise ValueError(f"MixtureRollouts.lam must be in [-2, 2], got {lam}")
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"MixtureRollouts.alpha must be in (0, 1], got {alpha}")
+    if not clip > 0.0:
+        raise ValueError(f"MixtureRollouts.clip must be > 0, got {clip}")
+
+
+class MixtureRollouts(RolloutPolicy):
+    """The token-level rollout spectrum pi_lambda (see :func:`mixture_logprobs`).
+
+    Both models decode together, each with its own prompt and KV cache, at their own temperatures;
+    at every step the next token is drawn from pi_lambda of their tempered distributions. At
+    lam = -1 or 1 only the model that matters is run, which gives exactly teacher or student sampling.
+
+    Args:
+        lam: position on the spectrum in [-2, 2]: -1 teacher (OffPD), 1 student (OnPD).
+        alpha: plausibility threshold of the amplified regimes (|lam| > 1), in (0, 1].
+        clip: cap on the log-ratio bonus (> 0); 2 ln 3 caps amplification at x3.
+    """
+
+    def __init__(self, lam: float = 0.0, alpha: float = 0.2, clip: float = 2 * math.log(3)) -> None:
+        super().__init__()
+        validate_mixture(lam, alpha, clip)
+        self.lam, self.alpha, self.clip = float(lam), float(alpha), float(clip)
+
+    def next_token_logprobs(self, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+        return mixture_logprobs(student_logprobs, teacher_logprobs, self.lam, self.alpha, self.clip)
+
+    def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
+        if self.lam == 1:
+            return context.sample(context.decoder("student", prompts), prompts)
+        if self.lam == -1:
+            return context.sample(context.decoder("teacher", prompts), prompts)
+        student, teacher = context.decoder("student", prompts), context.decoder("teacher", prompts)
+
+        def next_logprobs(previous: torch.Tensor | None) -> torch.Tensor:
+            return mixture_logprobs(student(previous), teacher(previous), self.lam, self.alpha, self.clip)
+
+        return context.sample(next_logprobs, prompts)
+
+
+def importance_weights(
+    logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float = 2.0
+) -> torch.Tensor:
+    """Per-sequence weights ``(B,)``: ``w = mean_t min(cap, exp(logp_t - logq_t))`` over each completion's
+    masked-in tokens (detached; 1 for an empty completion).
+
+    ``logprobs``: ``(B, C)`` log p_theta of the sampled tokens under the policy being trained;
+    ``behaviour_logprobs``: ``(B, C)`` log q under the engine that sampled them; ``mask``: ``(B, C)`` bool.
+    Truncating each token ratio at ``cap`` bounds the weight by ``cap`` (the paper: 2).
+    """
+    if not cap > 0:
+        raise ValueError(f"importance_weights: cap must be > 0, got {cap}")
+    mask = mask.bool()
+    ratio = torch.exp((logprobs.detach().float() - behaviour_logprobs.float()).masked_fill(~mask, 0.0)).clamp(max=cap)
+    counts = mask.sum(dim=1)
+    weights = (ratio * mask).sum(dim=1) / counts.clamp(min=1)
+    return torch.where(counts > 0, weights, torch.ones_like(weights))

@@ -1,0 +1,164 @@
+"""Precomputed teacher outputs for off-policy runs: the teacher's top-k log-probs at every completion
+position, stored once, so distillation never has to hold the teacher in training memory.
+
+Written by ``kdlab generate ... --top_k K`` next to the teacher dataset (``<output>.topk.safetensors``)
+and read by ``TeacherRollouts(dataset=..., teacher_cache=...)``. The file is safetensors (no pickle):
+per example id ``<id>/tokens`` ``(C,)`` (the completion tokens the rollouts will use, end token included),
+``<id>/indices`` ``(C, k)`` and ``<id>/logprobs`` ``(C, k)`` (the teacher's k most likely tokens and
+their log-probs under ``softmax(z_T / temperature)``), and metadata: ``top_k``, ``temperature``,
+``vocab_size``, ``teacher``.
+
+**How full-vocabulary objectives treat a top-k teacher.** The cached teacher is the distribution that
+keeps the k cached probabilities exactly and spreads the remaining mass ``1 - sum_k p_T`` uniformly over
+the other ``V - k`` tokens (:func:`expand_topk`). It is a proper distribution, so every objective
+(forward/reverse KL, JSD, TV, the sampled estimators) is well defined and unchanged in code; with
+``k = V`` it is the teacher exactly. A batch of it is a :class:`TopKLogprobs`: ``(B, C, k)`` in memory,
+expanded to ``(chunk, V)`` rows only inside the objectives' chunk loop. The forward KL then differs from the exact one only through the tail
+(``sum_tail p_T log p_T`` terms and how the tail's student mass is weighted), which vanishes as the
+tail mass does; the diagnostics ``train/kl_forward`` etc. are computed against the same distribution.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kdlab.objectives.kernels import LazyLogits
+
+TAIL_FLOOR = 1e-12
+"""Smallest tail mass used: keeps the expanded log-probs finite when the top k hold (almost) all mass."""
+
+
+def top_k_logprobs(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens ``(..., k)`` (int64) and their log-probs ``(..., k)`` (fp32) under
+    ``log_softmax(logits / temperature)`` of ``logits`` ``(..., V)``."""
+    if not 1 <= k <= logits.shape[-1]:
+        raise ValueError(f"top_k must be in [1, {logits.shape[-1]}], got {k}")
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    values, indices = logprobs.topk(k, dim=-1)
+    return indices, values
+
+
+def expand_topk(indices: torch.Tensor, logprobs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Full log-probs ``(..., V)``: the cached ``k`` exactly, the remaining mass spread evenly over the
+    other ``V - k`` tokens (see the module docstring). Rows sum to 1 (up to ``TAIL_FLOOR`` when the top k
+    already hold everything)."""
+    k = indices.shape[-1]
+    if k == vocab_size:
+        full = torch.empty(*indices.shape[:-1], vocab_size, dtype=torch.float32, device=logprobs.device)
+        return full.scatter_(-1, indices.long(), logprobs.float())
+    tail = (1.0 - logprobs.float().exp().sum(-1, keepdim=True)).clamp(min=TAIL_FLOOR)
+    fill = torch.log(tail) - math.log(vocab_size - k)
+    full = fill.expand(*indices.shape[:-1], vocab_size).clone()
+    return full.scatter_(-1, indices.long(), logprobs.float())
+
+
+class TopKLogprobs(LazyLogits):
+    """The cached teacher of a batch, ``(B, C, V)`` log-probs held as its top k: ``indices`` ``(B, C, k)``
+    (int64) and ``logprobs`` ``(B, C, k)`` (fp32). Objectives expand one chunk of rows at a time with
+    :func:`expand_topk`, so the dense ``(B, C, V)`` teacher is never built (on the host or the device).
+
+    Positions past a row's cached length (padding) stand for the uniform distribution."""
+
+    def __init__(self, indices: torch.Tensor, logprobs: torch.Tensor, vocab_size: int) -> None:
+        if indices.shape != logprobs.shape or indices.dim() != 3:
+            raise ValueError(f"TopKLogprobs: indices and logprobs must both be (B, C, k), got {tuple(indices.shape)}, {tuple(logprobs.shape)}")
+        if indices.shape[-1] > vocab_size:
+            raise ValueError(f"TopKLogprobs: k = {indices.shape[-1]} exceeds the vocabulary ({vocab_size})")
+        self.indices, self.logprobs, self.vocab_size = indices.long(), logprobs.float(), vocab_size
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[torch.Tensor, torch.Tensor]], length: int, k: int, vocab_size: int) -> TopKLogprobs:
+        """Stack per-example ``(indices (n_i, k), logprobs (n_i, k))`` into ``(B, length, k)``; padding
+        holds k tokens at ``log(1/V)`` each, which :func:`expand_topk` turns into the uniform distribution."""
+        indices = torch.arange(k).expand(len(rows), length, k).clone()
+        logprobs = torch.full((len(rows), length, k), -math.log(vocab_size))
+        for row, (row_indices, row_logprobs) in enumerate(rows):
+            indices[row, : row_indices.shape[0]] = row_indices
+            logprobs[row, : row_logprobs.shape[0]] = row_logprobs
+        return cls(indices, logprobs, vocab_size)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.indices.shape[:2], self.vocab_size))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.indices.device
+
+    def rows(self, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        b, t = b.to(self.device), t.to(self.device)
+        return expand_topk(self.indices[b, t], self.logprobs[b, t], self.vocab_size).to(dtype)
+
+    def detach(self) -> TopKLogprobs:
+        return self
+
+    def to(self, device: torch.device | str) -> TopKLogprobs:
+        return TopKLogprobs(self.indices.to(device), self.logprobs.to(device), self.vocab_size)
+
+    def dense(self) -> torch.Tensor:
+        """The full ``(B, C, V)`` log-probs (for tests and small vocabularies only)."""
+        return expand_topk(self.indices, self.logprobs, self.vocab_size)
+
+
+def write_cache(path: str | Path, rows: dict[str, dict[str, torch.Tensor]], metadata: dict[str, Any]) -> None:
+    """Write ``{id: {"tokens", "indices", "logprobs"}}`` and ``metadata`` to a safetensors file
+    (to a temporary name first, then renamed)."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for example_id, row in rows.items():
+        if "/" in example_id:
+            raise ValueError(f"teacher cache: example id {example_id!r} contains '/'")
+        tensors[f"{example_id}/tokens"] = row["tokens"].to(torch.int64).contiguous()
+        tensors[f"{example_id}/indices"] = row["indices"].to(torch.int64).contiguous()
+        tensors[f"{example_id}/logprobs"] = row["logprobs"].to(torch.float32).contiguous()
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, str(partial), metadata={key: str(value) for key, value in metadata.items()})
+    partial.replace(path)
+
+
+class TeacherCache:
+    """A cache file opened for reading (lazily, tensor by tensor).
+
+    Raises naming ``setting`` and the file when it is missing or not a kdlab teacher cache."""
+
+    def __init__(self, path: str, setting: str = "TeacherRollouts.teacher_cache") -> None:
+        from safetensors import safe_open
+
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{setting}: no such file {path!r} (write one with `kdlab generate ... --top_k K`)")
+        try:
+            self._file = safe_open(path, framework="pt")
+            metadata = self._file.metadata() or {}
+        except Exception as error:  # safetensors raises its own error types for a corrupt header
+            raise ValueError(f"{setting} {path!r}: not a readable safetensors file ({error})") from error
+        missing = [key for key in ("top_k", "temperature", "vocab_size") if key not in metadata]
+        if missing:
+            raise ValueError(f"{setting} {path!r}: not a kdlab teacher cache (metadata lacks {missing})")
+        self.path, self.setting = path, setting
+        self.top_k, self.temperature = int(metadata["top_k"]), float(metadata["temperature"])
+        self.vocab_size, self.teacher = int(metadata["vocab_size"]), metadata.get("teacher", "?")
+        self.ids = {key.rsplit("/", 1)[0] for key in self._file.keys()}
+
+    def row(self, example_id: str, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(indices, logprobs)`` ``(len(tokens), k)`` for ``example_id``'s first ``len(tokens)`` positions,
+        after checking that the cache was computed on those very tokens."""
+        if example_id not in self.ids:
+            raise KeyError(f"{self.setting} {self.path}: no entry for example id {example_id!r}")
+        cached = self._file.get_tensor(f"{example_id}/tokens")
+        n = len(tokens)
+        if n > cached.numel() or cached[:n].tolist() != list(tokens):
+            raise ValueError(
+                f"{self.setting} {self.path}: example {example_id!r} was cached on other completion tokens than the "
+                "dataset gives now (a different dataset, tokenizer or max length?); rebuild the cache"
+            )
+        return self._file.get_tensor(f"{example_id}/indices")[:n], self._file.get_tensor(f"{example_id}/logprobs")[:n]

@@ -1,0 +1,473 @@
+"""``TaskStage``: what every kdlab training stage on a task shares (distillation, RLVR).
+
+A stage trains one model, called ``student`` (the distilled student, or the policy of an RLVR stage
+that starts from it), on a :class:`~kdlab.tasks.base.Task`. This base class gives it:
+
+* data: the task's ``train`` split in an order drawn from (seed, epoch), resumable mid-epoch;
+  ``val``/``test`` use the first ``val_examples`` held-out examples;
+* seeded, resumable random streams per step (:meth:`TaskStage.step_seed`);
+* evaluation: ``<split>/accuracy`` (mean task score over ``eval_samples`` completions per prompt at
+  ``val_temperature``), ``<split>/pass@k`` and a per-example JSONL under ``<log_dir>/samples/``;
+* ``run_info.json`` provenance at fit start and the data position in every checkpoint.
+
+Subclasses set ``student``, ``student_tokenizer``, ``token_columns``, ``end_ids`` and ``pad_id`` and
+implement ``training_step``. Callbacks of :mod:`kdlab.callbacks` work on any ``TaskStage``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from kdlab.components import Component
+from kdlab.evaluation.metrics import PassAtK
+from kdlab.evaluation.scoring import completion_texts
+from kdlab.provenance import write_run_info
+from kdlab.rollouts.decoding import stop_strings_check
+from kdlab.runlog import run_directory
+from kdlab.stages.loaders import EpochShuffle, ResumableLoader
+from kdlab.stages.optim import FiniteAdamW
+from kdlab.tasks.base import Example, Task
+
+
+def decoder_layer_classes(model: torch.nn.Module) -> set[str]:
+    """Class names of ``model``'s decoder layers (a transformers model's ``_no_split_modules``): the
+    units FSDP shards one at a time."""
+    return set(getattr(model, "_no_split_modules", None) or [])
+
+
+class TaskStage(pl.LightningModule):
+    """Base of :class:`~kdlab.stages.distill.DistillModule` and :class:`~kdlab.stages.grpo.GRPOModule` (see module docstring).
+
+    Args:
+        task: prompts, per-model prompting and the verifier.
+        batch_size: prompts per micro-batch.
+        max_prompt_tokens: longer prompts are an error naming the example.
+        max_completion_tokens: generation budget for training rollouts and evaluation.
+        val_examples: validation/test use the first N held-out examples (paper: 200).
+        val_temperature: evaluation sampling temperature; 0 decodes greedily (paper: 0.5).
+        val_batch_size: prompts per evaluation batch.
+        eval_samples: completions per evaluation prompt (paper: 10 for pass@k).
+        eval_ks: the k of ``<split>/pass@k``, each <= ``eval_samples``.
+        seed: seeds data order and every sampling stream.
+        stop_strings: a completion (training rollout or evaluation) also ends once it contains one of
+            these (e.g. ``"</answer>"``), the stop string kept; the end tokens always end it.
+    """
+
+    student: torch.nn.Module
+    student_tokenizer: Any
+    token_columns: int  # logit columns in use: one per token id of the (shared) tokenizer, not the head's row count
+    end_ids: tuple[int, ...]
+    pad_id: int
+
+    def __init__(
+        self,
+        task: Task,
+        batch_size: int,
+        max_prompt_tokens: int,
+        max_completion_tokens: int,
+        val_examples: int,
+        val_temperature: float,
+        val_batch_size: int,
+        eval_samples: int,
+        eval_ks: tuple[int, ...],
+        seed: int,
+        stop_strings: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_prompt_tokens", max_prompt_tokens),
+            ("max_completion_tokens", max_completion_tokens),
+            ("val_examples", val_examples),
+            ("val_batch_size", val_batch_size),
+        ):
+            self.require_positive(name, value)
+        if val_temperature < 0:
+            raise ValueError(f"{type(self).__name__}.val_temperature must be >= 0, got {val_temperature}")
+        if eval_samples < 1 or not eval_ks or min(eval_ks) < 1 or max(eval_ks) > eval_samples:
+            raise ValueError(f"{type(self).__name__}.eval_ks must be in [1, eval_samples={eval_samples}], got {list(eval_ks)}")
+        self.task = task
+        self.batch_size = batch_size
+        self.max_prompt_tokens, self.max_completion_tokens = max_prompt_tokens, max_completion_tokens
+        self.val_examples, self.val_temperature, self.val_batch_size = val_examples, val_temperature, val_batch_size
+        self.eval_samples = eval_samples
+        self.pass_at_k = torch.nn.ModuleDict({stage: PassAtK(ks=tuple(eval_ks)) for stage in ("val", "test")})
+        self.seed = seed
+        self.stop_strings = [text for text in (stop_strings or []) if text]
+        self._eval_records: list[dict[str, Any]] = []
+        self._sharded = False
+        self._frozen: dict[str, torch.nn.Module] = {}  # a plain dict: not submodules (see hold_frozen)
+        self._resume_log_step: int | None = None  # see _next_log_step
+        self._log_step_at_batch_start: int | None = None
+
+    # ---- frozen models --------------------------------------------------------------------
+    def hold_frozen(self, name: str, model: torch.nn.Module) -> torch.nn.Module:
+        """Keep ``model`` (a teacher, a KL reference) frozen, in eval mode, and outside this module's
+        tree: it is in no ``state_dict`` (checkpoints, whole or sharded, never carry it: it is reloaded
+        from its path), no ``parameters()`` and no DDP bucket, yet it follows the module's device and
+        dtype moves (``to``, ``cuda``, precision casts)."""
+        model.requires_grad_(False).eval()
+        self._frozen[name] = model
+        return model
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        for model in getattr(self, "_frozen", {}).values():
+            model._apply(fn, recurse)
+        return self
+
+    def require_positive(self, name: str, value: float) -> None:
+        """Raise ``ValueError`` naming ``<Class>.<name>`` unless ``value > 0``."""
+        if not value > 0:
+            raise ValueError(f"{type(self).__name__}.{name} must be > 0, got {value}")
+
+    def components(self) -> dict[str, Component]:
+        """The swappable parts whose reports are logged after each step."""
+        return {"task": self.task}
+
+    def _log_records(self, split: str, batch_size: int) -> None:
+        for component in self.components().values():
+            for name, value in component.pop_records().items():
+                self.log(f"{split}/{name}", value, batch_size=batch_size)
+
+    # ---- parallelism ----------------------------------------------------------------------
+    def sharded_models(self) -> list[torch.nn.Module]:
+        """The models ``fully_shard`` under ``ModelParallelStrategy`` (default: the trained one)."""
+        return [self.student]
+
+    def configure_model(self) -> None:
+        """FSDP2 under Lightning's ``ModelParallelStrategy``: each decoder layer (the model's
+        ``_no_split_modules``) and then each of :meth:`sharded_models` get ``fully_shard`` over the
+        data-parallel mesh; with ``trainer.precision: bf16-mixed`` parameters are gathered in bf16 and
+        gradients reduced in fp32 (``MixedPrecisionPolicy``), the fp32 master weights staying sharded.
+
+        FSDP1 under ``strategy: fsdp`` (Lightning's ``FSDPStrategy``, CUDA only): each decoder layer and
+        then each of :meth:`sharded_models` is wrapped with the strategy's own settings (Lightning's
+        manual wrapping: ``torch.distributed.fsdp.wrap.wrap`` inside the strategy's context), so layers
+        are gathered one at a time and the rest (embeddings, head) form the model's own unit. Lightning
+        wraps nothing more once a submodule is wrapped, so the trained model must be wrapped whole here:
+        its gradients are then all reduced. Frozen models that are not sharded are moved to the device.
+        Other strategies need nothing here."""
+        if self._sharded or self._trainer is None:
+            return
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if isinstance(self.trainer.strategy, FSDPStrategy):
+            self._wrap_fsdp1()
+            self._sharded = True
+            return
+        mesh = self.device_mesh
+        if mesh is None:
+            return
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        data_parallel = mesh["data_parallel"]
+        options = {"mesh": data_parallel}
+        if str(self.trainer.precision) == "bf16-mixed":  # FSDP2 takes mixed precision as a sharding policy
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for model in self.sharded_models():
+            blocks = decoder_layer_classes(model)
+            for module in model.modules():
+                if type(module).__name__ in blocks:
+                    fully_shard(module, **options)
+            fully_shard(model, **options)
+        self._sharded = True
+
+    def _wrap_fsdp1(self) -> None:
+        from torch.distributed.fsdp.wrap import wrap
+
+        if getattr(self, "fused_lm_head", False):
+            raise ValueError("fused_lm_head reads the LM head's weight directly, which FSDP1 (strategy: fsdp) shards; "
+                             "set fused_lm_head: false or use ModelParallelStrategy (FSDP2) with an unsharded head")
+
+        sharded = self.sharded_models()
+        for model in sharded:
+            blocks = decoder_layer_classes(model)
+            parents = [(parent, name) for parent in model.modules() for name, child in parent.named_children() if type(child).__name__ in blocks]
+            for parent, name in parents:
+                parent._modules[name] = wrap(parent._modules[name])
+        for name, child in list(self.named_children()):
+            if any(child is model for model in sharded):
+                setattr(self, name, wrap(child))  # the trained model: one FSDP root over its unwrapped rest
+        for name, model in list(self._frozen.items()):
+            if any(model is other for other in sharded):
+                self._frozen[name] = wrap(model)  # FSDP1 moves what it wraps to the device itself
+        # FSDP1 moves only the module tree it wraps; replicated frozen models sit outside it (hold_frozen)
+        self.place_frozen_models(self.trainer.strategy.root_device)
+
+    def fsdp1_root(self) -> torch.nn.Module | None:
+        """The trained model when ``strategy: fsdp`` wrapped it (an FSDP1 root), else ``None``."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return self.student if isinstance(self.student, FullyShardedDataParallel) else None
+
+    def student_grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the trained model's gradients (before clipping). Under FSDP1 each rank
+        holds a shard of every flat gradient, so the squared norms are summed over ranks (a collective)."""
+        grads = [p.grad for p in self.student.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        if self.fsdp1_root() is None:  # whole tensors, or DTensors whose norm is already global
+            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(squares)
+        return squares.sqrt()
+
+    def clip_student_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float) -> None:
+        """Clip the trained model's gradients to global norm ``max_norm``: FSDP1's own ``clip_grad_norm_``
+        (Lightning's FSDP1 precision plugin refuses norm clipping), else Lightning's."""
+        root = self.fsdp1_root()
+        if root is not None:
+            root.clip_grad_norm_(max_norm)
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        if gradient_clip_val and self.fsdp1_root() is not None and gradient_clip_algorithm in (None, "norm"):
+            self.clip_student_gradients(optimizer, float(gradient_clip_val))
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def place_frozen_models(self, device: torch.device) -> None:
+        """Move each frozen model whose parameters are not on ``device`` there."""
+        for model in self._frozen.values():
+            first = next(model.parameters(), None)
+            if first is not None and first.device != device:
+                model.to(device)
+
+    # ---- non-finite steps -----------------------------------------------------------------
+    def set_max_bad_steps(self, max_bad_steps: int) -> None:
+        if max_bad_steps < 1:
+            raise ValueError(f"{type(self).__name__}.max_bad_steps must be >= 1, got {max_bad_steps}")
+        self.max_bad_steps, self._bad_steps = max_bad_steps, 0
+
+    def count_skipped_step(self, optimizer: FiniteAdamW, what: str) -> None:
+        """After an optimiser call: log ``train/skipped_steps`` and stop the run, naming the step,
+        ``what`` was trained and the last good checkpoint, after ``max_bad_steps`` skipped in a row."""
+        self._bad_steps = self._bad_steps + 1 if optimizer.last_skipped else 0
+        self.log("train/skipped_steps", float(optimizer.skipped))
+        if self._bad_steps >= self.max_bad_steps:
+            callback = self.trainer.checkpoint_callback
+            last = (callback.last_model_path or callback.best_model_path) if callback else ""
+            raise RuntimeError(
+                f"step {self.global_step}: {self._bad_steps} consecutive optimiser steps had non-finite gradients "
+                f"({what}); no update was applied for them. Last good checkpoint: {last or 'none saved yet'}"
+            )
+
+    # ---- data -----------------------------------------------------------------------------
+    def trains_on(self, example: Example) -> bool:
+        """Whether ``example`` of the train split is used (e.g. it has a teacher completion)."""
+        return True
+
+    def _split(self, split: str, limit: int | None = None) -> list[Example]:
+        examples = self.task.examples(split)
+        if not examples:
+            raise ValueError(f"{type(self.task).__name__}: the {split!r} split is empty")
+        return examples[:limit] if limit is not None else examples
+
+    def training_examples(self) -> list[Example]:
+        """The train split's examples this stage trains on; a ``ValueError`` naming the task and the
+        rollout's dataset (when there is one) when that is none of them, e.g. a teacher dataset whose ids
+        match no example. ``kdlab fit`` calls it before the trainer starts (no run directory is written,
+        no evaluation runs); :meth:`setup` calls it for Python callers."""
+        examples = self._split("train")
+        kept = [ex for ex in examples if self.trains_on(ex)]
+        if not kept:
+            dataset = getattr(getattr(self, "rollout", None), "dataset", None)
+            source = f" ({type(self.rollout).__name__}.dataset={str(dataset)!r} covers none of its ids, e.g. {examples[0]['id']!r})" if dataset else ""
+            raise ValueError(f"{type(self).__name__} can train on no train example of {type(self.task).__name__}{source}")
+        return kept
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit":
+            self.training_examples()
+
+    def train_dataloader(self) -> DataLoader:
+        examples = self.training_examples()
+        layout = self.data_parallel_layout()
+        self._train_sampler = EpochShuffle(len(examples), self.seed, layout["num_replicas"], layout["rank"])
+        resume, self._resume_position = getattr(self, "_resume_position", None), None
+        if resume is not None:
+            self._train_sampler.set_epoch(resume["epoch"])
+            self._train_sampler.skip = resume["batches_done"] * self.batch_size
+        return ResumableLoader(examples, batch_size=self.batch_size, sampler=self._train_sampler, collate_fn=list)
+
+    def on_train_epoch_start(self) -> None:
+        # Lightning may wrap the sampler for data parallelism and then set the wrapper's epoch only
+        if getattr(self, "_train_sampler", None) is not None:
+            self._train_sampler.set_epoch(self.current_epoch)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self._split("val", self.val_examples), batch_size=self.val_batch_size, collate_fn=list)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self._split("test", self.val_examples), batch_size=self.val_batch_size, collate_fn=list)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return batch  # a list of example dicts; tensors are made on the device in the step
+
+    # ---- random streams and collectives ---------------------------------------------------
+    def data_parallel_layout(self) -> dict[str, int]:
+        """``{"num_replicas", "rank"}`` of this process among the data-parallel replicas. Under tensor
+        parallelism the ranks of one TP group are one replica: they read the same data and must draw the
+        same rollouts."""
+        layout = (getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self._trainer is not None else None) or {}
+        return {"num_replicas": int(layout.get("num_replicas", 1)), "rank": int(layout.get("rank", 0))}
+
+    def step_seed(self, split: str, batch_idx: int) -> int:
+        """A 63-bit seed for one step's random streams, from (seed, split, data-parallel rank, epoch, batch
+        index): reproducible, resumable, independent across data-parallel replicas and shared by the
+        tensor-parallel ranks of one replica."""
+        key = f"{self.seed}/{split}/{self.data_parallel_layout()['rank']}/{self.current_epoch}/{batch_idx}"
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
+
+    def _generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def all_done_hook(self):
+        """``None`` on one process; else a collective "have all ranks finished decoding" decision."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size == 1:
+            return None
+        return lambda done: trainer.strategy.reduce_boolean_decision(done, all=True)
+
+    # ---- evaluation -----------------------------------------------------------------------
+    def eval_completions(self, examples: list[Example], temperature: float, seed: int) -> list[str]:
+        """Student completions (text) for ``examples``; ``temperature`` 0 decodes greedily."""
+        return completion_texts(
+            self.student,
+            self.student_tokenizer,
+            self.task,
+            examples,
+            temperature=temperature,
+            max_new_tokens=self.max_completion_tokens,
+            max_prompt_tokens=self.max_prompt_tokens,
+            batch_size=len(examples),
+            generator=self._generator(seed),
+            token_columns=self.token_columns,
+            all_done=self.all_done_hook(),
+            end_ids=self.end_ids,
+            stop_strings=self.stop_strings,
+        )
+
+    def stop_check(self):
+        """The rollout engine's stop-string check for this stage (``None`` without stop strings)."""
+        return stop_strings_check(self.student_tokenizer, self.stop_strings)
+
+    def _evaluate(self, split: str, batch: list[Example], batch_idx: int) -> None:
+        n = self.eval_samples
+        repeated = [example for example in batch for _ in range(n)]
+        completions = self.eval_completions(repeated, self.val_temperature, self.step_seed(split, batch_idx))
+        scores = [float(self.task.score(example, text)) for example, text in zip(repeated, completions)]
+        self.log(f"{split}/accuracy", sum(scores) / len(scores), batch_size=len(batch), prog_bar=split == "val", sync_dist=True)
+        self.pass_at_k[split].update(torch.tensor(scores).reshape(len(batch), n) >= 1.0)
+        self._log_records(split, len(batch))
+        self._eval_records.extend(
+            {"id": ex["id"], "prompt": self.task.user_prompt(ex), "completion": text, "score": score}
+            for ex, text, score in zip(repeated, completions, scores)
+        )
+
+    def _finish_evaluation(self, split: str) -> None:
+        for k, value in self.pass_at_k[split].compute().items():
+            self.log(f"{split}/pass@{k}", value.float())  # the metric itself is already reduced across ranks
+        self.pass_at_k[split].reset()
+        self._write_records(split)
+
+    def validation_step(self, batch: list[Example], batch_idx: int) -> None:
+        self._evaluate("val", batch, batch_idx)
+
+    def test_step(self, batch: list[Example], batch_idx: int) -> None:
+        self._evaluate("test", batch, batch_idx)
+
+    def on_validation_epoch_end(self) -> None:
+        self._finish_evaluation("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._finish_evaluation("test")
+
+    def _write_records(self, split: str) -> None:
+        """Per-example results (prompt, completion, score) as JSONL beside the TensorBoard logs."""
+        records, self._eval_records = self._eval_records, []
+        trainer = self._trainer
+        if trainer is None or trainer.sanity_checking:
+            return
+        log_dir = run_directory(trainer)  # on every rank: it is a collective call
+        rank = f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""  # each rank saw its own shard
+        path = Path(log_dir) / "samples" / f"{split}-step{self.global_step:06d}{rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", encoding="utf-8") as handle:
+            for record in records:
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def on_fit_start(self) -> None:
+        log_dir = run_directory(self.trainer)  # on every rank: it is a collective call
+        if self.trainer.is_global_zero:
+            write_run_info(log_dir)
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record the data position (epoch, batches of it already trained) so a resumed run
+        continues with the next batch, and the log position (``kdlab_log_position``: the logger step
+        of the next batch, the global step, the save's wall time and the size of ``metrics.jsonl``) so
+        a resumed run logs each step at the step the uninterrupted run did (see
+        :func:`kdlab.cli.resume.trim_logs`)."""
+        if self._trainer is not None and self.trainer.state.fn == "fit":  # also for saves at validation end
+            loop = self.trainer.fit_loop.epoch_loop
+            done = loop.batch_progress.current.processed
+            epoch = self.current_epoch
+            if done >= self.trainer.num_training_batches:  # saved at the epoch's last batch: next is a new epoch
+                epoch, done = epoch + 1, 0
+            checkpoint["kdlab_data_position"] = {"epoch": epoch, "batches_done": done}
+            metrics = Path(run_directory(self.trainer)) / "metrics.jsonl"  # on every rank: a collective call
+            checkpoint["kdlab_log_position"] = {
+                "step": self._next_log_step(),
+                "global_step": self.trainer.global_step,
+                "time": time.time(),
+                "metrics_bytes": metrics.stat().st_size if metrics.is_file() else 0,
+            }
+
+    def _next_log_step(self) -> int:
+        """The logger step (Lightning's count of stepped batches) of the batch after the last processed one.
+
+        Lightning counts a batch only after its validation, and on resume adds one to the saved count
+        whatever the save interrupted; from a checkpoint written on an exception inside a batch that
+        puts every later scalar one step late. The count is therefore taken here from the step at the
+        start of the last batch, plus one when that batch was processed and stepped the optimiser."""
+        loop = self.trainer.fit_loop.epoch_loop
+        if self._resume_log_step is not None:  # saved before the first batch after a resume
+            return self._resume_log_step
+        progress = loop.batch_progress.current
+        if self._log_step_at_batch_start is None or progress.ready > progress.processed:
+            return loop._batches_that_stepped  # no batch yet, or the last one was interrupted: nothing pending
+        return self._log_step_at_batch_start + (0 if loop._should_accumulate() else 1)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        loop = self.trainer.fit_loop.epoch_loop
+        if self._resume_log_step is not None:  # the first batch after a resume: Lightning's guess corrected
+            loop._batches_that_stepped, self._resume_log_step = self._resume_log_step, None
+        self._log_step_at_batch_start = loop._batches_that_stepped
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._resume_position = checkpoint.get("kdlab_data_position")
+        self._resume_log_step = (checkpoint.get("kdlab_log_position") or {}).get("step")
+
+    trained_role = "student"
+    """How configs name the trained model (``student``, or ``policy`` for RLVR), for error messages."""
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a checkpoint's trained model; one of a different model (other architecture or size)
+        fails with a message naming ``<role>.path`` before any training step runs."""
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except RuntimeError as error:
+            path = getattr(getattr(self, "student_spec", None), "path", "?")
+            raise RuntimeError(f"the checkpoint does not fit this {self.trained_role} ({self.trained_role}.path={path!r}): {str(error)[:500]}") from error

@@ -1,0 +1,312 @@
+"""``DistillModule``: one distillation step = rollout policy x KL objective x task.
+
+Per training step:
+
+1. the task's examples are rendered into a student prompt and a teacher prompt (each with its own
+   tokenizer's chat template) and left-padded;
+2. the rollout policy writes completions (no grad, models in eval mode);
+3. student and teacher read ``[own prompt | completion]``; their logits at the completion positions,
+   divided by their temperatures, go to the objective with the completion mask;
+4. ``train/loss``, the exact full-vocabulary ``train/kl_forward`` / ``train/kl_reverse`` of the batch
+   (whatever is trained), entropies, completion length and the components' reports are logged.
+
+The teacher is frozen, kept in eval mode and held outside the module's state, so no checkpoint (whole or
+sharded) carries it: it is reloaded from its path.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+
+from kdlab.components import Component
+from kdlab.data import encode_prompts
+from kdlab.models.loading import (
+    ModelSpec,
+    end_token_ids,
+    load_causal_lm,
+    load_config,
+    load_tokenizer,
+    shared_vocab_size,
+)
+from kdlab.objectives.kl import ForwardKL, KLObjective, kl_diagnostics, sampled_logprobs
+from kdlab.objectives.logits import (
+    completion_head_logits,
+    completion_logits,
+    fused_head_unsupported,
+)
+from kdlab.rollouts.policies import (
+    RolloutContext,
+    RolloutPolicy,
+    TeacherRollouts,
+    importance_weights,
+)
+from kdlab.stages.base import TaskStage
+from kdlab.stages.optim import FiniteAdamW, lr_multiplier
+from kdlab.tasks.base import Example, Task
+
+
+class DistillModule(TaskStage):
+    """Distil ``teacher`` into ``student`` on ``task`` with a rollout policy and a KL objective.
+
+    Args:
+        student: the model trained (all its parameters, full fine-tuning).
+        teacher: the frozen model distilled from; must share the student's vocabulary. ``None`` when the
+            rollout is ``TeacherRollouts`` with a ``teacher_cache``: the teacher then never sits in
+            training memory (callbacks that sample from the teacher cannot be used).
+        task: prompts, per-model prompting and the verifier used for validation accuracy.
+        rollout: who writes completions (default :class:`~kdlab.rollouts.policies.TeacherRollouts`, online).
+        objective: the token-level divergence (default :class:`~kdlab.objectives.kl.ForwardKL`).
+        teacher_temperature: pi_T = softmax(z_T / teacher_temperature), for sampling and the KL (paper: 0.5).
+        student_temperature: pi_S = softmax(z_S / student_temperature), for sampling and the KL (paper: 1.0).
+        max_prompt_tokens: longer prompts are an error naming the example (paper: 2048).
+        max_completion_tokens: rollout length budget (paper: 512 Countdown, 1024 Science/MedReason).
+        batch_size: prompts per micro-batch; the effective batch is this x ``accumulate_grad_batches``.
+        lr: peak learning rate (paper: 1e-5 and 5e-5).
+        warmup_steps: optimiser step k (0-based) uses ``lr * min(1, (k + 1) / warmup_steps)``, constant after.
+        betas, eps, weight_decay: AdamW settings (paper: (0.9, 0.999), 1e-8, no weight decay).
+        val_examples: validation/test use the first N held-out examples (paper: 200).
+        val_temperature: sampling temperature for evaluation; 0 decodes greedily (paper: 0.5).
+        val_batch_size: prompts per evaluation batch.
+        eval_samples: completions drawn per evaluation prompt; ``<split>/accuracy`` is the mean score
+            over all of them and ``<split>/pass@k`` uses the unbiased estimator (paper: 10 for pass@k).
+        eval_ks: the k values of ``<split>/pass@k``, each <= ``eval_samples``.
+        max_bad_steps: a step whose gradients are non-finite is skipped (no parameter or optimiser-state
+            update) and counted in ``train/skipped_steps``; this many in a row stop the run with a
+            message naming the step, the objective and the last good checkpoint.
+        teacher_placement: under ``ModelParallelStrategy`` (FSDP2) or ``strategy: fsdp`` (FSDP1) the
+            student is always sharded; ``replicate`` keeps a whole teacher on every device, ``shard``
+            shards it like the student.
+        fused_lm_head: feed the objective the models' final hidden states and LM heads
+            (:class:`~kdlab.objectives.kernels.HeadLogits`) instead of logits, so neither model's ``(B, C, V)``
+            logits (nor the student's logits gradient) is ever materialised; same loss and gradients.
+            Works under FSDP2 (the head is read whole after the forward); refused under FSDP1.
+            ``None`` (default): the fused path for each model wherever it is valid
+            (:func:`~kdlab.objectives.logits.fused_head_unsupported` says why not: a head bias, soft-capped or
+            scaled logits, FSDP1), the logits path otherwise. ``true`` insists (an error where invalid),
+            ``false`` always takes the logits path.
+        stop_strings: rollouts and evaluation also stop once a completion contains one of these.
+        seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each
+            step's streams are derived from (seed, stage, rank, epoch, batch index) and each epoch's
+            order from (seed, epoch), not from how long the process has been running.
+    """
+
+    def __init__(
+        self,
+        student: ModelSpec | str,
+        teacher: ModelSpec | str | None,
+        task: Task,
+        rollout: RolloutPolicy | None = None,
+        objective: KLObjective | None = None,
+        teacher_temperature: float = 0.5,
+        student_temperature: float = 1.0,
+        max_prompt_tokens: int = 2048,
+        max_completion_tokens: int = 512,
+        batch_size: int = 1,
+        lr: float = 1e-5,
+        warmup_steps: int = 10,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        val_examples: int = 200,
+        val_temperature: float = 0.5,
+        val_batch_size: int = 8,
+        eval_samples: int = 1,
+        eval_ks: tuple[int, ...] = (1,),
+        max_bad_steps: int = 10,
+        teacher_placement: str = "replicate",
+        fused_lm_head: bool | None = None,
+        seed: int = 42,
+        stop_strings: list[str] | None = None,
+    ) -> None:
+        super().__init__(
+            task, batch_size, max_prompt_tokens, max_completion_tokens, val_examples,
+            val_temperature, val_batch_size, eval_samples, tuple(eval_ks), seed, stop_strings,
+        )
+        for name, value in (("teacher_temperature", teacher_temperature), ("student_temperature", student_temperature), ("lr", lr)):
+            self.require_positive(name, value)
+        if warmup_steps < 0:
+            raise ValueError(f"DistillModule.warmup_steps must be >= 0, got {warmup_steps}")
+        self.student_spec = ModelSpec(student) if isinstance(student, str) else student
+        self.teacher_spec = ModelSpec(teacher) if isinstance(teacher, str) else teacher
+        cache = getattr(rollout, "cache", None)
+        if teacher is None and cache is None:
+            raise ValueError("DistillModule.teacher is required unless the rollout is TeacherRollouts with a teacher_cache")
+        self.rollout = rollout if rollout is not None else TeacherRollouts()
+        self.objective = objective if objective is not None else ForwardKL()
+        self.teacher_temperature = teacher_temperature
+        self.student_temperature = student_temperature
+        self.lr, self.warmup_steps, self.betas, self.eps, self.weight_decay = lr, warmup_steps, tuple(betas), eps, weight_decay
+        self.set_max_bad_steps(max_bad_steps)
+        self._counted_step = 0
+        if teacher_placement not in ("replicate", "shard"):
+            raise ValueError(f"DistillModule.teacher_placement must be 'replicate' or 'shard', got {teacher_placement!r}")
+        self.teacher_placement = teacher_placement
+        self.fused_lm_head = fused_lm_head
+
+        # Tokenizers and configs first: a vocabulary mismatch (or a head too small for the tokenizer)
+        # fails before any weights are read.
+        self.student_tokenizer = load_tokenizer(self.student_spec, "student")
+        self.teacher_tokenizer = load_tokenizer(self.teacher_spec, "teacher") if teacher is not None else self.student_tokenizer
+        student_config = load_config(self.student_spec, "student")
+        teacher_config = load_config(self.teacher_spec, "teacher") if teacher is not None else student_config
+        self.token_columns = shared_vocab_size(self.student_tokenizer, self.teacher_tokenizer, student_config, teacher_config)
+        self.student = load_causal_lm(self.student_spec, "student", config=student_config)
+        if teacher is not None:
+            self.hold_frozen("teacher", load_causal_lm(self.teacher_spec, "teacher", config=teacher_config))
+        if cache is not None:
+            if cache.vocab_size != self.token_columns:
+                raise ValueError(f"TeacherRollouts.teacher_cache {cache.path!r} has vocabulary {cache.vocab_size}, the student {self.token_columns}")
+            if not math.isclose(cache.temperature, teacher_temperature):
+                raise ValueError(
+                    f"TeacherRollouts.teacher_cache {cache.path!r} holds log-probs at teacher temperature {cache.temperature}, "
+                    f"but DistillModule.teacher_temperature is {teacher_temperature}"
+                )
+        self.student.train()  # from_pretrained returns eval mode; Lightning keeps modes as it finds them
+        # a completion ends at either model's end token (their chat templates may differ)
+        teacher_ends = end_token_ids(self.teacher_tokenizer, self.teacher) if teacher is not None else ()
+        self.end_ids = tuple(dict.fromkeys(end_token_ids(self.student_tokenizer, self.student) + teacher_ends))
+        self.pad_id = int(self.student_tokenizer.pad_token_id)
+
+    # ---- parallelism ----------------------------------------------------------------------
+    def sharded_models(self) -> list[torch.nn.Module]:
+        """The student, and the teacher when ``teacher_placement == "shard"``."""
+        shard_teacher = self.teacher_placement == "shard" and "teacher" in self._frozen
+        return [self.student] + ([self.teacher] if shard_teacher else [])
+
+    @property
+    def teacher(self) -> torch.nn.Module:
+        """The frozen teacher (eval mode, outside the module's state; see ``TaskStage.hold_frozen``)."""
+        if "teacher" not in self._frozen:
+            raise RuntimeError("this run has no teacher model (teacher: null, its outputs come from TeacherRollouts.teacher_cache)")
+        return self._frozen["teacher"]
+
+    def components(self) -> dict[str, Component]:
+        return {"rollout": self.rollout, "objective": self.objective, "task": self.task}
+
+    # ---- data -----------------------------------------------------------------------------
+    def trains_on(self, example: Example) -> bool:
+        return self.rollout.covers(example)
+
+    def _prompts(self, examples: list[Example]):
+        prompts = encode_prompts(
+            self.task, examples, self.student_tokenizer, self.teacher_tokenizer, self.max_prompt_tokens, self.pad_id
+        )
+        for name in ("student_ids", "student_mask", "teacher_ids", "teacher_mask"):
+            setattr(prompts, name, getattr(prompts, name).to(self.device))
+        return prompts
+
+    # ---- training -------------------------------------------------------------------------
+    def rollout_context(self, generator: torch.Generator | None) -> RolloutContext:
+        return RolloutContext(
+            student=self.student,
+            teacher=self._frozen.get("teacher"),
+            tokenizer=self.student_tokenizer,
+            token_columns=self.token_columns,
+            max_new_tokens=self.max_completion_tokens,
+            eos_token_ids=self.end_ids,
+            pad_token_id=self.pad_id,
+            student_temperature=self.student_temperature,
+            teacher_temperature=self.teacher_temperature,
+            generator=generator,
+            all_done=self.all_done_hook(),
+            step=self.global_step,
+            student_spec=self.student_spec,
+            teacher_spec=self.teacher_spec,
+            stop=self.stop_check(),
+            stop_strings=tuple(self.stop_strings),
+        )
+
+    def make_rollout(self, examples: list[Example], seed: int, policy: RolloutPolicy | None = None):
+        """Completions for ``examples`` from ``policy`` (default: this module's rollout policy),
+        sampled with the student in eval mode."""
+        policy = self.rollout if policy is None else policy
+        prompts = self._prompts(examples)
+        was_training = self.student.training
+        self.student.eval()
+        try:
+            with torch.no_grad():
+                return policy.sample(prompts, self.rollout_context(self._generator(seed)))
+        finally:
+            self.student.train(was_training)
+
+    def distillation_logits(self, rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tempered student and teacher logits ``(B, C, V)`` at the completion positions (as
+        :class:`~kdlab.objectives.kernels.HeadLogits` with ``fused_lm_head``)."""
+        length = rollout.completion_ids.shape[1]
+        if self.uses_fused_head(self.student):
+            student = completion_head_logits(self.student, rollout.model_inputs("student"), length, self.token_columns, self.student_temperature)
+        else:
+            student = completion_logits(self.student, rollout.model_inputs("student"), length, self.token_columns)
+            if self.student_temperature != 1.0:
+                student = student / self.student_temperature
+        if rollout.teacher_logprobs is not None:  # precomputed, already tempered (kdlab.rollouts.teacher_cache)
+            return student, rollout.teacher_logprobs
+        with torch.no_grad():
+            if self.uses_fused_head(self.teacher):
+                return student, completion_head_logits(self.teacher, rollout.model_inputs("teacher"), length, self.token_columns, self.teacher_temperature).detach()
+            teacher = completion_logits(self.teacher, rollout.model_inputs("teacher"), length, self.token_columns)
+        if self.teacher_temperature != 1.0:
+            teacher = teacher.div_(self.teacher_temperature)  # a fresh no-grad tensor: no second (B, C, V) copy
+        return student, teacher
+
+    def uses_fused_head(self, model: torch.nn.Module) -> bool:
+        """Whether ``model``'s logits reach the objective as hidden states and head (``fused_lm_head``)."""
+        if self.fused_lm_head is not None:
+            return bool(self.fused_lm_head)
+        return fused_head_unsupported(model) is None
+
+    def training_step(self, batch: list[Example], batch_idx: int) -> torch.Tensor | None:
+        seed = self.step_seed("train", batch_idx)
+        rollout = self.make_rollout(batch, seed)
+        mask = rollout.completion_mask
+        if not bool(mask.any()):
+            warnings.warn(f"step {self.global_step}: the rollouts hold no completion token; batch skipped", stacklevel=2)
+            return None
+        student_logits, teacher_logits = self.distillation_logits(rollout)
+        self.objective.reseed(seed + 1)
+        size = len(batch)
+        weights = None
+        if rollout.behaviour_logprobs is not None:  # sampled by an engine whose weights may lag the student's
+            sampled = sampled_logprobs(student_logits.detach(), rollout.completion_ids, self.objective.chunk_size)
+            weights = importance_weights(sampled, rollout.behaviour_logprobs, mask, rollout.importance_cap)
+            self.log("train/importance_weight", weights.mean(), batch_size=size)
+            # mean log q - log p_theta over sampled tokens: an estimate of KL(q || p_theta), 0 only when the
+            # engine samples the student exactly (the weight's mean is ~1 for any q, so it cannot tell)
+            self.log("train/engine_kl", ((rollout.behaviour_logprobs - sampled) * mask).sum() / mask.sum(), batch_size=size)
+        extra = {} if weights is None else {"sequence_weights": weights}  # overridden forwards need not take them
+        if isinstance(student_logits, torch.Tensor) and type(self.objective).forward is KLObjective.forward:
+            extra["consume"] = True  # nothing reads the student logits again: their storage becomes the gradient
+        loss = self.objective(student_logits, teacher_logits, mask, **extra)
+        self.log("train/loss", loss, prog_bar=True, batch_size=size)
+        # the objective's own pass computed them; a subclass that overrides forward gets a second pass
+        diagnostics = self.objective.take_diagnostics() or kl_diagnostics(
+            student_logits.detach(), teacher_logits, mask, self.objective.reduction, self.objective.chunk_size
+        )
+        for name, value in diagnostics.items():
+            self.log(f"train/{name}", value, batch_size=size)
+        self.log("train/completion_length", mask.sum(1).float().mean(), batch_size=size)
+        if rollout.sampling_entropy is not None:
+            self.log("train/rollout_entropy", rollout.sampling_entropy[mask].mean(), batch_size=size)
+        self._log_records("train", size)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.log("train/grad_norm", self.student_grad_norm())  # before clipping: Lightning clips after this hook
+
+    def configure_optimizers(self):
+        params = [p for p in self.student.parameters() if p.requires_grad]
+        optimizer = FiniteAdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(self.warmup_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Count optimiser steps skipped for non-finite gradients; stop after ``max_bad_steps`` in a row."""
+        optimizer = self.optimizers().optimizer
+        if not isinstance(optimizer, FiniteAdamW) or self.global_step == self._counted_step:
+            return  # no optimiser call since the last check (an accumulation micro-batch)
+        self._counted_step = self.global_step
+        self.count_skipped_step(optimizer, f"objective {type(self.objective).__name__}, lr {self.lr}")

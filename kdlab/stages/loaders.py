@@ -1,0 +1,46 @@
+"""The training data order of a stage: a permutation of the ``train`` split drawn from (seed, epoch),
+sharded across ranks like ``DistributedSampler``, and resumable mid-epoch (the loader's position is in
+every checkpoint)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+class EpochShuffle(DistributedSampler):
+    """This rank's share of a random order of ``size`` indices drawn from (seed, epoch): PyTorch's
+    ``DistributedSampler`` (shuffled, padded by repeating the order's head to a multiple of
+    ``num_replicas``, rank r taking positions r, r + W, r + 2W, ...), plus a mid-epoch skip.
+
+    The order depends on (seed, epoch) only, so a resumed run shuffles each epoch as an uninterrupted
+    run would, whatever the process layout. ``skip`` drops this rank's first indices of the next pass
+    only: a run resumed in the middle of an epoch continues after its last trained batch, on one process
+    or several (resume with the same number of processes and batch size: the skip counts batches per
+    rank). Being a ``DistributedSampler``, Lightning does not wrap it.
+    """
+
+    def __init__(self, size: int, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"EpochShuffle: rank {rank} is not in [0, {num_replicas})")
+        # DistributedSampler seeds each epoch's permutation with seed + epoch: spread the seeds apart
+        super().__init__(range(size), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed * 1_000_003)
+        self.size, self.skip = size, 0
+
+    def __iter__(self):
+        mine = list(super().__iter__())
+        skip, self.skip = self.skip, 0
+        return iter(mine[skip:])
+
+
+class ResumableLoader(DataLoader):
+    """The training DataLoader. It resumes mid-epoch through its :class:`EpochShuffle` sampler (the data
+    position is in the checkpoint, see :meth:`TaskStage.on_save_checkpoint`); ``state_dict`` and
+    ``load_state_dict`` tell Lightning so, which otherwise warns that a mid-epoch resume is unreliable."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass

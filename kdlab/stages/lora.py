@@ -1,0 +1,34 @@
+"""LoRA adapters for a stage's trained model (``LoraSpec``, :func:`apply_lora`): the paper trains its
+teachers with r = alpha = 256 on every attention and MLP projection. Used by SFT and GRPO; exports merge
+the adapters (:mod:`kdlab.models.export`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class LoraSpec:
+    """LoRA adapters through ``peft`` (``pip install kdlab[lora]``); the paper's teachers: r = alpha = 256."""
+
+    r: int = 256
+    alpha: int = 256
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+    def __post_init__(self) -> None:
+        if self.r < 1 or self.alpha < 1:
+            raise ValueError(f"lora.r and lora.alpha must be >= 1, got r={self.r}, alpha={self.alpha}")
+
+
+def apply_lora(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as error:
+        raise ImportError("SFTModule.lora needs peft: pip install 'kdlab[lora]'") from error
+    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=spec.target_modules)
+    return get_peft_model(model, config)

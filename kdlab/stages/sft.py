@@ -1,0 +1,173 @@
+"""``SFTModule``: supervised fine-tuning on (prompt, completion) pairs, loss on completion tokens only.
+
+Used to train teachers on their task before distillation (the paper: SFT 500 steps, LR 5e-5 cosine,
+10 warm-up, batch 32, clip 1.0, LoRA r = alpha = 256 on all attention and MLP projections) and to
+build the tiny world's models from scratch.
+
+Data is either a JSONL file, one ``{"messages": [...], "completion": "..."}`` (chat prompt) or
+``{"prompt": "...", "completion": "..."}`` (plain-text prompt) object per line, or the reference
+completions of one or more :class:`~kdlab.tasks.base.Task` objects.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from kdlab.data import read_jsonl, right_pad
+from kdlab.models.export import export_pretrained
+from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer
+from kdlab.stages.lora import LoraSpec, apply_lora
+from kdlab.stages.optim import SCHEDULES, FiniteAdamW, lr_multiplier
+from kdlab.tasks.base import Task
+
+
+def read_pairs(path: str) -> list[dict[str, Any]]:
+    """Rows of an SFT JSONL file; errors name the file, line and field."""
+    rows = []
+    for where, row in read_jsonl(path, "SFTModule.dataset", ("completion",)):
+        if not isinstance(row.get("messages"), list) and not isinstance(row.get("prompt"), str):
+            raise ValueError(f"{where}: needs a 'messages' list or a 'prompt' string")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"SFTModule.dataset {path!r} holds no rows")
+    return rows
+
+
+def task_pairs(task: Task, split: str = "train") -> list[dict[str, Any]]:
+    """``{"messages", "completion"}`` rows from a task's student prompts and reference completions."""
+    rows = []
+    for example in task.examples(split):
+        completion = task.reference_completion(example)
+        if completion is None:
+            raise ValueError(f"{type(task).__name__} writes no reference completion; it cannot be used for SFT")
+        rows.append({"messages": task.student_messages(example), "completion": completion, "plain": not task.chat_template})
+    return rows
+
+
+class SFTModule(pl.LightningModule):
+    """Fine-tune ``model`` to write each row's completion after its prompt.
+
+    Args:
+        model: the model trained.
+        dataset: an SFT JSONL file (see module docstring); or use ``tasks``.
+        tasks: tasks whose reference completions are the data (their ``train`` split).
+        lr: peak learning rate (paper: 5e-5).
+        warmup_steps: linear warm-up steps (paper: 10).
+        schedule: ``cosine`` (decay to ``min_lr_ratio * lr`` at ``max_steps``) or ``constant``.
+        min_lr_ratio: floor of the cosine schedule.
+        batch_size: rows per micro-batch.
+        max_length: prompt + completion tokens; longer rows are an error naming the row.
+        lora: train LoRA adapters instead of all weights.
+        weight_decay, betas, eps: AdamW settings.
+        seed: data order.
+        export_dir: when training ends, write the (LoRA-merged) model and tokenizer there as a Hugging
+            Face folder (how a trained teacher becomes the next stage's ``teacher.path``).
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec | str,
+        dataset: str | None = None,
+        tasks: list[Task] | None = None,
+        lr: float = 5e-5,
+        warmup_steps: int = 10,
+        schedule: str = "cosine",
+        min_lr_ratio: float = 0.0,
+        batch_size: int = 32,
+        max_length: int = 2048,
+        lora: LoraSpec | None = None,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        seed: int = 42,
+        export_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.export_dir = export_dir
+        if (dataset is None) == (not tasks):
+            raise ValueError("SFTModule needs exactly one of dataset or tasks")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"SFTModule.schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if not lr > 0:
+            raise ValueError(f"SFTModule.lr must be > 0, got {lr}")
+        self.spec = ModelSpec(model) if isinstance(model, str) else model
+        self.tokenizer = load_tokenizer(self.spec, "model")
+        self.model = load_causal_lm(self.spec, "model")
+        self.model.train()
+        if lora is not None:
+            self.model = apply_lora(self.model, lora)
+        self.tasks = torch.nn.ModuleList(tasks or [])
+        # a JSONL file is read (and checked) now; tasks, which may download, when training starts
+        self._rows = read_pairs(dataset) if dataset is not None else None
+        self.lr, self.warmup_steps, self.schedule, self.min_lr_ratio = lr, warmup_steps, schedule, min_lr_ratio
+        self.batch_size, self.max_length = batch_size, max_length
+        self.weight_decay, self.betas, self.eps, self.seed = weight_decay, tuple(betas), eps, seed
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """The training rows (a task's are built on first use)."""
+        if self._rows is None:
+            self._rows = [row for task in self.tasks for row in task_pairs(task)]
+        return self._rows
+
+    def encode(self, row: dict[str, Any]) -> tuple[list[int], int]:
+        """Token ids of prompt + completion + EOS, and the prompt length."""
+        tokenizer = self.tokenizer
+        if "messages" in row and not row.get("plain"):
+            prompt = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
+            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            text = row.get("prompt") or "\n\n".join(m["content"] for m in row["messages"]) + "\n"
+            prompt_ids = tokenizer(text)["input_ids"]
+        completion_ids = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = prompt_ids + completion_ids
+        if len(ids) > self.max_length:
+            raise ValueError(f"SFT row {row.get('id', '?')!r} has {len(ids)} tokens, more than max_length={self.max_length}")
+        return ids, len(prompt_ids)
+
+    def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        encoded = [self.encode(row) for row in rows]
+        ids, attention = right_pad([ids for ids, _ in encoded], self.tokenizer.pad_token_id)
+        labels = ids.clone()
+        labels[~attention] = -100
+        for i, (_, prompt_length) in enumerate(encoded):
+            labels[i, :prompt_length] = -100  # loss on completion tokens only
+        return {"input_ids": ids, "attention_mask": attention.long(), "labels": labels}
+
+    def train_dataloader(self) -> DataLoader:
+        order = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.rows, batch_size=self.batch_size, shuffle=True, generator=order, collate_fn=self.collate)
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean next-token cross-entropy over the batch's completion tokens."""
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        labels = batch["labels"][:, 1:]
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100
+        )
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def configure_optimizers(self):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = FiniteAdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+        total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer else 1
+        factor = lr_multiplier(self.warmup_steps, total, cosine=self.schedule == "cosine", floor=self.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write the (LoRA-merged) model and its tokenizer as a standard Hugging Face folder."""
+        export_pretrained(self.model, self.tokenizer, directory)
+
+    def on_train_end(self) -> None:
+        if self.export_dir is not None:  # every rank gathers (sharded weights), rank zero writes
+            export_pretrained(self.model, self.tokenizer, self.export_dir, write=self.trainer.is_global_zero)

@@ -1,0 +1,187 @@
+"""``kdlab pipeline --config pipeline.yaml``: distillation runs, then an RLVR stage from each of them,
+with pass@k, forgetting and update sparsity tracked across both stages.
+
+A pipeline file is plain YAML::
+
+    output: runs/pipeline-tiny          # distillation runs in <output>/distill/<name>/,
+                                        # RLVR runs in <output>/rlvr/<distill name>/<name>/
+    distill:                            # a sweep (see kdlab.study.sweep) without ``output``
+      base: experiments/tiny/quickstart.yaml
+      grid: {model.rollout: [...], model.objective: [...]}
+    rlvr:                               # a sweep run once per finished distillation run
+      base: experiments/tiny/rlvr.yaml
+      overrides: {trainer.max_steps: 300}
+      mode: processes                   # with max_parallel N: N chains at a time (each chain's runs in turn)
+      max_parallel: 2
+    checkpoint: final.ckpt              # the file in each distillation run's checkpoints/ RLVR starts from
+    policy_key: model.policy.checkpoint # the RLVR config key that receives that path
+
+Both stages keep the sweep's rules: finished runs (``DONE``) are skipped, interrupted ones resume from
+their newest checkpoint (``on_exception.ckpt`` or ``last.ckpt``), a failed run is recorded and the rest go on (exit status 1 at the end). An
+RLVR chain starts only from a distillation run that finished.
+
+``<output>/pipeline.md`` and ``pipeline.csv`` then hold one row per chain: the distilled run's and the
+RLVR run's last ``val/accuracy`` and ``val/pass@k``, the forgetting of each stage relative to the
+original student (``ood/mean`` after the stage minus the distillation run's ``ood/mean_before``, in
+points), ``sparsity/<tau>`` of each stage (the RLVR config should measure it against the original
+student: ``UpdateSparsity(reference=...)``), the last ``rlvr/reward_mean`` and the number of
+reward-collapse events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kdlab.study.grid import FILE_KEYS as SWEEP_KEYS
+from kdlab.study.grid import Sweep, read_mapping_file
+from kdlab.study.sweep import run_sweep
+
+PIPELINE_KEYS = ("output", "distill", "rlvr", "checkpoint", "policy_key")
+STAGE_KEYS = tuple(key for key in SWEEP_KEYS if key != "output")
+
+
+@dataclass
+class Pipeline:
+    output: str
+    distill: Sweep
+    rlvr: dict[str, Any]
+    checkpoint: str = "final.ckpt"
+    policy_key: str = "model.policy.checkpoint"
+
+    def rlvr_sweep(self, distilled: str) -> Sweep:
+        """The RLVR sweep that starts from distillation run ``distilled``."""
+        overrides = dict(self.rlvr.get("overrides") or {})
+        overrides[self.policy_key] = str(Path(self.output, "distill", distilled, "checkpoints", self.checkpoint))
+        return Sweep(**{**self.rlvr, "overrides": overrides, "output": str(Path(self.output, "rlvr", distilled))})
+
+
+def _stage(path: Path, data: dict[str, Any], key: str) -> dict[str, Any]:
+    stage = data.get(key)
+    if not isinstance(stage, dict):
+        raise ValueError(f"{path}: {key!r} must be a sweep mapping with the keys {', '.join(STAGE_KEYS)}")
+    unknown = [k for k in stage if k not in STAGE_KEYS]
+    if unknown:
+        raise ValueError(f"{path}: unknown key {key}.{unknown[0]} (a stage has {', '.join(STAGE_KEYS)})")
+    if "base" not in stage:
+        raise ValueError(f"{path}: the key {key}.base is missing")
+    return stage
+
+
+def load_pipeline(path: str | Path) -> Pipeline:
+    """Read and check a pipeline file; a ``ValueError`` names the file and the offending key."""
+    path = Path(path)
+    data = read_mapping_file(path, "pipeline", PIPELINE_KEYS)
+    if not isinstance(data.get("output"), str) or not data["output"]:
+        raise ValueError(f"{path}: 'output' must be a directory path")
+    distill, rlvr = _stage(path, data, "distill"), _stage(path, data, "rlvr")
+    policy_key = data.get("policy_key", "model.policy.checkpoint")
+    if policy_key in (rlvr.get("grid") or {}) or policy_key in (rlvr.get("overrides") or {}):
+        raise ValueError(f"{path}: rlvr sets {policy_key!r}; the pipeline sets it to each distilled checkpoint")
+    try:
+        pipeline = Pipeline(
+            output=data["output"],
+            distill=Sweep(**distill, output=str(Path(data["output"], "distill"))),
+            rlvr=rlvr,
+            checkpoint=data.get("checkpoint", "final.ckpt"),
+            policy_key=policy_key,
+        )
+        pipeline.rlvr_sweep("check")  # the RLVR stage's settings are checked before anything runs
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from error
+    return pipeline
+
+
+# ---- tracking across stages ---------------------------------------------------------------------
+def chain_row(distill_dir: Path, rlvr_dir: Path) -> dict[str, Any]:
+    """One chain's numbers (see the module docstring); a missing metric is left empty."""
+    from kdlab.study.runs import read_metrics
+
+    first, second = read_metrics(distill_dir), read_metrics(rlvr_dir)
+    last = lambda series, name: series[name][-1][1] if series.get(name) else None  # noqa: E731
+    original = last(first, "ood/mean_before")
+    row: dict[str, Any] = {"distill": distill_dir.name, "rlvr": rlvr_dir.name}
+    for stage, series in (("distill", first), ("rlvr", second)):
+        for name in sorted(n for n in series if n.startswith(("val/accuracy", "val/pass@", "sparsity/")) and n.count("/") <= 1):
+            row[f"{stage} {name}"] = last(series, name)
+        mean = last(series, "ood/mean")
+        row[f"{stage} ood/delta_from_original"] = None if mean is None or original is None else mean - original
+    row["rlvr reward_mean"] = last(second, "rlvr/reward_mean")
+    row["reward collapses"] = len(second.get("events/reward_collapse", []))
+    return row
+
+
+def write_tracking(pipeline: Pipeline, chains: list[tuple[Path, Path]]) -> Path:
+    """``pipeline.md`` and ``pipeline.csv`` under the output directory; returns the markdown path."""
+    from kdlab.study.tables import markdown_table, write_csv
+
+    rows = [chain_row(d, r) for d, r in chains]
+    header = list(dict.fromkeys(key for row in rows for key in row))
+    cells = [[_cell(row.get(key)) for key in header] for row in rows]
+    output = Path(pipeline.output)
+    output.mkdir(parents=True, exist_ok=True)
+    write_csv(output / "pipeline.csv", header, [[row.get(key) for key in header] for row in rows])
+    text = "# Distillation -> RLVR\n\n" + (markdown_table(header, cells) if rows else "No chain has finished yet.") + "\n"
+    (output / "pipeline.md").write_text(text, encoding="utf-8")
+    return output / "pipeline.md"
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+# ---- running ----------------------------------------------------------------------------------
+def run_pipeline(pipeline: Pipeline, pipeline_file: str) -> list[dict[str, Any]]:
+    """Run both stages; returns every run record (distillation first), each with its ``stage``."""
+    distilled_records = [dict(r, stage="distill") for r in run_sweep(pipeline.distill, pipeline_file)]
+    records, chains = list(distilled_records), []
+    finished = []
+    for record in distilled_records:
+        if record["status"] in ("done", "skipped"):
+            finished.append(record["name"])
+        else:
+            print(f"[pipeline] {record['name']}: distillation did not finish; no RLVR stage from it", file=sys.stderr)
+    sweeps = [pipeline.rlvr_sweep(distilled) for distilled in finished]
+    settings = pipeline.rlvr_sweep("check")
+    at_once = settings.max_parallel if settings.mode == "processes" else 1
+    if at_once > 1:  # chains side by side, each chain's runs one at a time: max_parallel processes in all
+        from concurrent.futures import ThreadPoolExecutor
+
+        for sweep in sweeps:
+            sweep.max_parallel = 1
+        with ThreadPoolExecutor(max_workers=at_once) as pool:
+            stages = list(pool.map(lambda sweep: run_sweep(sweep, pipeline_file), sweeps))
+    else:
+        stages = [run_sweep(sweep, pipeline_file) for sweep in sweeps]
+    for distilled, rlvr, stage in zip(finished, sweeps, stages):
+        records += [dict(r, stage="rlvr", distilled=distilled) for r in stage]
+        chains += [(Path(pipeline.distill.output, distilled), Path(rlvr.output, r["name"])) for r in stage if r["status"] in ("done", "skipped")]
+    path = write_tracking(pipeline, chains)
+    print(f"[pipeline] {len(chains)} chains tracked in {path}")
+    return records
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``kdlab pipeline --config FILE``; exits 1 if a run failed."""
+    parser = argparse.ArgumentParser(prog="kdlab pipeline", description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the pipeline file (YAML)")
+    options = parser.parse_args(argv)
+    try:
+        pipeline = load_pipeline(options.config)
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        records = run_pipeline(pipeline, options.config)
+    except KeyboardInterrupt:
+        print("[pipeline] interrupted; run the same command again to continue", file=sys.stderr)
+        raise SystemExit(130) from None
+    failed = [r for r in records if r["status"] == "failed"]
+    if failed:
+        lines = "\n".join(f"  {r['stage']} {r['name']}: {r.get('error')}" for r in failed)
+        print(f"[pipeline] {len(failed)} runs failed:\n{lines}", file=sys.stderr)
+        raise SystemExit(1)

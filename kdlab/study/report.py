@@ -1,0 +1,422 @@
+"""``kdlab report RUN_DIR... [--output DIR]``: tables and figures of finished runs, beside the paper's numbers.
+
+Each run directory needs the ``config.yaml`` the fit wrote (what was run: task, rollout policy and its
+``lam``, objective, learning rate, seed); directories without one are listed and skipped. A sweep's
+output directory (it holds ``sweep.json``) stands for all its runs, and any other folder for the run
+directories inside it (``runs/<name>`` for its ``version_N``). Metrics come from ``metrics.jsonl``
+and the TensorBoard event files together; a metric's value is the one at its last step (at the same
+step ``metrics.jsonl``'s float64 wins over TensorBoard's float32). Missing metrics are left out.
+
+Unfinished runs are refused (listed as skipped, never averaged): a run is finished when it has a done
+marker (``DONE`` from ``kdlab sweep``, ``checkpoints/final.ckpt`` from every ``kdlab fit``) or, without
+one, when its last logged step reaches ``trainer.max_steps - 1``; a run with neither marker nor
+``max_steps`` is reported and flagged.
+
+Runs whose configs differ only in the seed are one configuration: mean +- sample standard deviation
+(n - 1) over its seeds, n seeds shown; reruns of one seed are averaged into that seed first. Each
+value also gets a 95% interval in brackets where one can be made: a bootstrap over problems (and,
+for the accuracy, the samples within each) of each seed's last evaluation (``samples/val-*.jsonl``) for ``val/accuracy`` and
+``val/pass@k``, a Wilson interval over the callback's examples x samples for
+``coverage/<task>/pass@1``. Settings other than task, rollout, ``lam``, objective and learning rate
+that vary between configurations are shown in an ``other`` column, so no two settings are ever averaged.
+
+Written to ``--output`` (default: ``report/`` in the folder holding every given run, e.g.
+``runs/sweep-smoke/report``):
+
+- ``report.md``: results by configuration (``val/accuracy``, ``ood/mean_delta``, ``sparsity/1e-06``)
+  with the paper's headline numbers beside the matching rows; the rollout spectrum (MixtureRollouts,
+  x = lam, y = val/accuracy, per objective); pass@k (``val/pass@k``, ``coverage/<name>/pass@k``);
+  ``style/spanish_share``; final ``rlvr/reward*``. Fractions are shown in percent, ``ood/*`` in points.
+- CSV files in the units the runs logged: ``runs.csv`` (every run, every metric's last value, and the
+  fit's wall time from ``kdlab sweep``'s ``DONE`` summary),
+  ``summary.csv``, ``spectrum.csv``, ``pass_at_k.csv``, ``style.csv``, ``rlvr_curves.csv`` (whole curves).
+- PNG figures (each titled with its metric, error bars the 95% interval or else +- std over seeds, a
+  note on the figure when every plotted value is equal), also embedded with the Markdown in
+  TensorBoard under ``<output>/tensorboard``.
+
+The paper's numbers sit beside a row when the setting matches: rollout OffPD (TeacherRollouts, or
+MixtureRollouts at lam = -1) or OnPD (StudentRollouts, or lam = 1), full-vocabulary ForwardKL or
+ReverseKL, and, for numbers the paper gives per learning rate, the "low" (paper: 1e-5) or "high"
+(5e-5) rate. The tiny world uses other rates, so ``--low_lr`` / ``--high_lr`` map them; by default, of
+exactly two learning rates the smaller is low, otherwise only 1e-5 and 5e-5 themselves are mapped.
+Figures need matplotlib: ``pip install 'kdlab[report]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from kdlab.study.groups import (
+    Group,
+    cell,
+    group_label,
+    group_runs,
+    is_percent,
+    lr_levels,
+    metric_unit,
+    pass_at_k_order,
+)
+from kdlab.study.paper import PAPER, PAPER_NOTES, PAPER_RESULTS
+from kdlab.study.runs import MAIN_METRICS, PASS_AT_K, STYLE_METRICS, RunResult, collect
+from kdlab.study.tables import markdown_table, write_csv
+
+
+def error_bars(groups: list[Group], metric: str) -> tuple[list[float], list[list[float]]]:
+    """Means and (below, above) error-bar lengths in report units: the 95% interval where there is one,
+    else ± the std over seeds, else none."""
+    scale = 100.0 if is_percent(metric) else 1.0
+    means, below, above = [], [], []
+    for g in groups:
+        mean, std, _ = g.stats(metric)
+        interval = g.interval(metric)
+        low, high = interval[:2] if interval else (mean - (std or 0.0), mean + (std or 0.0))
+        means.append(scale * mean)
+        below.append(scale * max(0.0, mean - low))
+        above.append(scale * max(0.0, high - mean))
+    return means, [below, above]
+
+
+def note_if_equal(ax: Any, values: list[float], what: str) -> None:
+    """Say on the figure when every plotted value is the same (a flat chart is otherwise unreadable)."""
+    if values and max(values) - min(values) < 1e-9:
+        ax.text(0.5, 0.5, f"all {len(values)} values of {what} are {values[0]:.4g}", transform=ax.transAxes,
+                ha="center", va="center", fontsize=9, bbox={"facecolor": "white", "alpha": 0.8})
+
+
+# ---- the report ----------------------------------------------------------------------------------
+def _figure_factory():
+    """Makes matplotlib Figures on the Agg canvas (no pyplot state); a clear error when matplotlib is missing."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise ImportError("kdlab report draws its figures with matplotlib: pip install 'kdlab[report]'") from error
+
+    def figure(**kwargs: Any) -> Figure:
+        fig = Figure(**kwargs)
+        FigureCanvasAgg(fig)
+        return fig
+
+    return figure
+
+
+class _Report:
+    """Collects the Markdown lines, CSV files and figures of one report, section by section."""
+
+    def __init__(self, runs: list[RunResult], output: Path, levels: dict[float, str]) -> None:
+        self.new_figure = _figure_factory()  # fails before any work when matplotlib is missing
+        self.runs, self.output, self.levels = runs, output, levels
+        self.groups = group_runs(runs, levels)
+        self.with_other = any(group.other for group in self.groups)
+        self.present = {name for run in runs for name in run.last}
+        self.md: list[str] = []
+        self.figures: dict[str, Any] = {}
+
+    def describe(self, group: Group) -> list[str]:
+        lr = f"{group.lr:g}"
+        return [group.task, group.rollout_label, group.objective, lr, group.level or ""] + ([group.other] if self.with_other else [])
+
+    @property
+    def describe_header(self) -> list[str]:
+        return ["task", "rollout", "objective", "lr", "lr level"] + (["other"] if self.with_other else [])
+
+    def csv(self, name: str, groups: list[Group], metrics: list[str]) -> None:
+        """One row per configuration: its columns, then mean, std and n of each metric (logged units)."""
+        header = ["task", "rollout", "lam", "objective", "lr", "lr_level", "other", "n", "runs"]
+        header += [f"{metric} {part}" for metric in metrics for part in ("mean", "std", "n", "ci_low", "ci_high", "ci")]
+        rows = []
+        for g in groups:
+            row = [g.task, g.rollout, "" if g.lam is None else g.lam, g.objective, g.lr, g.level or "", g.other, g.seeds, len(g.runs)]
+            for metric in metrics:
+                stats = g.stats(metric)
+                interval = g.interval(metric) if stats else None
+                row += [stats[0], "" if stats[1] is None else stats[1], stats[2]] if stats else ["", "", 0]
+                row += list(interval) if interval else ["", "", ""]
+            rows.append(row)
+        write_csv(self.output / name, header, rows)
+
+    def metric_section(self, title: str, metrics: list[str], csv_name: str, note: str | None = None) -> list[Group]:
+        """A table (and CSV) of ``metrics`` for the configurations that logged any of them."""
+        shown = [g for g in self.groups if any(g.stats(m) for m in metrics)]
+        rows = [self.describe(g) + [str(g.seeds)] + [cell(g, m) for m in metrics] for g in shown]
+        self.md += ["", f"## {title}", "", markdown_table(self.describe_header + ["n", *map(metric_unit, metrics)], rows)]
+        if note:
+            self.md += ["", f"> Paper: {note}"]
+        self.csv(csv_name, shown, metrics)
+        return shown
+
+    # -- sections
+    def results(self) -> None:
+        """val/accuracy, ood/mean_delta, sparsity by configuration, the paper's numbers beside them."""
+        metrics = [m for m in MAIN_METRICS if m in self.present]
+        with_paper = [m for m in metrics if any(g.paper(m) for g in self.groups)]
+        header = self.describe_header + ["n"]
+        for metric in metrics:
+            header += [metric_unit(metric)] + (["paper"] if metric in with_paper else [])
+        rows = []
+        for group in self.groups:
+            row = self.describe(group) + [str(group.seeds)]
+            for metric in metrics:
+                row.append(cell(group, metric))
+                if metric in with_paper:
+                    row.append("; ".join(f"{p.value} [{p.key}]" for p in group.paper(metric)))
+            rows.append(row)
+        self.md += ["", "## Results by configuration", "", markdown_table(header, rows)]
+        self.csv("summary.csv", self.groups, metrics)
+        self.md += [
+            "",
+            "### The paper's headline numbers",
+            "",
+            (
+                "From Qwen2.5-7B -> 1.5B and Llama-3.1-8B -> 3.2-1B on Countdown-3, Science and MedReason at LR 1e-5 "
+                "(low) and 5e-5 (high): where a reproduction should land, not what the tiny world should give. "
+                "OffPD = teacher rollouts, OnPD = student rollouts."
+            ),
+            "",
+            markdown_table(
+                ["key", "metric", "rollout", "KL", "lr", "paper", "what", f"source ({PAPER})"],
+                [[p.key, p.metric, p.rollout or "any", p.direction or "any", p.lr or "any", p.value, p.claim, p.source] for p in PAPER_RESULTS],
+            ),
+        ]
+        shown = [g for g in self.groups if g.stats("val/accuracy")]
+        if shown:
+            fig = self.new_figure(figsize=(7, 0.45 * len(shown) + 1.8))
+            ax = fig.add_subplot()
+            means, errors = error_bars(shown, "val/accuracy")
+            ax.barh(range(len(shown)), means, xerr=errors, capsize=3, alpha=0.8)
+            ax.plot(means, range(len(shown)), "k|", markersize=12)  # a zero-length bar still shows its value
+            ax.set_yticks(range(len(shown)), [group_label(g) for g in shown], fontsize=8)
+            ax.invert_yaxis()
+            ax.set_xlim(0, 100)
+            ax.set(xlabel="val/accuracy (%)", title="val/accuracy (held-out, last evaluation): mean over seeds, bar = 95% interval or ± std")
+            ax.title.set_fontsize(9)
+            note_if_equal(ax, means, "val/accuracy (%)")
+            fig.tight_layout()
+            self.figures["accuracy"] = fig
+
+    def spectrum(self) -> None:
+        """MixtureRollouts: val/accuracy against lam, one curve per objective (and learning rate)."""
+        mixture = [g for g in self.groups if g.lam is not None and g.stats("val/accuracy")]
+        if not mixture:
+            return
+        self.md += ["", "## Rollout spectrum (MixtureRollouts: lam = -1 teacher, 1 student)", ""]
+        csv_rows = []
+        for task in sorted({g.task for g in mixture}):
+            here = [g for g in mixture if g.task == task]
+            curves: dict[str, list[Group]] = {}
+            for g in sorted(here, key=lambda g: (g.objective, g.lr, g.other, g.lam)):
+                curves.setdefault(f"{g.objective}, lr={g.lr:g}" + (f", {g.other}" if g.other else ""), []).append(g)
+            table = []
+            for lam in sorted({g.lam for g in here}):
+                row = [f"{lam:g}"]
+                for members in curves.values():
+                    match = [g for g in members if g.lam == lam]
+                    row.append(f"{cell(match[0], 'val/accuracy')} (n={match[0].seeds})" if match else "")
+                table.append(row)
+            self.md += [f"{task}: val/accuracy (%) by lam", "", markdown_table(["lam", *curves], table), ""]
+            fig = self.new_figure(figsize=(6, 4))
+            ax = fig.add_subplot()
+            plotted = []
+            for label, members in curves.items():
+                means, errors = error_bars(members, "val/accuracy")
+                ax.errorbar([g.lam for g in members], means, yerr=errors, marker="o", capsize=3, label=label)
+                plotted += means
+            ax.set(xlabel="lam (-1 teacher, 1 student)", ylabel="val/accuracy (%)", ylim=(0, 100),
+                   title=f"Rollout spectrum, {task}: val/accuracy (bars: 95% interval or ± std)")
+            ax.title.set_fontsize(9)
+            note_if_equal(ax, plotted, "val/accuracy (%)")
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            self.figures[f"spectrum-{task}"] = fig
+            for g in here:
+                mean, std, n = g.stats("val/accuracy")
+                interval = g.interval("val/accuracy")
+                csv_rows.append([task, g.objective, g.lr, g.other, g.lam, n, mean, "" if std is None else std, *(interval[:2] if interval else ("", ""))])
+        self.md.append(f"> Paper: {PAPER_NOTES['spectrum']}")
+        header = ["task", "objective", "lr", "other", "lam", "n", "val/accuracy mean", "val/accuracy std", "val/accuracy ci_low", "val/accuracy ci_high"]
+        write_csv(self.output / "spectrum.csv", header, csv_rows)
+
+    def pass_at_k(self) -> None:
+        metrics = sorted((m for m in self.present if PASS_AT_K.match(m)), key=pass_at_k_order)
+        if not metrics:
+            return
+        shown = self.metric_section("pass@k", metrics, "pass_at_k.csv", PAPER_NOTES["pass@k"])
+        for task in sorted({g.task for g in shown if g.lam is not None}):
+            here = [g for g in shown if g.task == task and g.lam is not None]
+            fig = self.new_figure(figsize=(6, 4))
+            ax = fig.add_subplot()
+            plotted = []
+            for metric in metrics:
+                for objective, lr in sorted({(g.objective, g.lr) for g in here}):
+                    members = sorted((g for g in here if (g.objective, g.lr) == (objective, lr) and g.stats(metric)), key=lambda g: g.lam)
+                    if members:
+                        means, errors = error_bars(members, metric)
+                        ax.errorbar([g.lam for g in members], means, yerr=errors, marker="o", capsize=3, label=f"{metric} {objective} lr={lr:g}")
+                        plotted += means
+            ax.set(xlabel="lam (-1 teacher, 1 student)", ylabel="pass@k (%)", ylim=(0, 100),
+                   title=f"pass@k vs lam, {task}: {', '.join(metrics)}")
+            ax.title.set_fontsize(8)
+            note_if_equal(ax, plotted, "pass@k (%)")
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            self.figures[f"pass_at_k-{task}"] = fig
+
+    def style(self) -> None:
+        metrics = [m for m in STYLE_METRICS if m in self.present]
+        if metrics:
+            title = "Style transfer (share of primarily Spanish student responses)"
+            self.metric_section(title, metrics, "style.csv", PAPER_NOTES["style"])
+
+    def rlvr(self) -> None:
+        """Final rewards in a table; whole curves (every run, a colour per configuration) in figures and CSV."""
+        metrics = sorted(m for m in self.present if m.startswith("rlvr/reward"))
+        if not metrics:
+            return
+        shown = self.metric_section("RLVR reward (last value; whole curves in rlvr_curves.csv and the figures)", metrics, "rlvr.csv")
+        rows = []
+        for metric in metrics:
+            fig = self.new_figure(figsize=(7, 4))
+            ax = fig.add_subplot()
+            for index, g in enumerate(shown):
+                for number, run in enumerate(r for r in g.runs if metric in r.series):
+                    steps, values = zip(*run.series[metric])
+                    ax.plot(steps, values, color=f"C{index % 10}", alpha=0.8, label=group_label(g) if number == 0 else None)
+                    lam = "" if g.lam is None else g.lam
+                    rows += [[str(run.path), g.task, g.rollout, lam, g.objective, g.lr, run.seed, metric, s, v] for s, v in run.series[metric]]
+            ax.set(xlabel="step", ylabel=metric, title=metric)
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            self.figures[metric.replace("/", "-")] = fig
+        header = ["run", "task", "rollout", "lam", "objective", "lr", "seed", "metric", "step", "value"]
+        write_csv(self.output / "rlvr_curves.csv", header, rows)
+
+    def every_run(self) -> None:
+        names = sorted(self.present)
+        rows = [
+            [str(r.path), r.task, r.rollout, "" if r.lam is None else r.lam, r.objective, r.lr, self.levels.get(r.lr, ""), r.seed,
+             "" if r.seconds is None else r.seconds]
+            + [r.last.get(name, "") for name in names]
+            for r in self.runs
+        ]
+        header = ["run", "task", "rollout", "lam", "objective", "lr", "lr_level", "seed", "fit_seconds", *names]
+        write_csv(self.output / "runs.csv", header, rows)
+
+
+def write_report(
+    runs: list[RunResult],
+    skipped: list[tuple[str, str]],
+    output: str | Path,
+    low_lr: list[float] | None = None,
+    high_lr: list[float] | None = None,
+) -> Path:
+    """Write ``report.md``, the CSV files, the PNG figures and ``tensorboard/`` to ``output``; returns
+    the Markdown file's path."""
+    output = Path(output)
+    levels = lr_levels({run.lr for run in runs}, low_lr, high_lr)
+    report = _Report(runs, output, levels)
+    output.mkdir(parents=True, exist_ok=True)
+    report.md += [
+        "# kdlab report",
+        "",
+        (
+            f"{len(runs)} runs in {len(report.groups)} configurations: mean ± sample standard deviation over the "
+            "seeds of a configuration (n seeds; reruns of one seed are averaged into that seed), then, in brackets, "
+            "a 95% interval of that mean: for val/accuracy and val/pass@k a bootstrap over the problems (for val/accuracy also the samples within each) "
+            "of each seed's last evaluation (samples/val-*.jsonl), for coverage/<task>/pass@1 a Wilson interval over "
+            "the callback's examples x samples. Accuracy, pass@k, sparsity and Spanish share in percent; "
+            "ood/mean_delta in points (after - before). The CSV files keep the units the runs logged. "
+            "val/accuracy is the mean score of eval_samples completions per held-out prompt at the last validation; "
+            "coverage/<task>/pass@k is the Coverage callback's own draw on its task, a different number."
+        ),
+    ]
+    reruns = [(g, g.seeds) for g in report.groups if len(g.runs) > g.seeds]
+    if reruns:
+        report.md += ["", "Reruns of a seed (averaged as one seed, not counted as more seeds):"]
+        report.md += [f"- {group_label(g)}: {len(g.runs)} runs, {seeds} seeds" for g, seeds in reruns]
+    flagged = [run for run in runs if run.flag]
+    if flagged:
+        report.md += ["", "Flagged:", *(f"- `{run.path}`: {run.flag}" for run in flagged)]
+    if levels:
+        how = "as given" if (low_lr or high_lr) else "default: the smaller of two learning rates is low; set with --low_lr / --high_lr"
+        mapping = ", ".join(f"{lr:g} = {level}" for lr, level in sorted(levels.items()))
+        report.md += ["", f"Learning-rate levels for the paper's numbers: {mapping} ({how})."]
+    if skipped:
+        report.md += ["", "Skipped:", *(f"- `{path}`: {reason}" for path, reason in skipped)]
+    report.results()
+    report.spectrum()
+    report.pass_at_k()
+    report.style()
+    report.rlvr()
+    report.every_run()
+    if report.figures:
+        report.md += ["", "## Figures", "", *(f"![{name}]({name}.png)" for name in report.figures)]
+    text = "\n".join(report.md) + "\n"
+    path = output / "report.md"
+    path.write_text(text, encoding="utf-8")
+    for name, fig in report.figures.items():
+        fig.savefig(output / f"{name}.png", dpi=120)
+    _write_tensorboard(output / "tensorboard", report.figures, text)
+    return path
+
+
+def _write_tensorboard(directory: Path, figures: dict[str, Any], text: str) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in directory.glob("events.out.tfevents.*"):  # a rewritten report replaces the last one
+        old.unlink()
+    writer = SummaryWriter(str(directory))
+    try:
+        for name, fig in figures.items():
+            writer.add_figure(f"report/{name}", fig, global_step=0)
+        writer.add_text("report", text, global_step=0)
+    finally:
+        writer.close()
+
+
+def default_output(paths: list[str | Path]) -> Path:
+    """``<the folder holding every given run>/report``: beside the runs, never the current directory by
+    accident (``kdlab report runs/sweep`` writes ``runs/sweep/report``)."""
+    import os
+
+    folders = [Path(path).resolve() for path in paths]
+    return Path(os.path.commonpath(folders)) / "report"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``kdlab report RUN_DIR... [--output DIR] [--low_lr LR...] [--high_lr LR...]``."""
+    parser = argparse.ArgumentParser(
+        prog="kdlab report", description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                        help="run directories, folders holding them (runs/<name> with its version_N) or a sweep's output directory")
+    parser.add_argument("--output", help="where the report goes (default: report/ in the folder holding every given run)")
+    parser.add_argument("--low_lr", type=float, nargs="+", help="learning rates compared with the paper's 1e-5")
+    parser.add_argument("--high_lr", type=float, nargs="+", help="learning rates compared with the paper's 5e-5")
+    options = parser.parse_args(argv)
+    runs, skipped = collect(options.runs)
+    skipped += [(str(run.path), run.unfinished) for run in runs if run.unfinished]  # never averaged with finished runs
+    runs = [run for run in runs if not run.unfinished]
+    for path, reason in skipped:
+        print(f"[report] skipped {path}: {reason}", file=sys.stderr)
+    for run in runs:
+        if run.flag:
+            print(f"[report] flagged {run.path}: {run.flag}", file=sys.stderr)
+    if not runs:
+        parser.error("no finished run directory with a config.yaml among " + " ".join(options.runs))
+    output = Path(options.output) if options.output else default_output(options.runs)
+    path = write_report(runs, skipped, output, options.low_lr, options.high_lr)
+    print(f"[report] {len(runs)} runs -> {path} (CSV, PNG and tensorboard/ beside it)")
+    from kdlab.study.verdicts import PARTS, Study, is_study, write_verdicts
+
+    if len(options.runs) == 1 and is_study(Path(options.runs[0])):
+        write_verdicts(Path(options.runs[0]), runs, output)
+        parts = Study(Path(options.runs[0]), runs).parts
+        for part in PARTS:  # each part's own tables, without the other parts' settings in their columns
+            if parts[part]:
+                levels = {r.lr for r in parts[part]}
+                write_report(parts[part], [], output / part, *((None, None) if len(levels) != 2 else ([min(levels)], [max(levels)])))
+        print(f"[report] the study's verdicts -> {output / 'verdicts.md'}")

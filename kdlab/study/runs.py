@@ -1,0 +1,302 @@
+"""Reading finished runs: a run's config (settings at their class defaults dropped), its metrics
+(``metrics.jsonl`` and TensorBoard, the last value of each), its evaluation records, its fit time, and
+whether it finished (a done marker, or its last step at ``trainer.max_steps - 1``)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MAIN_METRICS = ("val/accuracy", "ood/mean_delta", "sparsity/1e-06")
+PASS_AT_K = re.compile(r"^(val/pass@\d+|coverage/.+/pass@\d+)$")
+STYLE_METRICS = ("style/spanish_share", "style/teacher_spanish_share")
+# settings that differ between the seeds of one configuration, or only say where it was logged
+PER_RUN_KEYS = ("seed_everything", "model.seed", "trainer.logger", "trainer.default_root_dir", "ckpt_path", "config")
+# settings that have their own columns
+COLUMN_KEYS = (
+    "model.task.class_path",
+    "model.task.init_args.variant",
+    "model.rollout.class_path",
+    "model.rollout.init_args.lam",
+    "model.objective.class_path",
+    "model.lr",
+)
+
+
+# ---- reading runs --------------------------------------------------------------------------------
+def read_metrics(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of a run as ``name -> [(step, value), ...]`` sorted by step, from TensorBoard and
+    ``metrics.jsonl`` (the later wins at equal steps, and a later line over an earlier one)."""
+    from tensorboard.backend.event_processing.event_accumulator import (
+        SCALARS,
+        EventAccumulator,
+    )
+
+    points: dict[str, dict[int, float]] = {}
+    events = EventAccumulator(str(run_dir), size_guidance={SCALARS: 0})  # 0 keeps every point
+    events.Reload()
+    for tag in events.Tags().get("scalars", []):
+        for event in events.Scalars(tag):
+            points.setdefault(tag, {})[int(event.step)] = float(event.value)
+    for step, name, value in metrics_lines(Path(run_dir, "metrics.jsonl")):
+        points.setdefault(name, {})[step] = value
+    return {name: sorted(series.items()) for name, series in points.items()}
+
+
+def metrics_lines(path: str | Path):
+    """``(step, name, value)`` for every scalar of a ``metrics.jsonl`` file, in file order (none if it
+    does not exist)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            step = int(row.pop("step"))
+            for name, value in row.items():
+                yield step, name, float(value)
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
+    """Dotted keys -> JSON values. A null value is left out: it reads the same as an absent key (a run
+    saved before that setting existed), so the two do not split a configuration."""
+    if isinstance(value, dict) and value:
+        flat = {}
+        for key, item in value.items():
+            flat.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    return {} if value is None else {prefix: json.dumps(value, sort_keys=True, default=str)}
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults(class_path: str) -> dict[str, Any]:
+    """``{argument: default}`` of a class's ``__init__`` (empty when it cannot be imported)."""
+    import importlib
+    import inspect
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        parameters = inspect.signature(cls.__init__).parameters.values()
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return {}
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+
+def without_defaults(value: Any, class_path: str | None = None) -> Any:
+    """``value`` with every ``init_args`` entry (and, for ``class_path``, every top-level entry) that equals
+    its class's default removed, at any depth: a run saved before a setting existed reads the same as one
+    that left it at its default, so adding an argument to a class never splits a configuration."""
+    if isinstance(value, list):
+        return [without_defaults(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    inner = value.get("class_path") if isinstance(value.get("class_path"), str) else None
+    result = {key: without_defaults(item) for key, item in value.items()}
+    for target, path in ((result.get("init_args"), inner), (result, class_path)):
+        if isinstance(target, dict) and path:
+            defaults = _defaults(path)
+            for key in [k for k in target if k in defaults]:
+                if json.dumps(target[key], sort_keys=True, default=str) == json.dumps(defaults[key], sort_keys=True, default=str):
+                    del target[key]
+    return result
+
+
+def _settings_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config with defaults removed (:func:`without_defaults`); a ``model`` given without ``class_path``
+    is a ``DistillModule`` (kdlab fit's default)."""
+    normal = without_defaults(config)
+    model = normal.get("model")
+    if isinstance(model, dict) and "class_path" not in model:
+        normal["model"] = without_defaults(model, "kdlab.stages.distill.DistillModule")
+    return normal
+
+
+def _class_name(value: Any, default: str) -> str:
+    if isinstance(value, dict):
+        value = value.get("class_path")
+    return value.rsplit(".", 1)[-1] if isinstance(value, str) else default
+
+
+@dataclass
+class RunResult:
+    """One run: what was run (from ``config.yaml``) and every metric's series."""
+
+    path: Path
+    task: str
+    rollout: str
+    lam: float | None
+    objective: str
+    lr: float
+    seed: int | None
+    settings: dict[str, str]
+    series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    unfinished: str = ""  # why the run is not finished ("" when it is)
+    flag: str = ""  # a caveat shown in the report (e.g. no done marker)
+    coverage_draws: dict[str, int] = field(default_factory=dict)  # coverage/<name> -> examples x samples
+    seconds: float | None = None  # the fit's own wall time, from kdlab sweep's DONE summary
+
+    @property
+    def last(self) -> dict[str, float]:
+        return {name: points[-1][1] for name, points in self.series.items() if points}
+
+
+def read_run(run_dir: str | Path) -> RunResult:
+    """A run directory; ``ValueError`` when it has no readable ``config.yaml``."""
+    run_dir = Path(run_dir)
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ValueError("no config.yaml")
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(f"config.yaml does not parse: {error}") from error
+    model = config.get("model") or {}
+    stage = "DistillModule"
+    if isinstance(model.get("class_path"), str):  # a stage chosen by class (e.g. GRPOModule)
+        stage = _class_name(model, "DistillModule")
+        model = model.get("init_args") or {}
+    task = model.get("task") or {}
+    variant = (task.get("init_args") or {}).get("variant") if isinstance(task, dict) else None
+    rollout = model.get("rollout") or {}
+    # DistillModule's defaults; another stage (GRPO, SFT) has no rollout policy or KL objective: its
+    # name stands in both columns, so it never reads as (or takes the paper's numbers of) a distillation
+    rollout_name = _class_name(rollout, "TeacherRollouts") if stage == "DistillModule" else stage
+    lam = None
+    if rollout_name == "MixtureRollouts":
+        lam = float(((rollout.get("init_args") or {}) if isinstance(rollout, dict) else {}).get("lam", 0.0))
+    seed = config.get("seed_everything")
+    seed = seed if type(seed) is int else model.get("seed")
+    settings = {
+        key: value
+        for key, value in _flatten(_settings_config(config)).items()
+        if not any(key == k or key.startswith(k + ".") for k in PER_RUN_KEYS)
+    }
+    series = read_metrics(run_dir)
+    unfinished, flag = run_status(run_dir, config, series)
+    return RunResult(
+        path=run_dir,
+        task=variant or _class_name(task, "?"),
+        rollout=rollout_name,
+        lam=lam,
+        objective=_class_name(model.get("objective"), "ForwardKL") if stage == "DistillModule" else stage,
+        lr=float(model.get("lr", 1e-5)),
+        seed=seed,
+        settings=settings,
+        series=series,
+        unfinished=unfinished,
+        flag=flag,
+        coverage_draws=_coverage_draws(config),
+        seconds=_fit_seconds(run_dir),
+    )
+
+
+def _fit_seconds(run_dir: Path) -> float | None:
+    try:
+        seconds = json.loads((run_dir / "DONE").read_text(encoding="utf-8")).get("seconds")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(seconds) if isinstance(seconds, (int, float)) else None
+
+
+DONE_MARKERS = ("DONE", "checkpoints/final.ckpt")  # kdlab sweep's summary; the checkpoint every kdlab fit ends with
+
+
+def run_status(run_dir: Path, config: dict[str, Any], series: dict[str, list[tuple[int, float]]]) -> tuple[str, str]:
+    """``(unfinished, flag)``: ``unfinished`` says why a run did not finish ("" when it did), ``flag`` a
+    caveat. A run with a done marker (``DONE``, ``checkpoints/final.ckpt``) finished; one without, whose
+    last logged step is before ``trainer.max_steps - 1`` (Lightning logs step s's scalars at s - 1), did
+    not (interrupted, crashed or still running); one without a marker or ``max_steps`` is flagged."""
+    if any((run_dir / marker).is_file() for marker in DONE_MARKERS):
+        return "", ""
+    max_steps = (config.get("trainer") or {}).get("max_steps") if isinstance(config.get("trainer"), dict) else None
+    last = max((points[-1][0] for points in series.values() if points), default=None)
+    if type(max_steps) is int and max_steps > 0:
+        if last is None or last < max_steps - 1:
+            logged = "nothing logged" if last is None else f"last logged step {last}"
+            return f"unfinished: no done marker ({' or '.join(DONE_MARKERS)}) and {logged} of max_steps={max_steps}", ""
+        return "", ""
+    return "", "no done marker and no trainer.max_steps: cannot tell whether it finished"
+
+
+def _coverage_draws(config: dict[str, Any]) -> dict[str, int]:
+    """``coverage/<name>`` -> examples x samples of each ``Coverage`` callback in the config (for the
+    interval of its pass@1)."""
+    callbacks = (config.get("trainer") or {}).get("callbacks") if isinstance(config.get("trainer"), dict) else None
+    draws = {}
+    for callback in callbacks if isinstance(callbacks, list) else []:
+        if not (isinstance(callback, dict) and str(callback.get("class_path", "")).endswith("Coverage")):
+            continue
+        args = callback.get("init_args") or {}
+        task = args.get("task") or {}
+        task_args = (task.get("init_args") or {}) if isinstance(task, dict) else {}
+        name = args.get("name") or task_args.get("variant") or _class_name(task, "task").lower()
+        examples = args.get("examples", 200)
+        samples = args.get("samples", 10)
+        if isinstance(examples, int) and isinstance(samples, int):
+            draws[f"coverage/{name}"] = examples * samples
+    return draws
+
+
+def read_samples(run_dir: str | Path, split: str = "val") -> dict[str, list[float]] | None:
+    """The scores of a run's last evaluation (``samples/<split>-stepNNNNNN[-rankR].jsonl`` at the
+    largest step, every rank) as ``example id -> [score of each sample]``; None without such files."""
+    files: dict[int, list[Path]] = {}
+    for path in Path(run_dir, "samples").glob(f"{split}-step*.jsonl"):
+        match = re.fullmatch(rf"{split}-step(\d+)(-rank\d+)?\.jsonl", path.name)
+        if match:
+            files.setdefault(int(match.group(1)), []).append(path)
+    if not files:
+        return None
+    scores: dict[str, list[float]] = {}
+    for path in sorted(files[max(files)]):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                record = json.loads(line)
+                scores.setdefault(str(record["id"]), []).append(float(record["score"]))
+    return scores or None
+
+
+def collect(paths: list[str | Path]) -> tuple[list[RunResult], list[tuple[str, str]]]:
+    """Runs read from ``paths`` (a sweep's output directory stands for its runs) and ``(path, reason)``
+    for each one skipped."""
+    runs, skipped, seen = [], [], set()
+    expanded: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir() and not (path / "config.yaml").is_file() and (path / "sweep.json").is_file():
+            expanded += sorted(p for p in path.iterdir() if p.is_dir() and not (p / "report.md").is_file())  # not an earlier report
+        elif path.is_dir() and not (path / "config.yaml").is_file():
+            found = run_directories(path)
+            expanded += found or [path]  # nothing inside: skipped below as "no config.yaml"
+        else:
+            expanded.append(path)
+    for path in expanded:
+        if path.resolve() in seen:
+            continue
+        seen.add(path.resolve())
+        if not path.is_dir():
+            skipped.append((str(path), "not a directory" if path.exists() else "does not exist"))
+            continue
+        try:
+            runs.append(read_run(path))
+        except ValueError as error:
+            skipped.append((str(path), str(error)))
+    return runs, skipped
+
+
+def run_directories(folder: Path, depth: int = 3) -> list[Path]:
+    """Run directories (with a ``config.yaml``) inside ``folder`` up to ``depth`` levels down, e.g. the
+    ``version_N`` of ``runs/<name>`` or every run of ``runs/``; ``checkpoints``/``samples`` are not searched."""
+    found: list[Path] = []
+    for child in sorted(p for p in folder.iterdir() if p.is_dir() and p.name not in ("checkpoints", "samples") and not (p / "report.md").is_file()):
+        if (child / "config.yaml").is_file():
+            found.append(child)
+        elif depth > 1:
+            found += run_directories(child, depth - 1)
+    return found

@@ -1,0 +1,383 @@
+"""``kdlab sweep --config sweep.yaml``: run a grid of ``kdlab fit`` runs (the file and its runs:
+:mod:`kdlab.study.grid`), one directory each, restartable.
+
+Restarting: a run is done when ``<output>/<name>/DONE`` exists (a JSON summary written after fit
+returns). Running the same sweep again skips done runs. A run without ``DONE`` (interrupted or failed)
+starts again: from the newer of ``checkpoints/on_exception.ckpt`` (saved when a run stops on an exception,
+Ctrl+C or SIGTERM) and ``checkpoints/last.ckpt`` (``ModelCheckpoint(save_last=True)``) when the run saved
+one, otherwise from scratch after its directory is deleted. A failing run is recorded and the sweep goes on;
+the command then exits with status 1 and lists the failures (Ctrl+C: status 130).
+``<output>/sweep.json`` lists every run: name, settings, seed, status and the fit command.
+
+Modes: ``slurm`` submits the runs not done as a job array through submitit (settings in ``sweep.slurm``,
+e.g. ``{slurm_partition: gpu, timeout_min: 240, gpus_per_node: 1}``; ``max_parallel`` jobs at a time), waits
+for them and records each job's id and outcome in ``sweep.json``; ``sequential`` runs each fit in this process (``kdlab.cli.lightning.run_lightning``); ``processes`` starts
+``python -m kdlab.cli fit ...`` per run, ``max_parallel`` at a time, its output in ``<name>/fit.log``;
+``print`` writes one line per run not yet done, ``python -m kdlab.cli sweep --config <file> --run <name>``
+(which runs that one run with the same skip/resume rules), to stdout and to ``<output>/commands.sh``,
+one line per run and nothing else, so a SLURM array can pick line ``$SLURM_ARRAY_TASK_ID``:
+``sed -n "${SLURM_ARRAY_TASK_ID}p" runs/sweep-smoke/commands.sh | bash``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kdlab.study.grid import MODES, Run, Sweep, expand, fit_args, load_sweep
+
+
+# ---- running -----------------------------------------------------------------------------------
+class RunFailed(RuntimeError):
+    """A run's fit did not finish; the message says why."""
+
+
+def _prepare(run_dir: Path) -> str | None:
+    """The checkpoint to resume from (the newer of ``on_exception.ckpt``, which a run stopped by an
+    exception or SIGTERM saves, and ``last.ckpt``), or None after clearing what an unfinished run left behind."""
+    saved = [path for path in (run_dir / "checkpoints" / name for name in ("on_exception.ckpt", "last.ckpt")) if path.is_file()]
+    if saved:
+        return str(max(saved, key=lambda path: path.stat().st_mtime))
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    return None
+
+
+def _write_json(path: Path, data: Any) -> None:
+    partial = path.with_name(path.name + ".partial")  # never leave half a file behind on interruption
+    partial.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    partial.replace(path)
+
+
+def _mark_done(run_dir: Path, run: Run, started: float, resumed_from: str | None, **extra: Any) -> None:
+    summary = {
+        "name": run.name,
+        "seed": run.seed,
+        "settings": run.settings,
+        "resumed_from": resumed_from,
+        "seconds": round(time.time() - started, 2),
+        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **extra,
+    }
+    _write_json(run_dir / "DONE", summary)
+
+
+def _fit_in_process(args: list[str]) -> int:
+    """``kdlab fit`` in this process; returns the global step reached, raises RunFailed or KeyboardInterrupt."""
+    from kdlab.cli import lightning
+
+    saved_argv = sys.argv
+    main_thread = threading.current_thread() is threading.main_thread()
+    saved_sigint = signal.getsignal(signal.SIGINT) if main_thread else None
+    # exactly ``kdlab fit ...``: LightningCLI reads sys.argv (given args as well, it warns) and
+    # run_info.json records it as the run's command line
+    sys.argv = ["kdlab", *args]
+    try:
+        result = lightning.run_lightning(args, from_sys_argv=True)
+    except SystemExit as exit_info:
+        # Lightning answers Ctrl+C during fit with sys.exit(1) inside its ``except KeyboardInterrupt``: stop the sweep
+        if isinstance(exit_info.__context__, KeyboardInterrupt):
+            raise KeyboardInterrupt from exit_info
+        # SIGTERM (a cluster's time limit): Lightning's SIGTERMException, status 143 (kdlab's FinalCheckpoint)
+        if exit_info.code == 128 + signal.SIGTERM or type(exit_info).__name__ == "SIGTERMException":
+            raise KeyboardInterrupt from exit_info  # stop the sweep, as Ctrl+C does, rather than start the next run
+        raise RunFailed(f"fit exited with status {exit_info.code} before training (see its messages above)") from None
+    finally:
+        sys.argv = saved_argv
+        if main_thread and saved_sigint is not None:  # Lightning ignores SIGINT while it shuts down after Ctrl+C
+            signal.signal(signal.SIGINT, saved_sigint)
+    trainer = getattr(result, "trainer", None)
+    if trainer is None or not trainer.state.finished:
+        status = trainer.state.status.value if trainer is not None else "no trainer"
+        raise RunFailed(f"fit did not finish (trainer status: {status})")
+    return trainer.global_step
+
+
+class _Sweeper:
+    """Runs a sweep's runs in one of the modes and keeps ``sweep.json`` up to date."""
+
+    def __init__(self, sweep: Sweep, sweep_file: str) -> None:
+        self.sweep, self.sweep_file = sweep, sweep_file
+        self.output = Path(sweep.output)
+        self.runs = expand(sweep)
+        self.records = [
+            {
+                "name": run.name,
+                "seed": run.seed,
+                "settings": run.settings,
+                "status": "skipped" if (self.output / run.name / "DONE").is_file() else "pending",
+                "command": shlex.join(["python", "-m", "kdlab.cli", *fit_args(sweep, run)]),
+            }
+            for run in self.runs
+        ]
+
+    def write_index(self) -> None:
+        self.output.mkdir(parents=True, exist_ok=True)
+        index = {
+            "sweep": self.sweep_file,
+            "base": self.sweep.base,
+            "output": self.sweep.output,
+            "overrides": self.sweep.overrides,
+            "mode": self.sweep.mode,
+            "runs": self.records,
+        }
+        _write_json(self.output / "sweep.json", index)
+
+    def pending(self) -> list[tuple[Run, dict[str, Any]]]:
+        return [(run, record) for run, record in zip(self.runs, self.records) if record["status"] == "pending"]
+
+    # -- modes
+    def print_commands(self) -> None:
+        lines = [
+            shlex.join(["python", "-m", "kdlab.cli", "sweep", "--config", self.sweep_file, "--run", run.name])
+            for run, _ in self.pending()
+        ]
+        self.write_index()
+        (self.output / "commands.sh").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        for line in lines:
+            print(line)
+        done = len(self.runs) - len(lines)
+        print(
+            f"[sweep] {len(lines)} commands in {self.output / 'commands.sh'}, one per line ({done} done already, "
+            "left out); run them from this directory",
+            file=sys.stderr,
+        )
+
+    def run_in_process(self, run: Run, record: dict[str, Any], position: str = "") -> None:
+        run_dir = self.output / run.name
+        resume = _prepare(run_dir)
+        record.update(status="running", resumed_from=resume)
+        record.pop("error", None)
+        print(f"[sweep] {position}{run.name}: fit" + (f" (resuming from {resume})" if resume else ""), flush=True)
+        started = time.time()
+        try:
+            step = _fit_in_process(fit_args(self.sweep, run, resume))
+        except KeyboardInterrupt:
+            record["status"] = "interrupted"
+            raise
+        except Exception as error:  # noqa: BLE001 -- one failing run must not stop the sweep
+            traceback.print_exc()
+            record.update(status="failed", error=f"{type(error).__name__}: {error}")
+            print(f"[sweep] {run.name}: FAILED: {record['error']}", file=sys.stderr, flush=True)
+            return
+        _mark_done(run_dir, run, started, resume, global_step=step)
+        record["status"] = "done"
+        print(f"[sweep] {run.name}: done in {time.time() - started:.1f}s", flush=True)
+
+    def run_sequential(self) -> None:
+        pending = self.pending()
+        for number, (run, record) in enumerate(pending, start=1):
+            try:
+                self.run_in_process(run, record, f"{number}/{len(pending)} ")
+            finally:
+                self.write_index()
+
+    def run_processes(self, max_parallel: int) -> None:
+        queue = self.pending()
+        active: list[tuple[Run, dict[str, Any], subprocess.Popen, Any, float]] = []
+        try:
+            while queue or active:
+                while queue and len(active) < max_parallel:
+                    run, record = queue.pop(0)
+                    run_dir = self.output / run.name
+                    resume = _prepare(run_dir)
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                    log = (run_dir / "fit.log").open("a", encoding="utf-8")
+                    command = [sys.executable, "-m", "kdlab.cli", *fit_args(self.sweep, run, resume)]
+                    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+                    record.update(status="running", resumed_from=resume)
+                    record.pop("error", None)
+                    print(f"[sweep] {run.name}: started (pid {process.pid}, output in {run_dir / 'fit.log'})", flush=True)
+                    active.append((run, record, process, log, time.time()))
+                    self.write_index()
+                time.sleep(0.2)
+                for item in [item for item in active if item[2].poll() is not None]:
+                    active.remove(item)
+                    run, record, process, log, started = item
+                    log.close()
+                    self._finish_process(run, record, process.returncode, started)
+                    self.write_index()
+        except BaseException:
+            for run, record, process, log, _ in active:  # Ctrl+C reaches the children too; make sure
+                process.terminate()
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                log.close()
+                record["status"] = "interrupted"
+            self.write_index()
+            raise
+
+    def run_slurm(self) -> None:
+        """Every pending run as one job of a job array through submitit (``sweep.slurm``: its executor
+        settings; ``cluster: local`` runs the jobs as local processes), ``max_parallel`` at a time, then wait.
+        Each job does what ``kdlab sweep --run NAME`` does (same skip and resume rules); job logs go to
+        ``<output>/slurm/``. Ctrl+C cancels the jobs not finished and records them as interrupted."""
+        pending = self.pending()
+        executor = slurm_executor(self.sweep)  # bad settings fail here, before anything is submitted
+        if not pending:
+            return
+        with executor.batch():
+            jobs = [executor.submit(run_job, self.sweep, self.sweep_file, run.name, os.getcwd()) for run, _ in pending]
+        for (run, record), job in zip(pending, jobs):
+            record.update(status="submitted", job_id=str(job.job_id))
+            print(f"[sweep] {run.name}: submitted (job {job.job_id}, log in {self.output / 'slurm'})", flush=True)
+        self.write_index()
+        try:
+            for (run, record), job in zip(pending, jobs):
+                try:
+                    job.result()
+                    record["status"] = "done"
+                except Exception as error:  # noqa: BLE001 -- one failing run must not stop the sweep
+                    last = str(error).strip().splitlines()[-1:] or [type(error).__name__]
+                    record.update(status="failed", error=f"job {job.job_id}: {last[0]}; see {self.output / 'slurm'}")
+                    print(f"[sweep] {run.name}: FAILED: {record['error']}", file=sys.stderr, flush=True)
+                self.write_index()
+        except KeyboardInterrupt:
+            for (run, record), job in zip(pending, jobs):
+                if not job.done():
+                    job.cancel(check=False)
+                    record["status"] = "interrupted"
+            self.write_index()
+            raise
+
+    def find(self, name: str) -> tuple[Run, dict[str, Any]] | None:
+        return next(((run, record) for run, record in zip(self.runs, self.records) if run.name == name), None)
+
+    def _finish_process(self, run: Run, record: dict[str, Any], returncode: int, started: float) -> None:
+        run_dir = self.output / run.name
+        if returncode == 0:
+            _mark_done(run_dir, run, started, record.get("resumed_from"))
+            record["status"] = "done"
+            print(f"[sweep] {run.name}: done in {time.time() - started:.1f}s", flush=True)
+            return
+        record.update(status="failed", error=f"exit status {returncode}; see {run_dir / 'fit.log'}")
+        tail = (run_dir / "fit.log").read_text(encoding="utf-8", errors="replace").splitlines()[-15:]
+        print(f"[sweep] {run.name}: FAILED ({record['error']}):\n  " + "\n  ".join(tail), file=sys.stderr, flush=True)
+
+
+def slurm_executor(sweep: Sweep) -> Any:
+    """submitit's ``AutoExecutor`` for ``sweep.slurm`` (``cluster``: ``slurm``, ``local`` or ``debug``; found
+    by submitit when absent), with ``max_parallel`` as the array's parallelism; ``ValueError`` names the key."""
+    try:
+        import submitit
+    except ImportError:
+        raise ValueError("sweep.mode 'slurm' needs submitit: pip install 'kdlab[slurm]'") from None
+    settings = dict(sweep.slurm)
+    cluster = settings.pop("cluster", None)
+    try:
+        executor = submitit.AutoExecutor(folder=Path(sweep.output) / "slurm", cluster=cluster)
+        executor.update_parameters(**{"name": f"kdlab-{Path(sweep.output).name}", "slurm_array_parallelism": sweep.max_parallel, **settings})
+    except (ValueError, AssertionError, NameError, RuntimeError) as error:  # what submitit raises on bad settings
+        raise ValueError(f"sweep.slurm: {error}") from None
+    return executor
+
+
+def run_job(sweep: Sweep, sweep_file: str, name: str, cwd: str) -> str:
+    """One run as a cluster job (``slurm`` mode): ``kdlab sweep --run NAME`` in the job's process, from the
+    directory the sweep was started in. Returns ``done`` or ``skipped``; raises :class:`RunFailed`."""
+    os.chdir(cwd)
+    sweeper = _Sweeper(sweep, sweep_file)
+    run, record = sweeper.find(name)
+    if record["status"] == "skipped":
+        return "skipped"
+    sweeper.run_in_process(run, record)
+    if record["status"] == "failed":
+        raise RunFailed(f"{name}: {record['error']}")
+    return record["status"]
+
+
+def run_sweep(sweep: Sweep, sweep_file: str) -> list[dict[str, Any]]:
+    """Run (or print) every run of ``sweep`` not done yet; returns the ``sweep.json`` run records.
+
+    Failed runs have ``status: failed`` and an ``error``; Ctrl+C raises KeyboardInterrupt after
+    ``sweep.json`` records the runs left.
+    """
+    sweeper = _Sweeper(sweep, sweep_file)
+    if sweep.mode == "print":
+        sweeper.print_commands()
+        return sweeper.records
+    sweeper.write_index()
+    if sweep.mode == "sequential":
+        sweeper.run_sequential()
+    elif sweep.mode == "slurm":
+        sweeper.run_slurm()
+    else:
+        sweeper.run_processes(sweep.max_parallel)
+    return sweeper.records
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kdlab sweep",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", required=True, help="the sweep file (YAML)")
+    parser.add_argument("--mode", choices=MODES, help="overrides the sweep file's mode")
+    parser.add_argument("--max_parallel", type=int, help="processes at a time in processes mode (overrides the file)")
+    parser.add_argument("--run", metavar="NAME", help="run only this run, in this process (what print mode's lines do)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``kdlab sweep --config FILE [--mode M] [--max_parallel N] [--run NAME]``; exits 1 if a run failed."""
+    parser = _parser()
+    options = parser.parse_args(argv)
+    try:
+        sweep = load_sweep(options.config)
+        changes = {k: v for k, v in (("mode", options.mode), ("max_parallel", options.max_parallel)) if v is not None}
+        sweep = dataclasses.replace(sweep, **changes)
+    except ValueError as error:
+        parser.error(str(error))
+    if options.run is not None:
+        _run_one(parser, sweep, options.config, options.run)
+        return
+    try:
+        records = run_sweep(sweep, options.config)
+    except ValueError as error:  # settings found wrong before any run started (slurm's executor settings)
+        parser.error(str(error))
+    except KeyboardInterrupt:
+        print(f"[sweep] interrupted; run the same command again to continue (see {sweep.output}/sweep.json)", file=sys.stderr)
+        raise SystemExit(130) from None
+    if sweep.mode == "print":
+        return
+    counts = {status: sum(r["status"] == status for r in records) for status in ("done", "skipped", "failed")}
+    print(f"[sweep] {len(records)} runs: {counts['done']} done now, {counts['skipped']} already done, {counts['failed']} failed")
+    failed = [r for r in records if r["status"] == "failed"]
+    if failed:
+        lines = "\n".join(f"  {r['name']}: {r['error']}" for r in failed)
+        print(f"[sweep] {len(failed)} of {len(records)} runs failed:\n{lines}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def _run_one(parser: argparse.ArgumentParser, sweep: Sweep, sweep_file: str, name: str) -> None:
+    """One run of the sweep (no ``sweep.json``: several may run at once on a cluster)."""
+    sweeper = _Sweeper(sweep, sweep_file)
+    found = sweeper.find(name)
+    if found is None:
+        parser.error(f"--run {name!r} is not a run of {sweep_file} (see {sweep.output}/sweep.json for the names)")
+    run, record = found
+    if record["status"] == "skipped":
+        print(f"[sweep] {name}: already done ({Path(sweep.output, name, 'DONE')})")
+        return
+    try:
+        sweeper.run_in_process(run, record)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    if record["status"] == "failed":
+        raise SystemExit(1)
