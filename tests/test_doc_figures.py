@@ -130,6 +130,12 @@ def test_the_real_model_page_quotes_only_generated_rows():
     assert [row for row in quoted if row not in generated_rows(SMOLLM2)] == []
     for marker in re.findall(r"<!-- from (experiments/smollm2/[\w.]+) -->", page):
         assert (ROOT / marker).is_file(), marker
+    generated = (SMOLLM2 / "grid_summary.md").read_text(encoding="utf-8")
+    sentence = next(line for line in page.splitlines() if line.startswith("On the same evaluation the teacher scores"))
+    assert sentence in generated.splitlines()
+    with (SMOLLM2 / "baselines_grid_eval.csv").open(encoding="utf-8") as handle:
+        teacher = next(r for r in csv.DictReader(handle) if r["model"] == "teacher")
+    assert f"finishes its turn in {100 * float(teacher['ended']):.0f}% of the problems" in page
 
 
 def test_the_real_model_grid_meets_its_targets_as_the_page_says():
