@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from kdlab.callbacks.periodic import PeriodicCallback, module_teacher
+from kdlab.callbacks.periodic import PeriodicCallback, require_teacher_model
 from kdlab.runlog import log_metrics
 
 
@@ -42,10 +42,7 @@ class HeldOutKL(PeriodicCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if not hasattr(pl_module, "distillation_logits"):
-            raise ValueError(f"HeldOutKL compares a student with its teacher and needs a DistillModule, got {type(pl_module).__name__}")
-        if module_teacher(pl_module) is None:
-            raise ValueError("HeldOutKL needs the teacher model (DistillModule.teacher): it samples the held-out completions")
+        require_teacher_model(pl_module, "HeldOutKL", "compares a student with its teacher", "it samples the held-out completions")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from kdlab.rollouts.policies import TeacherRollouts

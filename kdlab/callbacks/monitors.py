@@ -11,7 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from kdlab.callbacks.periodic import PeriodicCallback, module_teacher
+from kdlab.callbacks.periodic import PeriodicCallback, require_teacher_model
 from kdlab.runlog import log_metrics, run_directory
 
 
@@ -45,10 +45,8 @@ class RolloutSensitivity(PeriodicCallback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
-        if not hasattr(pl_module, "distillation_logits"):
-            raise ValueError(f"RolloutSensitivity measures a distillation objective's gradients and needs a DistillModule, got {type(pl_module).__name__}")
-        if module_teacher(pl_module) is None:
-            raise ValueError("RolloutSensitivity needs the teacher model (DistillModule.teacher): the reference rollouts' teacher log-probs are not in a teacher cache")
+        require_teacher_model(pl_module, "RolloutSensitivity", "measures a distillation objective's gradients",
+                              "the reference rollouts' teacher log-probs are not in a teacher cache")
 
     def reference_policy(self, pl_module):
         from kdlab.rollouts.policies import StudentRollouts, TeacherRollouts

@@ -17,6 +17,15 @@ from kdlab.evaluation.scoring import completion_texts
 from kdlab.tasks.base import Task
 
 
+def require_teacher_model(pl_module: pl.LightningModule, owner: str, what: str, why: str) -> None:
+    """Stop fit at setup, naming ``owner``, unless ``pl_module`` is a DistillModule that holds its teacher
+    model: ``<owner> <what> and needs a DistillModule, got ...`` / ``<owner> needs the teacher model ...: <why>``."""
+    if not hasattr(pl_module, "distillation_logits"):
+        raise ValueError(f"{owner} {what} and needs a DistillModule, got {type(pl_module).__name__}")
+    if module_teacher(pl_module) is None:
+        raise ValueError(f"{owner} needs the teacher model (DistillModule.teacher): {why}")
+
+
 def _due(every_n_steps: int | None, trainer: pl.Trainer) -> bool:
     return bool(every_n_steps) and trainer.global_step > 0 and trainer.global_step % every_n_steps == 0
 
