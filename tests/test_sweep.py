@@ -334,3 +334,15 @@ def test_slurm_settings_submitit_does_not_know_fail_before_any_job(tmp_path, mon
         main(["sweep", "--config", str(path)])
     assert exit_info.value.code == 2 and re.search(r"sweep.slurm: .*partiton", capsys.readouterr().err)
     assert not (tmp_path / "out" / "slurm").exists() or not list((tmp_path / "out" / "slurm").iterdir())
+
+
+def test_a_failing_slurm_job_is_recorded_and_the_sweep_exits_1(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("submitit")
+    monkeypatch.chdir(ROOT)
+    path = write_sweep(tmp_path, {"model.lr": [-1.0]}, mode="slurm", slurm={"cluster": "local"})
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sweep", "--config", str(path)])
+    assert exit_info.value.code == 1
+    run = json.loads((tmp_path / "out" / "sweep.json").read_text())["runs"][0]
+    assert run["status"] == "failed" and run["error"].startswith(f"job {run['job_id']}: ")
+    assert "lr" in capsys.readouterr().err and not (tmp_path / "out" / run["name"] / "DONE").exists()
