@@ -160,6 +160,13 @@ def test_the_real_model_grid_meets_its_targets_as_the_page_says():
     page = (DOCS / "real_model.md").read_text(encoding="utf-8")
     closed = [f"{100 * float(cells[c]['forward_gap_closed']):.0f}%" for c in ("OffPD x forward KL", "OnPD x forward KL")]
     assert f"({closed[0]} and {closed[1]})" in page
+    text = " ".join(page.split())
+    reverse = {c: f"{float(row['heldout_kl_reverse_after']):.2f}" for c, row in cells.items()}
+    assert (f"({reverse['OffPD x reverse KL']} against {reverse['OffPD x forward KL']} with teacher rollouts, "
+            f"{reverse['OnPD x reverse KL']} against {reverse['OnPD x forward KL']} with student rollouts)") in text
+    risen = sorted(100 * float(row["accuracy_after"]) for row in cells.values() if float(row["accuracy_ci_low"]) > 0)
+    assert len(risen) == 3 and f"three cells solve {risen[0]:.0f}-{risen[-1]:.0f}%" in text
+    assert max(float(row["sparsity_1e-06"]) for row in cells.values()) < 0.03 and "under 3% of them move" in text
 
 
 def test_the_real_model_page_quotes_the_real_vocabulary_benchmark():
