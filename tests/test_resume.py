@@ -203,3 +203,38 @@ def test_a_resumed_cli_run_logs_what_the_uninterrupted_run_logs_step_for_step(tm
     assert got[2] == expected[2] and list(got[2]) == ["val-step000004.jsonl"]
     for a, b in zip(full.model.student.parameters(), resumed.model.student.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_stale_on_exception_checkpoint_is_removed_when_fit_ends_normally(tmp_path):
+    """ExceptionCheckpoint's docstring: like Lightning's OnExceptionCheckpoint, a normal end of fit
+    removes on_exception.ckpt, so an old one never wins the sweep's newest-checkpoint resume."""
+    import lightning.pytorch as pl
+
+    from kdlab.callbacks import ExceptionCheckpoint
+
+    trainer = pl.Trainer(default_root_dir=tmp_path, logger=False, accelerator="cpu")
+    callback = ExceptionCheckpoint()
+    callback.setup(trainer, None, "fit")
+    stale = Path(callback.ckpt_path)
+    assert stale.parent == tmp_path / "checkpoints"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("old")
+    callback.teardown(trainer, None, "fit")
+    assert not stale.exists()
+
+
+@pytest.mark.parametrize("size, seed, replicas, rank, epoch, order", [
+    (10, 42, 1, 0, 0, [8, 4, 0, 7, 5, 2, 6, 1, 9, 3]),
+    (10, 42, 3, 1, 2, [7, 9, 1, 8]),
+    (3, 5, 8, 7, 1, [1]),
+])
+def test_epoch_shuffle_on_distributed_sampler_keeps_the_orders_of_earlier_runs(size, seed, replicas, rank, epoch, order):
+    """EpochShuffle became DistributedSampler plus the mid-epoch skip; these orders were drawn by the
+    hand-written sampler it replaced, so runs resumed across the change see the same data."""
+    from kdlab.stages.loaders import EpochShuffle
+
+    sampler = EpochShuffle(size, seed, replicas, rank)
+    sampler.set_epoch(epoch)
+    assert list(sampler) == order
+    sampler.skip = 1
+    assert list(sampler) == order[1:] and list(sampler) == order  # the skip applies to one pass only
