@@ -1,15 +1,69 @@
-"""A run's folder and how kdlab's callbacks and stages log a number to it.
+"""A run's folder and its metrics file.
 
-Every number goes to the Trainer's loggers (TensorBoard by default) under ``stage/metric`` names and
-is appended to ``<log_dir>/metrics.jsonl`` (one ``{"step": ..., "<name>": value}`` object per call),
-so sweeps can be tabulated without TensorBoard (:mod:`kdlab.study.runs` reads both)."""
+Every number a run logs reaches ``<log_dir>/metrics.jsonl`` through one Lightning logger,
+:class:`MetricsFile`: the stages' ``self.log`` values (at Lightning's ``log_every_n_steps``) and the
+callbacks' numbers (:func:`log_metrics`) alike, one ``{"step": ..., "<name>": value}`` object per call.
+Each stage attaches it beside the Trainer's own loggers (TensorBoard by default) when it is set up, so
+a sweep is tabulated from one file per run (:mod:`kdlab.study.runs`) and TensorBoard shows the same
+numbers. The file is appended to and flushed on every call: a killed run keeps every line it logged,
+and a resumed run continues the same file (:func:`kdlab.cli.resume.trim_logs` first drops the lines
+written after its checkpoint)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.loggers.logger import Logger
+from lightning.pytorch.utilities import rank_zero_only
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsFile(Logger):
+    """A Lightning logger that appends every ``log_metrics`` call to ``<directory>/metrics.jsonl``
+    (rank 0 only). It does not pick a folder of its own: ``directory`` is the run's log directory
+    (:func:`run_directory`), and ``name``/``version`` are empty so a checkpoint folder derived from it
+    is ``<directory>/checkpoints``. Hyperparameters are not written: the CLI saves ``config.yaml``."""
+
+    def __init__(self, directory: str | Path) -> None:
+        super().__init__()
+        self.directory = Path(directory)
+
+    @property
+    def name(self) -> str:
+        return ""
+
+    @property
+    def version(self) -> str:
+        return ""
+
+    @property
+    def save_dir(self) -> str:
+        return str(self.directory)
+
+    @property
+    def log_dir(self) -> str:
+        return str(self.directory)
+
+    @property
+    def path(self) -> Path:
+        return self.directory / METRICS_FILE
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        if step is None:
+            raise ValueError("MetricsFile.log_metrics needs a step: every line of metrics.jsonl names one")
+        values = {name: float(value) for name, value in metrics.items()}
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"step": int(step), **values}) + "\n")
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        return None
 
 
 def run_directory(trainer: pl.Trainer) -> str:
@@ -17,14 +71,36 @@ def run_directory(trainer: pl.Trainer) -> str:
     return trainer.log_dir or trainer.default_root_dir
 
 
+def metrics_file(trainer: pl.Trainer) -> MetricsFile:
+    """The trainer's :class:`MetricsFile`, appended to ``trainer.loggers`` on first use (in the run's
+    directory). Call it on every rank: it reads :func:`run_directory`."""
+    for logger in trainer.loggers:
+        if isinstance(logger, MetricsFile):
+            return logger
+    logger = MetricsFile(run_directory(trainer))
+    trainer.loggers = [*trainer.loggers, logger]
+    return logger
+
+
 def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int | None = None) -> None:
-    """Send ``metrics`` to every logger and append them to ``<log_dir>/metrics.jsonl`` (rank 0)."""
+    """Send ``metrics`` at ``step`` (default: the global step) to every logger of the trainer, the
+    run's :class:`MetricsFile` included. Call it on every rank."""
+    metrics_file(trainer)
     step = trainer.global_step if step is None else step
     values = {name: float(value) for name, value in metrics.items()}
     for logger in trainer.loggers:
         logger.log_metrics(values, step=step)
-    directory = Path(run_directory(trainer))
-    if trainer.is_global_zero:
-        directory.mkdir(parents=True, exist_ok=True)
-        with (directory / "metrics.jsonl").open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"step": step, **values}) + "\n")
+
+
+def metrics_lines(path: str | Path) -> Iterator[tuple[int, str, float]]:
+    """``(step, name, value)`` for every scalar of a ``metrics.jsonl`` file, in file order (none if it
+    does not exist)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            step = int(row.pop("step"))
+            for name, value in row.items():
+                yield step, name, float(value)

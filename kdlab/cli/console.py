@@ -92,7 +92,7 @@ def _value(name: str, value: float) -> str:
 def summary(log_dir: str | Path, final: dict[str, float], step: int) -> list[str]:
     """Lines naming each headline metric with its first and last value (``metrics.jsonl``) or its final
     value (``final``: the trainer's last logged values, e.g. ``val/accuracy``)."""
-    from kdlab.study.runs import metrics_lines
+    from kdlab.runlog import metrics_lines
 
     series: dict[str, list[tuple[int, float]]] = {}
     for at, name, value in metrics_lines(Path(log_dir, "metrics.jsonl")):

@@ -41,8 +41,9 @@ def log_position(ckpt_path: str | Path) -> dict[str, Any] | None:
 def trim_logs(log_dir: str | Path, position: dict[str, Any]) -> dict[str, int]:
     """Remove from ``log_dir`` what a run logged after the checkpoint at ``position`` was written and a
     run resumed from it logs again: TensorBoard events written after the save at a logger step >= the
-    next batch's (``position["step"]``); ``metrics.jsonl`` lines appended after the save for a global step
-    beyond the checkpoint's; ``samples/*-stepNNNNNN*.jsonl`` files written after the save for such a step.
+    next batch's (``position["step"]``); ``metrics.jsonl`` lines appended after the save at such a logger step
+    (Lightning's ``self.log`` lines, which carry ``epoch``) or at a global step beyond the checkpoint's
+    (kdlab's :func:`~kdlab.runlog.log_metrics` lines); ``samples/*-stepNNNNNN*.jsonl`` files written after the save for such a step.
     Lines and events from before the save stay, so do values logged after it that the resumed run does
     not repeat (the checkpoint batch's own scalars). Returns the counts removed."""
     log_dir = Path(log_dir)
@@ -57,7 +58,9 @@ def trim_logs(log_dir: str | Path, position: dict[str, Any]) -> dict[str, int]:
         kept = []
         for line in tail.decode("utf-8", errors="replace").splitlines(keepends=True):
             try:
-                late = int(json.loads(line)["step"]) > global_step
+                row = json.loads(line)
+                # Lightning's own lines (``self.log``; it adds ``epoch``) are at the logger step, kdlab's at the global step
+                late = int(row["step"]) >= step if "epoch" in row else int(row["step"]) > global_step
             except (ValueError, KeyError, TypeError):
                 late = False
             removed["metrics_lines"] += late

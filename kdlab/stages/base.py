@@ -31,7 +31,7 @@ from kdlab.evaluation.metrics import PassAtK
 from kdlab.evaluation.scoring import completion_texts
 from kdlab.provenance import write_run_info
 from kdlab.rollouts.decoding import stop_strings_check
-from kdlab.runlog import run_directory
+from kdlab.runlog import metrics_file, run_directory
 from kdlab.stages.loaders import EpochShuffle, ResumableLoader
 from kdlab.stages.optim import FiniteAdamW
 from kdlab.tasks.base import Example, Task
@@ -288,6 +288,9 @@ class TaskStage(pl.LightningModule):
         return kept
 
     def setup(self, stage: str) -> None:
+        """Attach the run's :class:`~kdlab.runlog.MetricsFile` (every ``self.log`` value and every
+        callback number lands in ``metrics.jsonl``) and, for a fit, check the training examples."""
+        metrics_file(self.trainer)
         if stage == "fit":
             self.training_examples()
 
@@ -427,7 +430,7 @@ class TaskStage(pl.LightningModule):
             if done >= self.trainer.num_training_batches:  # saved at the epoch's last batch: next is a new epoch
                 epoch, done = epoch + 1, 0
             checkpoint["kdlab_data_position"] = {"epoch": epoch, "batches_done": done}
-            metrics = Path(run_directory(self.trainer)) / "metrics.jsonl"  # on every rank: a collective call
+            metrics = metrics_file(self.trainer).path  # on every rank: it reads the run directory
             checkpoint["kdlab_log_position"] = {
                 "step": self._next_log_step(),
                 "global_step": self.trainer.global_step,

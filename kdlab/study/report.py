@@ -4,8 +4,8 @@ Each run directory needs the ``config.yaml`` the fit wrote (what was run: task, 
 ``lam``, objective, learning rate, seed); directories without one are listed and skipped. A sweep's
 output directory (it holds ``sweep.json``) stands for all its runs, and any other folder for the run
 directories inside it (``runs/<name>`` for its ``version_N``). Metrics come from ``metrics.jsonl``
-and the TensorBoard event files together; a metric's value is the one at its last step (at the same
-step ``metrics.jsonl``'s float64 wins over TensorBoard's float32). Missing metrics are left out.
+(:class:`kdlab.runlog.MetricsFile` writes every number a run logs there); a metric's value is the one at
+its last step (at the same step, the later line). Missing metrics are left out.
 
 Unfinished runs are refused (listed as skipped, never averaged): a run is finished when it has a done
 marker (``DONE`` from ``kdlab sweep``, ``checkpoints/final.ckpt`` from every ``kdlab fit``) or, without

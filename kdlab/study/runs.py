@@ -1,5 +1,5 @@
 """Reading finished runs: a run's config (settings at their class defaults dropped), its metrics
-(``metrics.jsonl`` and TensorBoard, the last value of each), its evaluation records, its fit time, and
+(``metrics.jsonl``, the last value of each), its evaluation records, its fit time, and
 whether it finished (a done marker, or its last step at ``trainer.max_steps - 1``)."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from kdlab.runlog import METRICS_FILE, metrics_lines
 
 MAIN_METRICS = ("val/accuracy", "ood/mean_delta", "sparsity/1e-06")
 PASS_AT_K = re.compile(r"^(val/pass@\d+|coverage/.+/pass@\d+)$")
@@ -31,36 +33,13 @@ COLUMN_KEYS = (
 
 # ---- reading runs --------------------------------------------------------------------------------
 def read_metrics(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of a run as ``name -> [(step, value), ...]`` sorted by step, from TensorBoard and
-    ``metrics.jsonl`` (the later wins at equal steps, and a later line over an earlier one)."""
-    from tensorboard.backend.event_processing.event_accumulator import (
-        SCALARS,
-        EventAccumulator,
-    )
-
+    """Every scalar of a run as ``name -> [(step, value), ...]`` sorted by step, from its
+    ``metrics.jsonl`` (:class:`kdlab.runlog.MetricsFile`; a later line wins over an earlier one at the
+    same step)."""
     points: dict[str, dict[int, float]] = {}
-    events = EventAccumulator(str(run_dir), size_guidance={SCALARS: 0})  # 0 keeps every point
-    events.Reload()
-    for tag in events.Tags().get("scalars", []):
-        for event in events.Scalars(tag):
-            points.setdefault(tag, {})[int(event.step)] = float(event.value)
-    for step, name, value in metrics_lines(Path(run_dir, "metrics.jsonl")):
+    for step, name, value in metrics_lines(Path(run_dir, METRICS_FILE)):
         points.setdefault(name, {})[step] = value
     return {name: sorted(series.items()) for name, series in points.items()}
-
-
-def metrics_lines(path: str | Path):
-    """``(step, name, value)`` for every scalar of a ``metrics.jsonl`` file, in file order (none if it
-    does not exist)."""
-    path = Path(path)
-    if not path.is_file():
-        return
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            step = int(row.pop("step"))
-            for name, value in row.items():
-                yield step, name, float(value)
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
