@@ -365,3 +365,67 @@ def test_a_setting_at_its_default_reads_as_absent(tmp_path):
     assert before.settings == after.settings != changed.settings
     assert "model.warmup_steps" not in before.settings  # DistillModule's own default (model without class_path)
     assert len(group_runs([before, after, changed], {})) == 2
+
+
+def test_write_csv_writes_what_the_csv_module_writes(tmp_path):
+    """The report's CSV files through pandas are byte for byte what ``csv.writer`` wrote before: float
+    repr, quoting, None as an empty cell, NaN as ``nan``, CRLF line ends."""
+    import csv
+    import io
+
+    from kdlab.study.tables import write_csv
+
+    header = ["name", "n", "mean", "std", "empty", "lr", "flag"]
+    rows = [["a,b", 1, 0.1, None, "", 1e-05, True], ['say "x"', 2, float("nan"), 2 / 3, "z", 5e-05, False]]
+    expected = io.StringIO()
+    writer = csv.writer(expected)
+    writer.writerow(header)
+    writer.writerows(rows)
+    write_csv(tmp_path / "t.csv", header, rows)
+    assert (tmp_path / "t.csv").read_bytes() == expected.getvalue().encode("utf-8")
+
+
+def test_runs_frame_and_group_statistics(tmp_path):
+    """One row per run with its last values; a configuration's mean and std are over seeds, reruns of one
+    seed averaged first, a run without a seed its own; a logged NaN stays NaN (it is not "absent")."""
+    import statistics
+
+    from kdlab.study.groups import Group, runs_frame
+    from kdlab.study.runs import RunResult
+
+    def run(seed, name, **last):
+        return RunResult(tmp_path / name, "addition", "TeacherRollouts", None, "ForwardKL", 1e-5, seed, {},
+                         {metric: [(1, -1.0), (2, value)] for metric, value in last.items()})
+
+    runs = [run(1, "a", acc=0.1, kl=float("nan")), run(1, "b", acc=0.3), run(2, "c", acc=0.7), run(None, "d", acc=0.2), run(None, "e", other=1.0)]
+    frame = runs_frame(runs)
+    assert list(frame["run"]) == runs and list(frame["seed_key"]) == [1, 1, 2, "run-3", "run-4"]
+    assert frame["acc"].tolist()[:4] == [0.1, 0.3, 0.7, 0.2] and math.isnan(frame["acc"][4])
+    group = Group(runs)
+    assert group.seeds == 4 and [len(members) for members in group.by_seed().values()] == [2, 1, 1, 1]
+    mean, std, n = group.stats("acc")
+    assert n == 3 and mean == pytest.approx(statistics.fmean([0.2, 0.7, 0.2])) and std == pytest.approx(statistics.stdev([0.2, 0.7, 0.2]))
+    kl = group.stats("kl")
+    assert math.isnan(kl[0]) and kl[1:] == (None, 1)
+    assert group.stats("missing") is None
+
+
+def test_a_run_from_before_the_metrics_file_held_self_log_values_reads_them_from_tensorboard(tmp_path):
+    """Old runs logged ``self.log`` values to TensorBoard only: without any Lightning line (``epoch``) in
+    metrics.jsonl the events are read, the file winning at equal steps; a current run's file is the
+    whole record and its events are not read."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from kdlab.study.runs import read_metrics
+
+    for name, lines in (("old", [{"step": 3, "sparsity/1e-06": 0.5, "val/accuracy": 0.3}]),
+                        ("new", [{"step": 3, "val/accuracy": 0.3, "epoch": 0.0}])):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        writer = SummaryWriter(str(run))
+        writer.add_scalar("val/accuracy", 0.25, 3)
+        writer.add_scalar("val/accuracy", 0.5, 5)
+        writer.close()
+    assert read_metrics(tmp_path / "old") == {"val/accuracy": [(3, 0.3), (5, 0.5)], "sparsity/1e-06": [(3, 0.5)]}
+    assert read_metrics(tmp_path / "new") == {"val/accuracy": [(3, 0.3)], "epoch": [(3, 0.0)]}

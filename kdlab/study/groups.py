@@ -1,14 +1,19 @@
 """Runs grouped into configurations (runs whose configs differ only in the seed), with their means,
-standard deviations and intervals, and how a group's value is written in a table cell."""
+standard deviations and intervals, and how a group's value is written in a table cell.
+
+The grouping and the statistics go through pandas: :func:`runs_frame` is one row per run (also the
+place to start for an analysis of one's own in a notebook), a configuration is a ``groupby`` on its
+settings, and a metric's mean and standard deviation over seeds a ``groupby`` on the seed."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
+
+import pandas as pd
 
 from kdlab.study.grid import short_keys, value_label
 from kdlab.study.paper import PAPER_LR, PAPER_RESULTS, PaperResult
@@ -19,14 +24,42 @@ ROLLOUT_ORDER = {"TeacherRollouts": 0, "MixtureRollouts": 1, "StudentRollouts": 
 
 
 # ---- configurations ------------------------------------------------------------------------------
+def runs_frame(runs: list[RunResult]) -> pd.DataFrame:
+    """One row per run, in the given order: ``run`` (the :class:`~kdlab.study.runs.RunResult`),
+    ``configuration`` (its settings as JSON: runs that differ only in the seed share it), ``seed_key``
+    (the seed; a run without one is its own, ``run-<index>``), the columns ``task``, ``rollout``,
+    ``lam``, ``objective``, ``lr``, ``seed``, ``path``, and the last value of every metric under its
+    name (NaN where a run did not log it)."""
+    rows = [
+        {
+            "run": run,
+            "configuration": json.dumps(run.settings, sort_keys=True),
+            "seed_key": run.seed if run.seed is not None else f"run-{index}",
+            "task": run.task, "rollout": run.rollout, "lam": run.lam, "objective": run.objective, "lr": run.lr,
+            "seed": run.seed, "path": str(run.path),
+        }
+        for index, run in enumerate(runs)
+    ]
+    metrics = pd.DataFrame([run.last for run in runs], index=range(len(runs)), dtype=float)
+    return pd.concat([pd.DataFrame(rows, columns=[*RUN_COLUMNS]), metrics], axis=1)
+
+
+RUN_COLUMNS = ("run", "configuration", "seed_key", "task", "rollout", "lam", "objective", "lr", "seed", "path")
+
+
 @dataclass
 class Group:
-    """The runs of one configuration (they differ only in the seed)."""
+    """The runs of one configuration (they differ only in the seed); ``frame`` is their
+    :func:`runs_frame`."""
 
     runs: list[RunResult]
     other: str = ""
     level: str | None = None  # "low" / "high" learning rate, for the paper's numbers
     _intervals: dict = field(default_factory=dict, repr=False)
+    frame: pd.DataFrame = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.frame = runs_frame(self.runs)
 
     # what the columns show is the same in every run of the configuration
     task = property(lambda self: self.runs[0].task)
@@ -54,10 +87,7 @@ class Group:
 
     def by_seed(self) -> dict[Any, list[RunResult]]:
         """The runs of each seed (a run without a seed is its own): reruns of a seed are one seed."""
-        seeds: dict[Any, list[RunResult]] = {}
-        for index, run in enumerate(self.runs):
-            seeds.setdefault(run.seed if run.seed is not None else ("run", index), []).append(run)
-        return seeds
+        return {key: list(rows["run"]) for key, rows in self.frame.groupby("seed_key", sort=False)}
 
     @property
     def seeds(self) -> int:
@@ -66,14 +96,12 @@ class Group:
     def stats(self, metric: str) -> tuple[float, float | None, int] | None:
         """(mean, sample std or None for one value, n seeds) of the metric's last values, None when
         absent. Reruns of one seed are averaged first: they are one seed, not more evidence."""
-        values = [
-            statistics.fmean(run.last[metric] for run in runs if metric in run.last)
-            for runs in self.by_seed().values()
-            if any(metric in run.last for run in runs)
-        ]
-        if not values:
+        present = self.frame[[metric in run.last for run in self.runs]]  # a logged NaN stays NaN, never "absent"
+        if present.empty:
             return None
-        return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None, len(values)
+        per_seed = present.groupby("seed_key", sort=False)[metric].agg(lambda values: values.mean(skipna=False))
+        std = float(per_seed.std(ddof=1, skipna=False)) if len(per_seed) > 1 else None
+        return float(per_seed.mean(skipna=False)), std, len(per_seed)
 
     def interval(self, metric: str) -> tuple[float, float, str] | None:
         """:meth:`compute_interval`, computed once per metric."""
@@ -139,10 +167,8 @@ def _varies(key: str, configs: list[dict[str, str]]) -> bool:
 def group_runs(runs: list[RunResult], levels: dict[float, str]) -> list[Group]:
     """Configurations in a stable order; ``other`` names the settings that tell configurations apart
     beyond the columns."""
-    by_settings: dict[str, list[RunResult]] = {}
-    for run in runs:
-        by_settings.setdefault(json.dumps(run.settings, sort_keys=True), []).append(run)
-    groups = [Group(sorted(members, key=lambda r: (r.seed is None, r.seed or 0, str(r.path)))) for members in by_settings.values()]
+    configurations = runs_frame(runs).groupby("configuration", sort=False)["run"]
+    groups = [Group(sorted(members, key=lambda r: (r.seed is None, r.seed or 0, str(r.path)))) for _, members in configurations]
     keys = sorted({key for run in runs for key in run.settings} - set(COLUMN_KEYS))
     # settings are compared among configurations of the same stage (a GRPO config has other keys)
     stages: dict[str | None, list[Group]] = {}

@@ -35,11 +35,29 @@ COLUMN_KEYS = (
 def read_metrics(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar of a run as ``name -> [(step, value), ...]`` sorted by step, from its
     ``metrics.jsonl`` (:class:`kdlab.runlog.MetricsFile`; a later line wins over an earlier one at the
-    same step)."""
+    same step).
+
+    A run written before the metrics file carried ``self.log`` values (none of its lines has
+    Lightning's ``epoch``) has those only in its TensorBoard events: they are read from there, and the
+    file's own lines win at equal steps."""
+    lines = list(metrics_lines(Path(run_dir, METRICS_FILE)))
     points: dict[str, dict[int, float]] = {}
-    for step, name, value in metrics_lines(Path(run_dir, METRICS_FILE)):
+    if not any(name == "epoch" for _, name, _ in lines):
+        points = _tensorboard_scalars(run_dir)
+    for step, name, value in lines:
         points.setdefault(name, {})[step] = value
     return {name: sorted(series.items()) for name, series in points.items()}
+
+
+def _tensorboard_scalars(run_dir: str | Path) -> dict[str, dict[int, float]]:
+    """``name -> {step: value}`` of a run directory's TensorBoard event files (empty without any)."""
+    if not any(Path(run_dir).glob("events.out.tfevents.*")):
+        return {}
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={SCALARS: 0})  # 0 keeps every point
+    events.Reload()
+    return {tag: {int(event.step): float(event.value) for event in events.Scalars(tag)} for tag in events.Tags().get("scalars", [])}
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, str]:

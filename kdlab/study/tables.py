@@ -1,10 +1,15 @@
-"""Writing a table: Markdown for the reports, CSV for everything a reader may reload."""
+"""Writing a table: Markdown for the reports, CSV (through pandas) for everything a reader may reload.
+
+The Markdown writer is kdlab's own on purpose: pandas' ``to_markdown`` (tabulate) pads every cell to
+its column's width and right-aligns numbers, so each committed report and the tables the docs copy
+would change byte for byte without a reader gaining anything."""
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 from typing import Any
+
+import pandas as pd
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -15,7 +20,9 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def write_csv(path: Path, header: list[str], rows: list[list[Any]]) -> None:
-    with path.open("w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(header)
-        writer.writerows(rows)
+    """``rows`` under ``header`` as CSV: values as Python writes them (``repr`` of a float, so the file
+    reloads to the same numbers), ``None`` as an empty cell, a NaN as ``nan``; CRLF line ends, as the
+    ``csv`` module writes."""
+    frame = pd.DataFrame(rows, columns=header, dtype=object)
+    frame = frame.map(lambda value: "" if value is None else value)
+    frame.to_csv(path, index=False, lineterminator="\r\n", na_rep="nan")
