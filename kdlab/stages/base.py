@@ -34,13 +34,8 @@ from kdlab.rollouts.decoding import stop_strings_check
 from kdlab.runlog import metrics_file, run_directory
 from kdlab.stages.loaders import EpochShuffle, ResumableLoader
 from kdlab.stages.optim import FiniteAdamW
+from kdlab.stages.sharding import fsdp1_root, global_grad_norm, shard_fsdp2, wrap_fsdp1
 from kdlab.tasks.base import Example, Task
-
-
-def decoder_layer_classes(model: torch.nn.Module) -> set[str]:
-    """Class names of ``model``'s decoder layers (a transformers model's ``_no_split_modules``): the
-    units FSDP shards one at a time."""
-    return set(getattr(model, "_no_split_modules", None) or [])
 
 
 class TaskStage(pl.LightningModule):
@@ -144,95 +139,37 @@ class TaskStage(pl.LightningModule):
         return [self.student]
 
     def configure_model(self) -> None:
-        """FSDP2 under Lightning's ``ModelParallelStrategy``: each decoder layer (the model's
-        ``_no_split_modules``) and then each of :meth:`sharded_models` get ``fully_shard`` over the
-        data-parallel mesh; with ``trainer.precision: bf16-mixed`` parameters are gathered in bf16 and
-        gradients reduced in fp32 (``MixedPrecisionPolicy``), the fp32 master weights staying sharded.
-
-        FSDP1 under ``strategy: fsdp`` (Lightning's ``FSDPStrategy``, CUDA only): each decoder layer and
-        then each of :meth:`sharded_models` is wrapped with the strategy's own settings (Lightning's
-        manual wrapping: ``torch.distributed.fsdp.wrap.wrap`` inside the strategy's context), so layers
-        are gathered one at a time and the rest (embeddings, head) form the model's own unit. Lightning
-        wraps nothing more once a submodule is wrapped, so the trained model must be wrapped whole here:
-        its gradients are then all reduced. Frozen models that are not sharded are moved to the device.
-        Other strategies need nothing here."""
+        """Shard :meth:`sharded_models` under an FSDP strategy (:mod:`kdlab.stages.sharding`): FSDP2
+        (``ModelParallelStrategy``, over its data-parallel mesh, bf16 gathers with
+        ``trainer.precision: bf16-mixed``) or FSDP1 (``strategy: fsdp``, CUDA only, the trained model
+        wrapped whole). Other strategies need nothing here."""
         if self._sharded or self._trainer is None:
             return
         from lightning.pytorch.strategies import FSDPStrategy
 
         if isinstance(self.trainer.strategy, FSDPStrategy):
-            self._wrap_fsdp1()
-            self._sharded = True
+            wrap_fsdp1(self)
+        elif self.device_mesh is not None:
+            shard_fsdp2(self.sharded_models(), self.device_mesh["data_parallel"], str(self.trainer.precision))
+        else:
             return
-        mesh = self.device_mesh
-        if mesh is None:
-            return
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        data_parallel = mesh["data_parallel"]
-        options = {"mesh": data_parallel}
-        if str(self.trainer.precision) == "bf16-mixed":  # FSDP2 takes mixed precision as a sharding policy
-            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for model in self.sharded_models():
-            blocks = decoder_layer_classes(model)
-            for module in model.modules():
-                if type(module).__name__ in blocks:
-                    fully_shard(module, **options)
-            fully_shard(model, **options)
         self._sharded = True
 
-    def _wrap_fsdp1(self) -> None:
-        from torch.distributed.fsdp.wrap import wrap
-
-        if getattr(self, "fused_lm_head", False):
-            raise ValueError("fused_lm_head reads the LM head's weight directly, which FSDP1 (strategy: fsdp) shards; "
-                             "set fused_lm_head: false or use ModelParallelStrategy (FSDP2) with an unsharded head")
-
-        sharded = self.sharded_models()
-        for model in sharded:
-            blocks = decoder_layer_classes(model)
-            parents = [(parent, name) for parent in model.modules() for name, child in parent.named_children() if type(child).__name__ in blocks]
-            for parent, name in parents:
-                parent._modules[name] = wrap(parent._modules[name])
-        for name, child in list(self.named_children()):
-            if any(child is model for model in sharded):
-                setattr(self, name, wrap(child))  # the trained model: one FSDP root over its unwrapped rest
-        for name, model in list(self._frozen.items()):
-            if any(model is other for other in sharded):
-                self._frozen[name] = wrap(model)  # FSDP1 moves what it wraps to the device itself
-        # FSDP1 moves only the module tree it wraps; replicated frozen models sit outside it (hold_frozen)
-        self.place_frozen_models(self.trainer.strategy.root_device)
-
-    def fsdp1_root(self) -> torch.nn.Module | None:
-        """The trained model when ``strategy: fsdp`` wrapped it (an FSDP1 root), else ``None``."""
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        return self.student if isinstance(self.student, FullyShardedDataParallel) else None
-
     def student_grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of the trained model's gradients (before clipping). Under FSDP1 each rank
-        holds a shard of every flat gradient, so the squared norms are summed over ranks (a collective)."""
-        grads = [p.grad for p in self.student.parameters() if p.grad is not None]
-        if not grads:
-            return torch.zeros((), device=self.device)
-        if self.fsdp1_root() is None:  # whole tensors, or DTensors whose norm is already global
-            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-        squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(squares)
-        return squares.sqrt()
+        """The global L2 norm of the trained model's gradients, before clipping (a collective under FSDP1)."""
+        return global_grad_norm(self.student, self.device)
 
     def clip_student_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float) -> None:
         """Clip the trained model's gradients to global norm ``max_norm``: FSDP1's own ``clip_grad_norm_``
         (Lightning's FSDP1 precision plugin refuses norm clipping), else Lightning's."""
-        root = self.fsdp1_root()
+        root = fsdp1_root(self.student)
         if root is not None:
             root.clip_grad_norm_(max_norm)
         else:
             self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        if gradient_clip_val and self.fsdp1_root() is not None and gradient_clip_algorithm in (None, "norm"):
+        if gradient_clip_val and fsdp1_root(self.student) is not None and gradient_clip_algorithm in (None, "norm"):
             self.clip_student_gradients(optimizer, float(gradient_clip_val))
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)

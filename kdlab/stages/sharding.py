@@ -1,0 +1,85 @@
+"""How a stage's models are sharded over data-parallel ranks, and the gradient norm and clipping that
+sharding changes. :class:`~kdlab.stages.base.TaskStage` calls these from ``configure_model`` and its
+training steps; the stage decides *which* models are sharded (``sharded_models``), this module *how*.
+
+* FSDP2 (Lightning's ``ModelParallelStrategy``): :func:`shard_fsdp2`.
+* FSDP1 (``strategy: fsdp``, Lightning's ``FSDPStrategy``, CUDA only): :func:`wrap_fsdp1`.
+* Every other strategy (single device, DDP): nothing to do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def decoder_layer_classes(model: torch.nn.Module) -> set[str]:
+    """Class names of ``model``'s decoder layers (a transformers model's ``_no_split_modules``): the
+    units FSDP shards one at a time."""
+    return set(getattr(model, "_no_split_modules", None) or [])
+
+
+def shard_fsdp2(models: list[torch.nn.Module], mesh, precision: str) -> None:
+    """``fully_shard`` each decoder layer and then each model over the data-parallel ``mesh``; with
+    ``precision == "bf16-mixed"`` parameters are gathered in bf16 and gradients reduced in fp32
+    (``MixedPrecisionPolicy``), the fp32 master weights staying sharded."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    options = {"mesh": mesh}
+    if precision == "bf16-mixed":  # FSDP2 takes mixed precision as a sharding policy
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for model in models:
+        blocks = decoder_layer_classes(model)
+        for module in model.modules():
+            if type(module).__name__ in blocks:
+                fully_shard(module, **options)
+        fully_shard(model, **options)
+
+
+def wrap_fsdp1(stage: Any) -> None:
+    """For a :class:`~kdlab.stages.base.TaskStage` ``stage``: wrap each decoder layer and then each of ``stage.sharded_models()`` with the strategy's own
+    settings (Lightning's manual wrapping: ``torch.distributed.fsdp.wrap.wrap`` inside the strategy's
+    context), so layers are gathered one at a time and the rest (embeddings, head) form the model's own
+    unit. Lightning wraps nothing more once a submodule is wrapped, so the trained model is wrapped
+    whole here: its gradients are then all reduced. Frozen models that are not sharded are moved to the
+    device (FSDP1 moves only the module tree it wraps)."""
+    from torch.distributed.fsdp.wrap import wrap
+
+    if getattr(stage, "fused_lm_head", False):
+        raise ValueError("fused_lm_head reads the LM head's weight directly, which FSDP1 (strategy: fsdp) shards; "
+                         "set fused_lm_head: false or use ModelParallelStrategy (FSDP2) with an unsharded head")
+    sharded = stage.sharded_models()
+    for model in sharded:
+        blocks = decoder_layer_classes(model)
+        parents = [(parent, name) for parent in model.modules() for name, child in parent.named_children() if type(child).__name__ in blocks]
+        for parent, name in parents:
+            parent._modules[name] = wrap(parent._modules[name])
+    for name, child in list(stage.named_children()):
+        if any(child is model for model in sharded):
+            setattr(stage, name, wrap(child))  # the trained model: one FSDP root over its unwrapped rest
+    for name, model in list(stage._frozen.items()):
+        if any(model is other for other in sharded):
+            stage._frozen[name] = wrap(model)  # FSDP1 moves what it wraps to the device itself
+    stage.place_frozen_models(stage.trainer.strategy.root_device)
+
+
+def fsdp1_root(model: torch.nn.Module) -> torch.nn.Module | None:
+    """``model`` when it is an FSDP1 root (``strategy: fsdp`` wrapped it), else ``None``."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return model if isinstance(model, FullyShardedDataParallel) else None
+
+
+def global_grad_norm(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """The global L2 norm of ``model``'s gradients, a 0-dim fp32 tensor on ``device`` when it has none.
+    Whole tensors and FSDP2's DTensors give it directly; under FSDP1 each rank holds a shard of every
+    flat gradient, so the squared norms are summed over ranks (a collective: call it on every rank)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=device)
+    if fsdp1_root(model) is None:
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(squares)
+    return squares.sqrt()
