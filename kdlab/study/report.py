@@ -148,6 +148,23 @@ class _Report:
         self.csv(csv_name, shown, metrics)
         return shown
 
+    def lam_figure(self, name: str, lines: list[tuple[str, list[Group], str]], ylabel: str, title: str, text_size: tuple[int, int]) -> None:
+        """A figure of percent metrics against ``lam``: one line per ``(label, configurations sorted by
+        lam, metric)``, error bars from :func:`error_bars`; ``text_size`` is (title, legend) font size."""
+        fig = self.new_figure(figsize=(6, 4))
+        ax = fig.add_subplot()
+        plotted = []
+        for label, members, metric in lines:
+            means, errors = error_bars(members, metric)
+            ax.errorbar([g.lam for g in members], means, yerr=errors, marker="o", capsize=3, label=label)
+            plotted += means
+        ax.set(xlabel="lam (-1 teacher, 1 student)", ylabel=ylabel, ylim=(0, 100), title=title)
+        ax.title.set_fontsize(text_size[0])
+        note_if_equal(ax, plotted, ylabel)
+        ax.legend(fontsize=text_size[1])
+        fig.tight_layout()
+        self.figures[name] = fig
+
     # -- sections
     def results(self) -> None:
         """val/accuracy, ood/mean_delta, sparsity by configuration, the paper's numbers beside them."""
@@ -217,20 +234,9 @@ class _Report:
                     row.append(f"{cell(match[0], 'val/accuracy')} (n={match[0].seeds})" if match else "")
                 table.append(row)
             self.md += [f"{task}: val/accuracy (%) by lam", "", markdown_table(["lam", *curves], table), ""]
-            fig = self.new_figure(figsize=(6, 4))
-            ax = fig.add_subplot()
-            plotted = []
-            for label, members in curves.items():
-                means, errors = error_bars(members, "val/accuracy")
-                ax.errorbar([g.lam for g in members], means, yerr=errors, marker="o", capsize=3, label=label)
-                plotted += means
-            ax.set(xlabel="lam (-1 teacher, 1 student)", ylabel="val/accuracy (%)", ylim=(0, 100),
-                   title=f"Rollout spectrum, {task}: val/accuracy (bars: 95% interval or ± std)")
-            ax.title.set_fontsize(9)
-            note_if_equal(ax, plotted, "val/accuracy (%)")
-            ax.legend(fontsize=8)
-            fig.tight_layout()
-            self.figures[f"spectrum-{task}"] = fig
+            lines = [(label, members, "val/accuracy") for label, members in curves.items()]
+            title = f"Rollout spectrum, {task}: val/accuracy (bars: 95% interval or ± std)"
+            self.lam_figure(f"spectrum-{task}", lines, "val/accuracy (%)", title, text_size=(9, 8))
             for g in here:
                 mean, std, n = g.stats("val/accuracy")
                 interval = g.interval("val/accuracy")
@@ -246,23 +252,13 @@ class _Report:
         shown = self.metric_section("pass@k", metrics, "pass_at_k.csv", PAPER_NOTES["pass@k"])
         for task in sorted({g.task for g in shown if g.lam is not None}):
             here = [g for g in shown if g.task == task and g.lam is not None]
-            fig = self.new_figure(figsize=(6, 4))
-            ax = fig.add_subplot()
-            plotted = []
+            lines = []
             for metric in metrics:
                 for objective, lr in sorted({(g.objective, g.lr) for g in here}):
                     members = sorted((g for g in here if (g.objective, g.lr) == (objective, lr) and g.stats(metric)), key=lambda g: g.lam)
                     if members:
-                        means, errors = error_bars(members, metric)
-                        ax.errorbar([g.lam for g in members], means, yerr=errors, marker="o", capsize=3, label=f"{metric} {objective} lr={lr:g}")
-                        plotted += means
-            ax.set(xlabel="lam (-1 teacher, 1 student)", ylabel="pass@k (%)", ylim=(0, 100),
-                   title=f"pass@k vs lam, {task}: {', '.join(metrics)}")
-            ax.title.set_fontsize(8)
-            note_if_equal(ax, plotted, "pass@k (%)")
-            ax.legend(fontsize=7)
-            fig.tight_layout()
-            self.figures[f"pass_at_k-{task}"] = fig
+                        lines.append((f"{metric} {objective} lr={lr:g}", members, metric))
+            self.lam_figure(f"pass_at_k-{task}", lines, "pass@k (%)", f"pass@k vs lam, {task}: {', '.join(metrics)}", text_size=(8, 7))
 
     def style(self) -> None:
         metrics = [m for m in STYLE_METRICS if m in self.present]
