@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParalle
 from kdlab.callbacks import UpdateSparsity
 from kdlab.models import export_pretrained
 from kdlab.models.export import merged_weights
-from kdlab.rollouts import TeacherRollouts
+from kdlab.rollouts import TeacherDatasetRollouts
 from kdlab.stages import DistillModule
 from kdlab.tasks import Addition
 
@@ -85,7 +85,7 @@ def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, r
     devices = 1 if layout == "single" else 2
     module = DistillModule(
         "kdlab://tiny-random/student", "kdlab://tiny-random/teacher", task,
-        rollout=TeacherRollouts(dataset=str(data)), batch_size=GLOBAL_BATCH // devices, lr=1e-3, warmup_steps=0,
+        rollout=TeacherDatasetRollouts(str(data)), batch_size=GLOBAL_BATCH // devices, lr=1e-3, warmup_steps=0,
         teacher_placement="shard" if layout in ("fsdp2", "fsdp1") else "replicate", fused_lm_head=fused,
     )
     strategy = {

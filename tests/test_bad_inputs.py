@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from kdlab.cli.main import main
-from kdlab.rollouts import TeacherRollouts
+from kdlab.rollouts import TeacherDatasetRollouts
 
 SMOKE = str(Path(__file__).parents[1] / "experiments" / "tiny" / "smoke.yaml")
 
@@ -33,8 +33,8 @@ def test_wrong_types_fail_before_training_naming_the_key(tmp_path, capsys, overr
 def test_empty_teacher_dataset_is_rejected(tmp_path):
     empty = tmp_path / "teacher.jsonl"
     empty.write_text("\n")
-    with pytest.raises(ValueError, match="TeacherRollouts.dataset .*holds no completions"):
-        TeacherRollouts(dataset=str(empty))
+    with pytest.raises(ValueError, match="TeacherDatasetRollouts.dataset .*holds no completions"):
+        TeacherDatasetRollouts(str(empty))
 
 
 def test_resuming_with_a_different_student_fails_before_any_step(tmp_path):
@@ -50,6 +50,8 @@ FIT = ["fit", f"--config={SMOKE}", "--trainer.max_steps=1", "--trainer.limit_val
 RLVR = ["fit", str(Path(SMOKE).with_name("rlvr.yaml")), "--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--trainer.callbacks=[]"]
 RLVR[1] = f"--config={RLVR[1]}"
 MIXTURE = ["--model.rollout=kdlab.rollouts.MixtureRollouts"]
+DATASET = ["--model.rollout=kdlab.rollouts.TeacherDatasetRollouts"]
+CACHED = ["--model.rollout=kdlab.rollouts.CachedTeacherRollouts", "--model.rollout.dataset={tmp}/teacher.jsonl"]
 CALLBACK = "--trainer.callbacks+="
 # row -> (arguments after the command; {tmp} is a temporary folder, text the last line must contain)
 CLI_CASES = {
@@ -63,13 +65,13 @@ CLI_CASES = {
     "8": (FIT + [CALLBACK + "kdlab.callbacks.UpdateSparsity", "--trainer.callbacks.thresholds=[-1]"], "UpdateSparsity.thresholds must be positive"),
     "9": (FIT + ["--model.student.path=kdlab://tiny/student"], "student and teacher tokenizers differ (student.path="),
     "10": (FIT + ["--model.teacher.path={tmp}/no-such-model"], "teacher.path: no model directory at"),
-    "12": (FIT + ["--model.rollout.dataset={tmp}/row.jsonl"], "row.jsonl:1: missing string field 'completion'"),
-    "14": (FIT + ["--model.rollout.dataset={tmp}/empty.jsonl"], "TeacherRollouts.dataset"),
+    "12": (FIT + DATASET + ["--model.rollout.dataset={tmp}/row.jsonl"], "row.jsonl:1: missing string field 'completion'"),
+    "14": (FIT + DATASET + ["--model.rollout.dataset={tmp}/empty.jsonl"], "TeacherDatasetRollouts.dataset"),
     "15": (FIT + ["--model.max_prompt_tokens=2"], "the student prompt has"),
     "17": (FIT + [CALLBACK + "kdlab.callbacks.OODForgetting", "--trainer.callbacks.lm_eval_tasks=[nosuchtask]"], "OODForgetting.lm_eval_tasks"),
     "21": (RLVR + ["--model.init_args.policy.checkpoint={tmp}/missing.ckpt"], "policy.checkpoint"),
     "22": (RLVR + ["--model.init_args.group_size=1"], "GRPOModule.group_size must be >= 2"),
-    "24": (FIT + ["--model.rollout.teacher_cache={tmp}/missing.pt"], "TeacherRollouts.teacher_cache"),
+    "24": (FIT + CACHED + ["--model.rollout.teacher_cache={tmp}/missing.pt"], "CachedTeacherRollouts.teacher_cache: no such file"),
     "25": (FIT + ["--model.rollout=kdlab.rollouts.VLLMRollouts"], "VLLMRollouts needs vLLM"),
     "27": (FIT + ["--model.rollout=kdlab.rollouts.VLLMRollouts", "--model.rollout.model=student", "--model.rollout.tensor_parallel_size=2"],
            "VLLMRollouts"),
@@ -83,7 +85,7 @@ CLI_CASES = {
     "38": (["fit", "--config={tmp}/no-such.yaml"], "no-such.yaml: cannot be read"),
     "39": (FIT + ["--model.teacher.path={tmp}/no-such-model"], "teacher.path"),  # a hub id: tests/test_cli.py (needs HF_HUB_OFFLINE)
     "40": (["fit", "--config=" + str(Path(SMOKE).with_name("onpd_rkl.yaml"))], "is an overlay of experiments/tiny/quickstart.yaml"),
-    "42": (FIT + ["--model.rollout.dataset={tmp}/other-task.jsonl"], "TeacherRollouts.dataset='"),
+    "42": (FIT + DATASET + ["--model.rollout.dataset={tmp}/other-task.jsonl"], "TeacherDatasetRollouts.dataset='"),
     "43": (RLVR + [CALLBACK + "kdlab.callbacks.HeldOutKL"], "HeldOutKL compares a student with its teacher and needs a DistillModule"),
     "44": (FIT + ["--model.task.answer_from=number"], "Addition.answer_from must be one of"),
 }
@@ -116,6 +118,7 @@ def test_each_row_through_the_console_script_ends_in_one_line_naming_the_key(row
     (tmp_path / "row.jsonl").write_text(json.dumps({"id": "add-train-0"}) + "\n")
     (tmp_path / "empty.jsonl").write_text("\n")
     (tmp_path / "other-task.jsonl").write_text(json.dumps({"id": "countdown3-train-0", "completion": "x"}) + "\n")
+    (tmp_path / "teacher.jsonl").write_text(json.dumps({"id": "add-train-0", "completion": "x"}) + "\n")
     args, expected = CLI_CASES[row]
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in args] + [f"--trainer.logger.init_args.save_dir={tmp_path}"]
     with pytest.raises(SystemExit) as exit_info:
@@ -155,10 +158,10 @@ def test_a_teacher_dataset_matching_no_example_fails_before_the_run_directory_an
     dataset = tmp_path / "other-task.jsonl"
     dataset.write_text(json.dumps({"id": "countdown3-train-0", "completion": "x"}) + "\n")
     with pytest.raises(SystemExit) as exit_info:
-        entry([*FIT, f"--model.rollout.dataset={dataset}", f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
+        entry([*FIT, *DATASET, f"--model.rollout.dataset={dataset}", f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
                "--trainer.callbacks+=kdlab.callbacks.Coverage", "--trainer.callbacks.task=kdlab.tasks.Addition"])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert exit_info.value.code == 2
-    assert last == (f"kdlab: error: DistillModule can train on no train example of Addition (TeacherRollouts.dataset={str(dataset)!r} "
+    assert last == (f"kdlab: error: DistillModule can train on no train example of Addition (TeacherDatasetRollouts.dataset={str(dataset)!r} "
                     "covers none of its ids, e.g. 'add-train-0')")
     assert not (tmp_path / "runs").exists()  # no half-written run directory, no "before" evaluation logged

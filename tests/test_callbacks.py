@@ -199,13 +199,13 @@ def grpo(tiny_pair):
 def cached_distill(tiny_pair, tmp_path):
     """A DistillModule with teacher: null: teacher log-probs come from a top-k cache written beforehand."""
     from kdlab.models import ModelSpec
-    from kdlab.rollouts import TeacherRollouts
+    from kdlab.rollouts import CachedTeacherRollouts
     from kdlab.rollouts.teacher_data import generate_teacher_data
 
     task = Addition(num_train=2, num_val=2, num_test=0)
     data = tmp_path / "teacher.jsonl"
     generate_teacher_data(ModelSpec(tiny_pair[1]), task, str(data), max_new_tokens=3, top_k=4, cache_temperature=0.5)
-    rollout = TeacherRollouts(dataset=str(data), teacher_cache=str(data) + ".topk.safetensors")
+    rollout = CachedTeacherRollouts(dataset=str(data), teacher_cache=str(data) + ".topk.safetensors")
     return DistillModule(tiny_pair[0], None, task, rollout=rollout, max_completion_tokens=3, batch_size=2)
 
 

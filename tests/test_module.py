@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from kdlab.data import Rollout, prompt_token_ids
 from kdlab.objectives import ForwardKL
-from kdlab.rollouts import RolloutPolicy, StudentRollouts, TeacherRollouts
+from kdlab.rollouts import RolloutPolicy, StudentRollouts, TeacherDatasetRollouts, TeacherRollouts
 from kdlab.stages import DistillModule
 from kdlab.tasks import Addition
 
@@ -220,7 +220,7 @@ def test_generated_teacher_data_feeds_off_policy_training(tiny_pair, tmp_path):
     output = tmp_path / "teacher.jsonl"
     summary = generate_teacher_data(ModelSpec(tiny_pair[1]), task, str(output), max_new_tokens=5, samples_per_prompt=2, verified_only=True)
     assert summary == {"prompts": 6, "samples": 12, "kept": 6, "accuracy": 0.5}
-    module = make_module(tiny_pair, task=EvenVerified(num_train=6), rollout=TeacherRollouts(dataset=str(output)), batch_size=8)
+    module = make_module(tiny_pair, task=EvenVerified(num_train=6), rollout=TeacherDatasetRollouts(str(output)), batch_size=8)
     (batch,) = list(module.train_dataloader())
     assert sorted(ex["id"] for ex in batch) == ["add-train-0", "add-train-2", "add-train-4"]
     module.log = lambda *args, **kwargs: None
@@ -230,7 +230,7 @@ def test_generated_teacher_data_feeds_off_policy_training(tiny_pair, tmp_path):
     # T_S = 1, averaged over each completion's tokens, then over completions
     rows = {}
     for row in map(json.loads, output.read_text().splitlines()):
-        rows.setdefault(row["id"], row)  # two samples per prompt: TeacherRollouts trains on the first
+        rows.setdefault(row["id"], row)  # two samples per prompt: TeacherDatasetRollouts trains on the first
     per_sequence = []
     for example in batch:
         row = rows[example["id"]]
@@ -293,7 +293,7 @@ def accumulated_gradients(tiny_pair, tmp_path, batch_size, accumulate, objective
     data = tmp_path / "teacher.jsonl"
     rows = [{"id": ex["id"], "completion": f"<answer>{ex['a'] * 7 ** i}</answer>"} for i, ex in enumerate(task.examples("train"))]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))  # ragged completion lengths
-    module = make_module(tiny_pair, task=task, rollout=TeacherRollouts(dataset=str(data)), objective=objective, batch_size=batch_size)
+    module = make_module(tiny_pair, task=task, rollout=TeacherDatasetRollouts(str(data)), objective=objective, batch_size=batch_size)
     grads = []
 
     class Record(pl.Callback):

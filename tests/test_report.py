@@ -15,12 +15,14 @@ from kdlab.study.groups import group_runs, lr_levels
 from kdlab.study.runs import collect
 
 
-def make_run(root, name, rollout, objective, lr, seed, rows=(), lam=None, max_steps=4):
+def make_run(root, name, rollout, objective, lr, seed, rows=(), lam=None, max_steps=4, rollout_args=None):
     run_dir = Path(root, name)
     run_dir.mkdir(parents=True)
     rollout_config = {"class_path": f"kdlab.rollouts.{rollout}"}
     if lam is not None:
         rollout_config["init_args"] = {"lam": lam, "alpha": 0.2}
+    if rollout_args is not None:
+        rollout_config["init_args"] = rollout_args
     config = {
         "seed_everything": seed,
         "trainer": {"max_steps": max_steps, "logger": {"class_path": "TensorBoardLogger", "init_args": {"save_dir": str(root), "name": name}}},
@@ -180,6 +182,36 @@ def test_settings_beyond_the_columns_are_not_averaged_together(tmp_path):
         ("StudentRollouts", "max_steps=4", 1),
     ]
     assert groups[0].stats("val/accuracy")[:2] == pytest.approx((0.3, math.sqrt(0.02)))
+
+
+def test_teacher_dataset_and_cache_runs_are_reported_as_teacher_rollouts(tmp_path, capsys):
+    """TeacherDatasetRollouts and CachedTeacherRollouts were TeacherRollouts(dataset=..., teacher_cache=...):
+    a report names them TeacherRollouts (OffPD) as before, and a run of each spelling of one setting is
+    one configuration (two seeds); the cache (another setting) is its own."""
+    from kdlab.study.runs import read_run
+
+    data = {"dataset": "data/teacher.jsonl"}
+    cache = {**data, "teacher_cache": "data/teacher.jsonl.topk.safetensors"}
+    make_run(tmp_path, "old", "TeacherRollouts", "ForwardKL", 1e-3, 42, [{"step": 4, "val/accuracy": 0.2}], rollout_args={**data, "teacher_cache": None})
+    make_run(tmp_path, "new", "TeacherDatasetRollouts", "ForwardKL", 1e-3, 43, [{"step": 4, "val/accuracy": 0.4}], rollout_args=data)
+    make_run(tmp_path, "old-cached", "TeacherRollouts", "ForwardKL", 1e-3, 42, [{"step": 4, "val/accuracy": 0.6}], rollout_args=cache)
+    make_run(tmp_path, "cached", "CachedTeacherRollouts", "ForwardKL", 1e-3, 43, [{"step": 4, "val/accuracy": 0.8}], rollout_args=cache)
+    make_run(tmp_path, "on", "StudentRollouts", "ForwardKL", 1e-3, 42, [{"step": 4, "val/accuracy": 0.5}])
+    assert {name: read_run(tmp_path / name).rollout for name in ("new", "cached", "on")} == {
+        "new": "TeacherRollouts", "cached": "TeacherRollouts", "on": "StudentRollouts"}
+    found, _ = collect(sorted(tmp_path.iterdir()))
+    groups = group_runs(found, {})
+    assert [(g.rollout, g.kind, sorted(r.path.name for r in g.runs)) for g in groups] == [
+        ("TeacherRollouts", "OffPD", ["new", "old"]),
+        ("TeacherRollouts", "OffPD", ["cached", "old-cached"]),
+        ("StudentRollouts", "OnPD", ["on"]),
+    ]
+    assert groups[0].stats("val/accuracy")[:2] == pytest.approx((0.3, math.sqrt(0.02)))
+    main(["report", *sorted(str(p) for p in tmp_path.iterdir()), "--output", str(tmp_path / "report")])
+    rows = markdown_table((tmp_path / "report" / "report.md").read_text(), "## Results by configuration")
+    assert sorted(r["rollout"] for r in rows) == ["StudentRollouts", "TeacherRollouts", "TeacherRollouts"]
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "TeacherDatasetRollouts" not in text and "CachedTeacherRollouts" not in text
 
 
 def test_missing_matplotlib_names_the_extra(runs, tmp_path, monkeypatch):

@@ -1,10 +1,11 @@
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherRollouts
+from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherDatasetRollouts, TeacherRollouts
 from kdlab.rollouts.policies import mixture_logprobs
 from kdlab.stages import DistillModule
 from kdlab.tasks import Addition
@@ -119,7 +120,7 @@ def test_teacher_rollouts_from_a_dataset_file(module, tmp_path):
     examples = module.task.examples("train")[:4]
     path = tmp_path / "teacher.jsonl"
     path.write_text("".join(json.dumps({"id": ex["id"], "completion": f"<answer>{i}</answer>"}) + "\n" for i, ex in enumerate(examples)))
-    rollout = rollout_with(module, TeacherRollouts(dataset=str(path)))
+    rollout = rollout_with(module, TeacherDatasetRollouts(str(path)))
     assert rollout.sampling_entropy is None
     first = rollout.completion_ids[0][rollout.completion_mask[0]].tolist()
     assert module.student_tokenizer.decode(first[:-1]) == "<answer>0</answer>"
@@ -129,15 +130,15 @@ def test_teacher_rollouts_from_a_dataset_file(module, tmp_path):
 def test_teacher_dataset_errors_name_file_line_and_id(module, tmp_path):
     missing = tmp_path / "none.jsonl"
     with pytest.raises(FileNotFoundError, match="none.jsonl"):
-        TeacherRollouts(dataset=str(missing))
+        TeacherDatasetRollouts(str(missing))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "completion": "x"}\n{"id": "b"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: missing string field 'completion'"):
-        TeacherRollouts(dataset=str(bad))
+        TeacherDatasetRollouts(str(bad))
     partial = tmp_path / "partial.jsonl"
     partial.write_text('{"id": "not-an-example", "completion": "x"}\n')
     with pytest.raises(KeyError, match="add-train-0"):
-        rollout_with(module, TeacherRollouts(dataset=str(partial)))
+        rollout_with(module, TeacherDatasetRollouts(str(partial)))
 
 
 def test_truncated_teacher_responses_do_not_get_an_end_token(module, tmp_path):
@@ -145,14 +146,137 @@ def test_truncated_teacher_responses_do_not_get_an_end_token(module, tmp_path):
     path = tmp_path / "teacher.jsonl"
     rows = [{"id": ex["id"], "completion": f"<answer>{i}</answer>", "ended": i != 1} for i, ex in enumerate(examples)]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    rollout = rollout_with(module, TeacherRollouts(dataset=str(path)))
+    rollout = rollout_with(module, TeacherDatasetRollouts(str(path)))
     first = rollout.completion_ids[0][rollout.completion_mask[0]].tolist()
     second = rollout.completion_ids[1][rollout.completion_mask[1]].tolist()
     assert first[-1] in module.end_ids and second[-1] not in module.end_ids
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "x", "completion": "y", "ended": "no"}) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl:1: field 'ended'"):
-        TeacherRollouts(dataset=str(bad))
+        TeacherDatasetRollouts(str(bad))
+
+
+# ---- the three teacher policies, and kdlab 0.1's TeacherRollouts(dataset=..., teacher_cache=...) ----------
+def teacher_files(module, tmp_path, ended=True):
+    """A dataset of the first four train examples and a top-2 cache written on exactly its tokens."""
+    from kdlab.rollouts.teacher_cache import write_cache
+
+    examples = module.task.examples("train")[:4]
+    data = tmp_path / "teacher.jsonl"
+    data.write_text("".join(json.dumps({"id": ex["id"], "completion": f"<answer>{i}</answer>"}) + "\n" for i, ex in enumerate(examples)))
+    rows = {}
+    for i, ex in enumerate(examples):
+        tokens = module.student_tokenizer(f"<answer>{i}</answer>", add_special_tokens=False)["input_ids"] + [module.end_ids[0]]
+        tokens = tokens[: module.max_completion_tokens]
+        indices = torch.stack([torch.tensor(tokens), torch.full((len(tokens),), 3)], dim=-1)
+        logprobs = torch.log(torch.tensor([[0.75, 0.25]])).expand(len(tokens), 2)
+        rows[ex["id"]] = {"tokens": torch.tensor(tokens), "indices": indices, "logprobs": logprobs}
+    cache = tmp_path / "teacher.jsonl.topk.safetensors"
+    write_cache(cache, rows, {"top_k": 2, "temperature": module.teacher_temperature, "vocab_size": module.token_columns, "teacher": "t"})
+    return examples, str(data), str(cache)
+
+
+def test_each_teacher_policy_has_one_meaning(module, tmp_path):
+    from kdlab.rollouts import CachedTeacherRollouts
+    from kdlab.rollouts.teacher_cache import TopKLogprobs
+
+    examples, data, cache = teacher_files(module, tmp_path)
+    # online: the teacher's own decoder at teacher_temperature, seeded like any sampling policy
+    online = rollout_with(module, TeacherRollouts(), seed=3)
+    prompts = module._prompts(examples)
+    context = module.rollout_context(module._generator(3))
+    by_hand = context.sample(context.decoder("teacher", prompts), prompts)
+    assert torch.equal(online.completion_ids, by_hand.completion_ids) and online.sampling_entropy is not None
+    assert online.teacher_logprobs is None and TeacherRollouts().covers({"id": "anything"})
+    # a dataset: the file's completions (plus the end token), never sampled, no teacher log-probs
+    dataset = rollout_with(module, TeacherDatasetRollouts(data))
+    first = dataset.completion_ids[0][dataset.completion_mask[0]].tolist()
+    assert module.student_tokenizer.decode(first[:-1]) == "<answer>0</answer>" and first[-1] == module.end_ids[0]
+    assert dataset.sampling_entropy is None and dataset.teacher_logprobs is None
+    assert TeacherDatasetRollouts(data).covers(examples[0]) and not TeacherDatasetRollouts(data).covers({"id": "elsewhere"})
+    # cached: the same completions, and the teacher's log-probs read from the cache (the teacher never runs)
+    cached_policy = CachedTeacherRollouts(data, cache)
+    cached = rollout_with(module, cached_policy)
+    assert torch.equal(cached.completion_ids, dataset.completion_ids) and cached.sampling_entropy is None
+    assert isinstance(cached.teacher_logprobs, TopKLogprobs) and cached.teacher_logprobs.shape == (4, cached.completion_ids.shape[1], module.token_columns)
+    length = int(cached.completion_mask[0].sum())
+    assert cached.teacher_logprobs.indices[0, :length, 0].tolist() == first
+    torch.testing.assert_close(cached.teacher_logprobs.logprobs[0, :length, 0].exp(), torch.full((length,), 0.75))
+    assert (cached_policy.dataset, cached_policy.teacher_cache, cached_policy.cache.top_k) == (data, cache, 2)
+    # all three are teacher rollouts: isinstance checks and the teacher's next-token distribution hold
+    s, t = normalised(8), normalised(9)
+    for policy in (TeacherRollouts(), TeacherDatasetRollouts(data), cached_policy):
+        assert isinstance(policy, TeacherRollouts) and torch.equal(policy.next_token_logprobs(s, t), t)
+    with pytest.raises(TypeError, match="CachedTeacherRollouts"):
+        TeacherDatasetRollouts(data, teacher_cache=cache)  # a cache is the other class's setting
+    with pytest.raises(FileNotFoundError, match="CachedTeacherRollouts.teacher_cache: no such file"):
+        CachedTeacherRollouts(data, str(tmp_path / "missing.safetensors"))
+    with pytest.raises(ValueError, match="CachedTeacherRollouts.dataset .*holds no completions"):
+        (tmp_path / "empty.jsonl").write_text("\n")
+        CachedTeacherRollouts(str(tmp_path / "empty.jsonl"), cache)
+
+
+def test_the_old_spelling_gives_the_new_classes_with_a_future_warning(module, tmp_path):
+    import copy
+    import pickle
+    import warnings
+
+    from kdlab.rollouts import CachedTeacherRollouts
+
+    _, data, cache = teacher_files(module, tmp_path)
+    with pytest.warns(FutureWarning, match=r"use kdlab.rollouts.TeacherDatasetRollouts\(dataset=...\)") as caught:
+        old = TeacherRollouts(dataset=data)
+    assert type(old) is TeacherDatasetRollouts and old.dataset == data and old.covers({"id": "add-train-0"})
+    assert caught[0].filename == __file__  # the warning points at the caller's line
+    with pytest.warns(FutureWarning, match="TeacherDatasetRollouts"):
+        assert type(TeacherRollouts(dataset=data, teacher_cache=None)) is TeacherDatasetRollouts  # as jsonargparse calls it
+    with pytest.warns(FutureWarning, match="CachedTeacherRollouts"):
+        old_cached = TeacherRollouts(dataset=data, teacher_cache=cache)
+    assert type(old_cached) is CachedTeacherRollouts and old_cached.cache.top_k == 2
+    assert torch.equal(rollout_with(module, old_cached).completion_ids, rollout_with(module, CachedTeacherRollouts(data, cache)).completion_ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the online policy and the new spellings warn about nothing
+        assert type(TeacherRollouts()) is TeacherRollouts
+        assert type(TeacherRollouts(dataset=None, teacher_cache=None)) is TeacherRollouts
+        new = TeacherDatasetRollouts(dataset=data)
+        CachedTeacherRollouts(dataset=data, teacher_cache=cache)
+    with pytest.raises(ValueError, match="TeacherRollouts.teacher_cache needs TeacherRollouts.dataset .*CachedTeacherRollouts"):
+        TeacherRollouts(teacher_cache=cache)
+    with pytest.raises(TypeError, match="lam"):
+        TeacherRollouts(lam=0.5)
+    # copies and pickles keep the class (no second trip through the old spelling) and what it read
+    for policy in (TeacherRollouts(), new, old):
+        for twin in (copy.deepcopy(policy), pickle.loads(pickle.dumps(policy))):
+            assert type(twin) is type(policy) and getattr(twin, "_completions", None) == getattr(policy, "_completions", None)
+
+
+SMOKE = str(Path(__file__).parents[1] / "experiments" / "tiny" / "smoke.yaml")
+
+
+@pytest.mark.parametrize("class_name, warns", [("TeacherRollouts", True), ("TeacherDatasetRollouts", False)])
+def test_an_old_style_config_still_instantiates_through_the_cli(tmp_path, monkeypatch, class_name, warns):
+    """``class_path: kdlab.rollouts.TeacherRollouts`` with ``init_args: {dataset: ...}``, as kdlab 0.1's
+    configs wrote it, builds a TeacherDatasetRollouts (with a FutureWarning); the new class path, without."""
+    import warnings
+
+    import yaml
+
+    from kdlab.cli.main import main
+
+    data = tmp_path / "teacher.jsonl"
+    data.write_text(json.dumps({"id": "add-train-0", "completion": "<answer>1</answer>"}) + "\n")
+    overlay = tmp_path / "rollout.yaml"
+    overlay.write_text(yaml.safe_dump({"model": {"rollout": {"class_path": f"kdlab.rollouts.{class_name}", "init_args": {"dataset": str(data)}}}}))
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+    args = ["fit", f"--config={SMOKE}", f"--config={overlay}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = main(args, run=False)
+    future = [w for w in caught if issubclass(w.category, FutureWarning) and "TeacherRollouts(dataset=...)" in str(w.message)]
+    assert bool(future) == warns, [str(w.message) for w in caught]
+    rollout = cli.model.rollout
+    assert type(rollout) is TeacherDatasetRollouts and rollout.dataset == str(data)
+    assert [ex["id"] for ex in cli.model.training_examples()] == ["add-train-0"]
 
 
 def test_generate_records_whether_each_sample_ended(module, tmp_path):

@@ -81,7 +81,7 @@ def test_cache_files_check_what_they_were_computed_on(tmp_path):
         cache.row("a", [5, 9])
     with pytest.raises(KeyError, match="no entry for example id 'b'"):
         cache.row("b", [1])
-    with pytest.raises(FileNotFoundError, match="TeacherRollouts.teacher_cache: no such file"):
+    with pytest.raises(FileNotFoundError, match="CachedTeacherRollouts.teacher_cache: no such file"):
         TeacherCache(str(tmp_path / "missing.safetensors"))
     (tmp_path / "bad.safetensors").write_bytes(b"junk")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
@@ -91,7 +91,7 @@ def test_cache_files_check_what_they_were_computed_on(tmp_path):
 def test_distillation_from_a_full_cache_equals_distillation_from_the_teacher_without_loading_it(tiny_pair, tmp_path):
     """kdlab generate --top_k V writes the teacher's exact log-probs; a DistillModule with teacher: null
     reading them computes the same loss and gradients as one that runs the teacher."""
-    from kdlab.rollouts import TeacherRollouts
+    from kdlab.rollouts import CachedTeacherRollouts, TeacherDatasetRollouts
     from kdlab.rollouts.teacher_data import generate_teacher_data
     from kdlab.stages import DistillModule
     from kdlab.tasks import Addition
@@ -104,8 +104,8 @@ def test_distillation_from_a_full_cache_equals_distillation_from_the_teacher_wit
     summary = generate_teacher_data(ModelSpec(tiny_pair[1]), task, str(data), max_new_tokens=6, top_k=vocab, cache_temperature=0.5)
     assert summary["cached"] == 4
     cache = str(data) + ".topk.safetensors"
-    with_teacher = DistillModule(*tiny_pair, task, rollout=TeacherRollouts(dataset=str(data)), max_completion_tokens=6, batch_size=4)
-    without = DistillModule(tiny_pair[0], None, task, rollout=TeacherRollouts(dataset=str(data), teacher_cache=cache), max_completion_tokens=6, batch_size=4)
+    with_teacher = DistillModule(*tiny_pair, task, rollout=TeacherDatasetRollouts(str(data)), max_completion_tokens=6, batch_size=4)
+    without = DistillModule(tiny_pair[0], None, task, rollout=CachedTeacherRollouts(str(data), cache), max_completion_tokens=6, batch_size=4)
     assert "teacher" not in without._frozen
     batch = task.examples("train")
     losses = []
@@ -120,14 +120,14 @@ def test_distillation_from_a_full_cache_equals_distillation_from_the_teacher_wit
     # a top-k cache (k < V) is held as (B, C, k) and trains exactly like its dense expansion
     top = tmp_path / "top.jsonl"
     generate_teacher_data(ModelSpec(tiny_pair[1]), task, str(top), max_new_tokens=6, top_k=5, cache_temperature=0.5)
-    sparse = DistillModule(tiny_pair[0], None, task, rollout=TeacherRollouts(dataset=str(top), teacher_cache=str(top) + ".topk.safetensors"), max_completion_tokens=6, batch_size=4)
+    sparse = DistillModule(tiny_pair[0], None, task, rollout=CachedTeacherRollouts(str(top), str(top) + ".topk.safetensors"), max_completion_tokens=6, batch_size=4)
     rollout = sparse.make_rollout(batch, 0)
     assert isinstance(rollout.teacher_logprobs, TopKLogprobs) and rollout.teacher_logprobs.indices.shape[-1] == 5
     student, teacher = sparse.distillation_logits(rollout)
     mask = rollout.completion_mask
     torch.testing.assert_close(sparse.objective(student, teacher, mask), sparse.objective(student, teacher.dense(), mask))
     with pytest.raises(ValueError, match="teacher temperature 0.5, but DistillModule.teacher_temperature is 1.0"):
-        DistillModule(tiny_pair[0], None, task, rollout=TeacherRollouts(dataset=str(data), teacher_cache=cache), teacher_temperature=1.0)
+        DistillModule(tiny_pair[0], None, task, rollout=CachedTeacherRollouts(str(data), cache), teacher_temperature=1.0)
     with pytest.raises(ValueError, match="DistillModule.teacher is required"):
         DistillModule(tiny_pair[0], None, task)
     with pytest.raises(RuntimeError, match="no teacher model"):

@@ -1,14 +1,28 @@
 """Who writes the completions a stage trains on (``RolloutPolicy``), and the engines that write them.
 
-* :mod:`kdlab.rollouts.policies`: ``TeacherRollouts`` (OffPD), ``StudentRollouts`` (OnPD),
-  ``MixtureRollouts`` (a token-level mixture), and importance weights for off-policy samples;
+* :mod:`kdlab.rollouts.policies`: ``TeacherRollouts`` (the teacher sampling online),
+  ``TeacherDatasetRollouts`` (OffPD: a fixed file of teacher completions), ``CachedTeacherRollouts`` (that
+  file with the teacher's top-k log-probs cached), ``StudentRollouts`` (OnPD), ``MixtureRollouts`` (a
+  token-level mixture), and importance weights for off-policy samples;
 * :mod:`kdlab.rollouts.decoding`: the Hugging Face decoding engine (KV-cached sampling, stop strings);
 * :mod:`kdlab.rollouts.vllm`: ``VLLMRollouts``, the same policies sampled by vLLM (imported on use);
 * :mod:`kdlab.rollouts.teacher_data`: ``kdlab generate`` (teacher completions written once) and the
   top-k teacher cache builder; :mod:`kdlab.rollouts.teacher_cache`: the cache reader.
 """
 
-from kdlab.rollouts.policies import MixtureRollouts, RolloutContext, RolloutPolicy, StudentRollouts, TeacherRollouts, mixture_logprobs
+from kdlab.rollouts.policies import (
+    CachedTeacherRollouts,
+    MixtureRollouts,
+    RolloutContext,
+    RolloutPolicy,
+    StudentRollouts,
+    TeacherDatasetRollouts,
+    TeacherRollouts,
+    mixture_logprobs,
+)
 from kdlab.rollouts.vllm import VLLMRollouts
 
-__all__ = ["RolloutPolicy", "RolloutContext", "TeacherRollouts", "StudentRollouts", "MixtureRollouts", "VLLMRollouts", "mixture_logprobs"]
+__all__ = [
+    "RolloutPolicy", "RolloutContext", "TeacherRollouts", "TeacherDatasetRollouts", "CachedTeacherRollouts",
+    "StudentRollouts", "MixtureRollouts", "VLLMRollouts", "mixture_logprobs",
+]

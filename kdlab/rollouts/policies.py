@@ -1,7 +1,9 @@
 """Rollout policies: who writes the completions that the KL is taken on.
 
-* :class:`TeacherRollouts` - off-policy (OffPD): a fixed dataset of teacher responses, or online
-  samples from the teacher at ``teacher_temperature``.
+* :class:`TeacherRollouts` - off-policy: online samples from the teacher at ``teacher_temperature``;
+  :class:`TeacherDatasetRollouts` - the paper's OffPD, a fixed dataset of teacher responses;
+  :class:`CachedTeacherRollouts` - that dataset with the teacher's cached top-k log-probs (no teacher
+  in training).
 * :class:`StudentRollouts` - on-policy (OnPD): samples from the current student at
   ``student_temperature``.
 * :class:`MixtureRollouts` - the paper's token-level spectrum pi_lambda between them, decoded jointly
@@ -14,6 +16,7 @@ eval mode, and the parent module restores the student's training mode afterwards
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -117,77 +120,154 @@ class StudentRollouts(RolloutPolicy):
 
 
 class TeacherRollouts(RolloutPolicy):
-    """Off-policy: completions written by the teacher.
+    """Off-policy, online: the teacher samples each completion at ``teacher_temperature``, with
+    the teacher's own prompt.
 
-    Args:
-        dataset: a JSONL file with one ``{"id": <example id>, "completion": <text>}`` object per line
-            (as written by ``kdlab generate``): the paper's OffPD, where each prompt's teacher response
-            is fixed. The first line for an id is used. The end token is appended unless the row says
-            ``"ended": false`` (a response cut by the generation budget). ``None`` samples from the teacher online at
-            ``teacher_temperature`` with the teacher's own prompt.
-        teacher_cache: the teacher's top-k log-probs on ``dataset``'s completions
-            (``kdlab generate ... --top_k K``); the teacher then never runs during training, and
-            ``DistillModule`` may be built with ``teacher: null``. How full-vocabulary objectives treat a
-            top-k teacher: :mod:`kdlab.rollouts.teacher_cache`.
+    Completions written by the teacher beforehand are :class:`TeacherDatasetRollouts` (the paper's
+    OffPD, a fixed dataset) and :class:`CachedTeacherRollouts` (that dataset and the teacher's cached
+    top-k log-probs); both are subclasses, so they count as teacher rollouts everywhere.
+
+    ``TeacherRollouts(dataset=..., teacher_cache=...)`` is kdlab 0.1's spelling of those two classes, kept
+    for old configs (``class_path: kdlab.rollouts.TeacherRollouts`` with ``init_args: {dataset: ...}``): it
+    warns (``FutureWarning``) and returns an object of the new class (see :meth:`__new__`).
     """
 
+    def __new__(cls, dataset: str | None = None, teacher_cache: str | None = None, *args: Any, **kwargs: Any) -> TeacherRollouts:
+        """Picks the class: kdlab 0.1's ``dataset`` (and ``teacher_cache``) give the subclass they stand for.
+
+        jsonargparse reads a class's settings from its own ``__new__`` where it has one: this signature is
+        TeacherRollouts'; a subclass's come from its ``__init__`` (its arguments pass through here unread).
+
+        Args:
+            dataset: deprecated; ``TeacherRollouts(dataset=...)`` returns a :class:`TeacherDatasetRollouts`.
+            teacher_cache: deprecated; ``TeacherRollouts(dataset=..., teacher_cache=...)`` returns a
+                :class:`CachedTeacherRollouts`.
+        """
+        chosen = _legacy_class(dataset, teacher_cache) if cls is TeacherRollouts else cls
+        return super().__new__(chosen)  # object.__new__ takes no settings: __init__ reads them
+
     def __init__(self, dataset: str | None = None, teacher_cache: str | None = None) -> None:
-        super().__init__()
-        self.dataset = dataset
-        self._completions: dict[str, str] | None = None
-        if dataset is not None:
-            self._completions = read_completions(dataset)
-        self.teacher_cache = teacher_cache
-        self.cache = None
-        if teacher_cache is not None:
-            if dataset is None:
-                raise ValueError("TeacherRollouts.teacher_cache needs TeacherRollouts.dataset (the completions it was computed on)")
-            from kdlab.rollouts.teacher_cache import TeacherCache
-
-            self.cache = TeacherCache(teacher_cache)
-
-    def covers(self, example: dict[str, Any]) -> bool:
-        return self._completions is None or example["id"] in self._completions
+        super().__init__()  # dataset and teacher_cache were read by __new__ (None here)
 
     def next_token_logprobs(self, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
         """The teacher's distribution (for a dataset, the one it was sampled from at that temperature)."""
         return teacher_logprobs
 
     def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
-        if self._completions is None:
-            return context.sample(context.decoder("teacher", prompts), prompts)
+        return context.sample(context.decoder("teacher", prompts), prompts)
+
+
+def _legacy_class(dataset: str | None, teacher_cache: str | None) -> type[TeacherRollouts]:
+    """The class that ``TeacherRollouts(dataset, teacher_cache)`` stands for: with kdlab 0.1's ``dataset``
+    (and ``teacher_cache``), one of the subclasses, with a ``FutureWarning``; else ``TeacherRollouts``
+    (whose ``__init__`` then rejects any other argument)."""
+    if dataset is None:
+        if teacher_cache is not None:
+            raise ValueError(
+                "TeacherRollouts.teacher_cache needs TeacherRollouts.dataset (the completions it was computed on): "
+                "use kdlab.rollouts.CachedTeacherRollouts with both dataset and teacher_cache"
+            )
+        return TeacherRollouts
+    new = CachedTeacherRollouts if teacher_cache is not None else TeacherDatasetRollouts
+    spelling = "dataset=..., teacher_cache=..." if teacher_cache is not None else "dataset=..."
+    warnings.warn(
+        f"TeacherRollouts({spelling}) is deprecated: use kdlab.rollouts.{new.__name__}({spelling}) "
+        f"(in YAML, class_path: kdlab.rollouts.{new.__name__}); TeacherRollouts() is the teacher sampling online",
+        FutureWarning,
+        stacklevel=3,  # the line that called TeacherRollouts(...): past this function and __new__
+    )
+    return new
+
+
+class TeacherDatasetRollouts(TeacherRollouts):
+    """The paper's OffPD: each prompt's teacher response is fixed, read from a file.
+
+    Args:
+        dataset: a JSONL file with one ``{"id": <example id>, "completion": <text>}`` object per line (as
+            written by ``kdlab generate``). The first line for an id is used; training skips prompts
+            without one (:meth:`covers`). The end token is appended unless the row says
+            ``"ended": false`` (a response cut by the generation budget).
+    """
+
+    def __init__(self, dataset: str, **legacy: None) -> None:
+        # ``legacy``: only the ``teacher_cache=None`` that ``TeacherRollouts(dataset=..., teacher_cache=None)``
+        # passes on (Python gives __init__ the arguments __new__ got)
+        if any(key != "teacher_cache" or value is not None for key, value in legacy.items()):
+            hint = " (a teacher cache is CachedTeacherRollouts' setting)" if "teacher_cache" in legacy else ""
+            raise TypeError(f"{type(self).__name__} got unexpected keyword arguments {sorted(legacy)}{hint}")
+        super().__init__()
+        self.dataset = dataset
+        self._completions = read_completions(dataset, f"{type(self).__name__}.dataset")
+
+    def covers(self, example: dict[str, Any]) -> bool:
+        return example["id"] in self._completions
+
+    def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
+        rows = self.completion_tokens(prompts, context)
+        ids, mask = right_pad(rows, context.pad_token_id)
+        device = prompts.student_ids.device
+        teacher_logprobs = self.teacher_logprobs(prompts, rows, ids.shape[1], context)
+        return Rollout(prompts, ids.to(device), mask.to(device), None, teacher_logprobs=teacher_logprobs)
+
+    def completion_tokens(self, prompts: PromptBatch, context: RolloutContext) -> list[list[int]]:
+        """Each example's completion tokens, end token included when the response ended, cut to
+        ``max_new_tokens``."""
         rows = []
         for example in prompts.examples:
             if example["id"] not in self._completions:
-                raise KeyError(f"TeacherRollouts.dataset {self.dataset}: no completion for example id {example['id']!r}")
+                raise KeyError(f"{type(self).__name__}.dataset {self.dataset}: no completion for example id {example['id']!r}")
             text, ended = self._completions[example["id"]]
             ids = context.tokenizer(text, add_special_tokens=False)["input_ids"]
             if ended:  # a response cut by the generation budget must not teach the student to stop there
                 ids = ids + [context.eos_token_ids[0]]
             rows.append(ids[: context.max_new_tokens])
-        ids, mask = right_pad(rows, context.pad_token_id)
-        device = prompts.student_ids.device
-        teacher_logprobs = None
-        if self.cache is not None:  # held as the top k: the dense (B, C, V) teacher is never built
-            from kdlab.rollouts.teacher_cache import TopKLogprobs
+        return rows
 
-            cached = [self.cache.row(example["id"], tokens) for example, tokens in zip(prompts.examples, rows)]
-            teacher_logprobs = TopKLogprobs.from_rows(cached, ids.shape[1], self.cache.top_k, context.token_columns).to(device)
-        return Rollout(prompts, ids.to(device), mask.to(device), None, teacher_logprobs=teacher_logprobs)
+    def teacher_logprobs(self, prompts: PromptBatch, rows: list[list[int]], columns: int, context: RolloutContext) -> Any:
+        """The teacher's log-probs on ``rows`` when they are known without running it; ``None`` here."""
+        return None
 
 
-def read_completions(path: str) -> dict[str, tuple[str, bool]]:
+class CachedTeacherRollouts(TeacherDatasetRollouts):
+    """A teacher dataset (as :class:`TeacherDatasetRollouts`) with the teacher's top-k log-probs on its
+    completions read from a cache: the teacher never runs during training, and ``DistillModule`` may be
+    built with ``teacher: null``. How full-vocabulary objectives treat a top-k teacher:
+    :mod:`kdlab.rollouts.teacher_cache`.
+
+    Args:
+        dataset: the teacher completions, as for :class:`TeacherDatasetRollouts`.
+        teacher_cache: the teacher's top-k log-probs on ``dataset``'s completions (``kdlab generate ...
+            --top_k K`` writes ``<dataset>.topk.safetensors``).
+    """
+
+    def __init__(self, dataset: str, teacher_cache: str) -> None:
+        from kdlab.rollouts.teacher_cache import TeacherCache
+
+        super().__init__(dataset)
+        self.teacher_cache = teacher_cache
+        self.cache = TeacherCache(teacher_cache, f"{type(self).__name__}.teacher_cache")
+
+    def teacher_logprobs(self, prompts: PromptBatch, rows: list[list[int]], columns: int, context: RolloutContext) -> Any:
+        """Held as the top k (a :class:`~kdlab.rollouts.teacher_cache.TopKLogprobs`): the dense
+        ``(B, C, V)`` teacher is never built."""
+        from kdlab.rollouts.teacher_cache import TopKLogprobs
+
+        cached = [self.cache.row(example["id"], tokens) for example, tokens in zip(prompts.examples, rows)]
+        return TopKLogprobs.from_rows(cached, columns, self.cache.top_k, context.token_columns).to(prompts.student_ids.device)
+
+
+def read_completions(path: str, setting: str = "TeacherDatasetRollouts.dataset") -> dict[str, tuple[str, bool]]:
     """``{example id: (completion text, ended)}`` from a JSONL file (``ended`` defaults to true: the
-    response ended with an end token); errors name the file, line and field."""
+    response ended with an end token); errors name ``setting``, the file, line and field."""
     completions: dict[str, tuple[str, bool]] = {}
-    rows = read_jsonl(path, "TeacherRollouts.dataset", ("id", "completion"), " (write one with `kdlab generate`)")
+    rows = read_jsonl(path, setting, ("id", "completion"), " (write one with `kdlab generate`)")
     for where, row in rows:
         ended = row.get("ended", True)
         if not isinstance(ended, bool):
             raise ValueError(f"{where}: field 'ended' must be true or false, got {ended!r}")
         completions.setdefault(row["id"], (row["completion"], ended))
     if not completions:
-        raise ValueError(f"TeacherRollouts.dataset {path!r} holds no completions")
+        raise ValueError(f"{setting} {path!r} holds no completions")
     return completions
 
 

@@ -2,7 +2,7 @@
 position, stored once, so distillation never has to hold the teacher in training memory.
 
 Written by ``kdlab generate ... --top_k K`` next to the teacher dataset (``<output>.topk.safetensors``)
-and read by ``TeacherRollouts(dataset=..., teacher_cache=...)``. The file is safetensors (no pickle):
+and read by ``CachedTeacherRollouts(dataset=..., teacher_cache=...)``. The file is safetensors (no pickle):
 per example id ``<id>/tokens`` ``(C,)`` (the completion tokens the rollouts will use, end token included),
 ``<id>/indices`` ``(C, k)`` and ``<id>/logprobs`` ``(C, k)`` (the teacher's k most likely tokens and
 their log-probs under ``softmax(z_T / temperature)``), and metadata: ``top_k``, ``temperature``,
@@ -131,7 +131,7 @@ class TeacherCache:
 
     Raises naming ``setting`` and the file when it is missing or not a kdlab teacher cache."""
 
-    def __init__(self, path: str, setting: str = "TeacherRollouts.teacher_cache") -> None:
+    def __init__(self, path: str, setting: str = "CachedTeacherRollouts.teacher_cache") -> None:
         from safetensors import safe_open
 
         if not Path(path).is_file():

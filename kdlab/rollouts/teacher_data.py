@@ -2,7 +2,7 @@
 
 Writes a JSONL file with one ``{"id", "completion", "score", "ended"}`` object per kept sample
 (``ended`` is false for a response cut by ``max_new_tokens``), which
-:class:`kdlab.rollouts.policies.TeacherRollouts` reads as its ``dataset``. With ``verified_only`` only
+:class:`kdlab.rollouts.policies.TeacherDatasetRollouts` reads as its ``dataset``. With ``verified_only`` only
 responses the task's verifier accepts are kept (the paper kept verified demonstrations), so some
 prompts may end up without a response; distillation then trains on the prompts that have one.
 ``engine: vllm`` samples with vLLM instead of kdlab's decoder (same prompts, end tokens and rows).
@@ -27,14 +27,14 @@ def build_teacher_cache(
     teacher: torch.nn.Module, tokenizer: Any, task: Any, dataset: str, output: str, top_k: int, temperature: float,
     max_new_tokens: int, max_prompt_tokens: int, batch_size: int, teacher_name: str = "?",
 ) -> int:
-    """Run ``teacher`` on each dataset completion (exactly the tokens ``TeacherRollouts`` will train on,
+    """Run ``teacher`` on each dataset completion (exactly the tokens ``TeacherDatasetRollouts`` will train on,
     after the teacher's own prompt) and write the top-k cache; returns the number of examples cached."""
     from kdlab.data import encode_prompts
     from kdlab.models.loading import end_token_ids
     from kdlab.objectives.logits import completion_logits
-    from kdlab.rollouts.policies import RolloutContext, TeacherRollouts
+    from kdlab.rollouts.policies import RolloutContext, TeacherDatasetRollouts
 
-    policy = TeacherRollouts(dataset=dataset)
+    policy = TeacherDatasetRollouts(dataset)
     examples = [example for example in task.examples("train") if policy.covers(example)]
     vocab = len(tokenizer)
     device = next(teacher.parameters()).device
@@ -100,7 +100,7 @@ def generate_teacher_data(
         seed: the sampling stream.
         device: where the teacher runs (``cpu``, ``cuda``).
         top_k: also write ``<output>.topk.safetensors``, the teacher's ``top_k`` log-probs at every position
-            of every kept completion (:mod:`kdlab.rollouts.teacher_cache`), for ``TeacherRollouts.teacher_cache``.
+            of every kept completion (:mod:`kdlab.rollouts.teacher_cache`), for ``CachedTeacherRollouts.teacher_cache``.
         cache_temperature: the teacher temperature of the cached log-probs; must equal the distillation's
             ``teacher_temperature`` (paper: 0.5). ``max_new_tokens`` also bounds the cached completions.
         engine: ``hf`` (kdlab's batched KV-cache decoder on ``device``) or ``vllm`` (``pip install

@@ -39,6 +39,7 @@ from kdlab.objectives.logits import (
     fused_head_unsupported,
 )
 from kdlab.rollouts.policies import (
+    CachedTeacherRollouts,
     RolloutContext,
     RolloutPolicy,
     TeacherRollouts,
@@ -55,7 +56,7 @@ class DistillModule(TaskStage):
     Args:
         student: the model trained (all its parameters, full fine-tuning).
         teacher: the frozen model distilled from; must share the student's vocabulary. ``None`` when the
-            rollout is ``TeacherRollouts`` with a ``teacher_cache``: the teacher then never sits in
+            rollout is :class:`~kdlab.rollouts.policies.CachedTeacherRollouts`: the teacher then never sits in
             training memory (callbacks that sample from the teacher cannot be used).
         task: prompts, per-model prompting and the verifier used for validation accuracy.
         rollout: who writes completions (default :class:`~kdlab.rollouts.policies.TeacherRollouts`, online).
@@ -132,9 +133,9 @@ class DistillModule(TaskStage):
             raise ValueError(f"DistillModule.warmup_steps must be >= 0, got {warmup_steps}")
         self.student_spec = ModelSpec(student) if isinstance(student, str) else student
         self.teacher_spec = ModelSpec(teacher) if isinstance(teacher, str) else teacher
-        cache = getattr(rollout, "cache", None)
+        cache = rollout.cache if isinstance(rollout, CachedTeacherRollouts) else None
         if teacher is None and cache is None:
-            raise ValueError("DistillModule.teacher is required unless the rollout is TeacherRollouts with a teacher_cache")
+            raise ValueError("DistillModule.teacher is required unless the rollout is CachedTeacherRollouts (a teacher_cache)")
         self.rollout = rollout if rollout is not None else TeacherRollouts()
         self.objective = objective if objective is not None else ForwardKL()
         self.teacher_temperature = teacher_temperature
@@ -159,10 +160,10 @@ class DistillModule(TaskStage):
             self.hold_frozen("teacher", load_causal_lm(self.teacher_spec, "teacher", config=teacher_config))
         if cache is not None:
             if cache.vocab_size != self.token_columns:
-                raise ValueError(f"TeacherRollouts.teacher_cache {cache.path!r} has vocabulary {cache.vocab_size}, the student {self.token_columns}")
+                raise ValueError(f"CachedTeacherRollouts.teacher_cache {cache.path!r} has vocabulary {cache.vocab_size}, the student {self.token_columns}")
             if not math.isclose(cache.temperature, teacher_temperature):
                 raise ValueError(
-                    f"TeacherRollouts.teacher_cache {cache.path!r} holds log-probs at teacher temperature {cache.temperature}, "
+                    f"CachedTeacherRollouts.teacher_cache {cache.path!r} holds log-probs at teacher temperature {cache.temperature}, "
                     f"but DistillModule.teacher_temperature is {teacher_temperature}"
                 )
         self.student.train()  # from_pretrained returns eval mode; Lightning keeps modes as it finds them
@@ -181,7 +182,7 @@ class DistillModule(TaskStage):
     def teacher(self) -> torch.nn.Module:
         """The frozen teacher (eval mode, outside the module's state; see ``TaskStage.hold_frozen``)."""
         if "teacher" not in self._frozen:
-            raise RuntimeError("this run has no teacher model (teacher: null, its outputs come from TeacherRollouts.teacher_cache)")
+            raise RuntimeError("this run has no teacher model (teacher: null, its outputs come from CachedTeacherRollouts.teacher_cache)")
         return self._frozen["teacher"]
 
     def components(self) -> dict[str, Component]:

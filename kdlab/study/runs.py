@@ -29,6 +29,9 @@ COLUMN_KEYS = (
     "model.objective.class_path",
     "model.lr",
 )
+# the teacher-written rollout policies (kdlab.rollouts.policies): a report names them all TeacherRollouts
+# (OffPD), as it did when TeacherRollouts(dataset=..., teacher_cache=...) spelled the other two
+TEACHER_ROLLOUTS = frozenset({"TeacherRollouts", "TeacherDatasetRollouts", "CachedTeacherRollouts"})
 
 
 # ---- reading runs --------------------------------------------------------------------------------
@@ -165,6 +168,8 @@ def read_run(run_dir: str | Path) -> RunResult:
     # DistillModule's defaults; another stage (GRPO, SFT) has no rollout policy or KL objective: its
     # name stands in both columns, so it never reads as (or takes the paper's numbers of) a distillation
     rollout_name = _class_name(rollout, "TeacherRollouts") if stage == "DistillModule" else stage
+    teacher_spelling = rollout_name in TEACHER_ROLLOUTS - {"TeacherRollouts"}
+    rollout_name = "TeacherRollouts" if rollout_name in TEACHER_ROLLOUTS else rollout_name
     lam = None
     if rollout_name == "MixtureRollouts":
         lam = float(((rollout.get("init_args") or {}) if isinstance(rollout, dict) else {}).get("lam", 0.0))
@@ -175,6 +180,9 @@ def read_run(run_dir: str | Path) -> RunResult:
         for key, value in _flatten(_settings_config(config)).items()
         if not any(key == k or key.startswith(k + ".") for k in PER_RUN_KEYS)
     }
+    for key in ("model.rollout.class_path", "model.init_args.rollout.class_path"):
+        if teacher_spelling and key in settings:  # the same configuration as a run that wrote TeacherRollouts(dataset=...)
+            settings[key] = json.dumps("kdlab.rollouts.TeacherRollouts")
     series = read_metrics(run_dir)
     unfinished, flag = run_status(run_dir, config, series)
     return RunResult(
