@@ -1,4 +1,4 @@
-"""A run's folder and its metrics file.
+"""A run's folder, its metrics file and its evaluation samples.
 
 Every number a run logs reaches ``<log_dir>/metrics.jsonl`` through one Lightning logger,
 :class:`MetricsFile`: the stages' ``self.log`` values (at Lightning's ``log_every_n_steps``) and the
@@ -90,6 +90,20 @@ def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int | None
     values = {name: float(value) for name, value in metrics.items()}
     for logger in trainer.loggers:
         logger.log_metrics(values, step=step)
+
+
+def write_samples(trainer: pl.Trainer, split: str, records: list[dict[str, Any]]) -> Path:
+    """Write one evaluation's per-example ``records`` (JSON objects) to
+    ``<log_dir>/samples/<split>-step<global step, 6 digits>[-rank<r>].jsonl`` and return that path; under
+    several processes each rank writes the shard it evaluated. Call it on every rank (it reads
+    :func:`run_directory`). :func:`kdlab.cli.resume.trim_logs` drops the files of steps after a checkpoint."""
+    rank = f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""
+    path = Path(run_directory(trainer)) / "samples" / f"{split}-step{trainer.global_step:06d}{rank}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return path
 
 
 def metrics_lines(path: str | Path) -> Iterator[tuple[int, str, float]]:

@@ -260,7 +260,7 @@ def test_misspellings_get_the_nearest_name_and_a_malformed_yaml_names_its_file_a
 def test_an_overlay_without_its_base_says_which_command_runs_it(capsys):
     overlay = str(Path(SMOKE).with_name("onpd_rkl.yaml"))
     status, last = entry_error(capsys, ["fit", f"--config={overlay}"])
-    assert status == 2 and f"is an overlay of experiments/tiny/quickstart.yaml: run `kdlab fit --config experiments/tiny/quickstart.yaml --config experiments/tiny/onpd_rkl.yaml`" in last
+    assert status == 2 and "is an overlay of experiments/tiny/quickstart.yaml: run `kdlab fit --config experiments/tiny/quickstart.yaml --config experiments/tiny/onpd_rkl.yaml`" in last
 
 
 def test_a_hub_id_that_cannot_be_reached_fails_at_once_naming_the_key(tmp_path, capsys, monkeypatch):
@@ -318,7 +318,7 @@ def test_the_console_says_where_the_run_goes_how_it_progresses_and_what_it_measu
     assert lines[0].startswith("[kdlab] CPU threads: ")  # chosen (OMP_NUM_THREADS unset) and said
     assert f"[kdlab] run directory: {run_dir}" in out
     assert [line.split(" train/loss")[0] for line in lines if line.startswith("[kdlab] step ")] == [f"[kdlab] step {s}/6" for s in range(1, 7)]
-    assert f"[kdlab] fit finished at step 6 in" in out and f"results in {run_dir}" in out
+    assert "[kdlab] fit finished at step 6 in" in out and f"results in {run_dir}" in out
     assert "  coverage/addition/pass@1: 0.0% at step 0 -> 0.0% at step 6  (Coverage callback" in out
     # val/accuracy is a self.log value: metrics.jsonl has it at Lightning's logger steps (validations after steps 3 and 6)
     assert "  val/accuracy: 0.0% at step 2 -> 0.0% at step 5  (held-out accuracy" in out

@@ -184,10 +184,10 @@ def test_settings_beyond_the_columns_are_not_averaged_together(tmp_path):
     assert groups[0].stats("val/accuracy")[:2] == pytest.approx((0.3, math.sqrt(0.02)))
 
 
-def test_teacher_dataset_and_cache_runs_are_reported_as_teacher_rollouts(tmp_path, capsys):
-    """TeacherDatasetRollouts and CachedTeacherRollouts were TeacherRollouts(dataset=..., teacher_cache=...):
-    a report names them TeacherRollouts (OffPD) as before, and a run of each spelling of one setting is
-    one configuration (two seeds); the cache (another setting) is its own."""
+def test_teacher_dataset_and_cache_runs_are_reported_under_the_class_they_built(tmp_path, capsys):
+    """kdlab 0.1's TeacherRollouts(dataset=..., teacher_cache=...) built what TeacherDatasetRollouts and
+    CachedTeacherRollouts build now: a report names each run by the class it built, a run of each spelling
+    of one setting is one configuration (two seeds), and all three teacher policies are OffPD."""
     from kdlab.study.runs import read_run
 
     data = {"dataset": "data/teacher.jsonl"}
@@ -196,22 +196,23 @@ def test_teacher_dataset_and_cache_runs_are_reported_as_teacher_rollouts(tmp_pat
     make_run(tmp_path, "new", "TeacherDatasetRollouts", "ForwardKL", 1e-3, 43, [{"step": 4, "val/accuracy": 0.4}], rollout_args=data)
     make_run(tmp_path, "old-cached", "TeacherRollouts", "ForwardKL", 1e-3, 42, [{"step": 4, "val/accuracy": 0.6}], rollout_args=cache)
     make_run(tmp_path, "cached", "CachedTeacherRollouts", "ForwardKL", 1e-3, 43, [{"step": 4, "val/accuracy": 0.8}], rollout_args=cache)
+    make_run(tmp_path, "online", "TeacherRollouts", "ForwardKL", 1e-3, 42, [{"step": 4, "val/accuracy": 0.1}])
     make_run(tmp_path, "on", "StudentRollouts", "ForwardKL", 1e-3, 42, [{"step": 4, "val/accuracy": 0.5}])
-    assert {name: read_run(tmp_path / name).rollout for name in ("new", "cached", "on")} == {
-        "new": "TeacherRollouts", "cached": "TeacherRollouts", "on": "StudentRollouts"}
+    assert {name: read_run(tmp_path / name).rollout for name in ("old", "new", "old-cached", "cached", "online", "on")} == {
+        "old": "TeacherDatasetRollouts", "new": "TeacherDatasetRollouts", "old-cached": "CachedTeacherRollouts",
+        "cached": "CachedTeacherRollouts", "online": "TeacherRollouts", "on": "StudentRollouts"}
     found, _ = collect(sorted(tmp_path.iterdir()))
     groups = group_runs(found, {})
     assert [(g.rollout, g.kind, sorted(r.path.name for r in g.runs)) for g in groups] == [
-        ("TeacherRollouts", "OffPD", ["new", "old"]),
-        ("TeacherRollouts", "OffPD", ["cached", "old-cached"]),
+        ("CachedTeacherRollouts", "OffPD", ["cached", "old-cached"]),
+        ("TeacherDatasetRollouts", "OffPD", ["new", "old"]),
+        ("TeacherRollouts", "OffPD", ["online"]),
         ("StudentRollouts", "OnPD", ["on"]),
     ]
-    assert groups[0].stats("val/accuracy")[:2] == pytest.approx((0.3, math.sqrt(0.02)))
+    assert groups[1].stats("val/accuracy")[:2] == pytest.approx((0.3, math.sqrt(0.02)))
     main(["report", *sorted(str(p) for p in tmp_path.iterdir()), "--output", str(tmp_path / "report")])
     rows = markdown_table((tmp_path / "report" / "report.md").read_text(), "## Results by configuration")
-    assert sorted(r["rollout"] for r in rows) == ["StudentRollouts", "TeacherRollouts", "TeacherRollouts"]
-    text = (tmp_path / "report" / "report.md").read_text()
-    assert "TeacherDatasetRollouts" not in text and "CachedTeacherRollouts" not in text
+    assert [r["rollout"] for r in rows] == ["CachedTeacherRollouts", "TeacherDatasetRollouts", "TeacherRollouts", "StudentRollouts"]
 
 
 def test_missing_matplotlib_names_the_extra(runs, tmp_path, monkeypatch):

@@ -172,7 +172,7 @@ def teacher_files(module, tmp_path, ended=True):
         logprobs = torch.log(torch.tensor([[0.75, 0.25]])).expand(len(tokens), 2)
         rows[ex["id"]] = {"tokens": torch.tensor(tokens), "indices": indices, "logprobs": logprobs}
     cache = tmp_path / "teacher.jsonl.topk.safetensors"
-    write_cache(cache, rows, {"top_k": 2, "temperature": module.teacher_temperature, "vocab_size": module.token_columns, "teacher": "t"})
+    write_cache(cache, rows, {"top_k": 2, "temperature": module.teacher_temperature, "token_columns": module.token_columns, "teacher": "t"})
     return examples, str(data), str(cache)
 
 

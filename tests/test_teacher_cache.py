@@ -64,7 +64,7 @@ def test_a_top_k_batch_gives_every_objective_the_same_loss_and_gradient_as_its_d
 
 def test_padding_of_a_top_k_batch_is_the_uniform_distribution():
     rows = [(torch.tensor([[3, 1]]), torch.log(torch.tensor([[0.5, 0.25]])))]
-    lazy = TopKLogprobs.from_rows(rows, length=3, k=2, vocab_size=10)
+    lazy = TopKLogprobs.from_rows(rows, length=3, k=2, token_columns=10)
     probs = lazy.dense().exp()
     assert torch.allclose(probs[0, 0, [3, 1]], torch.tensor([0.5, 0.25]))
     assert torch.allclose(probs[0, 1:], torch.full((2, 10), 0.1))
@@ -75,7 +75,10 @@ def test_cache_files_check_what_they_were_computed_on(tmp_path):
     rows = {"a": {"tokens": torch.tensor([5, 6, 7]), "indices": torch.zeros(3, 2, dtype=torch.long), "logprobs": torch.zeros(3, 2)}}
     write_cache(path, rows, {"top_k": 2, "temperature": 0.5, "vocab_size": 10, "teacher": "t"})
     cache = TeacherCache(str(path))
-    assert (cache.top_k, cache.temperature, cache.vocab_size, cache.ids) == (2, 0.5, 10, {"a"})
+    assert (cache.top_k, cache.temperature, cache.token_columns, cache.ids) == (2, 0.5, 10, {"a"})  # a kdlab 0.1 file
+    current = tmp_path / "current.safetensors"
+    write_cache(current, rows, {"top_k": 2, "temperature": 0.5, "token_columns": 12, "teacher": "t"})
+    assert TeacherCache(str(current)).token_columns == 12  # the name kdlab generate writes now
     assert cache.row("a", [5, 6])[0].shape == (2, 2)  # a prefix (shorter max length) is fine
     with pytest.raises(ValueError, match="example 'a' was cached on other completion tokens"):
         cache.row("a", [5, 9])

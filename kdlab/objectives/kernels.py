@@ -41,12 +41,12 @@ DIAGNOSTICS = ("kl_forward", "kl_reverse", "student_entropy", "teacher_entropy")
 """The names, in order, of the columns of :attr:`RowStatistics.diagnostics`."""
 
 
-def block_rows(vocab_size: int, chunk_size: int, device: torch.device) -> int:
+def block_rows(columns: int, chunk_size: int, device: torch.device) -> int:
     """Rows per block: the whole chunk on an accelerator; on the CPU as many rows as fit
     :data:`CPU_BLOCK_ELEMENTS` (at least one, at most ``chunk_size``)."""
     if device.type != "cpu":
         return chunk_size
-    return max(1, min(chunk_size, CPU_BLOCK_ELEMENTS // max(vocab_size, 1)))
+    return max(1, min(chunk_size, CPU_BLOCK_ELEMENTS // max(columns, 1)))
 
 
 def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -62,8 +62,8 @@ class Workspace:
     """Buffers ``(rows, V)`` in one dtype and device, allocated on first use and reused by every block
     of one objective call (a fresh large allocation per block would pay page faults each time)."""
 
-    def __init__(self, rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.rows, self.vocab_size, self.dtype, self.device = rows, vocab_size, dtype, device
+    def __init__(self, rows: int, columns: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.rows, self.columns, self.dtype, self.device = rows, columns, dtype, device
         self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
     def get(self, name: str, k: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -72,7 +72,7 @@ class Workspace:
         dtype = dtype or self.dtype
         buffer = self._buffers.get((name, dtype))
         if buffer is None:
-            buffer = torch.empty(self.rows, self.vocab_size, dtype=dtype, device=self.device)
+            buffer = torch.empty(self.rows, self.columns, dtype=dtype, device=self.device)
             self._buffers[(name, dtype)] = buffer
         return buffer[:k]
 

@@ -6,7 +6,9 @@ and read by ``CachedTeacherRollouts(dataset=..., teacher_cache=...)``. The file 
 per example id ``<id>/tokens`` ``(C,)`` (the completion tokens the rollouts will use, end token included),
 ``<id>/indices`` ``(C, k)`` and ``<id>/logprobs`` ``(C, k)`` (the teacher's k most likely tokens and
 their log-probs under ``softmax(z_T / temperature)``), and metadata: ``top_k``, ``temperature``,
-``vocab_size``, ``teacher``.
+``token_columns`` (the columns ``V`` of the distributions: the student's and teacher's shared
+tokens, :attr:`DistillModule.token_columns <kdlab.stages.distill.DistillModule>`; files written before
+this name read theirs from ``token_columns``), ``teacher``.
 
 **How full-vocabulary objectives treat a top-k teacher.** The cached teacher is the distribution that
 keeps the k cached probabilities exactly and spreads the remaining mass ``1 - sum_k p_T`` uniformly over
@@ -42,17 +44,17 @@ def top_k_logprobs(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tu
     return indices, values
 
 
-def expand_topk(indices: torch.Tensor, logprobs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def expand_topk(indices: torch.Tensor, logprobs: torch.Tensor, token_columns: int) -> torch.Tensor:
     """Full log-probs ``(..., V)``: the cached ``k`` exactly, the remaining mass spread evenly over the
     other ``V - k`` tokens (see the module docstring). Rows sum to 1 (up to ``TAIL_FLOOR`` when the top k
     already hold everything)."""
     k = indices.shape[-1]
-    if k == vocab_size:
-        full = torch.empty(*indices.shape[:-1], vocab_size, dtype=torch.float32, device=logprobs.device)
+    if k == token_columns:
+        full = torch.empty(*indices.shape[:-1], token_columns, dtype=torch.float32, device=logprobs.device)
         return full.scatter_(-1, indices.long(), logprobs.float())
     tail = (1.0 - logprobs.float().exp().sum(-1, keepdim=True)).clamp(min=TAIL_FLOOR)
-    fill = torch.log(tail) - math.log(vocab_size - k)
-    full = fill.expand(*indices.shape[:-1], vocab_size).clone()
+    fill = torch.log(tail) - math.log(token_columns - k)
+    full = fill.expand(*indices.shape[:-1], token_columns).clone()
     return full.scatter_(-1, indices.long(), logprobs.float())
 
 
@@ -63,27 +65,27 @@ class TopKLogprobs(LazyLogits):
 
     Positions past a row's cached length (padding) stand for the uniform distribution."""
 
-    def __init__(self, indices: torch.Tensor, logprobs: torch.Tensor, vocab_size: int) -> None:
+    def __init__(self, indices: torch.Tensor, logprobs: torch.Tensor, token_columns: int) -> None:
         if indices.shape != logprobs.shape or indices.dim() != 3:
             raise ValueError(f"TopKLogprobs: indices and logprobs must both be (B, C, k), got {tuple(indices.shape)}, {tuple(logprobs.shape)}")
-        if indices.shape[-1] > vocab_size:
-            raise ValueError(f"TopKLogprobs: k = {indices.shape[-1]} exceeds the vocabulary ({vocab_size})")
-        self.indices, self.logprobs, self.vocab_size = indices.long(), logprobs.float(), vocab_size
+        if indices.shape[-1] > token_columns:
+            raise ValueError(f"TopKLogprobs: k = {indices.shape[-1]} exceeds the token columns ({token_columns})")
+        self.indices, self.logprobs, self.token_columns = indices.long(), logprobs.float(), token_columns
 
     @classmethod
-    def from_rows(cls, rows: list[tuple[torch.Tensor, torch.Tensor]], length: int, k: int, vocab_size: int) -> TopKLogprobs:
+    def from_rows(cls, rows: list[tuple[torch.Tensor, torch.Tensor]], length: int, k: int, token_columns: int) -> TopKLogprobs:
         """Stack per-example ``(indices (n_i, k), logprobs (n_i, k))`` into ``(B, length, k)``; padding
         holds k tokens at ``log(1/V)`` each, which :func:`expand_topk` turns into the uniform distribution."""
         indices = torch.arange(k).expand(len(rows), length, k).clone()
-        logprobs = torch.full((len(rows), length, k), -math.log(vocab_size))
+        logprobs = torch.full((len(rows), length, k), -math.log(token_columns))
         for row, (row_indices, row_logprobs) in enumerate(rows):
             indices[row, : row_indices.shape[0]] = row_indices
             logprobs[row, : row_logprobs.shape[0]] = row_logprobs
-        return cls(indices, logprobs, vocab_size)
+        return cls(indices, logprobs, token_columns)
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((*self.indices.shape[:2], self.vocab_size))
+        return torch.Size((*self.indices.shape[:2], self.token_columns))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -95,17 +97,17 @@ class TopKLogprobs(LazyLogits):
 
     def rows(self, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         b, t = b.to(self.device), t.to(self.device)
-        return expand_topk(self.indices[b, t], self.logprobs[b, t], self.vocab_size).to(dtype)
+        return expand_topk(self.indices[b, t], self.logprobs[b, t], self.token_columns).to(dtype)
 
     def detach(self) -> TopKLogprobs:
         return self
 
     def to(self, device: torch.device | str) -> TopKLogprobs:
-        return TopKLogprobs(self.indices.to(device), self.logprobs.to(device), self.vocab_size)
+        return TopKLogprobs(self.indices.to(device), self.logprobs.to(device), self.token_columns)
 
     def dense(self) -> torch.Tensor:
         """The full ``(B, C, V)`` log-probs (for tests and small vocabularies only)."""
-        return expand_topk(self.indices, self.logprobs, self.vocab_size)
+        return expand_topk(self.indices, self.logprobs, self.token_columns)
 
 
 def write_cache(path: str | Path, rows: dict[str, dict[str, torch.Tensor]], metadata: dict[str, Any]) -> None:
@@ -141,12 +143,14 @@ class TeacherCache:
             metadata = self._file.metadata() or {}
         except Exception as error:  # safetensors raises its own error types for a corrupt header
             raise ValueError(f"{setting} {path!r}: not a readable safetensors file ({error})") from error
-        missing = [key for key in ("top_k", "temperature", "vocab_size") if key not in metadata]
+        if "token_columns" not in metadata and "vocab_size" in metadata:  # a cache written before the rename
+            metadata = {**metadata, "token_columns": metadata["vocab_size"]}
+        missing = [key for key in ("top_k", "temperature", "token_columns") if key not in metadata]
         if missing:
             raise ValueError(f"{setting} {path!r}: not a kdlab teacher cache (metadata lacks {missing})")
         self.path, self.setting = path, setting
         self.top_k, self.temperature = int(metadata["top_k"]), float(metadata["temperature"])
-        self.vocab_size, self.teacher = int(metadata["vocab_size"]), metadata.get("teacher", "?")
+        self.token_columns, self.teacher = int(metadata["token_columns"]), metadata.get("teacher", "?")
         self.ids = {key.rsplit("/", 1)[0] for key in self._file.keys()}
 
     def row(self, example_id: str, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

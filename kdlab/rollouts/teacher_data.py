@@ -60,7 +60,7 @@ def build_teacher_cache(
                 "indices": indices[row, :length].cpu(),
                 "logprobs": logprobs[row, :length].cpu(),
             }
-    write_cache(output, rows, {"top_k": top_k, "temperature": temperature, "vocab_size": vocab, "teacher": teacher_name})
+    write_cache(output, rows, {"top_k": top_k, "temperature": temperature, "token_columns": vocab, "teacher": teacher_name})
     return len(rows)
 
 ENGINES = ("hf", "vllm")

@@ -7,7 +7,7 @@ documented API (``vllm.LLM``, ``SamplingParams``, ``TokensPrompt``, ``LLM.genera
 CPU: the translation of kdlab's sampling settings (:func:`sampling_params`), the mapping of a trained
 (FSDP/DDP/LoRA/compile-wrapped) student's parameter names to the Hugging Face names vLLM loads
 (:func:`kdlab.models.export.hf_weight_name`, :func:`kdlab.models.export.merged_weights`), and the importance weight that
-corrects for a stale sampler (:func:`importance_weights`).
+corrects for a stale sampler (:func:`kdlab.rollouts.policies.importance_weights`).
 
 On-policy use: the student's current weights are pushed into the engine every ``sync_every`` optimiser
 steps. Between pushes the engine samples from a slightly older policy q. In distillation every

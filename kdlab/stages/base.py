@@ -17,9 +17,7 @@ implement ``training_step``. Callbacks of :mod:`kdlab.callbacks` work on any ``T
 from __future__ import annotations
 
 import hashlib
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,7 +29,7 @@ from kdlab.evaluation.metrics import PassAtK
 from kdlab.evaluation.scoring import completion_texts
 from kdlab.provenance import write_run_info
 from kdlab.rollouts.decoding import stop_strings_check
-from kdlab.runlog import metrics_file, run_directory
+from kdlab.runlog import metrics_file, run_directory, write_samples
 from kdlab.stages.loaders import EpochShuffle, ResumableLoader
 from kdlab.stages.optim import FiniteAdamW
 from kdlab.stages.sharding import fsdp1_root, global_grad_norm, shard_fsdp2, wrap_fsdp1
@@ -94,7 +92,7 @@ class TaskStage(pl.LightningModule):
         self.max_prompt_tokens, self.max_completion_tokens = max_prompt_tokens, max_completion_tokens
         self.val_examples, self.val_temperature, self.val_batch_size = val_examples, val_temperature, val_batch_size
         self.eval_samples = eval_samples
-        self.pass_at_k = torch.nn.ModuleDict({stage: PassAtK(ks=tuple(eval_ks)) for stage in ("val", "test")})
+        self.pass_at_k = torch.nn.ModuleDict({split: PassAtK(ks=tuple(eval_ks)) for split in ("val", "test")})
         self.seed = seed
         self.stop_strings = [text for text in (stop_strings or []) if text]
         self._eval_records: list[dict[str, Any]] = []
@@ -335,18 +333,11 @@ class TaskStage(pl.LightningModule):
         self._finish_evaluation("test")
 
     def _write_records(self, split: str) -> None:
-        """Per-example results (prompt, completion, score) as JSONL beside the TensorBoard logs."""
+        """This evaluation's per-example results (prompt, completion, score) to the run's ``samples/``
+        (:func:`~kdlab.runlog.write_samples`); none during the sanity check."""
         records, self._eval_records = self._eval_records, []
-        trainer = self._trainer
-        if trainer is None or trainer.sanity_checking:
-            return
-        log_dir = run_directory(trainer)  # on every rank: it is a collective call
-        rank = f"-rank{trainer.global_rank}" if trainer.world_size > 1 else ""  # each rank saw its own shard
-        path = Path(log_dir) / "samples" / f"{split}-step{self.global_step:06d}{rank}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w", encoding="utf-8") as handle:
-            for record in records:
-                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        if self._trainer is not None and not self._trainer.sanity_checking:
+            write_samples(self._trainer, split, records)
 
     def on_fit_start(self) -> None:
         log_dir = run_directory(self.trainer)  # on every rank: it is a collective call

@@ -91,7 +91,7 @@ class DistillModule(TaskStage):
             ``false`` always takes the logits path.
         stop_strings: rollouts and evaluation also stop once a completion contains one of these.
         seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each
-            step's streams are derived from (seed, stage, rank, epoch, batch index) and each epoch's
+            step's streams are derived from (seed, split, rank, epoch, batch index) and each epoch's
             order from (seed, epoch), not from how long the process has been running.
     """
 
@@ -159,8 +159,8 @@ class DistillModule(TaskStage):
         if teacher is not None:
             self.hold_frozen("teacher", load_causal_lm(self.teacher_spec, "teacher", config=teacher_config))
         if cache is not None:
-            if cache.vocab_size != self.token_columns:
-                raise ValueError(f"CachedTeacherRollouts.teacher_cache {cache.path!r} has vocabulary {cache.vocab_size}, the student {self.token_columns}")
+            if cache.token_columns != self.token_columns:
+                raise ValueError(f"CachedTeacherRollouts.teacher_cache {cache.path!r} has {cache.token_columns} token columns, the student {self.token_columns}")
             if not math.isclose(cache.temperature, teacher_temperature):
                 raise ValueError(
                     f"CachedTeacherRollouts.teacher_cache {cache.path!r} holds log-probs at teacher temperature {cache.temperature}, "

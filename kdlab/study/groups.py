@@ -17,10 +17,10 @@ import pandas as pd
 
 from kdlab.study.grid import short_keys, value_label
 from kdlab.study.paper import PAPER_LR, PAPER_RESULTS, PaperResult
-from kdlab.study.runs import COLUMN_KEYS, RunResult, read_samples
+from kdlab.study.runs import COLUMN_KEYS, TEACHER_ROLLOUTS, RunResult, read_samples
 from kdlab.study.stats import bootstrap_interval, wilson_interval
 
-ROLLOUT_ORDER = {"TeacherRollouts": 0, "MixtureRollouts": 1, "StudentRollouts": 2}
+ROLLOUT_ORDER = {"TeacherRollouts": 0, "TeacherDatasetRollouts": 0, "CachedTeacherRollouts": 0, "MixtureRollouts": 1, "StudentRollouts": 2}
 
 
 # ---- configurations ------------------------------------------------------------------------------
@@ -75,7 +75,7 @@ class Group:
     @property
     def kind(self) -> str | None:
         """The paper's name for the rollout policy, where it has one."""
-        if self.rollout == "TeacherRollouts" or (self.lam is not None and math.isclose(self.lam, -1.0)):
+        if self.rollout in TEACHER_ROLLOUTS or (self.lam is not None and math.isclose(self.lam, -1.0)):
             return "OffPD"
         if self.rollout == "StudentRollouts" or (self.lam is not None and math.isclose(self.lam, 1.0)):
             return "OnPD"

@@ -29,8 +29,7 @@ COLUMN_KEYS = (
     "model.objective.class_path",
     "model.lr",
 )
-# the teacher-written rollout policies (kdlab.rollouts.policies): a report names them all TeacherRollouts
-# (OffPD), as it did when TeacherRollouts(dataset=..., teacher_cache=...) spelled the other two
+# the teacher-written rollout policies (kdlab.rollouts.policies): the paper's OffPD, each under its own name
 TEACHER_ROLLOUTS = frozenset({"TeacherRollouts", "TeacherDatasetRollouts", "CachedTeacherRollouts"})
 
 
@@ -124,6 +123,17 @@ def _class_name(value: Any, default: str) -> str:
     return value.rsplit(".", 1)[-1] if isinstance(value, str) else default
 
 
+def _rollout_class(rollout: Any) -> str:
+    """The rollout policy class a config builds: kdlab 0.1's ``TeacherRollouts`` with a ``dataset`` (and a
+    ``teacher_cache``) builds ``TeacherDatasetRollouts`` (``CachedTeacherRollouts``), as
+    ``TeacherRollouts.__new__`` does."""
+    name = _class_name(rollout, "TeacherRollouts")
+    init_args = (rollout.get("init_args") or {}) if isinstance(rollout, dict) else {}
+    if name == "TeacherRollouts" and init_args.get("dataset") is not None:
+        return "CachedTeacherRollouts" if init_args.get("teacher_cache") is not None else "TeacherDatasetRollouts"
+    return name
+
+
 @dataclass
 class RunResult:
     """One run: what was run (from ``config.yaml``) and every metric's series."""
@@ -167,9 +177,8 @@ def read_run(run_dir: str | Path) -> RunResult:
     rollout = model.get("rollout") or {}
     # DistillModule's defaults; another stage (GRPO, SFT) has no rollout policy or KL objective: its
     # name stands in both columns, so it never reads as (or takes the paper's numbers of) a distillation
-    rollout_name = _class_name(rollout, "TeacherRollouts") if stage == "DistillModule" else stage
-    teacher_spelling = rollout_name in TEACHER_ROLLOUTS - {"TeacherRollouts"}
-    rollout_name = "TeacherRollouts" if rollout_name in TEACHER_ROLLOUTS else rollout_name
+    rollout_name = _rollout_class(rollout) if stage == "DistillModule" else stage
+    old_spelling = stage == "DistillModule" and rollout_name != _class_name(rollout, "TeacherRollouts")
     lam = None
     if rollout_name == "MixtureRollouts":
         lam = float(((rollout.get("init_args") or {}) if isinstance(rollout, dict) else {}).get("lam", 0.0))
@@ -181,8 +190,8 @@ def read_run(run_dir: str | Path) -> RunResult:
         if not any(key == k or key.startswith(k + ".") for k in PER_RUN_KEYS)
     }
     for key in ("model.rollout.class_path", "model.init_args.rollout.class_path"):
-        if teacher_spelling and key in settings:  # the same configuration as a run that wrote TeacherRollouts(dataset=...)
-            settings[key] = json.dumps("kdlab.rollouts.TeacherRollouts")
+        if old_spelling and key in settings:  # TeacherRollouts(dataset=...): the same configuration as the class it built
+            settings[key] = json.dumps(f"kdlab.rollouts.{rollout_name}")
     series = read_metrics(run_dir)
     unfinished, flag = run_status(run_dir, config, series)
     return RunResult(

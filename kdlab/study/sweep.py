@@ -91,7 +91,7 @@ def _fit_in_process(args: list[str]) -> int:
         # Lightning answers Ctrl+C during fit with sys.exit(1) inside its ``except KeyboardInterrupt``: stop the sweep
         if isinstance(exit_info.__context__, KeyboardInterrupt):
             raise KeyboardInterrupt from exit_info
-        # SIGTERM (a cluster's time limit): Lightning's SIGTERMException, status 143 (kdlab's FinalCheckpoint)
+        # SIGTERM (a cluster's time limit): Lightning's SIGTERMException, status 143 (kdlab's ExceptionCheckpoint)
         if exit_info.code == 128 + signal.SIGTERM or type(exit_info).__name__ == "SIGTERMException":
             raise KeyboardInterrupt from exit_info  # stop the sweep, as Ctrl+C does, rather than start the next run
         raise RunFailed(f"fit exited with status {exit_info.code} before training (see its messages above)") from None

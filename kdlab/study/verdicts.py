@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kdlab.study.groups import Group, group_runs, lr_levels
-from kdlab.study.runs import RunResult, read_run, read_samples
+from kdlab.study.runs import TEACHER_ROLLOUTS, RunResult, read_run, read_samples
 from kdlab.study.stats import bootstrap_contrast
 from kdlab.study.tables import markdown_table, write_csv
 
@@ -326,7 +326,8 @@ def rlvr_edge(study: Study) -> Verdict:
         distilled = Path(run.path).resolve().parent
         source = study.root / "distill" / distilled.name
         if (source / "config.yaml").is_file():
-            kind = {"StudentRollouts": "OnPD", "TeacherRollouts": "OffPD"}.get(read_run(source).rollout)
+            rollout = read_run(source).rollout
+            kind = "OffPD" if rollout in TEACHER_ROLLOUTS else {"StudentRollouts": "OnPD"}.get(rollout)
             if kind:
                 after[kind].append(run)
 
