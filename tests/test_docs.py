@@ -51,3 +51,17 @@ def test_the_readme_notebook_example_logs_to_tensorboard_under_runs(tmp_path, mo
     events.Reload()
     assert {"train/loss", "train/kl_forward", "train/max_gap"} <= set(events.Tags()["scalars"])
     assert len(events.Scalars("train/loss")) == 10
+
+
+def test_every_test_a_page_cites_exists():
+    """A doc sentence that names its test (`tests/test_x.py::test_name`) names one that exists."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    cited = {(page.relative_to(root), file, name) for page in pages
+             for file, name in re.findall(r"(tests/[\w/]+\.py)::(\w+)", page.read_text(encoding="utf-8"))}
+    assert len(cited) > 20  # the pattern finds the citations
+    missing = [(str(page), f"{file}::{name}") for page, file, name in sorted(cited)
+               if not (root / file).is_file() or not re.search(rf"^(?:async )?def {name}\(", (root / file).read_text(encoding="utf-8"), re.M)]
+    assert not missing, missing
