@@ -7,8 +7,8 @@ per example id ``<id>/tokens`` ``(C,)`` (the completion tokens the rollouts will
 ``<id>/indices`` ``(C, k)`` and ``<id>/logprobs`` ``(C, k)`` (the teacher's k most likely tokens and
 their log-probs under ``softmax(z_T / temperature)``), and metadata: ``top_k``, ``temperature``,
 ``token_columns`` (the columns ``V`` of the distributions: the student's and teacher's shared
-tokens, :attr:`DistillModule.token_columns <kdlab.stages.distill.DistillModule>`; files written before
-this name read theirs from ``token_columns``), ``teacher``.
+tokens, ``DistillModule.token_columns``; a file written by kdlab 0.1 names it ``vocab_size``, and is
+read as well), ``teacher``.
 
 **How full-vocabulary objectives treat a top-k teacher.** The cached teacher is the distribution that
 keeps the k cached probabilities exactly and spreads the remaining mass ``1 - sum_k p_T`` uniformly over
