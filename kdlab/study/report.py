@@ -34,9 +34,9 @@ Written to ``--output`` (default: ``report/`` in the folder holding every given 
   note on the figure when every plotted value is equal), also embedded with the Markdown in
   TensorBoard under ``<output>/tensorboard``.
 
-The paper's numbers sit beside a row when the setting matches: rollout OffPD (TeacherRollouts online or
-from a dataset, TeacherDatasetRollouts, CachedTeacherRollouts, or MixtureRollouts at lam = -1) or OnPD (StudentRollouts, or lam = 1), full-vocabulary ForwardKL or
-ReverseKL, and, for numbers the paper gives per learning rate, the "low" (paper: 1e-5) or "high"
+The paper's numbers sit beside a row when the setting matches: rollout OffPD (TeacherRollouts,
+TeacherDatasetRollouts, CachedTeacherRollouts, or MixtureRollouts at lam = -1) or OnPD (StudentRollouts,
+or lam = 1), full-vocabulary ForwardKL or ReverseKL, and, for numbers the paper gives per learning rate, the "low" (paper: 1e-5) or "high"
 (5e-5) rate. The tiny world uses other rates, so ``--low_lr`` / ``--high_lr`` map them; by default, of
 exactly two learning rates the smaller is low, otherwise only 1e-5 and 5e-5 themselves are mapped.
 Figures need matplotlib: ``pip install 'kdlab[report]'``.
