@@ -78,7 +78,7 @@ def test_cache_files_check_what_they_were_computed_on(tmp_path):
     assert (cache.top_k, cache.temperature, cache.token_columns, cache.ids) == (2, 0.5, 10, {"a"})  # a kdlab 0.1 file
     current = tmp_path / "current.safetensors"
     write_cache(current, rows, {"top_k": 2, "temperature": 0.5, "token_columns": 12, "teacher": "t"})
-    assert TeacherCache(str(current)).token_columns == 12  # the name kdlab generate writes now
+    assert TeacherCache(str(current)).token_columns == 12  # the current key
     assert cache.row("a", [5, 6])[0].shape == (2, 2)  # a prefix (shorter max length) is fine
     with pytest.raises(ValueError, match="example 'a' was cached on other completion tokens"):
         cache.row("a", [5, 9])

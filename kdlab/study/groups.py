@@ -20,7 +20,7 @@ from kdlab.study.paper import PAPER_LR, PAPER_RESULTS, PaperResult
 from kdlab.study.runs import COLUMN_KEYS, TEACHER_ROLLOUTS, RunResult, read_samples
 from kdlab.study.stats import bootstrap_interval, wilson_interval
 
-ROLLOUT_ORDER = {"TeacherRollouts": 0, "TeacherDatasetRollouts": 0, "CachedTeacherRollouts": 0, "MixtureRollouts": 1, "StudentRollouts": 2}
+ROLLOUT_ORDER = {**dict.fromkeys(TEACHER_ROLLOUTS, 0), "MixtureRollouts": 1, "StudentRollouts": 2}
 
 
 # ---- configurations ------------------------------------------------------------------------------
