@@ -117,6 +117,7 @@ def test_the_benchmarks_page_is_exactly_what_the_committed_result_files_give():
     assert list((BENCHMARKS / "results").glob("real_vocab_step-*.json")), "no step benchmark result is committed"
 
 
+@pytest.mark.real
 def test_the_real_pair_refuses_a_vocabulary_its_tokenizer_does_not_have():
     import importlib.util
 

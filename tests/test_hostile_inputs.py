@@ -7,6 +7,7 @@ Some fragments call a sentinel installed as a Python builtin: a verifier that ev
 """
 
 import builtins
+import contextlib
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -31,19 +32,35 @@ VERIFIERS = {
 
 
 class Sentinel:
-    """Records every call and attribute read: visible proof that some code evaluated a verifier's input."""
+    """Records every call and attribute read made while it is armed (inside ``recording()``): visible proof
+    that the code under test evaluated a verifier's input. Reads outside that window (pytest's or hypothesis'
+    own probing of builtins, e.g. ``_mock_name``) are not the verifier's and are not recorded."""
 
     def __init__(self) -> None:
         self.touched: list[str] = []
+        self.armed = False
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Arm the sentinel for the block and yield the list of what it saw there; it is disarmed and
+        emptied afterwards whatever the block's outcome, so one test's record never reaches the next."""
+        self.touched, self.armed = [], True
+        seen = self.touched
+        try:
+            yield seen
+        finally:
+            self.touched, self.armed = [], False
 
     def __call__(self, *args, **kwargs):
-        self.touched.append("call")
+        if self.armed:
+            self.touched.append("call")
         return 0
 
     def __getattr__(self, name):
-        if name.startswith("__"):  # Python's and pytest's own probing (e.g. __test__), not an evaluation
+        if name.startswith("__"):  # Python's own probing (e.g. __test__), never an evaluation
             raise AttributeError(name)
-        self.touched.append(name)
+        if self.armed:
+            self.touched.append(name)
         return self
 
 
@@ -58,16 +75,29 @@ def sentinel_builtin():
 
 
 def check(name, text):
-    VERIFIERS[name](text)  # must return, whatever the text
-    touched, SENTINEL.touched = SENTINEL.touched, []  # reset, so one failure is not blamed on the next check
-    assert touched == [], f"{name} evaluated {text!r}"
+    with SENTINEL.recording() as touched:
+        VERIFIERS[name](text)  # must return, whatever the text
+        seen = list(touched)
+    assert seen == [], f"{name} evaluated {text!r}"
 
 
 def test_the_sentinel_shows_an_evaluation():
-    for code in SENTINEL_CODE:
-        eval(code)  # what a verifier that evaluated its input would do
-    assert SENTINEL.touched == ["call", "call", "call", "touch"]
-    SENTINEL.touched.clear()
+    with SENTINEL.recording() as touched:
+        for code in SENTINEL_CODE:
+            eval(code)  # what a verifier that evaluated its input would do
+        seen = list(touched)
+    assert seen == ["call", "call", "call", "touch"]
+
+
+def test_the_sentinel_ignores_reads_outside_a_check_and_resets_after_a_failure():
+    SENTINEL._mock_name  # what a test framework's probing of builtins looks like: not recorded
+    assert SENTINEL.touched == []
+    with pytest.raises(AssertionError):
+        with SENTINEL.recording():
+            SENTINEL()
+            raise AssertionError("a failing check")
+    assert SENTINEL.touched == [] and not SENTINEL.armed
+    check("countdown_chain", "kdlab_sentinel")  # the next check starts clean
 
 
 @pytest.mark.parametrize("name", VERIFIERS)

