@@ -45,6 +45,7 @@ from kdlab.objectives.kernels import (
     TokenLoss,
     chunked_pass,
     compute_dtype,
+    full_precision,
     gather_rows,
     iter_token_chunks,
     rowdot,
@@ -77,10 +78,16 @@ class _ChunkedObjective(torch.autograd.Function):
     """``sum_{b,t} weights[b,t] * loss(student[b,t], teacher[b,t])`` by :func:`~kdlab.objectives.kernels.chunked_pass`,
     its gradient computed in forward (so backward is one in-place scale) and the diagnostics of the same
     pass kept in ``out["diagnostics"]``. The student is plain logits ``(B, T, V)`` or a :class:`HeadLogits`
-    given as its hidden states and head (either may need grad)."""
+    given as its hidden states and head (either may need grad). Forward and backward run with autocast
+    off (:func:`~kdlab.objectives.kernels.full_precision`): fp32 maths whatever the caller's autocast."""
 
     @staticmethod
     def forward(ctx, student_logits, hidden, weight, head, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, out, consume):  # type: ignore[override]
+        with full_precision(head if head is not None else student_logits, teacher_logits):
+            return _ChunkedObjective._forward(ctx, student_logits, hidden, weight, head, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, out, consume)
+
+    @staticmethod
+    def _forward(ctx, student_logits, hidden, weight, head, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, out, consume):
         dtype = compute_dtype(hidden if head is not None else student_logits)
         if head is not None:
             need = (ctx.needs_input_grad[1], ctx.needs_input_grad[2])
@@ -102,6 +109,11 @@ class _ChunkedObjective(torch.autograd.Function):
         gradient, ctx.gradient = ctx.gradient, None
         if gradient is None:
             raise RuntimeError("backward through a chunked kdlab objective can run only once per forward")
+        with full_precision(grad_output):
+            return _ChunkedObjective._backward(ctx, gradient, grad_output)
+
+    @staticmethod
+    def _backward(ctx, gradient, grad_output):
         unit = bool(grad_output == 1)  # the usual case: no pass over the (B, T, V) gradient at all
         if isinstance(gradient, LogitsGradient):
             grad = gradient.grad if unit else gradient.grad.mul_(grad_output.to(gradient.grad.dtype))
@@ -205,6 +217,8 @@ class KLObjective(Component):
         *, consume: bool = False,
     ) -> torch.Tensor:
         """Reduced loss over the masked-in tokens (fp32 scalar). An empty mask warns and returns 0.
+        The maths (loss, gradient, diagnostics) is fp32 whatever autocast region the caller runs in
+        (Lightning's ``bf16-mixed`` runs ``training_step`` under one): the kernels switch it off.
 
         ``sequence_weights`` ``(B,)`` multiplies each completion's share of the reduced loss (e.g. the
         importance weights of rollouts from a lagging engine); ``None`` is all ones. The same pass
@@ -399,10 +413,11 @@ class SampledReverseKL(_SampledKL):
 @torch.no_grad()
 def sampled_logprobs(logits: Logits, ids: torch.Tensor, chunk_size: int = 256) -> torch.Tensor:
     """``log_softmax(logits)[b, t, ids[b, t]]`` ``(B, T)`` in fp32, without grad, chunk by chunk
-    (a :class:`HeadLogits` is never materialised)."""
+    (a :class:`HeadLogits` is never materialised), whatever the caller's autocast."""
     out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
-    for b, t in iter_token_chunks(torch.ones_like(ids, dtype=torch.bool), chunk_size):
-        out[b, t] = torch.log_softmax(gather_rows(logits, b, t, torch.float32), -1).gather(-1, ids[b, t, None]).squeeze(-1)
+    with full_precision(logits):
+        for b, t in iter_token_chunks(torch.ones_like(ids, dtype=torch.bool), chunk_size):
+            out[b, t] = torch.log_softmax(gather_rows(logits, b, t, torch.float32), -1).gather(-1, ids[b, t, None]).squeeze(-1)
     return out
 
 
@@ -416,8 +431,9 @@ def kl_diagnostics(
 ) -> dict[str, torch.Tensor]:
     """Exact full-vocabulary ``kl_forward`` = KL(pi_T||pi_S), ``kl_reverse`` = KL(pi_S||pi_T) and
     ``student_entropy`` / ``teacher_entropy`` (nats), reduced like the objectives, without grad, in one
-    chunked pass. Shapes as for the objectives. Objectives compute the same numbers in their own pass
-    (:meth:`KLObjective.take_diagnostics`); this is for objectives that override ``forward``."""
+    chunked pass, in fp32 whatever the caller's autocast. Shapes as for the objectives. Objectives compute
+    the same numbers in their own pass (:meth:`KLObjective.take_diagnostics`); this is for objectives that
+    override ``forward``."""
     weights = token_weights(mask, reduction, compute_dtype(student_logits))
     _, totals = chunked_pass(student_logits, teacher_logits.detach(), torch.zeros_like(weights), weights, chunk_size)
     return dict(zip(DIAGNOSTICS, totals.unbind()))

@@ -1,12 +1,13 @@
 """Chunked token log-probabilities ``log p(y_t)`` of the sampled tokens (``[B, T]``) from full logits or a
 lazy head: the policy term of GRPO and the sampled KL estimators, without holding a ``[B, T, V]``
-softmax (the backward recomputes each chunk)."""
+softmax (the backward recomputes each chunk). fp32 maths, forward and backward, whatever the caller's
+autocast (:func:`~kdlab.objectives.kernels.full_precision` switches it off)."""
 
 from __future__ import annotations
 
 import torch
 
-from kdlab.objectives.kernels import HeadLogits, Logits, iter_token_chunks
+from kdlab.objectives.kernels import HeadLogits, Logits, full_precision, iter_token_chunks
 
 
 def _chunk_logprobs(scaled: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -35,8 +36,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids, mask, scale, chunk_size):  # type: ignore[override]
         chosen, entropy, log_normaliser = (torch.zeros(ids.shape, dtype=torch.float32, device=logits.device) for _ in range(3))
-        for b, t in iter_token_chunks(mask, chunk_size):
-            log_normaliser[b, t], chosen[b, t], entropy[b, t] = _chunk_logprobs(logits[b, t].float().mul_(scale), ids[b, t])
+        with full_precision(logits):
+            for b, t in iter_token_chunks(mask, chunk_size):
+                log_normaliser[b, t], chosen[b, t], entropy[b, t] = _chunk_logprobs(logits[b, t].float().mul_(scale), ids[b, t])
         ctx.save_for_backward(logits, ids, mask, log_normaliser)
         ctx.scale, ctx.chunk_size = scale, chunk_size
         ctx.mark_non_differentiable(entropy)
@@ -46,24 +48,28 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_chosen, grad_entropy):  # type: ignore[override]
         logits, ids, mask, log_normaliser = ctx.saved_tensors
         grad = torch.zeros_like(logits)
-        for b, t in iter_token_chunks(mask, ctx.chunk_size):
-            scaled = logits[b, t].float().mul_(ctx.scale)
-            grad[b, t] = _chunk_logit_grad(scaled, log_normaliser[b, t], ids[b, t], grad_chosen[b, t].float(), ctx.scale).to(grad.dtype)
+        with full_precision(logits):
+            for b, t in iter_token_chunks(mask, ctx.chunk_size):
+                scaled = logits[b, t].float().mul_(ctx.scale)
+                grad[b, t] = _chunk_logit_grad(scaled, log_normaliser[b, t], ids[b, t], grad_chosen[b, t].float(), ctx.scale).to(grad.dtype)
         return grad, None, None, None, None
 
 
 class _ChunkedHeadTokenLogprobs(torch.autograd.Function):
     """As :class:`_ChunkedTokenLogprobs` with the logits given as hidden states ``(B, C, H)`` and an LM
     head ``(V, H)`` (``z = h W^T``): no ``(B, C, V)`` tensor exists, forward or backward. Backward
-    recomputes each chunk's logits and accumulates ``dL/dh = dz W`` and ``dL/dW = dz^T h``."""
+    recomputes each chunk's logits and accumulates ``dL/dh = dz W`` and ``dL/dW = dz^T h``. Every matrix
+    product is fp32 (bf16 hidden states or head are upcast chunk by chunk, the head once), whatever the
+    caller's autocast."""
 
     @staticmethod
     def forward(ctx, hidden, weight, ids, mask, scale, chunk_size):  # type: ignore[override]
         chosen, entropy, log_normaliser = (torch.zeros(ids.shape, dtype=torch.float32, device=hidden.device) for _ in range(3))
-        head = weight.float()
-        for b, t in iter_token_chunks(mask, chunk_size):
-            scaled = (hidden[b, t].float() @ head.T).mul_(scale)
-            log_normaliser[b, t], chosen[b, t], entropy[b, t] = _chunk_logprobs(scaled, ids[b, t])
+        with full_precision(hidden):
+            head = weight.float()
+            for b, t in iter_token_chunks(mask, chunk_size):
+                scaled = (hidden[b, t].float() @ head.T).mul_(scale)
+                log_normaliser[b, t], chosen[b, t], entropy[b, t] = _chunk_logprobs(scaled, ids[b, t])
         ctx.save_for_backward(hidden, weight, ids, mask, log_normaliser)
         ctx.scale, ctx.chunk_size = scale, chunk_size
         ctx.mark_non_differentiable(entropy)
@@ -72,6 +78,11 @@ class _ChunkedHeadTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_chosen, grad_entropy):  # type: ignore[override]
         hidden, weight, ids, mask, log_normaliser = ctx.saved_tensors
+        with full_precision(hidden):
+            return _ChunkedHeadTokenLogprobs._backward(ctx, hidden, weight, ids, mask, log_normaliser, grad_chosen)
+
+    @staticmethod
+    def _backward(ctx, hidden, weight, ids, mask, log_normaliser, grad_chosen):
         head = weight.float()
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(head) if ctx.needs_input_grad[1] else None  # a frozen head needs none
