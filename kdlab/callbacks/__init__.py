@@ -15,3 +15,10 @@ from kdlab.callbacks.monitors import RewardCollapse, RolloutSensitivity
 from kdlab.callbacks.sparsity import UpdateSparsity
 
 __all__ = ["UpdateSparsity", "OODForgetting", "StyleTransfer", "Coverage", "HeldOutKL", "RolloutSensitivity", "RewardCollapse", "FinalCheckpoint", "ExceptionCheckpoint"]
+
+
+def __getattr__(name: str):
+    """kdlab 0.1's names of this module path that moved (:data:`kdlab._legacy.MOVED`), with a FutureWarning."""
+    from kdlab._legacy import moved_attribute
+
+    return moved_attribute(__name__, name)

@@ -11,3 +11,10 @@ from kdlab.models.export import export_pretrained
 from kdlab.models.loading import ModelSpec, load_causal_lm, load_config, load_tokenizer
 
 __all__ = ["ModelSpec", "load_causal_lm", "load_config", "load_tokenizer", "export_pretrained"]
+
+
+def __getattr__(name: str):
+    """kdlab 0.1's names of this module path that moved (:data:`kdlab._legacy.MOVED`), with a FutureWarning."""
+    from kdlab._legacy import moved_attribute
+
+    return moved_attribute(__name__, name)

@@ -19,3 +19,10 @@ from kdlab.objectives.kl import (
 )
 
 __all__ = ["KLObjective", "ForwardKL", "ReverseKL", "GeneralizedJSD", "TotalVariation", "SampledForwardKL", "SampledReverseKL", "HeadLogits", "LazyLogits", "Logits"]
+
+
+def __getattr__(name: str):
+    """kdlab 0.1's names of this module path that moved (:data:`kdlab._legacy.MOVED`), with a FutureWarning."""
+    from kdlab._legacy import moved_attribute
+
+    return moved_attribute(__name__, name)

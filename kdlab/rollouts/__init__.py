@@ -26,3 +26,10 @@ __all__ = [
     "RolloutPolicy", "RolloutContext", "TeacherRollouts", "TeacherDatasetRollouts", "CachedTeacherRollouts",
     "StudentRollouts", "MixtureRollouts", "VLLMRollouts", "mixture_logprobs",
 ]
+
+
+def __getattr__(name: str):
+    """kdlab 0.1's names of this module path that moved (:data:`kdlab._legacy.MOVED`), with a FutureWarning."""
+    from kdlab._legacy import moved_attribute
+
+    return moved_attribute(__name__, name)
