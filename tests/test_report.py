@@ -1,6 +1,7 @@
 """``kdlab report``: hand-made run directories with known numbers -> Markdown, CSV, PNG and TensorBoard."""
 
 import csv
+import functools
 import itertools
 import json
 import math
@@ -15,7 +16,11 @@ from kdlab.study.groups import group_runs, lr_levels
 from kdlab.study.runs import collect
 
 
-def make_run(root, name, rollout, objective, lr, seed, rows=(), lam=None, max_steps=4, rollout_args=None):
+ADDITION = {"class_path": "kdlab.tasks.Addition", "init_args": {"num_train": 64}}
+COUNTDOWN3 = {"class_path": "kdlab.tasks.Countdown", "init_args": {"variant": "countdown3"}}  # the paper's task
+
+
+def make_run(root, name, rollout, objective, lr, seed, rows=(), lam=None, max_steps=4, rollout_args=None, task=ADDITION, callbacks=None):
     run_dir = Path(root, name)
     run_dir.mkdir(parents=True)
     rollout_config = {"class_path": f"kdlab.rollouts.{rollout}"}
@@ -28,12 +33,14 @@ def make_run(root, name, rollout, objective, lr, seed, rows=(), lam=None, max_st
         "trainer": {"max_steps": max_steps, "logger": {"class_path": "TensorBoardLogger", "init_args": {"save_dir": str(root), "name": name}}},
         "model": {
             "student": {"path": "kdlab://tiny-random/student"},
-            "task": {"class_path": "kdlab.tasks.Addition", "init_args": {"num_train": 64}},
+            "task": task,
             "rollout": rollout_config,
             "objective": {"class_path": f"kdlab.objectives.{objective}"},
             "lr": lr,
         },
     }
+    if callbacks is not None:
+        config["trainer"]["callbacks"] = callbacks
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return run_dir
@@ -46,6 +53,7 @@ def reward_curve(scale):
 @pytest.fixture
 def runs(tmp_path):
     root = tmp_path / "runs"
+    make_run = functools.partial(globals()["make_run"], task=COUNTDOWN3)  # the paper's task: its numbers apply
     # OffPD forward KL at the low LR, two seeds: accuracy 0.6 / 0.8 (the earlier 0.5 is not the last value)
     make_run(root, "off-fkl-42", "TeacherRollouts", "ForwardKL", 1e-3, 42, [
         {"step": 2, "val/accuracy": 0.5},
@@ -142,7 +150,7 @@ def test_report_tables_figures_and_paper_numbers(runs, tmp_path, capsys, monkeyp
     assert len(curves) == 10 and {float(r["value"]) for r in curves if r["lam"] == "0.5"} == {0.0, 1.0, 2.0, 3.0, 4.0}
     assert len(read_csv(out / "runs.csv")) == 5
 
-    for name in ("accuracy", "spectrum-Addition", "pass_at_k-Addition", "rlvr-reward"):
+    for name in ("accuracy", "spectrum-countdown3", "pass_at_k-countdown3", "rlvr-reward"):
         assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
         assert f"![{name}]({name}.png)" in text
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -150,7 +158,7 @@ def test_report_tables_figures_and_paper_numbers(runs, tmp_path, capsys, monkeyp
     (event_file,) = (out / "tensorboard").glob("events.out.tfevents.*")
     events = EventAccumulator(str(event_file.parent))
     events.Reload()
-    assert {"report/accuracy", "report/spectrum-Addition", "report/rlvr-reward"} <= set(events.Tags()["images"])
+    assert {"report/accuracy", "report/spectrum-countdown3", "report/rlvr-reward"} <= set(events.Tags()["images"])
 
 
 def test_a_sweep_directory_stands_for_its_runs_and_lr_levels_can_be_given(runs, tmp_path):
@@ -462,3 +470,146 @@ def test_a_run_from_before_the_metrics_file_held_self_log_values_reads_them_from
         writer.close()
     assert read_metrics(tmp_path / "old") == {"val/accuracy": [(3, 0.3), (5, 0.5)], "sparsity/1e-06": [(3, 0.5)]}
     assert read_metrics(tmp_path / "new") == {"val/accuracy": [(3, 0.3)], "epoch": [(3, 0.0)]}
+
+
+# ---- a report people can read (issue #30, item 5) ------------------------------------------------------
+def long_callbacks(every_n_steps, coverage=True, examples=None):
+    """A realistic callbacks list (about 600 characters as JSON): HeldOutKL, OODForgetting over two skills
+    and, optionally, Coverage on Countdown-4E."""
+    held = {"class_path": "kdlab.callbacks.HeldOutKL", "init_args": {"every_n_steps": every_n_steps, "split": "val", "batch_size": 4}}
+    if examples is not None:
+        held["init_args"]["examples"] = examples
+    ood = {"class_path": "kdlab.callbacks.OODForgetting", "init_args": {"tasks": [
+        {"class_path": "kdlab.tasks.Counting", "init_args": {"num_val": 5}}, {"class_path": "kdlab.tasks.Sorting", "init_args": {"num_val": 5}}]}}
+    cov = {"class_path": "kdlab.callbacks.Coverage", "init_args": {
+        "task": {"class_path": "kdlab.tasks.Countdown", "init_args": {"variant": "countdown4e"}}, "samples": 10, "examples": 200, "k": [1, 5, 10]}}
+    return [held, ood, *([cov] if coverage else [])]
+
+
+def test_settings_that_differ_in_one_callback_argument_are_named_by_that_argument(tmp_path):
+    """Runs whose callbacks lists differ in one argument: the other column names that argument alone
+    (``callbacks.HeldOutKL.every_n_steps``, classes without their module), never the list as JSON; a
+    callback missing from some configurations reads ``=off``; an argument left at its class's default shows
+    that default; a long value is cut to 120 characters; no table line of report.md exceeds 200."""
+    from kdlab.study.groups import OTHER_WIDTH
+
+    rows = [{"step": 4, "val/accuracy": 0.5}]
+    make_run(tmp_path / "runs", "every50", "TeacherRollouts", "ForwardKL", 1e-3, 42, rows, callbacks=long_callbacks(50))
+    make_run(tmp_path / "runs", "every100", "TeacherRollouts", "ForwardKL", 1e-3, 42, rows, callbacks=long_callbacks(100))
+    main(["report", str(tmp_path / "runs"), "--output", str(tmp_path / "out")])
+    text = (tmp_path / "out" / "report.md").read_text()
+    others = [r["other"] for r in markdown_table(text, "## Results by configuration")]
+    assert others == ["callbacks.HeldOutKL.every_n_steps=100", "callbacks.HeldOutKL.every_n_steps=50"]
+    assert "class_path" not in text and '{"' not in text and "kdlab.callbacks" not in text
+    assert max(len(line) for line in text.splitlines() if line.startswith("|")) <= 200
+    assert [r["other"] for r in read_csv(tmp_path / "out" / "summary.csv")] == others
+
+    # one without Coverage (and HeldOutKL's examples changed from its default, 50), one with a long path
+    make_run(tmp_path / "more", "no-coverage", "TeacherRollouts", "ForwardKL", 1e-3, 42, rows, callbacks=long_callbacks(50, coverage=False, examples=7))
+    make_run(tmp_path / "more", "long", "TeacherRollouts", "ForwardKL", 1e-3, 42, rows,
+             callbacks=long_callbacks(50, coverage=False, examples=7), task={"class_path": "kdlab.tasks.Addition", "init_args": {"num_train": 64, "path": "data/" + "x" * 300}})
+    found, _ = collect([tmp_path / "runs", tmp_path / "more"])
+    others = [g.other for g in group_runs(found, {})]
+    assert others[:3] == [
+        "callbacks.Coverage=off, callbacks.HeldOutKL.every_n_steps=50, callbacks.HeldOutKL.examples=7",
+        "callbacks.Coverage=on, callbacks.HeldOutKL.every_n_steps=100, callbacks.HeldOutKL.examples=50",
+        "callbacks.Coverage=on, callbacks.HeldOutKL.every_n_steps=50, callbacks.HeldOutKL.examples=50",
+    ]
+    assert len(others[3]) == OTHER_WIDTH and others[3].startswith("path=data/xxx") and "x…x" in others[3]  # the long value cut, every name kept
+    assert others[3].endswith(", callbacks.Coverage=off, callbacks.HeldOutKL.every_n_steps=50, callbacks.HeldOutKL.examples=7")
+
+
+def test_figure_labels_fit_inside_the_figure(tmp_path, monkeypatch):
+    """Configurations with long labels (every setting differs, each value long): drawing every figure warns
+    of no layout that could not be applied (the issue's "Tight layout not applied"), and every tick label,
+    title and legend entry lies inside the figure."""
+    import warnings
+
+    figures = {}
+    monkeypatch.setattr("kdlab.study.report._write_tensorboard", lambda directory, figs, text: figures.update(figs))
+    for index, lam in enumerate((-0.5, 0.5)):
+        for every in (50, 100):
+            task = {"class_path": "kdlab.tasks.Addition", "init_args": {"num_train": 64, "path": f"data/{'a_rather_long_folder_name/' * 3}{index}"}}
+            make_run(tmp_path / "runs", f"run-{lam}-{every}", "MixtureRollouts", "ForwardKL", 1e-3, 42,
+                     [{"step": 4, "val/accuracy": 0.5, "val/pass@1": 0.25}, *reward_curve(0.5)], lam=lam, task=task,
+                     callbacks=long_callbacks(every, coverage=every == 50))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main(["report", str(tmp_path / "runs"), "--output", str(tmp_path / "out")])
+    assert [str(w.message) for w in caught if "layout" in str(w.message).lower()] == []
+    assert {"accuracy", "spectrum-Addition", "pass_at_k-Addition", "rlvr-reward"} <= set(figures)
+    for name, fig in figures.items():
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        box = fig.bbox
+        for ax in fig.axes:
+            drawn = ax.get_tightbbox(renderer)  # every tick label, title, axis label and legend drawn
+            texts = [ax.title, ax.xaxis.label, ax.yaxis.label, *(ax.get_legend().get_texts() if ax.get_legend() else [])]
+            texts += [tick.label1 for axis in (ax.xaxis, ax.yaxis) for tick in axis.get_major_ticks()
+                      if axis.get_view_interval().min() - 1e-9 <= tick.get_loc() <= axis.get_view_interval().max() + 1e-9]
+            for extent, what in [(drawn, "axes"), *((t.get_window_extent(renderer), t.get_text()) for t in texts if t.get_text())]:
+                inside = extent.x0 >= box.x0 - 1 and extent.x1 <= box.x1 + 1 and extent.y0 >= box.y0 - 1 and extent.y1 <= box.y1 + 1
+                assert inside, (name, what, extent, box)
+    labels = [t.get_text() for t in figures["accuracy"].axes[0].get_yticklabels()]
+    assert len(labels) == 4 and all(max(map(len, label.splitlines())) <= 40 for label in labels)
+
+
+def test_the_report_folder_by_default(tmp_path, monkeypatch, capsys):
+    """One folder: ``<folder>/report`` (README: ``kdlab report runs/sweep-smoke`` -> ``runs/sweep-smoke/report``).
+    Several: ``report/`` in the folder holding them when it lies below the working directory; else (their
+    common folder is outside it, or is the working directory itself) refused, asking for --output, and
+    nothing is written."""
+    from kdlab.study.report import default_output
+
+    rows = [{"step": 4, "val/accuracy": 0.5}]
+    for folder in ("runs/a", "runs/b", "elsewhere/c"):
+        make_run(tmp_path / folder, "version_0", "TeacherRollouts", "ForwardKL", 1e-3, 42, rows)
+    monkeypatch.chdir(tmp_path)
+    assert default_output(["runs/a"]) == Path("runs/a/report")
+    assert default_output(["runs/a", "runs/b"]) == default_output([str(tmp_path / "runs/a"), "runs/b/version_0"]) == Path("runs/report")
+    main(["report", "runs/a", "runs/b"])
+    (row,) = markdown_table((tmp_path / "runs" / "report" / "report.md").read_text(), "## Results by configuration")
+    assert row["n"] == "1"
+    for given in (["runs/a", "elsewhere/c"], [str(tmp_path / "runs/a"), "/tmp"]):
+        with pytest.raises(ValueError, match="--output"):
+            default_output(given)
+        with pytest.raises(SystemExit) as exit_:
+            main(["report", *given])
+        assert exit_.value.code == 2 and "--output" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "runs"]  # no report/ in the working directory
+    monkeypatch.chdir(tmp_path / "runs")  # the common folder is the working directory: --output too
+    with pytest.raises(ValueError, match="working directory"):
+        default_output(["a", "b"])
+    main(["report", "a", "b", "--output", str(tmp_path / "out")])
+    assert (tmp_path / "out" / "report.md").is_file()
+    outside = tmp_path / "elsewhere" / "c"  # one folder named outside the working directory: its own report/
+    main(["report", str(outside)])
+    assert (outside / "report" / "report.md").is_file()
+
+
+def test_the_papers_numbers_only_beside_rows_of_its_tasks(tmp_path):
+    """The paper's headline numbers are Countdown-3 / Science / MedReason: a SmolLM2 run on Counting gets no
+    paper number, and a report of such runs alone no paper column, no table of the paper's numbers and no
+    paper note; beside it, a Countdown-3 row of the same setting still gets its numbers."""
+    counting = {"class_path": "kdlab.tasks.Counting", "init_args": {"num_val": 50}}
+    rows = [{"step": 4, "val/accuracy": 0.12, "ood/mean_delta": 0.0, "sparsity/1e-06": 0.007, "val/pass@1": 0.12,
+             "coverage/counting/pass@1": 0.12, "style/spanish_share": 0.0}]
+    for rollout in ("TeacherRollouts", "StudentRollouts"):
+        for objective in ("ForwardKL", "ReverseKL"):
+            run = make_run(tmp_path / "smollm2", f"{rollout}-{objective}", rollout, objective, 1e-5, 42, rows, task=counting)
+            config = yaml.safe_load((run / "config.yaml").read_text())
+            config["model"]["student"] = {"path": "HuggingFaceTB/SmolLM2-135M"}
+            (run / "config.yaml").write_text(yaml.safe_dump(config))
+    main(["report", str(tmp_path / "smollm2"), "--output", str(tmp_path / "out")])
+    text = (tmp_path / "out" / "report.md").read_text()
+    table = markdown_table(text, "## Results by configuration")
+    assert len(table) == 4 and all(not key.startswith("paper") for key in table[0])
+    assert "headline numbers" not in text and "> Paper:" not in text and "[P1]" not in text and "[P2]" not in text
+
+    make_run(tmp_path / "countdown", "countdown3", "TeacherRollouts", "ForwardKL", 1e-5, 42, rows, task=COUNTDOWN3)
+    main(["report", str(tmp_path / "smollm2"), str(tmp_path / "countdown"), "--output", str(tmp_path / "both")])
+    text = (tmp_path / "both" / "report.md").read_text()
+    papers = {(r["task"], r["rollout"], r["objective"]): r["paper val/accuracy (%)"] for r in markdown_table(text, "## Results by configuration")}
+    assert papers[("countdown3", "TeacherRollouts", "ForwardKL")] == "73 [P2]; 71-73 [P3]"
+    assert {v for (task, *_), v in papers.items() if task == "Counting"} == {""}
+    assert "headline numbers" in text and "> Paper: On-policy rollouts give 10-15% higher pass@k" in text

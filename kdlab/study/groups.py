@@ -17,7 +17,7 @@ import pandas as pd
 
 from kdlab.study.grid import short_keys, value_label
 from kdlab.study.paper import PAPER_LR, PAPER_RESULTS, PaperResult
-from kdlab.study.runs import COLUMN_KEYS, TEACHER_ROLLOUTS, RunResult, read_samples
+from kdlab.study.runs import COLUMN_KEYS, TEACHER_ROLLOUTS, RunResult, class_defaults, read_samples
 from kdlab.study.stats import bootstrap_interval, wilson_interval
 
 ROLLOUT_ORDER = {**dict.fromkeys(TEACHER_ROLLOUTS, 0), "MixtureRollouts": 1, "StudentRollouts": 2}
@@ -133,12 +133,15 @@ class Group:
         return None
 
     def paper(self, metric: str) -> list[PaperResult]:
+        """The paper's numbers for this row: same task (:attr:`PaperResult.tasks`), rollout kind, KL direction
+        and learning-rate level; none outside the paper's grid (another task, stage or rollout)."""
         if self.kind is None or self.direction is None:  # outside the paper's grid
             return []
         return [
             p
             for p in PAPER_RESULTS
-            if p.metric == metric and p.rollout in (None, self.kind) and p.direction in (None, self.direction) and p.lr in (None, self.level)
+            if p.metric == metric and p.applies_to(self.task) and p.rollout in (None, self.kind)
+            and p.direction in (None, self.direction) and p.lr in (None, self.level)
         ]
 
 
@@ -164,24 +167,142 @@ def _varies(key: str, configs: list[dict[str, str]]) -> bool:
     return any(len(seen) > 1 for seen in values.values())
 
 
+OTHER_WIDTH = 120  # the most characters of an ``other`` cell; a longer one keeps its start and end
+
+
+@dataclass(frozen=True)
+class _Shown:
+    """One setting as the ``other`` column compares and names it: its JSON value, the settings key it came
+    from (``base``) and the dotted path below it (``rest``: class names for list entries, no ``init_args``);
+    ``presence`` marks the entry that says a class is in a list (shown ``on`` / ``off``)."""
+
+    value: str
+    base: str
+    rest: tuple[str, ...] = ()
+    presence: bool = False
+
+
+def shown_settings(settings: dict[str, str]) -> dict[str, _Shown]:
+    """A run's settings with every list of classes (``trainer.callbacks``, a callback's ``tasks``) opened
+    up into one entry per argument, keyed by class name (``trainer.callbacks.HeldOutKL.init_args.every_n_steps``;
+    a second entry of one class is ``HeldOutKL#2``), so configurations that differ in one argument of one
+    callback differ in that entry alone. A list of plain values stays one entry."""
+    shown: dict[str, _Shown] = {}
+    for key, text in settings.items():
+        value = json.loads(text)
+        if isinstance(value, list) and any(isinstance(item, dict) for item in value):
+            _open_list(key, value, key, (), shown)
+        else:
+            shown[key] = _Shown(text, key)
+    return shown
+
+
+def _open_value(key: str, value: Any, base: str, rest: tuple[str, ...], shown: dict[str, _Shown]) -> None:
+    if value is None:  # as in kdlab.study.runs._flatten: a null reads like an absent key
+        return
+    if isinstance(value, dict) and value:
+        for name, item in value.items():
+            more = () if name in ("init_args", "class_path") else (str(name),)
+            _open_value(f"{key}.{name}", item, base, rest + more, shown)
+    elif isinstance(value, list) and any(isinstance(item, dict) for item in value):
+        _open_list(key, value, base, rest, shown)
+    else:
+        shown[key] = _Shown(json.dumps(value, sort_keys=True, default=str), base, rest)
+
+
+def _open_list(key: str, items: list, base: str, rest: tuple[str, ...], shown: dict[str, _Shown]) -> None:
+    counts: dict[str, int] = {}
+    for index, item in enumerate(items):
+        if isinstance(item, dict) and isinstance(item.get("class_path"), str):
+            name = item["class_path"].rsplit(".", 1)[-1]
+            counts[name] = counts.get(name, 0) + 1
+            name += f"#{counts[name]}" if counts[name] > 1 else ""
+            shown[f"{key}.{name}.class_path"] = _Shown(json.dumps(item["class_path"]), base, rest + (name,), presence=True)
+            _open_value(f"{key}.{name}", {k: v for k, v in item.items() if k != "class_path"}, base, rest + (name,), shown)
+        else:
+            _open_value(f"{key}.{index}", item, base, rest + (str(index),), shown)
+
+
+def _class_default(key: str, entries: dict[str, _Shown]) -> Any:
+    """The default of ``<...>.init_args.<argument>`` in the class the config names at ``<...>.class_path``
+    (a setting at its default is left out of a run's settings, :func:`kdlab.study.runs.without_defaults`);
+    None when there is no such class, argument or default."""
+    parts = key.split(".")
+    if len(parts) < 3 or parts[-2] != "init_args":
+        return None
+    owner = entries.get(".".join(parts[:-2]) + ".class_path")
+    if owner is None:
+        return None
+    return class_defaults(json.loads(owner.value)).get(parts[-1])
+
+
+def shorten(text: str, width: int = OTHER_WIDTH) -> str:
+    """``text`` cut to ``width`` characters in the middle (``…``), its start and end kept."""
+    if len(text) <= width:
+        return text
+    head = (width - 1) // 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
+
+
+def other_labels(settings: list[dict[str, str]]) -> list[str]:
+    """For each configuration's settings (one stage), the settings that differ between them, beyond the
+    columns: ``name=value`` joined by ``, ``, names as short as they stay distinct, class names without
+    their module; a class in a list (a callback) by its name (``callbacks.HeldOutKL.every_n_steps=50``,
+    ``callbacks.Coverage=off`` for one without it); each cell at most :data:`OTHER_WIDTH` characters."""
+    shown = [shown_settings(s) for s in settings]
+    columns = set(COLUMN_KEYS)
+    keys = sorted({key for entries in shown for key, entry in entries.items() if entry.base not in columns})
+    values = [{key: entry.value for key, entry in entries.items()} for entries in shown]
+    varying = [key for key in keys if _varies(key, values)]
+    entry_of = {key: next(entries[key] for entries in shown if key in entries) for key in varying}
+    bases = short_keys(sorted({entry_of[key].base.removesuffix(".class_path") for key in varying}))
+
+    def name(key: str) -> str:
+        entry = entry_of[key]
+        return ".".join([bases[entry.base.removesuffix(".class_path")], *entry.rest])
+
+    labels = []
+    for entries in shown:
+        parts = []
+        for key in varying:
+            if entry_of[key].presence:
+                parts.append((name(key), "on" if key in entries else "off"))
+            elif key in entries:
+                parts.append((name(key), value_label(json.loads(entries[key].value))))
+            elif (default := _class_default(key, entries)) is not None:  # left at its class's default (read as absent)
+                parts.append((name(key), value_label(default)))
+        labels.append(_fit(parts))
+    return labels
+
+
+def _fit(parts: list[tuple[str, str]], width: int = OTHER_WIDTH, shortest: int = 12) -> str:
+    """``name=value, ...`` in at most ``width`` characters: the longest values are cut in the middle first
+    (every name stays readable), then, if still too long, the whole."""
+    names, values = [n for n, _ in parts], [v for _, v in parts]
+
+    def text() -> str:
+        return ", ".join(f"{n}={v}" for n, v in zip(names, values))
+
+    while len(text()) > width:
+        longest = max(range(len(values)), key=lambda i: len(values[i]))
+        if len(values[longest]) <= shortest:
+            break
+        values[longest] = shorten(values[longest], max(shortest, len(values[longest]) - (len(text()) - width)))
+    return shorten(text(), width)
+
+
 def group_runs(runs: list[RunResult], levels: dict[float, str]) -> list[Group]:
     """Configurations in a stable order; ``other`` names the settings that tell configurations apart
-    beyond the columns."""
+    beyond the columns (:func:`other_labels`)."""
     configurations = runs_frame(runs).groupby("configuration", sort=False)["run"]
     groups = [Group(sorted(members, key=lambda r: (r.seed is None, r.seed or 0, str(r.path)))) for _, members in configurations]
-    keys = sorted({key for run in runs for key in run.settings} - set(COLUMN_KEYS))
     # settings are compared among configurations of the same stage (a GRPO config has other keys)
     stages: dict[str | None, list[Group]] = {}
     for group in groups:
         stages.setdefault(group.runs[0].settings.get("model.class_path"), []).append(group)
     for same_stage in stages.values():
-        varying = [key for key in keys if _varies(key, [g.runs[0].settings for g in same_stage])]
-        short = short_keys([key.removesuffix(".class_path") for key in varying])
-        for group in same_stage:
-            settings = group.runs[0].settings
-            group.other = ", ".join(
-                f"{short[key.removesuffix('.class_path')]}={value_label(json.loads(settings[key]))}" for key in varying if key in settings
-            )
+        for group, label in zip(same_stage, other_labels([g.runs[0].settings for g in same_stage])):
+            group.other = label
     for group in groups:
         group.level = levels.get(group.lr)
     return sorted(groups, key=lambda g: (g.task, ROLLOUT_ORDER.get(g.rollout, 3), g.rollout, g.lam or 0.0, g.objective, g.lr, g.other))

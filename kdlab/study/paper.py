@@ -6,6 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PAPER_LR = {1e-5: "low", 5e-5: "high"}
+# the tasks of the paper's headline numbers (a run's task: Countdown's variant, else the task's class name)
+HEADLINE_TASKS = ("countdown3", "Science", "MedReason")
+# every task the paper runs: Countdown-4E is measured from the Countdown-3 students, RLVR is on Countdown-4
+PAPER_TASKS = (*HEADLINE_TASKS, "countdown4", "countdown4e")
+
+
+def is_paper_task(task: str, tasks: tuple[str, ...] = PAPER_TASKS) -> bool:
+    """Whether a run's task (Countdown's variant, else the task's class name) is one of ``tasks``."""
+    return task.lower() in {t.lower() for t in tasks}
 
 
 # ---- the paper's numbers -------------------------------------------------------------------------
@@ -16,8 +25,11 @@ PAPER = "Piskorz, Berthon, van der Schaar, arXiv 2609.35259, Headline results"
 class PaperResult:
     """A headline number of the paper (Qwen/Llama on Countdown-3, Science, MedReason), in report units.
 
-    ``rollout`` (``OffPD``/``OnPD``), ``direction`` (``forward``/``reverse``) and ``lr`` (``low`` = 1e-5,
-    ``high`` = 5e-5) say which rows it is compared with; None means any.
+    ``tasks`` (the tasks the number was measured on), ``rollout`` (``OffPD``/``OnPD``), ``direction``
+    (``forward``/``reverse``) and ``lr`` (``low`` = 1e-5, ``high`` = 5e-5) say which rows it is compared
+    with; None means any. A row of another task (SmolLM2 on Counting, say) is never given a paper number.
+    Every number is the paper's over both of its model pairs (Qwen2.5-7B -> 1.5B, Llama-3.1-8B -> 3.2-1B),
+    so none is tied to one pair.
     """
 
     key: str
@@ -28,6 +40,10 @@ class PaperResult:
     rollout: str | None = None
     direction: str | None = None
     lr: str | None = None
+    tasks: tuple[str, ...] = HEADLINE_TASKS
+
+    def applies_to(self, task: str) -> bool:
+        return is_paper_task(task, self.tasks)
 
 
 _BEST = "Best mean accuracy: OnPD 72% vs OffPD 73% (no consistent on-policy advantage)."
@@ -44,6 +60,12 @@ PAPER_RESULTS = (
     PaperResult("P7", "sparsity/1e-06", "85.3-89.6", "update sparsity (tau 1e-6) at LR 1e-5", _SPARSE, lr="low"),
     PaperResult("P8", "sparsity/1e-06", "51.9-60.0", "update sparsity (tau 1e-6) at LR 5e-5", _SPARSE, lr="high"),
 )
+# each note's tasks: it is printed under a section only when a row of the section is on one of them
+PAPER_NOTE_TASKS = {
+    "spectrum": ("countdown3",),  # the paper's lambda spectrum is a Countdown-3 ablation
+    "pass@k": ("countdown3", "countdown4", "countdown4e"),  # Countdown-3 students measured on Countdown-4E, RLVR on Countdown-4
+    "style": HEADLINE_TASKS,
+}
 PAPER_NOTES = {
     "spectrum": "Spectrum: forward KL stays above 80% held-out across lambda (5.2-point spread at 1e-5); "
     "reverse KL favours lambda > 0 and is unstable at the high LR.",

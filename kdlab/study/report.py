@@ -18,10 +18,15 @@ value also gets a 95% interval in brackets where one can be made: a bootstrap ov
 for the accuracy, the samples within each) of each seed's last evaluation (``samples/val-*.jsonl``) for ``val/accuracy`` and
 ``val/pass@k``, a Wilson interval over the callback's examples x samples for
 ``coverage/<task>/pass@1``. Settings other than task, rollout, ``lam``, objective and learning rate
-that vary between configurations are shown in an ``other`` column, so no two settings are ever averaged.
+that vary between configurations are shown in an ``other`` column, so no two settings are ever averaged:
+only the settings (down to one argument of one callback) that differ, each by a short dotted name, classes
+without their module (``callbacks.HeldOutKL.every_n_steps=50``, ``callbacks.Coverage=off``), a cell cut
+to 120 characters (:func:`kdlab.study.groups.other_labels`).
 
-Written to ``--output`` (default: ``report/`` in the folder holding every given run, e.g.
-``runs/sweep-smoke/report``):
+Written to ``--output``; by default to ``<RUN_DIR>/report`` for one folder (``kdlab report runs/sweep-smoke``
+writes ``runs/sweep-smoke/report``) and, for several, to ``report/`` in the folder holding them all when that
+folder lies below the working directory (``runs/a runs/b`` -> ``runs/report``); otherwise ``--output`` is
+required (:func:`default_output`):
 
 - ``report.md``: results by configuration (``val/accuracy``, ``ood/mean_delta``, ``sparsity/1e-06``)
   with the paper's headline numbers beside the matching rows; the rollout spectrum (MixtureRollouts,
@@ -34,7 +39,9 @@ Written to ``--output`` (default: ``report/`` in the folder holding every given 
   note on the figure when every plotted value is equal), also embedded with the Markdown in
   TensorBoard under ``<output>/tensorboard``.
 
-The paper's numbers sit beside a row when the setting matches: rollout OffPD (TeacherRollouts,
+The paper's numbers sit beside a row when the setting matches: the paper's task (its headline numbers are
+Countdown-3, Science and MedReason; a row of another task, e.g. SmolLM2 on Counting, gets none, and a report
+with no run on a task of the paper carries neither the numbers' table nor the paper's notes), rollout OffPD (TeacherRollouts,
 TeacherDatasetRollouts, CachedTeacherRollouts, or MixtureRollouts at lam = -1) or OnPD (StudentRollouts,
 or lam = 1), full-vocabulary ForwardKL or ReverseKL, and, for numbers the paper gives per learning rate, the "low" (paper: 1e-5) or "high"
 (5e-5) rate. The tiny world uses other rates, so ``--low_lr`` / ``--high_lr`` map them; by default, of
@@ -45,7 +52,9 @@ Figures need matplotlib: ``pip install 'kdlab[report]'``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +68,7 @@ from kdlab.study.groups import (
     metric_unit,
     pass_at_k_order,
 )
-from kdlab.study.paper import PAPER, PAPER_NOTES, PAPER_RESULTS
+from kdlab.study.paper import PAPER, PAPER_NOTE_TASKS, PAPER_NOTES, PAPER_RESULTS, is_paper_task
 from kdlab.study.runs import MAIN_METRICS, PASS_AT_K, STYLE_METRICS, RunResult, collect
 from kdlab.study.tables import markdown_table, write_csv
 
@@ -86,9 +95,19 @@ def note_if_equal(ax: Any, values: list[float], what: str) -> None:
                 ha="center", va="center", fontsize=9, bbox={"facecolor": "white", "alpha": 0.8})
 
 
+def wrap(text: str, width: int) -> str:
+    """``text`` on lines of at most ``width`` characters (a long label or title fits its figure)."""
+    return textwrap.fill(text, width, break_long_words=True, break_on_hyphens=False)
+
+
 # ---- the report ----------------------------------------------------------------------------------
+LABEL_WIDTH = 40  # characters per line of a tick label or legend entry
+TITLE_WIDTH = 70  # characters per line of a title (8-9 points) over a figure's axes
+
+
 def _figure_factory():
-    """Makes matplotlib Figures on the Agg canvas (no pyplot state); a clear error when matplotlib is missing."""
+    """Makes matplotlib Figures on the Agg canvas (no pyplot state), with constrained layout (labels, titles
+    and legends are fitted inside the figure when it is drawn); a clear error when matplotlib is missing."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -96,7 +115,7 @@ def _figure_factory():
         raise ImportError("kdlab report draws its figures with matplotlib: pip install 'kdlab[report]'") from error
 
     def figure(**kwargs: Any) -> Figure:
-        fig = Figure(**kwargs)
+        fig = Figure(layout="constrained", **kwargs)
         FigureCanvasAgg(fig)
         return fig
 
@@ -138,13 +157,22 @@ class _Report:
             rows.append(row)
         write_csv(self.output / name, header, rows)
 
+    def paper_note(self, key: str, groups: list[Group]) -> list[str]:
+        """The paper's note ``key`` as a Markdown quote when a row of ``groups`` is on one of its tasks
+        (:data:`~kdlab.study.paper.PAPER_NOTE_TASKS`), else nothing."""
+        if any(is_paper_task(g.task, PAPER_NOTE_TASKS[key]) for g in groups):
+            return [f"> Paper: {PAPER_NOTES[key]}"]
+        return []
+
     def metric_section(self, title: str, metrics: list[str], csv_name: str, note: str | None = None) -> list[Group]:
-        """A table (and CSV) of ``metrics`` for the configurations that logged any of them."""
+        """A table (and CSV) of ``metrics`` for the configurations that logged any of them; ``note`` names
+        the paper's note shown under it (:meth:`paper_note`)."""
         shown = [g for g in self.groups if any(g.stats(m) for m in metrics)]
         rows = [self.describe(g) + [str(g.seeds)] + [cell(g, m) for m in metrics] for g in shown]
         self.md += ["", f"## {title}", "", markdown_table(self.describe_header + ["n", *map(metric_unit, metrics)], rows)]
-        if note:
-            self.md += ["", f"> Paper: {note}"]
+        quote = self.paper_note(note, shown) if note else []
+        if quote:
+            self.md += ["", *quote]
         self.csv(csv_name, shown, metrics)
         return shown
 
@@ -156,14 +184,32 @@ class _Report:
         plotted = []
         for label, members, metric in lines:
             means, errors = error_bars(members, metric)
-            ax.errorbar([g.lam for g in members], means, yerr=errors, marker="o", capsize=3, label=label)
+            ax.errorbar([g.lam for g in members], means, yerr=errors, marker="o", capsize=3, label=wrap(label, LABEL_WIDTH))
             plotted += means
-        ax.set(xlabel="lam (-1 teacher, 1 student)", ylabel=ylabel, ylim=(0, 100), title=title)
+        ax.set(xlabel="lam (-1 teacher, 1 student)", ylabel=ylabel, ylim=(0, 100), title=wrap(title, TITLE_WIDTH))
         ax.title.set_fontsize(text_size[0])
         note_if_equal(ax, plotted, ylabel)
         ax.legend(fontsize=text_size[1])
-        fig.tight_layout()
         self.figures[name] = fig
+
+    def accuracy_figure(self, shown: list[Group]) -> Any:
+        """Horizontal bars of val/accuracy, one per configuration, labelled with :func:`group_label`
+        wrapped to :data:`LABEL_WIDTH` characters a line (the figure grows with the lines)."""
+        labels = [wrap(group_label(g), LABEL_WIDTH) for g in shown]
+        lines = sum(label.count("\n") + 1 for label in labels)
+        fig = self.new_figure(figsize=(7, 0.3 * lines + 0.15 * len(shown) + 1.8))
+        ax = fig.add_subplot()
+        means, errors = error_bars(shown, "val/accuracy")
+        ax.barh(range(len(shown)), means, xerr=errors, capsize=3, alpha=0.8)
+        ax.plot(means, range(len(shown)), "k|", markersize=12)  # a zero-length bar still shows its value
+        ax.set_yticks(range(len(shown)), labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlim(0, 100)
+        title = "val/accuracy (held-out, last evaluation): mean over seeds, bar = 95% interval or ± std"
+        ax.set(xlabel="val/accuracy (%)", title=wrap(title, TITLE_WIDTH - LABEL_WIDTH // 2))  # beside the labels
+        ax.title.set_fontsize(9)
+        note_if_equal(ax, means, "val/accuracy (%)")
+        return fig
 
     # -- sections
     def results(self) -> None:
@@ -183,36 +229,25 @@ class _Report:
             rows.append(row)
         self.md += ["", "## Results by configuration", "", markdown_table(header, rows)]
         self.csv("summary.csv", self.groups, metrics)
-        self.md += [
-            "",
-            "### The paper's headline numbers",
-            "",
-            (
-                "From Qwen2.5-7B -> 1.5B and Llama-3.1-8B -> 3.2-1B on Countdown-3, Science and MedReason at LR 1e-5 "
-                "(low) and 5e-5 (high): where a reproduction should land, not what the tiny world should give. "
-                "OffPD = teacher rollouts, OnPD = student rollouts."
-            ),
-            "",
-            markdown_table(
-                ["key", "metric", "rollout", "KL", "lr", "paper", "what", f"source ({PAPER})"],
-                [[p.key, p.metric, p.rollout or "any", p.direction or "any", p.lr or "any", p.value, p.claim, p.source] for p in PAPER_RESULTS],
-            ),
-        ]
+        if any(is_paper_task(g.task) for g in self.groups):  # the paper's numbers only in a report on its tasks
+            self.md += [
+                "",
+                "### The paper's headline numbers",
+                "",
+                (
+                    "From Qwen2.5-7B -> 1.5B and Llama-3.1-8B -> 3.2-1B on Countdown-3, Science and MedReason at LR 1e-5 "
+                    "(low) and 5e-5 (high): where a reproduction should land, not what the tiny world should give. "
+                    "OffPD = teacher rollouts, OnPD = student rollouts."
+                ),
+                "",
+                markdown_table(
+                    ["key", "metric", "rollout", "KL", "lr", "paper", "what", f"source ({PAPER})"],
+                    [[p.key, p.metric, p.rollout or "any", p.direction or "any", p.lr or "any", p.value, p.claim, p.source] for p in PAPER_RESULTS],
+                ),
+            ]
         shown = [g for g in self.groups if g.stats("val/accuracy")]
         if shown:
-            fig = self.new_figure(figsize=(7, 0.45 * len(shown) + 1.8))
-            ax = fig.add_subplot()
-            means, errors = error_bars(shown, "val/accuracy")
-            ax.barh(range(len(shown)), means, xerr=errors, capsize=3, alpha=0.8)
-            ax.plot(means, range(len(shown)), "k|", markersize=12)  # a zero-length bar still shows its value
-            ax.set_yticks(range(len(shown)), [group_label(g) for g in shown], fontsize=8)
-            ax.invert_yaxis()
-            ax.set_xlim(0, 100)
-            ax.set(xlabel="val/accuracy (%)", title="val/accuracy (held-out, last evaluation): mean over seeds, bar = 95% interval or ± std")
-            ax.title.set_fontsize(9)
-            note_if_equal(ax, means, "val/accuracy (%)")
-            fig.tight_layout()
-            self.figures["accuracy"] = fig
+            self.figures["accuracy"] = self.accuracy_figure(shown)
 
     def spectrum(self) -> None:
         """MixtureRollouts: val/accuracy against lam, one curve per objective (and learning rate)."""
@@ -241,7 +276,7 @@ class _Report:
                 mean, std, n = g.stats("val/accuracy")
                 interval = g.interval("val/accuracy")
                 csv_rows.append([task, g.objective, g.lr, g.other, g.lam, n, mean, "" if std is None else std, *(interval[:2] if interval else ("", ""))])
-        self.md.append(f"> Paper: {PAPER_NOTES['spectrum']}")
+        self.md += self.paper_note("spectrum", mixture)
         header = ["task", "objective", "lr", "other", "lam", "n", "val/accuracy mean", "val/accuracy std", "val/accuracy ci_low", "val/accuracy ci_high"]
         write_csv(self.output / "spectrum.csv", header, csv_rows)
 
@@ -249,7 +284,7 @@ class _Report:
         metrics = sorted((m for m in self.present if PASS_AT_K.match(m)), key=pass_at_k_order)
         if not metrics:
             return
-        shown = self.metric_section("pass@k", metrics, "pass_at_k.csv", PAPER_NOTES["pass@k"])
+        shown = self.metric_section("pass@k", metrics, "pass_at_k.csv", "pass@k")
         for task in sorted({g.task for g in shown if g.lam is not None}):
             here = [g for g in shown if g.task == task and g.lam is not None]
             lines = []
@@ -264,7 +299,7 @@ class _Report:
         metrics = [m for m in STYLE_METRICS if m in self.present]
         if metrics:
             title = "Style transfer (share of primarily Spanish student responses)"
-            self.metric_section(title, metrics, "style.csv", PAPER_NOTES["style"])
+            self.metric_section(title, metrics, "style.csv", "style")
 
     def rlvr(self) -> None:
         """Final rewards in a table; whole curves (every run, a colour per configuration) in figures and CSV."""
@@ -279,12 +314,11 @@ class _Report:
             for index, g in enumerate(shown):
                 for number, run in enumerate(r for r in g.runs if metric in r.series):
                     steps, values = zip(*run.series[metric])
-                    ax.plot(steps, values, color=f"C{index % 10}", alpha=0.8, label=group_label(g) if number == 0 else None)
+                    ax.plot(steps, values, color=f"C{index % 10}", alpha=0.8, label=wrap(group_label(g), LABEL_WIDTH) if number == 0 else None)
                     lam = "" if g.lam is None else g.lam
                     rows += [[str(run.path), g.task, g.rollout, lam, g.objective, g.lr, run.seed, metric, s, v] for s, v in run.series[metric]]
             ax.set(xlabel="step", ylabel=metric, title=metric)
             ax.legend(fontsize=7)
-            fig.tight_layout()
             self.figures[metric.replace("/", "-")] = fig
         header = ["run", "task", "rollout", "lam", "objective", "lr", "seed", "metric", "step", "value"]
         write_csv(self.output / "rlvr_curves.csv", header, rows)
@@ -374,12 +408,22 @@ def _write_tensorboard(directory: Path, figures: dict[str, Any], text: str) -> N
 
 
 def default_output(paths: list[str | Path]) -> Path:
-    """``<the folder holding every given run>/report``: beside the runs, never the current directory by
-    accident (``kdlab report runs/sweep`` writes ``runs/sweep/report``)."""
-    import os
-
-    folders = [Path(path).resolve() for path in paths]
-    return Path(os.path.commonpath(folders)) / "report"
+    """Where a report goes without ``--output`` (the README's rule): for one folder, ``<folder>/report``
+    (``kdlab report runs/sweep-smoke`` writes ``runs/sweep-smoke/report``); for several, ``report/`` in the
+    folder holding them all when that folder lies below the working directory (``runs/a runs/b`` ->
+    ``runs/report``). Otherwise (their common folder is the working directory, above it or elsewhere, e.g.
+    ``/``) ``ValueError``: the caller asks for ``--output`` rather than write where nobody looks."""
+    if len(paths) == 1:
+        return Path(paths[0]) / "report"
+    common = Path(os.path.commonpath([Path(path).resolve() for path in paths]))
+    cwd = Path.cwd().resolve()
+    if cwd not in common.parents:
+        where = "the working directory" if common == cwd else str(common)
+        raise ValueError(
+            f"the given folders share no folder below the working directory (their common folder is {where}): "
+            "say where the report goes with --output DIR"
+        )
+    return common.relative_to(cwd) / "report"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -389,10 +433,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
                         help="run directories, folders holding them (runs/<name> with its version_N) or a sweep's output directory")
-    parser.add_argument("--output", help="where the report goes (default: report/ in the folder holding every given run)")
+    parser.add_argument("--output", help="where the report goes (default: RUN_DIR/report for one folder; for several, report/ in "
+                        "the folder holding them all when it lies below the working directory, else --output is required)")
     parser.add_argument("--low_lr", type=float, nargs="+", help="learning rates compared with the paper's 1e-5")
     parser.add_argument("--high_lr", type=float, nargs="+", help="learning rates compared with the paper's 5e-5")
     options = parser.parse_args(argv)
+    if options.output:
+        output = Path(options.output)
+    else:
+        try:
+            output = default_output(options.runs)
+        except ValueError as error:
+            parser.error(str(error))
     runs, skipped = collect(options.runs)
     skipped += [(str(run.path), run.unfinished) for run in runs if run.unfinished]  # never averaged with finished runs
     runs = [run for run in runs if not run.unfinished]
@@ -403,7 +455,6 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[report] flagged {run.path}: {run.flag}", file=sys.stderr)
     if not runs:
         parser.error("no finished run directory with a config.yaml among " + " ".join(options.runs))
-    output = Path(options.output) if options.output else default_output(options.runs)
     path = write_report(runs, skipped, output, options.low_lr, options.high_lr)
     print(f"[report] {len(runs)} runs -> {path} (CSV, PNG and tensorboard/ beside it)")
     from kdlab.study.verdicts import PARTS, Study, is_study, write_verdicts

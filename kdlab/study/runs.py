@@ -74,7 +74,7 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _defaults(class_path: str) -> dict[str, Any]:
+def class_defaults(class_path: str) -> dict[str, Any]:
     """``{argument: default}`` of a class's ``__init__`` (empty when it cannot be imported)."""
     import importlib
     import inspect
@@ -100,7 +100,7 @@ def without_defaults(value: Any, class_path: str | None = None) -> Any:
     result = {key: without_defaults(item) for key, item in value.items()}
     for target, path in ((result.get("init_args"), inner), (result, class_path)):
         if isinstance(target, dict) and path:
-            defaults = _defaults(path)
+            defaults = class_defaults(path)
             for key in [k for k in target if k in defaults]:
                 if json.dumps(target[key], sort_keys=True, default=str) == json.dumps(defaults[key], sort_keys=True, default=str):
                     del target[key]
