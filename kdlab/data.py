@@ -36,6 +36,13 @@ class PromptBatch:
     def __len__(self) -> int:
         return len(self.examples)
 
+    def select(self, rows: Sequence[int]) -> PromptBatch:
+        """The prompts of ``rows``, left padding trimmed to the longest of them (as if encoded alone)."""
+        index = torch.as_tensor(list(rows), dtype=torch.long, device=self.student_ids.device)
+        student_ids, student_mask = trim_left(self.student_ids[index], self.student_mask[index])
+        teacher_ids, teacher_mask = trim_left(self.teacher_ids[index], self.teacher_mask[index])
+        return PromptBatch([self.examples[row] for row in rows], student_ids, student_mask, teacher_ids, teacher_mask)
+
 
 @dataclass
 class Rollout:
@@ -61,6 +68,30 @@ class Rollout:
     """The teacher's tempered log-probs ``(B, C, V)`` when read from a cache (then no teacher forward
     runs): a :class:`~kdlab.rollouts.teacher_cache.TopKLogprobs`, which objectives expand chunk by chunk."""
 
+    def split(self, sizes: Sequence[int]) -> list[Rollout]:
+        """Consecutive row groups of ``sizes`` (summing to ``B``), each with its prompts' left padding and
+        its completions' right padding trimmed to its own rows: the rollout each group would have had if
+        its prompts had been decoded alone with these completions (positions follow the masks, so the
+        models' logits on the kept tokens do not depend on the trimmed padding)."""
+        if sum(sizes) != len(self.prompts):
+            raise ValueError(f"Rollout.split: sizes {list(sizes)} do not add up to the {len(self.prompts)} rows")
+        parts, start = [], 0
+        for size in sizes:
+            rows = list(range(start, start + size))
+            start += size
+            index = torch.as_tensor(rows, dtype=torch.long, device=self.completion_ids.device)
+            mask = self.completion_mask[index]
+            width = int(mask.any(0).nonzero().max()) + 1 if bool(mask.any()) else 0
+            select = lambda tensor: None if tensor is None else tensor[index][:, :width]  # noqa: E731
+            teacher = self.teacher_logprobs
+            if teacher is not None:
+                teacher = teacher.select(rows, width) if hasattr(teacher, "select") else teacher[index][:, :width]
+            parts.append(Rollout(
+                self.prompts.select(rows), self.completion_ids[index][:, :width], mask[:, :width],
+                select(self.sampling_entropy), select(self.behaviour_logprobs), self.importance_cap, teacher,
+            ))
+        return parts
+
     def model_inputs(self, model: str) -> dict[str, torch.Tensor]:
         """``input_ids``, ``attention_mask`` and ``position_ids`` ``(B, P + C)`` for ``"student"`` or ``"teacher"``."""
         ids = getattr(self.prompts, f"{model}_ids")
@@ -68,6 +99,13 @@ class Rollout:
         input_ids = torch.cat([ids, self.completion_ids.to(ids.device)], dim=1)
         attention_mask = torch.cat([mask, self.completion_mask.to(mask.device, mask.dtype)], dim=1)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids(attention_mask)}
+
+
+def trim_left(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop the leading columns that are padding on every row of left-padded ``ids``/``mask`` ``(B, P)``."""
+    real = mask.bool().any(0)
+    first = int(real.nonzero().min()) if bool(real.any()) else mask.shape[1]
+    return ids[:, first:], mask[:, first:]
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -83,6 +83,11 @@ class TopKLogprobs(LazyLogits):
             logprobs[row, : row_logprobs.shape[0]] = row_logprobs
         return cls(indices, logprobs, token_columns)
 
+    def select(self, rows: list[int], length: int) -> TopKLogprobs:
+        """The cached teacher of ``rows``, its first ``length`` positions (see :meth:`kdlab.data.Rollout.split`)."""
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        return TopKLogprobs(self.indices[index][:, :length], self.logprobs[index][:, :length], self.token_columns)
+
     @property
     def shape(self) -> torch.Size:
         return torch.Size((*self.indices.shape[:2], self.token_columns))

@@ -237,7 +237,15 @@ class TaskStage(pl.LightningModule):
         if resume is not None:
             self._train_sampler.set_epoch(resume["epoch"])
             self._train_sampler.skip = resume["batches_done"] * self.batch_size
-        return ResumableLoader(examples, batch_size=self.batch_size, sampler=self._train_sampler, collate_fn=list)
+        loader = ResumableLoader(examples, batch_size=self.batch_size, sampler=self._train_sampler, collate_fn=list)
+        loader.decode_group = self.decode_group()
+        loader.resumed_batches = resume["batches_done"] if resume is not None else 0
+        return loader
+
+    def decode_group(self) -> int:
+        """Micro-batches whose prompts one batched decode serves (:class:`~kdlab.stages.loaders.DecodeGroup`);
+        1 here: each micro-batch alone."""
+        return 1
 
     def on_train_epoch_start(self) -> None:
         # Lightning may wrap the sampler for data parallelism and then set the wrapper's epoch only

@@ -47,6 +47,7 @@ from kdlab.rollouts.policies import (
 )
 from kdlab.stages.base import TaskStage
 from kdlab.stages.optim import FiniteAdamW, lr_multiplier
+from kdlab.stages.sharding import gathered_for_decoding
 from kdlab.tasks.base import Example, Task
 
 
@@ -66,6 +67,13 @@ class DistillModule(TaskStage):
         max_prompt_tokens: longer prompts are an error naming the example (paper: 2048).
         max_completion_tokens: rollout length budget (paper: 512 Countdown, 1024 Science/MedReason).
         batch_size: prompts per micro-batch; the effective batch is this x ``accumulate_grad_batches``.
+        rollout_micro_batches: how many consecutive micro-batches one batched decode writes completions
+            for: ``None`` (default) all of an optimiser step's (``batch_size x accumulate_grad_batches``
+            prompts per decode on each rank), ``1`` each micro-batch alone, any divisor of
+            ``accumulate_grad_batches`` in between (to bound the decode's KV caches). Training still runs
+            one micro-batch at a time, each on its own rows with its own padding, so the loss and
+            gradients do not depend on it; the sampled completions do (one random stream per decode, seeded
+            by the first micro-batch's index), except for the first micro-batch of each decode.
         lr: peak learning rate (paper: 1e-5 and 5e-5).
         warmup_steps: optimiser step k (0-based) uses ``lr * min(1, (k + 1) / warmup_steps)``, constant after.
         betas, eps, weight_decay: AdamW settings (paper: (0.9, 0.999), 1e-8, no weight decay).
@@ -107,6 +115,7 @@ class DistillModule(TaskStage):
         max_prompt_tokens: int = 2048,
         max_completion_tokens: int = 512,
         batch_size: int = 1,
+        rollout_micro_batches: int | None = None,
         lr: float = 1e-5,
         warmup_steps: int = 10,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -138,6 +147,9 @@ class DistillModule(TaskStage):
             raise ValueError("DistillModule.teacher is required unless the rollout is CachedTeacherRollouts (a teacher_cache)")
         self.rollout = rollout if rollout is not None else TeacherRollouts()
         self.objective = objective if objective is not None else ForwardKL()
+        if rollout_micro_batches is not None and rollout_micro_batches < 1:
+            raise ValueError(f"DistillModule.rollout_micro_batches must be >= 1 (or null: a whole optimiser step), got {rollout_micro_batches}")
+        self.rollout_micro_batches = rollout_micro_batches
         self.teacher_temperature = teacher_temperature
         self.student_temperature = student_temperature
         self.lr, self.warmup_steps, self.betas, self.eps, self.weight_decay = lr, warmup_steps, tuple(betas), eps, weight_decay
@@ -222,17 +234,44 @@ class DistillModule(TaskStage):
         )
 
     def make_rollout(self, examples: list[Example], seed: int, policy: RolloutPolicy | None = None):
-        """Completions for ``examples`` from ``policy`` (default: this module's rollout policy),
-        sampled with the student in eval mode."""
+        """Completions for ``examples`` from ``policy`` (default: this module's rollout policy), sampled in
+        one batched decode with the student in eval mode (FSDP2-sharded models stay gathered for the whole
+        decode: :func:`~kdlab.stages.sharding.gathered_for_decoding`)."""
         policy = self.rollout if policy is None else policy
         prompts = self._prompts(examples)
         was_training = self.student.training
         self.student.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), gathered_for_decoding([self.student, *self._frozen.values()]):
                 return policy.sample(prompts, self.rollout_context(self._generator(seed)))
         finally:
             self.student.train(was_training)
+
+    def decode_group(self) -> int:
+        """Micro-batches per batched decode: ``rollout_micro_batches``, by default the trainer's
+        ``accumulate_grad_batches``; it must divide the latter (decodes never straddle optimiser steps)."""
+        accumulate = int(getattr(self._trainer, "accumulate_grad_batches", 1) or 1) if self._trainer is not None else 1
+        group = accumulate if self.rollout_micro_batches is None else self.rollout_micro_batches
+        if accumulate % group:
+            raise ValueError(
+                f"DistillModule.rollout_micro_batches={group} must divide trainer.accumulate_grad_batches={accumulate} "
+                "(one decode serves micro-batches of one optimiser step)"
+            )
+        return group
+
+    def micro_batch_rollout(self, batch: list[Example], batch_idx: int):
+        """The rollout of micro-batch ``batch``: at the first micro-batch of its
+        :class:`~kdlab.stages.loaders.DecodeGroup`, one batched decode writes the whole group's completions
+        (seeded by that micro-batch's ``step_seed``), split into each micro-batch's rows and trimmed to its
+        own padding; the group's other micro-batches take theirs. A plain list (no group) decodes alone."""
+        group, index = getattr(batch, "group", None), getattr(batch, "index", 0)
+        if group is None:
+            return self.make_rollout(batch, self.step_seed("train", batch_idx))
+        if group.rollouts is None:
+            rollout = self.make_rollout(group.examples, self.step_seed("train", batch_idx - index))
+            group.rollouts = rollout.split([len(part) for part in group.batches]) if len(group.batches) > 1 else [rollout]
+        taken, group.rollouts[index] = group.rollouts[index], None  # each micro-batch's tensors freed after its step
+        return taken
 
     def distillation_logits(self, rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """Tempered student and teacher logits ``(B, C, V)`` at the completion positions (as
@@ -262,7 +301,7 @@ class DistillModule(TaskStage):
 
     def training_step(self, batch: list[Example], batch_idx: int) -> torch.Tensor | None:
         seed = self.step_seed("train", batch_idx)
-        rollout = self.make_rollout(batch, seed)
+        rollout = self.micro_batch_rollout(batch, batch_idx)
         mask = rollout.completion_mask
         if not bool(mask.any()):
             warnings.warn(f"step {self.global_step}: the rollouts hold no completion token; batch skipped", stacklevel=2)

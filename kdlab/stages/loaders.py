@@ -34,10 +34,57 @@ class EpochShuffle(DistributedSampler):
         return iter(mine[skip:])
 
 
+class DecodeGroup:
+    """Consecutive micro-batches whose prompts are decoded together (one batched decode for all of them):
+    their examples, and once the first of them is trained, each one's rollout (see
+    :meth:`kdlab.stages.distill.DistillModule.micro_batch_rollout`)."""
+
+    def __init__(self, batches: list[list[Any]]) -> None:
+        self.batches = batches
+        self.rollouts: list[Any] | None = None
+
+    @property
+    def examples(self) -> list[Any]:
+        return [example for batch in self.batches for example in batch]
+
+
+class MicroBatch(list):
+    """One micro-batch of examples (a list, as Lightning passes it to ``training_step``) that knows its
+    :class:`DecodeGroup` and its ``index`` there."""
+
+    group: DecodeGroup
+    index: int
+
+
 class ResumableLoader(DataLoader):
     """The training DataLoader. It resumes mid-epoch through its :class:`EpochShuffle` sampler (the data
     position is in the checkpoint, see :meth:`TaskStage.on_save_checkpoint`); ``state_dict`` and
-    ``load_state_dict`` tell Lightning so, which otherwise warns that a mid-epoch resume is unreliable."""
+    ``load_state_dict`` tell Lightning so, which otherwise warns that a mid-epoch resume is unreliable.
+
+    It yields :class:`MicroBatch` lists, the same micro-batches in the same order whatever the grouping,
+    grouped ``decode_group`` at a time (set after construction; 1 by default). Groups start at every
+    multiple of ``decode_group`` micro-batches from the epoch's start, so they line up with Lightning's
+    accumulation groups when ``decode_group`` divides ``accumulate_grad_batches``; a run resumed
+    ``batches_done`` micro-batches into an epoch (``resumed_batches``) first completes its group."""
+
+    decode_group = 1
+    resumed_batches = 0
+
+    def __iter__(self):
+        batches = super().__iter__()
+        first = (-self.resumed_batches) % self.decode_group or self.decode_group
+        self.resumed_batches = 0  # the next epoch starts at its beginning
+        size = first
+        while True:
+            chunk = [batch for _, batch in zip(range(size), batches)]
+            if not chunk:
+                return
+            group = DecodeGroup(chunk)
+            for index, batch in enumerate(chunk):
+                item = MicroBatch(batch)
+                item.group, item.index = group, index
+                yield item
+            size = self.decode_group
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -8,6 +8,7 @@ training steps; the stage decides *which* models are sharded (``sharded_models``
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -34,6 +35,29 @@ def shard_fsdp2(models: list[torch.nn.Module], mesh, precision: str) -> None:
             if type(module).__name__ in blocks:
                 fully_shard(module, **options)
         fully_shard(model, **options)
+
+
+@contextlib.contextmanager
+def gathered_for_decoding(models: list[torch.nn.Module]):
+    """Inside the block, each FSDP2-sharded model in ``models`` keeps its parameters gathered between
+    forwards: decoding calls a model once per token, and resharding after each call would all-gather every
+    layer again for the next token (for a 7B teacher, ~15 GB moved per token per rank). The gather
+    happens once, at the first forward; on leaving, each model is resharded and set back to resharding
+    after its forwards (``fully_shard``'s default). The block's peak memory is each model's full bf16/fp32
+    weights, as a replicated model would hold. Models that are not FSDP2 modules are left alone."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        FSDPModule = ()  # noqa: N806
+    sharded = [model for model in models if isinstance(model, FSDPModule)]
+    for model in sharded:
+        model.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for model in sharded:
+            model.set_reshard_after_forward(True)
+            model.reshard()
 
 
 def wrap_fsdp1(stage: Any) -> None:
