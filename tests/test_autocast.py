@@ -193,3 +193,20 @@ def test_a_bf16_mixed_training_step_logs_the_fp32_diagnostics_of_its_logits(tiny
     for name in DIAGNOSTICS:
         assert_close(logged[f"train/{name}"], expected[name], name)
     assert_close(logged["train/loss"], expected["kl_forward"], "loss (ForwardKL)")
+
+
+def test_an_fp32_student_has_gradients_after_a_no_grad_rollout_under_bf16_autocast(tiny_pair):
+    """Lightning runs training_step under autocast, so the rollout's no-grad decode caches bf16 casts of
+    the student's fp32 weights; the training forward after it must still reach every weight."""
+    from kdlab.stages import DistillModule
+    from kdlab.tasks import Addition
+
+    module = DistillModule(*tiny_pair, task=Addition(num_train=8, num_val=2), max_completion_tokens=4, batch_size=2, fused_lm_head=False)
+    batch = module.task.examples("train")[:2]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rollout = module.make_rollout(batch, seed=0)
+        student, teacher = module.distillation_logits(rollout)
+        loss = module.objective(student, teacher, rollout.completion_mask)
+    loss.backward()
+    grads = [p.grad for p in module.student.parameters() if p.requires_grad]
+    assert all(g is not None for g in grads) and any(bool(g.abs().sum() > 0) for g in grads)

@@ -246,6 +246,10 @@ class DistillModule(TaskStage):
                 return policy.sample(prompts, self.rollout_context(self._generator(seed)))
         finally:
             self.student.train(was_training)
+            # Under Lightning's autocast the decode cached bf16 casts of the fp32 student's weights, made
+            # without grad; torch before pytorch#165068 reused them in the training forward, which then had
+            # no gradient. Dropping the cache costs one cast per weight per step.
+            torch.clear_autocast_cache()
 
     def decode_group(self) -> int:
         """Micro-batches per batched decode: ``rollout_micro_batches``, by default the trainer's
