@@ -110,3 +110,20 @@ def test_decode_groups_line_up_with_accumulation_groups_after_a_mid_epoch_resume
     assert [list(b) for b in batches] == [[i] for i in range(10 - resumed)]  # the same micro-batches, in order
     again = list(loader)  # the next epoch starts at its beginning: whole groups
     assert [b.index for b in again] == [i % 4 for i in range(10 - resumed)]
+
+
+def test_decoding_stops_collectively_only_when_models_are_sharded(tiny_pair):
+    """Under DDP (whole models) each rank stops decoding when its own rows end: no all-reduce per token.
+    Sharded models (FSDP) need every rank to take as many decoding steps, so the decision is collective."""
+    from types import SimpleNamespace
+
+    module = DistillModule(*tiny_pair, task=Addition(num_train=4, num_val=2), max_completion_tokens=4)
+    decisions = []
+    strategy = SimpleNamespace(reduce_boolean_decision=lambda done, all: decisions.append(done) or done)
+    module._trainer = SimpleNamespace(world_size=2, strategy=strategy)
+    assert module.all_done_hook() is None
+    module._sharded = True
+    hook = module.all_done_hook()
+    assert hook(True) is True and decisions == [True]
+    module._trainer = SimpleNamespace(world_size=1, strategy=strategy)
+    assert module.all_done_hook() is None

@@ -280,9 +280,12 @@ class TaskStage(pl.LightningModule):
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def all_done_hook(self):
-        """``None`` on one process; else a collective "have all ranks finished decoding" decision."""
+        """A collective "have all ranks finished decoding" decision when models are sharded (FSDP1/FSDP2:
+        a forward may be a collective, so every rank must take as many decoding steps); ``None`` otherwise
+        (one process, or DDP with whole models: each rank stops when its own rows end, with no per-token
+        all-reduce)."""
         trainer = self._trainer
-        if trainer is None or trainer.world_size == 1:
+        if trainer is None or trainer.world_size == 1 or not self._sharded:
             return None
         return lambda done: trainer.strategy.reduce_boolean_decision(done, all=True)
 
