@@ -7,7 +7,15 @@ Each stage attaches it beside the Trainer's own loggers (TensorBoard by default)
 a sweep is tabulated from one file per run (:mod:`kdlab.study.runs`) and TensorBoard shows the same
 numbers. The file is appended to and flushed on every call: a killed run keeps every line it logged,
 and a resumed run continues the same file (:func:`kdlab.cli.resume.trim_logs` first drops the lines
-written after its checkpoint)."""
+written after its checkpoint).
+
+Steps: kdlab numbers a run's progress by optimiser steps taken (``trainer.global_step``): the progress
+lines, the end summary, ``samples/<split>-stepNNNNNN.jsonl`` and the callbacks' lines
+(:func:`log_metrics`) all say step 150 after 150 optimiser steps. Lightning's ``self.log`` lines (they
+carry ``epoch``) and their TensorBoard scalars are at Lightning's logger step, which counts the steps
+before the current one: the ``train/loss`` and ``val/accuracy`` of step 150 are recorded at 149. That
+recorded number is kept (the study tables and resumed runs read it); :func:`metrics_lines` with
+``optimiser_steps=True`` turns it into the step count, as the end summary shows it."""
 
 from __future__ import annotations
 
@@ -106,9 +114,11 @@ def write_samples(trainer: pl.Trainer, split: str, records: list[dict[str, Any]]
     return path
 
 
-def metrics_lines(path: str | Path) -> Iterator[tuple[int, str, float]]:
+def metrics_lines(path: str | Path, optimiser_steps: bool = False) -> Iterator[tuple[int, str, float]]:
     """``(step, name, value)`` for every scalar of a ``metrics.jsonl`` file, in file order (none if it
-    does not exist)."""
+    does not exist), at the step the line records; with ``optimiser_steps`` at the number of optimiser
+    steps taken instead: a Lightning line (it carries ``epoch``) one later, and without its ``epoch``
+    (the module docstring's "Steps")."""
     path = Path(path)
     if not path.is_file():
         return
@@ -116,5 +126,8 @@ def metrics_lines(path: str | Path) -> Iterator[tuple[int, str, float]]:
         if line.strip():
             row = json.loads(line)
             step = int(row.pop("step"))
+            if optimiser_steps and "epoch" in row:
+                step += 1
+                row.pop("epoch")
             for name, value in row.items():
                 yield step, name, float(value)

@@ -155,6 +155,12 @@ def test_full_quickstart_with_all_its_callbacks(tmp_path):
     assert {"coverage/countdown3/pass@1", "ood/mean_delta", "sparsity/1e-06"} <= keys
 
 
+def full_state(log_dir):
+    """The run's newest checkpoint with optimiser state (Lightning's ModelCheckpoint wrote it; final.ckpt is weights only)."""
+    files = [path for path in Path(log_dir, "checkpoints").glob("*.ckpt") if path.name != "final.ckpt"]
+    return max(files, key=lambda path: path.stat().st_mtime)
+
+
 def test_fit_always_leaves_a_checkpoint_of_its_final_step(tmp_path):
     cli = fit(tmp_path, "--trainer.max_steps=3", "--trainer.limit_val_batches=0")  # stops mid-epoch, no validation
     final = Path(cli.trainer.log_dir, "checkpoints", "final.ckpt")
@@ -176,7 +182,7 @@ def test_resuming_reads_the_checkpoint_with_weights_only(tmp_path, monkeypatch):
     import torch
 
     first = fit(tmp_path)
-    checkpoint = next(Path(first.trainer.log_dir, "checkpoints").glob("final.ckpt"))
+    checkpoint = full_state(first.trainer.log_dir)
     calls = []
     real_load = torch.load
 
@@ -320,9 +326,11 @@ def test_the_console_says_where_the_run_goes_how_it_progresses_and_what_it_measu
     assert [line.split(" train/loss")[0] for line in lines if line.startswith("[kdlab] step ")] == [f"[kdlab] step {s}/6" for s in range(1, 7)]
     assert "[kdlab] fit finished at step 6 in" in out and f"results in {run_dir}" in out
     assert "  coverage/addition/pass@1: 0.0% at step 0 -> 0.0% at step 6  (Coverage callback" in out
-    # val/accuracy is a self.log value: metrics.jsonl has it at Lightning's logger steps (validations after steps 3 and 6)
-    assert "  val/accuracy: 0.0% at step 2 -> 0.0% at step 5  (held-out accuracy" in out
-    for noise in ("Loading weights", "Tip:", "LeafSpec", "weights_only` was not set", "Epoch 0/-2"):
+    # val/accuracy is a self.log value, recorded at Lightning's logger steps (2 and 5); the summary counts optimiser steps
+    assert "  val/accuracy: 0.0% at step 3 -> 0.0% at step 6  (held-out accuracy" in out
+    assert "  train/loss: " in out and " at step 1 -> " in out and "at step 6  (training loss" in out
+    for noise in ("Loading weights", "Tip:", "LeafSpec", "weights_only` was not set", "Epoch 0/-2",
+                  "was called without a model", "no last checkpoint available"):
         assert noise not in everything, noise
 
 
@@ -359,34 +367,110 @@ def test_the_progress_bar_counts_optimiser_steps_also_after_a_resume(tmp_path):
     bar, task = bar_of(first)
     assert (task.description.strip(), task.total, task.completed) == ("Step", 3, 3)
     assert "v_num" not in bar.get_metrics(first.trainer, first.model)
-    checkpoint = Path(first.trainer.log_dir, "checkpoints", "final.ckpt")
+    checkpoint = full_state(first.trainer.log_dir)
     resumed = fit(tmp_path, "--trainer.enable_progress_bar=true", "--trainer.limit_val_batches=0", f"--ckpt_path={checkpoint}", "--trainer.max_steps=6")
     _, task = bar_of(resumed)
     assert (task.description.strip(), task.total, task.completed) == ("Step", 6, 6)
 
 
-def test_cpu_threads_are_chosen_once_per_process_from_the_free_cores(monkeypatch):
+def test_cpu_threads_are_one_per_usable_cpu_whatever_the_load_average_and_the_rule_is_said(monkeypatch):
+    """The same command on an idle machine gets the same count: one thread per CPU this process may use,
+    whatever the load average says (it also counts a run that has just ended); only CPUs busy now with
+    other work (/proc/stat over the sample) or a container's quota lower it; OMP_NUM_THREADS decides alone."""
     import torch
 
     from kdlab.cli import console
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(console, "_CHOSEN", [])
     monkeypatch.setattr(console.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    monkeypatch.setattr(console.os, "getloadavg", lambda: (2.6, 0.0, 0.0))
+    monkeypatch.setattr(console, "cgroup_cpu_limit", lambda: None)
+    monkeypatch.setattr(console.time, "sleep", lambda seconds: None)
+    idle = [{cpu: (100, 1000) for cpu in range(4)}, {cpu: (110, 1200) for cpu in range(4)}]  # 5% busy each
+    samples = []
+    monkeypatch.setattr(console, "_cpu_times", lambda cpus: samples.pop(0))
     before = torch.get_num_threads()
     try:
-        assert console.choose_cpu_threads() == "[kdlab] CPU threads: 2 (4 cores, about 2 busy by the load average; set OMP_NUM_THREADS to choose)"
-        assert torch.get_num_threads() == 2
-        monkeypatch.setattr(console.os, "getloadavg", lambda: (9.0, 0.0, 0.0))  # busier later: the same count
-        assert console.choose_cpu_threads().startswith("[kdlab] CPU threads: 2 ") and torch.get_num_threads() == 2
+        lines = set()
+        for load in (0.0, 1.9, 2.6, 9.0):  # an idle machine right after runs of 1, 2 or more threads
+            monkeypatch.setattr(console.os, "getloadavg", lambda load=load: (load, load, load))
+            monkeypatch.setattr(console, "_CHOSEN", [])
+            samples[:] = [dict(sample) for sample in idle]
+            lines.add(console.choose_cpu_threads())
+            assert torch.get_num_threads() == 4
+        assert lines == {"[kdlab] CPU threads: 4 (4 CPUs this process may use, none of them busy now; OMP_NUM_THREADS=N sets N)"}
+        samples[:] = [idle[0], {0: (1000, 2000), 1: (1000, 2000), 2: (110, 1200), 3: (110, 1200)}]  # CPUs 0 and 1 taken
         monkeypatch.setattr(console, "_CHOSEN", [])
-        assert console.choose_cpu_threads().startswith("[kdlab] CPU threads: 1 (4 cores, about 9 busy")  # at least one
+        assert console.choose_cpu_threads().startswith("[kdlab] CPU threads: 2 (4 CPUs this process may use, 2 of them busy now")
+        samples[:] = [dict(sample) for sample in idle]
+        assert console.choose_cpu_threads().startswith("[kdlab] CPU threads: 2 ")  # once per process: no second sample
+        monkeypatch.setattr(console, "_CHOSEN", [])
+        monkeypatch.setattr(console, "cgroup_cpu_limit", lambda: 1.5)
+        assert console.choose_cpu_threads().startswith("[kdlab] CPU threads: 1 (4 CPUs this process may use, capped by its CPU quota of 1.5")
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
         assert console.choose_cpu_threads() is None  # the user's choice stands
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_fresh_fit_says_nothing_about_a_previous_model_or_a_last_checkpoint(tmp_path, monkeypatch, capsys):
+    """Lightning turns fit(ckpt_path=None) into "last" when an OnExceptionCheckpoint is among the callbacks:
+    every fresh fit warned about "the last model of the previous fit" and a missing last checkpoint, and
+    one started where ./checkpoints/on_exception.ckpt exists tried to resume from that file."""
+    import logging
+    import warnings
+
+    monkeypatch.chdir(tmp_path)
+    Path("checkpoints").mkdir()
+    Path("checkpoints", "on_exception.ckpt").write_text("a stray file that is no checkpoint")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("lightning.pytorch").addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cli = fit(tmp_path / "runs", "--trainer.limit_val_batches=0")
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(handler)
+    said = [str(w.message) for w in caught] + [record.getMessage() for record in records]
+    captured = capsys.readouterr()
+    said += [captured.out, captured.err]
+    assert cli.trainer.global_step == 2 and cli.trainer.ckpt_path is None
+    for message in ("was called without a model", "no last checkpoint available", "previous `fit` call"):
+        assert not [text for text in said if message in text], message
+
+
+def test_final_checkpoint_holds_the_weights_and_no_step_is_saved_twice_in_full(tmp_path):
+    """final.ckpt: the trained weights (what the next stage, export and evaluation read), no optimiser, scheduler or callback state; the full state of the last step is one file, which
+    last.ckpt links to (save_last=True would otherwise copy it)."""
+    from kdlab.models.export import load_stage_weights
+    from kdlab.models.loading import ModelSpec, load_causal_lm
+
+    cli = fit(tmp_path, "--trainer.max_steps=4", "--trainer.limit_val_batches=0", "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+              "--trainer.callbacks.save_last=true", "--trainer.callbacks.every_n_train_steps=2")
+    folder = Path(cli.trainer.log_dir, "checkpoints")
+    files = {path.name: path for path in folder.iterdir()}
+    assert set(files) == {"epoch=0-step=4.ckpt", "last.ckpt", "final.ckpt"}, sorted(files)
+    assert files["last.ckpt"].is_symlink() and files["last.ckpt"].resolve() == files["epoch=0-step=4.ckpt"].resolve()
+    full = {}
+    for path in files.values():
+        if not path.is_symlink():
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            if "optimizer_states" in state:
+                assert state["global_step"] not in full, f"{path.name} and {full[state['global_step']]} both hold step {state['global_step']} in full"
+                full[state["global_step"]] = path.name
+    assert full == {4: "epoch=0-step=4.ckpt"}
+    final = torch.load(files["final.ckpt"], map_location="cpu", weights_only=True)
+    assert final["global_step"] == 4 and not {"optimizer_states", "lr_schedulers", "callbacks"} & set(final)
+    assert final["state_dict"] and "kdlab_log_position" in final
+    step = torch.load(files["epoch=0-step=4.ckpt"], map_location="cpu", weights_only=True)["state_dict"]
+    assert final["state_dict"].keys() == step.keys() and all(torch.equal(final["state_dict"][k], step[k]) for k in step)
+    assert files["final.ckpt"].stat().st_size < files["epoch=0-step=4.ckpt"].stat().st_size / 2
+    student = load_causal_lm(ModelSpec(cli.model.student_spec.path, checkpoint=str(files["final.ckpt"])), "student")  # the next stage's loader
+    for name, value in cli.model.student.state_dict().items():
+        assert torch.equal(student.state_dict()[name], value), name
+    assert load_stage_weights(load_causal_lm(ModelSpec(cli.model.student_spec.path), "student"), str(files["final.ckpt"])) is None
 
 
 def test_the_end_summary_names_each_metric_before_and_after(tmp_path):
@@ -402,3 +486,32 @@ def test_the_end_summary_names_each_metric_before_and_after(tmp_path):
     assert lines[0].startswith("  coverage/countdown3/pass@1: 0.0% at step 0 -> 36.5% at step 150  (Coverage callback")
     assert lines[1].startswith("  ood/mean: 100 at step 0 -> 99.75 at step 150  (OODForgetting")
     assert lines[-1].startswith("  val/accuracy: 40.0% at step 150  (held-out accuracy")
+
+
+def test_the_end_summary_counts_optimiser_steps_for_every_metric_and_shows_the_heldout_kl_gap_closed(tmp_path):
+    """One numbering: after 150 optimiser steps every metric of step 150 reads "at step 150", whether a
+    callback logged it (at the global step) or Lightning did (self.log lines carry epoch and are recorded
+    at its logger step, 149, which metrics.jsonl keeps); HeldOutKL's gap closed is a headline line."""
+    from kdlab.cli.console import summary
+    from kdlab.runlog import metrics_lines
+
+    rows = [{"step": 0, "coverage/countdown3/pass@1": 0.0, "heldout_kl/forward": 0.2, "heldout_kl/reverse": 1.2,
+             "heldout_kl/forward_before": 0.2, "heldout_kl/reverse_before": 1.2},
+            {"step": 4, "epoch": 0, "train/loss": 0.11},  # Lightning's line of step 5
+            {"step": 149, "epoch": 0, "train/loss": 0.0338},
+            {"step": 149, "epoch": 0, "val/accuracy": 0.4},  # the validation after step 150
+            {"step": 150, "coverage/countdown3/pass@1": 0.365, "heldout_kl/forward": 0.05, "heldout_kl/reverse": 0.9,
+             "heldout_kl/forward_closed": 0.75}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [step for step, name, _ in metrics_lines(tmp_path / "metrics.jsonl") if name == "val/accuracy"] == [149]  # as recorded
+    assert ("epoch" not in {name for _, name, _ in metrics_lines(tmp_path / "metrics.jsonl", optimiser_steps=True)})
+    lines = {line.split(":")[0].strip(): line for line in summary(tmp_path, {"val/accuracy": 0.4, "train/loss": 0.0338}, 150)}
+    assert lines["train/loss"].startswith("  train/loss: 0.11 at step 5 -> 0.0338 at step 150  (training loss")
+    assert lines["val/accuracy"].startswith("  val/accuracy: 40.0% at step 150  (")
+    assert lines["coverage/countdown3/pass@1"].startswith("  coverage/countdown3/pass@1: 0.0% at step 0 -> 36.5% at step 150  (")
+    assert lines["heldout_kl/forward_closed"].startswith("  heldout_kl/forward_closed: 75.0% at step 150  (HeldOutKL: share of the starting forward-KL gap")
+    assert lines["heldout_kl/forward"].startswith("  heldout_kl/forward: 0.2 at step 0 -> 0.05 at step 150  (HeldOutKL")
+    assert lines["heldout_kl/reverse"].startswith("  heldout_kl/reverse: 1.2 at step 0 -> 0.9 at step 150  (HeldOutKL")
+    assert not [name for name in lines if name.endswith("_before")]
+    steps = {int(part.split()[0]) for line in lines.values() for part in line.split("at step ")[1:]}
+    assert steps <= {0, 5, 150}

@@ -80,3 +80,23 @@ def test_heldout_kl_refuses_a_stage_without_a_teacher(tiny_pair, tmp_path):
         HeldOutKL().setup(bare_trainer(tmp_path), GRPOModule(student, Addition(num_train=4, num_val=2)), "fit")
     with pytest.raises(ValueError, match="HeldOutKL.examples"):
         HeldOutKL(examples=0)
+
+
+def test_the_gap_closed_is_in_the_end_summary_and_in_metrics_jsonl_at_the_last_step(tmp_path, capsys, monkeypatch):
+    """The figure docs/real_model.md leads with: ``heldout_kl/forward_closed``, logged to metrics.jsonl at
+    the final optimiser step (where kdlab report reads each run's last values) and printed by kdlab fit's
+    end summary, beside the forward and reverse KL before -> after."""
+    from pathlib import Path
+
+    from kdlab.cli.main import main
+
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+    smoke = Path(__file__).parents[1] / "experiments" / "tiny" / "smoke.yaml"
+    cli = main(["fit", f"--config={smoke}", "--trainer.max_steps=3", "--trainer.limit_val_batches=0", f"--trainer.logger.init_args.save_dir={tmp_path}",
+                "--trainer.callbacks+=kdlab.callbacks.HeldOutKL", "--trainer.callbacks.examples=4", "--trainer.callbacks.batch_size=4"])
+    logged = [row for row in rows(cli.trainer) if "heldout_kl/forward_closed" in row]
+    assert [row["step"] for row in logged] == [3]
+    closed = logged[0]["heldout_kl/forward_closed"]
+    out = capsys.readouterr().out
+    assert f"  heldout_kl/forward_closed: {100 * closed:.1f}% at step 3  (HeldOutKL: share of the starting forward-KL gap" in out
+    assert "  heldout_kl/forward: " in out and "  heldout_kl/reverse: " in out and "_before:" not in out

@@ -238,3 +238,24 @@ def test_epoch_shuffle_on_distributed_sampler_keeps_the_orders_of_earlier_runs(s
     assert list(sampler) == order
     sampler.skip = 1
     assert list(sampler) == order[1:] and list(sampler) == order  # the skip applies to one pass only
+
+
+def test_final_ckpt_is_weights_only_so_a_fit_resumes_from_last_ckpt_which_links_to_the_full_state(tmp_path):
+    """final.ckpt holds the weights (the next stage reads them), not the optimiser: --ckpt_path of it fails
+    at the restore naming the files that resume, and leaves the run's logs alone; last.ckpt, a link to
+    the newest full state, continues the finished run in the same version_N."""
+    from kdlab.cli.config_errors import ConfigError
+
+    first = cli_fit(tmp_path, "--trainer.max_steps=4")
+    run_dir = Path(first.trainer.log_dir)
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "last.ckpt").is_symlink() and (checkpoints / "last.ckpt").resolve().name == "epoch=0-step=4.ckpt"
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    with pytest.raises(ConfigError, match=r"final.ckpt' holds the weights only \(no optimiser state\), so it cannot resume a fit; "
+                                          r"resume from a full state \(.*last.ckpt.*--model.student.checkpoint=.*final.ckpt"):
+        cli_fit(tmp_path, f"--ckpt_path={checkpoints / 'final.ckpt'}")
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics  # nothing trimmed
+    resumed = cli_fit(tmp_path, f"--ckpt_path={checkpoints / 'last.ckpt'}")
+    assert resumed.trainer.global_step == 6 and Path(resumed.trainer.log_dir) == run_dir
+    assert (checkpoints / "last.ckpt").resolve().name == "epoch=0-step=6.ckpt"
+    assert torch.load(checkpoints / "final.ckpt", weights_only=True)["global_step"] == 6

@@ -1,21 +1,31 @@
-"""Never end a run without a checkpoint of its final state.
+"""Checkpoints a fit leaves, each sized for its use.
 
-Lightning's ``ModelCheckpoint`` saves on validation or epoch ends and every N steps, so a run that stops
-at ``max_steps`` in the middle of an epoch can lose everything after its last save.
-:class:`FinalCheckpoint` saves ``final.ckpt`` when fit ends (files are written to a temporary name and
-renamed by Lightning's checkpoint IO, so a crash during the save leaves the previous files intact), and
-:class:`ExceptionCheckpoint` (Lightning's ``OnExceptionCheckpoint``) ``on_exception.ckpt`` when fit
-raises, saying which file to resume from. ``kdlab fit`` adds each unless the config already has one.
-Resuming: :mod:`kdlab.cli.resume`."""
+* :class:`FinalCheckpoint` saves ``final.ckpt`` when fit ends: the trained weights (``state_dict``, the
+  trained model only: a teacher is never saved), the step and kdlab's data and log positions, without
+  optimiser, scheduler or callback state. It is what the next stage (``policy: {checkpoint:
+  .../final.ckpt}``), ``kdlab pipeline``, evaluation and export read, and the mark of a finished run for
+  ``kdlab sweep`` and ``kdlab report``. It is about a third of a full AdamW state (weights, plus two
+  moments per weight). Lightning's
+  ``ModelCheckpoint`` stays the only writer of full states (``last.ckpt``, ``epoch=E-step=S.ckpt``):
+  resume, or continue a finished run, from one of those; ``--ckpt_path`` of a weights-only file fails
+  naming the files that can resume.
+* :class:`ExceptionCheckpoint` saves ``on_exception.ckpt`` (a full state) when fit raises, Ctrl+C and
+  SIGTERM included, and says which file to resume from.
+
+Files are written to a temporary name and renamed by Lightning's checkpoint IO, so a crash during a
+save leaves the previous files intact. ``kdlab fit`` adds each callback unless the config already has
+one (and makes a ``ModelCheckpoint(save_last=True)`` link ``last.ckpt`` to the newest file it wrote
+instead of copying it, :func:`kdlab.cli.lightning.link_last_checkpoints`). Resuming: :mod:`kdlab.cli.resume`."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.callbacks import Checkpoint
 
 
 def checkpoint_directory(trainer: pl.Trainer) -> Path:
@@ -27,31 +37,68 @@ def checkpoint_directory(trainer: pl.Trainer) -> Path:
 
 
 class FinalCheckpoint(pl.Callback):
-    """Saves ``<checkpoint dir>/final.ckpt`` when fit ends (:func:`checkpoint_directory`)."""
+    """Saves ``<checkpoint dir>/final.ckpt`` (:func:`checkpoint_directory`) when fit ends: the weights only
+    (the module docstring says why); refuses to resume from a weights-only file."""
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        trainer.save_checkpoint(checkpoint_directory(trainer) / "final.ckpt", weights_only=False)
+        trainer.save_checkpoint(checkpoint_directory(trainer) / "final.ckpt", weights_only=True)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After ``--ckpt_path``'s weights were loaded (a checkpoint of another model has failed by then) and
+        before the optimiser state is: a checkpoint without one cannot resume a fit, and Lightning's own
+        error blames ``ModelCheckpoint.save_weights_only``. ``kdlab fit`` puts this callback first, so
+        the error comes before other callbacks' start-of-fit work."""
+        checkpoint = getattr(getattr(trainer, "_checkpoint_connector", None), "_loaded_checkpoint", None)
+        if not trainer.ckpt_path or not checkpoint or "optimizer_states" in checkpoint:
+            return
+        from kdlab.cli.config_errors import ConfigError
+
+        where = Path(trainer.ckpt_path)
+        role = getattr(pl_module, "trained_role", "student")
+        raise ConfigError(
+            f"ckpt_path={str(where)!r} holds the weights only (no optimiser state), so it cannot resume a fit; "
+            f"resume from a full state ({where.parent / 'last.ckpt'}, {where.parent / 'on_exception.ckpt'} or an "
+            f"epoch=E-step=S.ckpt), or train on from these weights in a new run with --model.{role}.checkpoint={where}"
+        )
 
 
-class ExceptionCheckpoint(OnExceptionCheckpoint):
-    """Lightning's ``OnExceptionCheckpoint`` in the run's checkpoint directory (``on_exception.ckpt``),
-    for an exception during fit after at least one optimiser step (Ctrl+C and SIGTERM included), then the
-    command-line option that resumes from it. A SIGTERM'd fit exits with status 143, not 0 (Lightning's
-    ``SIGTERMException`` is a ``SystemExit(0)``: the run would look finished to a scheduler or a sweep).
-    Like Lightning's, it removes the file when fit ends normally, so a stale one never wins a resume."""
+class ExceptionCheckpoint(Checkpoint):
+    """``on_exception.ckpt`` in the run's checkpoint directory, a full state saved when fit raises after at
+    least one optimiser step (Ctrl+C and SIGTERM included; not when restoring ``--ckpt_path`` failed),
+    then the command-line option that resumes from it. A SIGTERM'd fit exits with status 143, not 0
+    (Lightning's ``SIGTERMException`` is a ``SystemExit(0)``: the run would look finished to a scheduler
+    or a sweep). Like Lightning's
+    ``OnExceptionCheckpoint``, it removes the file when fit ends normally, so a stale one never wins a
+    resume.
+
+    It is not an ``OnExceptionCheckpoint``: with one of those among the callbacks Lightning turns every
+    ``fit(ckpt_path=None)`` into ``ckpt_path="last"``, so a fresh fit warns that it found no last
+    checkpoint to resume (or silently resumes from ``./checkpoints/on_exception.ckpt`` when the working
+    directory holds one)."""
+
+    FILE_EXTENSION = ".ckpt"
 
     def __init__(self) -> None:
-        super().__init__(dirpath="checkpoints", filename="on_exception")  # the run's own directory from setup on
+        self.dirpath = "checkpoints"  # the run's own directory from setup on
+        self.filename = "on_exception"
+
+    @property
+    def ckpt_path(self) -> str:
+        return os.path.join(self.dirpath, self.filename + self.FILE_EXTENSION)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.dirpath = str(checkpoint_directory(trainer))
+        self._training = False
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._training = True  # a resumed run's state is whole from here on (a failed restore is not saved)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, SystemExit) and not exception.code:
             exception.code = 128 + signal.SIGTERM
-        if trainer.state.fn != "fit" or trainer.global_step == 0:
+        if trainer.state.fn != "fit" or trainer.global_step == 0 or not getattr(self, "_training", False):
             return
-        super().on_exception(trainer, pl_module, exception)
+        trainer.save_checkpoint(self.ckpt_path)
         if trainer.is_global_zero:
             what = "interrupted" if isinstance(exception, KeyboardInterrupt) else f"stopped by {type(exception).__name__}"
             print(
@@ -60,3 +107,6 @@ class ExceptionCheckpoint(OnExceptionCheckpoint):
                 file=sys.stderr,
                 flush=True,
             )
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        trainer.strategy.remove_checkpoint(self.ckpt_path)

@@ -78,8 +78,10 @@ def lightning_cli_class():
                 args["version"] = version
 
         def before_fit(self) -> None:
-            """Every fit ends with a checkpoint of its final state (see :mod:`kdlab.cli.resume`); a resumed
-            fit first removes what the interrupted run logged after its checkpoint."""
+            """Every fit ends with ``final.ckpt``, its final weights, and saves its full state on an exception
+            (:mod:`kdlab.callbacks.checkpoints`); ``last.ckpt`` links to the periodic file of its step
+            (:func:`link_last_checkpoints`); a resumed fit first removes what the interrupted run logged after
+            its checkpoint (:mod:`kdlab.cli.resume`)."""
             from lightning.pytorch.callbacks import RichProgressBar
 
             from kdlab.cli.console import Console, step_progress_bar
@@ -88,9 +90,11 @@ def lightning_cli_class():
             for index in bars:  # Lightning's default bar: counted in steps instead (Console's docstring)
                 self.trainer.callbacks[index] = step_progress_bar()()
 
-            for kind in (FinalCheckpoint, ExceptionCheckpoint):
-                if not any(isinstance(callback, kind) for callback in self.trainer.callbacks):
-                    self.trainer.callbacks.append(kind())
+            if not any(isinstance(callback, FinalCheckpoint) for callback in self.trainer.callbacks):
+                self.trainer.callbacks.insert(0, FinalCheckpoint())  # first: its --ckpt_path check precedes other start-of-fit work
+            if not any(isinstance(callback, ExceptionCheckpoint) for callback in self.trainer.callbacks):
+                self.trainer.callbacks.append(ExceptionCheckpoint())
+            link_last_checkpoints(self.trainer)
             if not any(isinstance(callback, Console) for callback in self.trainer.callbacks):
                 self.trainer.callbacks.append(Console())
             check = getattr(self.model, "training_examples", None)
@@ -107,6 +111,23 @@ def lightning_cli_class():
                     trim_logs(self.trainer.log_dir, position)
 
     return KDLabCLI
+
+
+def link_last_checkpoints(trainer) -> None:
+    """``ModelCheckpoint(save_last=True)`` without a ``monitor`` (each of its saves is the newest step's
+    full state) on a local folder: ``last.ckpt`` becomes a relative symbolic link to the newest file it
+    saved (Lightning's ``save_last="link"``), the state ``save_last=True`` would copy there, instead of a
+    second full copy of that step (at the end of the quickstart, ``epoch=0-step=150.ckpt`` and
+    ``last.ckpt``); before its first file it is written in full. A monitored checkpoint keeps its copy
+    (its newest file can be an older best one)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for callback in trainer.callbacks:
+        if type(callback) is not ModelCheckpoint or callback.save_last is not True:
+            continue
+        where = str(callback.dirpath or getattr(trainer.logger, "save_dir", None) or trainer.default_root_dir)
+        if callback.monitor is None and callback.save_top_k != 0 and ("://" not in where or where.startswith("file://")):
+            callback.save_last = "link"
 
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")

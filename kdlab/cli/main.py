@@ -29,6 +29,7 @@ COMMANDS = {
     "pipeline": "distillation runs, then RLVR from each: kdlab pipeline --config P.yaml",
     "report": "tables and figures from finished runs: kdlab report runs/<name>...",
     "prune": "a depth-pruned copy of a model: kdlab prune --help",
+    "estimate": "per-GPU memory and step work of a fit, before running it: kdlab estimate --config X.yaml",
 }
 HELP = """usage: kdlab COMMAND [options]          (kdlab COMMAND --help: that command's options)
 
@@ -38,8 +39,8 @@ commands:
 {commands}
 
 A fit logs to <save_dir>/<name>/version_<n>/ (TensorBoard events, config.yaml, metrics.jsonl,
-samples/, checkpoints/final.ckpt); it prints that directory when it starts. Resume an interrupted fit
-with the same command plus --ckpt_path=<run>/checkpoints/on_exception.ckpt (or last.ckpt).
+samples/, checkpoints/final.ckpt: the final weights); it prints that directory when it starts. Resume an
+interrupted fit with the same command plus --ckpt_path=<run>/checkpoints/on_exception.ckpt (or last.ckpt).
 A configuration error ends in one line naming the key (exit status 2); KDLAB_TRACEBACK=1 or
 --traceback shows the whole traceback.
 """
@@ -77,6 +78,10 @@ def main(args: list[str] | None = None, run: bool = True, raise_parse_errors: bo
         from kdlab.study.pipeline import main as pipeline
 
         return pipeline(argv[1:])
+    if argv[:1] == ["estimate"]:  # per-GPU memory of a fit's config, no weights read (kdlab.cli.estimate)
+        from kdlab.cli.estimate import main as estimate
+
+        return estimate(argv[1:])
     if argv[:1] == ["prune"]:  # a depth-pruned copy of a model (kdlab.models.pruning)
         from jsonargparse import auto_cli
 

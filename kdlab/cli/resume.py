@@ -27,14 +27,17 @@ def resume_version(save_dir: str | Path, name: str, ckpt_path: str | Path) -> in
 
 def log_position(ckpt_path: str | Path) -> dict[str, Any] | None:
     """The ``kdlab_log_position`` a checkpoint file recorded (see ``TaskStage.on_save_checkpoint``), read
-    with ``weights_only=True`` and memory-mapped; None for a directory (a sharded checkpoint) or a
-    checkpoint without one."""
+    with ``weights_only=True`` and memory-mapped; None for a directory (a sharded checkpoint), a
+    checkpoint without one, or a weights-only one such as ``final.ckpt`` (the fit then stops at the
+    restore, :class:`~kdlab.callbacks.checkpoints.FinalCheckpoint`, before anything is trimmed)."""
     import torch
 
     path = Path(ckpt_path)
     if not path.is_file():
         return None
     checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if "optimizer_states" not in checkpoint:  # weights only (final.ckpt): it cannot resume, the logs stay as they are
+        return None
     return checkpoint.get("kdlab_log_position")
 
 
