@@ -613,3 +613,13 @@ def test_the_papers_numbers_only_beside_rows_of_its_tasks(tmp_path):
     assert papers[("countdown3", "TeacherRollouts", "ForwardKL")] == "73 [P2]; 71-73 [P3]"
     assert {v for (task, *_), v in papers.items() if task == "Counting"} == {""}
     assert "headline numbers" in text and "> Paper: On-policy rollouts give 10-15% higher pass@k" in text
+
+
+def test_the_heldout_kl_gap_closed_is_a_column_of_the_main_table(tmp_path):
+    """docs/real_model.md leads with HeldOutKL's share of the forward-KL gap closed: the report carries it."""
+    for seed, closed in ((42, 0.69), (43, 0.59)):
+        rows = [{"step": 0, "heldout_kl/forward_closed": 0.0}, {"step": 15, "val/accuracy": 0.1, "heldout_kl/forward_closed": closed}]
+        make_run(tmp_path / "runs", f"seed{seed}", "TeacherRollouts", "ForwardKL", 1e-5, seed, rows)
+    main(["report", str(tmp_path / "runs"), "--output", str(tmp_path / "out")])
+    table = markdown_table((tmp_path / "out" / "report.md").read_text(), "## Results by configuration")
+    assert table[0]["heldout_kl/forward_closed (%)"].startswith("64.0 ± 7.1")

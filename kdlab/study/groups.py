@@ -310,7 +310,7 @@ def group_runs(runs: list[RunResult], levels: dict[float, str]) -> list[Group]:
 
 # ---- formatting ----------------------------------------------------------------------------------
 def is_percent(metric: str) -> bool:
-    return bool(re.search(r"(accuracy|pass@\d+|share)$", metric)) or metric.startswith("sparsity/")
+    return bool(re.search(r"(accuracy|pass@\d+|share|_closed)$", metric)) or metric.startswith("sparsity/")
 
 
 def _number(metric: str, value: float) -> str:
