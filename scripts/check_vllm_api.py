@@ -23,8 +23,17 @@ Checked, each printed as ``ok`` or ``FAIL`` (exit status 1 when any fails, 2 whe
 * sampling values: vLLM raises temperatures below ``VLLM_TEMPERATURES[0]`` to it and rejects those above
   ``VLLM_TEMPERATURES[1]``; ``top_k=-1`` (kdlab's "off") is accepted;
 * weight pushes: the worker extension is mixed into the worker from ``worker_extension_cls``, the GPU
-  worker has ``model_runner``, whose class has ``get_model``; Qwen2's vLLM model has ``load_weights``;
-  ``VLLM_ENABLE_V1_MULTIPROCESSING`` is an environment variable vLLM reads;
+  worker has ``model_runner``, whose class has ``get_model``; Qwen2's and Llama's vLLM models have
+  ``load_weights`` taking an ``Iterable`` of (name, tensor) (so a generator streams into it);
+  ``VLLM_ENABLE_V1_MULTIPROCESSING`` is an environment variable vLLM reads; with it off the engine core is
+  in-process and ``LLM.collective_rpc`` reaches the worker's method with ``args`` unchanged (a generator
+  is not serialised); the ``external_launcher`` executor asserts it is off (why
+  :func:`kdlab.rollouts.vllm.colocated_engine_args` sets it for every colocated engine, teacher's too);
+* engine settings: :data:`kdlab.rollouts.vllm.ENGINE_DTYPES` are values of vLLM's ``ModelDType`` naming the
+  same torch dtypes; ``gpu_memory_utilization`` is a fraction of the device's total memory, and
+  :data:`~kdlab.rollouts.vllm.VLLM_PROFILE_TOKENS` / :data:`~kdlab.rollouts.vllm.VLLM_PROFILE_SEQUENCES`
+  are vLLM's largest default ``max_num_batched_tokens`` / ``max_num_seqs`` for ``vllm.LLM`` (what
+  :func:`kdlab.rollouts.vllm.engine_memory_fraction` sizes the profiled activations with);
 * the log-prob output format: :func:`kdlab.rollouts.vllm.sampled_token_logprobs` reads the sampled tokens'
   log-probs from both containers vLLM fills (a list of ``{token: Logprob}`` dicts and ``FlatLogprobs``),
   built with vLLM's own ``append_logprobs_for_next_position`` as its engine does for ``logprobs=0``.
@@ -45,7 +54,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kdlab.rollouts.vllm import (
+    ENGINE_DTYPES,
     VLLM_API,
+    VLLM_PROFILE_SEQUENCES,
+    VLLM_PROFILE_TOKENS,
     VLLM_SETTING_VALUES,
     VLLM_TEMPERATURES,
     VLLM_VERSION,
@@ -304,10 +316,63 @@ def checks(source: Source) -> list[tuple[str, Any]]:
         assert "self.model_runner" in worker, "Worker has no model_runner"
         method(source.cls("v1/worker/gpu_model_runner.py", "GPUModelRunner"), "get_model")
         method(source.cls("model_executor/models/qwen2.py", "Qwen2ForCausalLM"), "load_weights")
+        method(source.cls("model_executor/models/llama.py", "LlamaForCausalLM"), "load_weights")
 
     @check("VLLM_ENABLE_V1_MULTIPROCESSING is an environment variable vLLM reads")
     def _():
         assert '"VLLM_ENABLE_V1_MULTIPROCESSING"' in source.text("envs.py")
+
+    @check("the external_launcher executor asserts VLLM_ENABLE_V1_MULTIPROCESSING is off (set for every colocated engine)")
+    def _():
+        launcher = method(source.cls("v1/executor/uniproc_executor.py", "ExecutorWithExternalLauncher"), "_init_executor")
+        assert "assert not envs.VLLM_ENABLE_V1_MULTIPROCESSING" in ast.unparse(launcher), "the assertion moved or changed"
+
+    @check("in-process engine: LLM.collective_rpc reaches the worker's method with args unchanged (a generator streams)")
+    def _():
+        engine = source.text("v1/engine/llm_engine.py")
+        assert "multiprocess_mode=envs.VLLM_ENABLE_V1_MULTIPROCESSING" in engine, "the engine core process no longer follows the variable"
+        assert "return InprocClient(" in ast.unparse(method(source.cls("v1/engine/core_client.py", "EngineCoreClient"), "make_client"))
+        hops = [
+            (llm(), "self.llm_engine.collective_rpc(method, timeout, args, kwargs)"),
+            (source.cls("v1/engine/llm_engine.py", "LLMEngine"), "self.engine_core.collective_rpc(method, timeout, args, kwargs)"),
+            (source.cls("v1/engine/core_client.py", "InprocClient"), "self.engine_core.collective_rpc(method, timeout, args, kwargs)"),
+            (source.cls("v1/engine/core.py", "EngineCore"), "self.model_executor.collective_rpc(method, timeout, args, kwargs)"),
+            (source.cls("v1/executor/uniproc_executor.py", "UniProcExecutor"), "run_method(self.driver_worker, method, args, kwargs)"),
+        ]
+        for cls, call in hops:
+            assert call in ast.unparse(method(cls, "collective_rpc")), f"{cls.name}.collective_rpc no longer calls {call}"
+        run = ast.unparse(next(n for n in source.tree("v1/serial_utils.py").body if isinstance(n, ast.FunctionDef) and n.name == "run_method"))
+        assert "getattr(obj, method)" in run and "func(*args, **kwargs)" in run, "run_method no longer calls the method with args as given"
+        assert "getattr(self.worker, attr)" in ast.unparse(method(source.cls("v1/worker/worker_base.py", "WorkerWrapperBase"), "__getattr__"))
+
+    @check("load_weights of Qwen2ForCausalLM and LlamaForCausalLM takes an Iterable of (name, tensor)")
+    def _():
+        for relative, name in (("model_executor/models/qwen2.py", "Qwen2ForCausalLM"), ("model_executor/models/llama.py", "LlamaForCausalLM")):
+            load = method(source.cls(relative, name), "load_weights")
+            annotation = ast.unparse(load.args.args[1].annotation)
+            assert annotation.startswith("Iterable[tuple[str"), f"{name}.load_weights takes {annotation}"
+
+    @check(f"engine dtypes {sorted(ENGINE_DTYPES)} are vLLM ModelDType values naming the same torch dtypes")
+    def _():
+        declared = literal_values(source.tree("config/model.py"), "ModelDType")
+        assert set(ENGINE_DTYPES) <= declared, f"not ModelDType values: {sorted(set(ENGINE_DTYPES) - declared)}"
+        text = source.text("config/model.py")
+        for name, dtype in ENGINE_DTYPES.items():
+            assert f'"{name}": {dtype},' in text, f"vLLM's {name!r} is no longer {dtype}"
+
+    @check("gpu_memory_utilization is a fraction of the device's total memory; the profiling batch defaults kdlab sizes with")
+    def _():
+        request = ast.unparse(next(n for n in source.tree("v1/worker/utils.py").body if isinstance(n, ast.FunctionDef) and n.name == "request_memory"))
+        assert "init_snapshot.total_memory * cache_config.gpu_memory_utilization" in request, "the budget is no longer total x fraction"
+        defaults: dict[str, list[int]] = {"default_max_num_batched_tokens": [], "default_max_num_seqs": []}
+        for node in ast.walk(source.tree("engine/arg_utils.py")):
+            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id in defaults:
+                if isinstance(node.value, ast.Dict):
+                    for key, value in zip(node.value.keys, node.value.values):
+                        if ast.unparse(key) == "UsageContext.LLM_CLASS" and isinstance(value, ast.Constant):
+                            defaults[node.targets[0].id].append(value.value)
+        assert defaults["default_max_num_batched_tokens"] and max(defaults["default_max_num_batched_tokens"]) == VLLM_PROFILE_TOKENS, defaults
+        assert defaults["default_max_num_seqs"] and max(defaults["default_max_num_seqs"]) == VLLM_PROFILE_SEQUENCES, defaults
 
     @check("log-prob format: sampled_token_logprobs reads vLLM's list-of-dicts and FlatLogprobs containers")
     def _():

@@ -3,15 +3,37 @@ DistillModule applies the weights. vLLM itself needs CUDA and is not installed i
 
 import math
 import os
+import random
 import re
 import sys
+import weakref
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from kdlab.models.export import hf_weight_name, merged_weights
 from kdlab.rollouts.policies import importance_weights
-from kdlab.rollouts.vllm import VLLM_API, sampled_token_logprobs, sampling_params
+from kdlab.rollouts import vllm as vllm_rollouts
+from kdlab.rollouts.vllm import VLLM_API, WeightLoaderExtension, sampled_token_logprobs, sampling_params
+
+H200_BYTES = 143771 * 2**20  # torch.cuda.get_device_properties(0).total_memory of an H200 (140.4 GiB)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """Installs a :class:`_FakeVLLM` as ``vllm`` on a machine that passes for a CUDA one (an H200's memory),
+    so that ``VLLMRollouts`` can be built and driven on the CPU."""
+
+    def install(fake=None):
+        fake = fake if fake is not None else _FakeVLLM(0)
+        monkeypatch.setitem(sys.modules, "vllm", fake)
+        monkeypatch.setattr(vllm_rollouts, "cuda_available", lambda: True)
+        monkeypatch.setattr(vllm_rollouts, "device_memory_bytes", lambda: H200_BYTES)
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's default; every engine kdlab builds must override it
+        return fake
+
+    return install
 
 
 def test_sampling_settings_translate_to_vllm_arguments():
@@ -101,15 +123,93 @@ def test_vllm_rollouts_without_vllm_name_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ImportError, match=r"VLLMRollouts needs vLLM.*pip install 'kdlab\[vllm\]'"):
         VLLMRollouts()
+    monkeypatch.setattr(vllm_rollouts, "cuda_available", lambda: False)  # neither vLLM nor CUDA: one line says both
+    with pytest.raises(ImportError) as error:
+        VLLMRollouts()
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("VLLMRollouts needs vLLM (") and "kdlab[vllm]" in message
+    assert message.endswith("; this machine has no CUDA device")
 
 
-def test_a_student_engine_must_be_one_in_process_worker(monkeypatch):
+def test_vllm_rollouts_on_a_machine_without_cuda_fail_at_once_in_one_line(stand_in, monkeypatch):
+    """vLLM installed (here the stand-in) but no CUDA device: refused at construction, not at the first
+    rollout, with one line that keeps the extra's name (tests/test_experiments.py's ``instantiate`` reads it)."""
     from kdlab.rollouts import VLLMRollouts
 
-    monkeypatch.setitem(sys.modules, "vllm", _FakeVLLM(0))
+    stand_in()
+    monkeypatch.setattr(vllm_rollouts, "cuda_available", lambda: False)
+    with pytest.raises(ImportError) as error:
+        VLLMRollouts(model="teacher")
+    assert str(error.value) == "VLLMRollouts needs a CUDA GPU and vLLM (pip install 'kdlab[vllm]'); this machine has no CUDA device"
+
+
+def test_a_student_engine_must_be_one_in_process_worker(stand_in):
+    from kdlab.rollouts import VLLMRollouts
+
+    stand_in()
     with pytest.raises(ValueError, match="VLLMRollouts.tensor_parallel_size must be 1 for model: student"):
         VLLMRollouts(tensor_parallel_size=2)
     VLLMRollouts(model="teacher", tensor_parallel_size=2)  # no weight pushes: a one-process run may use TP
+
+
+def test_engine_defaults_are_bf16_with_cuda_graphs_and_a_sized_memory_budget(stand_in):
+    from kdlab.rollouts import VLLMRollouts
+
+    stand_in()
+    policy = VLLMRollouts()
+    assert policy.engine_dtype == "bfloat16" and policy.engine_args["enforce_eager"] is False
+    assert policy.engine_args["gpu_memory_utilization"] is None  # sized from the model when the engine starts
+    assert VLLMRollouts(enforce_eager=True, dtype="float32").engine_args["enforce_eager"] is True  # the knobs are kept
+    with pytest.raises(ValueError, match=r"VLLMRollouts.dtype must be one of \['bfloat16', 'float', 'float16', 'float32', 'half'\], got 'auto'"):
+        VLLMRollouts(dtype="auto")
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        VLLMRollouts(gpu_memory_utilization=1.5)
+
+
+def _qwen_1_5b():
+    import transformers
+
+    return transformers.Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                                    num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True)
+
+
+def _llama_8b():
+    import transformers
+
+    return transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                                    num_key_value_heads=8, max_position_embeddings=131072, tie_word_embeddings=False)
+
+
+def test_the_engine_memory_budget_is_sized_from_the_model():
+    """weights + KV cache (for the batch, or at least one longest sequence) + profiled activations + 2 GiB,
+    over the device's memory: the numbers of the docstring of kdlab.rollouts.vllm.engine_memory_fraction."""
+    from kdlab.rollouts.vllm import dense_decoder_parameters, engine_memory_fraction
+
+    qwen, llama = _qwen_1_5b(), _llama_8b()
+    # the published counts less the q/k/v biases (Qwen2: 2048 per layer) that the estimate leaves out
+    assert dense_decoder_parameters(qwen) == 1_543_714_304 - 28 * 2048
+    assert dense_decoder_parameters(llama) == 8_030_261_248
+    # Qwen2.5-1.5B in bf16, one sequence of 2048 + 4096 tokens, room kept for one 32768-token sequence
+    weights = 1_543_656_960 * 2
+    kv = 1.25 * (2 * 28 * 2 * 128 * 2) * 32768
+    activations = 16384 * (2 * 8960 + 4 * 1536) * 2 + 1024 * 151936 * 4 * 3
+    need = weights + kv + activations + 2 * 2**30
+    assert need / H200_BYTES == pytest.approx(0.0601, abs=1e-4)
+    assert engine_memory_fraction(qwen, "bfloat16", 1, 6144, H200_BYTES) == 0.07  # rounded up to 0.01; was 0.3 in the configs
+    assert engine_memory_fraction(qwen, "bfloat16", 1, 6144, H200_BYTES, max_model_len=6144) == 0.06
+    assert engine_memory_fraction(qwen, "float32", 1, 6144, H200_BYTES) == 0.10  # fp32 weights, KV cache, activations
+    # the batch's KV cache decides once it exceeds one longest sequence: 64 x 6144 tokens
+    assert engine_memory_fraction(qwen, "bfloat16", 64, 6144, H200_BYTES) == math.ceil(
+        100 * (weights + 1.25 * 28672 * 64 * 6144 + activations + 2 * 2**30) / H200_BYTES) / 100 == 0.15
+    assert engine_memory_fraction(llama, "bfloat16", 1, 6144, H200_BYTES) == 0.29
+    assert engine_memory_fraction(llama, "bfloat16", 1, 6144, H200_BYTES, max_model_len=6144) == 0.15
+    # floor and cap
+    import transformers
+
+    tiny = transformers.Qwen2Config(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                    num_key_value_heads=1, max_position_embeddings=64)
+    assert engine_memory_fraction(tiny, "bfloat16", 4, 64, H200_BYTES) == 0.05
+    assert engine_memory_fraction(llama, "float32", 1024, 6144, 24 * 2**30) == 0.9
 
 
 def test_distillation_weights_each_completion_by_its_importance_weight(tiny_pair):
@@ -166,7 +266,15 @@ class _FakeVLLM:
     Its callables have vLLM's signatures (``LLM(model, **engine_args)``, ``generate(prompts,
     sampling_params=None, *, use_tqdm=True)``, ``collective_rpc(method, timeout=None, args=(),
     kwargs=None)``) and accept only the keywords listed in :data:`kdlab.rollouts.vllm.VLLM_API`, which
-    ``scripts/check_vllm_api.py`` checks against the real classes; any other keyword is a TypeError."""
+    ``scripts/check_vllm_api.py`` checks against the real classes; any other keyword is a TypeError.
+
+    As the in-process engine does, ``collective_rpc`` calls the worker's method (here
+    :class:`~kdlab.rollouts.vllm.WeightLoaderExtension` on a worker whose model's ``load_weights`` records
+    each pushed tensor's dtype and shape) with ``args`` as given. It records what VLLMRollouts must get
+    right: ``VLLM_ENABLE_V1_MULTIPROCESSING`` when each engine starts (``engine_env``; the external launcher
+    asserts it is 0), whether autocast was on inside each engine call (``autocast``), and at each pushed
+    tensor how many earlier ones were still alive (``alive``). Starting an engine seeds the global random
+    states, as vLLM's in-process engine does."""
 
     def __init__(self, end: int, completion: list[int] | None = None, logprobs: list[float] | None = None) -> None:
         import types
@@ -176,6 +284,27 @@ class _FakeVLLM:
         self.completion = completion if completion is not None else [5, 6, end]
         self.logprobs = logprobs if logprobs is not None else [-1.0] * len(self.completion)
         self.resets = 0
+        self.engine_env, self.autocast, self.alive = [], [], []
+
+        def autocast_on():
+            return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+
+        class Model:  # what the worker's model runner returns
+            def parameters(self):
+                return iter([torch.zeros(1)])
+
+            def load_weights(self, weights):  # vLLM's: Iterable[tuple[str, torch.Tensor]]
+                fake.autocast.append(("load_weights", autocast_on()))
+                assert isinstance(weights, Iterator)
+                received, earlier = fake.pushes[-1][1], []
+                for name, tensor in weights:
+                    fake.alive.append(sum(ref() is not None for ref in earlier))
+                    earlier.append(weakref.ref(tensor))
+                    received[name] = (tensor.dtype, tuple(tensor.shape))
+                return set(received)
+
+        class Worker(WeightLoaderExtension):  # vLLM mixes worker_extension_cls into its GPU worker
+            model_runner = types.SimpleNamespace(get_model=Model)
 
         def TokensPrompt(**kwargs):  # a TypedDict
             _only("TokensPrompt", kwargs)
@@ -190,18 +319,26 @@ class _FakeVLLM:
             def __init__(self, model, **kwargs):
                 _only("LLM", {"model": model, **kwargs})
                 fake.engines.append({"model": model, **kwargs})
+                fake.engine_env.append(os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"))
+                fake.autocast.append(("LLM", autocast_on()))
+                if kwargs.get("distributed_executor_backend") == "external_launcher":  # vLLM's ExecutorWithExternalLauncher
+                    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", "please set VLLM_ENABLE_V1_MULTIPROCESSING=0"
+                torch.manual_seed(kwargs.get("seed") or 0)  # vLLM's in-process engine seeds the process
+                random.seed(kwargs.get("seed") or 0)
 
             def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
                 # real vLLM msgpack-encodes RPC arguments for its engine process, turning tensors into lists
                 assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", "tensors would not survive the engine process"
-                fake.pushes.append((method, dict(args[0])))
-                return [len(args[0])]
+                assert isinstance(args[0], Iterator), f"weights pushed as a {type(args[0]).__name__}, not streamed"
+                fake.pushes.append((method, {}))
+                return [getattr(Worker(), method)(*args, **(kwargs or {}))]
 
             def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
                 fake.resets += 1
                 return True
 
             def generate(self, prompts, sampling_params=None, *, use_tqdm=True):
+                fake.autocast.append(("generate", autocast_on()))
                 fake.requests.append(prompts)
                 tokens = fake.completion
                 logprobs = [{t: types.SimpleNamespace(logprob=value)} for t, value in zip(tokens, fake.logprobs)]
@@ -228,7 +365,7 @@ def test_the_stand_in_rejects_what_vllm_would(monkeypatch):
         fake.SamplingParams(**sampling_params(1.0, 8, (1,), stop=stop, logprobs=logprobs))
 
 
-def test_vllm_rollouts_drive_the_engine_and_weight_each_completion(tiny_pair, monkeypatch):
+def test_vllm_rollouts_drive_the_engine_and_weight_each_completion(tiny_pair, monkeypatch, stand_in):
     from kdlab.models.loading import end_token_ids
     from kdlab.rollouts import VLLMRollouts
     from kdlab.stages import DistillModule
@@ -236,10 +373,8 @@ def test_vllm_rollouts_drive_the_engine_and_weight_each_completion(tiny_pair, mo
 
     module = DistillModule(*tiny_pair, Addition(num_train=4), max_completion_tokens=5, batch_size=4, stop_strings=["</answer>"])
     # log q per token: the 2nd token's -30 makes its ratio p / q huge, so the cap (2) decides it
-    fake = _FakeVLLM(end_token_ids(module.student_tokenizer, module.student)[0], logprobs=[-1.0, -30.0, -0.5])
-    monkeypatch.setitem(sys.modules, "vllm", fake)
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's default; the student's engine must override it
-    module.rollout = VLLMRollouts(sync_every=2, importance_cap=2.0, dtype="bfloat16")
+    fake = stand_in(_FakeVLLM(end_token_ids(module.student_tokenizer, module.student)[0], logprobs=[-1.0, -30.0, -0.5]))
+    module.rollout = VLLMRollouts(sync_every=2, importance_cap=2.0)
     logged = {}
     module.log = lambda name, value, **kwargs: logged.__setitem__(name, float(torch.as_tensor(value).detach()))
     batch = module.task.examples("train")
@@ -248,12 +383,18 @@ def test_vllm_rollouts_drive_the_engine_and_weight_each_completion(tiny_pair, mo
         module.training_step(batch, step).backward()
     (engine,) = fake.engines  # built once, from the student's files
     assert engine["model"] == module.student_spec.resolved and engine["logprobs_mode"] == "processed_logprobs"
-    assert engine["dtype"] == "bfloat16"  # the engine's own dtype wins over the student's float32
+    assert engine["dtype"] == "bfloat16" and module.student_spec.dtype == "float32"  # the engine's own dtype, not the student's
+    assert engine["enforce_eager"] is False  # CUDA graphs on
+    assert engine["gpu_memory_utilization"] == 0.05  # sized from the (tiny) model: the floor
     assert engine["worker_extension_cls"] == "kdlab.rollouts.vllm.WeightLoaderExtension"
+    assert fake.engine_env == ["0"]  # the student's engine runs in-process
     assert len(fake.requests) == 3 and len(fake.pushes) == 2  # pushed at steps 0 and 2 (sync_every 2)
     assert fake.resets == 2  # the prefix cache is dropped after every push
     method, weights = fake.pushes[0]
     assert method == "kdlab_load_weights" and weights.keys() == module.student.state_dict().keys()
+    expected_shapes = {name: tuple(value.shape) for name, value in module.student.state_dict().items()}
+    assert {name: shape for name, (_, shape) in weights.items()} == expected_shapes
+    assert {dtype for dtype, _ in weights.values()} == {torch.bfloat16}  # cast to the engine's dtype as they stream
     prompts = module._prompts(batch)
     expected = [[t for t, m in zip(row, keep) if m] for row, keep in zip(prompts.student_ids.tolist(), prompts.student_mask.tolist())]
     assert [r["prompt_token_ids"] for r in fake.requests[0]] == expected  # left padding removed
@@ -323,12 +464,14 @@ def test_generate_engine_settings_are_checked_before_any_work(tiny_pair, tmp_pat
         generate_teacher_data(ModelSpec(tiny_pair[1]), Addition(num_train=2), str(tmp_path / "x.jsonl"), engine_args={"tensor_parallel_size": 2})
 
 
-def test_engines_inside_a_multi_process_job_join_it_through_the_external_launcher(monkeypatch):
+def test_engines_inside_a_multi_process_job_join_it_through_the_external_launcher(monkeypatch, stand_in):
     import torch.distributed as dist
 
     from kdlab.rollouts.vllm import colocated_engine_args
 
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's default
     assert colocated_engine_args() == {}  # one process: vLLM's own in-process executor
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # ... with the engine core in this process
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # set then deleted: monkeypatch restores the original state
         monkeypatch.setenv(name, "unset")
         monkeypatch.delenv(name)
@@ -342,11 +485,109 @@ def test_engines_inside_a_multi_process_job_join_it_through_the_external_launche
 
     from kdlab.rollouts import VLLMRollouts
 
-    monkeypatch.setitem(sys.modules, "vllm", _FakeVLLM(0))
+    fake = stand_in()  # VLLM_ENABLE_V1_MULTIPROCESSING back to 1
     spec = SimpleNamespace(resolved="teacher", dtype="float32", revision=None, trust_remote_code=False)
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1 under multi-process training"):
-        VLLMRollouts(model="teacher", tensor_parallel_size=2).engine(spec, seed=0)
-    assert VLLMRollouts(model="teacher").engine(spec, seed=0) is not None
+        VLLMRollouts(model="teacher", tensor_parallel_size=2, gpu_memory_utilization=0.2).engine(spec, seed=0)
+    # a teacher's engine: the external launcher asserts VLLM_ENABLE_V1_MULTIPROCESSING=0, which was only set for the student's
+    assert VLLMRollouts(model="teacher", gpu_memory_utilization=0.2).engine(spec, seed=0) is not None
+    assert fake.engine_env == ["0"] and fake.engines[0]["distributed_executor_backend"] == "external_launcher"
+    assert fake.engines[0]["gpu_memory_utilization"] == 0.2 and fake.engines[0]["dtype"] == "bfloat16"
+
+
+def test_a_teacher_engine_in_one_process_also_runs_in_process(tiny_pair, stand_in):
+    from kdlab.rollouts import VLLMRollouts
+    from kdlab.stages import DistillModule
+    from kdlab.tasks import Addition
+
+    module = DistillModule(*tiny_pair, Addition(num_train=4), max_completion_tokens=5, batch_size=4)
+    fake = stand_in()
+    module.rollout = VLLMRollouts(model="teacher")
+    rollout = module.rollout.sample(module._prompts(module.task.examples("train")), module.rollout_context(torch.Generator().manual_seed(0)))
+    assert fake.engine_env == ["0"] and fake.engines[0]["model"] == module.teacher_spec.resolved and not fake.pushes
+    assert rollout.behaviour_logprobs is None
+
+
+class _CudaLikeGenerator:
+    """A generator that lives on another device than the default one, as a CUDA generator does on a GPU."""
+
+    device = torch.device("cuda")
+
+
+def test_the_seed_is_drawn_on_the_generators_device(tiny_pair, monkeypatch, stand_in):
+    """On a GPU the rollout context's generator is a CUDA one: ``torch.randint(..., generator=g)`` without
+    ``device=g.device`` fails ("Expected a 'cuda' device type for generator"), as this stand-in for randint does."""
+    from kdlab.rollouts import VLLMRollouts
+    from kdlab.stages import DistillModule
+    from kdlab.tasks import Addition
+
+    module = DistillModule(*tiny_pair, Addition(num_train=4), max_completion_tokens=5, batch_size=4)
+    fake = stand_in()
+    module.rollout = VLLMRollouts()
+    real_randint = torch.randint
+
+    def randint(*args, generator=None, device=None, **kwargs):
+        if isinstance(generator, _CudaLikeGenerator):
+            made_on = torch.device(device) if device is not None else torch.get_default_device()
+            if made_on != generator.device:
+                raise RuntimeError(f"Expected a '{generator.device.type}' device type for generator but found '{made_on.type}'")
+            return torch.tensor([1234])  # (would be on the GPU; .item() reads it back)
+        return real_randint(*args, generator=generator, device=device, **kwargs)
+
+    monkeypatch.setattr(torch, "randint", randint)
+    context = module.rollout_context(torch.Generator().manual_seed(0))
+    context.generator = _CudaLikeGenerator()
+    module.rollout.sample(module._prompts(module.task.examples("train")), context)
+    assert [p["seed"] for p in fake.params] == [1234, 1235, 1236, 1237] and fake.engines[0]["seed"] == 1234
+
+
+def test_the_engine_runs_outside_autocast_and_keeps_the_processs_random_state(tiny_pair, stand_in):
+    """Lightning's mixed precision wraps the training step in autocast; engine start, weight pushes and
+    sampling run with it off. Starting the in-process engine (which seeds the process) leaves the training
+    process's random streams as they were."""
+    from kdlab.rollouts import VLLMRollouts
+    from kdlab.stages import DistillModule
+    from kdlab.tasks import Addition
+
+    module = DistillModule(*tiny_pair, Addition(num_train=4), max_completion_tokens=5, batch_size=4)
+    fake = stand_in()
+    module.rollout = VLLMRollouts()
+    prompts = module._prompts(module.task.examples("train"))
+    context = module.rollout_context(torch.Generator().manual_seed(0))
+    torch.manual_seed(7)
+    random.seed(7)
+    expected = (torch.rand(3), random.random())
+    torch.manual_seed(7)
+    random.seed(7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.is_autocast_enabled("cpu")
+        module.rollout.sample(prompts, context)
+        assert torch.is_autocast_enabled("cpu")  # restored after the engine calls
+    assert [where for where, _ in fake.autocast] == ["LLM", "load_weights", "generate"]
+    assert not any(on for _, on in fake.autocast), fake.autocast
+    after = (torch.rand(3), random.random())
+    assert torch.equal(after[0], expected[0]) and after[1] == expected[1]
+
+
+def test_weight_pushes_stream_one_tensor_at_a_time_in_the_engine_dtype(tiny_pair, stand_in):
+    """The push hands the worker a generator, each tensor cast to the engine's dtype as it goes: whenever
+    load_weights receives a tensor, no earlier pushed tensor is still alive (no full copy of the weights),
+    and every pushed tensor is in the engine's dtype."""
+    from kdlab.rollouts import VLLMRollouts
+    from kdlab.stages import DistillModule
+    from kdlab.tasks import Addition
+
+    module = DistillModule(*tiny_pair, Addition(num_train=4), max_completion_tokens=5, batch_size=4)
+    for dtype, expected in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        fake = stand_in(_FakeVLLM(0))
+        policy = VLLMRollouts(dtype=dtype)
+        policy.engine(module.student_spec, seed=0)
+        assert policy.push_weights(module.student, step=0)
+        ((method, weights),) = fake.pushes
+        assert len(weights) == len(module.student.state_dict()) == len(fake.alive)
+        assert set(fake.alive) == {0}  # only the tensor being loaded exists
+        assert {d for d, _ in weights.values()} == {expected} and fake.engines[0]["dtype"] == dtype
+    assert all(p.dtype == torch.float32 for p in module.student.parameters())  # the student itself is untouched
 
 
 @pytest.mark.slow

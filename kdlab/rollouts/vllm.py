@@ -25,7 +25,11 @@ real classes of vLLM :data:`VLLM_VERSION`, installed without its dependencies in
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import random
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -61,14 +65,114 @@ VLLM_API: dict[str, tuple[str, ...]] = {
 ``scripts/check_vllm_api.py`` checks each against the real classes of :data:`VLLM_VERSION`."""
 VLLM_SETTING_VALUES = {"logprobs_mode": "processed_logprobs", "distributed_executor_backend": "external_launcher"}
 """Values kdlab passes to ``vllm.LLM`` that must be among the values vLLM accepts (checked the same way)."""
+ENGINE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "float32": torch.float32, "float": torch.float32}
+"""``VLLMRollouts.dtype`` values: vLLM's names for the engine's weights (its ``ModelDType`` less ``auto``, whose
+result depends on the checkpoint) and the torch dtype pushed weights are cast to."""
+VLLM_PROFILE_TOKENS, VLLM_PROFILE_SEQUENCES = 16384, 1024
+"""vLLM's largest default ``max_num_batched_tokens`` and ``max_num_seqs`` for ``vllm.LLM`` (H100/H200 and up): the
+batches of the profiling step whose activation peak it reserves (checked by ``scripts/check_vllm_api.py``)."""
+ENGINE_OVERHEAD_BYTES, MEMORY_FRACTION_RANGE = 2 * 2**30, (0.05, 0.9)
+"""An engine's memory beyond weights, KV cache and profiled activations (CUDA graphs, NCCL/cuBLAS workspaces,
+fragmentation), and the floor and cap of the computed ``gpu_memory_utilization`` (0.9: vLLM's default)."""
 
-def import_vllm(setting: str = "VLLMRollouts") -> Any:
-    """The ``vllm`` package, or an ImportError that names the setting and the extra to install."""
+
+def import_vllm(setting: str = "VLLMRollouts", no_cuda: bool = False) -> Any:
+    """The ``vllm`` package, or a one-line ImportError that names the setting and the extra to install
+    (and, with ``no_cuda``, that this machine has no CUDA device either)."""
     try:
         import vllm
     except ImportError as error:
-        raise ImportError(f"{setting} needs vLLM ({error}); install it with {INSTALL_HINT}") from error
+        cause = " ".join(str(error).split())
+        where = "; this machine has no CUDA device" if no_cuda else ""
+        raise ImportError(f"{setting} needs vLLM ({cause}); install it with {INSTALL_HINT}{where}") from error
     return vllm
+
+
+def cuda_available() -> bool:  # (the CPU tests patch these two)
+    return torch.cuda.is_available()
+
+
+def device_memory_bytes() -> int:  # what gpu_memory_utilization is a fraction of
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
+@contextlib.contextmanager
+def outside_autocast() -> Iterator[None]:
+    """Every active autocast region (Lightning's ``bf16-mixed`` wraps the training step in one) switched off:
+    vLLM's engine, its profiling run and weight pushes run in the engine's own dtype."""
+    with contextlib.ExitStack() as stack:
+        for device_type in ("cuda", "cpu"):
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+        yield
+
+
+@contextlib.contextmanager
+def kept_random_state() -> Iterator[None]:
+    """Python's, NumPy's and torch's (CPU, current CUDA device) global random states restored on exit: an
+    in-process vLLM engine seeds them when it starts, which would change training's own random streams."""
+    import numpy
+
+    python, array = random.getstate(), numpy.random.get_state()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []):
+        try:
+            yield
+        finally:
+            random.setstate(python), numpy.random.set_state(array)
+
+
+def _shape(config: Any) -> tuple[Any, int, int, int, int, int]:
+    """(text config, hidden, heads, kv_heads, head_dim, intermediate) of a Hugging Face decoder config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden, heads = int(text.hidden_size), int(text.num_attention_heads)
+    kv_heads, head_dim = int(getattr(text, "num_key_value_heads", None) or heads), int(getattr(text, "head_dim", None) or hidden // heads)
+    return text, hidden, heads, kv_heads, head_dim, int(getattr(text, "intermediate_size", None) or 4 * hidden)
+
+
+def dense_decoder_parameters(config: Any) -> int:
+    """Parameters of a dense decoder-only transformer (Llama, Qwen2, Mistral, ...) from its Hugging Face config:
+    embeddings (twice when the head is untied), per layer q/o (``hidden x heads x head_dim`` each), k/v
+    (``hidden x kv_heads x head_dim`` each), gate/up/down (``hidden x intermediate`` each), two norms; the final
+    norm. Biases are left out (under 0.1%)."""
+    text, hidden, heads, kv_heads, head_dim, intermediate = _shape(config)
+    tied = bool(getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
+    layer = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * intermediate + 2 * hidden
+    return int(text.vocab_size) * hidden * (1 if tied else 2) + int(text.num_hidden_layers) * layer + hidden
+
+
+def engine_memory_fraction(
+    config: Any, dtype: str, sequences: int, sequence_tokens: int, device_bytes: int, max_model_len: int | None = None
+) -> float:
+    """The ``gpu_memory_utilization`` a vLLM engine for the model of Hugging Face ``config`` needs to sample
+    ``sequences`` completions of at most ``sequence_tokens`` (prompt + completion) tokens at once, as a
+    fraction of a device of ``device_bytes``. With ``b`` the bytes per element of ``dtype``::
+
+        weights     = P x b                                  P: dense_decoder_parameters(config)
+        kv/token    = 2 x layers x kv_heads x head_dim x b   (K and V of every layer; vLLM's KV cache is in the model dtype)
+        tokens      = max(sequences x sequence_tokens, max_model_len or config.max_position_embeddings)
+                                                             (vLLM refuses to start unless one longest sequence fits)
+        activations = 16384 x (2 x intermediate + 4 x hidden) x b + 1024 x vocab x 4 B x 3
+                      (vLLM's profiling step: its largest default token batch through an MLP, and the
+                       sampler's fp32 logits, probabilities and sort buffer for its largest sequence batch)
+        need        = weights + 1.25 x kv/token x tokens + activations + 2 GiB
+                      (1.25: KV block rounding; 2 GiB: CUDA graphs, NCCL/cuBLAS workspaces, fragmentation)
+        fraction    = need / device_bytes, rounded up to 0.01, kept within [0.05, 0.9]
+
+    Qwen2.5-1.5B (P = 1.54e9, 28 layers x 2 KV heads x 128, context 32768), bf16, H200 (140.4 GiB): 3.09 +
+    1.17 + 2.66 + 2.15 = 9.1 GB, 0.07 (``max_model_len: 6144``: 0.06). Llama-3.1-8B (P = 8.03e9, 32 x 8 x 128,
+    context 131072): 16.1 + 21.5 + 3.05 + 2.15 = 42.7 GB, 0.29 (``max_model_len: 6144``: 0.15). A dense-decoder
+    estimate: for mixture-of-experts or multimodal models set ``gpu_memory_utilization`` yourself.
+    """
+    text, hidden, _, kv_heads, head_dim, intermediate = _shape(config)
+    size = ENGINE_DTYPES[dtype].itemsize
+    weights = dense_decoder_parameters(config) * size
+    kv_per_token = 2 * int(text.num_hidden_layers) * kv_heads * head_dim * size
+    longest = max_model_len or int(getattr(text, "max_position_embeddings", 0) or 0) or sequence_tokens
+    tokens = max(sequences * sequence_tokens, longest)
+    activations = VLLM_PROFILE_TOKENS * (2 * intermediate + 4 * hidden) * size + VLLM_PROFILE_SEQUENCES * int(text.vocab_size) * 4 * 3
+    need = weights + 1.25 * kv_per_token * tokens + activations + ENGINE_OVERHEAD_BYTES
+    low, high = MEMORY_FRACTION_RANGE
+    return min(max(math.ceil(100 * need / device_bytes) / 100, low), high)
 
 
 def sampling_params(
@@ -201,12 +305,16 @@ def vllm_sample_completions(
 
 
 def colocated_engine_args() -> dict[str, Any]:
-    """``vllm.LLM`` settings for an engine inside a multi-process training job: one engine per rank on
-    that rank's own GPU, joining the job's process group (vLLM's ``external_launcher``, which reads
-    ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``; set here from the process group where the launcher did
-    not). Empty for a single process."""
+    """Prepares this process for a vLLM engine colocated with training (any :class:`VLLMRollouts` engine,
+    student's or teacher's): its engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set
+    before any engine starts; pushes hand the worker a generator of tensors, which an engine process would
+    msgpack-encode as lists, and the ``external_launcher`` executor asserts it). Returns the ``vllm.LLM``
+    settings: in a multi-process job one engine per rank on its own GPU, joining the job's process group
+    (``external_launcher``, reading ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``: set here where the launcher did
+    not); none for one process."""
     import torch.distributed as dist
 
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return {}
     os.environ.setdefault("RANK", str(dist.get_rank()))
@@ -215,17 +323,28 @@ def colocated_engine_args() -> dict[str, Any]:
     return {"distributed_executor_backend": "external_launcher"}
 
 
+def streamed_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(Hugging Face name, tensor)`` of ``model`` one at a time (:func:`kdlab.models.export.merged_weights`: sharded
+    parameters gathered one by one with ``full_tensor``, LoRA merged), floating-point ones cast to ``dtype`` as
+    they go: never a whole copy of the weights. Consume it fully on every rank (gathering is a collective)."""
+    with torch.no_grad():
+        for name, tensor in merged_weights(model):
+            yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
 class WeightLoaderExtension:
     """Mixed into vLLM's GPU worker (``LLM(worker_extension_cls="kdlab.rollouts.vllm.WeightLoaderExtension")``):
-    ``llm.collective_rpc("kdlab_load_weights", args=(weights,))`` loads ``[(name, tensor), ...]`` into the
-    worker's model with the model's own ``load_weights`` (which handles vLLM's fused q/k/v and gate/up)."""
+    ``llm.collective_rpc("kdlab_load_weights", args=(weights,))`` streams ``(name, tensor)`` pairs (the generator
+    :func:`streamed_weights`, handed over as it is by the in-process engine) into the model's own ``load_weights``
+    (vLLM's fused q/k/v and gate/up; it copies into the parameters, so captured CUDA graphs stay valid)."""
 
-    def kdlab_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+    def kdlab_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         runner = self.model_runner  # type: ignore[attr-defined]  (set by vLLM on the worker)
         model = runner.get_model() if hasattr(runner, "get_model") else runner.model  # unwrapped from CUDA graphs
-        device = next(model.parameters()).device
-        model.load_weights((name, tensor.to(device)) for name, tensor in weights)
-        return len(weights)  # (load_weights reports vLLM's own fused parameter names, not these)
+        device, stream = next(model.parameters()).device, iter(weights)
+        model.load_weights((name, tensor.to(device)) for name, tensor in stream)
+        for _ in stream:  # whatever load_weights left unread is still gathered: collectives stay in step across ranks
+            pass
 
 
 class VLLMRollouts(RolloutPolicy):
@@ -238,16 +357,23 @@ class VLLMRollouts(RolloutPolicy):
         importance_cap: the per-token ratio cap of the importance weights: distillation weights every
             completion by ``w = mean_t min(cap, p_theta / q)`` (paper: cap 2); GRPO weights every token by
             ``min(cap, pi_old / q)``.
-        gpu_memory_utilization, tensor_parallel_size, enforce_eager, max_model_len: passed to ``vllm.LLM``.
-        dtype: the engine's weights (e.g. ``bfloat16`` while training in fp32); default the model's own. The
-            importance weights absorb the numerical difference.
+        gpu_memory_utilization: the fraction of the GPU's memory the engine may take; default (``null``)
+            sized from the model when the engine starts (:func:`engine_memory_fraction`: weights in the
+            engine's dtype + the KV cache of one batch of prompts and completions, 0.05 to 0.9).
+        tensor_parallel_size, max_model_len: passed to ``vllm.LLM``. ``max_model_len`` (e.g.
+            ``max_prompt_tokens + max_completion_tokens``) also shrinks the computed memory budget, which
+            otherwise keeps room for one sequence of the model's whole context length.
+        enforce_eager: ``false`` (default) lets vLLM capture CUDA graphs (pushes copy into the captured
+            parameters, so graphs stay valid); ``true`` runs eagerly (slower decoding, faster start, less memory).
+        dtype: the engine's weights and KV cache, one of :data:`ENGINE_DTYPES`; default ``bfloat16``,
+            whatever dtype the model trains in (an fp32 student is sampled in bf16; pushed weights are cast
+            tensor by tensor). The importance weights absorb the numerical difference.
 
-    The engine is built on first use on the module's device, from the model's path (``student.path`` or
-    ``teacher.path``) and dtype. With ``model: student`` it runs in-process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so pushed weights reach the worker as tensors, which needs
-    ``tensor_parallel_size: 1``; after each push vLLM's prefix cache is reset (its KV blocks came from the
-    old weights). Under multi-process training every rank builds its own engine on its own GPU
-    (:func:`colocated_engine_args`), with ``tensor_parallel_size: 1``.
+    Without a CUDA device or vLLM, construction fails at once in one line naming the extra (``pip install
+    'kdlab[vllm]'``). The engine is built on first use on the module's device from ``student.path`` or
+    ``teacher.path``, in the training process (:func:`colocated_engine_args`), outside autocast, keeping the
+    process's random states. ``model: student`` needs ``tensor_parallel_size: 1`` (pushes reach the in-process
+    worker); each push resets vLLM's prefix cache. Under multi-process training each rank has its own engine.
     """
 
     def __init__(
@@ -255,11 +381,11 @@ class VLLMRollouts(RolloutPolicy):
         model: str = "student",
         sync_every: int = 1,
         importance_cap: float = 2.0,
-        gpu_memory_utilization: float = 0.3,
+        gpu_memory_utilization: float | None = None,
         tensor_parallel_size: int = 1,
-        enforce_eager: bool = True,
+        enforce_eager: bool = False,
         max_model_len: int | None = None,
-        dtype: str | None = None,
+        dtype: str = "bfloat16",
     ) -> None:
         super().__init__()
         if model not in ("student", "teacher"):
@@ -268,54 +394,69 @@ class VLLMRollouts(RolloutPolicy):
             raise ValueError(f"VLLMRollouts.sync_every must be >= 1, got {sync_every}")
         if not importance_cap > 0:
             raise ValueError(f"VLLMRollouts.importance_cap must be > 0, got {importance_cap}")
-        if not 0 < gpu_memory_utilization <= 1:
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"VLLMRollouts.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if dtype not in ENGINE_DTYPES:
+            raise ValueError(f"VLLMRollouts.dtype must be one of {sorted(ENGINE_DTYPES)}, got {dtype!r}")
         if model == "student" and tensor_parallel_size != 1:
             raise ValueError(
                 "VLLMRollouts.tensor_parallel_size must be 1 for model: student (weight pushes need vLLM's in-process "
                 f"engine, one worker per training rank), got {tensor_parallel_size}"
             )
-        import_vllm()  # fails now, naming the extra, rather than at the first step
+        # fail now, in one line naming the extra, rather than at the first step
+        cuda = cuda_available()
+        import_vllm(no_cuda=not cuda)
+        if not cuda:
+            raise ImportError("VLLMRollouts needs a CUDA GPU and vLLM (pip install 'kdlab[vllm]'); this machine has no CUDA device")
         self.model, self.sync_every, self.importance_cap = model, sync_every, importance_cap
+        self.engine_dtype = dtype  # (`dtype` is the LightningModule's own attribute)
         self.engine_args = {
             "gpu_memory_utilization": gpu_memory_utilization,
             "tensor_parallel_size": tensor_parallel_size,
             "enforce_eager": enforce_eager,
             "max_model_len": max_model_len,
-            "dtype": dtype,
         }
         self._llm: Any = None
         self._synced_step = -1
 
-    def engine(self, spec: Any, seed: int) -> Any:
+    def memory_fraction(self, spec: Any, sequences: int, sequence_tokens: int) -> float:
+        """``gpu_memory_utilization`` as set, else :func:`engine_memory_fraction` for ``spec``'s config."""
+        if self.engine_args["gpu_memory_utilization"] is not None:
+            return float(self.engine_args["gpu_memory_utilization"])
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(spec.resolved, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+        return engine_memory_fraction(config, self.engine_dtype, sequences, sequence_tokens, device_memory_bytes(), self.engine_args["max_model_len"])
+
+    def engine(self, spec: Any, seed: int, sequences: int = 1, sequence_tokens: int = 0) -> Any:
+        """The engine, built on the first call for batches of ``sequences`` requests of up to
+        ``sequence_tokens`` prompt + completion tokens (what the default memory budget is sized for)."""
         if self._llm is None:
             vllm = import_vllm()
-            if self.model == "student":
-                # Weight pushes hand tensors to the worker through collective_rpc. With vLLM's default
-                # engine process they would be msgpack-encoded as plain lists and lost; the in-process
-                # engine (one worker, tensor_parallel_size 1) receives them as tensors.
-                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            settings = {
+            settings = {  # logprobs_mode: log-probs of the distribution actually sampled from (vLLM >= 0.10)
                 **engine_settings(spec, seed), "worker_extension_cls": "kdlab.rollouts.vllm.WeightLoaderExtension",
-                # log-probs of the distribution actually sampled from (vLLM >= 0.10)
-                "logprobs_mode": "processed_logprobs",
+                "logprobs_mode": "processed_logprobs", "dtype": self.engine_dtype,  # the engine's dtype, not the training one
             }
             settings.update({k: v for k, v in self.engine_args.items() if v is not None})
-            colocated = colocated_engine_args()
+            colocated = colocated_engine_args()  # in-process engine, set before any engine starts
             if colocated and settings["tensor_parallel_size"] != 1:
                 raise ValueError(
                     "VLLMRollouts.tensor_parallel_size must be 1 under multi-process training: every rank samples "
                     f"its own prompts with its own engine, got {settings['tensor_parallel_size']}"
                 )
-            self._llm = vllm.LLM(**settings, **colocated)
+            settings["gpu_memory_utilization"] = self.memory_fraction(spec, sequences, sequence_tokens)
+            with outside_autocast(), kept_random_state():
+                self._llm = vllm.LLM(**settings, **colocated)
         return self._llm
 
     def push_weights(self, student: torch.nn.Module, step: int) -> bool:
-        """Push the student's weights if ``sync_every`` steps have passed; returns whether it pushed."""
+        """Push the student's weights if ``sync_every`` steps have passed; returns whether it pushed. The
+        weights stream into the worker one tensor at a time in the engine's dtype (:func:`streamed_weights`)."""
         if self.model != "student" or (self._synced_step >= 0 and step - self._synced_step < self.sync_every):
             return False
-        self._llm.collective_rpc("kdlab_load_weights", args=(list(merged_weights(student)),))
-        self._llm.reset_prefix_cache()  # cached prompt KV blocks were computed with the old weights
+        with outside_autocast():
+            self._llm.collective_rpc("kdlab_load_weights", args=(streamed_weights(student, ENGINE_DTYPES[self.engine_dtype]),))
+            self._llm.reset_prefix_cache()  # cached prompt KV blocks were computed with the old weights
         self._synced_step = step
         return True
 
@@ -326,26 +467,26 @@ class VLLMRollouts(RolloutPolicy):
             raise ValueError("VLLMRollouts needs the model's spec in the rollout context (DistillModule provides it)")
         if self.model == "teacher" and spec.checkpoint is not None:
             raise ValueError("VLLMRollouts(model='teacher') loads teacher.path and cannot apply teacher.checkpoint; export the teacher to a folder")
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=context.generator).item()) if context.generator is not None else None
-        llm = self.engine(spec, seed or 0)
+        generator = context.generator
+        # drawn on the generator's own device (a CUDA generator cannot fill a CPU tensor), then read back
+        seed = None if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device).item())
+        ids = getattr(prompts, f"{self.model}_ids")
+        mask = getattr(prompts, f"{self.model}_mask").tolist()
+        requests = [vllm.TokensPrompt(prompt_token_ids=[t for t, m in zip(row, keep) if m]) for row, keep in zip(ids.tolist(), mask)]
+        llm = self.engine(spec, seed or 0, sequences=len(requests), sequence_tokens=ids.shape[1] + context.max_new_tokens)
         if self.model == "student":
             self.push_weights(context.student, context.step)
         temperature = context.student_temperature if self.model == "student" else context.teacher_temperature
-        ids = getattr(prompts, f"{self.model}_ids").tolist()
-        mask = getattr(prompts, f"{self.model}_mask").tolist()
-        requests = [vllm.TokensPrompt(prompt_token_ids=[t for t, m in zip(row, keep) if m]) for row, keep in zip(ids, mask)]
         # one seed per request: vLLM seeds requests separately, and repeated prompts (a GRPO group) must differ
         params = [
             vllm.SamplingParams(**sampling_params(temperature, context.max_new_tokens, context.eos_token_ids, context.top_p,
                                                   None if seed is None else seed + row, stop=context.stop_strings))
             for row in range(len(requests))
         ]
-        outputs = llm.generate(requests, params, use_tqdm=False)
-        tokens, logprobs = [], []
-        for output in outputs:
-            sample = output.outputs[0]
-            tokens.append(list(sample.token_ids))
-            logprobs.append(sampled_token_logprobs(sample))
+        with outside_autocast():
+            outputs = llm.generate(requests, params, use_tqdm=False)
+        tokens = [list(output.outputs[0].token_ids) for output in outputs]
+        logprobs = [sampled_token_logprobs(output.outputs[0]) for output in outputs]
         completion_ids, completion_mask = right_pad(tokens, context.pad_token_id)
         behaviour = torch.zeros(completion_ids.shape, dtype=torch.float32)
         for row, values in enumerate(logprobs):
