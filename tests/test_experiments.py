@@ -65,14 +65,16 @@ def tiny_models(monkeypatch):
 
 def instantiate(args: list[str]):
     """The CLI built from ``args`` on the CPU, or ``None`` when the config reached vLLM's engine on a
-    machine without vLLM (it needs CUDA): everything before the engine parsed and was built, and the
-    error is kdlab's install hint, not a config error."""
+    machine without vLLM or without CUDA: everything before the engine parsed and was built, and the
+    error is kdlab's one-line refusal, not a config error."""
     import importlib.util
 
     try:
         cli = main([*args, *ON_CPU], run=False)
     except (ImportError, ValueError) as error:  # (jsonargparse reports the ImportError inside a ValueError)
-        if "kdlab[vllm]" in str(error) and importlib.util.find_spec("vllm") is None:
+        import torch
+
+        if "kdlab[vllm]" in str(error) and (importlib.util.find_spec("vllm") is None or not torch.cuda.is_available()):
             return None
         raise
     assert cli.model is not None and cli.trainer is not None
