@@ -1,12 +1,18 @@
 """Run by tests/test_distributed.py as its own program: Lightning re-launches it once per rank.
 
-    python tests/distributed_worker.py OUT_DIR {single|fsdp2|fsdp1|ddp}[-fused][-bf16] [STEPS [EXAMPLES [RESUME]]]
+    python tests/distributed_worker.py OUT_DIR {single|fsdp2|fsdp1|ddp}[-fused][-bf16][-probe] [STEPS [EXAMPLES [RESUME]]]
 
 Distils the packaged random tiny pair for STEPS (default 2) steps from a fixed teacher dataset of
 EXAMPLES prompts (default 8; so rollouts are the same whatever the process layout), with a global batch
 of 8 prompts, and writes the full student weights (rank 0), each rank's local parameter count and the
 update-sparsity report to OUT_DIR. A checkpoint is saved after every step (``OUT_DIR/checkpoints/last``);
 RESUME continues from such a checkpoint.
+
+``-probe`` adds callbacks that write what each rank saw: ``precision-rank<r>.json`` (after one forward:
+the dtypes of the rotary ``inv_freq`` buffers and each FSDP1 unit's mixed precision),
+``ood-rank<r>.jsonl`` (the scores OODForgetting's lm-eval back end logged, measured by a stand-in for
+lm-eval that saves the model it was given to ``ood-model-<n>.pt``) and ``coverage-rank<r>.jsonl``
+(the prompts Coverage sampled on that rank, their completions and the pooled per-prompt counts).
 """
 
 import json
@@ -19,7 +25,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
-from kdlab.callbacks import UpdateSparsity
+import kdlab.callbacks.evaluations as evaluations
+from kdlab.callbacks import Coverage, OODForgetting, UpdateSparsity
+from kdlab.evaluation.lm_eval_suite import LMEvalTask, is_sharded
 from kdlab.models import export_pretrained
 from kdlab.models.export import merged_weights
 from kdlab.rollouts import TeacherDatasetRollouts
@@ -70,6 +78,69 @@ class Dump(pl.Callback):
             (self.out / "merged_shapes.json").write_text(json.dumps(shapes))
 
 
+class PrecisionProbe(pl.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        report = {}
+        for role in ("student", "teacher"):
+            model = getattr(pl_module, role)
+            with torch.no_grad():  # FSDP1 casts buffers to the buffer dtype in its first forward
+                model(input_ids=torch.tensor([[1, 2, 3]], device=pl_module.device))
+            report[f"{role}_inv_freq"] = sorted({str(b.dtype) for n, b in model.named_buffers() if n.endswith("inv_freq")})
+            report[f"{role}_units"] = sorted({str((m.mixed_precision.param_dtype, m.mixed_precision.reduce_dtype, m.mixed_precision.buffer_dtype))
+                                              for m in FullyShardedDataParallel.fsdp_modules(model)})
+        (self.out / f"precision-rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+class ProbeOOD(OODForgetting):
+    """OODForgetting's lm-eval back end with lm-eval itself replaced (see ``stand_in_suite``)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        evaluations.import_lm_eval = lambda setting=None: None
+        evaluations.validate_suite = lambda *args, **kwargs: None
+        evaluations.evaluate_suite = self.stand_in_suite
+        super().__init__(lm_eval_tasks={"toy": LMEvalTask("toy")})
+        self.calls = 0
+
+    def stand_in_suite(self, model, tokenizer, tasks, **settings):
+        """Save the model it is given (whole weights, HF names) and score it by the sum of its weights."""
+        self.calls += 1
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        assert not is_sharded(model) and not isinstance(model, FullyShardedDataParallel), type(model)
+        state = {name: value.detach().cpu() for name, value in model.state_dict().items()}
+        torch.save(state, self.out / f"ood-model-{self.calls}.pt")
+        return {"toy": sum(float(value.double().sum()) for name, value in state.items() if not name.endswith("inv_freq"))}
+
+    def lm_eval_scores(self, pl_module):
+        scores = super().lm_eval_scores(pl_module)
+        with (self.out / f"ood-rank{pl_module.trainer.global_rank}.jsonl").open("a") as handle:
+            handle.write(json.dumps({"step": pl_module.trainer.global_step, "calls": self.calls, **scores}) + "\n")
+        return scores
+
+
+class ProbeCoverage(Coverage):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        super().__init__(Addition(num_val=5, seed=3), ks=(1, 2), samples=2, examples=5, max_new_tokens=4, batch_size=4)
+
+    def sample(self, pl_module, task, examples, role="student", repeat=1, model=None):
+        texts = super().sample(pl_module, task, examples, role=role, repeat=repeat, model=model)
+        self._sampled = {"ids": [ex["id"] for ex in examples], "texts": texts, "seed": self.seed}
+        return texts
+
+    def correct_counts(self, trainer, pl_module, examples):
+        counts = super().correct_counts(trainer, pl_module, examples)
+        with (self.out / f"coverage-rank{trainer.global_rank}.jsonl").open("a") as handle:
+            handle.write(json.dumps({**self._sampled, "all_ids": [ex["id"] for ex in examples], "counts": counts}) + "\n")
+        return counts
+
+
 def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, resume: str | None = None) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0)
@@ -78,10 +149,10 @@ def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, r
     if not data.exists():
         data.write_text("".join(json.dumps({"id": ex["id"], "completion": f"<answer>{ex['a'] * 7 ** i}</answer>"}) + "\n"
                                 for i, ex in enumerate(task.examples("train"))))
-    precision = "bf16-mixed" if layout.endswith("-bf16") else "32-true"
-    layout = layout.removesuffix("-bf16")
-    fused = layout.endswith("-fused")  # the hidden-state + LM-head path (HeadLogits) instead of logits
-    layout = layout.removesuffix("-fused")
+    layout, *flags = layout.split("-")
+    precision = "bf16-mixed" if "bf16" in flags else "32-true"
+    fused = "fused" in flags  # the hidden-state + LM-head path (HeadLogits) instead of logits
+    probes = [PrecisionProbe(out), ProbeOOD(out), ProbeCoverage(out)] if "probe" in flags else []
     devices = 1 if layout == "single" else 2
     module = DistillModule(
         "kdlab://tiny-random/student", "kdlab://tiny-random/teacher", task,
@@ -103,6 +174,7 @@ def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, r
             Dump(out),
             UpdateSparsity(thresholds=(1e-6, 1e-3)),  # counted per shard, then reduced
             ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, every_n_train_steps=1),
+            *probes,
         ],
     )
     trainer.fit(module, ckpt_path=resume)

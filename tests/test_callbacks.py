@@ -100,6 +100,35 @@ def test_coverage_uses_the_unbiased_estimator_over_samples(module, tmp_path):
         Coverage(task, ks=(11,), samples=10)
 
 
+def test_coverage_split_over_replicas_pools_to_the_counts_of_one_process(module, tmp_path, monkeypatch):
+    import kdlab.callbacks.evaluations as evaluations
+
+    trainer = bare_trainer(tmp_path)
+    task = Addition(num_val=5, seed=3)
+    examples = task.examples("val")
+    ids = [ex["id"] for ex in examples]
+    callback = Coverage(task, ks=(1, 2), samples=3, examples=5)
+    calls = []
+
+    def sample(pl_module, task, chosen, repeat):  # prompt i has i % 3 of its 3 samples right
+        calls.append(([ex["id"] for ex in chosen], callback.seed))
+        return [task.reference_completion(ex) if s < ids.index(ex["id"]) % 3 else "x" for ex in chosen for s in range(repeat)]
+
+    callback.sample = sample
+    whole = callback.correct_counts(trainer, module, examples)  # one process: every prompt, from seed
+    assert whole == [0, 1, 2, 0, 1] and calls == [(ids, 0)]
+    shares = []
+    for rank in (0, 1):
+        monkeypatch.setattr(evaluations, "replica_layout", lambda trainer, pl_module, rank=rank: (2, rank))
+        shares.append(callback.correct_counts(trainer, module, examples))
+    # replica r samples every other prompt from r, from seed + r; replica 1 is padded with prompt 0 (its
+    # samples dropped) so both decode as many batches
+    assert calls[1:] == [([ids[0], ids[2], ids[4]], 0), ([ids[1], ids[3], ids[0]], 1)]
+    assert shares == [[0, -1, 2, -1, 1], [-1, 1, -1, 0, -1]]
+    assert [max(counts) for counts in zip(*shares)] == whole  # what the processes' all_reduce(MAX) pools
+    assert callback.seed == 0
+
+
 def test_style_transfer_judges_real_text(module, tmp_path):
     trainer = bare_trainer(tmp_path)
     task = Addition(num_val=2, seed=4)

@@ -1,6 +1,8 @@
 """Multi-process training on CPU (gloo): FSDP2 through ModelParallelStrategy, FSDP1 through Lightning's
 FSDPStrategy (let onto the CPU by a test-only subclass, see tests/distributed_worker.py), and DDP give the
-same student as one process with the same global batch."""
+same student as one process with the same global batch; FSDP1 under bf16-mixed reduces in fp32 and keeps
+fp32 buffers; the evaluation callbacks measure once (OODForgetting's lm-eval suite) or split their prompts
+(Coverage) over the ranks."""
 
 import json
 import os
@@ -88,3 +90,85 @@ def test_fsdp2_with_bf16_mixed_precision_trains_close_to_fp32(single, tmp_path):
         assert mixed[name].dtype == torch.float32
         torch.testing.assert_close(mixed[name], value, atol=2e-2, rtol=0, msg=name)
     assert any(not torch.equal(mixed[name], value) for name, value in whole.items())  # bf16 compute did happen
+
+
+@pytest.mark.parametrize("layout", ["fsdp1-bf16", pytest.param("fsdp2", marks=pytest.mark.slow), pytest.param("ddp", marks=pytest.mark.slow)])
+def test_two_processes_keep_fp32_reduction_and_buffers_and_evaluate_once_or_split(layout, tmp_path):
+    """One step on 2 processes with the probes of tests/distributed_worker.py (38 s for FSDP1 on a shared 2-core machine)."""
+    from transformers import AutoModelForCausalLM
+
+    from kdlab.models.loading import resolve_path
+    from kdlab.tasks import Addition
+
+    out = tmp_path / layout
+    student, _ = run(f"{layout}-probe", out, "1")
+    ranks = (0, 1)
+    # FSDP1 with bf16-mixed: every unit (student and sharded teacher) gathers in bf16 but reduces gradients
+    # and keeps buffers in fp32, so Qwen2's rotary inv_freq is still fp32 after a forward (Lightning's own
+    # FSDP1 default casts it to bf16 and reduces in bf16)
+    for rank in ranks:
+        report = json.loads((out / f"precision-rank{rank}.json").read_text())
+        assert report["student_inv_freq"] == report["teacher_inv_freq"] == ["torch.float32"]
+        units = [str((torch.bfloat16, torch.float32, torch.float32))] if layout == "fsdp1-bf16" else []
+        assert report["student_units"] == report["teacher_units"] == units
+    # OODForgetting's lm-eval suite runs on rank 0 only, at fit start and end; both ranks log its scores
+    ood = [[json.loads(line) for line in (out / f"ood-rank{rank}.jsonl").read_text().splitlines()] for rank in ranks]
+    assert [row["calls"] for row in ood[0]] == [1, 2] and [row["calls"] for row in ood[1]] == [0, 0]
+    assert [(row["step"], row["toy"]) for row in ood[0]] == [(row["step"], row["toy"]) for row in ood[1]]
+    # ... over the whole student (gathered from its shards): the initial weights, then the trained ones
+    initial = AutoModelForCausalLM.from_pretrained(resolve_path("kdlab://tiny-random/student")).state_dict()
+    for call, expected in ((1, initial), (2, student)):
+        seen = torch.load(out / f"ood-model-{call}.pt", weights_only=True)
+        for name, value in expected.items():
+            if not name.endswith("inv_freq"):
+                torch.testing.assert_close(seen[name], value.float(), atol=0, rtol=0, msg=name)
+    # Coverage: rank r samples every other prompt from r (5 prompts: rank 1 pads with prompt 0, dropped),
+    # from seed + r; the per-prompt counts are pooled, the same on both ranks
+    task = Addition(num_val=5, seed=3)
+    examples = task.examples("val")[:5]
+    coverage = [[json.loads(line) for line in (out / f"coverage-rank{rank}.jsonl").read_text().splitlines()] for rank in ranks]
+    assert len(coverage[0]) == len(coverage[1]) == 2  # at fit start and end
+    for first, second in zip(*coverage):
+        expected = [None] * len(examples)
+        for rank, row in zip(ranks, (first, second)):
+            share = range(rank, rank + 6, 2)
+            assert row["ids"] == [examples[index % 5]["id"] for index in share] and row["seed"] == rank
+            for position, index in enumerate(share):
+                if index < len(examples):
+                    texts = row["texts"][2 * position : 2 * position + 2]
+                    expected[index] = sum(float(task.score(examples[index], text)) >= 1.0 for text in texts)
+        assert first["counts"] == second["counts"] == expected
+
+
+def test_fsdp1_bf16_mixed_precision_is_fp32_reduction_unless_the_strategy_has_its_own():
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import MixedPrecision
+
+    from kdlab.stages.sharding import fsdp1_mixed_precision
+
+    (policy,) = fsdp1_mixed_precision(FSDPStrategy(), "bf16-mixed").values()
+    assert (policy.param_dtype, policy.reduce_dtype, policy.buffer_dtype) == (torch.bfloat16, torch.float32, torch.float32)
+    own = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    assert fsdp1_mixed_precision(FSDPStrategy(mixed_precision=own), "bf16-mixed") == {}  # the user's, as given
+    assert fsdp1_mixed_precision(FSDPStrategy(), "32-true") == {}
+
+
+def test_tf32_matmuls_on_cuda_only_and_a_precision_set_by_the_user_is_kept():
+    from kdlab.stages import DistillModule
+    from kdlab.stages.base import use_float32_matmul_precision
+
+    kept = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        use_float32_matmul_precision(torch.device("cpu"))
+        assert torch.get_float32_matmul_precision() == "highest"
+        use_float32_matmul_precision(torch.device("cuda", 0), None)  # TaskStage.float32_matmul_precision = None
+        assert torch.get_float32_matmul_precision() == "highest"
+        use_float32_matmul_precision(torch.device("cuda", 0))
+        assert torch.get_float32_matmul_precision() == "high"
+        torch.set_float32_matmul_precision("medium")
+        use_float32_matmul_precision(torch.device("cuda", 0))
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(kept)
+    assert DistillModule.float32_matmul_precision == "high"

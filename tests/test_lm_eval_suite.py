@@ -104,6 +104,51 @@ def test_ood_forgetting_with_lm_eval_reports_before_after_and_delta_in_a_real_fi
     assert callback.state_dict()["before"] == {name: before[f"ood/{name}_before"] for name in TOY}
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_under_several_processes_only_rank_0_runs_the_suite_and_every_rank_gets_its_scores(module, task_dir, monkeypatch, fails):
+    """The rank logic of OODForgetting's lm-eval back end with the collectives stood in for (the real ones:
+    tests/test_distributed.py): rank 0 scores the student and broadcasts; a failure there is raised on
+    every rank, none left waiting."""
+    from types import SimpleNamespace
+
+    import kdlab.callbacks.evaluations as evaluations
+
+    callback = OODForgetting(lm_eval_tasks=TOY, lm_eval_include_path=str(task_dir))
+    scored = []
+
+    def run_suite(model, tokenizer):
+        scored.append(model)
+        if fails:
+            raise ValueError("no such metric")
+        return {"toy": 50.0, "toy_first4": 25.0}
+
+    sent = []
+
+    def broadcast(message, src, group=None):
+        if module._trainer.is_global_zero:
+            sent.append(list(message))
+        else:
+            message[:] = sent[-1]
+
+    monkeypatch.setattr(callback, "run_suite", run_suite)
+    monkeypatch.setattr(evaluations, "distributed", lambda trainer: True)
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", broadcast)
+    results = []
+    for first in (True, False):
+        module._trainer = SimpleNamespace(is_global_zero=first, world_size=2)
+        try:
+            results.append(callback.scores(module))
+        except Exception as error:
+            results.append(error)
+    module._trainer = None
+    assert scored == [module.student]  # rank 0 only, on the (unsharded) student itself
+    if not fails:
+        assert results == [{"toy": 50.0, "toy_first4": 25.0}] * 2
+    else:
+        assert isinstance(results[0], ValueError) and sent == [[None, "ValueError: no such metric"]]
+        assert isinstance(results[1], RuntimeError) and "failed on global rank 0: ValueError: no such metric" in str(results[1])
+
+
 def test_bad_settings_fail_at_construction_naming_the_setting(task_dir):
     with pytest.raises(ValueError, match=r"OODForgetting\.lm_eval_tasks: unknown lm-eval task 'no_such_task'"):
         OODForgetting(lm_eval_tasks={"x": LMEvalTask("no_such_task", 5)}, lm_eval_include_path=str(task_dir))

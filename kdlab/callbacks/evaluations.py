@@ -7,14 +7,22 @@ They work on any module that has ``student`` and ``student_tokenizer`` attribute
 reference uses the module's ``teacher`` and ``teacher_tokenizer`` or a teacher given to the callback;
 :class:`RolloutSensitivity` needs a :class:`~kdlab.stages.distill.DistillModule` with its teacher model. A
 callback that cannot measure on the module stops ``fit`` at setup, before any work, naming the setting.
+
+Under several processes: ``OODForgetting``'s lm-eval suite runs once, on global rank 0, over the whole
+student (gathered from its shards under FSDP1/FSDP2), and every rank logs the scores rank 0 broadcasts;
+``Coverage`` splits its prompts over the data-parallel replicas and pools the per-prompt counts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import inspect
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from kdlab.callbacks.periodic import EvaluationCallback, module_teacher, task_name
 from kdlab.evaluation.lm_eval_suite import (
@@ -23,11 +31,31 @@ from kdlab.evaluation.lm_eval_suite import (
     import_lm_eval,
     resolve_suite,
     validate_suite,
+    whole_model,
 )
 from kdlab.evaluation.metrics import pass_at_k, spanish_share
 from kdlab.evaluation.scoring import accuracy
 from kdlab.runlog import log_metrics
 from kdlab.tasks.base import Task
+
+LM_EVAL_WAIT = datetime.timedelta(hours=24)
+"""How long the other ranks wait for rank 0's lm-eval suite (a gloo group of its own, so the training
+process group's timeout, 30 minutes by default, does not apply to the wait)."""
+
+
+def distributed(trainer) -> bool:
+    """Whether ``trainer`` runs several processes in an initialised process group."""
+    return trainer is not None and trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def replica_layout(trainer, pl_module) -> tuple[int, int]:
+    """``(data-parallel replicas, this process's replica)``: the ranks of one tensor-parallel group are one
+    replica (:meth:`~kdlab.stages.base.TaskStage.data_parallel_layout`)."""
+    if hasattr(pl_module, "data_parallel_layout") and pl_module._trainer is not None:
+        layout = pl_module.data_parallel_layout()
+    else:
+        layout = (getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None) or {}
+    return int(layout.get("num_replicas", 1)), int(layout.get("rank", 0))
 
 
 class OODForgetting(EvaluationCallback):
@@ -42,6 +70,12 @@ class OODForgetting(EvaluationCallback):
       checked against lm-eval's index when the callback is built.
 
     The mean is unweighted over the suite's entries.
+
+    Under several processes (DDP, FSDP1, FSDP2) the lm-eval suite runs on global rank 0 alone, over a
+    whole model: the student itself when it is not sharded, else a plain copy built from its gathered
+    full weights (:func:`~kdlab.evaluation.lm_eval_suite.whole_model`; one more copy of the student on
+    rank 0 while the suite runs). The other ranks wait (up to :data:`LM_EVAL_WAIT`) and log the scores
+    rank 0 broadcasts, so every rank logs the same numbers. The tiny back end samples on every rank.
 
     Args:
         tasks: tiny back end: the suite of earlier capabilities (each task's ``val`` split; first ``examples``).
@@ -99,17 +133,50 @@ class OODForgetting(EvaluationCallback):
         self.lm_eval_allow_code_execution = lm_eval_allow_code_execution
         self.lm_eval_apply_chat_template = lm_eval_apply_chat_template
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._wait_group = None
+        if stage == "fit" and self.lm_eval_tasks is not None and distributed(trainer):
+            # every rank builds the group (a collective); the others wait on it for rank 0's suite
+            self._wait_group = torch.distributed.new_group(backend="gloo", timeout=LM_EVAL_WAIT)
+
+    def run_suite(self, model, tokenizer) -> dict[str, float]:
+        """The lm-eval suite on ``model`` in this process alone."""
+        return evaluate_suite(
+            model,
+            tokenizer,
+            self.lm_eval_tasks,
+            include_path=self.lm_eval_include_path,
+            batch_size=self.lm_eval_batch_size,
+            allow_code_execution=self.lm_eval_allow_code_execution,
+            apply_chat_template=self.lm_eval_apply_chat_template,
+        )
+
+    def lm_eval_scores(self, pl_module) -> dict[str, float]:
+        """The suite's scores, on every rank; under several processes measured on global rank 0 over the
+        whole student and broadcast (a failure there is raised on every rank)."""
+        trainer = pl_module._trainer
+        if not distributed(trainer):
+            return self.run_suite(pl_module.student, pl_module.student_tokenizer)
+        first = trainer.is_global_zero
+        scores, failure = None, None
+        try:
+            with whole_model(pl_module.student, pl_module.device, keep=first) as model:  # a collective when sharded
+                if first:
+                    scores = self.run_suite(model, pl_module.student_tokenizer)
+                model = None  # a gathered copy is freed on leaving the block
+        except Exception as error:  # said to the other ranks before raising, so none waits for nothing
+            failure = error
+        message = [scores, None if failure is None else f"{type(failure).__name__}: {failure}"]
+        torch.distributed.broadcast_object_list(message, src=0, group=getattr(self, "_wait_group", None))
+        if failure is not None:
+            raise failure
+        if message[1] is not None:
+            raise RuntimeError(f"OODForgetting: the lm-eval suite failed on global rank 0: {message[1]}")
+        return message[0]
+
     def scores(self, pl_module) -> dict[str, float]:
         if self.lm_eval_tasks is not None:
-            return evaluate_suite(
-                pl_module.student,
-                pl_module.student_tokenizer,
-                self.lm_eval_tasks,
-                include_path=self.lm_eval_include_path,
-                batch_size=self.lm_eval_batch_size,
-                allow_code_execution=self.lm_eval_allow_code_execution,
-                apply_chat_template=self.lm_eval_apply_chat_template,
-            )
+            return self.lm_eval_scores(pl_module)
         result = {}
         for task in self.tasks:
             examples = task.examples("val")[: self.examples]
@@ -214,6 +281,11 @@ class Coverage(EvaluationCallback):
         temperature: sampling temperature (paper: 0.5).
         name: metric name (default: the task's variant or class name).
         at_start: also measure before training.
+
+    Under several processes each data-parallel replica samples its share of the prompts (every
+    replica-th one, from its own seed ``seed + replica``; a share one short is padded with a prompt whose
+    samples are dropped, so every rank decodes as many batches), and the per-prompt counts of correct
+    samples are pooled before pass@k; on one process all prompts are sampled from ``seed``.
     """
 
     def __init__(
@@ -232,16 +304,40 @@ class Coverage(EvaluationCallback):
         self.task, self.ks, self.samples = task, tuple(ks), samples
         self.name, self.at_start = name or task_name(task), at_start
 
+    def correct_counts(self, trainer, pl_module, examples) -> list[int]:
+        """Correct samples (of ``samples``) for each of ``examples``, every prompt counted by one replica."""
+        replicas, rank = replica_layout(trainer, pl_module)
+        count = len(examples)
+        share = [rank + i * replicas for i in range(-(-count // replicas))]  # padded to ceil(count / replicas)
+        with self._seed(self.seed + rank if replicas > 1 else self.seed):
+            texts = self.sample(pl_module, self.task, [examples[i % count] for i in share], repeat=self.samples)
+        correct = [-1] * count
+        for position, index in enumerate(share):
+            if index < count:  # else a padding prompt
+                chunk = texts[position * self.samples : (position + 1) * self.samples]
+                correct[index] = sum(float(self.task.score(examples[index], text)) >= 1.0 for text in chunk)
+        if distributed(trainer):  # each prompt's count from its replica (-1 elsewhere); TP ranks agree
+            pooled = torch.tensor(correct, dtype=torch.long, device=pl_module.device)
+            torch.distributed.all_reduce(pooled, op=torch.distributed.ReduceOp.MAX)
+            correct = pooled.tolist()
+        return correct
+
+    @contextlib.contextmanager
+    def _seed(self, seed: int):
+        kept, self.seed = self.seed, seed
+        try:
+            yield
+        finally:
+            self.seed = kept
+
     def measure(self, trainer, pl_module) -> None:
         examples = self.task.examples("val")[: self.examples]
-        texts = self.sample(pl_module, self.task, examples, repeat=self.samples)
+        correct = self.correct_counts(trainer, pl_module, examples)
         metrics = {}
         for k in self.ks:
             total = 0.0
-            for index, example in enumerate(examples):
-                chunk = texts[index * self.samples : (index + 1) * self.samples]
-                correct = sum(float(self.task.score(example, text)) >= 1.0 for text in chunk)
-                total += pass_at_k(self.samples, correct, k)
+            for count in correct:
+                total += pass_at_k(self.samples, count, k)
             metrics[f"coverage/{self.name}/pass@{k}"] = total / len(examples)
         log_metrics(trainer, metrics)
 

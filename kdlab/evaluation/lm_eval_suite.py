@@ -175,6 +175,81 @@ def wrap_model(model: torch.nn.Module, tokenizer: Any, batch_size: int = 8) -> A
     return lm_eval.models.huggingface.HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
 
 
+def _plain_class(model: torch.nn.Module) -> type:
+    """``model``'s own class, not the one ``fully_shard`` (FSDP2) makes by subclassing it."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return type(model)
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is FSDP1-wrapped or has FSDP2/tensor-parallel (DTensor) parameters."""
+    from kdlab.models.export import fsdp1_wrapped
+
+    return fsdp1_wrapped(model) or any(hasattr(p, "full_tensor") for p in model.parameters())
+
+
+@contextlib.contextmanager
+def whole_model(model: torch.nn.Module, device: torch.device | str, keep: bool = True) -> Iterator[torch.nn.Module | None]:
+    """A whole, unsharded model with ``model``'s current weights, for code that must run one process's
+    forwards alone (lm-eval): ``model`` itself when it is not sharded; for an FSDP1- or FSDP2-sharded
+    one, a plain copy of its Hugging Face class built on ``device`` (the parameters' dtype, LoRA adapters
+    merged) from the full tensors of :func:`~kdlab.models.export.merged_weights`, freed on leaving.
+    ``None`` where ``keep`` is false.
+
+    Gathering a sharded model is a collective: enter it on every rank, ``keep`` true on the one that
+    evaluates. The copy costs that rank one more full copy of the model while the block runs (and, under
+    FSDP1, the gathered parameters while it is filled)."""
+    if not is_sharded(model):
+        yield model if keep else None
+        return
+    import copy
+
+    from kdlab.models.export import merged_weights
+    from kdlab.objectives.logits import innermost_model
+
+    base = innermost_model(model)
+    plain, targets, filled, unknown, failure = None, {}, set(), [], None
+    if keep:
+        try:  # a failure here is raised only after the gather below, which the other ranks are in
+            dtype = next(model.parameters()).dtype
+            with torch.device(device):
+                plain = _plain_class(base)(copy.deepcopy(base.config))
+            for parameter in plain.parameters():  # buffers (rotary inv_freq) keep the dtype they are built in
+                parameter.data = parameter.data.to(dtype)
+            if getattr(base, "generation_config", None) is not None:
+                plain.generation_config = copy.deepcopy(base.generation_config)
+            plain.requires_grad_(False).eval()
+            targets = dict(plain.named_parameters(remove_duplicate=False)) | dict(plain.named_buffers(remove_duplicate=False))
+        except Exception as error:
+            failure = error
+    with torch.no_grad():
+        for name, tensor in merged_weights(model):  # consumed whole on every rank: it gathers
+            target = targets.get(name)
+            if plain is None:
+                continue
+            if target is None or target.shape != tensor.shape:
+                unknown.append(name)
+                continue
+            target.copy_(tensor)
+            filled.add(target.data_ptr())
+    if failure is not None:
+        raise failure
+    if plain is not None:
+        missing = [name for name, p in plain.named_parameters() if p.data_ptr() not in filled]
+        if unknown or missing:
+            raise ValueError(f"whole_model: the gathered weights do not fit a plain {type(plain).__name__} "
+                             f"(unknown or of another shape {unknown[:3]}, missing {missing[:3]})")
+    try:
+        yield plain
+    finally:
+        del plain, targets
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+
+
 @contextlib.contextmanager
 def _preserved_rng(device: torch.device) -> Iterator[None]:
     """Put back the global Python, NumPy and torch generators (which simple_evaluate re-seeds)."""
@@ -209,9 +284,11 @@ def evaluate_suite(
         apply_chat_template: render prompts with the tokenizer's chat template (lm-eval's flag).
 
     Each entry is one ``simple_evaluate`` call with its own ``limit``; the model's train/eval mode
-    and the global random generators are as they were afterwards. Under multi-process training every
-    rank runs the whole suite (untested with sharded models), and ranks whose ``LOCAL_RANK`` is not 0
-    get NaN, since lm-eval builds its results only on local rank 0; only rank 0 writes reports.
+    and the global random generators are as they were afterwards. One process runs the whole suite on
+    ``model`` alone (lm-eval's own data parallelism is not used): call it on one rank with an unsharded
+    model (:func:`whole_model`); :class:`~kdlab.callbacks.OODForgetting` does so on global rank 0 and
+    broadcasts the scores. A process whose ``LOCAL_RANK`` is not 0 gets NaN, since lm-eval builds its
+    results only on local rank 0.
     """
     lm_eval = import_lm_eval("evaluate_suite")  # a missing install is the first thing to say
     suite = resolve_suite(tasks, "evaluate_suite.tasks")

@@ -8,7 +8,9 @@ that starts from it), on a :class:`~kdlab.tasks.base.Task`. This base class give
 * seeded, resumable random streams per step (:meth:`TaskStage.step_seed`);
 * evaluation: ``<split>/accuracy`` (mean task score over ``eval_samples`` completions per prompt at
   ``val_temperature``), ``<split>/pass@k`` and a per-example JSONL under ``<log_dir>/samples/``;
-* ``run_info.json`` provenance at fit start and the data position in every checkpoint.
+* ``run_info.json`` provenance at fit start and the data position in every checkpoint;
+* on a CUDA device, TF32 for fp32 matmuls from fit start (``torch.set_float32_matmul_precision("high")``
+  unless already set otherwise; ``TaskStage.float32_matmul_precision = None`` keeps torch's setting).
 
 Subclasses set ``student``, ``student_tokenizer``, ``token_columns``, ``end_ids`` and ``pad_id`` and
 implement ``training_step``. Callbacks of :mod:`kdlab.callbacks` work on any ``TaskStage``.
@@ -34,6 +36,13 @@ from kdlab.stages.loaders import EpochShuffle, ResumableLoader
 from kdlab.stages.optim import FiniteAdamW
 from kdlab.stages.sharding import fsdp1_root, global_grad_norm, shard_fsdp2, wrap_fsdp1
 from kdlab.tasks.base import Example, Task
+
+
+def use_float32_matmul_precision(device: torch.device, precision: str | None = "high") -> None:
+    """``torch.set_float32_matmul_precision(precision)`` when ``device`` is CUDA, ``precision`` is given and
+    torch's setting is still its default ("highest"); else nothing."""
+    if precision is not None and torch.device(device).type == "cuda" and torch.get_float32_matmul_precision() == "highest":
+        torch.set_float32_matmul_precision(precision)
 
 
 class TaskStage(pl.LightningModule):
@@ -350,7 +359,14 @@ class TaskStage(pl.LightningModule):
         if self._trainer is not None and not self._trainer.sanity_checking:
             write_samples(self._trainer, split, records)
 
+    float32_matmul_precision: str | None = "high"
+    """What :meth:`on_fit_start` sets ``torch.set_float32_matmul_precision`` to on a CUDA device ("high": TF32
+    for fp32 matmuls) when it is still torch's default ("highest"); ``None`` leaves torch's setting alone.
+    A precision the user set before fit ("high", "medium") is kept."""
+
     def on_fit_start(self) -> None:
+        """Set the fp32 matmul precision on CUDA (:attr:`float32_matmul_precision`) and write ``run_info.json``."""
+        use_float32_matmul_precision(self.device, self.float32_matmul_precision)
         log_dir = run_directory(self.trainer)  # on every rank: it is a collective call
         if self.trainer.is_global_zero:
             write_run_info(log_dir)

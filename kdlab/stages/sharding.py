@@ -66,8 +66,16 @@ def wrap_fsdp1(stage: Any) -> None:
     context), so layers are gathered one at a time and the rest (embeddings, head) form the model's own
     unit. Lightning wraps nothing more once a submodule is wrapped, so the trained model is wrapped
     whole here: its gradients are then all reduced. Frozen models that are not sharded are moved to the
-    device (FSDP1 moves only the module tree it wraps)."""
+    device (FSDP1 moves only the module tree it wraps).
+
+    Mixed precision: with ``trainer.precision: bf16-mixed`` every unit computes in bf16 but reduces
+    gradients and keeps buffers in fp32 (:func:`fsdp1_mixed_precision`), as the FSDP2 path does;
+    Lightning's own FSDP1 default would reduce gradients in bf16 and cast buffers such as the rotary
+    ``inv_freq`` to bf16. A ``mixed_precision`` given to the strategy (``FSDPStrategy(mixed_precision=...)``)
+    is used as it is."""
     from torch.distributed.fsdp.wrap import wrap
+
+    options = fsdp1_mixed_precision(stage.trainer.strategy, str(stage.trainer.precision))
 
     if getattr(stage, "fused_lm_head", False):
         raise ValueError("fused_lm_head reads the LM head's weight directly, which FSDP1 (strategy: fsdp) shards; "
@@ -77,14 +85,26 @@ def wrap_fsdp1(stage: Any) -> None:
         blocks = decoder_layer_classes(model)
         parents = [(parent, name) for parent in model.modules() for name, child in parent.named_children() if type(child).__name__ in blocks]
         for parent, name in parents:
-            parent._modules[name] = wrap(parent._modules[name])
+            parent._modules[name] = wrap(parent._modules[name], **options)
     for name, child in list(stage.named_children()):
         if any(child is model for model in sharded):
-            setattr(stage, name, wrap(child))  # the trained model: one FSDP root over its unwrapped rest
+            setattr(stage, name, wrap(child, **options))  # the trained model: one FSDP root over its unwrapped rest
     for name, model in list(stage._frozen.items()):
         if any(model is other for other in sharded):
-            stage._frozen[name] = wrap(model)  # FSDP1 moves what it wraps to the device itself
+            stage._frozen[name] = wrap(model, **options)  # FSDP1 moves what it wraps to the device itself
     stage.place_frozen_models(stage.trainer.strategy.root_device)
+
+
+def fsdp1_mixed_precision(strategy: Any, precision: str) -> dict[str, Any]:
+    """The ``wrap`` overrides of :func:`wrap_fsdp1`: ``{"mixed_precision": MixedPrecision(bf16 parameters,
+    fp32 gradient reduction, fp32 buffers)}`` for ``precision == "bf16-mixed"`` when ``strategy`` was given
+    no ``mixed_precision`` of its own, else none (the strategy's setting, or Lightning's for the precision,
+    applies)."""
+    if precision != "bf16-mixed" or getattr(strategy, "mixed_precision", None) is not None:
+        return {}
+    from torch.distributed.fsdp import MixedPrecision
+
+    return {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32)}
 
 
 def fsdp1_root(model: torch.nn.Module) -> torch.nn.Module | None:
