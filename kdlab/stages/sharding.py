@@ -42,22 +42,26 @@ def gathered_for_decoding(models: list[torch.nn.Module]):
     """Inside the block, each FSDP2-sharded model in ``models`` keeps its parameters gathered between
     forwards: decoding calls a model once per token, and resharding after each call would all-gather every
     layer again for the next token (for a 7B teacher, ~15 GB moved per token per rank). The gather
-    happens once, at the first forward; on leaving, each model is resharded and set back to resharding
-    after its forwards (``fully_shard``'s default). The block's peak memory is each model's full bf16/fp32
-    weights, as a replicated model would hold. Models that are not FSDP2 modules are left alone."""
+    happens once, at the first forward. On leaving, every FSDP unit is resharded and gets back
+    :func:`shard_fsdp2`'s settings: the layers reshard after their forward, the model's root unit does
+    not (FSDP2's own default for a root, which the fused LM head relies on: it reads the root's gathered
+    head after the forward). The block's peak memory is each model's full weights in their gathered
+    dtype, as a replicated model would hold. Models that are not FSDP2 modules are left alone."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2
         FSDPModule = ()  # noqa: N806
-    sharded = [model for model in models if isinstance(model, FSDPModule)]
-    for model in sharded:
-        model.set_reshard_after_forward(False)
+    roots = [model for model in models if isinstance(model, FSDPModule)]
+    for root in roots:
+        root.set_reshard_after_forward(False)
     try:
         yield
     finally:
-        for model in sharded:
-            model.set_reshard_after_forward(True)
-            model.reshard()
+        for root in roots:
+            for unit in root.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_reshard_after_forward(unit is not root, recurse=False)
+                    unit.reshard()
 
 
 def wrap_fsdp1(stage: Any) -> None:
