@@ -64,6 +64,10 @@ def lightning_cli_class():
             config = self.config.get(self.subcommand) if self.subcommand else None
             if config is not None:
                 check_hub_paths(config)
+            if config is not None and self.subcommand == "fit":  # before any weights are read (kdlab estimate's arithmetic)
+                from kdlab.study.estimate import warn_if_it_cannot_fit
+
+                warn_if_it_cannot_fit(config)
             ckpt_path = config.get("ckpt_path") if config is not None and self.subcommand == "fit" else None
             logger = config.get("trainer.logger") if ckpt_path else None
             if not ckpt_path or not hasattr(logger, "get") or not str(logger.get("class_path", "")).endswith(("TensorBoardLogger", "CSVLogger")):

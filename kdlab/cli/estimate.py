@@ -1,0 +1,154 @@
+"""``kdlab estimate --config A.yaml [--config B.yaml ...] [--gpus N] [--gpu_memory_gib M] [--json]``: before
+any GPU hour is spent, the per-GPU memory of a :class:`~kdlab.stages.distill.DistillModule` fit, term by
+term, and the work of one optimiser step (:mod:`kdlab.study.estimate`, which documents the arithmetic).
+
+It takes exactly what ``kdlab fit`` takes (the same LightningCLI parser: configs, overlays, ``--model.x=...``),
+reads the models' configs only (no weights), and exits 0 whether or not the run fits; ``--gpus`` (default
+``trainer.devices x trainer.num_nodes``) and ``--gpu_memory_gib`` (default 80) name the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import warnings
+from typing import Any
+
+from kdlab.cli.config_errors import ConfigError, nearest
+from kdlab.cli.lightning import lightning_cli_class, names_model_class
+from kdlab.study.estimate import GiB, Estimate, estimate, setup_from_config
+
+USAGE = """usage: kdlab estimate --config X.yaml [--config Y.yaml ...] [fit options] [--gpus N] [--gpu_memory_gib M] [--json]
+
+Per-GPU memory (weights, gradients, AdamW, teacher, activations, logits/fused workspace, KV caches, vLLM)
+and the work of one optimiser step of the DistillModule fit `kdlab fit` would run with the same arguments.
+No weights are read. --gpus: GPUs in all (default trainer.devices x trainer.num_nodes); --gpu_memory_gib:
+memory of one GPU (default 80); --json: machine-readable output.
+"""
+UNKNOWN = re.compile(r"unrecognized arguments: --?([\w.]+)|does not accept option '([\w.]+)'|Key '([\w.]+)' is not expected|Option '([\w.]+)' is not accepted")
+
+
+class _Parsed(Exception):
+    def __init__(self, config: Any) -> None:
+        super().__init__("parsed")
+        self.config = config
+
+
+def fit_config(argv: list[str]) -> dict[str, Any]:
+    """The configuration ``kdlab fit <argv>`` would run, parsed by its own parser, before any class is
+    instantiated (no model is built, no weights read), as a plain dict."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.cli import LightningCLI
+
+    from kdlab.stages.distill import DistillModule
+
+    class ParseOnly(lightning_cli_class()):
+        def parse_arguments(self, parser, args) -> None:
+            try:
+                LightningCLI.parse_arguments(self, parser, args)
+            except Exception as error:
+                unknown = UNKNOWN.search(str(error))
+                if unknown is None:
+                    raise
+                key = next(group for group in unknown.groups() if group)
+                keys = [action.dest for action in parser._actions if "." in action.dest or action.dest.isidentifier()]
+                raise ConfigError(f"{key}: no such key for kdlab fit (or estimate){nearest(key, keys)}") from error
+
+        def _set_seed(self) -> None:
+            """Nothing to seed: no run follows."""
+
+        def before_instantiate_classes(self) -> None:
+            raise _Parsed(self.config)
+
+    stage_class = names_model_class(argv)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")  # args are ours, not sys.argv
+            ParseOnly(pl.LightningModule if stage_class else DistillModule, subclass_mode_model=stage_class, seed_everything_default=42,
+                      args=argv, run=False, parser_kwargs={"exit_on_error": False})
+    except _Parsed as parsed:
+        return parsed.config.as_dict()
+    raise RuntimeError("the fit parser returned without a configuration")  # pragma: no cover
+
+
+def split_arguments(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """``argv`` without ``--gpus``, ``--gpu_memory_gib`` and ``--json`` (each ``--x V`` or ``--x=V``), and their values."""
+    rest, options, index = [], {"gpus": None, "gpu_memory_gib": None, "json": False}, 0
+    while index < len(argv):
+        arg = argv[index]
+        name, _, value = arg.partition("=")
+        if name == "--json":
+            options["json"] = True
+        elif name in ("--gpus", "--gpu_memory_gib"):
+            if not value:
+                if index + 1 >= len(argv):
+                    raise ConfigError(f"{name}: needs a value")
+                index, value = index + 1, argv[index + 1]
+            try:
+                number = int(value) if name == "--gpus" else float(value)
+            except ValueError:
+                raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+            if not number > 0:
+                raise ConfigError(f"{name}: must be > 0, got {value}")
+            options[name[2:]] = number
+        else:
+            rest.append(arg)
+        index += 1
+    return rest, options
+
+
+def run_estimate(argv: list[str]) -> Estimate:
+    """The estimate for ``kdlab estimate <argv>`` (without printing it)."""
+    rest, options = split_arguments(argv)
+    try:
+        setup = setup_from_config(fit_config(rest), options["gpus"], options["gpu_memory_gib"])
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    return estimate(setup)
+
+
+def render(result: Estimate, title: str = "") -> str:
+    """The Markdown report: every term in GiB per GPU with its arithmetic, the total (persistent + the largest
+    phase + reserved) against the GPU's memory, the largest term, and the work of one optimiser step."""
+    setup, work = result.setup, result.work
+    sharded = f" over {setup.shard}" if setup.strategy.startswith("fsdp") else ""
+    lines = [f"### {title}", ""] if title else []
+    lines += [f"Per GPU: {setup.world} GPU(s) of {setup.gpu_memory / GiB:g} GiB, strategy {setup.strategy}{sharded}, "
+              f"{'16-bit autocast' if setup.mixed else 'no autocast'}; student {setup.student.source}, "
+              f"{setup.student.params / 1e9:.3f}B params in {setup.student_dtype}; "
+              + (f"teacher {setup.teacher.source}, {setup.teacher.params / 1e9:.3f}B params in {setup.teacher_dtype}." if setup.teacher else "no teacher in memory."),
+              *setup.notes, "", "| term | phase | GiB | arithmetic |", "| --- | --- | ---: | --- |"]
+    lines += [f"| {term.key} | {term.phase} | {term.bytes / GiB:.2f} | {term.formula} |" for term in result.terms]
+    peak, largest = result.peak_phase, result.largest
+    reserved = f" + {result.phase('reserved') / GiB:.2f} reserved" if result.phase("reserved") else ""
+    lines += ["", f"Total: {result.phase('persistent') / GiB:.2f} persistent + {result.phase(peak) / GiB:.2f} {peak} (the largest phase){reserved} "
+              f"= **{result.total / GiB:.2f} GiB** of {setup.gpu_memory / GiB:g} GiB: {'fits' if result.fits else 'DOES NOT FIT'}. "
+              f"Largest term: {largest.key} ({largest.bytes / GiB:.2f} GiB).", "",
+              f"Work per optimiser step and rank: {work['prompts']} prompts, {work['decodes']} decode(s) of {work['decode_forwards']} forwards in all, "
+              f"{work['decoded_tokens']} decoded tokens, {work['trained_tokens']} trained tokens, {work['flops'] / 1e12:.1f} TFLOP "
+              f"({work['flops'] * setup.world / 1e12:.1f} TFLOP over {setup.world} rank(s))."]
+    return "\n".join(lines)
+
+
+def as_json(result: Estimate) -> dict[str, Any]:
+    from kdlab.study.estimate import PHASES
+
+    return {
+        "gpus": result.setup.world, "gpu_memory_gib": result.setup.gpu_memory / GiB, "strategy": result.setup.strategy,
+        "terms": [{"term": t.key, "phase": t.phase, "gib": t.bytes / GiB, "arithmetic": t.formula} for t in result.terms],
+        "phases_gib": {name: result.phase(name) / GiB for name in PHASES}, "peak_phase": result.peak_phase,
+        "total_gib": result.total / GiB, "fits": result.fits, "largest_term": result.largest.key, "work": result.work,
+        "notes": result.setup.notes,
+    }
+
+
+def main(argv: list[str]) -> Estimate | None:
+    """``kdlab estimate``: print the report (``--json``: one JSON object); exit status 0 whether or not it fits."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return None
+    result = run_estimate(argv)
+    print(json.dumps(as_json(result), indent=1) if split_arguments(argv)[1]["json"] else render(result))
+    sys.stdout.flush()
+    return result

@@ -1,0 +1,499 @@
+"""``kdlab estimate``'s arithmetic: the memory a :class:`~kdlab.stages.distill.DistillModule` fit needs on
+each GPU, and the work of one optimiser step, from the models' configs alone (no weights are read).
+
+A step decodes (the rollout), then trains its micro-batches, then steps the optimiser, so::
+
+    total = persistent + max(decode, training (teacher forward | objective | backward), optimiser step, validation) + reserved
+
+persistent: student weights, gradients (kept between steps: Lightning sets them to ``None`` just before the
+next backward), AdamW's two moments (in the weights' dtype), the frozen teacher, DDP's gradient buckets,
+each divided by the data-parallel size where sharded (FSDP2, FSDP1). decode: one batched decode of
+``batch_size x rollout_micro_batches`` prompts per rank: each decoding model's KV cache and workspace
+(:func:`decode_terms`), FSDP2's whole gathered models (:func:`kdlab.stages.sharding.gathered_for_decoding`).
+training, one micro-batch: the student's activations (:func:`student_training_terms`), the teacher's
+no-grad forward, the objective's buffers (:func:`objective_workspace`), FSDP's gathered units, autocast's
+bf16 weight copies. optimiser step: AdamW's temporaries. validation: the student decoding
+``val_batch_size x eval_samples`` prompts (callbacks are not counted). reserved: a vLLM engine's
+``gpu_memory_utilization x GPU memory``. Lengths are the caps (``max_prompt_tokens``,
+``max_completion_tokens``): a bound. Checked against allocator-level peaks on the CPU (``tests/test_estimate.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+GiB = 2**30
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CLOSED_FORM = ("ForwardKL", "ReverseKL", "TotalVariation")
+"""Objectives whose loss and gradient come from the shared row statistics (no autograd on a chunk)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A dense decoder-only transformer's sizes (what the arithmetic needs of a config)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+    qkv_bias: bool = False
+    source: str = ""
+    context: int = 0  # max_position_embeddings (what vLLM's default budget keeps room for)
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        q = self.heads * self.head_dim
+        bias = q + 2 * self.kv_dim if self.qkv_bias else 0
+        return 2 * self.hidden * q + 2 * self.hidden * self.kv_dim + 3 * self.hidden * self.intermediate + 2 * self.hidden + bias
+
+    @property
+    def root_params(self) -> int:
+        """Embeddings, the head when untied, the final norm: what sits outside the decoder layers."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.root_params + self.layers * self.layer_params
+
+    @property
+    def largest_tensor(self) -> int:  # elements of the largest parameter
+        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
+
+
+def _published(hidden, layers, heads, kv_heads, intermediate, vocab, tied, qkv_bias, name, context) -> Shape:
+    return Shape(hidden, layers, heads, kv_heads, hidden // heads, intermediate, vocab, tied, qkv_bias, f"published config of {name}", context)
+
+
+PUBLISHED = {
+    "Qwen/Qwen2.5-1.5B-Instruct": _published(1536, 28, 12, 2, 8960, 151936, True, True, "Qwen/Qwen2.5-1.5B-Instruct", 32768),
+    "Qwen/Qwen2.5-7B-Instruct": _published(3584, 28, 28, 4, 18944, 152064, False, True, "Qwen/Qwen2.5-7B-Instruct", 32768),
+    "meta-llama/Llama-3.2-1B-Instruct": _published(2048, 16, 32, 8, 8192, 128256, True, False, "meta-llama/Llama-3.2-1B-Instruct", 131072),
+    "meta-llama/Llama-3.1-8B-Instruct": _published(4096, 32, 32, 8, 14336, 128256, False, False, "meta-llama/Llama-3.1-8B-Instruct", 131072),
+}
+"""The paper's models' published ``config.json`` numbers, for configs that cannot be read here (no hub offline;
+the task-trained teachers' folders do not exist yet)."""
+ALIASES = {
+    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B-Instruct", "qwen1.5b": "Qwen/Qwen2.5-1.5B-Instruct",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct", "qwen7b": "Qwen/Qwen2.5-7B-Instruct",
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B-Instruct", "llama1b": "meta-llama/Llama-3.2-1B-Instruct",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct", "llama8b": "meta-llama/Llama-3.1-8B-Instruct",
+}
+"""Names in a path (a hub id, or a teacher folder such as ``./teachers/qwen7b-countdown3``) -> the published model."""
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def shape_of_config(config: Any, source: str) -> Shape:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden, heads = int(text.hidden_size), int(text.num_attention_heads)
+    tied = bool(getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
+    bias = bool(getattr(text, "attention_bias", False)) or getattr(text, "model_type", "") == "qwen2"
+    return Shape(hidden, int(text.num_hidden_layers), heads, int(getattr(text, "num_key_value_heads", None) or heads),
+                 int(getattr(text, "head_dim", None) or hidden // heads), int(getattr(text, "intermediate_size", None) or 4 * hidden),
+                 int(text.vocab_size), tied, bias, source, int(getattr(text, "max_position_embeddings", 0) or 0))
+
+
+def published_shape(path: str) -> Shape | None:
+    """The published shape a path names (exactly, or by a model name in its last component), else ``None``."""
+    exact, last = {name.lower(): shape for name, shape in PUBLISHED.items()}, path.rstrip("/").rsplit("/", 1)[-1].lower()
+    if path.lower().rstrip("/") in exact:
+        return exact[path.lower().rstrip("/")]
+    for alias, name in ALIASES.items():
+        if re.search(rf"(?<![\w.]){re.escape(alias)}(?![\w.])", last.replace("_", "-")) or last.startswith(alias):
+            return PUBLISHED[name]
+    return None
+
+
+def model_shape(spec: Any, role: str) -> Shape:
+    """``spec``'s (a :class:`~kdlab.models.loading.ModelSpec`) shape from its config, read without weights
+    (a hub id only from the local cache), else from :data:`PUBLISHED`; pruned to ``spec.layers``."""
+    from kdlab.models.loading import load_config
+
+    shape, error = None, None
+    try:
+        if HUB_ID.match(spec.path) and not Path(spec.path).exists():  # a hub id: its config from the local cache only
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(spec.path, revision=spec.revision, local_files_only=True)
+            shape = shape_of_config(config, f"config of {spec.path} (local cache)")
+        else:
+            shape = shape_of_config(load_config(spec, role), f"config of {spec.path}")
+    except Exception as exc:  # noqa: BLE001 - unreadable here: the published table may know it
+        error, shape = exc, published_shape(spec.path)
+        shape = shape and replace(shape, source=f"{shape.source} ({role}.path {spec.path!r} not readable here)")
+    if shape is None:
+        raise ValueError(f"{role}.path {spec.path!r}: its config cannot be read here ({type(error).__name__}: {str(error)[:160]}) "
+                         f"and it is none of the published shapes kdlab estimate knows ({', '.join(PUBLISHED)})")
+    if spec.layers is not None:
+        from kdlab.models.pruning import select_layers
+
+        kept = len(select_layers(spec.layers, shape.layers, f"{role}.layers"))
+        shape = replace(shape, layers=kept, source=f"{shape.source}, layers {spec.layers!r}: {kept} kept")
+    return shape
+
+
+@dataclass
+class Setup:
+    """Everything the arithmetic reads, per rank (:func:`setup_from_config` fills it from a config)."""
+
+    student: Shape
+    teacher: Shape | None
+    student_dtype: str = "float32"
+    teacher_dtype: str = "bfloat16"
+    checkpointing: bool = False
+    decoders: tuple[str, ...] = ("teacher",)  # the models kdlab's decoder runs: "student", "teacher"
+    cached_teacher: bool = False  # teacher log-probs from a top-k cache
+    vllm_fraction: float = 0.0  # of the GPU's memory, reserved by a vLLM engine
+    engine: str = ""  # the model a vLLM engine samples: "student" or "teacher"
+    objective: str = "ForwardKL"
+    chunk_size: int = 256
+    batch_size: int = 1
+    accumulate: int = 1
+    decode_group: int = 1
+    prompt_tokens: int = 2048
+    completion_tokens: int = 512
+    val_prompts: int = 8
+    mixed: bool = False  # 16-bit autocast (bf16-mixed / 16-mixed)
+    strategy: str = "single"  # single, ddp, fsdp2, fsdp1
+    world: int = 1
+    shard: int = 1  # data-parallel size the sharded models are split over
+    teacher_sharded: bool = False
+    student_fused: bool = True
+    teacher_fused: bool = True
+    gpu: bool = True
+    gpu_memory: int = 80 * GiB
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Term:
+    key: str
+    phase: str  # one of PHASES, or "training" (alive in all three training phases)
+    bytes: float
+    formula: str
+
+
+PHASES = ("persistent", "decode", "training: teacher forward", "training: objective", "training: backward", "optimiser step",
+          "validation", "reserved")
+PEAKS = PHASES[1:-1]  # one after another within a step: the total takes the largest
+
+
+@dataclass
+class Estimate:
+    setup: Setup
+    terms: list[Term]
+    work: dict[str, float]
+
+    @staticmethod
+    def alive(term: Term, phase: str) -> bool:
+        return term.phase == phase or (term.phase == "training" and phase.startswith("training:"))
+
+    def phase(self, name: str) -> float:
+        """Bytes alive in phase ``name`` (beyond the persistent ones)."""
+        return sum(term.bytes for term in self.terms if self.alive(term, name))
+
+    @property
+    def peak_phase(self) -> str:
+        return max(PEAKS, key=self.phase)
+
+    @property
+    def total(self) -> float:
+        return self.phase("persistent") + self.phase(self.peak_phase) + self.phase("reserved")
+
+    @property
+    def largest(self) -> Term:
+        """The largest of the terms the total adds (persistent, the largest phase's, reserved)."""
+        return max((t for t in self.terms if any(self.alive(t, p) for p in ("persistent", self.peak_phase, "reserved"))), key=lambda t: t.bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.setup.gpu_memory
+
+
+def layer_bytes(shape: Shape, mixed: bool, length: int) -> int:
+    """Bytes per token one decoder layer saves for backward, measured with ``saved_tensors_hooks`` on
+    Llama/Qwen2 layers: fp32 ``32h + 8kv + 16I`` (both RMSNorms' input and output, q, k, v, the attention
+    output, the MLP's gate, up, activation and product), 16-bit autocast ``32h + 4kv + 8I``; plus the
+    attention mask SDPA saves per layer as a float bias, ``T`` values per token."""
+    h, kv, inter = shape.hidden, shape.kv_dim, shape.intermediate
+    return (32 * h + 4 * kv + 8 * inter + 2 * length) if mixed else (32 * h + 8 * kv + 16 * inter + 4 * length)
+
+
+def student_training_terms(setup: Setup, tokens: int, residual: int) -> list[Term]:
+    """The student's activations for one micro-batch, alive through all of training: without checkpointing
+    every layer's :func:`layer_bytes` (the backward frees them layer by layer as it makes the gradients); with
+    activation checkpointing each layer's input (``h x residual bytes``), and in the backward one layer
+    recomputed at a time. Outside the layers: ``16h`` bytes per token and the boolean ``B x T^2`` mask."""
+    s, length = setup.student, setup.prompt_tokens + setup.completion_tokens
+    per_layer = layer_bytes(s, setup.mixed, length)
+    outside = 16 * s.hidden * tokens + setup.batch_size * length**2
+    if not setup.checkpointing:  # the backward frees each layer's activations as it makes its gradients
+        return [Term("activations", "training", s.layers * per_layer * tokens + outside,
+                     f"{tokens} tokens x ({s.layers} layers x {per_layer} B + {16 * s.hidden} B outside the layers) + mask")]
+    return [Term("activations", "training", (s.layers + 1) * s.hidden * residual * tokens + outside,
+                 f"{tokens} tokens x (({s.layers} + 1) checkpointed layer inputs x {s.hidden} x {residual} B + {16 * s.hidden} B outside the layers) + mask"),
+            Term("recomputed layer", "training: backward", per_layer * tokens, f"{tokens} tokens x {per_layer} B: one layer's activations at a time")]
+
+
+def objective_workspace(setup: Setup, rows: int, tokens: int) -> tuple[float, str]:
+    """The objective's buffers for a micro-batch of ``rows`` completion positions (:mod:`kdlab.objectives.kernels`).
+    With ``c = min(chunk_size, rows)`` and ``k`` rows per block (the chunk on a GPU, ``2^18 / V`` on the CPU):
+    every block has ``p_s``, ``p_t`` and ``scratch`` ``(k, V)`` fp32 and upcast copies of 16-bit rows; a fused
+    head holds the model's ``(c, V)`` logits chunk in its hidden dtype (the student's also its fp32 chunk
+    gradient and the fp32 ``(V, H)`` head gradient; the teacher its final hidden states); the logits path holds
+    the model's whole ``(B, C, V)`` logits (the student's gradient takes over their storage). Objectives
+    without a closed form (JSD, sampled KLs) add four ``(c, V)`` fp32 autograd temporaries."""
+    s, t, vocab = setup.student, setup.teacher, setup.student.vocab
+    c = max(1, min(setup.chunk_size, rows))
+    k = setup.chunk_size if setup.gpu else max(1, min(setup.chunk_size, (1 << 18) // vocab))
+    total, parts = 3 * k * vocab * 4, [f"3 x ({k}, {vocab}) fp32 blocks"]
+    if setup.student_fused:
+        size = 2 if (setup.strategy == "fsdp2" and setup.mixed) or BYTES[setup.student_dtype] == 2 else 4
+        total += c * vocab * (size + 4) + vocab * s.hidden * 4 + rows * s.hidden * size + (k * vocab * 4 if size != 4 else 0)
+        parts.append(f"student ({c}, {vocab}) chunk + its fp32 gradient + fp32 ({vocab}, {s.hidden}) head gradient")
+    else:
+        size = 2 if setup.mixed or BYTES[setup.student_dtype] == 2 else 4
+        total += rows * vocab * size + (k * vocab * 4 if size != 4 else 0)
+        parts.append(f"student logits ({rows}, {vocab}) x {size} B")
+    if setup.cached_teacher:
+        total += c * vocab * 4
+        parts.append(f"cached teacher expanded to ({c}, {vocab})")
+    elif t is not None:
+        size = 2 if setup.mixed or BYTES[setup.teacher_dtype] == 2 else 4
+        held = (c * vocab + tokens * t.hidden if setup.teacher_fused else rows * vocab) * size
+        total += held + (k * vocab * 4 if size != 4 else 0)
+        parts.append(f"teacher ({c}, {vocab}) chunk + its final hidden states" if setup.teacher_fused else f"teacher logits ({rows}, {vocab}) x {size} B")
+    if setup.objective not in CLOSED_FORM:
+        total += 4 * c * vocab * 4
+        parts.append(f"{setup.objective}: 4 x ({c}, {vocab}) fp32 autograd temporaries")
+    return total, " + ".join(parts)
+
+
+def decode_terms(setup: Setup, prompts: int, phase: str, models: tuple[str, ...]) -> list[Term]:
+    """KV caches and the decode workspace of ``models`` decoding ``prompts`` prompts together: the prefill's
+    largest layer (``prompts x P x (3I + 4h)`` in the compute dtype, with the boolean ``prompts x P^2`` mask
+    and its float copy) or a token step's fp32 ``prompts x V`` log-probs, probabilities and entropies (6 per model)."""
+    terms, length, prefills, steps, completions = [], setup.prompt_tokens + setup.completion_tokens, [], 0.0, 0.0
+    for role in models:
+        shape = setup.student if role == "student" else setup.teacher
+        size = 2 if setup.mixed or BYTES[setup.student_dtype if role == "student" else setup.teacher_dtype] == 2 else 4
+        per_token = 2 * shape.layers * shape.kv_dim * size
+        terms.append(Term(f"KV cache ({role})", phase, prompts * length * per_token,
+                          f"{prompts} prompts x ({setup.prompt_tokens} + {setup.completion_tokens}) tokens x {shape.layers} layers x 2 x {shape.kv_dim} x {size} B"))
+        prefills.append(prompts * setup.prompt_tokens * ((3 * shape.intermediate + 4 * shape.hidden) * size + (1 + size) * setup.prompt_tokens))
+        steps += 6 * prompts * shape.vocab * 4
+        completions += prompts * setup.completion_tokens * per_token  # not yet cached during the prefill
+    return [*terms, Term("decode workspace", phase, max(max(prefills) - completions, steps), "max(prefill: prompts x P x (3I + 4h) x bytes "
+                         "+ mask, less the completions' KV not yet cached; token step: 6 x prompts x V x 4 B per model)")]
+
+
+def estimate(setup: Setup) -> Estimate:
+    """Every term of ``setup``'s per-GPU memory and the work of one optimiser step (module docstring)."""
+    s, t = setup.student, setup.teacher
+    sb, tb = BYTES[setup.student_dtype], BYTES[setup.teacher_dtype]
+    n = setup.shard if setup.strategy in ("fsdp2", "fsdp1") else 1
+    tn = n if setup.teacher_sharded else 1
+    where, twhere = (f" / {n} (sharded)" if n > 1 else ""), (f" / {tn} (sharded)" if tn > 1 else "")
+    billions = f"{s.params / 1e9:.3f}B"
+    terms = [Term("student weights", "persistent", s.params * sb / n, f"{billions} params x {sb} B{where}"),
+             Term("student gradients", "persistent", s.params * sb / n, f"{billions} x {sb} B{where}"),
+             Term("optimiser (AdamW)", "persistent", 2 * s.params * sb / n, f"2 moments x {billions} x {sb} B{where}")]
+    if t is not None:
+        terms.append(Term("teacher weights", "persistent", t.params * tb / tn, f"{t.params / 1e9:.3f}B params x {tb} B{twhere}"))
+    if setup.strategy == "ddp":
+        terms.append(Term("DDP gradient buckets", "persistent", s.params * sb, f"a copy of the gradients: {billions} x {sb} B"))
+    if setup.vllm_fraction:
+        terms.append(Term("vLLM engine", "reserved", setup.vllm_fraction * setup.gpu_memory,
+                          f"gpu_memory_utilization {setup.vllm_fraction} x {setup.gpu_memory / GiB:g} GiB"))
+    gather = 2 if setup.mixed else None
+    sharded = setup.strategy in ("fsdp2", "fsdp1") and n > 1
+    root = t.root_params if sharded and setup.teacher_sharded else 0  # no backward reshards it
+    if root:
+        terms.append(Term("teacher root unit", "persistent", root * (gather or tb), f"FSDP keeps a root gathered after its forward: {root / 1e9:.3f}B x {gather or tb} B"))
+    cast = setup.mixed and sb == 4 and not sharded  # autocast caches bf16 copies of the fp32 student's weights
+    casts = f"bf16 casts of the fp32 student: {billions} x 2 B"
+    if setup.decoders:
+        terms += decode_terms(setup, setup.batch_size * setup.decode_group, "decode", setup.decoders)
+        for role in [role for role in setup.decoders if sharded and (role == "student" or setup.teacher_sharded)]:
+            shape, size = (s, gather or sb) if role == "student" else (t, gather or tb)
+            whole = setup.strategy == "fsdp2"  # FSDP1 gathers unit by unit, at every token
+            terms.append(Term(f"gathered {role}" if whole else f"FSDP gathered units ({role})", "decode",
+                              ((shape.params if whole else shape.root_params + 2 * shape.layer_params) - (root if role == "teacher" else 0)) * size,
+                              f"whole {role} for the decode: {shape.params / 1e9:.3f}B x {size} B" if whole else f"{role} root + 2 layers gathered"))
+        if cast and "student" in setup.decoders:
+            terms.append(Term("autocast weight copies", "decode", s.params * 2, casts))
+    tokens = setup.batch_size * (setup.prompt_tokens + setup.completion_tokens)
+    residual = 2 if (setup.strategy == "fsdp2" and setup.mixed) or sb == 2 else 4
+    terms += student_training_terms(setup, tokens, residual)
+    workspace, formula = objective_workspace(setup, setup.batch_size * setup.completion_tokens, tokens)
+    terms.append(Term("logits / fused workspace", "training: objective", workspace, formula))
+    if setup.student_fused:  # the fused head's gradient reaching the weight (tied: summed with the embedding's own)
+        terms.append(Term("head gradient", "training: backward", (2 if s.tied else 1) * s.vocab * s.hidden * 4, f"{'2 x ' if s.tied else ''}({s.vocab}, {s.hidden}) x 4 B"))
+    if t is not None:
+        size = 2 if setup.mixed or tb == 2 else 4
+        terms.append(Term("teacher forward", "training: teacher forward", tokens * ((t.layers + 1) * t.hidden + 3 * t.intermediate + 4 * t.hidden) * size,
+                          f"no grad: {tokens} tokens x ({t.layers + 1} hidden states x {t.hidden} + one layer's 3I + 4h) x {size} B"))
+    if sharded:
+        units = (s.root_params + 2 * s.layer_params) * (gather or sb) + 2 * s.layer_params * 4
+        formula = "student root + 2 layers gathered, 2 layers' fp32 gradients before reduce-scatter"
+        if setup.teacher_sharded:
+            units, formula = units + (t.root_params - root + 2 * t.layer_params) * (gather or tb), formula + f"; teacher {'' if root else 'root + '}2 layers"
+        terms.append(Term("FSDP gathered units", "training", units, formula))
+    if cast:
+        terms.append(Term("autocast weight copies", "training", s.params * 2, casts + ", kept for backward"))
+    step = s.params * sb / n if setup.gpu else 2 * s.largest_tensor * sb
+    terms.append(Term("AdamW step temporaries", "optimiser step", step, "foreach: one copy of the local weights" if setup.gpu else "two copies of the largest tensor"))
+    terms += decode_terms(setup, setup.val_prompts, "validation", ("student",))  # kdlab's decoder, also beside vLLM
+    if cast:
+        terms.append(Term("autocast weight copies", "validation", s.params * 2, casts))
+    elif sharded:
+        terms.append(Term("FSDP gathered units", "validation", (s.root_params + 2 * s.layer_params) * (gather or sb), "student root + 2 layers"))
+    return Estimate(setup, terms, step_work(setup))
+
+
+def step_work(setup: Setup) -> dict[str, float]:
+    """Per rank and optimiser step: prompts, decodes, decode forwards (``completion tokens x decodes`` for
+    each decoding model), decoded and trained tokens, and FLOPs (``6 x params x tokens`` for the student,
+    8 with activation checkpointing's recompute, ``2 x params x tokens`` for the teacher's forward and for
+    every decoding model over ``prompt + completion`` tokens)."""
+    s, t = setup.student, setup.teacher
+    prompts = setup.batch_size * setup.accumulate
+    decodes = setup.accumulate // max(setup.decode_group, 1)
+    models = setup.decoders or ((setup.engine,) if setup.engine else ())
+    tokens = prompts * (setup.prompt_tokens + setup.completion_tokens)
+    decoding = sum(t.params if role == "teacher" and t is not None else s.params for role in models)
+    flops = (8 if setup.checkpointing else 6) * s.params * tokens + (2 * t.params * tokens if t is not None else 0) + 2 * decoding * tokens
+    return {"prompts": prompts, "decodes": decodes if models else 0, "decode_forwards": decodes * setup.completion_tokens * len(models),
+            "decoded_tokens": prompts * setup.completion_tokens if models else 0, "trained_tokens": tokens, "flops": flops, "ranks": setup.world}
+
+
+def _name(value: Any) -> tuple[str, dict[str, Any]]:
+    """``(class name, init_args)`` of a config value: a ``class_path`` dict, a plain string, or ``None``."""
+    if isinstance(value, dict):
+        return str(value.get("class_path", "")).rsplit(".", 1)[-1], dict(value.get("init_args") or {})
+    return ("" if value is None else str(value)), {}
+
+
+def _spec(value: Any) -> Any:
+    from dataclasses import fields
+
+    from kdlab.models.loading import ModelSpec
+
+    if value is None or isinstance(value, str):
+        return None if value is None else ModelSpec(value)
+    return ModelSpec(**{key: item for key, item in dict(value).items() if key in {f.name for f in fields(ModelSpec)}})
+
+
+def setup_from_config(config: dict[str, Any], gpus: int | None = None, gpu_memory_gib: float | None = None) -> Setup:
+    """A :class:`Setup` from what ``kdlab fit`` parsed (its namespace as a dict: ``trainer``, ``model``), on
+    ``gpus`` GPUs (default: ``trainer.devices x trainer.num_nodes``) of ``gpu_memory_gib`` (default 80)."""
+    notes: list[str] = []
+    model, trainer = dict(config.get("model") or {}), dict(config.get("trainer") or {})
+    if "class_path" in model:
+        if not str(model["class_path"]).endswith("DistillModule"):
+            raise ValueError(f"model.class_path {model['class_path']!r}: kdlab estimate models DistillModule configs only")
+        model = dict(model.get("init_args") or {})
+    student, teacher = _spec(model.get("student")), _spec(model.get("teacher"))
+    if student is None:
+        raise ValueError("model.student: missing")
+    devices, nodes = trainer.get("devices", "auto"), int(trainer.get("num_nodes") or 1)
+    devices = len(devices) if isinstance(devices, (list, tuple)) else int(devices) if str(devices).lstrip("-").isdigit() else devices
+    if not isinstance(devices, int) or devices < 1:
+        notes.append(f"trainer.devices {devices!r}: 1 GPU per node assumed (pass --gpus)")
+        devices = 1
+    world = gpus or devices * nodes
+    strategy, options = _name(trainer.get("strategy"))
+    kind = {"ModelParallelStrategy": "fsdp2", "FSDPStrategy": "fsdp1", "fsdp": "fsdp1", "DDPStrategy": "ddp"}.get(strategy)
+    kind = kind or ("ddp" if strategy.startswith("ddp") or world > 1 else "single")
+    shard = options.get("data_parallel_size") if kind == "fsdp2" else None
+    shard = shard if isinstance(shard, int) else world
+    precision = str(trainer.get("precision") or "32-true")
+    dtypes = {"student": student.dtype, "teacher": teacher.dtype if teacher is not None else "bfloat16"}
+    if precision in ("bf16-true", "16-true"):
+        dtypes = dict.fromkeys(dtypes, "bfloat16" if precision.startswith("bf16") else "float16")
+        notes.append(f"trainer.precision {precision}: both models held in 16 bits")
+    accumulate = int(trainer.get("accumulate_grad_batches") or 1)
+    group = model.get("rollout_micro_batches") or accumulate
+    rollout, rollout_args = _name(model.get("rollout") or "TeacherRollouts")
+    lam = float(rollout_args.get("lam", 0.0))
+    decoding = {"TeacherRollouts": () if rollout_args.get("dataset") else ("teacher",), "StudentRollouts": ("student",),
+                "TeacherDatasetRollouts": (), "CachedTeacherRollouts": (), "VLLMRollouts": (),
+                "MixtureRollouts": {1.0: ("student",), -1.0: ("teacher",)}.get(lam, ("student", "teacher"))}
+    if rollout not in decoding:
+        notes.append(f"rollout {rollout!r}: counted as decoding both models")
+    decoders = decoding.get(rollout, ("student", "teacher"))
+    objective, objective_args = _name(model.get("objective") or "ForwardKL")
+    fused = model.get("fused_lm_head")
+    accelerator = _name(trainer.get("accelerator") or "auto")[0].lower()
+    setup = Setup(
+        student=model_shape(student, "student"), teacher=model_shape(teacher, "teacher") if teacher is not None else None,
+        student_dtype=dtypes["student"], teacher_dtype=dtypes["teacher"], checkpointing=bool(student.gradient_checkpointing),
+        decoders=decoders, cached_teacher=rollout == "CachedTeacherRollouts" or bool(rollout_args.get("teacher_cache")),
+        objective=objective, chunk_size=int(objective_args.get("chunk_size") or 256), batch_size=int(model.get("batch_size") or 1),
+        accumulate=accumulate, decode_group=int(group), prompt_tokens=int(model.get("max_prompt_tokens") or 2048),
+        completion_tokens=int(model.get("max_completion_tokens") or 512),
+        val_prompts=int(model.get("val_batch_size") or 8) * int(model.get("eval_samples") or 1),
+        mixed=precision in ("bf16-mixed", "16-mixed", "bf16", "16"), strategy=kind, world=world, shard=shard,
+        teacher_sharded=kind in ("fsdp2", "fsdp1") and model.get("teacher_placement") == "shard" and teacher is not None,
+        student_fused=fused is not False and kind != "fsdp1", teacher_fused=fused is not False and kind != "fsdp1",
+        gpu=accelerator not in ("cpu",), gpu_memory=int((gpu_memory_gib or 80) * GiB), notes=notes,
+    )
+    if rollout == "VLLMRollouts":
+        setup.vllm_fraction, setup.engine = _vllm_fraction(setup, rollout_args), str(rollout_args.get("model") or "student")
+    return setup
+
+
+def _vllm_fraction(setup: Setup, args: dict[str, Any]) -> float:
+    """``gpu_memory_utilization`` as set, else what :func:`~kdlab.rollouts.vllm.engine_memory_fraction` sizes."""
+    if args.get("gpu_memory_utilization") is not None:
+        return float(args["gpu_memory_utilization"])
+    from types import SimpleNamespace
+
+    from kdlab.rollouts.vllm import engine_memory_fraction
+
+    shape = setup.teacher if args.get("model") == "teacher" and setup.teacher is not None else setup.student
+    config = SimpleNamespace(hidden_size=shape.hidden, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                             head_dim=shape.head_dim, intermediate_size=shape.intermediate, tie_word_embeddings=shape.tied,
+                             vocab_size=shape.vocab, num_hidden_layers=shape.layers, max_position_embeddings=shape.context)
+    prompts = setup.batch_size * setup.decode_group
+    return engine_memory_fraction(config, str(args.get("dtype") or "bfloat16"), prompts, setup.prompt_tokens + setup.completion_tokens,
+                                  setup.gpu_memory, args.get("max_model_len"))
+
+
+def warn_if_it_cannot_fit(config: Any) -> Estimate | None:
+    """Before ``kdlab fit`` loads weights: on a GPU run (``trainer.accelerator`` gpu/cuda, or auto with CUDA)
+    of a DistillModule, estimate it on the configured device count and this machine's GPU memory (80 GiB
+    without CUDA) and warn (``UserWarning``) when it does not fit, naming the largest term. Never raises: an
+    estimate that cannot be made says nothing."""
+    import warnings
+
+    try:
+        import torch
+
+        config = config.as_dict() if hasattr(config, "as_dict") else dict(config)
+        accelerator = _name((config.get("trainer") or {}).get("accelerator") or "auto")[0].lower()
+        cuda = torch.cuda.is_available()
+        if accelerator not in ("gpu", "cuda") and not (accelerator == "auto" and cuda):
+            return None
+        memory = torch.cuda.get_device_properties(0).total_memory / GiB if cuda else None
+        result = estimate(setup_from_config(config, gpu_memory_gib=memory))
+    except Exception:  # noqa: BLE001 - the estimate is advice; the fit reports real problems itself
+        return None
+    if not result.fits:
+        largest = result.largest
+        warnings.warn(
+            f"kdlab estimate: this run needs about {result.total / GiB:.2f} GiB per GPU, more than "
+            f"{f'this GPU has ({memory:.1f} GiB)' if memory else 'an 80 GiB GPU has (no CUDA device here to ask)'}; "
+            f"the largest term is {largest.key} ({largest.bytes / GiB:.2f} GiB: {largest.formula}). "
+            "`kdlab estimate` with the same arguments prints every term.", UserWarning, stacklevel=2)
+    return result

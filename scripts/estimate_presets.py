@@ -1,0 +1,94 @@
+"""Write ``kdlab estimate``'s figures for every GPU preset into docs/scaling.md, between
+``<!-- estimate:begin -->`` and ``<!-- estimate:end -->``; ``--check`` only compares (exit 1 on a difference).
+
+The presets: each ``experiments/paper/scale/*.yaml`` with the base and cell its first line's command names,
+on its ``trainer.devices`` GPUs; each single-GPU paper base config (``experiments/paper/*/base-*.yaml``, its own
+online ``TeacherRollouts``) on one GPU. A preset's GPU memory is the first ``<N> GB`` its header comment names
+(``8 GPUs of 80 GB``, ``e.g. 40 GB``), else 80, read as GiB. ``tests/test_estimate.py`` checks the page is
+this script's output.
+
+    python scripts/estimate_presets.py           # rewrite the section
+    python scripts/estimate_presets.py --check   # exit 1 if the page differs
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "scaling.md"
+BEGIN, END = "<!-- estimate:begin -->", "<!-- estimate:end -->"
+
+
+def header(path: Path) -> list[str]:
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("# ").rstrip())
+    return lines
+
+
+def gpu_memory_gib(path: Path) -> float:
+    """The first ``<N> GB`` of the preset's header comment, else 80."""
+    match = re.search(r"(\d+(?:\.\d+)?) GB\b", " ".join(header(path)[1:]))
+    return float(match.group(1)) if match else 80.0
+
+
+def presets() -> list[tuple[str, list[str], float]]:
+    """``(name, kdlab fit arguments, GPU memory in GiB)`` of every preset, in a fixed order."""
+    found = []
+    for path in sorted((ROOT / "experiments" / "paper" / "scale").glob("*.yaml")):
+        command = header(path)[0].split()
+        if command[:2] != ["kdlab", "fit"]:
+            raise SystemExit(f"{path}: its first line is not the kdlab fit command it overlays")
+        found.append((str(path.relative_to(ROOT)), command[2:], gpu_memory_gib(path)))
+    for path in sorted((ROOT / "experiments" / "paper").glob("*/base-*.yaml")):
+        name = str(path.relative_to(ROOT))
+        found.append((name, ["--config", name], gpu_memory_gib(path)))
+    return found
+
+
+def section() -> str:
+    """The generated Markdown: a summary table, then each preset's terms and arithmetic."""
+    import os
+
+    from kdlab.cli.estimate import render, run_estimate
+    from kdlab.study.estimate import GiB
+
+    os.chdir(ROOT)  # the commands' paths are relative to the repository
+    results = [(name, args, run_estimate([*args, "--gpu_memory_gib", f"{memory:g}"])) for name, args, memory in presets()]
+    lines = [BEGIN, "", "| preset | GPUs | strategy | peak phase | total GiB per GPU | largest term | fits |", "| --- | --- | --- | --- | ---: | --- | --- |"]
+    for name, _, result in results:
+        setup = result.setup
+        lines.append(f"| `{name}` | {setup.world} x {setup.gpu_memory / GiB:g} GiB | {setup.strategy} | {result.peak_phase} | "
+                     f"{result.total / GiB:.2f} | {result.largest.key} | {'yes' if result.fits else '**no**'} |")
+    for name, args, result in results:
+        lines += ["", render(result, title=f"`{name}`").replace("### ", "#### ", 1),
+                  "", f"`kdlab estimate {' '.join(args)}{'' if result.setup.gpu_memory == 80 * GiB else f' --gpu_memory_gib {result.setup.gpu_memory / GiB:g}'}`"]
+    return "\n".join([*lines, "", END])
+
+
+def main(argv: list[str]) -> int:
+    text = PAGE.read_text(encoding="utf-8")
+    if BEGIN not in text or END not in text:
+        print(f"{PAGE}: no {BEGIN} ... {END} section", file=sys.stderr)
+        return 1
+    before, rest = text.split(BEGIN, 1)
+    after = rest.split(END, 1)[1]
+    new = before + section() + after
+    if "--check" in argv:
+        if new != text:
+            print(f"{PAGE.relative_to(ROOT)} differs from python scripts/estimate_presets.py's output", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(new, encoding="utf-8")
+    print(f"wrote {PAGE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    raise SystemExit(main(sys.argv[1:]))
