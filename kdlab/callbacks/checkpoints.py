@@ -27,6 +27,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 
+from kdlab.errors import ConfigError
+
 
 def checkpoint_directory(trainer: pl.Trainer) -> Path:
     """The ``ModelCheckpoint``'s directory if there is one, else ``<log_dir>/checkpoints``."""
@@ -51,8 +53,6 @@ class FinalCheckpoint(pl.Callback):
         checkpoint = getattr(getattr(trainer, "_checkpoint_connector", None), "_loaded_checkpoint", None)
         if not trainer.ckpt_path or not checkpoint or "optimizer_states" in checkpoint:
             return
-        from kdlab.cli.config_errors import ConfigError
-
         where = Path(trainer.ckpt_path)
         role = getattr(pl_module, "trained_role", "student")
         raise ConfigError(

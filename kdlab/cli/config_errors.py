@@ -17,9 +17,9 @@ import re
 
 import yaml
 
+from kdlab.errors import ConfigError  # its home is the shared layer, so callbacks can raise it too
 
-class ConfigError(ValueError):
-    """A configuration mistake found by kdlab itself; its message already names the key or file."""
+__all__ = ["ConfigError", "nearest", "short_message"]
 
 
 def nearest(name: str, candidates: list[str]) -> str:
