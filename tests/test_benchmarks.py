@@ -105,6 +105,7 @@ def run_benchmark(*args: str, timeout: int = 600) -> subprocess.CompletedProcess
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow  # a subprocess run of the whole benchmark, about 50 s
 def test_real_vocab_step_at_toy_size_writes_what_it_measured(tmp_path):
     """The side-by-side step benchmark runs end to end at toy size: every variant's loss received V
     columns and B x T positions (checked by the script, which exits 1 otherwise), the KL variants agree
@@ -152,6 +153,7 @@ def test_real_vocab_step_flags_a_shrunk_vocabulary_and_disagreeing_losses():
     ("fused_head_memory.py", ["--tokens=256", "--vocab=2000", "--hidden=32"]),
     ("mixture_decoding.py", ["--vocab=1000", "--decode=4"]),
 ])
+@pytest.mark.slow  # subprocess runs of whole benchmarks, about 30 s each
 def test_each_benchmark_runs_at_toy_size_and_writes_json(script, extra, tmp_path):
     import json
 

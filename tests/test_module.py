@@ -397,7 +397,7 @@ def test_fsdp1_wraps_each_decoder_layer_and_each_sharded_model_whole(tiny_pair, 
     module = DistillModule(*tiny_pair, Addition(num_train=4, num_val=0, num_test=0), teacher_placement=placement, batch_size=4, max_completion_tokens=4)
     strategy = FSDPStrategy()
     strategy.parallel_devices = [torch.device("cpu")]
-    module._trainer = SimpleNamespace(strategy=strategy)
+    module._trainer = SimpleNamespace(strategy=strategy, precision="32-true")
     with enable_wrap(wrapper_cls=Wrapped):
         module.configure_model()
     assert isinstance(module.student, Wrapped)
@@ -410,7 +410,7 @@ def test_fsdp1_wraps_each_decoder_layer_and_each_sharded_model_whole(tiny_pair, 
     loss.backward()
     assert torch.isfinite(loss) and all(layer.module.self_attn.q_proj.weight.grad is not None for layer in layers)
     fused = DistillModule(*tiny_pair, Addition(num_train=4, num_val=0, num_test=0), fused_lm_head=True)
-    fused._trainer = SimpleNamespace(strategy=strategy)
+    fused._trainer = SimpleNamespace(strategy=strategy, precision="32-true")
     with pytest.raises(ValueError, match="fused_lm_head reads the LM head's weight directly, which FSDP1"):
         fused.configure_model()
 

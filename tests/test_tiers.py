@@ -53,6 +53,7 @@ def test_the_tiers_hold_what_the_readme_says():
     assert any(name.startswith("test_distributed::") and "resume" in name for name in slow)
     assert "test_hostile_inputs::test_verifiers_never_raise_10k" in slow
     assert any(name.startswith("test_vllm_engine::") for name in slow)
+    assert "test_benchmarks::test_each_benchmark_runs_at_toy_size_and_writes_json" in slow
     assert {name for name in real if name.startswith("test_real_model::")} and not slow & real
 
 
@@ -93,3 +94,14 @@ def test_under_ci_a_skip_fails_unless_it_needs_a_gpu(pytester, monkeypatch, ci):
         result.stdout.fnmatch_lines(["*test_missing_package skipped under CI (needs somepackage)*"])
     else:
         result.assert_outcomes(skipped=2, xfailed=1)
+
+
+def test_the_everyday_command_runs_the_everyday_tier_on_every_core():
+    """README: ``python -m pytest -q`` is the everyday tier (no slow, real or gpu test), on every core
+    through pytest-xdist with at most 4 workers."""
+    import tomllib
+
+    options = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["pytest"]["ini_options"]
+    assert "-m 'not slow and not gpu and not real'" in options["addopts"]
+    assert "-n auto --maxprocesses 4" in options["addopts"]
+    assert {line.split(":")[0] for line in options["markers"]} == {"slow", "real", "gpu"}

@@ -49,7 +49,14 @@ def test_sampling_settings_translate_to_vllm_arguments():
     for temperature in (2.5, 0.005, -1.0):  # vLLM rejects T > 2 and silently raises T < 0.01
         with pytest.raises(ValueError, match=r"temperature 0 or in \[0.01, 2.0\]"):
             sampling_params(temperature, 8, (1,))
+
+
+@pytest.mark.gpu  # vLLM installs and imports only with a CUDA build of torch; scripts/check_vllm_api.py reads its source here
+def test_the_real_vllm_accepts_the_sampling_params_and_has_the_api_kdlab_calls():
+    from kdlab.rollouts.vllm import sampling_params
+
     vllm = pytest.importorskip("vllm")
+    params = sampling_params(temperature=0.5, max_new_tokens=512, stop_token_ids=(7, 9), top_p=0.95, seed=3)
     vllm.SamplingParams(**params)  # the real class accepts every key
     vllm.SamplingParams(**sampling_params(1.0, 8, (1,), stop=("</answer>",), logprobs=False))
     # the rest of the API kdlab calls (an engine itself needs CUDA)
