@@ -72,8 +72,8 @@ class DistillModule(TaskStage):
             prompts per decode on each rank), ``1`` each micro-batch alone, any divisor of
             ``accumulate_grad_batches`` in between (to bound the decode's KV caches). Training still runs
             one micro-batch at a time, each on its own rows with its own padding, so the loss and
-            gradients do not depend on it; the sampled completions do (one random stream per decode, seeded
-            by the first micro-batch's index), except for the first micro-batch of each decode.
+            gradients on given completions do not depend on it; the sampled completions do (one random stream
+            per decode, seeded by its first micro-batch's index; 1 reproduces kdlab 0.1's draws).
         lr: peak learning rate (paper: 1e-5 and 5e-5).
         warmup_steps: optimiser step k (0-based) uses ``lr * min(1, (k + 1) / warmup_steps)``, constant after.
         betas, eps, weight_decay: AdamW settings (paper: (0.9, 0.999), 1e-8, no weight decay).
