@@ -127,3 +127,20 @@ def test_decoding_stops_collectively_only_when_models_are_sharded(tiny_pair):
     assert hook(True) is True and decisions == [True]
     module._trainer = SimpleNamespace(world_size=1, strategy=strategy)
     assert module.all_done_hook() is None
+
+
+def test_one_micro_batch_per_decode_draws_what_each_micro_batch_drew_alone(tiny_pair, tmp_path, monkeypatch):
+    """rollout_micro_batches=1: each micro-batch's sampled completions are make_rollout's for that micro-batch
+    and its own step seed, as before decode groups existed (kdlab 0.1's draws)."""
+    seen = []
+    original = DistillModule.micro_batch_rollout
+
+    def recorded(self, batch, batch_idx):
+        rollout = original(self, batch, batch_idx)
+        again = self.make_rollout(list(batch), self.step_seed("train", batch_idx))
+        seen.append((rollout.completion_ids.clone(), again.completion_ids.clone()))
+        return rollout
+
+    monkeypatch.setattr(DistillModule, "micro_batch_rollout", recorded)
+    run(tiny_pair, tmp_path, StudentRollouts(), steps=1, accumulate=2, rollout_micro_batches=1)
+    assert len(seen) == 2 and all(torch.equal(a, b) for a, b in seen)
