@@ -144,3 +144,34 @@ def test_one_micro_batch_per_decode_draws_what_each_micro_batch_drew_alone(tiny_
     monkeypatch.setattr(DistillModule, "micro_batch_rollout", recorded)
     run(tiny_pair, tmp_path, StudentRollouts(), steps=1, accumulate=2, rollout_micro_batches=1)
     assert len(seen) == 2 and all(torch.equal(a, b) for a, b in seen)
+
+
+def test_fsdp2_models_stay_gathered_through_a_decode_and_get_their_settings_back(tmp_path):
+    """gathered_for_decoding: after the first forward inside the block the layers stay gathered (no
+    all-gather per decoded token); after it every unit is sharded again, and a forward outside the block
+    reshards the layers as fully_shard does, while the root stays gathered (what the fused head reads)."""
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed.tensor import DTensor, init_device_mesh
+
+    from kdlab.stages.sharding import gathered_for_decoding, shard_fsdp2
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        config = transformers.Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1)
+        model = transformers.Qwen2ForCausalLM(config)
+        shard_fsdp2([model], init_device_mesh("cpu", (1,)), "32-true")
+        layer, head = model.model.layers[0].mlp.up_proj, model.lm_head
+        ids = torch.tensor([[1, 2, 3]])
+        with torch.no_grad(), gathered_for_decoding([model]):
+            model(ids)
+            assert not isinstance(layer.weight, DTensor) and not isinstance(head.weight, DTensor)
+            model(ids[:, :1])
+            assert not isinstance(layer.weight, DTensor)
+        assert isinstance(layer.weight, DTensor) and isinstance(head.weight, DTensor)
+        with torch.no_grad():
+            model(ids)
+        assert isinstance(layer.weight, DTensor) and not isinstance(head.weight, DTensor)
+    finally:
+        dist.destroy_process_group()

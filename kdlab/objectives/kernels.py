@@ -242,8 +242,6 @@ def gather_rows(logits: Logits, b: torch.Tensor, t: torch.Tensor, dtype: torch.d
     return logits.rows(b, t, dtype) if isinstance(logits, LazyLogits) else logits[b, t].to(dtype)
 
 
-
-
 TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``(student_logits (n, V) fp32, teacher_logits (n, V) fp32) -> per-token loss (n,)``."""
 
