@@ -72,8 +72,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import write_result  # noqa: E402
 from decode import compare  # noqa: E402
 
-QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, vocab_size=151936)
-QWEN_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)
+from kdlab.study.estimate import PUBLISHED  # noqa: E402  (the paper models' published config numbers)
+
+
+def qwen2_shape(name: str) -> dict[str, int]:
+    """``Qwen2Config`` sizes of one of :data:`kdlab.study.estimate.PUBLISHED`'s models (random weights)."""
+    shape = PUBLISHED[name]
+    return dict(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+                num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab)
+
+
+QWEN_1_5B = qwen2_shape("Qwen/Qwen2.5-1.5B-Instruct")
+QWEN_7B = qwen2_shape("Qwen/Qwen2.5-7B-Instruct")
 VOCAB = 151665  # the shared tokenizer's size: logits beyond it are dropped, as kdlab does
 TOY_STUDENT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=1000)
 TOY_TEACHER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=1024)
