@@ -67,6 +67,11 @@ class Rollout:
     teacher_logprobs: Any = None
     """The teacher's tempered log-probs ``(B, C, V)`` when read from a cache (then no teacher forward
     runs): a :class:`~kdlab.rollouts.teacher_cache.TopKLogprobs`, which objectives expand chunk by chunk."""
+    teacher_completion_ids: torch.Tensor | None = None
+    teacher_completion_mask: torch.Tensor | None = None
+    """Across tokenizers (``DistillModule(cross_tokenizer=...)``): the same completions in the teacher's
+    tokens, ``(B, C_T)`` right-padded, re-tokenised from the text (``completion_ids`` are the student's).
+    ``None`` when both models share one vocabulary."""
 
     def split(self, sizes: Sequence[int]) -> list[Rollout]:
         """Consecutive row groups of ``sizes`` (summing to ``B``), each with its prompts' left padding and
@@ -83,21 +88,36 @@ class Rollout:
             mask = self.completion_mask[index]
             width = int(mask.any(0).nonzero().max()) + 1 if bool(mask.any()) else 0
             select = lambda tensor: None if tensor is None else tensor[index][:, :width]  # noqa: E731
+            teacher_ids = teacher_mask = None
+            teacher_width = width
+            if self.teacher_completion_ids is not None:
+                teacher_mask = self.teacher_completion_mask[index]
+                teacher_width = int(teacher_mask.any(0).nonzero().max()) + 1 if bool(teacher_mask.any()) else 0
+                teacher_ids, teacher_mask = self.teacher_completion_ids[index][:, :teacher_width], teacher_mask[:, :teacher_width]
             teacher = self.teacher_logprobs
             if teacher is not None:
-                teacher = teacher.select(rows, width) if hasattr(teacher, "select") else teacher[index][:, :width]
+                teacher = teacher.select(rows, teacher_width) if hasattr(teacher, "select") else teacher[index][:, :teacher_width]
             parts.append(Rollout(
                 self.prompts.select(rows), self.completion_ids[index][:, :width], mask[:, :width],
                 select(self.sampling_entropy), select(self.behaviour_logprobs), self.importance_cap, teacher,
+                teacher_ids, teacher_mask,
             ))
         return parts
+
+    def completion(self, model: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, mask)`` of the completions in ``model``'s tokens: the teacher's own when the tokenizers
+        differ, else the shared ``completion_ids`` / ``completion_mask``."""
+        if model == "teacher" and self.teacher_completion_ids is not None:
+            return self.teacher_completion_ids, self.teacher_completion_mask
+        return self.completion_ids, self.completion_mask
 
     def model_inputs(self, model: str) -> dict[str, torch.Tensor]:
         """``input_ids``, ``attention_mask`` and ``position_ids`` ``(B, P + C)`` for ``"student"`` or ``"teacher"``."""
         ids = getattr(self.prompts, f"{model}_ids")
         mask = getattr(self.prompts, f"{model}_mask")
-        input_ids = torch.cat([ids, self.completion_ids.to(ids.device)], dim=1)
-        attention_mask = torch.cat([mask, self.completion_mask.to(mask.device, mask.dtype)], dim=1)
+        completion, completion_mask = self.completion("teacher" if model == "teacher" else "student")
+        input_ids = torch.cat([ids, completion.to(ids.device)], dim=1)
+        attention_mask = torch.cat([mask, completion_mask.to(mask.device, mask.dtype)], dim=1)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids(attention_mask)}
 
 

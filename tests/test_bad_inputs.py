@@ -88,6 +88,8 @@ CLI_CASES = {
     "42": (FIT + DATASET + ["--model.rollout.dataset={tmp}/other-task.jsonl"], "TeacherDatasetRollouts.dataset='"),
     "43": (RLVR + [CALLBACK + "kdlab.callbacks.HeldOutKL"], "HeldOutKL compares a student with its teacher and needs a DistillModule"),
     "44": (FIT + ["--model.task.answer_from=number"], "Addition.answer_from must be one of"),
+    "46": (FIT + MIXTURE + ["--model.student.path=kdlab://tiny/student", "--model.cross_tokenizer=kdlab.objectives.CrossTokenizer"],
+           "DistillModule.rollout: MixtureRollouts mixes the two models' next-token distributions"),
 }
 NOT_CLI = {  # rows whose input is not a configuration a command line can give, with where they are tested
     "11": "a corrupted weight file: tested by loading a damaged copy (test_models.py)",

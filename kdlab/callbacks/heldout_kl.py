@@ -64,8 +64,6 @@ class HeldOutKL(PeriodicCallback):
     @torch.no_grad()
     def kl(self, pl_module: pl.LightningModule) -> tuple[float, float]:
         """(forward, reverse) KL in nats per completion token over the held-out completions."""
-        from kdlab.objectives.kl import kl_diagnostics
-
         totals, tokens = torch.zeros(2, dtype=torch.float64), 0
         was_training = pl_module.student.training
         pl_module.student.eval()
@@ -75,8 +73,7 @@ class HeldOutKL(PeriodicCallback):
                 count = int(mask.sum())
                 if count == 0:
                     continue
-                student, teacher = pl_module.distillation_logits(rollout)
-                values = kl_diagnostics(student, teacher, mask, "token", pl_module.objective.chunk_size)
+                values = pl_module.divergences(rollout, "token")
                 totals += torch.stack([values["kl_forward"], values["kl_reverse"]]).double().cpu() * count
                 tokens += count
         finally:

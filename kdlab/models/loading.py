@@ -113,8 +113,13 @@ class ModelSpec:
 def _rebuild_hint(spec: ModelSpec) -> str:
     if not spec.path.startswith(PACKAGE_SCHEME):
         return ""
-    which = spec.path[len(PACKAGE_SCHEME) :].split("/")[0]
-    command = "python -m kdlab.tiny random" if which == "tiny-random" else "python -m kdlab.tiny world"
+    which, _, model = spec.path[len(PACKAGE_SCHEME) :].partition("/")
+    if which == "tiny-random":
+        command = "python -m kdlab.tiny random"
+    elif which == "tiny" and model.strip("/") in ("teacher-4e", "teacher-xtok"):
+        command = f"python -m kdlab.tiny {model.strip('/')}"
+    else:
+        command = "python -m kdlab.tiny world"
     return f" (rebuild the packaged models with `{command}`)"
 
 
@@ -273,7 +278,8 @@ def shared_vocab_size(student_tokenizer: Any, teacher_tokenizer: Any, student: A
             "student and teacher tokenizers differ (student.path="
             f"{student_tokenizer.name_or_path!r}, teacher.path={teacher_tokenizer.name_or_path!r}; "
             f"{len(student_vocab)} vs {len(teacher_vocab)} tokens; e.g. student-only {only_student}, "
-            f"teacher-only {only_teacher}). Token-level KL needs one shared vocabulary."
+            f"teacher-only {only_teacher}). Token-level KL over one vocabulary needs the same tokenizer; to distil across "
+            "tokenizers set DistillModule.cross_tokenizer (YAML: `cross_tokenizer: {uld_weight: 0.0}`, see docs/cross_tokenizer.md)"
         )
     vocab_size = len(student_tokenizer)
     for role, model in (("student", student), ("teacher", teacher)):

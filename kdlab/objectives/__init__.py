@@ -3,10 +3,12 @@
 * :mod:`kdlab.objectives.kl`: the objectives a config chooses (``ForwardKL``, ``ReverseKL``,
   ``SampledForwardKL``, ...), their per-token maths and diagnostics;
 * :mod:`kdlab.objectives.kernels`: the chunked, fused-head KL kernels they share;
+* :mod:`kdlab.objectives.aligned`: the same objectives across tokenizers (``CrossTokenizer``);
 * :mod:`kdlab.objectives.logits`: the student's and teacher's completion logits (full or lazy head);
 * :mod:`kdlab.objectives.logprobs`: chunked token log-probabilities (GRPO's policy term).
 """
 
+from kdlab.objectives.aligned import CrossTokenizer
 from kdlab.objectives.kernels import HeadLogits, LazyLogits, Logits
 from kdlab.objectives.kl import (
     ForwardKL,
@@ -18,7 +20,7 @@ from kdlab.objectives.kl import (
     TotalVariation,
 )
 
-__all__ = ["KLObjective", "ForwardKL", "ReverseKL", "GeneralizedJSD", "TotalVariation", "SampledForwardKL", "SampledReverseKL", "HeadLogits", "LazyLogits", "Logits"]
+__all__ = ["KLObjective", "ForwardKL", "ReverseKL", "GeneralizedJSD", "TotalVariation", "SampledForwardKL", "SampledReverseKL", "CrossTokenizer", "HeadLogits", "LazyLogits", "Logits"]
 
 
 def __getattr__(name: str):

@@ -35,6 +35,28 @@ from kdlab.rollouts.decoding import (
 
 
 @dataclass
+class TeacherTokens:
+    """The teacher's side of a run whose models use different tokenizers (``DistillModule(cross_tokenizer=...)``):
+    its tokenizer, logit columns, end tokens and stop-string check. The context's own ``tokenizer``,
+    ``token_columns`` and ``eos_token_ids`` are then the student's."""
+
+    tokenizer: Any
+    token_columns: int
+    eos_token_ids: tuple[int, ...]
+    stop: StopCheck | None = None
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.eos_token_ids[0])
+
+
+def _text_tokens(tokenizer: Any, text: str, end: int | None) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids + [end] if end is not None else ids
+
+
+@dataclass
 class RolloutContext:
     """What a policy may use to write completions for one batch."""
 
@@ -62,31 +84,70 @@ class RolloutContext:
     top_p: float = 1.0
     """Nucleus sampling: each token is drawn from the policy's distribution restricted to its top-p set
     (:func:`kdlab.rollouts.decoding.top_p_logprobs`); 1 samples from the whole distribution (distillation)."""
+    teacher_tokens: TeacherTokens | None = None
+    """The teacher's tokenizer when it is not the student's (``None``: one shared vocabulary)."""
 
     def decoder(self, model: str, prompts: PromptBatch) -> IncrementalLM:
-        """An incremental decoder for ``"student"`` or ``"teacher"`` at that model's temperature."""
+        """An incremental decoder for ``"student"`` or ``"teacher"`` at that model's temperature, over that
+        model's own token columns."""
         ids = getattr(prompts, f"{model}_ids")
         mask = getattr(prompts, f"{model}_mask")
-        return IncrementalLM(
-            getattr(self, model), ids, mask, self.token_columns, getattr(self, f"{model}_temperature")
-        )
+        columns = self.teacher_tokens.token_columns if model == "teacher" and self.teacher_tokens is not None else self.token_columns
+        return IncrementalLM(getattr(self, model), ids, mask, columns, getattr(self, f"{model}_temperature"))
 
-    def sample(self, next_logprobs: NextLogprobs, prompts: PromptBatch) -> Rollout:
+    def sample(self, next_logprobs: NextLogprobs, prompts: PromptBatch, writer: str = "student") -> Rollout:
+        """Completions drawn token by token from ``next_logprobs``, in ``writer``'s tokens (``"student"`` or
+        ``"teacher"``: only matters across tokenizers, where the text is then re-tokenised for the other model)."""
         if self.top_p < 1.0:
             policy, top_p = next_logprobs, self.top_p
             next_logprobs = lambda previous: top_p_logprobs(policy(previous), top_p)  # noqa: E731
+        teacher_writes = writer == "teacher" and self.teacher_tokens is not None
         ids, mask, entropy = sample_tokens(
             next_logprobs,
             batch_size=len(prompts),
             max_new_tokens=self.max_new_tokens,
-            eos_token_ids=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
+            eos_token_ids=self.teacher_tokens.eos_token_ids if teacher_writes else self.eos_token_ids,
+            pad_token_id=self.teacher_tokens.pad_token_id if teacher_writes else self.pad_token_id,
             generator=self.generator,
             device=prompts.student_ids.device,
             all_done=self.all_done,
-            stop=self.stop,
+            stop=self.teacher_tokens.stop if teacher_writes else self.stop,
         )
-        return Rollout(prompts, ids, mask, entropy)
+        if self.teacher_tokens is None:
+            return Rollout(prompts, ids, mask, entropy)
+        return self.retokenized(prompts, ids, mask, writer, entropy)
+
+    def retokenized(self, prompts: PromptBatch, ids: torch.Tensor, mask: torch.Tensor, writer: str,
+                    entropy: torch.Tensor | None = None) -> Rollout:
+        """Across tokenizers: the rollout of completions ``ids``/``mask`` ``(B, C)`` written in ``writer``'s tokens,
+        with both models' tokens. The writer's tokens are kept as written (when their bytes are valid UTF-8;
+        else both sides are re-tokenised from the decoded text); the other model's are its tokenizer's
+        encoding of the same text, followed by its end token when the writer ended. ``sampling_entropy``
+        is kept when the student wrote (it is per student token), dropped otherwise."""
+        from kdlab.alignment import token_bytes
+
+        other = self.teacher_tokens
+        assert other is not None
+        tokenizers = {"student": self.tokenizer, "teacher": other.tokenizer}
+        ends = {"student": self.eos_token_ids, "teacher": other.eos_token_ids}
+        reader = "teacher" if writer == "student" else "student"
+        rows: dict[str, list[list[int]]] = {"student": [], "teacher": []}
+        for row_ids, row_mask in zip(ids.tolist(), mask.tolist()):
+            tokens = [token for token, keep in zip(row_ids, row_mask) if keep]
+            ended = bool(tokens) and tokens[-1] in ends[writer]
+            body = tokens[:-1] if ended else tokens
+            raw = b"".join(token_bytes(tokenizers[writer], body))
+            text = raw.decode("utf-8", errors="replace")
+            if text.encode("utf-8") != raw:  # a completion cut inside a multi-byte character
+                body = tokenizers[writer](text, add_special_tokens=False)["input_ids"]
+            rows[writer].append(body + ([tokens[-1]] if ended else []))
+            rows[reader].append(_text_tokens(tokenizers[reader], text, ends[reader][0] if ended else None))
+        device = ids.device
+        student_ids, student_mask = right_pad(rows["student"], self.pad_token_id)
+        teacher_ids, teacher_mask = right_pad(rows["teacher"], other.pad_token_id)
+        keep_entropy = entropy if writer == "student" and student_ids.shape == ids.shape and torch.equal(student_ids.to(device)[student_mask.to(device)], ids[mask]) else None
+        return Rollout(prompts, student_ids.to(device), student_mask.to(device), keep_entropy,
+                       teacher_completion_ids=teacher_ids.to(device), teacher_completion_mask=teacher_mask.to(device))
 
 
 class RolloutPolicy(Component):
@@ -154,7 +215,7 @@ class TeacherRollouts(RolloutPolicy):
         return teacher_logprobs
 
     def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
-        return context.sample(context.decoder("teacher", prompts), prompts)
+        return context.sample(context.decoder("teacher", prompts), prompts, writer="teacher")
 
 
 def _legacy_class(dataset: str | None, teacher_cache: str | None) -> type[TeacherRollouts]:
@@ -203,24 +264,31 @@ class TeacherDatasetRollouts(TeacherRollouts):
         return example["id"] in self._completions
 
     def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
+        device = prompts.student_ids.device
+        if context.teacher_tokens is not None:  # across tokenizers: the teacher's tokens of the same text
+            rows = self.completion_tokens(prompts, context, "teacher")
+            ids, mask = right_pad(rows, context.teacher_tokens.pad_token_id)
+            rollout = context.retokenized(prompts, ids.to(device), mask.to(device), "teacher")
+            rollout.teacher_logprobs = self.teacher_logprobs(prompts, rows, ids.shape[1], context)
+            return rollout
         rows = self.completion_tokens(prompts, context)
         ids, mask = right_pad(rows, context.pad_token_id)
-        device = prompts.student_ids.device
         teacher_logprobs = self.teacher_logprobs(prompts, rows, ids.shape[1], context)
         return Rollout(prompts, ids.to(device), mask.to(device), None, teacher_logprobs=teacher_logprobs)
 
-    def completion_tokens(self, prompts: PromptBatch, context: RolloutContext) -> list[list[int]]:
-        """Each example's completion tokens, end token included when the response ended, cut to
-        ``max_new_tokens``."""
+    def completion_tokens(self, prompts: PromptBatch, context: RolloutContext, model: str = "student") -> list[list[int]]:
+        """Each example's completion tokens in ``model``'s tokenizer (the student's, or across tokenizers the
+        teacher's), end token included when the response ended, cut to ``max_new_tokens``."""
+        teacher = context.teacher_tokens if model == "teacher" else None
+        tokenizer = teacher.tokenizer if teacher is not None else context.tokenizer
+        end = (teacher.eos_token_ids if teacher is not None else context.eos_token_ids)[0]
         rows = []
         for example in prompts.examples:
             if example["id"] not in self._completions:
                 raise KeyError(f"{type(self).__name__}.dataset {self.dataset}: no completion for example id {example['id']!r}")
             text, ended = self._completions[example["id"]]
-            ids = context.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if ended:  # a response cut by the generation budget must not teach the student to stop there
-                ids = ids + [context.eos_token_ids[0]]
-            rows.append(ids[: context.max_new_tokens])
+            # a response cut by the generation budget must not teach the student to stop there
+            rows.append(_text_tokens(tokenizer, text, end if ended else None)[: context.max_new_tokens])
         return rows
 
     def teacher_logprobs(self, prompts: PromptBatch, rows: list[list[int]], columns: int, context: RolloutContext) -> Any:
@@ -253,7 +321,8 @@ class CachedTeacherRollouts(TeacherDatasetRollouts):
         from kdlab.rollouts.teacher_cache import TopKLogprobs
 
         cached = [self.cache.row(example["id"], tokens) for example, tokens in zip(prompts.examples, rows)]
-        return TopKLogprobs.from_rows(cached, columns, self.cache.top_k, context.token_columns).to(prompts.student_ids.device)
+        teacher_columns = context.teacher_tokens.token_columns if context.teacher_tokens is not None else context.token_columns
+        return TopKLogprobs.from_rows(cached, columns, self.cache.top_k, teacher_columns).to(prompts.student_ids.device)
 
 
 def read_completions(path: str, setting: str = "TeacherDatasetRollouts.dataset") -> dict[str, tuple[str, bool]]:
@@ -322,6 +391,13 @@ def validate_mixture(lam: float, alpha: float, clip: float) -> None:
         raise ValueError(f"MixtureRollouts.clip must be > 0, got {clip}")
 
 
+CROSS_TOKENIZER_MIXTURE = (
+    "MixtureRollouts mixes the two models' next-token distributions token by token, which needs one shared "
+    "vocabulary; across tokenizers use TeacherRollouts / TeacherDatasetRollouts / CachedTeacherRollouts "
+    "(off-policy) or StudentRollouts (on-policy)"
+)
+
+
 class MixtureRollouts(RolloutPolicy):
     """The token-level rollout spectrum pi_lambda (see :func:`mixture_logprobs`).
 
@@ -344,10 +420,12 @@ class MixtureRollouts(RolloutPolicy):
         return mixture_logprobs(student_logprobs, teacher_logprobs, self.lam, self.alpha, self.clip)
 
     def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
+        if context.teacher_tokens is not None:
+            raise ValueError(CROSS_TOKENIZER_MIXTURE)
         if self.lam == 1:
             return context.sample(context.decoder("student", prompts), prompts)
         if self.lam == -1:
-            return context.sample(context.decoder("teacher", prompts), prompts)
+            return context.sample(context.decoder("teacher", prompts), prompts, writer="teacher")
         student, teacher = context.decoder("student", prompts), context.decoder("teacher", prompts)
 
         def next_logprobs(previous: torch.Tensor | None) -> torch.Tensor:

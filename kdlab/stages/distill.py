@@ -32,6 +32,7 @@ from kdlab.models.loading import (
     load_tokenizer,
     shared_vocab_size,
 )
+from kdlab.objectives.aligned import CrossTokenizer
 from kdlab.objectives.kl import ForwardKL, KLObjective, kl_diagnostics, sampled_logprobs
 from kdlab.objectives.logits import (
     completion_head_logits,
@@ -39,10 +40,13 @@ from kdlab.objectives.logits import (
     fused_head_unsupported,
 )
 from kdlab.rollouts.policies import (
+    CROSS_TOKENIZER_MIXTURE,
     CachedTeacherRollouts,
+    MixtureRollouts,
     RolloutContext,
     RolloutPolicy,
     TeacherRollouts,
+    TeacherTokens,
     importance_weights,
 )
 from kdlab.stages.base import TaskStage
@@ -56,7 +60,8 @@ class DistillModule(TaskStage):
 
     Args:
         student: the model trained (all its parameters, full fine-tuning).
-        teacher: the frozen model distilled from; must share the student's vocabulary. ``None`` when the
+        teacher: the frozen model distilled from; it shares the student's vocabulary unless
+            ``cross_tokenizer`` is given. ``None`` when the
             rollout is :class:`~kdlab.rollouts.policies.CachedTeacherRollouts`: the teacher then never sits in
             training memory (callbacks that sample from the teacher cannot be used).
         task: prompts, per-model prompting and the verifier used for validation accuracy.
@@ -98,6 +103,10 @@ class DistillModule(TaskStage):
             scaled logits, FSDP1), the logits path otherwise. ``true`` insists (an error where invalid),
             ``false`` always takes the logits path.
         stop_strings: rollouts and evaluation also stop once a completion contains one of these.
+        cross_tokenizer: distil across tokenizers (:class:`~kdlab.objectives.aligned.CrossTokenizer`): each
+            model reads the completion in its own tokens, aligned by bytes, and ``objective`` is taken over
+            the aligned groups (with identical tokenizers it equals the usual objective). Required when the
+            vocabularies differ; ``MixtureRollouts`` and vLLM rollouts need one vocabulary and are refused.
         seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each
             step's streams are derived from (seed, split, rank, epoch, batch index) and each epoch's
             order from (seed, epoch), not from how long the process has been running.
@@ -131,6 +140,7 @@ class DistillModule(TaskStage):
         fused_lm_head: bool | None = None,
         seed: int = 42,
         stop_strings: list[str] | None = None,
+        cross_tokenizer: CrossTokenizer | None = None,
     ) -> None:
         super().__init__(
             task, batch_size, max_prompt_tokens, max_completion_tokens, val_examples,
@@ -145,6 +155,9 @@ class DistillModule(TaskStage):
         cache = rollout.cache if isinstance(rollout, CachedTeacherRollouts) else None
         if teacher is None and cache is None:
             raise ValueError("DistillModule.teacher is required unless the rollout is CachedTeacherRollouts (a teacher_cache)")
+        if teacher is None and cross_tokenizer is not None:
+            raise ValueError("DistillModule.teacher is required with cross_tokenizer (its tokenizer re-tokenises the completions), "
+                             "even when its log-probs come from CachedTeacherRollouts.teacher_cache")
         self.rollout = rollout if rollout is not None else TeacherRollouts()
         self.objective = objective if objective is not None else ForwardKL()
         if rollout_micro_batches is not None and rollout_micro_batches < 1:
@@ -166,22 +179,37 @@ class DistillModule(TaskStage):
         self.teacher_tokenizer = load_tokenizer(self.teacher_spec, "teacher") if teacher is not None else self.student_tokenizer
         student_config = load_config(self.student_spec, "student")
         teacher_config = load_config(self.teacher_spec, "teacher") if teacher is not None else student_config
-        self.token_columns = shared_vocab_size(self.student_tokenizer, self.teacher_tokenizer, student_config, teacher_config)
+        self.cross_tokenizer = cross_tokenizer
+        if cross_tokenizer is None:
+            self.token_columns = shared_vocab_size(self.student_tokenizer, self.teacher_tokenizer, student_config, teacher_config)
+            self.teacher_columns = self.token_columns
+        else:
+            self.token_columns = vocabulary_columns(self.student_tokenizer, student_config, "student")
+            self.teacher_columns = vocabulary_columns(self.teacher_tokenizer, teacher_config, "teacher") if teacher is not None else cache.token_columns
+            check_cross_tokenizer_run(task, self.rollout, self.student_tokenizer, self.teacher_tokenizer)
+            cross_tokenizer.bind(self.teacher_tokenizer, self.student_tokenizer, self.teacher_columns, self.token_columns)
         self.student = load_causal_lm(self.student_spec, "student", config=student_config)
         if teacher is not None:
             self.hold_frozen("teacher", load_causal_lm(self.teacher_spec, "teacher", config=teacher_config))
         if cache is not None:
-            if cache.token_columns != self.token_columns:
-                raise ValueError(f"CachedTeacherRollouts.teacher_cache {cache.path!r} has {cache.token_columns} token columns, the student {self.token_columns}")
+            if cache.token_columns != self.teacher_columns:
+                raise ValueError(f"CachedTeacherRollouts.teacher_cache {cache.path!r} has {cache.token_columns} token columns, the teacher {self.teacher_columns}")
             if not math.isclose(cache.temperature, teacher_temperature):
                 raise ValueError(
                     f"CachedTeacherRollouts.teacher_cache {cache.path!r} holds log-probs at teacher temperature {cache.temperature}, "
                     f"but DistillModule.teacher_temperature is {teacher_temperature}"
                 )
         self.student.train()  # from_pretrained returns eval mode; Lightning keeps modes as it finds them
-        # a completion ends at either model's end token (their chat templates may differ)
+        # a completion ends at either model's end token (their chat templates may differ); across
+        # tokenizers each model's own end tokens end the completions it writes
         teacher_ends = end_token_ids(self.teacher_tokenizer, self.teacher) if teacher is not None else ()
-        self.end_ids = tuple(dict.fromkeys(end_token_ids(self.student_tokenizer, self.student) + teacher_ends))
+        student_ends = end_token_ids(self.student_tokenizer, self.student)
+        if cross_tokenizer is None:
+            self.end_ids = tuple(dict.fromkeys(student_ends + teacher_ends))
+            self.teacher_end_ids = self.end_ids
+        else:
+            self.end_ids = student_ends
+            self.teacher_end_ids = teacher_ends or (int(self.teacher_tokenizer.eos_token_id),)
         self.pad_id = int(self.student_tokenizer.pad_token_id)
 
     # ---- parallelism ----------------------------------------------------------------------
@@ -198,7 +226,10 @@ class DistillModule(TaskStage):
         return self._frozen["teacher"]
 
     def components(self) -> dict[str, Component]:
-        return {"rollout": self.rollout, "objective": self.objective, "task": self.task}
+        parts = {"rollout": self.rollout, "objective": self.objective, "task": self.task}
+        if self.cross_tokenizer is not None:
+            parts["cross_tokenizer"] = self.cross_tokenizer
+        return parts
 
     # ---- data -----------------------------------------------------------------------------
     def trains_on(self, example: Example) -> bool:
@@ -231,7 +262,17 @@ class DistillModule(TaskStage):
             teacher_spec=self.teacher_spec,
             stop=self.stop_check(),
             stop_strings=tuple(self.stop_strings),
+            teacher_tokens=self.teacher_tokens(),
         )
+
+    def teacher_tokens(self) -> TeacherTokens | None:
+        """The teacher's tokenizer, columns and end tokens across tokenizers (``None`` with one vocabulary)."""
+        if self.cross_tokenizer is None:
+            return None
+        from kdlab.rollouts.decoding import stop_strings_check
+
+        return TeacherTokens(self.teacher_tokenizer, self.teacher_columns, self.teacher_end_ids,
+                             stop_strings_check(self.teacher_tokenizer, self.stop_strings))
 
     def make_rollout(self, examples: list[Example], seed: int, policy: RolloutPolicy | None = None):
         """Completions for ``examples`` from ``policy`` (default: this module's rollout policy), sampled in
@@ -281,6 +322,7 @@ class DistillModule(TaskStage):
         """Tempered student and teacher logits ``(B, C, V)`` at the completion positions (as
         :class:`~kdlab.objectives.kernels.HeadLogits` with ``fused_lm_head``)."""
         length = rollout.completion_ids.shape[1]
+        teacher_length = rollout.completion("teacher")[0].shape[1]
         if self.uses_fused_head(self.student):
             student = completion_head_logits(self.student, rollout.model_inputs("student"), length, self.token_columns, self.student_temperature)
         else:
@@ -291,8 +333,8 @@ class DistillModule(TaskStage):
             return student, rollout.teacher_logprobs
         with torch.no_grad():
             if self.uses_fused_head(self.teacher):
-                return student, completion_head_logits(self.teacher, rollout.model_inputs("teacher"), length, self.token_columns, self.teacher_temperature).detach()
-            teacher = completion_logits(self.teacher, rollout.model_inputs("teacher"), length, self.token_columns)
+                return student, completion_head_logits(self.teacher, rollout.model_inputs("teacher"), teacher_length, self.teacher_columns, self.teacher_temperature).detach()
+            teacher = completion_logits(self.teacher, rollout.model_inputs("teacher"), teacher_length, self.teacher_columns)
         if self.teacher_temperature != 1.0:
             teacher = teacher.div_(self.teacher_temperature)  # a fresh no-grad tensor: no second (B, C, V) copy
         return student, teacher
@@ -322,14 +364,17 @@ class DistillModule(TaskStage):
             # engine samples the student exactly (the weight's mean is ~1 for any q, so it cannot tell)
             self.log("train/engine_kl", ((rollout.behaviour_logprobs - sampled) * mask).sum() / mask.sum(), batch_size=size)
         extra = {} if weights is None else {"sequence_weights": weights}  # overridden forwards need not take them
-        if isinstance(student_logits, torch.Tensor) and type(self.objective).forward is KLObjective.forward:
-            extra["consume"] = True  # nothing reads the student logits again: their storage becomes the gradient
-        loss = self.objective(student_logits, teacher_logits, mask, **extra)
+        if self.cross_tokenizer is not None:
+            loss, diagnostics = self.cross_tokenizer_loss(rollout, student_logits, teacher_logits, weights)
+        else:
+            if isinstance(student_logits, torch.Tensor) and type(self.objective).forward is KLObjective.forward:
+                extra["consume"] = True  # nothing reads the student logits again: their storage becomes the gradient
+            loss = self.objective(student_logits, teacher_logits, mask, **extra)
+            # the objective's own pass computed them; a subclass that overrides forward gets a second pass
+            diagnostics = self.objective.take_diagnostics() or kl_diagnostics(
+                student_logits.detach(), teacher_logits, mask, self.objective.reduction, self.objective.chunk_size
+            )
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
-        # the objective's own pass computed them; a subclass that overrides forward gets a second pass
-        diagnostics = self.objective.take_diagnostics() or kl_diagnostics(
-            student_logits.detach(), teacher_logits, mask, self.objective.reduction, self.objective.chunk_size
-        )
         for name, value in diagnostics.items():
             self.log(f"train/{name}", value, batch_size=size)
         self.log("train/completion_length", mask.sum(1).float().mean(), batch_size=size)
@@ -337,6 +382,23 @@ class DistillModule(TaskStage):
             self.log("train/rollout_entropy", rollout.sampling_entropy[mask].mean(), batch_size=size)
         self._log_records("train", size)
         return loss
+
+    def cross_tokenizer_loss(self, rollout, student_logits, teacher_logits, sequence_weights=None, reduction: str | None = None):
+        """The objective over the byte-aligned groups of ``rollout``'s student and teacher tokens, and the
+        same pass's diagnostics (:meth:`kdlab.objectives.aligned.CrossTokenizer.loss`)."""
+        teacher_ids, teacher_mask = rollout.completion("teacher")
+        groups = self.cross_tokenizer.groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
+        return self.cross_tokenizer.loss(self.objective, student_logits, teacher_logits, groups, rollout.completion_ids, teacher_ids,
+                                         rollout.completion_mask, sequence_weights, reduction)
+
+    @torch.no_grad()
+    def divergences(self, rollout, reduction: str = "token") -> dict[str, torch.Tensor]:
+        """Exact ``kl_forward``, ``kl_reverse`` and entropies of ``rollout`` (no grad), reduced per token or per
+        sequence; across tokenizers, over its aligned groups (:class:`~kdlab.objectives.aligned.CrossTokenizer`)."""
+        student, teacher = self.distillation_logits(rollout)
+        if self.cross_tokenizer is not None:
+            return self.cross_tokenizer_loss(rollout, student.detach(), teacher, reduction=reduction)[1]
+        return kl_diagnostics(student, teacher, rollout.completion_mask, reduction, self.objective.chunk_size)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.log("train/grad_norm", self.student_grad_norm())  # before clipping: Lightning clips after this hook
@@ -354,3 +416,45 @@ class DistillModule(TaskStage):
             return  # no optimiser call since the last check (an accumulation micro-batch)
         self._counted_step = self.global_step
         self.count_skipped_step(optimizer, f"objective {type(self.objective).__name__}, lr {self.lr}")
+
+
+def vocabulary_columns(tokenizer: Any, config: Any, role: str) -> int:
+    """``len(tokenizer)``: the logit columns of one model (its head may have padding rows), checked
+    against the head's rows."""
+    from kdlab.models.loading import output_rows
+
+    columns = len(tokenizer)
+    if output_rows(config) < columns:
+        raise ValueError(f"{role} has {output_rows(config)} output rows, fewer than the tokenizer's {columns} tokens")
+    return columns
+
+
+def check_cross_tokenizer_run(task: Task, rollout: RolloutPolicy, student_tokenizer: Any, teacher_tokenizer: Any, probes: int = 8) -> None:
+    """Before any weight loads: refuse what needs one vocabulary (``MixtureRollouts``, vLLM rollouts),
+    and tokenizers that do not reproduce the task's text byte for byte
+    (:func:`kdlab.alignment.check_reproduces` names the model and the first differing character)."""
+    from kdlab.alignment import check_reproduces
+    from kdlab.errors import ConfigError
+
+    if isinstance(rollout, MixtureRollouts):
+        raise ConfigError(f"DistillModule.rollout: {CROSS_TOKENIZER_MIXTURE}")
+    if type(rollout).__name__ == "VLLMRollouts":
+        raise ConfigError(
+            "DistillModule.rollout: VLLMRollouts is not supported with cross_tokenizer yet (its engine returns one "
+            "vocabulary's token ids); use TeacherRollouts or StudentRollouts (Hugging Face decoding)"
+        )
+    texts: list[str] = []
+    for split in ("train", "val"):
+        for example in list(task.examples(split))[:probes]:
+            texts += [message["content"] for message in task.student_messages(example) + task.teacher_messages(example)]
+            reference = task.reference_completion(example)
+            if reference:
+                texts.append(reference)
+        if texts:
+            break
+    for text in dict.fromkeys(texts):
+        for role, tokenizer in (("student", student_tokenizer), ("teacher", teacher_tokenizer)):
+            try:
+                check_reproduces(tokenizer, text, tokenizer(text, add_special_tokens=False)["input_ids"], f"DistillModule.{role}'s")
+            except ConfigError as error:
+                raise ConfigError(f"{error} (in {text[:60]!r}; cross_tokenizer aligns the two models' tokens by bytes)") from None

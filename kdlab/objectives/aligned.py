@@ -1,0 +1,441 @@
+"""Token-level divergences between a teacher and a student that use different tokenizers (#27).
+
+Both models read the same completion text, each tokenised by its own tokenizer; :mod:`kdlab.alignment`
+pairs the two token sequences into the finest groups that cover the same bytes. A group starts at a byte
+offset where both sides have a token boundary, so there both models predict what comes next after the
+same text: their next-token distributions there are comparable, once put on one event space.
+
+**The events of a group** ``k`` (student tokens ``s_a..s_b``, teacher tokens ``t_c..t_d``, text ``x_k``):
+
+* the *vocabulary map* ``M``: pairs ``(teacher id, student id)`` of tokens with the same bytes (special
+  tokens: the same content; the two EOS tokens are paired when nothing else pairs them). Event
+  ``v in M``: "the next token is v". The pairs of the group's first tokens (``s_a``'s and ``t_c``'s) are
+  left out, because
+* ``x_k``: "the next tokens spell the group's text as this model's tokens do", with the chain-rule
+  probability ``p(x_k) = prod_i p(s_i | ...)`` over the group's tokens (teacher: over its own), and
+* ``rest``: everything else: tokens outside the map, the left-out pair's token, and the first token not
+  followed by the rest of the group (``p(s_a) - p(x_k)``).
+
+Each model's event probabilities sum to one, so any :class:`~kdlab.objectives.kl.KLObjective`'s
+``token_loss`` (forward or reverse KL, the JSD family, TV, the sampled estimators) compares two proper
+distributions on the same ``|M| + 2`` events. In a one-to-one group ``x_k`` is the shared token itself and
+the events are the map and ``rest``; with identical tokenizers ``M`` is the whole vocabulary, ``rest`` is
+empty and the loss *is* the full-vocabulary objective (to float rounding, loss and gradient).
+
+**What is exact and what is not.** Exact: the byte alignment, one-to-one groups over the map, the
+chain-rule group probability of the text actually written. Approximate: a model's probability of ``x_k``
+counts one tokenisation of it (its own), not every way of spelling those bytes; ``rest`` lumps together
+different events on the two sides (each side's unmapped tokens). ``uld_weight`` mixes in the ULD distance
+(the L1 distance between the two sorted next-token probability vectors at each group start, which needs no
+map): ``loss = (1 - w) * divergence + w * ULD``, GOLD's hybrid.
+
+Memory: groups are taken ``chunk_size`` student rows at a time; only one ``(rows, V)`` block per model is
+live, and the gradient of each chunk goes straight into the student's gradient buffer (as
+:mod:`kdlab.objectives.kernels` does for one vocabulary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kdlab.alignment import align, special_ids, token_bytes
+from kdlab.components import Component
+from kdlab.objectives.kernels import (
+    HeadGradient,
+    HeadLogits,
+    Logits,
+    LogitsGradient,
+    compute_dtype,
+    full_precision,
+    gather_rows,
+)
+
+FLOOR = -1e4
+"""Log-probability of an event that cannot happen (``exp`` underflows to exactly 0 in fp32)."""
+
+DIAGNOSTICS = ("kl_forward", "kl_reverse", "student_entropy", "teacher_entropy", "teacher_unmapped_mass")
+
+
+@dataclass
+class VocabularyMap:
+    """The tokens two vocabularies share, and each token's bytes.
+
+    ``teacher_ids``, ``student_ids``: ``(M,)`` long, pair ``i`` is ``(teacher_ids[i], student_ids[i])``;
+    ``teacher_pair`` ``(V_T,)`` / ``student_pair`` ``(V_S,)``: each id's pair index, -1 if unmapped;
+    ``teacher_bytes`` / ``student_bytes``: each id's bytes in a text (``b""`` for a special token).
+    """
+
+    teacher_ids: torch.Tensor
+    student_ids: torch.Tensor
+    teacher_pair: torch.Tensor
+    student_pair: torch.Tensor
+    teacher_bytes: list[bytes]
+    student_bytes: list[bytes]
+    teacher_specials: frozenset[int]
+    student_specials: frozenset[int]
+
+    @classmethod
+    def build(cls, teacher_tokenizer: Any, student_tokenizer: Any, teacher_columns: int, student_columns: int) -> VocabularyMap:
+        """Pairs tokens with the same bytes (special tokens by content); the EOS tokens are paired if
+        neither is paired yet. Ids ``>= columns`` are ignored."""
+        sides = []
+        for tokenizer, columns in ((teacher_tokenizer, teacher_columns), (student_tokenizer, student_columns)):
+            ids = list(range(columns))
+            specials = frozenset(i for i in special_ids(tokenizer) if i < columns)
+            pieces = token_bytes(tokenizer, ids)
+            names = tokenizer.convert_ids_to_tokens(ids)
+            keys: dict[tuple[str, bytes], int] = {}
+            for token_id, piece, name in zip(ids, pieces, names):
+                key = ("special", str(name).encode("utf-8")) if token_id in specials else ("text", piece)
+                keys.setdefault(key, token_id)
+            sides.append((pieces, specials, keys, columns))
+        (t_bytes, t_specials, t_keys, t_columns), (s_bytes, s_specials, s_keys, s_columns) = sides
+        pairs = [(t_id, s_keys[key]) for key, t_id in t_keys.items() if key in s_keys]
+        t_eos, s_eos = teacher_tokenizer.eos_token_id, student_tokenizer.eos_token_id
+        if t_eos is not None and s_eos is not None and t_eos < t_columns and s_eos < s_columns:
+            if all(t != t_eos and s != s_eos for t, s in pairs):
+                pairs.append((int(t_eos), int(s_eos)))
+        pairs.sort(key=lambda pair: pair[1])
+        teacher_pair = torch.full((t_columns,), -1, dtype=torch.long)
+        student_pair = torch.full((s_columns,), -1, dtype=torch.long)
+        for index, (t_id, s_id) in enumerate(pairs):
+            teacher_pair[t_id], student_pair[s_id] = index, index
+        return cls(
+            torch.tensor([t for t, _ in pairs], dtype=torch.long), torch.tensor([s for _, s in pairs], dtype=torch.long),
+            teacher_pair, student_pair, t_bytes, s_bytes, t_specials, s_specials,
+        )
+
+    @property
+    def size(self) -> int:
+        return int(self.student_ids.numel())
+
+    def to(self, device: torch.device) -> VocabularyMap:
+        if self.student_ids.device == device:
+            return self
+        move = lambda tensor: tensor.to(device)  # noqa: E731
+        return VocabularyMap(move(self.teacher_ids), move(self.student_ids), move(self.teacher_pair), move(self.student_pair),
+                             self.teacher_bytes, self.student_bytes, self.teacher_specials, self.student_specials)
+
+
+def _spans(pieces: list[bytes], ids: Sequence[int]) -> list[tuple[int, int]]:
+    spans, position = [], 0
+    for token_id in ids:
+        length = len(pieces[token_id])
+        spans.append((position, position + length))
+        position += length
+    return spans
+
+
+def pair_specials(groups: list[tuple[range, range]]) -> list[tuple[range, range]]:
+    """Pair lone special tokens at the same byte offset: the k-th student-only special with the k-th
+    teacher-only one (the two EOS tokens at a completion's end), as one-to-one groups; the others stay alone."""
+    out: list[tuple[range, range]] = []
+    run: list[tuple[range, range]] = []
+
+    def flush() -> None:
+        a_side = [g for g in run if len(g[0]) == 1]
+        b_side = [g for g in run if len(g[1]) == 1]
+        for x, y in zip(a_side, b_side):
+            out.append((x[0], y[1]))
+        for extra in a_side[len(b_side):] + b_side[len(a_side):]:
+            out.append(extra)
+        run.clear()
+
+    for group in groups:
+        lone = (len(group[0]) == 1 and len(group[1]) == 0) or (len(group[0]) == 0 and len(group[1]) == 1)
+        if lone:
+            run.append(group)
+            continue
+        flush()
+        out.append(group)
+    flush()
+    return out
+
+
+@dataclass
+class AlignedGroups:
+    """The groups of one batch, flat over its rows: ``(N,)`` long tensors (groups with a token on both
+    sides only). ``student_start``/``teacher_start`` are positions in each side's completion columns;
+    ``aligned_bytes`` / ``one_to_one_bytes`` count the batch's completion bytes and those that one-to-one
+    groups cover."""
+
+    row: torch.Tensor
+    student_start: torch.Tensor
+    student_length: torch.Tensor
+    teacher_start: torch.Tensor
+    teacher_length: torch.Tensor
+    aligned_bytes: int
+    one_to_one_bytes: int
+
+    @classmethod
+    def build(cls, vocabulary: VocabularyMap, student_ids: torch.Tensor, student_mask: torch.Tensor,
+              teacher_ids: torch.Tensor, teacher_mask: torch.Tensor) -> AlignedGroups:
+        """Align each row's masked-in student and teacher completion tokens (``(B, C_S)``, ``(B, C_T)``).
+        Raises ValueError naming the row when they do not spell the same bytes."""
+        rows, s_start, s_len, t_start, t_len = [], [], [], [], []
+        total = one = 0
+        for b, (s_row, s_keep, t_row, t_keep) in enumerate(zip(student_ids.tolist(), student_mask.tolist(), teacher_ids.tolist(), teacher_mask.tolist())):
+            s_tokens = [token for token, keep in zip(s_row, s_keep) if keep]
+            t_tokens = [token for token, keep in zip(t_row, t_keep) if keep]
+            s_spans, t_spans = _spans(vocabulary.student_bytes, s_tokens), _spans(vocabulary.teacher_bytes, t_tokens)
+            try:
+                groups = pair_specials(align(t_spans, s_spans))
+            except ValueError as error:
+                s_text = b"".join(vocabulary.student_bytes[i] for i in s_tokens)
+                t_text = b"".join(vocabulary.teacher_bytes[i] for i in t_tokens)
+                raise ValueError(f"row {b}: the student's and teacher's completion tokens spell different bytes "
+                                 f"({s_text[:60]!r}... vs {t_text[:60]!r}...): {error}") from None
+            for t_range, s_range in groups:
+                if not len(t_range) or not len(s_range):
+                    continue
+                rows.append(b)
+                s_start.append(s_range.start)
+                s_len.append(len(s_range))
+                t_start.append(t_range.start)
+                t_len.append(len(t_range))
+                size = s_spans[s_range.stop - 1][1] - s_spans[s_range.start][0]
+                total += size
+                one += size if len(t_range) == 1 and len(s_range) == 1 else 0
+        device = student_ids.device
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        return cls(as_tensor(rows), as_tensor(s_start), as_tensor(s_len), as_tensor(t_start), as_tensor(t_len), total, one)
+
+    def __len__(self) -> int:
+        return int(self.row.numel())
+
+    @property
+    def one_to_one_share(self) -> float:
+        """Share of the aligned completion bytes covered by one-to-one groups (1.0 when there are none)."""
+        return self.one_to_one_bytes / self.aligned_bytes if self.aligned_bytes else 1.0
+
+    def start_mask(self, shape: torch.Size) -> torch.Tensor:
+        """``(B, C_S)`` bool: True at each group's first student token."""
+        mask = torch.zeros(shape, dtype=torch.bool, device=self.row.device)
+        mask[self.row, self.student_start] = True
+        return mask
+
+    def positions(self, groups: torch.Tensor, side: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(b, t, owner)`` of every token of ``groups`` on ``side``, ``owner`` indexing into ``groups``;
+        each group's first token comes first among its own."""
+        start = getattr(self, f"{side}_start")[groups]
+        length = getattr(self, f"{side}_length")[groups]
+        owner = torch.repeat_interleave(torch.arange(groups.numel(), device=groups.device), length)
+        offset = torch.arange(owner.numel(), device=groups.device) - torch.repeat_interleave(torch.cumsum(length, 0) - length, length)
+        return self.row[groups][owner], start[owner] + offset, owner
+
+    def chunks(self, chunk_size: int) -> list[torch.Tensor]:
+        """Consecutive group indices holding about ``chunk_size`` student tokens each (a group is never split)."""
+        lengths = self.student_length.tolist()
+        out, start, rows = [], 0, 0
+        for index, length in enumerate(lengths):
+            rows += length
+            if rows >= chunk_size:
+                out.append(torch.arange(start, index + 1, device=self.row.device))
+                start, rows = index + 1, 0
+        if start < len(lengths):
+            out.append(torch.arange(start, len(lengths), device=self.row.device))
+        return out
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for ``x < 0``, accurate at both ends."""
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def event_logprobs(logprobs: torch.Tensor, realized: torch.Tensor, owner: torch.Tensor, first_rows: torch.Tensor,
+                   ids: torch.Tensor, map_ids: torch.Tensor, removed: torch.Tensor, unmapped: torch.Tensor) -> torch.Tensor:
+    """One side's log-probabilities ``(G, M + 2)`` of a chunk's groups on the events ``[map..., x_k, rest]``.
+
+    ``logprobs``: ``(n, V)`` normalised log-probs at every token of the chunk's groups; ``realized``: ``(n,)``
+    the log-prob of the token written there; ``owner``: ``(n,)`` the group of each row; ``first_rows``:
+    ``(G,)`` each group's first row; ``ids``: ``(n,)`` the tokens written; ``map_ids``: ``(M,)`` this side's
+    ids of the map; ``removed``: ``(G, 2)`` pair indices left out of each group's map (-1: none);
+    ``unmapped``: ``(V,)`` bool, this side's tokens outside the map.
+    """
+    groups = first_rows.numel()
+    start = logprobs[first_rows]  # (G, V)
+    first_ids = ids[first_rows]
+    is_first = torch.zeros(owner.numel(), dtype=torch.bool, device=owner.device)
+    is_first[first_rows] = True
+    continuation = torch.zeros(groups, dtype=logprobs.dtype, device=logprobs.device).index_add(0, owner, torch.where(is_first, 0.0, realized))
+    single = torch.bincount(owner, minlength=groups) == 1
+    first = realized[first_rows]
+    chain = first + continuation
+    drop = torch.zeros(groups, map_ids.numel() + 1, dtype=torch.bool, device=logprobs.device)
+    drop.scatter_(1, torch.where(removed >= 0, removed, map_ids.numel()), True)
+    drop = drop[:, :-1]
+    mapped = torch.where(drop, FLOOR, start[:, map_ids])
+    other = unmapped.expand(groups, -1).clone()
+    dropped_tokens = torch.where(removed >= 0, map_ids[removed.clamp(min=0)], first_ids[:, None])
+    other.scatter_(1, dropped_tokens, True)
+    other.scatter_(1, first_ids[:, None], False)
+    rest_other = torch.logsumexp(torch.where(other, start, FLOOR), dim=-1)
+    first_rest = torch.where(single, FLOOR, first + _log1mexp(continuation.clamp(max=-1e-7)))
+    rest = torch.logaddexp(rest_other, first_rest)
+    return torch.cat([mapped, chain[:, None], rest[:, None]], dim=1)
+
+
+class _AlignedObjective(torch.autograd.Function):
+    """``sum_g weights[g] * loss_g`` over aligned groups; gradient computed in forward, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, student_logits, hidden, weight, head, compute):  # type: ignore[override]
+        with full_precision(head if head is not None else student_logits):
+            source = head if head is not None else student_logits
+            dtype = compute_dtype(hidden if head is not None else student_logits)
+            gradient = None
+            if head is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
+                gradient = HeadGradient(head, ctx.needs_input_grad[1], ctx.needs_input_grad[2], dtype)
+            elif head is None and ctx.needs_input_grad[0]:
+                gradient = LogitsGradient(student_logits, compute.covered, dtype)
+            total = compute(source, dtype, gradient)
+            ctx.gradient = gradient
+            ctx.weight_dtype = weight.dtype if weight is not None else None
+            return total
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        gradient, ctx.gradient = ctx.gradient, None
+        if gradient is None:
+            raise RuntimeError("backward through the aligned objective can run only once per forward")
+        unit = bool(grad_output == 1)
+        if isinstance(gradient, LogitsGradient):
+            return (gradient.grad if unit else gradient.grad.mul_(grad_output.to(gradient.grad.dtype))), None, None, None, None
+        grad_hidden, grad_weight = gradient.hidden, gradient.weight
+        if not unit:
+            grad_hidden = grad_hidden.mul_(grad_output.to(grad_hidden.dtype)) if grad_hidden is not None else None
+            grad_weight = grad_weight.mul_(grad_output.to(grad_weight.dtype)) if grad_weight is not None else None
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(ctx.weight_dtype)
+        return None, grad_hidden, grad_weight, None, None
+
+
+def sorted_probability_distance(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """ULD's distance per row: ``sum_i |sort(p_S)_i - sort(p_T)_i|`` (both sorted descending, the shorter
+    vocabulary padded with zeros). ``(n, V_S)``, ``(n, V_T)`` log-probs -> ``(n,)``."""
+    p_s = student_logprobs.exp().sort(dim=-1, descending=True).values
+    p_t = teacher_logprobs.exp().sort(dim=-1, descending=True).values
+    width = max(p_s.shape[-1], p_t.shape[-1])
+    p_s = torch.nn.functional.pad(p_s, (0, width - p_s.shape[-1]))
+    p_t = torch.nn.functional.pad(p_t, (0, width - p_t.shape[-1]))
+    return (p_s - p_t).abs().sum(-1)
+
+
+class CrossTokenizer(Component):
+    """Distillation between models with different tokenizers: the settings of the aligned objective.
+
+    Give it to :class:`~kdlab.stages.distill.DistillModule` as ``cross_tokenizer`` (in YAML,
+    ``cross_tokenizer: {uld_weight: 0.0}``); the module's ``objective`` (forward or reverse KL, JSD, TV,
+    sampled) is then taken over aligned groups (this module's docstring says how).
+
+    Args:
+        uld_weight: ``w`` in ``(1 - w) * divergence + w * ULD``: 0 (default) is the vocabulary map alone
+            (exact where groups are one to one); 1 is ULD's sorted-probability distance alone.
+    """
+
+    def __init__(self, uld_weight: float = 0.0) -> None:
+        super().__init__()
+        if not 0.0 <= uld_weight <= 1.0:
+            raise ValueError(f"CrossTokenizer.uld_weight must be in [0, 1], got {uld_weight}")
+        self.uld_weight = float(uld_weight)
+        self.vocabulary: VocabularyMap | None = None
+
+    def bind(self, teacher_tokenizer: Any, student_tokenizer: Any, teacher_columns: int, student_columns: int) -> None:
+        """Build the vocabulary map of the two tokenizers (once, when the module is built)."""
+        self.vocabulary = VocabularyMap.build(teacher_tokenizer, student_tokenizer, teacher_columns, student_columns)
+
+    def groups(self, student_ids: torch.Tensor, student_mask: torch.Tensor, teacher_ids: torch.Tensor, teacher_mask: torch.Tensor) -> AlignedGroups:
+        if self.vocabulary is None:
+            raise RuntimeError("CrossTokenizer.bind(...) must be called before use (DistillModule does it)")
+        return AlignedGroups.build(self.vocabulary, student_ids, student_mask, teacher_ids, teacher_mask)
+
+    def loss(self, objective: Any, student_logits: Logits, teacher_logits: Logits, groups: AlignedGroups,
+             student_ids: torch.Tensor, teacher_ids: torch.Tensor, student_mask: torch.Tensor,
+             sequence_weights: torch.Tensor | None = None, reduction: str | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``objective``'s reduced loss over aligned groups and the same pass's diagnostics.
+
+        ``student_logits`` ``(B, C_S, V_S)`` (or :class:`HeadLogits`) and ``teacher_logits`` ``(B, C_T, V_T)``
+        (or a lazy source), tempered, at each side's completion positions; ``student_ids``/``teacher_ids``
+        the completion tokens; ``student_mask`` ``(B, C_S)``. The reduction is ``reduction`` (default the
+        objective's), over groups (one per group, at its first student token): with identical tokenizers,
+        over tokens as usual.
+        Diagnostics: ``kl_forward``, ``kl_reverse``, entropies on the events, ``teacher_unmapped_mass`` (the
+        teacher's probability on tokens outside the map, at group starts), ``one_to_one_share``.
+        """
+        from kdlab.objectives.kl import KLObjective, forward_kl_per_token, reverse_kl_per_token, token_weights
+
+        if self.vocabulary is None:
+            raise RuntimeError("CrossTokenizer.bind(...) must be called before use (DistillModule does it)")
+        if type(objective).token_loss is KLObjective.token_loss:
+            raise ValueError(f"{type(objective).__name__} defines no token_loss, so it cannot be taken over aligned groups "
+                             "(CrossTokenizer needs a per-token divergence: ForwardKL, ReverseKL, GeneralizedJSD, TotalVariation, sampled KLs)")
+        starts = groups.start_mask(student_mask.shape)
+        dtype = compute_dtype(student_logits)
+        weights = token_weights(starts, reduction or objective.reduction, dtype)
+        diagnostic_weights = weights
+        if sequence_weights is not None:
+            weights = weights * sequence_weights.to(weights.dtype)[:, None]
+        vocabulary = self.vocabulary.to(student_mask.device)
+        s_unmapped = vocabulary.student_pair < 0
+        t_unmapped = vocabulary.teacher_pair < 0
+        chunk_size = objective.chunk_size
+        uld = self.uld_weight
+        teacher_logits = teacher_logits.detach()
+        diagnostics = torch.zeros(len(DIAGNOSTICS), dtype=dtype, device=student_mask.device)
+        covered = torch.zeros(student_mask.shape, dtype=torch.bool, device=student_mask.device)
+        if len(groups):
+            b, t, _ = groups.positions(torch.arange(len(groups), device=covered.device), "student")
+            covered[b, t] = True
+
+        def compute(source: Logits, dtype: torch.dtype, gradient) -> torch.Tensor:
+            total = torch.zeros((), dtype=dtype, device=student_mask.device)
+            for chunk in groups.chunks(chunk_size):
+                sb, st, s_owner = groups.positions(chunk, "student")
+                tb, tt, t_owner = groups.positions(chunk, "teacher")
+                s_first = torch.cumsum(groups.student_length[chunk], 0) - groups.student_length[chunk]
+                t_first = torch.cumsum(groups.teacher_length[chunk], 0) - groups.teacher_length[chunk]
+                s_ids, t_ids = student_ids[sb, st], teacher_ids[tb, tt]
+                removed = torch.stack([vocabulary.student_pair[s_ids[s_first]], vocabulary.teacher_pair[t_ids[t_first]]], dim=1)
+                with torch.no_grad():
+                    t_log = torch.log_softmax(gather_rows(teacher_logits, tb, tt, dtype), dim=-1)
+                    t_events = event_logprobs(t_log, t_log.gather(-1, t_ids[:, None]).squeeze(-1), t_owner, t_first, t_ids,
+                                              vocabulary.teacher_ids, removed, t_unmapped)
+                    t_start = t_log[t_first]
+                    unmapped_mass = torch.logsumexp(torch.where(t_unmapped, t_start, FLOOR), -1).exp() if bool(t_unmapped.any()) else torch.zeros(len(chunk), dtype=dtype, device=t_start.device)
+                    del t_log
+                w = weights[groups.row[chunk], groups.student_start[chunk]]
+                d = diagnostic_weights[groups.row[chunk], groups.student_start[chunk]]
+                with torch.enable_grad():
+                    rows = gather_rows(source, sb, st, dtype).detach().requires_grad_(gradient is not None)
+                    s_log = torch.log_softmax(rows, dim=-1)
+                    s_events = event_logprobs(s_log, s_log.gather(-1, s_ids[:, None]).squeeze(-1), s_owner, s_first, s_ids,
+                                              vocabulary.student_ids, removed, s_unmapped)
+                    losses = objective.token_loss(s_events, t_events) if uld < 1.0 else torch.zeros(len(chunk), dtype=dtype, device=rows.device)
+                    if uld > 0.0:
+                        losses = (1.0 - uld) * losses + uld * sorted_probability_distance(s_log[s_first], t_start)
+                    chunk_loss = (losses * w).sum()
+                    if gradient is not None:
+                        (grad,) = torch.autograd.grad(chunk_loss, rows)
+                        gradient.add_chunk(torch.stack([sb, st], dim=1), grad)
+                total += chunk_loss.detach()
+                with torch.no_grad():
+                    s_ev, t_ev = s_events.detach(), t_events
+                    entropy = lambda logp: -(logp.clamp(min=FLOOR).exp() * logp).sum(-1)  # noqa: E731
+                    values = torch.stack([forward_kl_per_token(s_ev, t_ev), reverse_kl_per_token(s_ev, t_ev),
+                                          entropy(torch.log_softmax(s_ev, -1)), entropy(torch.log_softmax(t_ev, -1)), unmapped_mass], dim=1)
+                    diagnostics.add_(torch.mv(values.T.to(dtype), d))
+            return total
+
+        compute.covered = covered  # type: ignore[attr-defined]
+        if isinstance(student_logits, HeadLogits):
+            head = student_logits
+            loss = _AlignedObjective.apply(None, head.hidden, head.weight, head, compute)
+        else:
+            loss = _AlignedObjective.apply(student_logits, None, None, None, compute)
+        out = dict(zip(DIAGNOSTICS, diagnostics.unbind()))
+        out["one_to_one_share"] = torch.tensor(groups.one_to_one_share)
+        return loss, out

@@ -1,0 +1,339 @@
+"""Distillation across tokenizers (kdlab.objectives.aligned, DistillModule(cross_tokenizer=...), issue #27)."""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import lru_cache
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kdlab.errors import ConfigError
+from kdlab.objectives.aligned import CrossTokenizer, VocabularyMap
+from kdlab.objectives.kernels import HeadLogits
+from kdlab.objectives.kl import ForwardKL, GeneralizedJSD, ReverseKL, SampledForwardKL, TotalVariation
+from kdlab.rollouts.policies import (
+    CachedTeacherRollouts,
+    MixtureRollouts,
+    RolloutContext,
+    StudentRollouts,
+    TeacherDatasetRollouts,
+    TeacherRollouts,
+    TeacherTokens,
+)
+from kdlab.tasks import Addition
+
+STUDENT = "kdlab://tiny/student"  # the tiny world's tokenizer (digits split one by one)
+OTHER = "kdlab://tiny-random/teacher"  # a byte-level BPE trained on another corpus: a different vocabulary
+
+
+@lru_cache(maxsize=None)
+def tokenizer(path: str):
+    from kdlab.models.loading import ModelSpec, load_tokenizer
+
+    return load_tokenizer(ModelSpec(path))
+
+
+def bound(teacher_path: str, student_path: str, uld_weight: float = 0.0) -> CrossTokenizer:
+    teacher, student = tokenizer(teacher_path), tokenizer(student_path)
+    cross = CrossTokenizer(uld_weight)
+    cross.bind(teacher, student, len(teacher), len(student))
+    return cross
+
+
+def encode_rows(tok, texts, end=True):
+    from kdlab.data import right_pad
+
+    rows = [tok(text, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if end else []) for text in texts]
+    return right_pad(rows, tok.pad_token_id)
+
+
+TEXTS = ["Using 3, 7, 25: 25 - 7 = 18, 18 * 3 = 54", "<answer>54</answer> done", "x"]
+
+
+# ---- the objective --------------------------------------------------------------------------
+@pytest.mark.parametrize("objective", [ForwardKL(), ReverseKL(), GeneralizedJSD(0.3), TotalVariation(), ForwardKL(reduction="token", chunk_size=3)],
+                         ids=["forward", "reverse", "jsd", "tv", "forward-token-chunk3"])
+def test_identical_tokenizers_give_the_vocabulary_objective_loss_and_gradient(objective):
+    tok = tokenizer(STUDENT)
+    cross = bound(STUDENT, STUDENT)
+    assert cross.vocabulary.size == len(tok)
+    ids, mask = encode_rows(tok, TEXTS)
+    torch.manual_seed(0)
+    student = torch.randn(*ids.shape, len(tok), dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(*ids.shape, len(tok), dtype=torch.float64)
+    weights = torch.tensor([0.5, 1.5, 1.0], dtype=torch.float64)
+    groups = cross.groups(ids, mask, ids, mask)
+    assert groups.one_to_one_share == 1.0 and len(groups) == int(mask.sum())
+    loss, diagnostics = cross.loss(objective, student, teacher, groups, ids, ids, mask, weights)
+    (grad,) = torch.autograd.grad(loss, student)
+    expected = objective(student, teacher, mask, weights)
+    (expected_grad,) = torch.autograd.grad(expected, student)
+    expected_diagnostics = objective.take_diagnostics()
+    assert abs(loss.item() - expected.item()) < 1e-6
+    assert (grad - expected_grad).abs().max().item() < 1e-6
+    for name, value in expected_diagnostics.items():
+        assert abs(diagnostics[name].item() - value.item()) < 1e-6, name
+    assert diagnostics["teacher_unmapped_mass"].item() == 0.0
+
+
+def test_identical_tokenizers_on_the_fused_head_match_the_vocabulary_objective():
+    tok = tokenizer(STUDENT)
+    cross = bound(STUDENT, STUDENT)
+    ids, mask = encode_rows(tok, TEXTS)
+    torch.manual_seed(1)
+    hidden = torch.randn(*ids.shape, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(len(tok), 16, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(*ids.shape, len(tok), dtype=torch.float64)
+    objective = ReverseKL()
+    loss, _ = cross.loss(objective, HeadLogits(hidden, weight, 0.5), teacher, cross.groups(ids, mask, ids, mask), ids, ids, mask)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    expected = objective(HeadLogits(hidden, weight, 0.5), teacher, mask)
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+    assert abs(loss.item() - expected.item()) < 1e-6
+    for got, want in zip(grads, expected_grads):
+        assert (got - want).abs().max().item() < 1e-6
+
+
+def reference_events(logprobs_start, chain, own_ids, map_own, removed):
+    """The events of one group from their definition, one entry at a time (the test's own reading of the
+    module docstring): the map's pairs but the removed ones, the group's text, and the rest."""
+    kept = [logprobs_start[map_own[p]].exp() if p not in removed else torch.zeros((), dtype=chain.dtype) for p in range(len(map_own))]
+    text = chain.exp()
+    rest = 1.0 - sum(kept) - text
+    return torch.stack([*kept, text, rest.clamp(min=0.0)])
+
+
+def test_across_tokenizers_the_loss_and_gradient_are_those_of_the_defined_events():
+    """Forward KL between the two event distributions, built entry by entry from the definition, summed
+    over groups with the sequence reduction: equal to the chunked objective (loss and gradient, 1e-6)."""
+    teacher_tok, student_tok = tokenizer(OTHER), tokenizer(STUDENT)
+    cross = bound(OTHER, STUDENT)
+    vocabulary: VocabularyMap = cross.vocabulary
+    s_ids, s_mask = encode_rows(student_tok, TEXTS)
+    t_ids, t_mask = encode_rows(teacher_tok, TEXTS)
+    groups = cross.groups(s_ids, s_mask, t_ids, t_mask)
+    assert 0.0 < groups.one_to_one_share < 1.0  # both kinds of group occur
+    assert bool((groups.student_length > 1).any() or (groups.teacher_length > 1).any())
+    torch.manual_seed(2)
+    student = torch.randn(*s_ids.shape, len(student_tok), dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(*t_ids.shape, len(teacher_tok), dtype=torch.float64)
+    objective = ForwardKL(chunk_size=4)
+    loss, diagnostics = cross.loss(objective, student, teacher, groups, s_ids, t_ids, s_mask)
+    (grad,) = torch.autograd.grad(loss, student)
+
+    s_log, t_log = torch.log_softmax(student, -1), torch.log_softmax(teacher, -1)
+    per_row: dict[int, list[torch.Tensor]] = {}
+    for g in range(len(groups)):
+        b = int(groups.row[g])
+        s0, sn = int(groups.student_start[g]), int(groups.student_length[g])
+        t0, tn = int(groups.teacher_start[g]), int(groups.teacher_length[g])
+        removed = {int(vocabulary.student_pair[s_ids[b, s0]]), int(vocabulary.teacher_pair[t_ids[b, t0]])} - {-1}
+        s_chain = sum(s_log[b, s0 + k, s_ids[b, s0 + k]] for k in range(sn))
+        t_chain = sum(t_log[b, t0 + k, t_ids[b, t0 + k]] for k in range(tn))
+        p_s = reference_events(s_log[b, s0], s_chain, s_ids, vocabulary.student_ids.tolist(), removed)
+        p_t = reference_events(t_log[b, t0], t_chain, t_ids, vocabulary.teacher_ids.tolist(), removed)
+        assert abs(p_s.sum().item() - 1.0) < 1e-9 and abs(p_t.sum().item() - 1.0) < 1e-9
+        positive = p_t > 0
+        per_row.setdefault(b, []).append((p_t[positive] * (p_t[positive].log() - p_s[positive].clamp(min=1e-300).log())).sum())
+    expected = sum(torch.stack(values).mean() for values in per_row.values()) / len(per_row)
+    (expected_grad,) = torch.autograd.grad(expected, student)
+    assert abs(loss.item() - expected.item()) < 1e-6
+    assert (grad - expected_grad).abs().max().item() < 1e-6
+    assert abs(diagnostics["kl_forward"].item() - expected.item()) < 1e-6
+    assert 0.0 < diagnostics["teacher_unmapped_mass"].item() < 1.0
+
+
+def test_chunk_size_changes_neither_loss_nor_gradient_and_uld_mixes_in():
+    teacher_tok, student_tok = tokenizer(OTHER), tokenizer(STUDENT)
+    s_ids, s_mask = encode_rows(student_tok, TEXTS)
+    t_ids, t_mask = encode_rows(teacher_tok, TEXTS)
+    torch.manual_seed(3)
+    student = torch.randn(*s_ids.shape, len(student_tok), dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(*t_ids.shape, len(teacher_tok), dtype=torch.float64)
+    results = []
+    for chunk_size, uld in ((1, 0.0), (5, 0.0), (1000, 0.0), (7, 0.25), (1000, 0.25), (3, 1.0)):
+        cross = bound(OTHER, STUDENT, uld)
+        loss, _ = cross.loss(ReverseKL(chunk_size=chunk_size), student, teacher, cross.groups(s_ids, s_mask, t_ids, t_mask), s_ids, t_ids, s_mask)
+        results.append((uld, loss.item(), torch.autograd.grad(loss, student)[0]))
+    for (uld_a, loss_a, grad_a), (uld_b, loss_b, grad_b) in zip(results, results[1:]):
+        if uld_a == uld_b:
+            assert abs(loss_a - loss_b) < 1e-9 and (grad_a - grad_b).abs().max().item() < 1e-9
+    assert results[3][1] != results[0][1]
+    # w = 1: the sorted-probability distance alone, which is 0 when both sorted vectors agree
+    same = bound(STUDENT, STUDENT, 1.0)
+    ids, mask = encode_rows(student_tok, TEXTS)
+    logits = torch.randn(*ids.shape, len(student_tok), dtype=torch.float64)
+    permuted = logits[..., torch.randperm(len(student_tok))]
+    loss, _ = same.loss(ForwardKL(), permuted, logits, same.groups(ids, mask, ids, mask), ids, ids, mask)
+    assert abs(loss.item()) < 1e-9
+
+
+def test_sampled_objectives_run_over_the_events():
+    teacher_tok, student_tok = tokenizer(OTHER), tokenizer(STUDENT)
+    cross = bound(OTHER, STUDENT)
+    s_ids, s_mask = encode_rows(student_tok, TEXTS)
+    t_ids, t_mask = encode_rows(teacher_tok, TEXTS)
+    student = torch.randn(*s_ids.shape, len(student_tok), requires_grad=True)
+    teacher = torch.randn(*t_ids.shape, len(teacher_tok))
+    loss, _ = cross.loss(SampledForwardKL(seed=1), student, teacher, cross.groups(s_ids, s_mask, t_ids, t_mask), s_ids, t_ids, s_mask)
+    (grad,) = torch.autograd.grad(loss, student)
+    assert math.isfinite(loss.item()) and bool(torch.isfinite(grad).all()) and grad.abs().sum() > 0
+
+
+# ---- re-tokenising rollouts ------------------------------------------------------------------
+def context(writer_cut: int = 0) -> RolloutContext:
+    student_tok, teacher_tok = tokenizer(STUDENT), tokenizer(OTHER)
+    return RolloutContext(
+        student=None, teacher=None, tokenizer=student_tok, token_columns=len(student_tok), max_new_tokens=64,
+        eos_token_ids=(student_tok.eos_token_id,), pad_token_id=student_tok.pad_token_id, student_temperature=1.0,
+        teacher_temperature=1.0, generator=None,
+        teacher_tokens=TeacherTokens(teacher_tok, len(teacher_tok), (teacher_tok.eos_token_id,)),
+    )
+
+
+TEXT = st.lists(st.sampled_from(list("0123456789 +-*/=()abcxyzé世界🎉\n<>/") + ["<answer>", "</answer>", "  "]), max_size=30).map("".join)
+
+
+@settings(max_examples=60, deadline=None)
+@given(texts=st.lists(TEXT, min_size=1, max_size=3), writer=st.sampled_from(["student", "teacher"]),
+       ended=st.booleans(), cut=st.integers(0, 2))
+def test_retokenised_rollouts_align_every_byte(texts, writer, ended, cut):
+    """Whoever writes (and wherever its tokens are cut, even inside a multi-byte character), the two
+    sides of a re-tokenised rollout spell the same bytes, the groups cover them all, and the end tokens
+    pair up exactly when the writer ended."""
+    from kdlab.data import PromptBatch, right_pad
+
+    ctx = context()
+    tok = ctx.tokenizer if writer == "student" else ctx.teacher_tokens.tokenizer
+    end = (ctx.eos_token_ids if writer == "student" else ctx.teacher_tokens.eos_token_ids)[0]
+    rows = []
+    for text in texts:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        ids = ids[: max(0, len(ids) - cut)] if cut else ids
+        rows.append(ids + ([end] if ended else []))
+    ids, mask = right_pad(rows, 0)
+    empty = torch.zeros(len(rows), 1, dtype=torch.long)
+    prompts = PromptBatch([{"id": str(k)} for k in range(len(rows))], empty, empty, empty, empty)
+    rollout = ctx.retokenized(prompts, ids, mask, writer)
+    cross = bound(OTHER, STUDENT)
+    t_ids, t_mask = rollout.completion("teacher")
+    groups = cross.groups(rollout.completion_ids, rollout.completion_mask, t_ids, t_mask)
+    vocabulary = cross.vocabulary
+    for b in range(len(rows)):
+        s_tokens = rollout.completion_ids[b][rollout.completion_mask[b]].tolist()
+        t_tokens = t_ids[b][t_mask[b]].tolist()
+        s_bytes = b"".join(vocabulary.student_bytes[i] for i in s_tokens)
+        assert s_bytes == b"".join(vocabulary.teacher_bytes[i] for i in t_tokens)
+        covered = sum(sum(len(vocabulary.student_bytes[int(rollout.completion_ids[b, int(groups.student_start[g]) + k])])
+                          for k in range(int(groups.student_length[g]))) for g in range(len(groups)) if int(groups.row[g]) == b)
+        assert covered == len(s_bytes)
+        ends_paired = [g for g in range(len(groups)) if int(groups.row[g]) == b
+                       and int(rollout.completion_ids[b, int(groups.student_start[g])]) == ctx.eos_token_ids[0]
+                       and int(t_ids[b, int(groups.teacher_start[g])]) == ctx.teacher_tokens.eos_token_ids[0]]
+        assert len(ends_paired) == (1 if ended else 0)
+
+
+# ---- DistillModule ---------------------------------------------------------------------------
+def task():
+    return Addition(max_digits=2, system_prompt="", num_train=16, num_val=4, num_test=0, seed=0)
+
+
+def module(rollout=None, **overrides):
+    from kdlab.stages.distill import DistillModule
+
+    settings = dict(rollout=rollout, cross_tokenizer=CrossTokenizer(), batch_size=2, max_completion_tokens=12, val_examples=4,
+                    val_batch_size=4, warmup_steps=1, lr=1e-3)
+    settings.update(overrides)
+    return DistillModule(STUDENT, overrides.pop("teacher", OTHER), task(), **{k: v for k, v in settings.items() if k != "teacher"})
+
+
+def fit(m, tmp_path, steps=2, callbacks=()):
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         callbacks=list(callbacks))
+    trainer.fit(m)
+    return trainer
+
+
+def test_different_vocabularies_without_cross_tokenizer_name_the_setting():
+    from kdlab.stages.distill import DistillModule
+
+    with pytest.raises(ValueError, match="tokenizers differ.*cross_tokenizer"):
+        DistillModule(STUDENT, OTHER, task())
+
+
+def test_what_needs_one_vocabulary_and_lossy_tokenizers_are_refused_before_weights_load(monkeypatch, tmp_path):
+    import kdlab.stages.distill as distill
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(distill, "load_causal_lm", no_weights)
+    with pytest.raises(ConfigError, match="MixtureRollouts.*shared vocabulary.*StudentRollouts"):
+        module(MixtureRollouts(lam=0.0))
+    # a tokenizer that lowercases its input cannot be aligned by bytes: the same check, named with the
+    # model and the first differing character
+    import copy
+
+    from tokenizers import normalizers
+
+    from kdlab.stages.distill import check_cross_tokenizer_run
+
+    lossy = copy.deepcopy(tokenizer(OTHER))
+    lossy.backend_tokenizer.normalizer = normalizers.Lowercase()
+    with pytest.raises(ConfigError, match=r"DistillModule.teacher's tokenizer does not reproduce.*character 0 'A'.*in 'Add the numbers"):
+        check_cross_tokenizer_run(task(), TeacherRollouts(), tokenizer(STUDENT), lossy)
+    check_cross_tokenizer_run(task(), TeacherRollouts(), tokenizer(STUDENT), tokenizer(OTHER))
+
+
+@pytest.mark.parametrize("rollout", ["teacher", "student", "dataset", "cached"])
+def test_every_rollout_source_trains_across_tokenizers(rollout, tmp_path):
+    """Off-policy online, on-policy, a teacher dataset and its top-k cache: each trains (finite loss, the
+    student moves) with the teacher reading the completion in its own tokens; HeldOutKL runs across tokenizers."""
+    from kdlab.callbacks import HeldOutKL
+
+    policy = {"teacher": TeacherRollouts, "student": StudentRollouts}.get(rollout, lambda: None)()
+    if rollout in ("dataset", "cached"):
+        data = tmp_path / "teacher.jsonl"
+        rows = [{"id": ex["id"], "completion": task().reference_completion(ex)} for ex in task().examples("train")]
+        data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        policy = TeacherDatasetRollouts(str(data))
+        if rollout == "cached":
+            from kdlab.models.loading import ModelSpec, load_causal_lm
+            from kdlab.rollouts.teacher_data import build_teacher_cache
+
+            teacher = load_causal_lm(ModelSpec(OTHER))
+            build_teacher_cache(teacher, tokenizer(OTHER), task(), str(data), str(tmp_path / "cache.safetensors"), top_k=8,
+                                temperature=0.5, max_new_tokens=12, max_prompt_tokens=256, batch_size=4)
+            policy = CachedTeacherRollouts(str(data), str(tmp_path / "cache.safetensors"))
+    m = module(policy)
+    before = [p.detach().clone() for p in m.student.parameters()]
+    heldout = HeldOutKL(examples=4, batch_size=4)
+    trainer = fit(m, tmp_path, callbacks=[heldout])
+    metrics = trainer.callback_metrics
+    assert math.isfinite(float(metrics["train/loss"]))
+    assert 0.0 < float(metrics["train/one_to_one_share"]) <= 1.0
+    assert any(not torch.equal(a, b) for a, b in zip(before, m.student.parameters()))
+    assert heldout.before["forward"] > 0 and math.isfinite(heldout.kl(m)[0])
+
+
+def test_identical_tokenizers_through_cross_tokenizer_train_like_the_plain_module(tmp_path):
+    from kdlab.stages.distill import DistillModule
+
+    runs = []
+    for cross in (None, CrossTokenizer()):
+        pl.seed_everything(0)
+        m = DistillModule(STUDENT, "kdlab://tiny/teacher", task(), cross_tokenizer=cross, batch_size=2, max_completion_tokens=12,
+                          val_examples=4, val_batch_size=4, warmup_steps=1, lr=1e-3)
+        trainer = fit(m, tmp_path, steps=3)
+        runs.append((float(trainer.callback_metrics["train/loss"]), [p.detach().clone() for p in m.student.parameters()]))
+    (loss_a, weights_a), (loss_b, weights_b) = runs
+    assert abs(loss_a - loss_b) < 1e-5
+    # fp32 rounding of the two paths (1e-7 of a gradient) passes through Adam's normalisation: 1e-4 is a
+    # tenth of one step's move at lr 1e-3; a different loss moves the weights by ~3e-3 in three steps
+    assert max((a - b).abs().max().item() for a, b in zip(weights_a, weights_b)) < 1e-4
