@@ -337,3 +337,14 @@ def test_identical_tokenizers_through_cross_tokenizer_train_like_the_plain_modul
     # fp32 rounding of the two paths (1e-7 of a gradient) passes through Adam's normalisation: 1e-4 is a
     # tenth of one step's move at lr 1e-3; a different loss moves the weights by ~3e-3 in three steps
     assert max((a - b).abs().max().item() for a, b in zip(weights_a, weights_b)) < 1e-4
+
+
+def test_rollout_sensitivity_is_refused_across_tokenizers_and_callbacks_sample_the_teacher_in_its_own_columns(tmp_path):
+    from kdlab.callbacks import Coverage, RolloutSensitivity
+
+    m = module(TeacherRollouts())
+    with pytest.raises(ConfigError, match="RolloutSensitivity.*cross_tokenizer.*HeldOutKL"):
+        RolloutSensitivity().setup(None, m, "fit")
+    coverage = Coverage(task(), ks=(1,), samples=1, examples=4, batch_size=4, max_new_tokens=8)
+    texts = coverage.sample(m, m.task, m.task.examples("val"), role="teacher")
+    assert len(texts) == 4 and m.teacher_columns != m.token_columns

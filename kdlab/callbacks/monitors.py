@@ -47,6 +47,14 @@ class RolloutSensitivity(PeriodicCallback):
             return
         require_teacher_model(pl_module, "RolloutSensitivity", "measures a distillation objective's gradients",
                               "the reference rollouts' teacher log-probs are not in a teacher cache")
+        if getattr(pl_module, "cross_tokenizer", None) is not None:
+            from kdlab.errors import ConfigError
+
+            raise ConfigError(
+                "RolloutSensitivity compares the rollout policy's next-token distribution with both models' on one "
+                "vocabulary, which DistillModule.cross_tokenizer runs do not have; measure those with HeldOutKL and "
+                "the logged train/kl_forward, train/kl_reverse instead"
+            )
 
     def reference_policy(self, pl_module):
         from kdlab.rollouts.policies import StudentRollouts, TeacherRollouts

@@ -89,7 +89,8 @@ class EvaluationCallback(PeriodicCallback):
         else:
             network = pl_module.student if role == "student" else pl_module.teacher
             tokenizer = pl_module.student_tokenizer if role == "student" else pl_module.teacher_tokenizer
-            token_columns = getattr(pl_module, "token_columns", None)
+            # each model's own columns (they differ across tokenizers: DistillModule.teacher_columns)
+            token_columns = getattr(pl_module, "token_columns" if role == "student" else "teacher_columns", getattr(pl_module, "token_columns", None))
         generator = torch.Generator(device=pl_module.device).manual_seed(self.seed)
         repeated = [ex for ex in examples for _ in range(repeat)]
         return completion_texts(

@@ -246,37 +246,84 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def event_logprobs(logprobs: torch.Tensor, realized: torch.Tensor, owner: torch.Tensor, first_rows: torch.Tensor,
-                   ids: torch.Tensor, map_ids: torch.Tensor, removed: torch.Tensor, unmapped: torch.Tensor) -> torch.Tensor:
-    """One side's log-probabilities ``(G, M + 2)`` of a chunk's groups on the events ``[map..., x_k, rest]``.
+@dataclass
+class EventLayout:
+    """Where one side's tokens go on the event axis ``[student columns (V_S)..., x_k, rest]``: a pair's
+    event sits in its student token's column, so the student's own log-probs need no gather.
 
-    ``logprobs``: ``(n, V)`` normalised log-probs at every token of the chunk's groups; ``realized``: ``(n,)``
-    the log-prob of the token written there; ``owner``: ``(n,)`` the group of each row; ``first_rows``:
-    ``(G,)`` each group's first row; ``ids``: ``(n,)`` the tokens written; ``map_ids``: ``(M,)`` this side's
-    ids of the map; ``removed``: ``(G, 2)`` pair indices left out of each group's map (-1: none);
-    ``unmapped``: ``(V,)`` bool, this side's tokens outside the map.
+    ``source``/``target``: ``(M,)`` this side's ids of the map and the student columns they go to;
+    ``unmapped``: ``(U,)`` this side's ids outside the map; ``width``: ``V_S``; ``identity``: the map
+    covers every column of this side in place (the student's side with one shared vocabulary)."""
+
+    source: torch.Tensor
+    target: torch.Tensor
+    unmapped: torch.Tensor
+    mapped_columns: torch.Tensor
+    width: int
+    identity: bool
+
+    @classmethod
+    def of(cls, vocabulary: VocabularyMap, side: str) -> EventLayout:
+        source = getattr(vocabulary, f"{side}_ids")
+        pair = getattr(vocabulary, f"{side}_pair")
+        width = int(vocabulary.student_pair.numel())
+        mapped_columns = torch.zeros(width, dtype=torch.bool, device=source.device)
+        mapped_columns[vocabulary.student_ids] = True
+        identity = side == "student" and bool(mapped_columns.all())
+        return cls(source, vocabulary.student_ids, (pair < 0).nonzero().flatten(), mapped_columns, width, identity)
+
+
+def side_logprobs(rows: torch.Tensor, ids: torch.Tensor, first_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(start, realized)``: normalised log-probs ``(G, V)`` at each group's first row and the log-prob
+    ``(n,)`` of the token written at every row, from one side's logits ``rows`` ``(n, V)`` (one
+    normaliser per row; the full log-softmax only where a group starts)."""
+    lse = torch.logsumexp(rows, dim=-1)
+    realized = rows.gather(1, ids[:, None]).squeeze(1) - lse
+    start = rows if first_rows.numel() == rows.shape[0] else rows[first_rows]
+    return start - lse[first_rows, None], realized
+
+
+def event_logprobs(start: torch.Tensor, realized: torch.Tensor, owner: torch.Tensor, first_rows: torch.Tensor,
+                   first_ids: torch.Tensor, layout: EventLayout, removed: torch.Tensor) -> torch.Tensor:
+    """One side's log-probabilities ``(G, V_S + 2)`` of a chunk's groups on the events
+    ``[map in student columns..., x_k, rest]`` (columns of unmapped student tokens and of left-out pairs
+    hold :data:`FLOOR`).
+
+    ``start``: ``(G, V)`` normalised log-probs where each group starts; ``realized``: ``(n,)`` the log-prob of
+    the token written at every row of the chunk's groups; ``owner``: ``(n,)`` the group of each row;
+    ``first_rows``: ``(G,)`` each group's first row; ``first_ids``: ``(G,)`` the token written there;
+    ``removed``: ``(G, 2)`` pair indices left out of each group's map (-1: none).
     """
     groups = first_rows.numel()
-    start = logprobs[first_rows]  # (G, V)
-    first_ids = ids[first_rows]
     is_first = torch.zeros(owner.numel(), dtype=torch.bool, device=owner.device)
     is_first[first_rows] = True
-    continuation = torch.zeros(groups, dtype=logprobs.dtype, device=logprobs.device).index_add(0, owner, torch.where(is_first, 0.0, realized))
+    continuation = torch.zeros(groups, dtype=start.dtype, device=start.device).index_add(0, owner, torch.where(is_first, 0.0, realized))
     single = torch.bincount(owner, minlength=groups) == 1
     first = realized[first_rows]
-    chain = first + continuation
-    drop = torch.zeros(groups, map_ids.numel() + 1, dtype=torch.bool, device=logprobs.device)
-    drop.scatter_(1, torch.where(removed >= 0, removed, map_ids.numel()), True)
-    drop = drop[:, :-1]
-    mapped = torch.where(drop, FLOOR, start[:, map_ids])
-    other = unmapped.expand(groups, -1).clone()
-    dropped_tokens = torch.where(removed >= 0, map_ids[removed.clamp(min=0)], first_ids[:, None])
-    other.scatter_(1, dropped_tokens, True)
-    other.scatter_(1, first_ids[:, None], False)
-    rest_other = torch.logsumexp(torch.where(other, start, FLOOR), dim=-1)
-    first_rest = torch.where(single, FLOOR, first + _log1mexp(continuation.clamp(max=-1e-7)))
-    rest = torch.logaddexp(rest_other, first_rest)
-    return torch.cat([mapped, chain[:, None], rest[:, None]], dim=1)
+    # rest: unmapped tokens, the left-out pairs' own tokens but the first (each pair once), and the first
+    # token without the rest of the group
+    kept = removed >= 0
+    own = torch.where(kept, layout.source[removed.clamp(min=0)], first_ids[:, None])
+    counted = kept & (own != first_ids[:, None])
+    counted[:, 1] &= removed[:, 1] != removed[:, 0]
+    parts = [torch.where(counted, start.gather(1, own), FLOOR),
+             torch.where(single, FLOOR, first + _log1mexp(continuation.clamp(max=-1e-7)))[:, None]]
+    if layout.unmapped.numel():  # the first token, when unmapped, is in x_k and first_rest already
+        parts.append(torch.where(layout.unmapped[None, :] == first_ids[:, None], FLOOR, start.index_select(1, layout.unmapped)))
+    x_k = first + continuation
+    rest = torch.logsumexp(torch.cat(parts, dim=1), dim=-1)
+    # the map, in student columns, without the left-out pairs
+    if layout.identity:
+        mapped = start
+    elif torch.equal(layout.source, layout.target):
+        mapped = start.masked_fill(~layout.mapped_columns, FLOOR)
+    else:
+        mapped = start.new_full((groups, layout.width), FLOOR).index_copy(1, layout.target, start.index_select(1, layout.source))
+    events = torch.cat([mapped, x_k[:, None], rest[:, None]], dim=1)
+    for column in range(removed.shape[1]):
+        rows = kept[:, column].nonzero().flatten()
+        events[rows, layout.target[removed[rows, column]]] = FLOOR
+    return events
 
 
 class _AlignedObjective(torch.autograd.Function):
@@ -312,6 +359,43 @@ class _AlignedObjective(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = grad_weight.to(ctx.weight_dtype)
         return None, grad_hidden, grad_weight, None, None
+
+
+def event_statistics(student: torch.Tensor, teacher: torch.Tensor, gradient_of: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(G, 4)``: KL(T || S), KL(S || T) and both entropies of normalised event log-probs ``(G, E)``
+    (a :data:`FLOOR` entry has probability exactly 0 and adds nothing); and, for ``gradient_of`` =
+    ``"kl_forward"`` or ``"kl_reverse"``, that KL's gradient ``(G, E)`` with respect to the student's
+    event log-probs (``-p_T``, or ``p_S (log p_S - log p_T + 1)``), else ``None``."""
+    p_s, p_t = student.exp(), teacher.exp()
+    diff = teacher - student
+    stats = torch.stack([(p_t * diff).sum(-1), -(p_s * diff).sum(-1), -(p_s * student).sum(-1), -(p_t * teacher).sum(-1)], dim=1)
+    if gradient_of == "kl_forward":
+        return stats, p_t.neg_()
+    if gradient_of == "kl_reverse":
+        return stats, diff.neg_().add_(1.0).mul_(p_s)
+    return stats, None
+
+
+def closed_form(objective: Any) -> str | None:
+    """``"kl_forward"`` / ``"kl_reverse"`` when ``objective``'s per-token loss is exactly ForwardKL's /
+    ReverseKL's (then loss and gradient come from :func:`event_statistics`), else ``None``."""
+    from kdlab.objectives.kl import ForwardKL, ReverseKL
+
+    token_loss = type(objective).token_loss
+    return "kl_forward" if token_loss is ForwardKL.token_loss else "kl_reverse" if token_loss is ReverseKL.token_loss else None
+
+
+def event_loss(objective: Any, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """``objective``'s per-group loss ``(G,)`` on event log-probs: forward and reverse KL in closed form on
+    the normalised events (one pass), any other objective through its own ``token_loss``."""
+    from kdlab.objectives.kl import ForwardKL, ReverseKL
+
+    token_loss = type(objective).token_loss
+    if token_loss is ForwardKL.token_loss:
+        return (teacher.exp() * (teacher - student)).sum(-1)
+    if token_loss is ReverseKL.token_loss:
+        return (student.exp() * (student - teacher)).sum(-1)
+    return objective.token_loss(student, teacher)
 
 
 def sorted_probability_distance(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
@@ -366,7 +450,7 @@ class CrossTokenizer(Component):
         Diagnostics: ``kl_forward``, ``kl_reverse``, entropies on the events, ``teacher_unmapped_mass`` (the
         teacher's probability on tokens outside the map, at group starts), ``one_to_one_share``.
         """
-        from kdlab.objectives.kl import KLObjective, forward_kl_per_token, reverse_kl_per_token, token_weights
+        from kdlab.objectives.kl import KLObjective, token_weights
 
         if self.vocabulary is None:
             raise RuntimeError("CrossTokenizer.bind(...) must be called before use (DistillModule does it)")
@@ -380,8 +464,8 @@ class CrossTokenizer(Component):
         if sequence_weights is not None:
             weights = weights * sequence_weights.to(weights.dtype)[:, None]
         vocabulary = self.vocabulary.to(student_mask.device)
-        s_unmapped = vocabulary.student_pair < 0
-        t_unmapped = vocabulary.teacher_pair < 0
+        s_layout, t_layout = EventLayout.of(vocabulary, "student"), EventLayout.of(vocabulary, "teacher")
+        t_unmapped = t_layout.unmapped
         chunk_size = objective.chunk_size
         uld = self.uld_weight
         teacher_logits = teacher_logits.detach()
@@ -401,33 +485,35 @@ class CrossTokenizer(Component):
                 s_ids, t_ids = student_ids[sb, st], teacher_ids[tb, tt]
                 removed = torch.stack([vocabulary.student_pair[s_ids[s_first]], vocabulary.teacher_pair[t_ids[t_first]]], dim=1)
                 with torch.no_grad():
-                    t_log = torch.log_softmax(gather_rows(teacher_logits, tb, tt, dtype), dim=-1)
-                    t_events = event_logprobs(t_log, t_log.gather(-1, t_ids[:, None]).squeeze(-1), t_owner, t_first, t_ids,
-                                              vocabulary.teacher_ids, removed, t_unmapped)
-                    t_start = t_log[t_first]
-                    unmapped_mass = torch.logsumexp(torch.where(t_unmapped, t_start, FLOOR), -1).exp() if bool(t_unmapped.any()) else torch.zeros(len(chunk), dtype=dtype, device=t_start.device)
-                    del t_log
+                    t_start, t_realized = side_logprobs(gather_rows(teacher_logits, tb, tt, dtype), t_ids, t_first)
+                    t_events = event_logprobs(t_start, t_realized, t_owner, t_first, t_ids[t_first], t_layout, removed)
+                    unmapped_mass = (torch.logsumexp(t_start.index_select(1, t_unmapped), -1).exp() if t_unmapped.numel()
+                                     else torch.zeros(len(chunk), dtype=dtype, device=t_start.device))
                 w = weights[groups.row[chunk], groups.student_start[chunk]]
                 d = diagnostic_weights[groups.row[chunk], groups.student_start[chunk]]
                 with torch.enable_grad():
                     rows = gather_rows(source, sb, st, dtype).detach().requires_grad_(gradient is not None)
-                    s_log = torch.log_softmax(rows, dim=-1)
-                    s_events = event_logprobs(s_log, s_log.gather(-1, s_ids[:, None]).squeeze(-1), s_owner, s_first, s_ids,
-                                              vocabulary.student_ids, removed, s_unmapped)
-                    losses = objective.token_loss(s_events, t_events) if uld < 1.0 else torch.zeros(len(chunk), dtype=dtype, device=rows.device)
-                    if uld > 0.0:
-                        losses = (1.0 - uld) * losses + uld * sorted_probability_distance(s_log[s_first], t_start)
-                    chunk_loss = (losses * w).sum()
-                    if gradient is not None:
-                        (grad,) = torch.autograd.grad(chunk_loss, rows)
-                        gradient.add_chunk(torch.stack([sb, st], dim=1), grad)
-                total += chunk_loss.detach()
+                    s_start, s_realized = side_logprobs(rows, s_ids, s_first)
+                    s_events = event_logprobs(s_start, s_realized, s_owner, s_first, s_ids[s_first], s_layout, removed)
+                    closed = closed_form(objective) if uld == 0.0 else None
+                    if closed is None:
+                        losses = event_loss(objective, s_events, t_events) if uld < 1.0 else torch.zeros(len(chunk), dtype=dtype, device=rows.device)
+                        if uld > 0.0:
+                            losses = (1.0 - uld) * losses + uld * sorted_probability_distance(s_start, t_start)
+                        chunk_loss = (losses * w).sum()
+                        if gradient is not None:
+                            (grad,) = torch.autograd.grad(chunk_loss, rows)
                 with torch.no_grad():
-                    s_ev, t_ev = s_events.detach(), t_events
-                    entropy = lambda logp: -(logp.clamp(min=FLOOR).exp() * logp).sum(-1)  # noqa: E731
-                    values = torch.stack([forward_kl_per_token(s_ev, t_ev), reverse_kl_per_token(s_ev, t_ev),
-                                          entropy(torch.log_softmax(s_ev, -1)), entropy(torch.log_softmax(t_ev, -1)), unmapped_mass], dim=1)
+                    statistics, event_grad = event_statistics(s_events.detach(), t_events, closed)
+                    if closed is not None:  # the loss is one of the statistics; its gradient on the events is known
+                        chunk_loss = (statistics[:, DIAGNOSTICS.index(closed)] * w).sum()
+                        if gradient is not None:
+                            (grad,) = torch.autograd.grad(s_events, rows, event_grad.mul_(w[:, None]))
+                    values = torch.cat([statistics, unmapped_mass[:, None]], dim=1)
                     diagnostics.add_(torch.mv(values.T.to(dtype), d))
+                if gradient is not None:
+                    gradient.add_chunk(torch.stack([sb, st], dim=1), grad)
+                total += chunk_loss.detach()
             return total
 
         compute.covered = covered  # type: ignore[attr-defined]
