@@ -177,7 +177,25 @@ def _gpu(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-RENDERERS = {"real_vocab_step": _step, "kl_memory": _memory, "fused_head_memory": _fused, "mixture_decoding": _decoding,
+def _cross(record: dict) -> str:
+    shapes = record["shapes"]
+    lines = [f"## Distillation across tokenizers, {record['pair']} pair, B = {shapes['batch']}, completions up to {shapes['max_completion_tokens']} tokens\n",
+             _setting(record),
+             f"A whole `Trainer.fit` step (teacher forward, student forward/backward, objective, logging, AdamW) on the task's "
+             f"reference completions; median over {record['repeats']} fit(s) per variant of {record['steps']} steps, the first two "
+             f"of each fit left out. `same`: the teacher shares the student's tokenizer; `cross-identical`: the same pair "
+             f"through `cross_tokenizer`; `cross`: a teacher with another tokenizer. Target: at most {record['target']}x `same`.\n",
+             "| variant | step s | x same | student columns | teacher columns | student tokens | teacher tokens | one-to-one share |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for variant, row in record["results"].items():
+        lines.append(f"| {variant} | {row['median_step_s']:.3f} | {row['ratio_to_same']:.2f} | {row['student_columns']:,} | {row['teacher_columns']:,} "
+                     f"| {row['student_completion_tokens']} | {row['teacher_completion_tokens']} | {row['one_to_one_share']:.3f} |")
+    if record["problems"]:
+        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS = {"real_vocab_step": _step, "cross_tokenizer_step": _cross, "kl_memory": _memory, "fused_head_memory": _fused, "mixture_decoding": _decoding,
              "decode": _decode, "gpu": _gpu}
 
 

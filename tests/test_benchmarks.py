@@ -152,6 +152,7 @@ def test_real_vocab_step_flags_a_shrunk_vocabulary_and_disagreeing_losses():
     ("kl_memory.py", ["--tokens=256", "--vocab=2000"]),
     ("fused_head_memory.py", ["--tokens=256", "--vocab=2000", "--hidden=32"]),
     ("mixture_decoding.py", ["--vocab=1000", "--decode=4"]),
+    ("cross_tokenizer_step.py", ["--steps=3", "--batch=2", "--cross-teacher=kdlab://tiny-random/teacher"]),
 ])
 @pytest.mark.slow  # subprocess runs of whole benchmarks, about 30 s each
 def test_each_benchmark_runs_at_toy_size_and_writes_json(script, extra, tmp_path):
