@@ -52,6 +52,7 @@ from kdlab.objectives.kernels import (
     compute_dtype,
     full_precision,
     gather_rows,
+    scaled_gradients,
 )
 
 FLOOR = -1e4
@@ -349,16 +350,8 @@ class _AlignedObjective(torch.autograd.Function):
         gradient, ctx.gradient = ctx.gradient, None
         if gradient is None:
             raise RuntimeError("backward through the aligned objective can run only once per forward")
-        unit = bool(grad_output == 1)
-        if isinstance(gradient, LogitsGradient):
-            return (gradient.grad if unit else gradient.grad.mul_(grad_output.to(gradient.grad.dtype))), None, None, None, None
-        grad_hidden, grad_weight = gradient.hidden, gradient.weight
-        if not unit:
-            grad_hidden = grad_hidden.mul_(grad_output.to(grad_hidden.dtype)) if grad_hidden is not None else None
-            grad_weight = grad_weight.mul_(grad_output.to(grad_weight.dtype)) if grad_weight is not None else None
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(ctx.weight_dtype)
-        return None, grad_hidden, grad_weight, None, None
+        with full_precision(grad_output):
+            return (*scaled_gradients(gradient, grad_output, ctx.weight_dtype), None, None)
 
 
 def event_statistics(student: torch.Tensor, teacher: torch.Tensor, gradient_of: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -378,6 +378,23 @@ class HeadGradient:
                 self.weight.add_(grad.T @ hidden)
 
 
+def scaled_gradients(gradient: LogitsGradient | HeadGradient, grad_output: torch.Tensor, weight_dtype: torch.dtype | None
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(d logits, d hidden, d head weight)`` of a chunked objective's backward: the gradient its forward
+    computed, scaled in place by the incoming ``grad_output`` (untouched when that is 1); the head's in
+    ``weight_dtype``. Plain logits give ``(grad, None, None)``, a :class:`HeadLogits` student ``(None, ...)``."""
+    unit = bool(grad_output == 1)  # the usual case: no pass over the (B, T, V) gradient at all
+    if isinstance(gradient, LogitsGradient):
+        return (gradient.grad if unit else gradient.grad.mul_(grad_output.to(gradient.grad.dtype))), None, None
+    grad_hidden, grad_weight = gradient.hidden, gradient.weight
+    if not unit:
+        grad_hidden = grad_hidden.mul_(grad_output.to(grad_hidden.dtype)) if grad_hidden is not None else None
+        grad_weight = grad_weight.mul_(grad_output.to(grad_weight.dtype)) if grad_weight is not None else None
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight_dtype)
+    return None, grad_hidden, grad_weight
+
+
 def chunked_pass(
     student: Logits,
     teacher: Logits,

@@ -49,6 +49,7 @@ from kdlab.objectives.kernels import (
     gather_rows,
     iter_token_chunks,
     rowdot,
+    scaled_gradients,
 )
 
 REDUCTIONS = ("sequence", "token")
@@ -114,17 +115,7 @@ class _ChunkedObjective(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, gradient, grad_output):
-        unit = bool(grad_output == 1)  # the usual case: no pass over the (B, T, V) gradient at all
-        if isinstance(gradient, LogitsGradient):
-            grad = gradient.grad if unit else gradient.grad.mul_(grad_output.to(gradient.grad.dtype))
-            return grad, None, None, None, None, None, None, None, None, None, None, None
-        grad_hidden, grad_weight = gradient.hidden, gradient.weight
-        if not unit:
-            grad_hidden = grad_hidden.mul_(grad_output.to(grad_hidden.dtype)) if grad_hidden is not None else None
-            grad_weight = grad_weight.mul_(grad_output.to(grad_weight.dtype)) if grad_weight is not None else None
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(ctx.weight_dtype)
-        return None, grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
+        return (*scaled_gradients(gradient, grad_output, ctx.weight_dtype), None, None, None, None, None, None, None, None, None)
 
 
 def chunked_token_loss(
