@@ -90,6 +90,7 @@ CLI_CASES = {
     "44": (FIT + ["--model.task.answer_from=number"], "Addition.answer_from must be one of"),
     "46": (FIT + MIXTURE + ["--model.student.path=kdlab://tiny/student", "--model.cross_tokenizer=kdlab.objectives.CrossTokenizer"],
            "DistillModule.rollout: MixtureRollouts mixes the two models' next-token distributions"),
+    "47": (FIT + ["--model.base_teacher=true"], "DistillModule.base_teacher: the teacher is the student's base under its LoRA adapters"),
 }
 NOT_CLI = {  # rows whose input is not a configuration a command line can give, with where they are tested
     "11": "a corrupted weight file: tested by loading a damaged copy (test_models.py)",

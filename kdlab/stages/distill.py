@@ -50,6 +50,7 @@ from kdlab.rollouts.policies import (
     importance_weights,
 )
 from kdlab.stages.base import TaskStage
+from kdlab.stages.lora import AdaptersDisabled, LoraSpec, apply_lora
 from kdlab.stages.optim import FiniteAdamW, lr_multiplier
 from kdlab.stages.sharding import gathered_for_decoding
 from kdlab.tasks.base import Example, Task
@@ -61,7 +62,7 @@ class DistillModule(TaskStage):
     Args:
         student: the model trained (all its parameters, full fine-tuning).
         teacher: the frozen model distilled from; it shares the student's vocabulary unless
-            ``cross_tokenizer`` is given. ``None`` when the
+            ``cross_tokenizer`` is given. ``None`` (YAML ``teacher: null``) when the
             rollout is :class:`~kdlab.rollouts.policies.CachedTeacherRollouts`: the teacher then never sits in
             training memory (callbacks that sample from the teacher cannot be used).
         task: prompts, per-model prompting and the verifier used for validation accuracy.
@@ -107,6 +108,12 @@ class DistillModule(TaskStage):
             model reads the completion in its own tokens, aligned by bytes, and ``objective`` is taken over
             the aligned groups (with identical tokenizers it equals the usual objective). Required when the
             vocabularies differ; ``MixtureRollouts`` and vLLM rollouts need one vocabulary and are refused.
+        lora: train LoRA adapters on the student instead of all its weights (peft, as SFT and GRPO; ``pip
+            install kdlab[lora]``): only the adapters move and hold optimiser state; checkpoints carry the
+            student with its adapters, exports and vLLM pushes merge them.
+        base_teacher: with ``lora``, the teacher is the student's own base model, its adapters disabled
+            (``teacher: null``): self-distillation with no second model in memory, e.g. from a teacher
+            prompt the student does not get (the task's ``teacher_messages``).
         seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each
             step's streams are derived from (seed, split, rank, epoch, batch index) and each epoch's
             order from (seed, epoch), not from how long the process has been running.
@@ -115,8 +122,8 @@ class DistillModule(TaskStage):
     def __init__(
         self,
         student: ModelSpec | str,
-        teacher: ModelSpec | str | None,
-        task: Task,
+        teacher: ModelSpec | str | None = None,
+        task: Task | None = None,
         rollout: RolloutPolicy | None = None,
         objective: KLObjective | None = None,
         teacher_temperature: float = 0.5,
@@ -141,7 +148,11 @@ class DistillModule(TaskStage):
         seed: int = 42,
         stop_strings: list[str] | None = None,
         cross_tokenizer: CrossTokenizer | None = None,
+        lora: LoraSpec | None = None,
+        base_teacher: bool = False,
     ) -> None:
+        if task is None:
+            raise ValueError("DistillModule.task is required (a kdlab.tasks Task chosen by class_path)")
         super().__init__(
             task, batch_size, max_prompt_tokens, max_completion_tokens, val_examples,
             val_temperature, val_batch_size, eval_samples, tuple(eval_ks), seed, stop_strings,
@@ -153,8 +164,15 @@ class DistillModule(TaskStage):
         self.student_spec = ModelSpec(student) if isinstance(student, str) else student
         self.teacher_spec = ModelSpec(teacher) if isinstance(teacher, str) else teacher
         cache = rollout.cache if isinstance(rollout, CachedTeacherRollouts) else None
-        if teacher is None and cache is None:
-            raise ValueError("DistillModule.teacher is required unless the rollout is CachedTeacherRollouts (a teacher_cache)")
+        if base_teacher:
+            if lora is None or teacher is not None or cache is not None or cross_tokenizer is not None:
+                raise ValueError("DistillModule.base_teacher: the teacher is the student's base under its LoRA adapters, so it needs "
+                                 "lora, teacher: null, no teacher_cache and no cross_tokenizer")
+            if teacher_placement != "replicate":
+                raise ValueError("DistillModule.base_teacher: the teacher is the student itself, so teacher_placement must be 'replicate'")
+        elif teacher is None and cache is None:
+            raise ValueError("DistillModule.teacher is required unless the rollout is CachedTeacherRollouts (a teacher_cache) "
+                             "or base_teacher is true")
         if teacher is None and cross_tokenizer is not None:
             raise ValueError("DistillModule.teacher is required with cross_tokenizer (its tokenizer re-tokenises the completions), "
                              "even when its log-probs come from CachedTeacherRollouts.teacher_cache")
@@ -189,8 +207,13 @@ class DistillModule(TaskStage):
             check_cross_tokenizer_run(task, self.rollout, self.student_tokenizer, self.teacher_tokenizer)
             cross_tokenizer.bind(self.teacher_tokenizer, self.student_tokenizer, self.teacher_columns, self.token_columns)
         self.student = load_causal_lm(self.student_spec, "student", config=student_config)
+        self.lora, self.base_teacher = lora, base_teacher
+        if lora is not None:
+            self.student = apply_lora(self.student, lora)
         if teacher is not None:
             self.hold_frozen("teacher", load_causal_lm(self.teacher_spec, "teacher", config=teacher_config))
+        elif base_teacher:
+            self.hold_frozen("teacher", AdaptersDisabled(self.student))
         if cache is not None:
             if cache.token_columns != self.teacher_columns:
                 raise ValueError(f"CachedTeacherRollouts.teacher_cache {cache.path!r} has {cache.token_columns} token columns, the teacher {self.teacher_columns}")
@@ -202,7 +225,7 @@ class DistillModule(TaskStage):
         self.student.train()  # from_pretrained returns eval mode; Lightning keeps modes as it finds them
         # a completion ends at either model's end token (their chat templates may differ); across
         # tokenizers each model's own end tokens end the completions it writes
-        teacher_ends = end_token_ids(self.teacher_tokenizer, self.teacher) if teacher is not None else ()
+        teacher_ends = end_token_ids(self.teacher_tokenizer, self.teacher) if "teacher" in self._frozen else ()
         student_ends = end_token_ids(self.student_tokenizer, self.student)
         if cross_tokenizer is None:
             self.end_ids = tuple(dict.fromkeys(student_ends + teacher_ends))

@@ -1,0 +1,118 @@
+"""LoRA students in DistillModule, and a teacher that is the student's own base (issue #28, item 3)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from kdlab.rollouts.policies import StudentRollouts, TeacherRollouts
+from kdlab.stages.lora import AdaptersDisabled, LoraSpec
+from kdlab.tasks import Addition
+
+pytest.importorskip("peft")
+
+
+def task():
+    return Addition(max_digits=2, system_prompt="", num_train=16, num_val=4, num_test=0, seed=0)
+
+
+def module(tiny_pair, **overrides):
+    from kdlab.stages.distill import DistillModule
+
+    settings = dict(rollout=TeacherRollouts(), batch_size=2, max_completion_tokens=8, val_examples=4, val_batch_size=4, warmup_steps=1,
+                    lr=1e-2, lora=LoraSpec(r=4, alpha=8))
+    settings.update(overrides)
+    teacher = settings.pop("teacher", tiny_pair[1])
+    return DistillModule(tiny_pair[0], teacher, task(), **settings)
+
+
+def fit(m, tmp_path, steps=2):
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(m)
+    return trainer
+
+
+def test_only_the_adapters_move_and_hold_optimiser_state(tiny_pair, tmp_path):
+    m = module(tiny_pair)
+    names = {name: p.detach().clone() for name, p in m.student.named_parameters()}
+    trainable = {name for name, p in m.student.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+    trainer = fit(m, tmp_path)
+    moved = {name for name, p in m.student.named_parameters() if not torch.equal(p, names[name])}
+    assert moved and moved <= trainable  # adapters (B starts at 0, so at least the B matrices) and nothing else
+    state = trainer.optimizers[0].state
+    assert sum(1 for p in m.student.parameters() if p in state) == len(trainable)
+
+
+def test_fused_head_and_logits_paths_give_the_same_adapter_gradients(tiny_pair):
+    grads = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        m = module(tiny_pair, fused_lm_head=fused)
+        for name, p in m.student.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)  # away from B = 0, so every adapter gets a gradient
+        rollout = m.make_rollout(task().examples("train")[:2], 0)
+        student, teacher = m.distillation_logits(rollout)
+        loss = m.objective(student, teacher, rollout.completion_mask)
+        params = [p for p in m.student.parameters() if p.requires_grad]
+        grads.append(torch.autograd.grad(loss, params))
+    for a, b in zip(*grads):
+        assert (a - b).abs().max().item() < 1e-5
+
+
+def test_the_base_teacher_is_the_student_without_adapters_in_the_same_memory(tiny_pair, tmp_path):
+    from kdlab.models.loading import ModelSpec, load_causal_lm
+    from kdlab.objectives.logits import completion_logits
+
+    m = module(tiny_pair, teacher=None, base_teacher=True, rollout=StudentRollouts())
+    assert isinstance(m.teacher, AdaptersDisabled) and not list(m.teacher.parameters())
+    for name, p in m.student.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)  # the adapters now change the student's outputs
+    rollout = m.make_rollout(task().examples("train")[:2], 0)
+    base = load_causal_lm(ModelSpec(tiny_pair[0])).eval()
+    inputs = rollout.model_inputs("teacher")
+    with torch.no_grad():
+        expected = completion_logits(base, inputs, rollout.completion_ids.shape[1], m.token_columns)
+        teacher = completion_logits(m.teacher, inputs, rollout.completion_ids.shape[1], m.token_columns)
+        student = completion_logits(m.student, rollout.model_inputs("student"), rollout.completion_ids.shape[1], m.token_columns)
+    assert (teacher - expected).abs().max().item() < 1e-5
+    assert (student - expected).abs().max().item() > 1e-3  # the student with its adapters differs
+    base_weight = m.student.get_base_model().get_output_embeddings().weight
+    assert m.teacher.get_output_embeddings().weight.data_ptr() == base_weight.data_ptr()  # no copy
+    m.student.train()
+    m.teacher.eval()  # the view never switches the student's mode
+    assert m.student.training
+    trainer = fit(m, tmp_path)
+    assert float(trainer.callback_metrics["train/kl_forward"]) >= 0.0
+
+
+def test_base_teacher_settings_are_checked(tiny_pair):
+    with pytest.raises(ValueError, match="base_teacher.*needs lora, teacher: null"):
+        module(tiny_pair, base_teacher=True)  # a teacher given as well
+    with pytest.raises(ValueError, match="base_teacher.*needs lora"):
+        module(tiny_pair, teacher=None, base_teacher=True, lora=None)
+
+
+def test_a_lora_student_exports_merged_weights(tiny_pair, tmp_path):
+    from kdlab.models.export import export_pretrained
+
+    m = module(tiny_pair)
+    for name, p in m.student.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    export_pretrained(m.student, m.student_tokenizer, tmp_path / "merged")
+    from kdlab.models.loading import ModelSpec, load_causal_lm
+    from kdlab.objectives.logits import completion_logits
+
+    merged = load_causal_lm(ModelSpec(str(tmp_path / "merged"))).eval()
+    rollout = m.make_rollout(task().examples("train")[:2], 0)
+    inputs = rollout.model_inputs("student")
+    m.student.eval()
+    with torch.no_grad():
+        a = completion_logits(merged, inputs, rollout.completion_ids.shape[1], m.token_columns)
+        b = completion_logits(m.student, inputs, rollout.completion_ids.shape[1], m.token_columns)
+    assert (a - b).abs().max().item() < 1e-4
