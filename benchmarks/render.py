@@ -195,7 +195,22 @@ def _cross(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-RENDERERS = {"real_vocab_step": _step, "cross_tokenizer_step": _cross, "kl_memory": _memory, "fused_head_memory": _fused, "mixture_decoding": _decoding,
+def _lora(record: dict) -> str:
+    full, lora = record["results"]["full"], record["results"]["lora"]
+    mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+    lines = [f"## LoRA student optimiser memory, {record['model']}, rank {record['rank']} (alpha {record['alpha']})\n", _setting(record),
+             "Counted from the tensors after one optimiser step of `DistillModule.configure_optimizers` (exact, not timed). "
+             f"Target: LoRA's optimiser state at most {record['target']}x the full student's.\n",
+             "| student | parameters | trainable | gradients MiB | optimiser state MiB |", "| --- | ---: | ---: | ---: | ---: |"]
+    for name, row in (("full", full), (f"LoRA r={record['rank']}", lora)):
+        lines.append(f"| {name} | {row['parameters']:,} | {row['trainable_parameters']:,} | {mib(row['gradient_bytes'])} | {mib(row['optimizer_state_bytes'])} |")
+    lines.append(f"\nOptimiser state ratio (LoRA / full): {record['optimizer_state_ratio']:.4f}; with gradients: {record['state_and_gradient_ratio']:.4f}.")
+    if record["problems"]:
+        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS = {"real_vocab_step": _step, "cross_tokenizer_step": _cross, "lora_memory": _lora, "kl_memory": _memory, "fused_head_memory": _fused, "mixture_decoding": _decoding,
              "decode": _decode, "gpu": _gpu}
 
 

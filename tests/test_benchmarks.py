@@ -208,3 +208,19 @@ def test_the_decode_benchmark_runs_on_the_real_model(tmp_path):
     (row,) = record["results"]["teacher"]
     assert record["threads"] == 1 and row["batch"] == 2 and row["new_tokens"] == 4 and row["dtype"] == "float32"
     assert row["greedy_rows_identical"] == "2/2" and record["load_average_before"] and record["load_average_after"]
+
+
+@pytest.mark.slow  # loads the tiny student twice, about 15 s
+def test_lora_memory_counts_the_optimiser_state_of_both_students(tmp_path):
+    import json
+
+    out = tmp_path / "lora.json"
+    result = run_benchmark("benchmarks/lora_memory.py", "--model=tiny", "--rank=4", f"--out={out}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    full, lora = record["results"]["full"], record["results"]["lora"]
+    assert record["problems"] == [] and record["threads"] == 1
+    # AdamW keeps two fp32 moments per trainable parameter (and a step counter per tensor)
+    assert full["optimizer_state_bytes"] >= 8 * full["trainable_parameters"]
+    assert lora["optimizer_state_bytes"] >= 8 * lora["trainable_parameters"]
+    assert record["optimizer_state_ratio"] == lora["optimizer_state_bytes"] / full["optimizer_state_bytes"] < 0.5
