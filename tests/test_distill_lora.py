@@ -116,3 +116,26 @@ def test_a_lora_student_exports_merged_weights(tiny_pair, tmp_path):
         a = completion_logits(merged, inputs, rollout.completion_ids.shape[1], m.token_columns)
         b = completion_logits(m.student, inputs, rollout.completion_ids.shape[1], m.token_columns)
     assert (a - b).abs().max().item() < 1e-4
+
+
+def test_a_lora_run_with_a_base_teacher_resumes_bit_exact(tiny_pair, tmp_path):
+    """LoRA student, its own base as the teacher, on-policy: stopped at step 3 and resumed from last.ckpt,
+    it ends with the uninterrupted run's weights exactly (adapters, base, optimiser and data position)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(steps, root, ckpt_path=None):
+        m = module(tiny_pair, teacher=None, base_teacher=True, rollout=StudentRollouts())
+        checkpoint = ModelCheckpoint(dirpath=str(root / "ckpt"), save_last=True, every_n_train_steps=3)
+        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=str(root), callbacks=[checkpoint])
+        trainer.fit(m, ckpt_path=ckpt_path)
+        return m
+
+    pl.seed_everything(0)
+    full = run(6, tmp_path / "full")
+    pl.seed_everything(0)
+    run(3, tmp_path / "part")
+    pl.seed_everything(123)
+    resumed = run(6, tmp_path / "part", ckpt_path=str(tmp_path / "part" / "ckpt" / "last.ckpt"))
+    for (name, a), b in zip(full.student.named_parameters(), resumed.student.parameters()):
+        assert torch.equal(a, b), name
