@@ -32,6 +32,7 @@ from kdlab.models import export_pretrained
 from kdlab.models.export import merged_weights
 from kdlab.rollouts import TeacherDatasetRollouts
 from kdlab.stages import DistillModule
+from kdlab.stages.lora import LoraSpec
 from kdlab.tasks import Addition
 
 GLOBAL_BATCH = 8
@@ -158,6 +159,7 @@ def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, r
         "kdlab://tiny-random/student", "kdlab://tiny-random/teacher", task,
         rollout=TeacherDatasetRollouts(str(data)), batch_size=GLOBAL_BATCH // devices, lr=1e-3, warmup_steps=0,
         teacher_placement="shard" if layout in ("fsdp2", "fsdp1") else "replicate", fused_lm_head=fused,
+        lora=LoraSpec(r=4, alpha=8) if "lora" in flags else None,  # a LoRA student: adapters sharded with the rest
     )
     strategy = {
         "single": "auto",

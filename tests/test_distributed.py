@@ -172,3 +172,14 @@ def test_tf32_matmuls_on_cuda_only_and_a_precision_set_by_the_user_is_kept():
     finally:
         torch.set_float32_matmul_precision(kept)
     assert DistillModule.float32_matmul_precision == "high"
+
+
+@pytest.mark.slow  # two fits of about 75 s each
+def test_fsdp2_trains_a_lora_student_like_one_process(tmp_path):
+    """A LoRA student (peft adapters on every projection) sharded by FSDP2 over two processes ends where one
+    process ends, adapters and frozen base alike, and the base did not move."""
+    (whole, _), (sharded, _) = run("single-lora", tmp_path / "single"), run("fsdp2-lora", tmp_path / "fsdp2")
+    assert sharded.keys() == whole.keys() and any("lora_B" in name for name in whole)
+    for name, value in whole.items():
+        torch.testing.assert_close(sharded[name], value, atol=1e-6, rtol=0, msg=name)
+    assert any(whole[name].abs().max() > 0 for name in whole if "lora_B" in name)  # the adapters trained
