@@ -11,17 +11,28 @@ import yaml
 from kdlab.study.runs import collect
 from kdlab.study.stats import bootstrap_contrast
 from kdlab.study.verdicts import (
+    ACCURACY_MARGIN,
+    DIFFERENT,
+    EQUIVALENT,
+    NO_DIFFERENCE,
     NOT_DISTINGUISHABLE,
-    NOT_REPRODUCED,
     NOT_RUN,
+    OPPOSITE,
     REPRODUCED,
+    Claim,
+    Effect,
     Study,
     forgetting,
     is_study,
+    label,
     on_policy_advantage,
+    row_word,
     scalar_effect,
+    table_effect,
     write_verdicts,
 )
+
+MARGIN = " (margin +-2 points)"
 
 ROLLOUTS = {"OffPD": "TeacherRollouts", "OnPD": "StudentRollouts"}
 OBJECTIVES = {"forward": "ForwardKL", "reverse": "ReverseKL"}
@@ -80,29 +91,126 @@ def test_scalar_effect_is_a_t_interval_over_seeds(tmp_path):
     cell = study(tmp_path).cell("distill", "OffPD", "forward", "low")
     effect = scalar_effect([(1.0, cell)], "ood/mean_delta")
     assert effect.value == pytest.approx(2.0)
-    assert effect.high - effect.value == pytest.approx(4.303 / math.sqrt(3))  # t(0.975, 2) * s / sqrt(n), s = 1
+    assert effect.high - effect.value == pytest.approx(4.302653 / math.sqrt(3))  # t(0.975, 2) * s / sqrt(n), s = 1
 
 
-def test_a_consistent_on_policy_edge_is_not_the_paper(tmp_path):
+def test_a_consistent_on_policy_edge_is_different(tmp_path):
     make_grid(tmp_path, lambda kind, *a: 0.7 if kind == "OnPD" else 0.3, lambda *a: 0.0)
     verdict = on_policy_advantage(study(tmp_path))
-    assert verdict.verdict == NOT_REPRODUCED
+    assert verdict.verdict == DIFFERENT + MARGIN  # every cell's seed-level interval excludes 0
     assert verdict.tiny.count("+40.0 [") == 4  # each (KL, LR) cell: OnPD - OffPD = 40 points, interval beside it
+    assert verdict.tiny.count(" / seeds [") == 4  # and the seed-level interval beside that
+    assert verdict.rule.count("= 0 (+-2 points)") == 4
 
 
-def test_equal_policies_reproduce_no_consistent_edge(tmp_path):
+def test_equal_policies_are_equivalent(tmp_path):
     make_grid(tmp_path, lambda *a: 0.5, lambda *a: 0.0)
     verdict = on_policy_advantage(study(tmp_path))
-    assert verdict.verdict.startswith(REPRODUCED) and "no cell's difference is beyond its interval" in verdict.verdict
+    assert verdict.verdict == EQUIVALENT + MARGIN
     assert verdict.command == "kdlab sweep --config experiments/tiny/grid.yaml"
+
+
+def test_seeds_that_disagree_make_a_difference_not_distinguishable(tmp_path):
+    """OnPD's seeds reach 40%, 60% and 80% against OffPD's 50%: on the seeds' mean (the problems interval)
+    OnPD is 10 points ahead beyond its interval, but the seed-level interval includes 0."""
+    on_seeds = {42: 0.4, 43: 0.6, 44: 0.8}
+    make_grid(tmp_path, lambda kind, direction, level, seed: on_seeds[seed] if kind == "OnPD" else 0.5, lambda *a: 0.0)
+    cell = study(tmp_path)
+    effect = on_policy_advantage_effect(cell)
+    assert effect.value == pytest.approx(0.1)
+    assert effect.problems[0] > 0  # the problem bootstrap alone would call it a difference
+    assert effect.low < 0 < effect.high and effect.high - effect.low > 2 * (effect.problems[1] - effect.problems[0])
+    assert label(effect, NO_DIFFERENCE, ACCURACY_MARGIN) == NOT_DISTINGUISHABLE + MARGIN
+    assert label(effect, +1) == NOT_DISTINGUISHABLE
+    assert on_policy_advantage(cell).verdict == NOT_DISTINGUISHABLE + MARGIN
+
+
+def on_policy_advantage_effect(s: Study) -> Effect:
+    from kdlab.study.verdicts import accuracy_effect
+
+    on, off = s.cell("distill", "OnPD", "forward", "low"), s.cell("distill", "OffPD", "forward", "low")
+    return accuracy_effect([(1.0, on), (-1.0, off)])
+
+
+def tables(*solved: int, problems: int = PROBLEMS) -> list[dict[str, list[float]]]:
+    """One made-up seed table per count: the first ``count`` problems solved by all 4 samples."""
+    return [{f"p{i}": [float(i < count)] * 4 for i in range(problems)} for count in solved]
+
+
+@pytest.mark.parametrize(
+    ("on", "off", "claim", "expected"),
+    [
+        (tables(45, 45, 45), tables(30, 30, 30), +1, REPRODUCED),  # OnPD ahead by 25 points in every seed
+        (tables(45, 45, 45), tables(30, 30, 30), -1, OPPOSITE),
+        (tables(20, 30, 40), tables(30, 30, 30), +1, NOT_DISTINGUISHABLE),  # the seeds disagree
+        (tables(100, 100, 100, problems=200), tables(100, 100, 100, problems=200), NO_DIFFERENCE, EQUIVALENT + MARGIN),
+        (tables(101, 100, 99, problems=200), tables(100, 100, 100, problems=200), NO_DIFFERENCE, EQUIVALENT + MARGIN),
+        (tables(45, 45, 45), tables(30, 30, 30), NO_DIFFERENCE, DIFFERENT + MARGIN),
+        (tables(20, 30, 40), tables(30, 30, 30), NO_DIFFERENCE, NOT_DISTINGUISHABLE + MARGIN),
+    ],
+)
+def test_each_label_from_made_up_tables(on, off, claim, expected):
+    effect = table_effect([(1.0, on), (-1.0, off)], draws=1000)
+    assert label(effect, claim, ACCURACY_MARGIN if claim == NO_DIFFERENCE else None) == expected
+
+
+def test_label_edge_cases_and_row_words():
+    inside_but_not_zero = Effect(0.01, 0.005, 0.015, "made up")  # excludes 0, but inside the margin: equivalent
+    assert label(inside_but_not_zero, NO_DIFFERENCE, ACCURACY_MARGIN) == EQUIVALENT + MARGIN
+    assert label(inside_but_not_zero, +1) == REPRODUCED
+    assert label(Effect(0.0, 0.0, 0.02, "made up"), NO_DIFFERENCE, ACCURACY_MARGIN) == EQUIVALENT + MARGIN  # ends included
+    assert label(Effect(0.0, -0.01, 0.03, "made up"), NO_DIFFERENCE, ACCURACY_MARGIN) == NOT_DISTINGUISHABLE + MARGIN
+    assert label(Effect(-1.0, -2.5, -0.5, "OOD points"), NO_DIFFERENCE, 2.0, scale=1.0) == DIFFERENT + MARGIN
+    one_seed = Effect(0.1, None, None, "one seed", problems=(0.05, 0.15))
+    assert label(one_seed, +1) == NOT_DISTINGUISHABLE and one_seed.text() == "+10.0 [+5.0, +15.0] / seeds n/a"
+    assert label(None, NO_DIFFERENCE, ACCURACY_MARGIN) == NOT_DISTINGUISHABLE + MARGIN
+    with pytest.raises(ValueError, match="margin"):
+        label(one_seed, NO_DIFFERENCE)
+    ahead, even = Effect(0.1, 0.05, 0.15, "made up"), Effect(0.0, -0.01, 0.01, "made up")
+    assert row_word([Claim("a", ahead, +1), Claim("b", ahead, +1)]) == REPRODUCED
+    assert row_word([Claim("a", ahead, +1), Claim("b", even, NO_DIFFERENCE, ACCURACY_MARGIN), Claim("c", ahead, -1)]) == (
+        f"{REPRODUCED}: a; {EQUIVALENT}{MARGIN}: b; {OPPOSITE}: c")
+    assert Claim("b", even, NO_DIFFERENCE, ACCURACY_MARGIN).rule == "b = 0 (+-2 points)" and Claim("a", ahead, -1).rule == "a < 0"
+
+
+def test_a_scalar_difference_has_welch_df(tmp_path):
+    spread = {42: 0.0, 43: 3.0, 44: 9.0}
+    make_grid(tmp_path, lambda *a: 0.5, lambda level, seed: spread[seed] if level == "high" else 0.1 * (seed - 43))
+    s = study(tmp_path)
+    high, low = s.cell("distill", "OffPD", "forward", "high"), s.cell("distill", "OffPD", "forward", "low")
+    effect = scalar_effect([(1.0, high), (-1.0, low)], "ood/mean_delta")
+    va, vb = 21.0 / 3, 0.01 / 3  # s^2 / n: variance of 0, 3, 9 is 21, of -0.1, 0, 0.1 is 0.01
+    df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 2)
+    assert f"df {df:.1f}" in effect.how and df < 2.01  # one noisy side: Welch's df is close to its n - 1
+    scipy_stats = pytest.importorskip("scipy.stats")
+    welch = scipy_stats.ttest_ind([0.0, 3.0, 9.0], [-0.1, 0.0, 0.1], equal_var=False)
+    assert (effect.low, effect.high) == pytest.approx(tuple(welch.confidence_interval(0.95)))
 
 
 def test_forgetting_needs_the_high_lr_drop_beyond_its_interval(tmp_path):
     noisy = {42: -20.0, 43: 0.0, 44: 20.0}
     make_grid(tmp_path / "clear", lambda *a: 0.5, lambda level, seed: -15.0 + seed - 43 if level == "high" else 0.1 * (seed - 43))
     make_grid(tmp_path / "noisy", lambda *a: 0.5, lambda level, seed: noisy[seed] - 1.0 if level == "high" else 0.0)
-    assert forgetting(study(tmp_path / "clear")).verdict == REPRODUCED
-    assert forgetting(study(tmp_path / "noisy")).verdict == NOT_DISTINGUISHABLE
+    clear = forgetting(study(tmp_path / "clear"))
+    assert clear.verdict == f"{EQUIVALENT}{MARGIN}: OOD change at the low LR; {REPRODUCED}: OOD change at the high LR"
+    assert clear.rule == "OOD change at the low LR = 0 (+-2 points); OOD change at the high LR < 0"
+    noisy = forgetting(study(tmp_path / "noisy"))
+    assert noisy.verdict == f"{EQUIVALENT}{MARGIN}: OOD change at the low LR; {NOT_DISTINGUISHABLE}: OOD change at the high LR"
+
+
+def test_rlvr_runs_are_seeds_of_their_source_configuration(tmp_path):
+    """Every RLVR run has the same seed of its own: the verdict groups them by the distilled run they start
+    from, so after RLVR each (rollout, KL) configuration still has three seeds and a seed-level interval."""
+    from kdlab.study.verdicts import rlvr_edge
+
+    make_grid(tmp_path, lambda kind, *a: 0.6 if kind == "OnPD" else 0.5, lambda *a: 0.0)
+    after = {42: 0.3, 43: 0.5, 44: 0.7}
+    for source in sorted((tmp_path / "distill").glob("*-0.0001-*")):  # the low-LR runs, RLVR's sources
+        seed = int(source.name.rsplit("-", 1)[1])
+        make_run(tmp_path / "rlvr" / source.name, "OffPD", "forward", 2e-5, 42, after[seed] if "OnPD" in source.name else 0.5, {})
+    verdict = rlvr_edge(study(tmp_path))
+    assert verdict.tiny.count(" / seeds [") == 4 and "n/a" not in verdict.tiny  # before and after, accuracy and pass@4
+    assert verdict.verdict == f"{REPRODUCED}: OnPD - OffPD accuracy before RLVR; {NOT_DISTINGUISHABLE}{MARGIN}: OnPD - OffPD accuracy after RLVR"
 
 
 def test_report_writes_the_verdicts_and_sums_wall_time(tmp_path, capsys):
@@ -119,7 +227,8 @@ def test_report_writes_the_verdicts_and_sums_wall_time(tmp_path, capsys):
     assert verdicts.count("\n| ") == 2 + 8 and wall.count("\n| ") == 2 + 2  # header, rule, then 8 findings / 2 steps
     assert "| grid | 11.0 |" in text and "Whole study: 16.0 min of wall time; 24.0 min summed" in text
     rows = (tmp_path / "out" / "verdicts.csv").read_text().splitlines()
-    assert len(rows) == 9
+    assert len(rows) == 9 and rows[0] == "finding,paper,tiny,verdict,rule,evidence,command"
+    assert "/ seeds [95% interval, seeds] | verdict | rule (claims the verdict tests) |" in verdicts
     import csv
 
     runs = list(csv.DictReader((tmp_path / "out" / "runs.csv").open()))

@@ -12,18 +12,16 @@ layout, which ``experiments/tiny/study.sh`` writes::
     <root>/style/                    Spanish-style grid (experiments/tiny/style_grid.yaml)
     <root>/hard/                     pass@k on Countdown-4E (experiments/tiny/hard_passk.yaml)
 
-An effect is a weighted sum of configuration means (for example OnPD minus OffPD). Its interval:
-
-* held-out accuracy and pass@k: :func:`kdlab.study.stats.bootstrap_contrast`, a paired bootstrap (the same
-  resampled problems for every configuration and seed, samples resampled within each problem);
-* per-run numbers (OOD change, update sparsity, Spanish share): a t interval over seeds, variance
-  ``sum w^2 s^2 / n`` and the smallest seed count minus one degrees of freedom.
-
-Words: an effect is *beyond its interval* when the interval excludes 0. "reproduced" needs the paper's
-effect beyond its interval in the paper's direction; "not reproduced" an effect beyond its interval the
-other way; "not distinguishable" is everything else. A claim of *no* difference (no on-policy edge) is
-"reproduced" when no difference is beyond its interval, which is weaker evidence than a found effect;
-the row says so.
+An effect is a weighted sum of configuration means (for example OnPD minus OffPD), with 95% intervals
+(:class:`Effect`): for held-out accuracy and pass@k the paired bootstrap over problems of the seeds' mean
+(:func:`~kdlab.study.stats.bootstrap_contrast`, the models held fixed) beside the seed-level one
+(:func:`~kdlab.study.stats.hierarchical_bootstrap_contrast`: seeds, then problems, then samples); for
+per-run numbers (OOD change, sparsity, Spanish share) a t interval over seeds with Welch-Satterthwaite
+degrees of freedom (:func:`~kdlab.study.stats.t_contrast`). Every label comes from :func:`label` applied
+to the seed-level interval of each :class:`Claim` a row tests: "reproduced" / "opposite" / "not
+distinguishable" for a claimed difference, "equivalent" / "different" / "not distinguishable" for a
+claimed absence of difference, with an equivalence margin (:data:`ACCURACY_MARGIN`, :data:`OOD_MARGIN`);
+:func:`row_word` joins a row's labels. :data:`METHOD` says the same for the reader of ``verdicts.md``.
 """
 
 from __future__ import annotations
@@ -35,9 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kdlab.study import stats
 from kdlab.study.groups import Group, group_runs, lr_levels
 from kdlab.study.runs import TEACHER_ROLLOUTS, RunResult, read_run, read_samples
-from kdlab.study.stats import bootstrap_contrast
+from kdlab.study.stats import bootstrap_contrast, hierarchical_bootstrap_contrast
 from kdlab.study.tables import markdown_table, write_csv
 
 PART_COMMANDS = {  # each part's folder and the command of experiments/tiny/study.sh that fills it
@@ -50,45 +49,121 @@ PART_COMMANDS = {  # each part's folder and the command of experiments/tiny/stud
     "hard": "kdlab sweep --config experiments/tiny/hard_passk.yaml",
 }
 PARTS = tuple(PART_COMMANDS)
-REPRODUCED, NOT_REPRODUCED, NOT_DISTINGUISHABLE = "reproduced", "not reproduced", "not distinguishable"
+REPRODUCED, OPPOSITE, NOT_DISTINGUISHABLE = "reproduced", "opposite", "not distinguishable"
+EQUIVALENT, DIFFERENT = "equivalent", "different"
+NOT_REPRODUCED = OPPOSITE  # the former name of "opposite"
 NOT_RUN = "not run"
-# two-sided 97.5% quantiles of Student's t by degrees of freedom
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+NO_DIFFERENCE = 0  # the claim of no difference, beside the signs +1 / -1 of a claimed difference
+ACCURACY_MARGIN = 0.02  # equivalence margin of accuracy and pass@k differences (fractions: 2 points)
+OOD_MARGIN = 2.0  # equivalence margin of the OOD change (logged in points)
 
 
 @dataclass(frozen=True)
 class Effect:
-    """An estimate with its 95% interval, in the logged units (fractions; OOD change in points)."""
+    """An estimate with its 95% intervals, in the logged units (fractions; OOD change in points): ``low``/
+    ``high`` over seeds (and problems and samples), which labels come from, None with a configuration of one
+    seed; ``problems`` (accuracy and pass@k) over problems and samples, the trained models held fixed."""
 
     value: float
-    low: float
-    high: float
+    low: float | None
+    high: float | None
     how: str
+    problems: tuple[float, float] | None = None
 
     @property
     def sign(self) -> int:
-        """+1 / -1 when the interval lies above / below 0, else 0."""
+        """+1 / -1 when the seed-level interval lies above / below 0, else 0 (also without one)."""
+        if self.low is None or self.high is None:
+            return 0
         return 1 if self.low > 0 else -1 if self.high < 0 else 0
 
     def text(self, scale: float = 100.0) -> str:
-        return f"{scale * self.value:+.1f} [{scale * self.low:+.1f}, {scale * self.high:+.1f}]"
+        """``value [problems] / seeds [seed-level]`` in points (no problems interval: ``value seeds [...]``)."""
+        pair = "[{:+.1f}, {:+.1f}]".format
+        shown = f"{scale * self.value:+.1f}" + (f" {pair(scale * self.problems[0], scale * self.problems[1])} /" if self.problems else "")
+        return shown + " seeds " + (pair(scale * self.low, scale * self.high) if self.low is not None and self.high is not None else "n/a")
 
 
-def t_quantile(df: int) -> float:
-    return _T975.get(df, 1.96 + 2.4 / df) if df >= 1 else math.inf
+def t_quantile(df: float) -> float:
+    """Student's t 97.5% quantile with ``df`` degrees of freedom (any real; infinite below 1)."""
+    return stats.t_quantile(0.975, df) if df >= 1 else math.inf
+
+
+def label(effect: Effect | None, claim: int, margin: float | None = None, scale: float = 100.0) -> str:
+    """One claim's label from ``effect``'s seed-level interval. A claimed difference of sign ``claim``
+    (+1 / -1): "reproduced" (the interval excludes 0 on that side), "opposite" (on the other), else "not
+    distinguishable". No difference (:data:`NO_DIFFERENCE`): "equivalent" (inside +-``margin``, ends
+    included), else "different" (excludes 0), else "not distinguishable", each with the margin in points
+    (``scale`` per logged unit). No effect or no seed-level interval: "not distinguishable"."""
+    if claim == NO_DIFFERENCE:
+        if margin is None or margin <= 0:
+            raise ValueError("a claim of no difference needs a positive equivalence margin")
+        stated = f" (margin +-{scale * margin:g} points)"
+        if effect is None or effect.low is None or effect.high is None:
+            return NOT_DISTINGUISHABLE + stated
+        if -margin <= effect.low and effect.high <= margin:
+            return EQUIVALENT + stated
+        return (DIFFERENT if effect.sign else NOT_DISTINGUISHABLE) + stated
+    if claim not in (1, -1):
+        raise ValueError(f"a claim is +1, -1 or NO_DIFFERENCE (0), got {claim}")
+    if effect is None or effect.sign == 0:
+        return NOT_DISTINGUISHABLE
+    return REPRODUCED if effect.sign == claim else OPPOSITE
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim a row tests: ``name`` (the contrast), its ``effect``, the paper's ``sign`` (+1 / -1, or
+    :data:`NO_DIFFERENCE` with ``margin``) and the points per logged unit (``scale``)."""
+
+    name: str
+    effect: Effect | None
+    sign: int
+    margin: float | None = None
+    scale: float = 100.0
+
+    @property
+    def label(self) -> str:
+        return label(self.effect, self.sign, self.margin, self.scale)
+
+    @property
+    def rule(self) -> str:
+        if self.sign == NO_DIFFERENCE:
+            return f"{self.name} = 0 (+-{self.scale * self.margin:g} points)"
+        return f"{self.name} {'>' if self.sign > 0 else '<'} 0"
+
+
+def row_word(claims: list[Claim]) -> str:
+    """A row's label from its claims' labels: the label when they all agree (or the only one), else each
+    label followed by its claims, ``label: claim, claim; label: claim``. No claims: not distinguishable."""
+    by_label: dict[str, list[str]] = {}
+    for claim in claims:
+        by_label.setdefault(claim.label, []).append(claim.name)
+    if len(by_label) <= 1:
+        return next(iter(by_label), NOT_DISTINGUISHABLE)
+    return "; ".join(f"{word}: {', '.join(names)}" for word, names in by_label.items())
+
+
+def table_effect(terms: list[tuple[float, list[dict[str, list[float]]]]], k: int | None = None, draws: int = 2000) -> Effect:
+    """``sum w * mean`` over ``terms`` ``(w, seed tables)`` with both intervals: the paired bootstrap over
+    problems (:func:`~kdlab.study.stats.bootstrap_contrast`) and, with two seeds or more in every
+    configuration, the seed-level one (:func:`~kdlab.study.stats.hierarchical_bootstrap_contrast`)."""
+    value, *problems = bootstrap_contrast(terms, k=k, draws=draws)
+    seeds = min(len(tables) for _, tables in terms)
+    low, high = hierarchical_bootstrap_contrast(terms, k=k, draws=draws)[1:] if seeds >= 2 else (None, None)
+    return Effect(value, low, high, f"paired bootstrap over problems; over seeds (n >= {seeds}), problems, samples", tuple(problems))
 
 
 def accuracy_effect(terms: list[tuple[float, Group]], k: int | None = None, draws: int = 2000) -> Effect | None:
-    """``sum w * mean`` of ``val/accuracy`` (``k`` None) or ``val/pass@k`` with a paired bootstrap interval
-    from each seed's last evaluation samples; None when a run has no samples file."""
+    """``sum w * mean`` of ``val/accuracy`` (``k`` None) or ``val/pass@k`` from each seed's last evaluation
+    samples, with both intervals (:func:`table_effect`); None when a run has no samples file."""
     tables = []
     for weight, group in terms:
         seeds = [read_samples(runs[-1].path) for runs in group.by_seed().values()]
         if not seeds or any(table is None for table in seeds):
             return None
         tables.append((weight, seeds))
-    value, low, high = bootstrap_contrast(tables, k=k, draws=draws)
-    return Effect(value, low, high, "paired bootstrap")
+    return table_effect(tables, k, draws)
 
 
 def difference(plus: list[Group], minus: list[Group]) -> list[tuple[float, Group]]:
@@ -97,26 +172,23 @@ def difference(plus: list[Group], minus: list[Group]) -> list[tuple[float, Group
 
 
 def scalar_effect(terms: list[tuple[float, Group]], metric: str) -> Effect | None:
-    """``sum w * mean`` of a per-run metric over seeds, with a t interval (None without two seeds each)."""
-    value, variance, seeds = 0.0, 0.0, []
+    """``sum w * mean`` of a per-run metric over seeds (reruns of a seed averaged first), with a t
+    interval over seeds with Welch-Satterthwaite degrees of freedom (:func:`~kdlab.study.stats.t_contrast`);
+    None without two seeds in every configuration."""
+    values = []
     for weight, group in terms:
-        values = [statistics.fmean(r.last[metric] for r in runs if metric in r.last) for runs in group.by_seed().values()
-                  if any(metric in r.last for r in runs)]
-        if len(values) < 2:
+        seeds = [statistics.fmean(r.last[metric] for r in runs if metric in r.last) for runs in group.by_seed().values()
+                 if any(metric in r.last for r in runs)]
+        if len(seeds) < 2:
             return None
-        value += weight * statistics.fmean(values)
-        variance += weight * weight * statistics.variance(values) / len(values)
-        seeds.append(len(values))
-    half = t_quantile(min(seeds) - 1) * math.sqrt(variance)
-    return Effect(value, value - half, value + half, f"t over seeds (n={min(seeds)})")
+        values.append((weight, seeds))
+    value, low, high, df = stats.t_contrast(values)
+    return Effect(value, low, high, f"t over seeds (n >= {min(len(v) for _, v in values)}, Welch-Satterthwaite df {df:.1f})")
 
 
 def verdict_word(effect: Effect | None, paper_sign: int) -> str:
-    if effect is None:
-        return NOT_DISTINGUISHABLE
-    if effect.sign == 0:
-        return NOT_DISTINGUISHABLE
-    return REPRODUCED if effect.sign == paper_sign else NOT_REPRODUCED
+    """:func:`label` of a claimed difference of sign ``paper_sign``."""
+    return label(effect, paper_sign)
 
 
 @dataclass
@@ -127,6 +199,7 @@ class Verdict:
     verdict: str
     evidence: str
     command: str
+    rule: str = ""  # the claims the label is generated from (:attr:`Claim.rule`)
 
 
 class Study:
@@ -178,25 +251,19 @@ def _pct(group: Group | None, metric: str = "val/accuracy") -> str:
 
 # ---- the eight findings --------------------------------------------------------------------------
 def on_policy_advantage(study: Study) -> Verdict:
-    effects = {}
+    claims, shown = [], []
     for direction in ("forward", "reverse"):
         for level in ("low", "high"):
             on, off = study.cell("distill", "OnPD", direction, level), study.cell("distill", "OffPD", direction, level)
             if on and off:
-                effects[(direction, level)] = accuracy_effect([(1.0, on), (-1.0, off)])
-    shown = [f"{d} KL, {lv} LR: {e.text()}" for (d, lv), e in effects.items() if e]
-    found = [e for e in effects.values() if e]
-    if not found:
-        word = NOT_DISTINGUISHABLE
-    elif all(e.sign > 0 for e in found):
-        word = NOT_REPRODUCED  # a consistent on-policy edge
-    else:
-        word = REPRODUCED
-    if found and word == REPRODUCED:
-        word += " (no consistent edge: " + ("no cell's difference is beyond its interval" if all(e.sign == 0 for e in found) else "the cells disagree") + ")"
+                effect = accuracy_effect([(1.0, on), (-1.0, off)])
+                claims.append(Claim(f"OnPD - OffPD ({direction} KL, {level} LR)", effect, NO_DIFFERENCE, ACCURACY_MARGIN))
+                if effect:
+                    shown.append(f"{direction} KL, {level} LR: {effect.text()}")
     return Verdict(
         "No consistent on-policy advantage", "best mean accuracy OnPD 72% vs OffPD 73%",
-        "OnPD - OffPD held-out accuracy (points): " + "; ".join(shown), word, study.evidence("distill"), study.command("distill"))
+        "OnPD - OffPD held-out accuracy (points): " + "; ".join(shown), row_word(claims), study.evidence("distill"),
+        study.command("distill"), _rule(claims))
 
 
 def kl_direction_sensitivity(study: Study) -> Verdict:
@@ -213,19 +280,13 @@ def kl_direction_sensitivity(study: Study) -> Verdict:
     f = accuracy_effect(forward) if forward else None
     r = accuracy_effect(reverse) if reverse else None
     extra = accuracy_effect(reverse + [(-w, g) for w, g in forward]) if forward and reverse else None
-    stable = f is not None and f.sign == 0
-    sensitive = extra is not None and extra.sign < 0
-    if stable and sensitive:
-        word = REPRODUCED
-    elif not stable and (extra is None or extra.sign == 0):
-        word = NOT_REPRODUCED + " (both directions change with the LR, by amounts not distinguishable)" if f is not None and f.sign != 0 else NOT_DISTINGUISHABLE
-    else:
-        word = "partly: " + ("forward KL stable" if stable else "forward KL not stable") + ", " + (
-            "reverse KL more LR-sensitive" if sensitive else "reverse KL not more LR-sensitive")
+    claims = [Claim("forward KL high - low LR", f, NO_DIFFERENCE, ACCURACY_MARGIN),
+              Claim("reverse - forward KL change", extra, -1)]
     tiny = "accuracy change high - low LR (points, mean of OffPD and OnPD): forward " + (f.text() if f else "n/a") + \
         ", reverse " + (r.text() if r else "n/a") + "; reverse - forward " + (extra.text() if extra else "n/a")
     return Verdict("Forward KL stable across rollout policy and LR; reverse KL LR-sensitive",
-                   "forward 71-73% everywhere; reverse 35-72%", tiny, word, study.evidence("distill"), study.command("distill"))
+                   "forward 71-73% everywhere; reverse 35-72%", tiny, row_word(claims), study.evidence("distill"),
+                   study.command("distill"), _rule(claims))
 
 
 def forgetting(study: Study) -> Verdict:
@@ -238,11 +299,12 @@ def forgetting(study: Study) -> Verdict:
     lo = scalar_effect(low, "ood/mean_delta") if low else None
     hi = scalar_effect(high, "ood/mean_delta") if high else None
     gap = scalar_effect(high + [(-w, g) for w, g in low], "ood/mean_delta") if low and high else None
-    word = verdict_word(gap, -1) if hi is not None and hi.sign < 0 else verdict_word(hi, -1)
+    claims = [Claim("OOD change at the low LR", lo, NO_DIFFERENCE, OOD_MARGIN, 1.0), Claim("OOD change at the high LR", hi, -1, scale=1.0)]
     tiny = ("mean OOD change (points; 4 earlier skills): low LR " + (lo.text(1.0) if lo else "n/a") + ", high LR " +
             (hi.text(1.0) if hi else "n/a") + ", high - low " + (gap.text(1.0) if gap else "n/a"))
     return Verdict("Forgetting is negligible at the low LR and visible at the high LR",
-                   "|change| <= 1.3 points at 1e-5; drops of 11.2-14.0 at 5e-5", tiny, word, study.evidence("distill"), study.command("distill"))
+                   "|change| <= 1.3 points at 1e-5; drops of 11.2-14.0 at 5e-5", tiny, row_word(claims), study.evidence("distill"),
+                   study.command("distill"), _rule(claims))
 
 
 def sparsity(study: Study) -> Verdict:
@@ -253,17 +315,16 @@ def sparsity(study: Study) -> Verdict:
                            (-0.5, cells["OnPD", "high"])], metric) if have else None
     by_rollout = scalar_effect([(0.5, cells["OffPD", "low"]), (0.5, cells["OffPD", "high"]), (-0.5, cells["OnPD", "low"]),
                                 (-0.5, cells["OnPD", "high"])], metric) if have else None
-    lr_word = verdict_word(by_lr, +1)
-    at_least = by_rollout is not None and by_rollout.sign >= 0  # "OffPD at least as sparse": fails only below 0
-    word = lr_word if lr_word != REPRODUCED else (REPRODUCED if at_least else "partly: low LR sparser, but OffPD less sparse than OnPD")
+    # "OffPD at least as sparse" is tested as OffPD sparser: "not distinguishable" there is no evidence against it
+    claims = [Claim("sparsity low - high LR", by_lr, +1), Claim("sparsity OffPD - OnPD", by_rollout, +1)]
     means = ", ".join(f"{k} {lv} {_pct(g, metric)}%" for (k, lv), g in cells.items() if g)
     fp32 = {(k, lv): study.cell("distill", k, "forward", lv) for k in ("OffPD", "OnPD") for lv in ("low", "high")}
     tiny = (f"bf16 weights, forward KL, sparsity tau 1e-6: {means}; low - high LR " + (by_lr.text() if by_lr else "n/a") +
             " points, OffPD - OnPD " + (by_rollout.text() if by_rollout else "n/a") +
             " points. fp32 grid (forward KL): " + ", ".join(f"{k} {lv} {_pct(g, metric)}%" for (k, lv), g in fp32.items() if g))
     return Verdict("Updates are sparse at the low LR, far less at the high LR; OffPD at least as sparse as OnPD",
-                   "85.3-89.6% at 1e-5 vs 51.9-60.0% at 5e-5", tiny, word,
-                   study.evidence("bf16") + "; " + study.evidence("distill"), study.command("bf16"))
+                   "85.3-89.6% at 1e-5 vs 51.9-60.0% at 5e-5", tiny, row_word(claims),
+                   study.evidence("bf16") + "; " + study.evidence("distill"), study.command("bf16"), _rule(claims))
 
 
 def spectrum(study: Study) -> Verdict:
@@ -285,9 +346,8 @@ def spectrum(study: Study) -> Verdict:
                        f"lam > 0 minus lam < 0 {low_f.text() if low_f else 'n/a'}")
     else:
         spread_text = "forward KL: n/a"
-    words = [f"low LR {verdict_word(low_r, +1)}"] + ([f"high LR {verdict_word(high_r, +1)}"] if high_r else [])
-    word = REPRODUCED if REPRODUCED in (verdict_word(low_r, +1), verdict_word(high_r, +1)) else (
-        NOT_REPRODUCED if NOT_REPRODUCED in (verdict_word(low_r, +1), verdict_word(high_r, +1)) else NOT_DISTINGUISHABLE)
+    claims = [Claim("reverse KL lam > 0 - lam < 0, low LR", low_r, +1)] + (
+        [Claim("reverse KL lam > 0 - lam < 0, high LR", high_r, +1)] if high_r else [])
     seeds_spread = ""
     if high_groups:
         stds = [g.stats("val/accuracy")[1] for g in high_groups if g.stats("val/accuracy") and g.stats("val/accuracy")[1] is not None]
@@ -297,8 +357,8 @@ def spectrum(study: Study) -> Verdict:
             (", high LR " + high_r.text() if high_r else "") + seeds_spread)
     return Verdict("Spectrum: forward KL stays high across lambda; reverse KL favours lambda > 0",
                    "forward KL > 80% across lambda (5.2-point spread); reverse KL favours lambda > 0, unstable at the high LR",
-                   tiny, f"{word} ({', '.join(words)})", study.evidence("spectrum") + "; " + study.evidence("spectrum_high"),
-                   study.command("spectrum") + "; " + study.command("spectrum_high"))
+                   tiny, row_word(claims), study.evidence("spectrum") + "; " + study.evidence("spectrum_high"),
+                   study.command("spectrum") + "; " + study.command("spectrum_high"), _rule(claims))
 
 
 def harder_pass_at_k(study: Study) -> Verdict:
@@ -312,51 +372,51 @@ def harder_pass_at_k(study: Study) -> Verdict:
     means = "; ".join(f"{g.kind} {g.direction}: pass@1 {_pct(g, 'val/pass@1')}%, pass@{k} {_pct(g, f'val/pass@{k}')}%" for g in off + on) if k else ""
     tiny = (f"Countdown-4E held-out, distilled from kdlab://tiny/teacher-4e: {means}; OnPD - OffPD pass@{k} " +
             (effect.text() if effect else "n/a") + ", pass@1 " + (one.text() if one else "n/a") + " points")
+    claims = [Claim(f"OnPD - OffPD pass@{k}", effect, +1)]
     return Verdict("On-policy rollouts give higher pass@k on a harder set", "10-15% higher pass@k on Countdown-4E",
-                   tiny, verdict_word(effect, +1), study.evidence("hard"), study.command("hard"))
+                   tiny, row_word(claims), study.evidence("hard"), study.command("hard"), _rule(claims))
 
 
 def rlvr_edge(study: Study) -> Verdict:
-    """OnPD - OffPD before RLVR (the low-LR grid) and after it (each RLVR run grouped by the rollout of
-    the run it started from)."""
+    """OnPD - OffPD before RLVR (the low-LR grid) and after it: each RLVR run is one seed of the
+    configuration (rollout, KL direction) of the distilled run it started from (the RLVR runs' own seed is
+    the same for all of them, so they are grouped by their source, not by their seed)."""
     before_on = [g for g in study.groups("distill") if g.kind == "OnPD" and g.level == "low" and g.lam is None]
     before_off = [g for g in study.groups("distill") if g.kind == "OffPD" and g.level == "low" and g.lam is None]
-    after: dict[str, list[RunResult]] = {"OnPD": [], "OffPD": []}
+    after: dict[str, dict[str, dict[Path, RunResult]]] = {"OnPD": {}, "OffPD": {}}  # kind -> objective -> source -> last run
     for run in study.parts["rlvr"]:
         distilled = Path(run.path).resolve().parent
         source = study.root / "distill" / distilled.name
         if (source / "config.yaml").is_file():
-            rollout = read_run(source).rollout
-            kind = "OffPD" if rollout in TEACHER_ROLLOUTS else {"StudentRollouts": "OnPD"}.get(rollout)
+            source_run = read_run(source)
+            kind = "OffPD" if source_run.rollout in TEACHER_ROLLOUTS else {"StudentRollouts": "OnPD"}.get(source_run.rollout)
             if kind:
-                after[kind].append(run)
+                after[kind].setdefault(str(source_run.objective), {})[source] = run
 
-    def contrast(on: list[Group], off: list[Group], k: int | None) -> Effect | None:
-        if not (on and off):
+    def before(k: int | None) -> Effect | None:
+        return accuracy_effect(difference(before_on, before_off), k=k) if before_on and before_off else None
+
+    def after_effect(k: int | None) -> Effect | None:
+        sides = {kind: [[read_samples(run.path) for run in by_source.values()] for by_source in configurations.values()]
+                 for kind, configurations in after.items()}
+        if not (sides["OnPD"] and sides["OffPD"]):
             return None
-        return accuracy_effect(difference(on, off), k=k)
+        if any(table is None for tables in sides["OnPD"] + sides["OffPD"] for table in tables):
+            return None
+        terms = [(1.0 / len(sides["OnPD"]), t) for t in sides["OnPD"]] + [(-1.0 / len(sides["OffPD"]), t) for t in sides["OffPD"]]
+        return table_effect(terms, k)
 
-    # one configuration per distilled run (its seed is the distilled run's): group RLVR runs by source
-    after_groups = {kind: [Group([run]) for run in runs] for kind, runs in after.items()}
-    rows = []
-    for label, k in (("accuracy", None), ("pass@4", 4)):
-        b, a = contrast(before_on, before_off, k), contrast(after_groups["OnPD"], after_groups["OffPD"], k)
-        rows.append((label, b, a))
-    b, a = rows[0][1], rows[0][2]
-    if b is None or a is None:
-        word = NOT_DISTINGUISHABLE
-    elif b.sign > 0:
-        word = REPRODUCED if a.sign <= 0 else NOT_REPRODUCED
-    else:
-        word = NOT_DISTINGUISHABLE + " (no on-policy edge before RLVR to lose" + ("; after RLVR OnPD - OffPD is beyond its interval)" if a.sign else ")")
-    tiny = "; ".join(f"OnPD - OffPD {label}: before RLVR {bb.text() if bb else 'n/a'}, after {aa.text() if aa else 'n/a'}" for label, bb, aa in rows)
+    rows = [(name, before(k), after_effect(k)) for name, k in (("accuracy", None), ("pass@4", 4))]
+    claims = [Claim("OnPD - OffPD accuracy before RLVR", rows[0][1], +1),
+              Claim("OnPD - OffPD accuracy after RLVR", rows[0][2], NO_DIFFERENCE, ACCURACY_MARGIN)]
+    tiny = "; ".join(f"OnPD - OffPD {name}: before RLVR {bb.text() if bb else 'n/a'}, after {aa.text() if aa else 'n/a'}" for name, bb, aa in rows)
     return Verdict("The on-policy edge does not survive RLVR", "after GRPO on Countdown-4 the OnPD/OffPD difference is gone",
-                   tiny + " (points)", word, study.evidence("rlvr"), study.command("rlvr"))
+                   tiny + " (points)", row_word(claims), study.evidence("rlvr"), study.command("rlvr"), _rule(claims))
 
 
 def style_transfer(study: Study) -> Verdict:
     metric = "style/spanish_share"
-    rows, words = [], []
+    rows, claims = [], []
     for level in ("low", "high"):
         keep = study.cell("style", "OnPD", "reverse", level)
         others = [study.cell("style", k, d, level) for k, d in (("OffPD", "forward"), ("OffPD", "reverse"), ("OnPD", "forward"))]
@@ -364,31 +424,34 @@ def style_transfer(study: Study) -> Verdict:
         if not keep or not others:
             continue
         gaps = [scalar_effect([(1.0, g), (-1.0, keep)], metric) for g in others]
-        signs = [e.sign if e else 0 for e in gaps]
-        words.append(REPRODUCED if all(s > 0 for s in signs) else NOT_REPRODUCED if any(s < 0 for s in signs) else NOT_DISTINGUISHABLE)
+        claims += [Claim(f"{g.kind} {g.direction} - OnPD reverse, {level} LR", e, +1) for g, e in zip(others, gaps)]
         shares = ", ".join(f"{g.kind} {g.direction} {_pct(g, metric)}%" for g in others)
+        found = [e for e in gaps if e]
         rows.append(f"{level} LR: OnPD reverse {_pct(keep, metric)}% Spanish vs {shares}; smallest gap " +
-                    min((e.text() for e in gaps if e), key=lambda t: float(t.split()[0]), default="n/a") + " points")
-    if not words:
-        word = NOT_DISTINGUISHABLE
-    elif all(w == REPRODUCED for w in words):
-        word = REPRODUCED
-    elif REPRODUCED in words:
-        word = "partly: " + ", ".join(f"{lv} LR {w}" for lv, w in zip(("low", "high"), words))
-    else:
-        word = words[0] if len(set(words)) == 1 else NOT_DISTINGUISHABLE
+                    (min(found, key=lambda e: e.value).text() if found else "n/a") + " points")
     return Verdict("OnPD + reverse KL keeps the student's English; the other settings transfer Spanish",
-                   "other settings transfer Spanish almost fully", "; ".join(rows) or "n/a", word, study.evidence("style"), study.command("style"))
+                   "other settings transfer Spanish almost fully", "; ".join(rows) or "n/a", row_word(claims), study.evidence("style"),
+                   study.command("style"), _rule(claims))
+
+
+def _rule(claims: list[Claim]) -> str:
+    return "; ".join(claim.rule for claim in claims)
 
 
 METHOD = (
     "Written by `kdlab report` from the study's runs (kdlab/study/verdicts.py). Each effect is a difference of configuration "
-    "means in points, with a 95% interval: for held-out accuracy and pass@k a paired bootstrap over the problems (for "
-    "accuracy also over the samples within each) of each seed's last evaluation, for per-run numbers (OOD change, sparsity, Spanish share) a t interval "
-    "over seeds. An effect is beyond its interval when the interval excludes 0. \"reproduced\": the paper's effect is "
-    "beyond its interval in the paper's direction; \"not reproduced\": beyond its interval the other way; \"not "
-    "distinguishable\": neither. For a claim of no difference, \"reproduced\" means no difference beyond its interval. "
-    "\"not run\": the finding's own runs are missing."
+    "means in points, with 95% intervals. Held-out accuracy and pass@k get two, written `value [problems] / seeds [seeds]`: "
+    "[problems] is a paired bootstrap over the problems (for accuracy also over the samples within each) of each seed's last "
+    "evaluation, the trained models held fixed; seeds [...] is a bootstrap that resamples the seeds within each configuration, "
+    "then the problems (the same for every configuration), then the samples, so it includes the training seed's variance "
+    "(with three seeds a bootstrap still understates it: the seed variance by a factor 2/3, and no t tails). Per-run numbers "
+    "(OOD change, sparsity, Spanish share) get one, seeds [...]: a t interval over seeds with Welch-Satterthwaite degrees of "
+    "freedom. Labels come from the seeds interval of each claim the row tests (column rule): for a claimed difference "
+    "(`> 0`, `< 0`) \"reproduced\" when it excludes 0 on the paper's side, \"opposite\" on the other side, \"not "
+    f"distinguishable\" otherwise; for a claim of no difference (`= 0`, with its equivalence margin: {100 * ACCURACY_MARGIN:g} "
+    f"points of accuracy, {OOD_MARGIN:g} points of OOD change) \"equivalent\" when it lies inside the margin, \"different\" when "
+    "it excludes 0, \"not distinguishable\" otherwise. A row whose claims get different labels lists each label with its "
+    "claims. \"not run\": the finding's own runs are missing."
 )
 
 FINDINGS: tuple[Callable[[Study], Verdict], ...] = (
@@ -410,8 +473,9 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path) -> list[Verd
     for verdict in verdicts:  # a finding whose own runs (its first evidence) are missing was not tested
         if verdict.evidence.split("; ")[0].startswith("no runs"):
             verdict.verdict = NOT_RUN
-    header = ["finding (paper)", "paper", "tiny world: effect [95% interval]", "verdict", "evidence", "command"]
-    rows = [[v.finding, v.paper, v.tiny, f"**{v.verdict}**", v.evidence, f"`{v.command}`"] for v in verdicts]
+    header = ["finding (paper)", "paper", "tiny world: effect [95% interval, problems] / seeds [95% interval, seeds]", "verdict",
+              "rule (claims the verdict tests)", "evidence", "command"]
+    rows = [[v.finding, v.paper, v.tiny, f"**{v.verdict}**", v.rule, v.evidence, f"`{v.command}`"] for v in verdicts]
     lines = ["# Verdicts: the paper's headline findings on the tiny world", "", METHOD, "", markdown_table(header, rows)]
     times = root / "wall_times.jsonl"
     if times.is_file():
@@ -428,6 +492,6 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path) -> list[Verd
     output.mkdir(parents=True, exist_ok=True)
     lines += ["", "## Each part's tables", "", *(f"- [{part}]({part}/report.md): `{PART_COMMANDS[part]}`" for part in PARTS if study.parts[part])]
     (output / "verdicts.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    write_csv(output / "verdicts.csv", ["finding", "paper", "tiny", "verdict", "evidence", "command"],
-              [[v.finding, v.paper, v.tiny, v.verdict, v.evidence, v.command] for v in verdicts])
+    write_csv(output / "verdicts.csv", ["finding", "paper", "tiny", "verdict", "rule", "evidence", "command"],
+              [[v.finding, v.paper, v.tiny, v.verdict, v.rule, v.evidence, v.command] for v in verdicts])
     return verdicts
