@@ -53,6 +53,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kdlab.rollouts.served import COMPLETION_REQUEST_FIELDS, COMPLETION_RESPONSE_FIELDS, MODEL_FIELDS, TOKENIZE_FIELDS  # noqa: E402
 from kdlab.rollouts.vllm import (
     ENGINE_DTYPES,
     VLLM_API,
@@ -373,6 +374,31 @@ def checks(source: Source) -> list[tuple[str, Any]]:
                             defaults[node.targets[0].id].append(value.value)
         assert defaults["default_max_num_batched_tokens"] and max(defaults["default_max_num_batched_tokens"]) == VLLM_PROFILE_TOKENS, defaults
         assert defaults["default_max_num_seqs"] and max(defaults["default_max_num_seqs"]) == VLLM_PROFILE_SEQUENCES, defaults
+
+    # the served teacher's HTTP requests and replies (kdlab.rollouts.served), class by class of vLLM's server
+    served_classes = {"CompletionRequest": "entrypoints/openai/completion/protocol.py",
+                      "CompletionResponse": "entrypoints/openai/completion/protocol.py",
+                      "CompletionResponseChoice": "entrypoints/openai/completion/protocol.py",
+                      "TokenizeCompletionRequest": "entrypoints/serve/tokenize/protocol.py",
+                      "TokenizeResponse": "entrypoints/serve/tokenize/protocol.py",
+                      "ModelCard": "entrypoints/serve/engine/protocol.py", "ModelList": "entrypoints/serve/engine/protocol.py",
+                      "Logprob": "logprobs.py"}
+    served_fields = {"CompletionRequest": COMPLETION_REQUEST_FIELDS, **COMPLETION_RESPONSE_FIELDS, **TOKENIZE_FIELDS, **MODEL_FIELDS}
+    for name, wanted in served_fields.items():
+        @check(f"served teacher: vLLM's {name} has the fields kdlab sends or reads {sorted(wanted)}")
+        def _(name=name, wanted=wanted):
+            missing = set(wanted) - fields(source.cls(served_classes[name], name))
+            assert not missing, f"not {name} fields: {sorted(missing)}"
+
+    @check("served teacher: prompt log-probs skip the sampling processors (no temperature), so kdlab tempers them")
+    def _():
+        text = source.read("v1/worker/gpu_model_runner.py")
+        assert "prompt tokens skip sampling processors" in text, "vLLM's prompt log-probs note is gone: re-read how they are computed"
+
+    @check("served teacher: prompt_logprobs -1 asks for the whole vocabulary; -inf is sent as -9999.0")
+    def _():
+        assert "prompt_logprobs != -1" in source.read("entrypoints/openai/completion/protocol.py")
+        assert "-9999.0" in source.read("entrypoints/generate/base/serving.py")
 
     @check("log-prob format: sampled_token_logprobs reads vLLM's list-of-dicts and FlatLogprobs containers")
     def _():

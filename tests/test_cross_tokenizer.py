@@ -282,7 +282,7 @@ def test_what_needs_one_vocabulary_and_lossy_tokenizers_are_refused_before_weigh
 
     from tokenizers import normalizers
 
-    from kdlab.stages.distill import check_cross_tokenizer_run
+    from kdlab.stages.teachers import check_cross_tokenizer_run
 
     lossy = copy.deepcopy(tokenizer(OTHER))
     lossy.backend_tokenizer.normalizer = normalizers.Lowercase()

@@ -40,19 +40,19 @@ from kdlab.objectives.logits import (
     fused_head_unsupported,
 )
 from kdlab.rollouts.policies import (
-    CROSS_TOKENIZER_MIXTURE,
     CachedTeacherRollouts,
-    MixtureRollouts,
     RolloutContext,
     RolloutPolicy,
     TeacherRollouts,
     TeacherTokens,
     importance_weights,
 )
+from kdlab.rollouts.served import ServedTeacher
 from kdlab.stages.base import TaskStage
 from kdlab.stages.lora import AdaptersDisabled, LoraSpec, apply_lora
 from kdlab.stages.optim import FiniteAdamW, lr_multiplier
 from kdlab.stages.sharding import gathered_for_decoding
+from kdlab.stages.teachers import check_cross_tokenizer_run, check_served_teacher_run, served_rollout, vocabulary_columns
 from kdlab.tasks.base import Example, Task
 
 
@@ -114,6 +114,11 @@ class DistillModule(TaskStage):
         base_teacher: with ``lora``, the teacher is the student's own base model, its adapters disabled
             (``teacher: null``): self-distillation with no second model in memory, e.g. from a teacher
             prompt the student does not get (the task's ``teacher_messages``).
+        served_teacher: the teacher behind an HTTP endpoint that speaks vLLM's OpenAI-compatible API
+            (:class:`~kdlab.rollouts.served.ServedTeacher`; ``teacher: null``): its top-K log-probs on each
+            completion take the place of a teacher forward (as a top-k cache does), so the teacher never sits in
+            training memory. ``TeacherRollouts`` are sampled by the server; ``StudentRollouts`` and teacher
+            datasets are scored by it. Checked (model, vocabulary) before the first step.
         seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each
             step's streams are derived from (seed, split, rank, epoch, batch index) and each epoch's
             order from (seed, epoch), not from how long the process has been running.
@@ -150,6 +155,7 @@ class DistillModule(TaskStage):
         cross_tokenizer: CrossTokenizer | None = None,
         lora: LoraSpec | None = None,
         base_teacher: bool = False,
+        served_teacher: ServedTeacher | None = None,
     ) -> None:
         if task is None:
             raise ValueError("DistillModule.task is required (a kdlab.tasks Task chosen by class_path)")
@@ -170,7 +176,11 @@ class DistillModule(TaskStage):
                                  "lora, teacher: null, no teacher_cache and no cross_tokenizer")
             if teacher_placement != "replicate":
                 raise ValueError("DistillModule.base_teacher: the teacher is the student itself, so teacher_placement must be 'replicate'")
-        elif teacher is None and cache is None:
+        self.served_teacher = served_teacher
+        if served_teacher is not None:
+            check_served_teacher_run(teacher, rollout if rollout is not None else TeacherRollouts(), cross_tokenizer, base_teacher)
+            self.teacher_spec = ModelSpec(served_teacher.tokenizer)
+        elif teacher is None and cache is None and not base_teacher:
             raise ValueError("DistillModule.teacher is required unless the rollout is CachedTeacherRollouts (a teacher_cache) "
                              "or base_teacher is true")
         if teacher is None and cross_tokenizer is not None:
@@ -194,7 +204,7 @@ class DistillModule(TaskStage):
         # Tokenizers and configs first: a vocabulary mismatch (or a head too small for the tokenizer)
         # fails before any weights are read.
         self.student_tokenizer = load_tokenizer(self.student_spec, "student")
-        self.teacher_tokenizer = load_tokenizer(self.teacher_spec, "teacher") if teacher is not None else self.student_tokenizer
+        self.teacher_tokenizer = load_tokenizer(self.teacher_spec, "teacher") if teacher is not None or served_teacher is not None else self.student_tokenizer
         student_config = load_config(self.student_spec, "student")
         teacher_config = load_config(self.teacher_spec, "teacher") if teacher is not None else student_config
         self.cross_tokenizer = cross_tokenizer
@@ -307,6 +317,8 @@ class DistillModule(TaskStage):
         self.student.eval()
         try:
             with torch.no_grad(), gathered_for_decoding([self.student, *self._frozen.values()]):
+                if self.served_teacher is not None:
+                    return served_rollout(self, prompts, policy, seed)
                 return policy.sample(prompts, self.rollout_context(self._generator(seed)))
         finally:
             self.student.train(was_training)
@@ -314,6 +326,11 @@ class DistillModule(TaskStage):
             # without grad; torch before pytorch#165068 reused them in the training forward, which then had
             # no gradient. Dropping the cache costs one cast per weight per step.
             torch.clear_autocast_cache()
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if stage == "fit" and self.served_teacher is not None:
+            self.served_teacher.check(self.teacher_tokenizer)
 
     def decode_group(self) -> int:
         """Micro-batches per batched decode: ``rollout_micro_batches``, by default the trainer's
@@ -439,45 +456,3 @@ class DistillModule(TaskStage):
             return  # no optimiser call since the last check (an accumulation micro-batch)
         self._counted_step = self.global_step
         self.count_skipped_step(optimizer, f"objective {type(self.objective).__name__}, lr {self.lr}")
-
-
-def vocabulary_columns(tokenizer: Any, config: Any, role: str) -> int:
-    """``len(tokenizer)``: the logit columns of one model (its head may have padding rows), checked
-    against the head's rows."""
-    from kdlab.models.loading import output_rows
-
-    columns = len(tokenizer)
-    if output_rows(config) < columns:
-        raise ValueError(f"{role} has {output_rows(config)} output rows, fewer than the tokenizer's {columns} tokens")
-    return columns
-
-
-def check_cross_tokenizer_run(task: Task, rollout: RolloutPolicy, student_tokenizer: Any, teacher_tokenizer: Any, probes: int = 8) -> None:
-    """Before any weight loads: refuse what needs one vocabulary (``MixtureRollouts``, vLLM rollouts),
-    and tokenizers that do not reproduce the task's text byte for byte
-    (:func:`kdlab.alignment.check_reproduces` names the model and the first differing character)."""
-    from kdlab.alignment import check_reproduces
-    from kdlab.errors import ConfigError
-
-    if isinstance(rollout, MixtureRollouts):
-        raise ConfigError(f"DistillModule.rollout: {CROSS_TOKENIZER_MIXTURE}")
-    if type(rollout).__name__ == "VLLMRollouts":
-        raise ConfigError(
-            "DistillModule.rollout: VLLMRollouts is not supported with cross_tokenizer yet (its engine returns one "
-            "vocabulary's token ids); use TeacherRollouts or StudentRollouts (Hugging Face decoding)"
-        )
-    texts: list[str] = []
-    for split in ("train", "val"):
-        for example in list(task.examples(split))[:probes]:
-            texts += [message["content"] for message in task.student_messages(example) + task.teacher_messages(example)]
-            reference = task.reference_completion(example)
-            if reference:
-                texts.append(reference)
-        if texts:
-            break
-    for text in dict.fromkeys(texts):
-        for role, tokenizer in (("student", student_tokenizer), ("teacher", teacher_tokenizer)):
-            try:
-                check_reproduces(tokenizer, text, tokenizer(text, add_special_tokens=False)["input_ids"], f"DistillModule.{role}'s")
-            except ConfigError as error:
-                raise ConfigError(f"{error} (in {text[:60]!r}; cross_tokenizer aligns the two models' tokens by bytes)") from None

@@ -1,0 +1,194 @@
+"""The data of distillation across tokenizers: which tokens two vocabularies share (:class:`VocabularyMap`)
+and the byte-aligned groups of a batch's completions (:class:`AlignedGroups`), flat tensors the aligned
+objective (:mod:`kdlab.objectives.aligned`) walks chunk by chunk."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kdlab.alignment import align, special_ids, token_bytes
+
+
+@dataclass
+class VocabularyMap:
+    """The tokens two vocabularies share, and each token's bytes.
+
+    ``teacher_ids``, ``student_ids``: ``(M,)`` long, pair ``i`` is ``(teacher_ids[i], student_ids[i])``;
+    ``teacher_pair`` ``(V_T,)`` / ``student_pair`` ``(V_S,)``: each id's pair index, -1 if unmapped;
+    ``teacher_bytes`` / ``student_bytes``: each id's bytes in a text (``b""`` for a special token).
+    """
+
+    teacher_ids: torch.Tensor
+    student_ids: torch.Tensor
+    teacher_pair: torch.Tensor
+    student_pair: torch.Tensor
+    teacher_bytes: list[bytes]
+    student_bytes: list[bytes]
+    teacher_specials: frozenset[int]
+    student_specials: frozenset[int]
+
+    @classmethod
+    def build(cls, teacher_tokenizer: Any, student_tokenizer: Any, teacher_columns: int, student_columns: int) -> VocabularyMap:
+        """Pairs tokens with the same bytes (special tokens by content); the EOS tokens are paired if
+        neither is paired yet. Ids ``>= columns`` are ignored."""
+        sides = []
+        for tokenizer, columns in ((teacher_tokenizer, teacher_columns), (student_tokenizer, student_columns)):
+            ids = list(range(columns))
+            specials = frozenset(i for i in special_ids(tokenizer) if i < columns)
+            pieces = token_bytes(tokenizer, ids)
+            names = tokenizer.convert_ids_to_tokens(ids)
+            keys: dict[tuple[str, bytes], int] = {}
+            for token_id, piece, name in zip(ids, pieces, names):
+                key = ("special", str(name).encode("utf-8")) if token_id in specials else ("text", piece)
+                keys.setdefault(key, token_id)
+            sides.append((pieces, specials, keys, columns))
+        (t_bytes, t_specials, t_keys, t_columns), (s_bytes, s_specials, s_keys, s_columns) = sides
+        pairs = [(t_id, s_keys[key]) for key, t_id in t_keys.items() if key in s_keys]
+        t_eos, s_eos = teacher_tokenizer.eos_token_id, student_tokenizer.eos_token_id
+        if t_eos is not None and s_eos is not None and t_eos < t_columns and s_eos < s_columns:
+            if all(t != t_eos and s != s_eos for t, s in pairs):
+                pairs.append((int(t_eos), int(s_eos)))
+        pairs.sort(key=lambda pair: pair[1])
+        teacher_pair = torch.full((t_columns,), -1, dtype=torch.long)
+        student_pair = torch.full((s_columns,), -1, dtype=torch.long)
+        for index, (t_id, s_id) in enumerate(pairs):
+            teacher_pair[t_id], student_pair[s_id] = index, index
+        return cls(
+            torch.tensor([t for t, _ in pairs], dtype=torch.long), torch.tensor([s for _, s in pairs], dtype=torch.long),
+            teacher_pair, student_pair, t_bytes, s_bytes, t_specials, s_specials,
+        )
+
+    @property
+    def size(self) -> int:
+        return int(self.student_ids.numel())
+
+    def to(self, device: torch.device) -> VocabularyMap:
+        if self.student_ids.device == device:
+            return self
+        move = lambda tensor: tensor.to(device)  # noqa: E731
+        return VocabularyMap(move(self.teacher_ids), move(self.student_ids), move(self.teacher_pair), move(self.student_pair),
+                             self.teacher_bytes, self.student_bytes, self.teacher_specials, self.student_specials)
+
+
+def _spans(pieces: list[bytes], ids: Sequence[int]) -> list[tuple[int, int]]:
+    spans, position = [], 0
+    for token_id in ids:
+        length = len(pieces[token_id])
+        spans.append((position, position + length))
+        position += length
+    return spans
+
+
+def pair_specials(groups: list[tuple[range, range]]) -> list[tuple[range, range]]:
+    """Pair lone special tokens at the same byte offset: the k-th student-only special with the k-th
+    teacher-only one (the two EOS tokens at a completion's end), as one-to-one groups; the others stay alone."""
+    out: list[tuple[range, range]] = []
+    run: list[tuple[range, range]] = []
+
+    def flush() -> None:
+        a_side = [g for g in run if len(g[0]) == 1]
+        b_side = [g for g in run if len(g[1]) == 1]
+        for x, y in zip(a_side, b_side):
+            out.append((x[0], y[1]))
+        for extra in a_side[len(b_side):] + b_side[len(a_side):]:
+            out.append(extra)
+        run.clear()
+
+    for group in groups:
+        lone = (len(group[0]) == 1 and len(group[1]) == 0) or (len(group[0]) == 0 and len(group[1]) == 1)
+        if lone:
+            run.append(group)
+            continue
+        flush()
+        out.append(group)
+    flush()
+    return out
+
+
+@dataclass
+class AlignedGroups:
+    """The groups of one batch, flat over its rows: ``(N,)`` long tensors (groups with a token on both
+    sides only). ``student_start``/``teacher_start`` are positions in each side's completion columns;
+    ``aligned_bytes`` / ``one_to_one_bytes`` count the batch's completion bytes and those that one-to-one
+    groups cover."""
+
+    row: torch.Tensor
+    student_start: torch.Tensor
+    student_length: torch.Tensor
+    teacher_start: torch.Tensor
+    teacher_length: torch.Tensor
+    aligned_bytes: int
+    one_to_one_bytes: int
+
+    @classmethod
+    def build(cls, vocabulary: VocabularyMap, student_ids: torch.Tensor, student_mask: torch.Tensor,
+              teacher_ids: torch.Tensor, teacher_mask: torch.Tensor) -> AlignedGroups:
+        """Align each row's masked-in student and teacher completion tokens (``(B, C_S)``, ``(B, C_T)``).
+        Raises ValueError naming the row when they do not spell the same bytes."""
+        rows, s_start, s_len, t_start, t_len = [], [], [], [], []
+        total = one = 0
+        for b, (s_row, s_keep, t_row, t_keep) in enumerate(zip(student_ids.tolist(), student_mask.tolist(), teacher_ids.tolist(), teacher_mask.tolist())):
+            s_tokens = [token for token, keep in zip(s_row, s_keep) if keep]
+            t_tokens = [token for token, keep in zip(t_row, t_keep) if keep]
+            s_spans, t_spans = _spans(vocabulary.student_bytes, s_tokens), _spans(vocabulary.teacher_bytes, t_tokens)
+            try:
+                groups = pair_specials(align(t_spans, s_spans))
+            except ValueError as error:
+                s_text = b"".join(vocabulary.student_bytes[i] for i in s_tokens)
+                t_text = b"".join(vocabulary.teacher_bytes[i] for i in t_tokens)
+                raise ValueError(f"row {b}: the student's and teacher's completion tokens spell different bytes "
+                                 f"({s_text[:60]!r}... vs {t_text[:60]!r}...): {error}") from None
+            for t_range, s_range in groups:
+                if not len(t_range) or not len(s_range):
+                    continue
+                rows.append(b)
+                s_start.append(s_range.start)
+                s_len.append(len(s_range))
+                t_start.append(t_range.start)
+                t_len.append(len(t_range))
+                size = s_spans[s_range.stop - 1][1] - s_spans[s_range.start][0]
+                total += size
+                one += size if len(t_range) == 1 and len(s_range) == 1 else 0
+        device = student_ids.device
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        return cls(as_tensor(rows), as_tensor(s_start), as_tensor(s_len), as_tensor(t_start), as_tensor(t_len), total, one)
+
+    def __len__(self) -> int:
+        return int(self.row.numel())
+
+    @property
+    def one_to_one_share(self) -> float:
+        """Share of the aligned completion bytes covered by one-to-one groups (1.0 when there are none)."""
+        return self.one_to_one_bytes / self.aligned_bytes if self.aligned_bytes else 1.0
+
+    def start_mask(self, shape: torch.Size) -> torch.Tensor:
+        """``(B, C_S)`` bool: True at each group's first student token."""
+        mask = torch.zeros(shape, dtype=torch.bool, device=self.row.device)
+        mask[self.row, self.student_start] = True
+        return mask
+
+    def positions(self, groups: torch.Tensor, side: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(b, t, owner)`` of every token of ``groups`` on ``side``, ``owner`` indexing into ``groups``;
+        each group's first token comes first among its own."""
+        start = getattr(self, f"{side}_start")[groups]
+        length = getattr(self, f"{side}_length")[groups]
+        owner = torch.repeat_interleave(torch.arange(groups.numel(), device=groups.device), length)
+        offset = torch.arange(owner.numel(), device=groups.device) - torch.repeat_interleave(torch.cumsum(length, 0) - length, length)
+        return self.row[groups][owner], start[owner] + offset, owner
+
+    def chunks(self, chunk_size: int) -> list[torch.Tensor]:
+        """Consecutive group indices holding about ``chunk_size`` student tokens each (a group is never split)."""
+        lengths = self.student_length.tolist()
+        out, start, rows = [], 0, 0
+        for index, length in enumerate(lengths):
+            rows += length
+            if rows >= chunk_size:
+                out.append(torch.arange(start, index + 1, device=self.row.device))
+                start, rows = index + 1, 0
+        if start < len(lengths):
+            out.append(torch.arange(start, len(lengths), device=self.row.device))
+        return out

@@ -1,0 +1,146 @@
+"""A teacher served over HTTP with vLLM's API (kdlab.rollouts.served), against a real loopback server that
+serves the packaged tiny teacher (kdlab.rollouts.loopback), issue #28 item 1."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from kdlab.errors import ConfigError
+from kdlab.rollouts.loopback import LoopbackServer
+from kdlab.rollouts.policies import MixtureRollouts, StudentRollouts, TeacherDatasetRollouts, TeacherRollouts
+from kdlab.rollouts.served import ServedTeacher, ServedTeacherError, tempered_topk
+from kdlab.tasks import Addition
+
+STUDENT, TEACHER = "kdlab://tiny-random/student", "kdlab://tiny-random/teacher"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LoopbackServer(TEACHER, name="tiny-teacher") as running:
+        yield running
+
+
+@pytest.fixture(autouse=True)
+def no_faults(server):
+    server.faults, server.fault_after, server.completions = set(), 0, 0
+    yield
+    server.faults = set()
+
+
+def task():
+    return Addition(max_digits=2, system_prompt="", num_train=8, num_val=4, num_test=0, seed=0)
+
+
+def dataset(tmp_path):
+    path = tmp_path / "teacher.jsonl"
+    path.write_text("".join(json.dumps({"id": ex["id"], "completion": task().reference_completion(ex)}) + "\n" for ex in task().examples("train")))
+    return str(path)
+
+
+def module(served=None, teacher=None, rollout=None, **settings):
+    from kdlab.stages.distill import DistillModule
+
+    return DistillModule(STUDENT, teacher, task(), rollout=rollout, served_teacher=served, batch_size=2, max_completion_tokens=8,
+                         val_examples=4, val_batch_size=4, warmup_steps=1, lr=1e-3, teacher_temperature=0.5, **settings)
+
+
+def served(server, **settings):
+    return ServedTeacher(server.url, "tiny-teacher", TEACHER, **{"timeout_s": 10.0, "retries": 1, "backoff_s": 0.0, **settings})
+
+
+def test_the_whole_vocabulary_from_the_server_is_the_in_process_teacher(server, tmp_path):
+    """top_k = -1: the served log-probs, tempered by kdlab, equal the in-process teacher's tempered
+    log-probs to 1e-5 on every completion position, and so do the loss and its diagnostics."""
+    data = dataset(tmp_path)
+    remote = module(served(server, top_k=-1), rollout=TeacherDatasetRollouts(data), fused_lm_head=False)
+    local = module(teacher=TEACHER, rollout=TeacherDatasetRollouts(data), fused_lm_head=False)
+    examples = task().examples("train")[:2]
+    r_remote, r_local = remote.make_rollout(examples, 0), local.make_rollout(examples, 0)
+    assert torch.equal(r_remote.completion_ids, r_local.completion_ids)
+    s_remote, t_remote = remote.distillation_logits(r_remote)
+    s_local, t_local = local.distillation_logits(r_local)
+    mask = r_local.completion_mask
+    expected = torch.log_softmax(t_local.float(), -1)[mask]
+    got = t_remote.dense()[mask]
+    assert got.shape == expected.shape and (got - expected).abs().max().item() < 1e-5
+    loss_remote = remote.objective(s_remote, t_remote, mask)
+    loss_local = local.objective(s_local, t_local, mask)
+    assert abs(loss_remote.item() - loss_local.item()) < 1e-5
+
+
+def test_top_20_is_bracketed_by_the_tail_bounds(server):
+    """K = 20 of a 353-token teacher at T = 0.5: the exact tempered log-probs of the top 20 lie between the
+    values with the tail's share of the normaliser at zero and at its bound (the one kdlab uses)."""
+    teacher = served(server, top_k=20)
+    local = LoopbackServer(TEACHER)  # the same model, read in this process
+    prompt = local.tokenizer("Add the numbers. 12+30", add_special_tokens=False)["input_ids"] + [5, 9, 17]
+    entries = teacher.prompt_logprobs(prompt, 1)
+    columns = len(local.tokenizer)
+    logits = local.model(input_ids=torch.tensor([prompt])).logits[0, :-1, :columns].float()
+    exact = torch.log_softmax(logits / 0.5, -1)
+    for tail, sign in (("none", 1), ("bound", -1)):
+        indices, logprobs = tempered_topk(entries, 20, 0.5, columns, tail=tail)
+        truth = exact.gather(1, indices)
+        assert bool((sign * (logprobs - truth) >= -1e-5).all())  # none: upper bound; bound: lower bound
+    indices, logprobs = tempered_topk(entries, 20, 1.0, columns)
+    assert (logprobs - torch.log_softmax(logits, -1).gather(1, indices)).abs().max().item() < 1e-5  # T = 1: exact
+
+
+def test_training_from_the_server_on_and_off_policy(server, tmp_path):
+    for rollout in (StudentRollouts(), TeacherRollouts()):
+        m = module(served(server, top_k=20), rollout=rollout)
+        before = [p.detach().clone() for p in m.student.parameters()]
+        trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path)
+        trainer.fit(m)
+        assert math.isfinite(float(trainer.callback_metrics["train/loss"]))
+        assert any(not torch.equal(a, b) for a, b in zip(before, m.student.parameters()))
+
+
+def test_the_server_sample_is_seeded(server):
+    teacher = served(server)
+    prompt = [int(t) for t in LoopbackServer(TEACHER).tokenizer("Add the numbers. 4+5", add_special_tokens=False)["input_ids"]]
+    a, b = teacher.sample(prompt, 6, 1.0, 3, []), teacher.sample(prompt, 6, 1.0, 3, [])
+    assert a == b and 1 <= len(a) <= 6
+
+
+@pytest.mark.parametrize("fault, message", [("timeout", "timed out"), ("malformed", "not JSON"), ("error", "500"),
+                                            ("wrong_model", "answered for model 'another-model'")])
+def test_a_failing_server_stops_the_run_naming_the_endpoint_after_its_retries_with_the_last_checkpoint_intact(server, tmp_path, fault, message):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    server.faults, server.fault_after = {fault}, 2 * 2  # two steps of two completions each are scored, then it fails
+    teacher = served(server, timeout_s=1.0, retries=1)
+    m = module(teacher, rollout=TeacherDatasetRollouts(dataset(tmp_path)))
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=1)
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path, callbacks=[checkpoint])
+    with pytest.raises(ServedTeacherError, match=rf"served teacher {server.url}/v1/completions.*{message}"):
+        trainer.fit(m)
+    state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert state["global_step"] == 2
+
+
+def test_the_server_is_checked_before_training(server):
+    with pytest.raises(ServedTeacherError, match=r"/v1/models serves \['tiny-teacher'\], not ServedTeacher.model='other'"):
+        ServedTeacher(server.url, "other", TEACHER, retries=0).check(LoopbackServer(TEACHER).tokenizer)
+    from kdlab.models.loading import ModelSpec, load_tokenizer
+
+    with pytest.raises(ServedTeacherError, match="/tokenize: the server's tokenizer gives .* not the same vocabulary"):
+        served(server).check(load_tokenizer(ModelSpec("kdlab://tiny/student")))
+    with pytest.raises(ServedTeacherError, match="served teacher http://127.0.0.1:9/v1/models"):
+        ServedTeacher("http://127.0.0.1:9", "x", TEACHER, retries=0, timeout_s=1.0).check(None)
+
+
+def test_what_needs_the_teacher_model_is_refused_with_a_served_teacher(server):
+    with pytest.raises(ConfigError, match="MixtureRollouts needs the teacher model"):
+        module(served(server), rollout=MixtureRollouts(0.0))
+    with pytest.raises(ConfigError, match="served_teacher is the teacher: set teacher: null"):
+        module(served(server), teacher=TEACHER)
+    with pytest.raises(ValueError, match="top_k must be >= 1 or -1"):
+        ServedTeacher("http://x", "m", TEACHER, top_k=0)
