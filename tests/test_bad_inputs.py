@@ -90,6 +90,9 @@ CLI_CASES = {
     "44": (FIT + ["--model.task.answer_from=number"], "Addition.answer_from must be one of"),
     "46": (FIT + MIXTURE + ["--model.student.path=kdlab://tiny/student", "--model.cross_tokenizer=kdlab.objectives.CrossTokenizer"],
            "DistillModule.rollout: MixtureRollouts mixes the two models' next-token distributions"),
+    "48": (FIT + ['--model.served_teacher={"class_path": "kdlab.rollouts.served.ServedTeacher", "init_args": '
+                   '{"url": "http://127.0.0.1:9", "model": "m", "tokenizer": "kdlab://tiny-random/teacher"}}'],
+           "DistillModule.served_teacher is the teacher: set teacher: null"),
     "47": (FIT + ["--model.base_teacher=true"], "DistillModule.base_teacher: the teacher is the student's base under its LoRA adapters"),
 }
 NOT_CLI = {  # rows whose input is not a configuration a command line can give, with where they are tested
@@ -107,6 +110,7 @@ NOT_CLI = {  # rows whose input is not a configuration a command line can give, 
     "36": "exporting a DoRA adapter: a Python call, not a configuration (test_models.py)",
     "41": "kdlab report input: its own usage messages (test_report.py)",
     "45": "kdlab sweep files: their own usage error naming the key (test_sweep.py)",
+    "49": "a misbehaving HTTP server: run against kdlab's loopback server with faults (test_served_teacher.py)",
 }
 
 
