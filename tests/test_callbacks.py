@@ -98,6 +98,9 @@ def test_coverage_uses_the_unbiased_estimator_over_samples(module, tmp_path):
     assert row["coverage/add/pass@2"] == pytest.approx((pass_at_k(3, 2, 2) + 0) / 2)
     with pytest.raises(ValueError, match="Coverage.ks"):
         Coverage(task, ks=(11,), samples=10)
+    callback.on_fit_start(trainer, module)  # the measurement before training is also kept as <metric>_before
+    before = metrics_file(trainer)[-1]
+    assert before["coverage/add/pass@1_before"] == before["coverage/add/pass@1"] == pytest.approx(1 / 3)
 
 
 def test_coverage_split_over_replicas_pools_to_the_counts_of_one_process(module, tmp_path, monkeypatch):

@@ -280,7 +280,8 @@ class Coverage(EvaluationCallback):
         samples: draws per prompt (paper: 10).
         temperature: sampling temperature (paper: 0.5).
         name: metric name (default: the task's variant or class name).
-        at_start: also measure before training.
+        at_start: also measure before training; that first measurement is logged as ``coverage/<name>/pass@k``
+            at step 0 and again as ``coverage/<name>/pass@k_before`` (so a run's last values hold both).
 
     Under several processes each data-parallel replica samples its share of the prompts (every
     replica-th one, from its own seed ``seed + replica``; a share one short is padded with a prompt whose
@@ -330,7 +331,7 @@ class Coverage(EvaluationCallback):
         finally:
             self.seed = kept
 
-    def measure(self, trainer, pl_module) -> None:
+    def measure(self, trainer, pl_module, suffix: str = "") -> None:
         examples = self.task.examples("val")[: self.examples]
         correct = self.correct_counts(trainer, pl_module, examples)
         metrics = {}
@@ -339,8 +340,10 @@ class Coverage(EvaluationCallback):
             for count in correct:
                 total += pass_at_k(self.samples, count, k)
             metrics[f"coverage/{self.name}/pass@{k}"] = total / len(examples)
+        # the first measurement is also kept under its own name, so that a run's last values (kdlab report) hold both
+        metrics.update({f"{name}{suffix}": value for name, value in metrics.items()} if suffix else {})
         log_metrics(trainer, metrics)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.at_start and trainer.global_step == 0 and not trainer.ckpt_path:  # a resumed run's "before" was logged by the first run
-            self.measure(trainer, pl_module)
+            self.measure(trainer, pl_module, suffix="_before")
