@@ -208,3 +208,43 @@ def test_packaged_tokenizer_refuses_decomposed_text():
     text = "cafe\u0301"  # NFD: the packaged tokenizer's NFC normaliser composes it
     with pytest.raises(ConfigError, match=r"teacher tokenizer.*character 3 'e'"):
         check_reproduces(tiny(), text, encode(tiny(), text), "teacher")
+
+
+def sentencepiece_like(prepend: str):
+    """A SentencePiece-style BPE (Metaspace '▁' for spaces, byte fallback to ordinary ``<0xNN>`` vocabulary
+    tokens for unseen characters), as Llama 2, Mistral and Gemma tokenizers are; ``prepend`` is Metaspace's
+    prefix-space scheme."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend)
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<pad>", "<unk>"], show_progress=False)
+    trained.train_from_iterator([f"{line} {k}" for k in range(30) for line in LINES[:3]], trainer=trainer)
+    model = json.loads(trained.to_str())["model"]
+    vocab = dict(model["vocab"])
+    for byte in range(256):  # the byte tokens are ordinary vocabulary entries, as in Llama 2's tokenizer
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    backend = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens(["<s>", "</s>", "<pad>"])
+    return _wrap(backend)
+
+
+def test_sentencepiece_style_tokenizers_align_through_byte_fallback_or_are_refused_for_a_prefix_space():
+    """Metaspace without a prefix space: '▁' is a space and ``<0xNN>`` tokens are bytes, so emoji and CJK
+    it never saw (byte fallback) still tile the text and align with a byte-level BPE. With Llama 2's prefix
+    space the tokens spell ' ' + text: refused, naming the first character."""
+    text = "Emoji 🎉 and 東京 12 + 30 = 42"
+    plain = sentencepiece_like("never")
+    ids = encode(plain, text)
+    assert any(name.startswith("<0x") for name in plain.convert_ids_to_tokens(ids))  # byte fallback is exercised
+    spans = check_reproduces(plain, text, ids, "teacher")
+    assert_tiles(spans, text)
+    alignment = Alignment.from_spans(spans, check_reproduces(tiny(), text, encode(tiny(), text), "student"))
+    assert_groups(alignment, text)
+    with pytest.raises(ConfigError, match="teacher tokenizer does not reproduce.*character 0 'E'"):
+        check_reproduces(sentencepiece_like("always"), text, encode(sentencepiece_like("always"), text), "teacher")
