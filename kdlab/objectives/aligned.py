@@ -29,9 +29,10 @@ different events on the two sides (each side's unmapped tokens). ``uld_weight`` 
 (the L1 distance between the two sorted next-token probability vectors at each group start, which needs no
 map): ``loss = (1 - w) * divergence + w * ULD``, GOLD's hybrid.
 
-Memory: groups are taken ``chunk_size`` student rows at a time; only one ``(rows, V)`` block per model is
-live, and the gradient of each chunk goes straight into the student's gradient buffer (as
-:mod:`kdlab.objectives.kernels` does for one vocabulary).
+Memory: groups are taken about ``chunk_size`` student rows at a time; every intermediate (each model's rows,
+their normalised log-probs, the events) is ``(rows, V)``-sized, none is ``(B, T, V)``, and the gradient of
+each chunk goes straight into the student's gradient buffer (as :mod:`kdlab.objectives.kernels` does for one
+vocabulary).
 """
 
 from __future__ import annotations
