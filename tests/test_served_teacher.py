@@ -79,15 +79,15 @@ def test_top_20_is_bracketed_by_the_tail_bounds(server):
     teacher = served(server, top_k=20)
     local = LoopbackServer(TEACHER)  # the same model, read in this process
     prompt = local.tokenizer("Add the numbers. 12+30", add_special_tokens=False)["input_ids"] + [5, 9, 17]
-    entries = teacher.prompt_logprobs(prompt, 1)
+    ids, raw = teacher.prompt_logprobs(prompt, 1)
     columns = len(local.tokenizer)
     logits = local.model(input_ids=torch.tensor([prompt])).logits[0, :-1, :columns].float()
     exact = torch.log_softmax(logits / 0.5, -1)
     for tail, sign in (("none", 1), ("bound", -1)):
-        indices, logprobs = tempered_topk(entries, 20, 0.5, columns, tail=tail)
+        indices, logprobs = tempered_topk(ids, raw, 0.5, columns, tail=tail)
         truth = exact.gather(1, indices)
         assert bool((sign * (logprobs - truth) >= -1e-5).all())  # none: upper bound; bound: lower bound
-    indices, logprobs = tempered_topk(entries, 20, 1.0, columns)
+    indices, logprobs = tempered_topk(ids, raw, 1.0, columns)
     assert (logprobs - torch.log_softmax(logits, -1).gather(1, indices)).abs().max().item() < 1e-5  # T = 1: exact
 
 

@@ -34,6 +34,7 @@ class LoopbackServer:
         spec = ModelSpec(model)
         self.model, self.tokenizer = load_causal_lm(spec).eval(), load_tokenizer(spec)
         self.name, self.max_model_len = name, max_model_len
+        self.pieces = [self.tokenizer.decode([t]) for t in range(len(self.tokenizer))]  # each token's text, once
         self.lock = threading.Lock()  # one forward at a time: torch models are not re-entrant on the CPU
         self.faults: set[str] = set()
         self.fault_after = 0
@@ -104,20 +105,19 @@ class LoopbackServer:
             choice: dict[str, Any] = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None,
                                       "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}
             k = payload.get("prompt_logprobs")
+            every = self.model(input_ids=torch.tensor([prompt])).logits[0, :, :columns].float()  # one forward for both uses
             if k is not None:
-                logits = self.model(input_ids=torch.tensor([prompt])).logits[0, :, :columns].float()
-                logprobs = torch.log_softmax(logits, -1)  # raw: no temperature, as vLLM's prompt log-probs
+                logprobs = torch.log_softmax(every[:-1], -1).clamp(min=-9999.0)  # raw: no temperature, as vLLM's prompt log-probs
+                order = torch.argsort(logprobs, dim=-1, descending=True)
+                ranks = torch.empty_like(order).scatter_(1, order, torch.arange(1, columns + 1).expand_as(order))
+                keep = order[:, : columns if k == -1 else k].tolist()
+                values, rank_rows = logprobs.tolist(), ranks.tolist()
                 rows: list[Any] = [None]
-                for position in range(1, len(prompt)):
-                    row = logprobs[position - 1]
-                    order = torch.argsort(row, descending=True)
-                    ranks = torch.empty_like(order)
-                    ranks[order] = torch.arange(1, columns + 1)
-                    keep = order[: columns if k == -1 else k].tolist()
-                    if prompt[position] not in keep:
-                        keep.append(prompt[position])
-                    rows.append({str(t): {"logprob": max(float(row[t]), -9999.0), "rank": int(ranks[t]),
-                                          "decoded_token": self.tokenizer.decode([t])} for t in keep})
+                for position, top in enumerate(keep, start=1):
+                    token = prompt[position]
+                    ids = top if token in top else [*top, token]
+                    row, rank = values[position - 1], rank_rows[position - 1]
+                    rows.append({str(t): {"logprob": row[t], "rank": rank[t], "decoded_token": self.pieces[t]} for t in ids})
                 choice["prompt_logprobs"] = rows
             new: list[int] = []
             max_tokens = int(payload.get("max_tokens", 16))
@@ -126,7 +126,7 @@ class LoopbackServer:
                                          [int(t) for t in payload.get("stop_token_ids") or []] + [self.tokenizer.eos_token_id])
                 choice["finish_reason"] = "stop" if ended else "length"
             else:
-                new = [int(torch.argmax(self.model(input_ids=torch.tensor([prompt])).logits[0, -1, :columns]))]
+                new = [int(torch.argmax(every[-1]))]
             choice["text"] = self.tokenizer.decode(new, skip_special_tokens=not payload.get("skip_special_tokens", True) is False)
             if payload.get("return_token_ids"):
                 choice["token_ids"], choice["prompt_token_ids"] = new, prompt

@@ -138,9 +138,10 @@ class ServedTeacher:
             )
 
     # ---- log-probs ---------------------------------------------------------------------------
-    def prompt_logprobs(self, prompt: list[int], start: int) -> list[dict[int, float]]:
-        """The server's untempered log-probs ``{token id: log-prob}`` of the positions ``start..`` of ``prompt``
-        (each the distribution of that position's token given the tokens before it)."""
+    def prompt_logprobs(self, prompt: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The server's untempered top-K ``(ids (n, K), log-probs (n, K))`` (fp64, most likely first) at the
+        positions ``start..`` of ``prompt``: each the distribution of that position's token given the tokens
+        before it. With ``top_k`` -1, K is every token the server returned (the vocabulary)."""
         reply = self.request("/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": 1,
                                                  "prompt_logprobs": self.top_k, "temperature": 1.0})
         endpoint = f"{self.url}/v1/completions"
@@ -150,14 +151,18 @@ class ServedTeacher:
             rows = reply["choices"][0]["prompt_logprobs"]
             if not isinstance(rows, list) or len(rows) != len(prompt):
                 raise ValueError(f"prompt_logprobs has {len(rows) if isinstance(rows, list) else rows!r} entries for a {len(prompt)}-token prompt")
-            out = []
+            ids, values = [], []
             for row in rows[start:]:
-                entries = {int(token): float(value["logprob"]) for token, value in row.items()}
-                ranked = sorted(row.items(), key=lambda item: item[1].get("rank") or math.inf)
-                if self.top_k > 0:  # the K most likely; the prompt token itself may come on top as a K+1-th entry
-                    entries = {int(token): float(value["logprob"]) for token, value in ranked[: self.top_k]}
-                out.append(entries)
-            return out
+                # the K most likely by the server's rank; the prompt's own token may come on top as a K+1-th entry
+                ranked = sorted(row.items(), key=lambda item: (item[1].get("rank") or math.inf, -item[1]["logprob"]))
+                ranked = ranked[: self.top_k] if self.top_k > 0 else ranked
+                ids.append([int(token) for token, _ in ranked])
+                values.append([float(value["logprob"]) for _, value in ranked])
+            width = min((len(row) for row in ids), default=0)
+            if self.top_k > 0 and width < self.top_k:
+                raise ValueError(f"{width} log-probs at a position, fewer than top_k={self.top_k}")
+            return torch.tensor([row[:width] for row in ids], dtype=torch.long).reshape(-1, width), \
+                torch.tensor([row[:width] for row in values], dtype=torch.float64).reshape(-1, width)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as error:
             raise ServedTeacherError(f"served teacher {endpoint}: a reply vLLM would not give ({error})") from None
 
@@ -173,28 +178,24 @@ class ServedTeacher:
             raise ServedTeacherError(f"served teacher {self.url}/v1/completions: a reply vLLM would not give ({error})") from None
 
 
-def tempered_topk(entries: list[dict[int, float]], k: int, temperature: float, columns: int, tail: str = "bound") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(indices (n, k), log-probs (n, k))`` at ``temperature`` from untempered top-k ``{id: log-prob}`` rows.
+def tempered_topk(ids: torch.Tensor, raw: torch.Tensor, temperature: float, columns: int, tail: str = "bound") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids (n, k), log-probs (n, k) fp32)`` at ``temperature`` from the server's untempered top-k ``ids`` and
+    log-probs ``raw`` ``(n, k)`` (most likely first).
 
     ``tail``: ``"bound"`` counts the unseen tokens' share of the tempered normaliser at its upper bound (see the
     module docstring), ``"none"`` as zero; the two bracket the exact values, and agree with them (and each
     other) when ``k`` is the whole vocabulary or ``temperature`` is 1."""
-    indices = torch.zeros(len(entries), k, dtype=torch.long)
-    logprobs = torch.full((len(entries), k), -math.inf)
-    for row, values in enumerate(entries):
-        ranked = sorted(values.items(), key=lambda item: -item[1])[:k]
-        if len(ranked) < k:
-            raise ServedTeacherError(f"the server returned {len(ranked)} log-probs at a position, fewer than top_k={k}")
-        ids = torch.tensor([token for token, _ in ranked])
-        raw = torch.tensor([value for _, value in ranked], dtype=torch.float64)
-        scaled = raw / temperature
-        normaliser = torch.logsumexp(scaled, 0)
-        mass = float(1.0 - raw.exp().sum().clamp(max=1.0))
-        if tail == "bound" and mass > 0 and k < columns and temperature != 1.0:
-            p_k = float(raw[-1].exp())
-            share = mass * p_k ** (1.0 / temperature - 1.0) if temperature < 1.0 else (columns - k) ** (1.0 - 1.0 / temperature) * mass ** (1.0 / temperature)
-            normaliser = torch.logaddexp(normaliser, torch.tensor(math.log(share), dtype=torch.float64))
-        elif temperature == 1.0:
-            normaliser = torch.tensor(0.0, dtype=torch.float64)  # the server's log-probs are already normalised
-        indices[row], logprobs[row] = ids, (scaled - normaliser).float()
-    return indices, logprobs
+    k = raw.shape[1]
+    if temperature == 1.0:  # the server's log-probs are normalised already
+        return ids, raw.float()
+    scaled = raw / temperature
+    normaliser = torch.logsumexp(scaled, dim=1)
+    if tail == "bound" and k < columns:
+        mass = (1.0 - raw.exp().sum(1)).clamp(min=0.0)
+        p_k = raw[:, -1].exp()
+        if temperature < 1.0:
+            share = mass * p_k ** (1.0 / temperature - 1.0)
+        else:
+            share = (columns - k) ** (1.0 - 1.0 / temperature) * mass ** (1.0 / temperature)
+        normaliser = torch.logaddexp(normaliser, share.clamp(min=1e-300).log())
+    return ids, (scaled - normaliser[:, None]).float()

@@ -93,7 +93,7 @@ def served_rollout(module: Any, prompts: Any, policy: RolloutPolicy, seed: int) 
         rollout = policy.sample(prompts, module.rollout_context(module._generator(seed)))
     completions = [ids[mask].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
     scored = served.concurrently(lambda item: served.prompt_logprobs(item[0] + item[1], len(item[0])), list(zip(teacher_prompts, completions)))
-    k = module.teacher_columns if served.top_k == -1 else served.top_k
-    topk = [tempered_topk(entries, k, module.teacher_temperature, module.teacher_columns) for entries in scored]
+    k = scored[0][0].shape[1] if scored else max(served.top_k, 1)
+    topk = [tempered_topk(ids, raw, module.teacher_temperature, module.teacher_columns) for ids, raw in scored]
     rollout.teacher_logprobs = TopKLogprobs.from_rows(topk, rollout.completion_ids.shape[1], k, module.teacher_columns).to(module.device)
     return rollout
