@@ -226,6 +226,7 @@ def test_fit_help_has_no_docstring_markup(capsys):
     from kdlab.cli.lightning import clean_help
 
     assert clean_help("see :class:`~kdlab.rollouts.MixtureRollouts` and ``lam`` (`docs <https://x>`_)") == "see MixtureRollouts and lam (docs)"
+    assert clean_help("is :class:`~kdlab.rol\n        louts.policies.CachedTeacherRollouts`: the") == "is CachedTeacherRollouts: the"  # wrapped
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--help"])
     out = capsys.readouterr().out

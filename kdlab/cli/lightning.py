@@ -229,7 +229,8 @@ def names_model_class(argv: list[str]) -> bool:
 
 
 _RST = [
-    (re.compile(r":(?:class|func|meth|mod|attr|data|obj):`~?([\w.]+)`"), lambda m: m.group(1).rsplit(".", 1)[-1]),
+    # a role the help's line wrapping broke (``kdlab.rol\n    louts.X``) is joined again before its last name is kept
+    (re.compile(r":(?:class|func|meth|mod|attr|data|obj):`~?([\w.\s]+?)`"), lambda m: re.sub(r"\s+", "", m.group(1)).rsplit(".", 1)[-1]),
     (re.compile(r"``([^`]+)``"), lambda m: m.group(1)),
     (re.compile(r"`([^`<]+) <[^>]+>`_"), lambda m: m.group(1)),
 ]

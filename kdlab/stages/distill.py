@@ -62,7 +62,7 @@ class DistillModule(TaskStage):
     Args:
         student: the model trained (all its parameters, full fine-tuning).
         teacher: the frozen model distilled from; it shares the student's vocabulary unless
-            ``cross_tokenizer`` is given. ``None`` (YAML ``teacher: null``) when the
+            ``cross_tokenizer`` is given. ``None`` when the
             rollout is :class:`~kdlab.rollouts.policies.CachedTeacherRollouts`: the teacher then never sits in
             training memory (callbacks that sample from the teacher cannot be used).
         task: prompts, per-model prompting and the verifier used for validation accuracy.
