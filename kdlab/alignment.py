@@ -82,6 +82,9 @@ def token_bytes(tokenizer: Any, ids: Sequence[int]) -> list[bytes]:
     table = _byte_decoder()
     out = []
     for token_id, token in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
+        if token is None and token_id not in specials:
+            raise ConfigError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no token for id {token_id} "
+                              "(convert_ids_to_tokens gave None): a vocabulary with holes cannot be aligned by bytes")
         if token_id in specials:
             out.append(b"")
         elif token_id in added:

@@ -248,3 +248,14 @@ def test_sentencepiece_style_tokenizers_align_through_byte_fallback_or_are_refus
     assert_groups(alignment, text)
     with pytest.raises(ConfigError, match="teacher tokenizer does not reproduce.*character 0 'E'"):
         check_reproduces(sentencepiece_like("always"), text, encode(sentencepiece_like("always"), text), "teacher")
+
+
+def test_a_vocabulary_with_holes_is_refused_naming_the_id():
+    class Holes:
+        name_or_path, all_special_ids, added_tokens_decoder = "holes", [], {}
+
+        def convert_ids_to_tokens(self, ids):
+            return [None if i == 3 else "a" for i in ids]
+
+    with pytest.raises(ConfigError, match="'holes' has no token for id 3"):
+        token_bytes(Holes(), [1, 2, 3])

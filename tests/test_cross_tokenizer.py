@@ -348,3 +348,42 @@ def test_rollout_sensitivity_is_refused_across_tokenizers_and_callbacks_sample_t
     coverage = Coverage(task(), ks=(1,), samples=1, examples=4, batch_size=4, max_new_tokens=8)
     texts = coverage.sample(m, m.task, m.task.examples("val"), role="teacher")
     assert len(texts) == 4 and m.teacher_columns != m.token_columns
+
+
+def test_the_docs_page_shows_what_its_script_computes_from_the_packaged_models_and_the_reports():
+    """docs/cross_tokenizer.md's worked example and results table are exactly what
+    scripts/cross_tokenizer_example.py computes (nothing typed by hand)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    result = subprocess.run([sys.executable, "scripts/cross_tokenizer_example.py", "--check"], cwd=root, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("objective", [ForwardKL(), ReverseKL()], ids=["forward", "reverse"])
+def test_a_student_vocabulary_inside_the_teachers_conditions_the_teacher_on_what_the_student_can_write(objective):
+    """The student's tokens are the teacher's first V_S (same ids, fewer columns): every group is one token,
+    the student has no rest, and the teacher's mass on its last tokens is text the student cannot write. The
+    loss is then the vocabulary objective against the teacher renormalised over the student's columns:
+    finite (not ~1e4 x that mass), loss and gradient to 1e-6."""
+    tok = tokenizer(STUDENT)
+    v_t = len(tok)
+    v_s = v_t - 8
+    cross = CrossTokenizer()
+    cross.bind(tok, tok, v_t, v_s)
+    ids, mask = encode_rows(tok, [TEXTS[0], "x + 1 = 2"])  # (the tags are the last ids: kept out)
+    assert int(ids[mask].max()) < v_s
+    torch.manual_seed(4)
+    student = torch.randn(*ids.shape, v_s, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(*ids.shape, v_t, dtype=torch.float64)
+    loss, diagnostics = cross.loss(objective, student, teacher, cross.groups(ids, mask, ids, mask), ids, ids, mask)
+    (grad,) = torch.autograd.grad(loss, student)
+    expected = objective(student, teacher[..., :v_s], mask)
+    (expected_grad,) = torch.autograd.grad(expected, student)
+    assert abs(loss.item() - expected.item()) < 1e-6 and (grad - expected_grad).abs().max().item() < 1e-6
+    tail = torch.softmax(teacher, -1)[..., v_s:].sum(-1)
+    dropped = torch.stack([tail[b][mask[b]].mean() for b in range(len(ids))]).mean()  # the sequence reduction
+    assert abs(diagnostics["teacher_unmapped_mass"].item() - dropped.item()) < 1e-6 and dropped.item() > 0.01

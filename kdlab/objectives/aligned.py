@@ -16,7 +16,10 @@ same text: their next-token distributions there are comparable, once put on one 
 * ``rest``: everything else: tokens outside the map, the left-out pair's token, and the first token not
   followed by the rest of the group (``p(s_a) - p(x_k)``).
 
-Each model's event probabilities sum to one, so any :class:`~kdlab.objectives.kl.KLObjective`'s
+Where one model's ``rest`` holds no token (every student token is in the map and the group is one token), the
+rest is dropped on both sides and both distributions renormalised over the other events
+(:func:`drop_impossible_rest`): otherwise the teacher's mass on text the student cannot write would make
+forward KL infinite. Each model's event probabilities sum to one, so any :class:`~kdlab.objectives.kl.KLObjective`'s
 ``token_loss`` (forward or reverse KL, the JSD family, TV, the sampled estimators) compares two proper
 distributions on the same ``|M| + 2`` events. In a one-to-one group ``x_k`` is the shared token itself and
 the events are the map and ``rest``; with identical tokenizers ``M`` is the whole vocabulary, ``rest`` is
@@ -135,7 +138,7 @@ def event_logprobs(start: torch.Tensor, realized: torch.Tensor, owner: torch.Ten
     # the map, in student columns, without the left-out pairs
     if layout.identity:
         mapped = start
-    elif torch.equal(layout.source, layout.target):
+    elif start.shape[1] == layout.width and torch.equal(layout.source, layout.target):  # same ids, same width
         mapped = start.masked_fill(~layout.mapped_columns, FLOOR)
     else:
         mapped = start.new_full((groups, layout.width), FLOOR).index_copy(1, layout.target, start.index_select(1, layout.source))
@@ -171,6 +174,24 @@ class _AlignedObjective(torch.autograd.Function):
             raise RuntimeError("backward through the aligned objective can run only once per forward")
         with full_precision(grad_output):
             return (*scaled_gradients(gradient, grad_output, ctx.weight_dtype), None, None)
+
+
+def drop_impossible_rest(student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where one model's ``rest`` event holds no token (a student whose every token is in the map, at a
+    one-token group), the other's rest mass is text the first cannot write at all: compared as it is, forward
+    or reverse KL would be infinite (``p log(p / 0)``). There the rest event is dropped on both sides and each
+    distribution renormalised over the remaining events: both are conditioned on text both vocabularies can
+    express, and the dropped teacher mass is what ``teacher_unmapped_mass`` reports. Rows whose rests are both
+    possible are returned unchanged; where both are empty (one vocabulary) dropping changes nothing."""
+    empty = (student[:, -1] < FLOOR / 2) | (teacher[:, -1] < FLOOR / 2)
+    if not bool(empty.any()):
+        return student, teacher
+
+    def renormalised(events: torch.Tensor) -> torch.Tensor:
+        dropped = torch.cat([events[:, :-1], torch.full_like(events[:, -1:], FLOOR)], dim=1)
+        return torch.where(empty[:, None], dropped - torch.logsumexp(dropped, dim=-1, keepdim=True), events)
+
+    return renormalised(student), renormalised(teacher)
 
 
 def event_statistics(student: torch.Tensor, teacher: torch.Tensor, gradient_of: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -307,6 +328,7 @@ class CrossTokenizer(Component):
                     rows = gather_rows(source, sb, st, dtype).detach().requires_grad_(gradient is not None)
                     s_start, s_realized = side_logprobs(rows, s_ids, s_first)
                     s_events = event_logprobs(s_start, s_realized, s_owner, s_first, s_ids[s_first], s_layout, removed)
+                    s_events, t_events = drop_impossible_rest(s_events, t_events)
                     closed = closed_form(objective) if uld == 0.0 else None
                     if closed is None:
                         losses = event_loss(objective, s_events, t_events) if uld < 1.0 else torch.zeros(len(chunk), dtype=dtype, device=rows.device)
