@@ -55,6 +55,7 @@ from kdlab.objectives.kernels import (
     full_precision,
     gather_rows,
     scaled_gradients,
+    taken_gradient,
 )
 from kdlab.objectives.groups import AlignedGroups, VocabularyMap
 
@@ -169,9 +170,7 @@ class _AlignedObjective(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        gradient, ctx.gradient = ctx.gradient, None
-        if gradient is None:
-            raise RuntimeError("backward through the aligned objective can run only once per forward")
+        gradient = taken_gradient(ctx, "the aligned objective")
         with full_precision(grad_output):
             return (*scaled_gradients(gradient, grad_output, ctx.weight_dtype), None, None)
 

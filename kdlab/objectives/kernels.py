@@ -378,6 +378,14 @@ class HeadGradient:
                 self.weight.add_(grad.T @ hidden)
 
 
+def taken_gradient(ctx, what: str) -> LogitsGradient | HeadGradient:
+    """The gradient a chunked objective's forward left on ``ctx``, taken off it (backward runs once)."""
+    gradient, ctx.gradient = ctx.gradient, None
+    if gradient is None:
+        raise RuntimeError(f"backward through {what} can run only once per forward")
+    return gradient
+
+
 def scaled_gradients(gradient: LogitsGradient | HeadGradient, grad_output: torch.Tensor, weight_dtype: torch.dtype | None
                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(d logits, d hidden, d head weight)`` of a chunked objective's backward: the gradient its forward

@@ -50,6 +50,7 @@ from kdlab.objectives.kernels import (
     iter_token_chunks,
     rowdot,
     scaled_gradients,
+    taken_gradient,
 )
 
 REDUCTIONS = ("sequence", "token")
@@ -107,9 +108,7 @@ class _ChunkedObjective(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        gradient, ctx.gradient = ctx.gradient, None
-        if gradient is None:
-            raise RuntimeError("backward through a chunked kdlab objective can run only once per forward")
+        gradient = taken_gradient(ctx, "a chunked kdlab objective")
         with full_precision(grad_output):
             return _ChunkedObjective._backward(ctx, gradient, grad_output)
 
