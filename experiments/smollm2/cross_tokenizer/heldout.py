@@ -6,19 +6,23 @@ The cross-tokenizer run's held-out KL again, before and after training, split in
 :mod:`kdlab.objectives.aligned`. With the trimmed student (``make_student.py``) every student token is
 also a teacher token, so in a one-to-one group the student's ``rest`` event is empty (probability 0, held
 as ``FLOOR`` = -1e4 in log space) while the teacher's holds its probability on the 32,768 tokens the
-student lacks: the forward KL there is infinite, counted as ``1e4 * p_T(rest)`` nats, which dominates
-``heldout_kl/forward`` and stays (nearly) constant under training (the student cannot move it). This script
-rebuilds the run's module (``--config`` files, the trained student weights from ``--checkpoint``; without it,
-the fresh student), draws HeldOutKL's held-out teacher completions the same way (the first ``--examples``
-``val`` prompts, batches of ``--batch-size``, seed ``--seed + start``, TeacherRollouts at the module's
-teacher temperature) and reports, as HeldOutKL weighs them (per batch the mean over groups, batches
-weighted by their student completion tokens):
+student lacks. Since commit 85ac711 (``drop_impossible_rest``) that rest is dropped on both sides and both
+distributions renormalised, so ``heldout_kl/forward`` is the KL from the teacher conditioned on text the
+student can write; before it, the rest was kept and counted as ``1e4 * p_T(rest)`` nats, which dominated the
+figure (~144 nats, nearly constant under training). This script rebuilds the run's module (``--config``
+files, the trained student weights from ``--checkpoint``; without it, the fresh student), draws HeldOutKL's
+held-out teacher completions the same way (the first ``--examples`` ``val`` prompts, batches of
+``--batch-size``, seed ``--seed + start``, TeacherRollouts at the module's teacher temperature) and reports,
+as HeldOutKL weighs them (per batch the mean over groups, batches weighted by their student completion
+tokens):
 
 * ``kl_forward`` / ``kl_reverse``: the module's own divergences (what HeldOutKL logs);
 * ``impossible_mass``: the teacher's probability on events the student gives probability 0;
 * ``kl_forward_possible``: the forward KL from the teacher conditioned on the events the student can
-  produce, ``KL(p_T(. | possible) || p_S)`` (finite; the objective's gradient drives the student towards
-  exactly this conditional);
+  produce, ``KL(p_T(. | possible) || p_S)``, computed here from the raw events (a check: it equals
+  ``kl_forward`` when the only impossible event is the dropped rest);
+* ``kl_forward_with_rest``: the forward KL with the impossible events kept at ``FLOOR`` (what
+  ``heldout_kl/forward`` was before 85ac711: ``~1e4 * impossible_mass`` plus the rest);
 * ``nats_per_byte``: the student's negative log-likelihood of the completions' text (its own tokens,
   the end token included) per byte: tokenizer-independent, comparable with ``before.json``.
 """
@@ -70,7 +74,7 @@ def split_kl(module, rollout) -> dict[str, float]:
         kl_possible = (conditional.exp() * (conditional - torch.where(possible, s_events, 0.0))).sum(-1)
         full = (p_t * (t_events - s_events)).sum(-1)
         sums += torch.stack([full.sum(), impossible.sum(), kl_possible.sum(), torch.tensor(float(len(chunk)))]).double()
-    values["kl_forward_recomputed"] = float(sums[0] / sums[3])
+    values["kl_forward_with_rest"] = float(sums[0] / sums[3])
     values["impossible_mass"] = float(sums[1] / sums[3])
     values["kl_forward_possible"] = float(sums[2] / sums[3])
     # the completion text's negative log-likelihood under the student, per byte
@@ -124,7 +128,7 @@ def main() -> None:
         for rollout in rollouts:
             count = int(rollout.completion_mask.sum())
             values = split_kl(module, rollout)
-            for key in ("kl_forward", "kl_reverse", "teacher_unmapped_mass", "one_to_one_share", "kl_forward_recomputed",
+            for key in ("kl_forward", "kl_reverse", "teacher_unmapped_mass", "one_to_one_share", "kl_forward_with_rest",
                         "impossible_mass", "kl_forward_possible"):
                 totals[key] = totals.get(key, 0.0) + values[key] * count
             tokens += count
