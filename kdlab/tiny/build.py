@@ -1,4 +1,4 @@
-"""Building the packaged tiny models: ``python -m kdlab.tiny random|world``.
+"""Building the packaged tiny models: ``python -m kdlab.tiny random|world|student|teacher-4e|teacher-xtok``.
 
 ``random``: random-initialised Qwen2 student/teacher sharing a tokenizer (``kdlab://tiny-random``),
 for tests that need real architectures but no skill.

@@ -14,18 +14,22 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(corpus: Iterable[str], vocab_size: int = 512):
+def build_tokenizer(corpus: Iterable[str], vocab_size: int = 512, *, individual_digits: bool = True):
     """A byte-level BPE ``PreTrainedTokenizerFast`` trained on ``corpus``, digits split one by one.
 
     Any text can be encoded (all 256 bytes are in the alphabet); ``<|im_end|>`` is EOS and
-    ``<|endoftext|>`` is padding.
+    ``<|endoftext|>`` is padding. ``individual_digits=False`` keeps runs of digits together, so BPE
+    can merge them ("24" one token, as in many real vocabularies); the special tokens, tags and chat
+    template are the same either way. Saved next to a Qwen2 model, transformers 5 loads it as
+    ``Qwen2Tokenizer``, whose own pre-tokenizer splits digits one by one: merged digits need another
+    family's folder (``python -m kdlab.tiny teacher-xtok`` now builds a Llama teacher for this reason).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        [pre_tokenizers.Digits(individual_digits=individual_digits), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(

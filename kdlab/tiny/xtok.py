@@ -1,0 +1,181 @@
+"""The cross-tokenizer teacher of the tiny world (``kdlab://tiny/teacher-xtok``, issue #27): its recipe,
+build (``python -m kdlab.tiny teacher-xtok``) and model card."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kdlab.tiny.build import RECIPE, _target_rows, measure, padded_rows, save_pair, tiny_qwen2, train_teacher_phase
+from kdlab.tiny.tokenizer import build_tokenizer
+
+
+# The cross-tokenizer teacher (``kdlab://tiny/teacher-xtok``, issue #27): the packaged teacher's size and
+# phases, but its own tokenizer, trained on the same corpus with twice the vocabulary budget and digit runs
+# kept together (``"24"`` is one token, not ``"2"``, ``"4"``); the special tokens, tags and chat template
+# are the packaged ones, so the chat markup is the same text. A teacher for distillation across tokenizers.
+# Llama architecture, a second family: transformers 5 loads the tokenizer of any Qwen2 folder as
+# ``Qwen2Tokenizer``, which splits digits one by one whatever ``tokenizer.json`` says; a Llama folder's
+# tokenizer is read from its ``tokenizer.json`` as it was built.
+TEACHER_XTOK: dict[str, Any] = {
+    "architecture": "llama",
+    "tokenizer_vocab": 1024,
+    "individual_digits": False,
+    "teacher": dict(RECIPE["teacher"]),
+    "teacher_phases": [dict(phase) for phase in RECIPE["teacher_phases"]],
+    "teacher_spanish_share": RECIPE["teacher_spanish_share"],
+    "batch_size": RECIPE["batch_size"],
+    "eval_examples": RECIPE["eval_examples"],
+}
+
+
+def tiny_llama(vocab_size: int, hidden: int, layers: int, heads: int, embedding_rows: int | None = None, seed: int = 0,
+               eos_token_id: int | None = None, pad_token_id: int | None = None):
+    """A random-initialised ``LlamaForCausalLM`` of :func:`tiny_qwen2`'s shape (no BOS token; Llama's default
+    BOS/EOS ids 1/2 replaced by ``eos_token_id``/``pad_token_id``): a second model family for the tiny world."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=embedding_rows or vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def shared_token_bytes(first: Any, second: Any) -> dict[str, int]:
+    """How many distinct token byte strings each tokenizer has (special tokens left out), and how many
+    both have: the same bytes, whatever the token ids."""
+    from kdlab.alignment import token_bytes
+
+    sets = [set(token_bytes(tok, range(len(tok)))) - {b""} for tok in (first, second)]
+    return {"first": len(sets[0]), "second": len(sets[1]), "shared": len(sets[0] & sets[1])}
+
+
+def build_teacher_xtok(tiny_dir: Path, recipe: dict[str, Any] = TEACHER_XTOK) -> dict[str, Any]:
+    """Train a tokenizer of its own (:data:`TEACHER_XTOK`: larger vocabulary, digit runs kept together) on
+    the tiny world's corpus and a fresh teacher with it through the packaged teacher's phases; write it,
+    measured, to ``tiny_dir/teacher-xtok`` with ``MODEL_CARD.md`` and ``metrics.json``. The packaged
+    teacher and student are left as they are (their tokenizer is compared with the new one)."""
+    from lightning.pytorch import seed_everything
+    from transformers import AutoTokenizer
+
+    from kdlab.tiny.tokenizer import CHAT_TEMPLATE
+    from kdlab.tiny.world import corpus
+
+    torch.set_num_threads(1)  # as build_world: repeatable
+    seed_everything(0, workers=True)
+    started = time.time()
+    out_dir = tiny_dir / "teacher-xtok"
+    work = tiny_dir.parent / "teacher-xtok.build"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    model = work / "teacher-xtok"
+    tokenizer = build_tokenizer(corpus() + [CHAT_TEMPLATE], vocab_size=recipe["tokenizer_vocab"],
+                                individual_digits=recipe["individual_digits"])
+    vocab = len(tokenizer)
+    if recipe["architecture"] == "llama":
+        teacher = tiny_llama(vocab, embedding_rows=padded_rows(vocab), eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id, **recipe["teacher"])
+    else:
+        teacher = tiny_qwen2(vocab, embedding_rows=padded_rows(vocab), **recipe["teacher"])
+    save_pair(work, tokenizer, {"teacher-xtok": teacher})
+    for phase in recipe["teacher_phases"]:
+        train_teacher_phase(model, phase, recipe)
+    # the generic class name (transformers 4 has no ``TokenizersBackend``): tokenizer.json is read as saved
+    config_file = model / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+    reloaded = AutoTokenizer.from_pretrained(model)
+    if reloaded.tokenize("123") != tokenizer.tokenize("123"):
+        raise RuntimeError(f"{model}: the saved tokenizer does not load as built ({type(reloaded).__name__})")
+    packaged = AutoTokenizer.from_pretrained(tiny_dir / "student")
+    shared = shared_token_bytes(tokenizer, packaged)
+    measured: dict[str, Any] = {"teacher-xtok": measure(model, recipe)}
+    measured["tokenizer"] = {"vocab": vocab, "packaged_vocab": len(packaged), "token_bytes": shared["first"],
+                             "packaged_token_bytes": shared["second"], "shared_token_bytes": shared["shared"],
+                             "embedding_rows": padded_rows(vocab)}
+    measured["build_seconds"] = round(time.time() - started)
+    packaged_metrics = tiny_dir / "metrics.json"
+    teacher = json.loads(packaged_metrics.read_text())["measured"]["teacher"] if packaged_metrics.exists() else None
+    (model / "metrics.json").write_text(json.dumps({"recipe": recipe, "measured": measured}, indent=2) + "\n")
+    (model / "MODEL_CARD.md").write_text(teacher_xtok_card(recipe, measured, teacher), encoding="utf-8")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    model.rename(out_dir)
+    shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(measured, indent=2))
+    return measured
+
+
+XTOK_TARGETS = (
+    ("teacher-xtok", "countdown3_accuracy", ">=", 0.70, "teacher-xtok greedy Countdown-3 accuracy"),
+    ("teacher-xtok", "spanish_prompt_spanish_share", ">=", 0.95, "teacher-xtok responses in Spanish when told to"),
+    ("teacher-xtok", "english_prompt_spanish_share", "<=", 0.05, "teacher-xtok responses in Spanish when not told to"),
+)
+
+
+def teacher_xtok_card(recipe: dict[str, Any], measured: dict[str, Any], teacher: dict[str, Any] | None = None) -> str:
+    """The cross-tokenizer teacher's model card: its tokenizer against the packaged one, and what it
+    measures (``teacher``: the packaged teacher's measured numbers, for comparison, when known)."""
+    tok = measured["tokenizer"]
+    phases = " then ".join(f"{p['countdown']:,} Countdown-3 problems for {p['epochs']} epochs at LR {p['lr']:g}"
+                           for p in recipe["teacher_phases"])
+    family = {"llama": "`LlamaForCausalLM`", "qwen2": "`Qwen2ForCausalLM`"}[recipe["architecture"]]
+    digits = "one token per digit" if recipe["individual_digits"] else "runs of digits kept together and merged by BPE (`24` is one token)"
+    lines = [
+        "# kdlab tiny world: the cross-tokenizer teacher (`kdlab://tiny/teacher-xtok`)",
+        "",
+        "Built by `python -m kdlab.tiny teacher-xtok` (kdlab/tiny/build.py, `build_teacher_xtok`): a byte-level BPE",
+        f"tokenizer of its own, trained on the tiny world's corpus with a budget of {recipe['tokenizer_vocab']:,} tokens and",
+        f"digit runs kept together, and a fresh teacher of the packaged teacher's size ({family}, embedding rows",
+        f"padded to {tok['embedding_rows']:,}) trained from scratch with kdlab's `SFTModule` through the packaged teacher's phases",
+        f"({phases};",
+        f"English, {recipe['teacher_spanish_share']:.0%} of them also in Spanish; cosine, 5% warm-up), one thread, fixed seeds.",
+        "It exists for distillation across tokenizers (issue #27): the packaged student cannot share its vocabulary.",
+        *([] if recipe["architecture"] != "llama" else [
+            "Llama, not Qwen2 like the packaged pair: a second family, as across-tokenizer pairs are, and transformers 5",
+            "loads the tokenizer of any Qwen2 folder as `Qwen2Tokenizer`, which splits digits one by one whatever",
+            "`tokenizer.json` says; a Llama folder's tokenizer loads as built."]),
+        "",
+        f"Tokenizer: differs from the packaged one (`kdlab://tiny/student`, `kdlab://tiny/teacher`): {tok['vocab']:,} tokens",
+        f"against {tok['packaged_vocab']:,} (the corpus ran out of merges below the budget); digits: {digits},",
+        "where the packaged one has one token per digit.",
+        f"Of its {tok['token_bytes']:,} distinct token byte strings (special tokens aside), {tok['shared_token_bytes']:,}",
+        f"({tok['shared_token_bytes'] / tok['token_bytes']:.0%}) are also tokens of the packaged tokenizer, which has "
+        f"{tok['packaged_token_bytes']:,} ({tok['shared_token_bytes'] / tok['packaged_token_bytes']:.0%} of them",
+        "shared): the same text often gets different tokens, numbers above all, and the ids agree only for the",
+        "three special tokens, the 256 bytes and the first merges (the tags sit at the end of each vocabulary).",
+        "Special tokens (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>` = EOS), tags and the ChatML chat template are",
+        "the packaged ones, so a chat renders to the same text under both tokenizers.",
+        "",
+        f"## Measured (greedy decoding, first {recipe['eval_examples']} held-out examples)",
+        "",
+        "| target | measured | wanted | met |",
+        "| --- | --- | --- | --- |",
+        *_target_rows(XTOK_TARGETS, measured),
+        "",
+        "| model | Countdown-3 | Countdown-3, Spanish prompt | Countdown-4E | parameters |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    rows = [("teacher-xtok", measured["teacher-xtok"])] + ([("teacher (packaged, its model card)", teacher)] if teacher else [])
+    for role, m in rows:
+        lines.append(f"| {role} | {m['countdown3_accuracy']:.3f} | {m['spanish_prompt_accuracy']:.3f} | "
+                     f"{m['countdown4e_accuracy']:.3f} | {m['parameters']:,} |")
+    lines += ["", f"Build time on this machine: {measured['build_seconds']} s.", "", "## Recipe", "", "```json",
+              json.dumps(recipe, indent=2), "```", ""]
+    return "\n".join(lines)
