@@ -210,7 +210,24 @@ def _lora(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-RENDERERS = {"real_vocab_step": _step, "cross_tokenizer_step": _cross, "lora_memory": _lora, "kl_memory": _memory, "fused_head_memory": _fused, "mixture_decoding": _decoding,
+def _served(record: dict) -> str:
+    shapes = record["shapes"]
+    lines = [f"## A served teacher against a top-k cache, tiny pair, B = {shapes['batch']}, top-{shapes['top_k']}\n", _setting(record),
+             f"A whole `Trainer.fit` step on the same completions; `cached` reads the teacher's top-k log-probs from a cache, "
+             f"`served` gets them over HTTP from kdlab's loopback server (its own process and thread, {record['concurrency']} requests "
+             f"at once), so its step also holds the teacher's forward passes, which `cached` never runs. Median over "
+             f"{record['repeats']} fit(s) per variant of {record['steps']} steps, the first two left out. Target: at most {record['target']}x `cached`.\n",
+             "| variant | step s | first-step loss | completion tokens |", "| --- | ---: | ---: | ---: |"]
+    for variant, row in record["results"].items():
+        lines.append(f"| {variant} | {row['median_step_s']:.3f} | {row['first_loss']:.5f} | {row['completion_tokens']} |")
+    verdict = "met" if record["ratio"] <= record["target"] else "not met"
+    lines.append(f"\n`served` / `cached`: {record['ratio']:.2f}x (target {verdict}).")
+    if record["problems"]:
+        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS = {"real_vocab_step": _step, "cross_tokenizer_step": _cross, "lora_memory": _lora, "served_teacher_step": _served, "kl_memory": _memory, "fused_head_memory": _fused, "mixture_decoding": _decoding,
              "decode": _decode, "gpu": _gpu}
 
 
