@@ -140,7 +140,7 @@ def teacher_xtok_card(recipe: dict[str, Any], measured: dict[str, Any], teacher:
     lines = [
         "# kdlab tiny world: the cross-tokenizer teacher (`kdlab://tiny/teacher-xtok`)",
         "",
-        "Built by `python -m kdlab.tiny teacher-xtok` (kdlab/tiny/build.py, `build_teacher_xtok`): a byte-level BPE",
+        "Built by `python -m kdlab.tiny teacher-xtok` (kdlab/tiny/xtok.py, `build_teacher_xtok`): a byte-level BPE",
         f"tokenizer of its own, trained on the tiny world's corpus with a budget of {recipe['tokenizer_vocab']:,} tokens and",
         f"digit runs kept together, and a fresh teacher of the packaged teacher's size ({family}, embedding rows",
         f"padded to {tok['embedding_rows']:,}) trained from scratch with kdlab's `SFTModule` through the packaged teacher's phases",
