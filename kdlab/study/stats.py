@@ -17,6 +17,14 @@ def bootstrap_interval(tables: list[dict[str, list[float]]], k: int | None = Non
     return bootstrap_contrast([(1.0, tables)], k, draws, seed)[1:]
 
 
+def shared_problem_draws(terms: list, draws: int, rng) -> tuple[bool, object]:
+    """``(shared, draws)``: whether every table of every term holds the same problem ids, and then one
+    ``(draws, P)`` resampling of the problems for all of them (a paired comparison), else ``None``."""
+    ids = [sorted(table) for _, tables in terms for table in tables]
+    shared = all(i == ids[0] for i in ids)
+    return shared, rng.integers(len(ids[0]), size=(draws, len(ids[0]))) if shared else None
+
+
 def bootstrap_contrast(
     terms: list[tuple[float, list[dict[str, list[float]]]]], k: int | None = None, draws: int = 2000, seed: int = 0
 ) -> tuple[float, float, float]:
@@ -39,10 +47,7 @@ def bootstrap_contrast(
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    all_tables = [table for _, tables in terms for table in tables]
-    ids = [sorted(table) for table in all_tables]
-    shared = all(i == ids[0] for i in ids)
-    problem_draws = rng.integers(len(ids[0]), size=(draws, len(ids[0]))) if shared else None
+    shared, problem_draws = shared_problem_draws(terms, draws, rng)
     total, estimate = np.zeros(draws), 0.0
     for weight, tables in terms:
         for table in tables:
@@ -102,10 +107,7 @@ def hierarchical_bootstrap_contrast(
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    all_tables = [table for _, tables in terms for table in tables]
-    ids = [sorted(table) for table in all_tables]
-    shared = all(i == ids[0] for i in ids)
-    problem_draws = rng.integers(len(ids[0]), size=(draws, len(ids[0]))) if shared else None
+    shared, problem_draws = shared_problem_draws(terms, draws, rng)
     total, estimate = np.zeros(draws), 0.0
     for weight, tables in terms:
         prepared = []  # per table: (P, n) scores for the accuracy, (P,) unbiased pass@k estimates otherwise

@@ -27,18 +27,16 @@ def tiny_qwen2(vocab_size: int, hidden: int, layers: int, heads: int, embedding_
     """A random-initialised ``Qwen2ForCausalLM`` with ``embedding_rows`` (default ``vocab_size``) rows."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=embedding_rows or vocab_size,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
+    config = Qwen2Config(**tiny_shape(vocab_size, hidden, layers, heads, embedding_rows))
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
+
+
+def tiny_shape(vocab_size: int, hidden: int, layers: int, heads: int, embedding_rows: int | None = None) -> dict[str, Any]:
+    """The config settings every tiny model shares, whatever its family: sizes, 512 positions, an untied head."""
+    return {"vocab_size": embedding_rows or vocab_size, "hidden_size": hidden, "intermediate_size": hidden * 2,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2),
+            "max_position_embeddings": 512, "tie_word_embeddings": False}
 
 
 def padded_rows(vocab: int, multiple: int = 64) -> int:

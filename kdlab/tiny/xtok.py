@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kdlab.tiny.build import RECIPE, _target_rows, measure, padded_rows, save_pair, tiny_qwen2, train_teacher_phase
+from kdlab.tiny.build import RECIPE, _target_rows, measure, padded_rows, save_pair, tiny_qwen2, tiny_shape, train_teacher_phase
 from kdlab.tiny.tokenizer import build_tokenizer
 
 
@@ -40,19 +40,8 @@ def tiny_llama(vocab_size: int, hidden: int, layers: int, heads: int, embedding_
     BOS/EOS ids 1/2 replaced by ``eos_token_id``/``pad_token_id``): a second model family for the tiny world."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=embedding_rows or vocab_size,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-    )
+    config = LlamaConfig(**tiny_shape(vocab_size, hidden, layers, heads, embedding_rows), bos_token_id=None,
+                         eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
