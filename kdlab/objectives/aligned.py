@@ -57,7 +57,7 @@ from kdlab.objectives.kernels import (
     scaled_gradients,
     taken_gradient,
 )
-from kdlab.objectives.groups import AlignedGroups, VocabularyMap
+from kdlab.objectives.groups import AlignedGroups, ChunkSide, VocabularyMap
 
 FLOOR = -1e4
 """Log-probability of an event that cannot happen (``exp`` underflows to exactly 0 in fp32)."""
@@ -148,6 +148,12 @@ def event_logprobs(start: torch.Tensor, realized: torch.Tensor, owner: torch.Ten
         rows = kept[:, column].nonzero().flatten()
         events[rows, layout.target[removed[rows, column]]] = FLOOR
     return events
+
+
+def side_events(rows: torch.Tensor, side: ChunkSide, layout: EventLayout, removed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(start log-probs (G, V), event log-probs (G, V_S + 2))`` of one side of a chunk from its logits ``rows``."""
+    start, realized = side_logprobs(rows, side.ids, side.first)
+    return start, event_logprobs(start, realized, side.owner, side.first, side.ids[side.first], layout, removed)
 
 
 class _AlignedObjective(torch.autograd.Function):
@@ -310,23 +316,16 @@ class CrossTokenizer(Component):
         def compute(source: Logits, dtype: torch.dtype, gradient) -> torch.Tensor:
             total = torch.zeros((), dtype=dtype, device=student_mask.device)
             for chunk in groups.chunks(chunk_size):
-                sb, st, s_owner = groups.positions(chunk, "student")
-                tb, tt, t_owner = groups.positions(chunk, "teacher")
-                s_first = torch.cumsum(groups.student_length[chunk], 0) - groups.student_length[chunk]
-                t_first = torch.cumsum(groups.teacher_length[chunk], 0) - groups.teacher_length[chunk]
-                s_ids, t_ids = student_ids[sb, st], teacher_ids[tb, tt]
-                removed = torch.stack([vocabulary.student_pair[s_ids[s_first]], vocabulary.teacher_pair[t_ids[t_first]]], dim=1)
+                part = groups.chunk(chunk, student_ids, teacher_ids, vocabulary)
                 with torch.no_grad():
-                    t_start, t_realized = side_logprobs(gather_rows(teacher_logits, tb, tt, dtype), t_ids, t_first)
-                    t_events = event_logprobs(t_start, t_realized, t_owner, t_first, t_ids[t_first], t_layout, removed)
+                    t_start, t_events = side_events(gather_rows(teacher_logits, part.teacher.b, part.teacher.t, dtype), part.teacher, t_layout, part.removed)
                     unmapped_mass = (torch.logsumexp(t_start.index_select(1, t_unmapped), -1).exp() if t_unmapped.numel()
                                      else torch.zeros(len(chunk), dtype=dtype, device=t_start.device))
                 w = weights[groups.row[chunk], groups.student_start[chunk]]
                 d = diagnostic_weights[groups.row[chunk], groups.student_start[chunk]]
                 with torch.enable_grad():
-                    rows = gather_rows(source, sb, st, dtype).detach().requires_grad_(gradient is not None)
-                    s_start, s_realized = side_logprobs(rows, s_ids, s_first)
-                    s_events = event_logprobs(s_start, s_realized, s_owner, s_first, s_ids[s_first], s_layout, removed)
+                    rows = gather_rows(source, part.student.b, part.student.t, dtype).detach().requires_grad_(gradient is not None)
+                    s_start, s_events = side_events(rows, part.student, s_layout, part.removed)
                     s_events, t_events = drop_impossible_rest(s_events, t_events)
                     closed = closed_form(objective) if uld == 0.0 else None
                     if closed is None:
@@ -345,7 +344,7 @@ class CrossTokenizer(Component):
                     values = torch.cat([statistics, unmapped_mass[:, None]], dim=1)
                     diagnostics.add_(torch.mv(values.T.to(dtype), d))
                 if gradient is not None:
-                    gradient.add_chunk(torch.stack([sb, st], dim=1), grad)
+                    gradient.add_chunk(torch.stack([part.student.b, part.student.t], dim=1), grad)
                 total += chunk_loss.detach()
             return total
 

@@ -110,6 +110,28 @@ def pair_specials(groups: list[tuple[range, range]]) -> list[tuple[range, range]
 
 
 @dataclass
+class ChunkSide:
+    """One side's rows of a chunk of groups: ``(b, t)`` positions of every token, the group of each row
+    (``owner``), each group's first row (``first``) and the tokens written (``ids``), all ``(n,)`` / ``(G,)``."""
+
+    b: torch.Tensor
+    t: torch.Tensor
+    owner: torch.Tensor
+    first: torch.Tensor
+    ids: torch.Tensor
+
+
+@dataclass
+class GroupChunk:
+    """A chunk of groups: both sides' rows and, per group, the two map pairs left out (``removed`` ``(G, 2)``:
+    the pairs of the student's and the teacher's first tokens, -1 where a first token is unmapped)."""
+
+    student: ChunkSide
+    teacher: ChunkSide
+    removed: torch.Tensor
+
+
+@dataclass
 class AlignedGroups:
     """The groups of one batch, flat over its rows: ``(N,)`` long tensors (groups with a token on both
     sides only). ``student_start``/``teacher_start`` are positions in each side's completion columns;
@@ -179,6 +201,17 @@ class AlignedGroups:
         owner = torch.repeat_interleave(torch.arange(groups.numel(), device=groups.device), length)
         offset = torch.arange(owner.numel(), device=groups.device) - torch.repeat_interleave(torch.cumsum(length, 0) - length, length)
         return self.row[groups][owner], start[owner] + offset, owner
+
+    def chunk(self, groups: torch.Tensor, student_ids: torch.Tensor, teacher_ids: torch.Tensor, vocabulary: VocabularyMap) -> GroupChunk:
+        """The rows of ``groups`` (indices) on both sides, with the completion tokens ``(B, C_S)``, ``(B, C_T)``."""
+        sides = []
+        for side, ids in (("student", student_ids), ("teacher", teacher_ids)):
+            b, t, owner = self.positions(groups, side)
+            length = getattr(self, f"{side}_length")[groups]
+            sides.append(ChunkSide(b, t, owner, torch.cumsum(length, 0) - length, ids[b, t]))
+        student, teacher = sides
+        removed = torch.stack([vocabulary.student_pair[student.ids[student.first]], vocabulary.teacher_pair[teacher.ids[teacher.first]]], dim=1)
+        return GroupChunk(student, teacher, removed)
 
     def chunks(self, chunk_size: int) -> list[torch.Tensor]:
         """Consecutive group indices holding about ``chunk_size`` student tokens each (a group is never split)."""

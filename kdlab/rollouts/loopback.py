@@ -127,7 +127,7 @@ class LoopbackServer:
                 choice["finish_reason"] = "stop" if ended else "length"
             else:
                 new = [int(torch.argmax(every[-1]))]
-            choice["text"] = self.tokenizer.decode(new, skip_special_tokens=not payload.get("skip_special_tokens", True) is False)
+            choice["text"] = self.tokenizer.decode(new, skip_special_tokens=payload.get("skip_special_tokens", True) is not False)
             if payload.get("return_token_ids"):
                 choice["token_ids"], choice["prompt_token_ids"] = new, prompt
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(new), "total_tokens": len(prompt) + len(new)}

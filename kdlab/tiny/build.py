@@ -282,20 +282,25 @@ def measure_4e(model_dir: Path, recipe: dict[str, Any] = TEACHER_4E) -> dict[str
     return results
 
 
+def start_build(tiny_dir: Path, name: str) -> tuple[Path, Path, float]:
+    """``(tiny_dir/name, an empty work folder beside tiny_dir, the start time)`` of a repeatable build of one
+    packaged model: one thread, every seed fixed."""
+    from lightning.pytorch import seed_everything
+
+    torch.set_num_threads(1)  # tiny matrices: one thread is fastest and makes the build repeatable
+    seed_everything(0, workers=True)
+    work = tiny_dir.parent / f"{name}.build"
+    shutil.rmtree(work, ignore_errors=True)
+    return tiny_dir / name, work, time.time()
+
+
 def build_teacher_4e(tiny_dir: Path, recipe: dict[str, Any] = TEACHER_4E) -> dict[str, Any]:
     """Train ``tiny_dir/teacher`` further on Countdown-4E and Countdown-3 (:data:`TEACHER_4E`) and write
     it, measured, to ``tiny_dir/teacher-4e`` with ``MODEL_CARD.md`` and ``metrics.json``; the packaged
     teacher and student are left as they are."""
-    from lightning.pytorch import seed_everything
-
     from kdlab.tiny.world import countdown, countdown_rows
 
-    torch.set_num_threads(1)  # as build_world: repeatable
-    seed_everything(0, workers=True)
-    started = time.time()
-    out_dir = tiny_dir / "teacher-4e"
-    work = tiny_dir.parent / "teacher-4e.build"
-    shutil.rmtree(work, ignore_errors=True)
+    out_dir, work, started = start_build(tiny_dir, "teacher-4e")
     shutil.copytree(tiny_dir / "teacher", work / "teacher-4e")
     rows = []
     for offset, variant in enumerate(("countdown4e", "countdown3")):

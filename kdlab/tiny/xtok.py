@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kdlab.tiny.build import RECIPE, _target_rows, measure, padded_rows, save_pair, tiny_qwen2, tiny_shape, train_teacher_phase
+from kdlab.tiny.build import RECIPE, _target_rows, measure, padded_rows, save_pair, start_build, tiny_qwen2, tiny_shape, train_teacher_phase
 from kdlab.tiny.tokenizer import build_tokenizer
 
 
@@ -60,18 +60,12 @@ def build_teacher_xtok(tiny_dir: Path, recipe: dict[str, Any] = TEACHER_XTOK) ->
     the tiny world's corpus and a fresh teacher with it through the packaged teacher's phases; write it,
     measured, to ``tiny_dir/teacher-xtok`` with ``MODEL_CARD.md`` and ``metrics.json``. The packaged
     teacher and student are left as they are (their tokenizer is compared with the new one)."""
-    from lightning.pytorch import seed_everything
     from transformers import AutoTokenizer
 
     from kdlab.tiny.tokenizer import CHAT_TEMPLATE
     from kdlab.tiny.world import corpus
 
-    torch.set_num_threads(1)  # as build_world: repeatable
-    seed_everything(0, workers=True)
-    started = time.time()
-    out_dir = tiny_dir / "teacher-xtok"
-    work = tiny_dir.parent / "teacher-xtok.build"
-    shutil.rmtree(work, ignore_errors=True)
+    out_dir, work, started = start_build(tiny_dir, "teacher-xtok")
     work.mkdir(parents=True)
     model = work / "teacher-xtok"
     tokenizer = build_tokenizer(corpus() + [CHAT_TEMPLATE], vocab_size=recipe["tokenizer_vocab"],

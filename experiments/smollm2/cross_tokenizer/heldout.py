@@ -42,7 +42,7 @@ BASE = ["experiments/smollm2/base.yaml", "experiments/smollm2/cross_tokenizer.ya
 @torch.no_grad()
 def split_kl(module, rollout) -> dict[str, float]:
     """The module's divergences of one rollout, and the event KL split into the possible and impossible parts."""
-    from kdlab.objectives.aligned import FLOOR, EventLayout, event_logprobs, side_logprobs
+    from kdlab.objectives.aligned import FLOOR, EventLayout, side_events
     from kdlab.objectives.kernels import gather_rows
 
     values = {name: float(value) for name, value in module.divergences(rollout, "token").items()}
@@ -56,16 +56,9 @@ def split_kl(module, rollout) -> dict[str, float]:
     dtype = torch.float32
     sums = torch.zeros(4, dtype=torch.float64)
     for chunk in groups.chunks(64):
-        sb, st, s_owner = groups.positions(chunk, "student")
-        tb, tt, t_owner = groups.positions(chunk, "teacher")
-        s_first = torch.cumsum(groups.student_length[chunk], 0) - groups.student_length[chunk]
-        t_first = torch.cumsum(groups.teacher_length[chunk], 0) - groups.teacher_length[chunk]
-        s_ids, t_ids = student_ids[sb, st], teacher_ids[tb, tt]
-        removed = torch.stack([vocabulary.student_pair[s_ids[s_first]], vocabulary.teacher_pair[t_ids[t_first]]], dim=1)
-        t_start, t_real = side_logprobs(gather_rows(teacher, tb, tt, dtype), t_ids, t_first)
-        t_events = event_logprobs(t_start, t_real, t_owner, t_first, t_ids[t_first], t_layout, removed)
-        s_start, s_real = side_logprobs(gather_rows(student, sb, st, dtype), s_ids, s_first)
-        s_events = event_logprobs(s_start, s_real, s_owner, s_first, s_ids[s_first], s_layout, removed)
+        part = groups.chunk(chunk, student_ids, teacher_ids, vocabulary)
+        _, t_events = side_events(gather_rows(teacher, part.teacher.b, part.teacher.t, dtype), part.teacher, t_layout, part.removed)
+        _, s_events = side_events(gather_rows(student, part.student.b, part.student.t, dtype), part.student, s_layout, part.removed)
         possible = s_events > FLOOR / 2
         p_t = t_events.exp()
         impossible = (p_t * ~possible).sum(-1)
