@@ -289,6 +289,12 @@ def test_what_needs_one_vocabulary_and_lossy_tokenizers_are_refused_before_weigh
     with pytest.raises(ConfigError, match=r"DistillModule.teacher's tokenizer does not reproduce.*character 0 'A'.*in 'Add the numbers"):
         check_cross_tokenizer_run(task(), TeacherRollouts(), tokenizer(STUDENT), lossy)
     check_cross_tokenizer_run(task(), TeacherRollouts(), tokenizer(STUDENT), tokenizer(OTHER))
+    # VLLMRollouts cannot be built without vLLM here; the check goes by its class name, so a stand-in of that name
+    from kdlab.rollouts.policies import RolloutPolicy
+
+    stand_in = type("VLLMRollouts", (RolloutPolicy,), {})()
+    with pytest.raises(ConfigError, match="VLLMRollouts is not supported with cross_tokenizer.*TeacherRollouts or StudentRollouts"):
+        check_cross_tokenizer_run(task(), stand_in, tokenizer(STUDENT), tokenizer(OTHER))
 
 
 @pytest.mark.parametrize("rollout", ["teacher", "student", "dataset", "cached"])

@@ -265,10 +265,22 @@ class CrossTokenizer(Component):
             raise ValueError(f"CrossTokenizer.uld_weight must be in [0, 1], got {uld_weight}")
         self.uld_weight = float(uld_weight)
         self.vocabulary: VocabularyMap | None = None
+        self._on_device: dict[torch.device, tuple[VocabularyMap, tuple[EventLayout, EventLayout]]] = {}
 
     def bind(self, teacher_tokenizer: Any, student_tokenizer: Any, teacher_columns: int, student_columns: int) -> None:
         """Build the vocabulary map of the two tokenizers (once, when the module is built)."""
         self.vocabulary = VocabularyMap.build(teacher_tokenizer, student_tokenizer, teacher_columns, student_columns)
+        self._on_device: dict[torch.device, tuple[VocabularyMap, tuple[EventLayout, EventLayout]]] = {}
+
+    def on_device(self, device: torch.device) -> tuple[VocabularyMap, tuple[EventLayout, EventLayout]]:
+        """The vocabulary map and both sides' event layouts on ``device``, built once per device (not per step)."""
+        if self.vocabulary is None:
+            raise RuntimeError("CrossTokenizer.bind(...) must be called before use (DistillModule does it)")
+        cache = self._on_device
+        if device not in cache:
+            vocabulary = self.vocabulary.to(device)
+            cache[device] = vocabulary, (EventLayout.of(vocabulary, "student"), EventLayout.of(vocabulary, "teacher"))
+        return cache[device]
 
     def groups(self, student_ids: torch.Tensor, student_mask: torch.Tensor, teacher_ids: torch.Tensor, teacher_mask: torch.Tensor) -> AlignedGroups:
         if self.vocabulary is None:
@@ -301,8 +313,7 @@ class CrossTokenizer(Component):
         diagnostic_weights = weights
         if sequence_weights is not None:
             weights = weights * sequence_weights.to(weights.dtype)[:, None]
-        vocabulary = self.vocabulary.to(student_mask.device)
-        s_layout, t_layout = EventLayout.of(vocabulary, "student"), EventLayout.of(vocabulary, "teacher")
+        vocabulary, (s_layout, t_layout) = self.on_device(student_mask.device)
         t_unmapped = t_layout.unmapped
         chunk_size = objective.chunk_size
         uld = self.uld_weight
