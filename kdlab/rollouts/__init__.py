@@ -7,7 +7,8 @@
 * :mod:`kdlab.rollouts.decoding`: the Hugging Face decoding engine (KV-cached sampling, stop strings);
 * :mod:`kdlab.rollouts.vllm`: ``VLLMRollouts``, the same policies sampled by vLLM (imported on use);
 * :mod:`kdlab.rollouts.teacher_data`: ``kdlab generate`` (teacher completions written once) and the
-  top-k teacher cache builder; :mod:`kdlab.rollouts.teacher_cache`: the cache reader.
+  top-k teacher cache builder; :mod:`kdlab.rollouts.teacher_cache`: the cache reader and writer;
+  :mod:`kdlab.rollouts.cache_codec`: its compact format.
 """
 
 from kdlab.rollouts.policies import (

@@ -2,13 +2,22 @@
 position, stored once, so distillation never has to hold the teacher in training memory.
 
 Written by ``kdlab generate ... --top_k K`` next to the teacher dataset (``<output>.topk.safetensors``)
-and read by ``CachedTeacherRollouts(dataset=..., teacher_cache=...)``. The file is safetensors (no pickle):
-per example id ``<id>/tokens`` ``(C,)`` (the completion tokens the rollouts will use, end token included),
-``<id>/indices`` ``(C, k)`` and ``<id>/logprobs`` ``(C, k)`` (the teacher's k most likely tokens and
-their log-probs under ``softmax(z_T / temperature)``), and metadata: ``top_k``, ``temperature``,
-``token_columns`` (the columns ``V`` of the distributions: the student's and teacher's shared
-tokens, ``DistillModule.token_columns``; a file written by kdlab 0.1 names it ``vocab_size``, and is
-read as well), ``teacher``.
+and read by ``CachedTeacherRollouts(dataset=..., teacher_cache=...)``. The file is safetensors (no pickle)
+with metadata ``top_k``, ``temperature``, ``token_columns`` (the columns ``V`` of the distributions: the
+student's and teacher's shared tokens, ``DistillModule.token_columns``; a file written by kdlab 0.1 names
+it ``vocab_size``, and is read as well), ``teacher``, and ``format``. Per example id it holds
+``<id>/tokens`` ``(C,)`` (the completion tokens the rollouts will use, end token included) and the
+teacher's k most likely tokens and their log-probs under ``softmax(z_T / temperature)`` at each of them,
+in one of two formats (``cache_format`` of :func:`write_cache` and of ``kdlab generate``):
+
+* ``compact`` (``format: compact-v1``, the default): ids Rice-coded, log-probs as each row's fp32 maximum
+  plus a ``logprob_bits``-bit code per entry, about 2 bytes per entry at ``k = 128``; the log-probs are
+  rounded within a documented bound (:mod:`kdlab.rollouts.cache_codec`).
+* ``full`` (no ``format`` key, as every kdlab before the compact format wrote): ``<id>/indices`` ``(C, k)``
+  int64 and ``<id>/logprobs`` ``(C, k)`` fp32, 12 bytes per entry, the log-probs exactly. With
+  ``k = V`` this is the teacher exactly.
+
+:meth:`TeacherCache.row` reads both the same way.
 
 **How full-vocabulary objectives treat a top-k teacher.** The cached teacher is the distribution that
 keeps the k cached probabilities exactly and spreads the remaining mass ``1 - sum_k p_T`` uniformly over
@@ -29,6 +38,8 @@ from typing import Any
 import torch
 
 from kdlab.objectives.kernels import LazyLogits
+from kdlab.rollouts import cache_codec as codec
+from kdlab.rollouts.cache_codec import LogprobMap
 
 TAIL_FLOOR = 1e-12
 """Smallest tail mass used: keeps the expanded log-probs finite when the top k hold (almost) all mass."""
@@ -115,26 +126,48 @@ class TopKLogprobs(LazyLogits):
         return expand_topk(self.indices, self.logprobs, self.token_columns)
 
 
-def write_cache(path: str | Path, rows: dict[str, dict[str, torch.Tensor]], metadata: dict[str, Any]) -> None:
-    """Write ``{id: {"tokens", "indices", "logprobs"}}`` and ``metadata`` to a safetensors file
-    (to a temporary name first, then renamed)."""
+CACHE_FORMATS = ("compact", "full")
+
+
+def write_cache(
+    path: str | Path, rows: dict[str, dict[str, torch.Tensor]], metadata: dict[str, Any], cache_format: str = "compact",
+    logprob_map: LogprobMap | None = None,
+) -> None:
+    """Write ``{id: {"tokens", "indices", "logprobs"}}`` and ``metadata`` (``top_k``, ``temperature``,
+    ``token_columns``, ``teacher``) to a safetensors file (to a temporary name first, then renamed), in
+    ``cache_format`` (module docstring); ``logprob_map`` sets the compact format's log-prob code."""
     from safetensors.torch import save_file
 
+    if cache_format not in CACHE_FORMATS:
+        raise ValueError(f"cache_format must be one of {CACHE_FORMATS}, got {cache_format!r}")
+    metadata = {key: str(value) for key, value in metadata.items()}
+    if cache_format == "compact":
+        columns, k = int(metadata.get("token_columns", metadata.get("vocab_size", 0))), int(metadata["top_k"])
+        metadata.update(codec.metadata(columns, k, logprob_map or LogprobMap()))
+        r, logprob_map = codec.read_metadata(metadata, "write_cache")
     tensors = {}
     for example_id, row in rows.items():
         if "/" in example_id:
             raise ValueError(f"teacher cache: example id {example_id!r} contains '/'")
-        tensors[f"{example_id}/tokens"] = row["tokens"].to(torch.int64).contiguous()
-        tensors[f"{example_id}/indices"] = row["indices"].to(torch.int64).contiguous()
-        tensors[f"{example_id}/logprobs"] = row["logprobs"].to(torch.float32).contiguous()
+        if cache_format == "full":
+            tensors[f"{example_id}/tokens"] = row["tokens"].to(torch.int64).contiguous()
+            tensors[f"{example_id}/indices"] = row["indices"].to(torch.int64).contiguous()
+            tensors[f"{example_id}/logprobs"] = row["logprobs"].to(torch.float32).contiguous()
+            continue
+        if row["indices"].dim() != 2 or row["indices"].shape[-1] != k or row["indices"].shape[0] != row["tokens"].numel():
+            raise ValueError(f"teacher cache: example {example_id!r} has indices {tuple(row['indices'].shape)}, "
+                             f"not ({row['tokens'].numel()}, {k}) for its {row['tokens'].numel()} tokens and top_k {k}")
+        tensors[f"{example_id}/tokens"] = row["tokens"].to(torch.int32).contiguous()
+        for part, tensor in codec.encode_rows(row["indices"], row["logprobs"], columns, r, logprob_map).items():
+            tensors[f"{example_id}/{part}"] = tensor
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
-    save_file(tensors, str(partial), metadata={key: str(value) for key, value in metadata.items()})
+    save_file(tensors, str(partial), metadata=metadata)
     partial.replace(path)
 
 
 class TeacherCache:
-    """A cache file opened for reading (lazily, tensor by tensor).
+    """A cache file opened for reading (lazily, tensor by tensor), in either format.
 
     Raises naming ``setting`` and the file when it is missing or not a kdlab teacher cache."""
 
@@ -156,11 +189,19 @@ class TeacherCache:
         self.path, self.setting = path, setting
         self.top_k, self.temperature = int(metadata["top_k"]), float(metadata["temperature"])
         self.token_columns, self.teacher = int(metadata["token_columns"]), metadata.get("teacher", "?")
+        self.format = metadata.get("format", "full")
+        if self.format not in ("full", codec.FORMAT):
+            raise ValueError(f"{setting} {path!r}: unknown teacher cache format {self.format!r} (this kdlab reads "
+                             f"{codec.FORMAT!r} and files without a format key); rebuild the cache or update kdlab")
+        if self.format == codec.FORMAT:
+            self.rice_r, self.logprob_map = codec.read_metadata(metadata, f"{setting} {path!r}")
+            if not 1 <= self.top_k <= self.token_columns:
+                raise ValueError(f"{setting} {path!r}: corrupt {codec.FORMAT} metadata (top_k {self.top_k}, token_columns {self.token_columns})")
         self.ids = {key.rsplit("/", 1)[0] for key in self._file.keys()}
 
     def row(self, example_id: str, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(indices, logprobs)`` ``(len(tokens), k)`` for ``example_id``'s first ``len(tokens)`` positions,
-        after checking that the cache was computed on those very tokens."""
+        """``(indices, logprobs)`` ``(len(tokens), k)`` (int64, fp32) for ``example_id``'s first ``len(tokens)``
+        positions, after checking that the cache was computed on those very tokens."""
         if example_id not in self.ids:
             raise KeyError(f"{self.setting} {self.path}: no entry for example id {example_id!r}")
         cached = self._file.get_tensor(f"{example_id}/tokens")
@@ -170,4 +211,10 @@ class TeacherCache:
                 f"{self.setting} {self.path}: example {example_id!r} was cached on other completion tokens than the "
                 "dataset gives now (a different dataset, tokenizer or max length?); rebuild the cache"
             )
-        return self._file.get_tensor(f"{example_id}/indices")[:n], self._file.get_tensor(f"{example_id}/logprobs")[:n]
+        if self.format == "full":
+            return self._file.get_tensor(f"{example_id}/indices")[:n], self._file.get_tensor(f"{example_id}/logprobs")[:n]
+        try:
+            parts = {part: self._file.get_tensor(f"{example_id}/{part}") for part in codec.PARTS}
+            return codec.decode_rows(parts, n, self.top_k, self.token_columns, self.rice_r, self.logprob_map)
+        except Exception as error:  # a missing tensor (safetensors' own error type) or rows that do not decode
+            raise ValueError(f"{self.setting} {self.path}: example {example_id!r} is not readable as {codec.FORMAT} ({error})") from error

@@ -18,17 +18,21 @@ import torch
 
 from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer
 from kdlab.rollouts.decoding import sample_completions
-from kdlab.rollouts.teacher_cache import top_k_logprobs, write_cache
+from kdlab.rollouts.cache_codec import DEFAULT_BITS, LogprobMap
+from kdlab.rollouts.teacher_cache import CACHE_FORMATS, top_k_logprobs, write_cache
 from kdlab.tasks.base import Task
 
 
 @torch.no_grad()
 def build_teacher_cache(
     teacher: torch.nn.Module, tokenizer: Any, task: Any, dataset: str, output: str, top_k: int, temperature: float,
-    max_new_tokens: int, max_prompt_tokens: int, batch_size: int, teacher_name: str = "?",
+    max_new_tokens: int, max_prompt_tokens: int, batch_size: int, teacher_name: str = "?", cache_format: str = "compact",
+    logprob_bits: int = DEFAULT_BITS,
 ) -> int:
     """Run ``teacher`` on each dataset completion (exactly the tokens ``TeacherDatasetRollouts`` will train on,
-    after the teacher's own prompt) and write the top-k cache; returns the number of examples cached."""
+    after the teacher's own prompt) and write the top-k cache in ``cache_format`` (``compact`` with
+    ``logprob_bits`` per log-prob, or ``full``: :mod:`kdlab.rollouts.teacher_cache`); returns the number of
+    examples cached."""
     from kdlab.data import encode_prompts
     from kdlab.models.loading import end_token_ids
     from kdlab.objectives.logits import completion_logits
@@ -60,7 +64,8 @@ def build_teacher_cache(
                 "indices": indices[row, :length].cpu(),
                 "logprobs": logprobs[row, :length].cpu(),
             }
-    write_cache(output, rows, {"top_k": top_k, "temperature": temperature, "token_columns": vocab, "teacher": teacher_name})
+    write_cache(output, rows, {"top_k": top_k, "temperature": temperature, "token_columns": vocab, "teacher": teacher_name},
+                cache_format, LogprobMap(bits=logprob_bits))
     return len(rows)
 
 ENGINES = ("hf", "vllm")
@@ -82,6 +87,8 @@ def generate_teacher_data(
     device: str = "cpu",
     top_k: int | None = None,
     cache_temperature: float = 0.5,
+    cache_format: str = "compact",
+    cache_logprob_bits: int = DEFAULT_BITS,
     engine: str = "hf",
     engine_args: dict[str, Any] | None = None,
 ) -> dict[str, float]:
@@ -103,6 +110,11 @@ def generate_teacher_data(
             of every kept completion (:mod:`kdlab.rollouts.teacher_cache`), for ``CachedTeacherRollouts.teacher_cache``.
         cache_temperature: the teacher temperature of the cached log-probs; must equal the distillation's
             ``teacher_temperature`` (paper: 0.5). ``max_new_tokens`` also bounds the cached completions.
+        cache_format: ``compact`` (ids Rice-coded, each log-prob as a ``cache_logprob_bits``-bit code within a
+            documented bound, about 2 bytes per entry at ``top_k: 128``: :mod:`kdlab.rollouts.cache_codec`) or
+            ``full`` (int64 ids and fp32 log-probs, 12 bytes per entry; exact, so ``top_k: V`` is the teacher
+            exactly). ``CachedTeacherRollouts`` reads both.
+        cache_logprob_bits: bits per log-prob of the compact format (4 to 16).
         engine: ``hf`` (kdlab's batched KV-cache decoder on ``device``) or ``vllm`` (``pip install
             'kdlab[vllm]'``, CUDA): the same prompts, end tokens and output format, request ``i`` seeded
             ``seed + i``. With ``top_k`` the cache is still computed by the Hugging Face teacher on
@@ -118,6 +130,12 @@ def generate_teacher_data(
         raise ValueError(f"generate.top_k must be >= 1 or null, got {top_k}")
     if not cache_temperature > 0:
         raise ValueError(f"generate.cache_temperature must be > 0, got {cache_temperature}")
+    if cache_format not in CACHE_FORMATS:
+        raise ValueError(f"generate.cache_format must be one of {CACHE_FORMATS}, got {cache_format!r}")
+    try:
+        LogprobMap(bits=cache_logprob_bits)
+    except ValueError as error:
+        raise ValueError(f"generate.cache_{error}") from error
     if engine not in ENGINES:
         raise ValueError(f"generate.engine must be one of {ENGINES}, got {engine!r}")
     if engine_args and engine != "vllm":
@@ -171,7 +189,8 @@ def generate_teacher_data(
             model = load_causal_lm(teacher, "teacher").to(device)
         summary["cached"] = build_teacher_cache(
             model, tokenizer, task, str(path), str(path) + ".topk.safetensors", top_k, cache_temperature,
-            max_new_tokens, max_prompt_tokens, batch_size, teacher_name=teacher.path,
+            max_new_tokens, max_prompt_tokens, batch_size, teacher_name=teacher.path, cache_format=cache_format,
+            logprob_bits=cache_logprob_bits,
         )
     print(json.dumps({"output": str(path), **summary}))
     return summary
