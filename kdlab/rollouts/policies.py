@@ -86,10 +86,14 @@ class RolloutContext:
     (:func:`kdlab.rollouts.decoding.top_p_logprobs`); 1 samples from the whole distribution (distillation)."""
     teacher_tokens: TeacherTokens | None = None
     """The teacher's tokenizer when it is not the student's (``None``: one shared vocabulary)."""
+    teacher_decoder: Callable[[PromptBatch], NextLogprobs] | None = None
+    """Several teachers (``DistillModule(teachers=...)``): their combined next-token log-probs on a prompt batch."""
 
     def decoder(self, model: str, prompts: PromptBatch) -> IncrementalLM:
         """An incremental decoder for ``"student"`` or ``"teacher"`` at that model's temperature, over that
         model's own token columns."""
+        if model == "teacher" and self.teacher_decoder is not None:
+            return self.teacher_decoder(prompts)
         ids = getattr(prompts, f"{model}_ids")
         mask = getattr(prompts, f"{model}_mask")
         columns = self.teacher_tokens.token_columns if model == "teacher" and self.teacher_tokens is not None else self.token_columns

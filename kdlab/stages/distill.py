@@ -50,6 +50,7 @@ from kdlab.rollouts.policies import (
 from kdlab.rollouts.served import ServedTeacher
 from kdlab.stages.base import TaskStage
 from kdlab.stages.lora import AdaptersDisabled, LoraSpec, apply_lora
+from kdlab.stages.multi_teacher import TeacherChoice, TeacherEntry, TeacherSet, check_teachers_run
 from kdlab.stages.optim import FiniteAdamW, lr_multiplier
 from kdlab.stages.sharding import gathered_for_decoding
 from kdlab.stages.teachers import check_cross_tokenizer_run, check_served_teacher_run, served_rollout, vocabulary_columns
@@ -119,6 +120,11 @@ class DistillModule(TaskStage):
             completion take the place of a teacher forward (as a top-k cache does), so the teacher never sits in
             training memory. ``TeacherRollouts`` are sampled by the server; ``StudentRollouts`` and teacher
             datasets are scored by it. Checked (model, vocabulary) before the first step.
+        teachers: several named teachers (:class:`~kdlab.stages.multi_teacher.TeacherEntry`: ``model``, ``served``
+            or ``cache``; ``teacher: null``), made into one teacher per example by ``teacher_choice``
+            (:class:`~kdlab.stages.multi_teacher.ByField` routes, :class:`~kdlab.stages.multi_teacher.Average`
+            combines); ``train/kl_forward/<name>`` per teacher. One in-process entry is exactly ``teacher``.
+        teacher_choice: see ``teachers`` (optional with one teacher).
         seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each
             step's streams are derived from (seed, split, rank, epoch, batch index) and each epoch's
             order from (seed, epoch), not from how long the process has been running.
@@ -156,6 +162,8 @@ class DistillModule(TaskStage):
         lora: LoraSpec | None = None,
         base_teacher: bool = False,
         served_teacher: ServedTeacher | None = None,
+        teachers: dict[str, TeacherEntry] | None = None,
+        teacher_choice: TeacherChoice | None = None,
     ) -> None:
         if task is None:
             raise ValueError("DistillModule.task is required (a kdlab.tasks Task chosen by class_path)")
@@ -168,8 +176,15 @@ class DistillModule(TaskStage):
         if warmup_steps < 0:
             raise ValueError(f"DistillModule.warmup_steps must be >= 0, got {warmup_steps}")
         self.student_spec = ModelSpec(student) if isinstance(student, str) else student
-        self.teacher_spec = ModelSpec(teacher) if isinstance(teacher, str) else teacher
         cache = rollout.cache if isinstance(rollout, CachedTeacherRollouts) else None
+        self.teacher_names = list(teachers or {})
+        if teachers is not None:
+            check_teachers_run(teachers, teacher_choice, rollout if rollout is not None else TeacherRollouts(), teacher=teacher,
+                               served_teacher=served_teacher, base_teacher=base_teacher, cross_tokenizer=cross_tokenizer)
+            only = next(iter(teachers.values()))
+            if len(teachers) == 1 and only.model is not None:  # today's single-teacher path, exactly
+                teacher, teachers = only.model, None
+        self.teacher_spec = ModelSpec(teacher) if isinstance(teacher, str) else teacher
         if base_teacher:
             if lora is None or teacher is not None or cache is not None or cross_tokenizer is not None:
                 raise ValueError("DistillModule.base_teacher: the teacher is the student's base under its LoRA adapters, so it needs "
@@ -180,7 +195,7 @@ class DistillModule(TaskStage):
         if served_teacher is not None:
             check_served_teacher_run(teacher, rollout if rollout is not None else TeacherRollouts(), cross_tokenizer, base_teacher)
             self.teacher_spec = ModelSpec(served_teacher.tokenizer)
-        elif teacher is None and cache is None and not base_teacher:
+        elif teacher is None and cache is None and not base_teacher and teachers is None:
             raise ValueError("DistillModule.teacher is required unless the rollout is CachedTeacherRollouts (a teacher_cache) "
                              "or base_teacher is true")
         if teacher is None and cross_tokenizer is not None:
@@ -220,6 +235,7 @@ class DistillModule(TaskStage):
         self.lora, self.base_teacher = lora, base_teacher
         if lora is not None:
             self.student = apply_lora(self.student, lora)
+        self.teacher_set = TeacherSet(teachers, teacher_choice, self) if teachers is not None else None
         if teacher is not None:
             self.hold_frozen("teacher", load_causal_lm(self.teacher_spec, "teacher", config=teacher_config))
         elif base_teacher:
@@ -236,6 +252,7 @@ class DistillModule(TaskStage):
         # a completion ends at either model's end token (their chat templates may differ); across
         # tokenizers each model's own end tokens end the completions it writes
         teacher_ends = end_token_ids(self.teacher_tokenizer, self.teacher) if "teacher" in self._frozen else ()
+        teacher_ends += self.teacher_set.end_ids() if self.teacher_set is not None else ()
         student_ends = end_token_ids(self.student_tokenizer, self.student)
         if cross_tokenizer is None:
             self.end_ids = tuple(dict.fromkeys(student_ends + teacher_ends))
@@ -248,8 +265,8 @@ class DistillModule(TaskStage):
     # ---- parallelism ----------------------------------------------------------------------
     def sharded_models(self) -> list[torch.nn.Module]:
         """The student, and the teacher when ``teacher_placement == "shard"``."""
-        shard_teacher = self.teacher_placement == "shard" and "teacher" in self._frozen
-        return [self.student] + ([self.teacher] if shard_teacher else [])
+        teachers = [model for name, model in self._frozen.items() if name == "teacher" or name.startswith("teachers/")]
+        return [self.student] + (teachers if self.teacher_placement == "shard" else [])
 
     @property
     def teacher(self) -> torch.nn.Module:
@@ -296,6 +313,7 @@ class DistillModule(TaskStage):
             stop=self.stop_check(),
             stop_strings=tuple(self.stop_strings),
             teacher_tokens=self.teacher_tokens(),
+            teacher_decoder=self.teacher_set.decoder if self.teacher_set is not None else None,
         )
 
     def teacher_tokens(self) -> TeacherTokens | None:
@@ -331,6 +349,8 @@ class DistillModule(TaskStage):
         super().setup(stage)
         if stage == "fit" and self.served_teacher is not None:
             self.served_teacher.check(self.teacher_tokenizer)
+        if stage == "fit" and self.teacher_set is not None:
+            self.teacher_set.check_served()
 
     def decode_group(self) -> int:
         """Micro-batches per batched decode: ``rollout_micro_batches``, by default the trainer's
@@ -371,6 +391,9 @@ class DistillModule(TaskStage):
                 student = student / self.student_temperature
         if rollout.teacher_logprobs is not None:  # precomputed, already tempered (kdlab.rollouts.teacher_cache)
             return student, rollout.teacher_logprobs
+        if self.teacher_set is not None:  # several teachers: their combination, and each one's KLs for the log
+            teacher, self.teacher_set.diagnostics = self.teacher_set.completion_logprobs(rollout, student)
+            return student, teacher
         with torch.no_grad():
             if self.uses_fused_head(self.teacher):
                 return student, completion_head_logits(self.teacher, rollout.model_inputs("teacher"), teacher_length, self.teacher_columns, self.teacher_temperature).detach()
@@ -415,6 +438,9 @@ class DistillModule(TaskStage):
                 student_logits.detach(), teacher_logits, mask, self.objective.reduction, self.objective.chunk_size
             )
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
+        if self.teacher_names:
+            diagnostics.update(self.teacher_set.diagnostics if self.teacher_set is not None else
+                               {f"{kind}/{self.teacher_names[0]}": diagnostics[kind] for kind in ("kl_forward", "kl_reverse")})
         for name, value in diagnostics.items():
             self.log(f"train/{name}", value, batch_size=size)
         self.log("train/completion_length", mask.sum(1).float().mean(), batch_size=size)

@@ -1,0 +1,75 @@
+"""Several tasks as one: a run that trains one student on Countdown and on Addition (for instance each from
+its own teacher, ``DistillModule(teachers=..., teacher_choice=ByField(...))``)."""
+
+from __future__ import annotations
+
+import torch
+
+from kdlab.tasks.base import Example, Messages, Task
+
+
+class MultiTask(Task):
+    """The union of named tasks. Each example is its task's example with ``"task"`` set to the task's name
+    and its id prefixed ``"<name>:"``; every per-example method (prompts, score, format, reference) is the
+    example's own task's. Splits interleave the tasks round-robin (row 0 of each task, then row 1, ...), so
+    every batch mixes them while the data order stays the stages' to shuffle.
+
+    Args:
+        tasks: name -> task (``class_path`` entries in YAML). All must agree on ``chat_template``: a prompt is
+            rendered by the one setting of the run.
+        field: the field that names an example's task (``ByField(field=...)`` routes on it).
+    """
+
+    def __init__(self, tasks: dict[str, Task], field: str = "task") -> None:
+        super().__init__()
+        if not tasks:
+            raise ValueError("MultiTask.tasks: give at least one name -> task")
+        for name, task in tasks.items():
+            if not isinstance(task, Task):
+                raise ValueError(f"MultiTask.tasks.{name}: expected a kdlab Task, got {type(task).__name__}")
+            if ":" in name or not name:
+                raise ValueError(f"MultiTask.tasks: task name {name!r} must be non-empty and hold no ':'")
+        templates = {name: task.chat_template for name, task in tasks.items()}
+        if len(set(templates.values())) > 1:
+            raise ValueError(f"MultiTask.tasks: every task must have the same chat_template, got {templates}")
+        self.tasks = torch.nn.ModuleDict(tasks)
+        self.field = field
+        self.chat_template = next(iter(templates.values()))
+
+    def task_of(self, example: Example) -> Task:
+        """The task ``example`` came from (by its ``field``)."""
+        name = example.get(self.field)
+        if name not in self.tasks:
+            raise KeyError(f"MultiTask: example {example.get('id')!r} has {self.field}={name!r}, not one of {sorted(self.tasks)}")
+        return self.tasks[name]
+
+    def load_split(self, split: str) -> list[Example]:
+        parts = {name: task.examples(split) for name, task in self.tasks.items()}
+        for name, rows in parts.items():
+            clash = next((row for row in rows if self.field in row), None)
+            if clash is not None:
+                raise ValueError(f"MultiTask.tasks.{name}: example {clash['id']!r} already has a field {self.field!r}; set MultiTask.field")
+        mixed = []
+        for index in range(max((len(rows) for rows in parts.values()), default=0)):
+            for name, rows in parts.items():
+                if index < len(rows):
+                    mixed.append({**rows[index], "id": f"{name}:{rows[index]['id']}", self.field: name})
+        return mixed
+
+    def user_prompt(self, example: Example) -> str:
+        return self.task_of(example).user_prompt(example)
+
+    def student_messages(self, example: Example) -> Messages:
+        return self.task_of(example).student_messages(example)
+
+    def teacher_messages(self, example: Example) -> Messages:
+        return self.task_of(example).teacher_messages(example)
+
+    def score(self, example: Example, completion: str) -> float:
+        return self.task_of(example).score(example, completion)
+
+    def well_formed(self, completion: str) -> bool:  # no example here: a completion is well formed for some task
+        return any(task.well_formed(completion) for task in self.tasks.values())
+
+    def reference_completion(self, example: Example) -> str | None:
+        return self.task_of(example).reference_completion(example)
