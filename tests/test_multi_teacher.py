@@ -151,6 +151,37 @@ def test_a_cached_teacher_scores_its_rows_of_a_teacher_dataset(tmp_path):
         assert (teacher[row][mask[row]] - strong[row][mask[row]]).abs().max().item() < 1e-5
 
 
+def test_a_served_teacher_scores_its_rows():
+    """A served entry (kdlab's loopback server, top_k -1: the whole vocabulary) beside an in-process one: the
+    served rows get the in-process teacher's tempered log-probs to 1e-5."""
+    from kdlab.rollouts.loopback import LoopbackServer
+    from kdlab.rollouts.served import ServedTeacher
+
+    with LoopbackServer(TEACHER, name="tiny-teacher") as server:
+        served = ServedTeacher(server.url, "tiny-teacher", TEACHER, top_k=-1, timeout_s=10.0, retries=0)
+        m = module(teachers={"served": TeacherEntry(served=served), "self": entry(STUDENT)},
+                   teacher_choice=ByField({"addition": "served", "sorting": "self"}), rollout=StudentRollouts())
+        m.teacher_set.check_served()
+        rollout = m.make_rollout(m.task.examples("train")[:4], 0)
+        _, teacher = m.distillation_logits(rollout)
+    strong = tempered_logprobs(TEACHER, rollout, m.token_columns)
+    mask = rollout.completion_mask
+    for row in (0, 2):
+        assert (teacher[row][mask[row]] - strong[row][mask[row]]).abs().max().item() < 1e-5
+
+
+def test_the_docs_results_are_the_committed_reports():
+    """docs/several_teachers.md's results table is what scripts/several_teachers_results.py writes from the
+    committed report (nothing typed by hand)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "scripts/several_teachers_results.py", "--check"], cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_bad_multi_teacher_settings_fail_naming_the_setting():
     with pytest.raises(ConfigError, match="replaces"):
         module(teacher=TEACHER, teachers={"a": entry(TEACHER)})

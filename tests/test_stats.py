@@ -110,3 +110,12 @@ def test_zero_variance_collapses_the_interval_and_one_seed_is_refused():
     assert t_contrast([(1.0, [2.0, 2.0]), (-1.0, [1.0, 1.0, 1.0])]) == (1.0, 1.0, 1.0, 3.0)
     with pytest.raises(ValueError, match="two seeds"):
         t_contrast([(1.0, [2.0])])
+
+
+def test_newcombe_difference_matches_his_worked_example():
+    """Newcombe (1998), Statistics in Medicine 17:873, table II example (a): 56/70 against 48/80, method 10 gives
+    0.0524 to 0.3339."""
+    from kdlab.study.stats import newcombe_difference
+
+    low, high = newcombe_difference(56 / 70, 70, 48 / 80, 80)
+    assert abs(low - 0.0524) < 5e-4 and abs(high - 0.3339) < 5e-4
