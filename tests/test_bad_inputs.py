@@ -94,6 +94,8 @@ CLI_CASES = {
                    '{"url": "http://127.0.0.1:9", "model": "m", "tokenizer": "kdlab://tiny-random/teacher"}}'],
            "DistillModule.served_teacher is the teacher: set teacher: null"),
     "47": (FIT + ["--model.base_teacher=true"], "DistillModule.base_teacher: the teacher is the student's base under its LoRA adapters"),
+    "50": (FIT + ['--model.teachers={"a": {"model": {"path": "kdlab://tiny-random/teacher"}}}'],
+           "DistillModule.teachers replaces ['teacher']: give each teacher as an entry of teachers"),
 }
 NOT_CLI = {  # rows whose input is not a configuration a command line can give, with where they are tested
     "11": "a corrupted weight file: tested by loading a damaged copy (test_models.py)",
