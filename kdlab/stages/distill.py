@@ -272,7 +272,7 @@ class DistillModule(TaskStage):
     def teacher(self) -> torch.nn.Module:
         """The frozen teacher (eval mode, outside the module's state; see ``TaskStage.hold_frozen``)."""
         if "teacher" not in self._frozen:
-            raise RuntimeError("this run has no single teacher model (teacher: null: its outputs come from a teacher cache, a served teacher or several teachers)")
+            raise RuntimeError("this run has no teacher model of its own (teacher: null: its outputs come from a teacher cache, a served teacher or several teachers)")
         return self._frozen["teacher"]
 
     def components(self) -> dict[str, Component]:
