@@ -70,15 +70,22 @@ def test_padding_of_a_top_k_batch_is_the_uniform_distribution():
     assert torch.allclose(probs[0, 1:], torch.full((2, 10), 0.1))
 
 
-def test_cache_files_check_what_they_were_computed_on(tmp_path):
+@pytest.mark.parametrize("cache_format", ["full", "compact"])
+def test_cache_files_check_what_they_were_computed_on(cache_format, tmp_path):
+    """Both formats (``full``: what every kdlab before the compact format wrote) read and check the same way."""
     path = tmp_path / "cache.safetensors"
-    rows = {"a": {"tokens": torch.tensor([5, 6, 7]), "indices": torch.zeros(3, 2, dtype=torch.long), "logprobs": torch.zeros(3, 2)}}
-    write_cache(path, rows, {"top_k": 2, "temperature": 0.5, "vocab_size": 10, "teacher": "t"})
+    rows = {"a": {"tokens": torch.tensor([5, 6, 7]), "indices": torch.tensor([[1, 4]] * 3), "logprobs": torch.log(torch.tensor([[0.5, 0.25]] * 3))}}
+    write_cache(path, rows, {"top_k": 2, "temperature": 0.5, "vocab_size": 10, "teacher": "t"}, cache_format=cache_format)
     cache = TeacherCache(str(path))
-    assert (cache.top_k, cache.temperature, cache.token_columns, cache.ids) == (2, 0.5, 10, {"a"})  # a kdlab 0.1 file
+    assert (cache.top_k, cache.temperature, cache.token_columns, cache.ids) == (2, 0.5, 10, {"a"})  # kdlab 0.1's metadata key
+    assert cache.format == {"full": "full", "compact": "compact-v1"}[cache_format]
     current = tmp_path / "current.safetensors"
-    write_cache(current, rows, {"top_k": 2, "temperature": 0.5, "token_columns": 12, "teacher": "t"})
+    write_cache(current, rows, {"top_k": 2, "temperature": 0.5, "token_columns": 12, "teacher": "t"}, cache_format=cache_format)
     assert TeacherCache(str(current)).token_columns == 12  # the current key
+    indices, logprobs = cache.row("a", [5, 6, 7])
+    assert indices.dtype == torch.int64 and logprobs.dtype == torch.float32 and indices.tolist() == [[1, 4]] * 3
+    assert torch.equal(logprobs[:, 0], rows["a"]["logprobs"][:, 0])  # the row's max, exactly in both formats
+    torch.testing.assert_close(logprobs, rows["a"]["logprobs"], atol=1e-5, rtol=0)  # k = 2: the other entry is renormalised
     assert cache.row("a", [5, 6])[0].shape == (2, 2)  # a prefix (shorter max length) is fine
     with pytest.raises(ValueError, match="example 'a' was cached on other completion tokens"):
         cache.row("a", [5, 9])
@@ -104,7 +111,8 @@ def test_distillation_from_a_full_cache_equals_distillation_from_the_teacher_wit
     from kdlab.models import ModelSpec, load_tokenizer
 
     vocab = len(load_tokenizer(ModelSpec(tiny_pair[1])))
-    summary = generate_teacher_data(ModelSpec(tiny_pair[1]), task, str(data), max_new_tokens=6, top_k=vocab, cache_temperature=0.5)
+    summary = generate_teacher_data(ModelSpec(tiny_pair[1]), task, str(data), max_new_tokens=6, top_k=vocab, cache_temperature=0.5,
+                                    cache_format="full")  # the compact format rounds the log-probs
     assert summary["cached"] == 4
     cache = str(data) + ".topk.safetensors"
     with_teacher = DistillModule(*tiny_pair, task, rollout=TeacherDatasetRollouts(str(data)), max_completion_tokens=6, batch_size=4)

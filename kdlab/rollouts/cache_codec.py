@@ -1,47 +1,58 @@
-"""The compact teacher cache format (``compact-v1``): a top-k row of token ids and log-probs in about
-``k * (log2(V / k) + 2.7 + b) / 8`` bytes instead of ``12 k``.
+"""The compact teacher cache format (``compact-v1``): an example's completion tokens and top-k rows in
+about ``k (log2(V / k) + 2.7 + b) / 8 + 11`` bytes per token instead of ``12 k + 8``.
 
-One example's rows ``(C, k)`` are stored as five tensors (:func:`encode_rows`, :func:`decode_rows`):
+Each example is one uint8 tensor ``<id>/rows`` (:func:`encode_example`), little-endian, its sections
+byte-aligned, in this order:
 
-* ``max`` ``(C,)`` fp32: each row's largest log-prob, exactly as computed.
-* ``unary``, ``remainders`` (uint8, bit-packed): the token ids. Each row is sorted by id and its ids are
-  written as gaps (the first id, then the differences, all ``>= 0``), Rice-coded with one parameter
-  ``r = max(0, floor(log2(V / k)))`` per file: gap ``g`` is the quotient ``g >> r`` in unary (that many
-  one bits, then a zero bit) in ``unary``, one stream for all rows of the example, and the ``r`` low bits
-  in ``remainders``, a fixed-width block. Since a row's gaps sum to at most ``V - 1 < k 2^(r+1)``, a row
-  takes at most ``k (r + 3)`` bits; uniformly spread ids take about ``k (r + 1.7)``. Decoding is
-  vectorised: the zero bits' positions (``nonzero``) give every quotient at once (their differences).
-* ``codes`` (uint8, bit-packed, ``b`` bits each): every entry's ``u = max - logprob >= 0`` on a
-  compressive map (:class:`LogprobMap`): ``code = round(A log1p(min(u, U) / u0))`` with
-  ``A = (2^b - 1) / log1p(U / u0)``, decoded as ``u0 expm1(code / A)``. The map is fine where the
-  probability is (``u`` near 0) and coarse far down the row; the row's max has ``u = 0``, code 0, and
-  decodes to the stored max exactly.
+* ``C`` (uint32): the number of positions (rows).
+* ``max``, ``rest`` (``C`` fp32 each): each row's largest log-prob, exactly as given, and the log of the
+  total probability of its other ``k - 1`` entries (computed in float64 at write time).
+* ``tokens``: the ``C`` completion tokens, ``w = bit_length(V - 1)`` bits each.
+* ``codes``: every entry's log-prob code, ``b`` bits each, in id order (below).
+* ``remainders`` and ``unary``: the token ids. Each row is sorted by id and written as gaps (the first id,
+  then the differences, all ``>= 0``), Rice-coded with one parameter ``r = max(0, floor(log2(V / k)))``
+  per file: gap ``g`` is its ``r`` low bits in ``remainders`` (a fixed-width block) and its quotient
+  ``g >> r`` in unary (that many one bits, then a zero bit) in ``unary``, one stream for all rows. A row's
+  gaps sum to at most ``V - 1 < k 2^(r+1)``, so a row takes at most ``k (r + 3)`` bits; uniformly spread
+  ids take about ``k (r + 1.7)``. Decoding is vectorised: the zero bits' positions (``nonzero``) give every
+  quotient at once (their differences).
 
-**Worst-case log-prob error**, per entry, as a function of its ``u``:
-``|decoded - logprob| <= (u0 + u) (exp(1 / (2A)) - 1)`` for ``u <= U`` (the code is the rounded
-``A log1p(u / u0)``, so ``(u0 + u_decoded) / (u0 + u)`` lies within ``exp(+-1 / (2A))``), plus fp32
-rounding; entries with ``u > U`` decode to ``max - U``: their log-prob is overstated by ``u - U``, their
-probability by at most ``exp(max - U)``. :meth:`LogprobMap.error_bound` evaluates it.
+**Log-probs.** The row's largest entry (one, if several tie) has code 0 and decodes to ``m`` exactly.
+Each other entry ``i`` is stored as the code of ``u_i = m - logprob_i >= 0`` on a compressive map
+(:class:`LogprobMap`): ``code = 1 + round(A log1p(min(u, U) / u0))``, ``A = (2^b - 2) / log1p(U / u0)``,
+decoded as ``u0 expm1((code - 1) / A)``: fine where the probability is (``u`` near 0), coarse far down the
+row. The decoded other entries are then scaled by one factor ``lambda`` per row so that their probabilities sum to ``exp(rest)``
+again: the mass left to the tail (``1 - sum_k p``, which :func:`~kdlab.rollouts.teacher_cache.expand_topk`
+spreads over the other ``V - k`` tokens, and which reverse KL weighs by the student's mass there) is
+the uncompressed row's, not shifted by rounding errors of the large entries.
 
-Rows decode in rank order (the code ascending, ties by id), the order ``top_k`` writes. The file's
-metadata holds ``format: compact-v1``, ``rice_r``, ``logprob_bits`` (``b``), ``logprob_u0`` and
-``logprob_clip`` (``U``) next to the cache's own keys; :func:`read_metadata` checks them.
+**Worst-case log-prob error**, per entry, as a function of its ``u``: ``beta(u) = (u0 + u) (exp(1 / (2A))
+- 1)`` for ``u <= U`` (the code is the rounded ``A log1p(u / u0)``, so ``(u0 + u_decoded) / (u0 + u)``
+lies within ``exp(+-1 / (2A))``) and ``u - U`` for ``u > U`` (decoded as ``u = U``: the log-prob is
+overstated, the probability by at most ``exp(m - U)``); plus the row's ``|log lambda|``, which is at most
+``max(log(S / sum_i p_i exp(-beta_i)), log(sum_i p_i exp(beta_i) / S))`` over the row's other entries
+(``S = sum_i p_i``; never more than their largest ``beta``); plus fp32 rounding.
+:meth:`LogprobMap.error_bound` gives ``beta``, :func:`renormalisation_bound` the row's term.
+
+Rows decode in rank order (code ascending, ties by id), the order ``top_k`` writes. The file's metadata
+holds ``format: compact-v1``, ``rice_r``, ``logprob_bits`` (``b``), ``logprob_u0`` and ``logprob_clip``
+(``U``) next to the cache's own keys; :func:`read_metadata` checks them.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 import torch
 
 FORMAT = "compact-v1"
-PARTS = ("max", "unary", "remainders", "codes")
-"""The tensors of one example besides its tokens (``<id>/<part>``)."""
-DEFAULT_BITS, DEFAULT_U0, DEFAULT_CLIP = 6, 0.25, 32.0
-"""The defaults, chosen from the measurements of ``benchmarks/cache_size.py`` (docs/benchmarks.md): 6 bits
-keep 128 entries at ``V = 151,936`` under 300 bytes per token."""
+DEFAULT_U0, DEFAULT_CLIP = 1.0, 64.0
+"""The map's defaults, chosen from the measurements of ``benchmarks/cache_size.py`` (docs/benchmarks.md)."""
 MIN_BITS, MAX_BITS = 4, 16
+BYTES_PER_TOKEN = 300
+"""The file size per completion token that :func:`choose_bits` aims at (issue #28: at most 300 at k = 128)."""
 
 
 def rice_parameter(token_columns: int, k: int) -> int:
@@ -51,35 +62,36 @@ def rice_parameter(token_columns: int, k: int) -> int:
     return (token_columns // k).bit_length() - 1
 
 
+def token_bits(token_columns: int) -> int:
+    return max(1, (token_columns - 1).bit_length())
+
+
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Zeros and ones ``(L,)`` -> uint8 ``(ceil(L / 8),)``, most significant bit first, zero-padded."""
     bits = bits.to(torch.uint8).flatten()
     padded = torch.zeros(-(-bits.numel() // 8) * 8, dtype=torch.uint8)
     padded[: bits.numel()] = bits
     weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
-    return (padded.view(-1, 8) * weights).sum(-1, dtype=torch.uint8) if padded.numel() else padded
+    return (padded.view(-1, 8) * weights).sum(-1, dtype=torch.uint8)
 
 
-def unpack_bits(data: torch.Tensor, count: int | None = None) -> torch.Tensor:
-    """The inverse of :func:`pack_bits`: the first ``count`` bits (all when ``None``), uint8 zeros and ones."""
+def unpack_bits(data: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_bits`, padding included: uint8 zeros and ones ``(8 len(data),)``."""
     shifts = torch.arange(7, -1, -1, dtype=torch.uint8)
-    bits = ((data.to(torch.uint8)[:, None] >> shifts) & 1).flatten()
-    return bits if count is None else bits[:count]
+    return ((data.to(torch.uint8)[:, None] >> shifts) & 1).flatten()
 
 
 def pack_fixed(values: torch.Tensor, width: int) -> torch.Tensor:
     """Non-negative integers ``(N,)``, each below ``2^width``, as ``width`` bits each, packed."""
-    if width == 0:
-        return torch.zeros(0, dtype=torch.uint8)
     shifts = torch.arange(width - 1, -1, -1, dtype=torch.int64)
     return pack_bits((values.long().flatten()[:, None] >> shifts) & 1)
 
 
 def unpack_fixed(data: torch.Tensor, count: int, width: int) -> torch.Tensor:
-    """The first ``count`` values of :func:`pack_fixed` (int64)."""
-    if width == 0:
+    """The first ``count`` values (int64) of :func:`pack_fixed`'s ``data``."""
+    if width == 0 or count == 0:
         return torch.zeros(count, dtype=torch.int64)
-    bits = unpack_bits(data, count * width)
+    bits = unpack_bits(data[: -(-count * width // 8)])[: count * width]
     if bits.numel() < count * width:
         raise ValueError(f"a {width}-bit block holds fewer than {count} values")
     weights = 2 ** torch.arange(width - 1, -1, -1, dtype=torch.int64)
@@ -88,10 +100,11 @@ def unpack_fixed(data: torch.Tensor, count: int, width: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LogprobMap:
-    """The ``b``-bit code of ``u = max - logprob``: ``round(A log1p(min(u, U) / u0))``, ``A = (2^b - 1) /
-    log1p(U / u0)`` (see the module docstring for the error bound)."""
+    """The ``b``-bit code of ``u = max - logprob`` of an entry other than the row's max (which has code 0):
+    ``1 + round(A log1p(min(u, U) / u0))``, ``A = (2^b - 2) / log1p(U / u0)`` (the module docstring gives
+    the error bound)."""
 
-    bits: int = DEFAULT_BITS
+    bits: int
     u0: float = DEFAULT_U0
     clip: float = DEFAULT_CLIP
 
@@ -104,25 +117,35 @@ class LogprobMap:
     @property
     def scale(self) -> float:
         """``A``: codes per unit of ``log1p(u / u0)``."""
-        return (2**self.bits - 1) / math.log1p(self.clip / self.u0)
+        return (2**self.bits - 2) / math.log1p(self.clip / self.u0)
 
     def encode(self, u: torch.Tensor) -> torch.Tensor:
-        """Codes (int64) of ``u >= 0`` (float64 arithmetic; ``inf`` clips to ``U``)."""
+        """Codes (int64, ``1 .. 2^b - 1``) of ``u >= 0`` (float64 arithmetic; ``inf`` clips to ``U``)."""
         clipped = u.double().clamp(min=0.0, max=self.clip)
-        return torch.round(self.scale * torch.log1p(clipped / self.u0)).long().clamp(0, 2**self.bits - 1)
+        return 1 + torch.round(self.scale * torch.log1p(clipped / self.u0)).long().clamp(0, 2**self.bits - 2)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        """``u`` (float64) of ``codes``; code 0 is 0 exactly."""
-        return self.u0 * torch.expm1(codes.double() / self.scale)
+        """``u`` (float64) of ``codes``; code 0 (the row's max) is 0 exactly."""
+        return torch.where(codes == 0, 0.0, self.u0 * torch.expm1((codes.double() - 1).clamp(min=0) / self.scale))
 
     def error_bound(self, u: torch.Tensor) -> torch.Tensor:
-        """The largest ``|decode(encode(u)) - u|`` at ``u`` (float64), fp32 rounding aside."""
+        """``beta(u)``: the largest ``|decode(encode(u)) - u|`` (float64), renormalisation and fp32 aside."""
         u = u.double()
-        inside = (self.u0 + u) * math.expm1(0.5 / self.scale)
-        return torch.where(u <= self.clip, inside, u - self.clip)
+        return torch.where(u <= self.clip, (self.u0 + u) * math.expm1(0.5 / self.scale), u - self.clip)
 
     def metadata(self) -> dict[str, str]:
         return {"logprob_bits": str(self.bits), "logprob_u0": repr(self.u0), "logprob_clip": repr(self.clip)}
+
+
+def renormalisation_bound(logprobs: torch.Tensor, logprob_map: LogprobMap) -> torch.Tensor:
+    """The bound on each row's ``|log lambda|`` (module docstring) from its exact log-probs ``(C, k)``."""
+    lp = logprobs.double().sort(dim=-1, descending=True).values
+    if lp.shape[-1] < 2:
+        return torch.zeros(lp.shape[0], dtype=torch.float64)
+    rest = lp[:, 1:]
+    beta = logprob_map.error_bound(lp[:, :1] - rest)
+    total = torch.logsumexp(rest, -1)
+    return torch.maximum(total - torch.logsumexp(rest - beta, -1), torch.logsumexp(rest + beta, -1) - total)
 
 
 def metadata(token_columns: int, k: int, logprob_map: LogprobMap) -> dict[str, str]:
@@ -138,50 +161,104 @@ def read_metadata(values: dict[str, str], where: str) -> tuple[int, LogprobMap]:
         logprob_map = LogprobMap(int(values["logprob_bits"]), float(values["logprob_u0"]), float(values["logprob_clip"]))
     except (KeyError, ValueError) as error:
         raise ValueError(f"{where}: corrupt {FORMAT} metadata ({error})") from error
-    if not 0 <= r <= 62:
+    if not 0 <= r <= 40:
         raise ValueError(f"{where}: corrupt {FORMAT} metadata (rice_r = {r})")
     return r, logprob_map
 
 
-def encode_rows(indices: torch.Tensor, logprobs: torch.Tensor, token_columns: int, r: int, logprob_map: LogprobMap) -> dict[str, torch.Tensor]:
-    """One example's ``indices`` / ``logprobs`` ``(C, k)`` as the tensors :data:`PARTS` (module docstring)."""
-    if indices.shape != logprobs.shape or indices.dim() != 2:
-        raise ValueError(f"teacher cache: indices and logprobs must both be (C, k), got {tuple(indices.shape)}, {tuple(logprobs.shape)}")
-    indices, logprobs = indices.cpu().long(), logprobs.cpu().float()
-    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= token_columns):
-        raise ValueError(f"teacher cache: token ids must lie in [0, {token_columns}), got {int(indices.min())}..{int(indices.max())}")
+def header_bytes(sizes: dict[str, int], metadata: dict[str, str]) -> int:
+    """An upper bound on the safetensors header (length prefix included) of uint8 tensors ``{key: bytes}``
+    and ``metadata``."""
+    digits = len(str(sum(sizes.values())))
+    tensors = sum(len(json.dumps(key)) + len('{"dtype":"U8","shape":[],"data_offsets":[,]},') + 3 * digits + 1 for key in sizes)
+    return 8 + tensors + len(json.dumps({"__metadata__": metadata})) + 8
+
+
+def choose_bits(sizes: dict[str, tuple[int, int]], tokens: int, metadata: dict[str, str], budget: float = BYTES_PER_TOKEN) -> int:
+    """The most bits per log-prob (``MIN_BITS`` .. ``MAX_BITS``) for which a file of examples ``{key: (bytes
+    without codes, entries)}`` and ``metadata`` stays within ``budget`` bytes per token (``MIN_BITS`` when
+    none does)."""
+    for bits in range(MAX_BITS, MIN_BITS, -1):
+        total = {key: fixed + -(-entries * bits // 8) for key, (fixed, entries) in sizes.items()}
+        if sum(total.values()) + header_bytes(total, {**metadata, "logprob_bits": str(bits)}) <= budget * tokens:
+            return bits
+    return MIN_BITS
+
+
+def _as_bytes(values: torch.Tensor) -> torch.Tensor:
+    return values.contiguous().view(torch.uint8).flatten()
+
+
+def encode_example(tokens: torch.Tensor, indices: torch.Tensor, logprobs: torch.Tensor, token_columns: int, r: int,
+                   logprob_map: LogprobMap) -> torch.Tensor:
+    """One example's ``tokens`` ``(C,)`` and top-k ``indices`` / ``logprobs`` ``(C, k)`` as one uint8 tensor
+    (the layout of the module docstring)."""
+    if indices.shape != logprobs.shape or indices.dim() != 2 or indices.shape[0] != tokens.numel():
+        raise ValueError(f"teacher cache: indices and logprobs must both be (C, k) for C = {tokens.numel()} tokens, "
+                         f"got {tuple(indices.shape)}, {tuple(logprobs.shape)}")
+    tokens, indices, logprobs = tokens.cpu().long(), indices.cpu().long(), logprobs.cpu().float()
+    for name, values in (("token ids", indices), ("completion tokens", tokens)):
+        if values.numel() and (int(values.min()) < 0 or int(values.max()) >= token_columns):
+            raise ValueError(f"teacher cache: {name} must lie in [0, {token_columns}), got {int(values.min())}..{int(values.max())}")
     ids, order = indices.sort(dim=-1, stable=True)
     gaps = ids.diff(dim=-1, prepend=torch.zeros_like(ids[:, :1])).flatten()
     quotients = gaps >> r
     unary = torch.ones(int(quotients.sum()) + gaps.numel(), dtype=torch.uint8)
     unary[torch.cumsum(quotients + 1, 0) - 1] = 0
-    top = logprobs.max(dim=-1).values if logprobs.shape[-1] else torch.zeros(logprobs.shape[0])
-    if not bool(torch.isfinite(top).all()):
-        raise ValueError("teacher cache: a row's largest log-prob is not finite")
-    u = top.double()[:, None] - logprobs.gather(-1, order).double()
-    if bool(torch.isnan(u).any()):
-        raise ValueError("teacher cache: a log-prob is NaN")
-    return {
-        "max": top.contiguous(),
-        "unary": pack_bits(unary),
-        "remainders": pack_fixed(gaps & ((1 << r) - 1), r),
-        "codes": pack_fixed(logprob_map.encode(u).flatten(), logprob_map.bits),
-    }
+    top, argmax = logprobs.max(dim=-1) if logprobs.numel() else (torch.zeros(logprobs.shape[0]), torch.zeros(logprobs.shape[0], dtype=torch.long))
+    if not bool(torch.isfinite(top).all()) or bool(torch.isnan(logprobs).any()):
+        raise ValueError("teacher cache: a log-prob is NaN, or a row's largest log-prob is not finite")
+    others = logprobs.double().scatter(-1, argmax[:, None], -math.inf)
+    rest = torch.logsumexp(others, -1).float() if logprobs.shape[-1] > 1 else torch.full_like(top, -math.inf)
+    codes = logprob_map.encode(top.double()[:, None] - logprobs.gather(-1, order).double())
+    codes.scatter_(-1, order.argsort(dim=-1).gather(-1, argmax[:, None]), 0)  # the max, where it sits in id order
+    sections = [
+        _as_bytes(torch.tensor([tokens.numel()], dtype=torch.int32)), _as_bytes(top), _as_bytes(rest),
+        pack_fixed(tokens, token_bits(token_columns)), pack_fixed(codes, logprob_map.bits),
+        pack_fixed(gaps & ((1 << r) - 1), r), pack_bits(unary),
+    ]
+    return torch.cat(sections)
 
 
-def decode_rows(parts: dict[str, torch.Tensor], n: int, k: int, token_columns: int, r: int, logprob_map: LogprobMap) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``n`` rows of :func:`encode_rows`' tensors: ``(indices (n, k) int64, logprobs (n, k) fp32)``
-    in rank order. Raises ``ValueError`` when the tensors cannot be what :func:`encode_rows` wrote."""
+def _layout(data: torch.Tensor, k: int, token_columns: int, r: int, bits: int) -> tuple[int, list[int]]:
+    """``C`` and the byte offsets of the sections after it (max, rest, tokens, codes, remainders, unary, end)."""
+    if data.numel() < 4:
+        raise ValueError("shorter than its header")
+    positions = int(data[:4].view(torch.int32)[0])
+    sizes = [4 * positions, 4 * positions] + [-(-positions * width // 8) for width in (token_bits(token_columns), k * bits, k * r)]
+    offsets = [4]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    if positions < 0 or offsets[-1] > data.numel():
+        raise ValueError(f"{data.numel()} bytes cannot hold {positions} rows")
+    return positions, offsets + [data.numel()]
+
+
+def decode_tokens(data: torch.Tensor, k: int, token_columns: int, r: int, logprob_map: LogprobMap) -> torch.Tensor:
+    """The completion tokens ``(C,)`` (int64) of :func:`encode_example`'s tensor."""
+    positions, offsets = _layout(data, k, token_columns, r, logprob_map.bits)
+    return unpack_fixed(data[offsets[2] : offsets[3]], positions, token_bits(token_columns))
+
+
+def decode_rows(data: torch.Tensor, n: int, k: int, token_columns: int, r: int, logprob_map: LogprobMap) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n`` rows of :func:`encode_example`'s tensor: ``(indices (n, k) int64, logprobs (n, k)
+    fp32)`` in rank order. Raises ``ValueError`` when ``data`` cannot be what it wrote."""
+    positions, offsets = _layout(data, k, token_columns, r, logprob_map.bits)
+    if n > positions:
+        raise ValueError(f"holds {positions} rows, {n} asked for")
     count = n * k
-    zeros = (unpack_bits(parts["unary"]) == 0).nonzero().flatten()[:count]
-    if zeros.numel() < count or parts["max"].numel() < n:
-        raise ValueError(f"truncated {FORMAT} rows (wanted {n} rows of {k})")
+    zeros = (unpack_bits(data[offsets[5] :]) == 0).nonzero().flatten()[:count]
+    if zeros.numel() < count:
+        raise ValueError(f"its id stream ends before {n} rows of {k}")
     quotients = zeros.diff(prepend=torch.tensor([-1])) - 1
-    gaps = (quotients << r) | unpack_fixed(parts["remainders"], count, r)
+    gaps = (quotients << r) | unpack_fixed(data[offsets[4] : offsets[5]], count, r)
     ids = gaps.view(n, k).cumsum(dim=-1)
     if ids.numel() and int(ids[:, -1].max()) >= token_columns:
-        raise ValueError(f"corrupt {FORMAT} rows: a token id reaches {int(ids[:, -1].max())}, the token columns are {token_columns}")
-    codes = unpack_fixed(parts["codes"], count, logprob_map.bits).view(n, k)
-    codes, order = codes.sort(dim=-1, stable=True)
-    logprobs = (parts["max"][:n].double()[:, None] - logprob_map.decode(codes)).float()
-    return ids.gather(-1, order), logprobs
+        raise ValueError(f"a token id reaches {int(ids[:, -1].max())}, the token columns are {token_columns}")
+    codes, order = unpack_fixed(data[offsets[3] : offsets[4]], count, logprob_map.bits).view(n, k).sort(dim=-1, stable=True)
+    top, rest = (data[offsets[i] : offsets[i] + 4 * n].view(torch.float32).double() for i in (0, 1))
+    logprobs = top[:, None] - logprob_map.decode(codes)
+    if k > 1:  # scale the other entries' probabilities back to their stored total exp(rest)
+        shift = rest - torch.logsumexp(logprobs[:, 1:], -1)
+        logprobs[:, 1:] += torch.where(torch.isfinite(shift), shift, 0.0)[:, None]
+    return ids.gather(-1, order), logprobs.float()

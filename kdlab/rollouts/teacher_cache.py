@@ -41,8 +41,11 @@ from kdlab.objectives.kernels import LazyLogits
 from kdlab.rollouts import cache_codec as codec
 from kdlab.rollouts.cache_codec import LogprobMap
 
-TAIL_FLOOR = 1e-12
-"""Smallest tail mass used: keeps the expanded log-probs finite when the top k hold (almost) all mass."""
+TAIL_FLOOR = 1e-6
+"""Smallest tail mass used: keeps the expanded log-probs finite when the top k hold (almost) all mass. The
+tail is ``1 - sum`` of k fp32 probabilities, known only to about 1e-7 (the log-probs' own rounding), so a
+smaller floor would let rounding set the tail tokens' log-probs (between ``log(1e-12)`` and ``log(2e-7)``
+when it was 1e-12, which moved a reverse KL by 1e-2 nats between two roundings of one teacher)."""
 
 
 def top_k_logprobs(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,35 +134,41 @@ CACHE_FORMATS = ("compact", "full")
 
 def write_cache(
     path: str | Path, rows: dict[str, dict[str, torch.Tensor]], metadata: dict[str, Any], cache_format: str = "compact",
-    logprob_map: LogprobMap | None = None,
+    logprob_bits: int | None = None,
 ) -> None:
     """Write ``{id: {"tokens", "indices", "logprobs"}}`` and ``metadata`` (``top_k``, ``temperature``,
     ``token_columns``, ``teacher``) to a safetensors file (to a temporary name first, then renamed), in
-    ``cache_format`` (module docstring); ``logprob_map`` sets the compact format's log-prob code."""
+    ``cache_format`` (module docstring). ``logprob_bits``: the compact format's bits per log-prob; ``None``
+    takes the most (up to 16) that keep the file within :data:`~kdlab.rollouts.cache_codec.BYTES_PER_TOKEN`
+    bytes per completion token."""
     from safetensors.torch import save_file
 
     if cache_format not in CACHE_FORMATS:
         raise ValueError(f"cache_format must be one of {CACHE_FORMATS}, got {cache_format!r}")
-    metadata = {key: str(value) for key, value in metadata.items()}
-    if cache_format == "compact":
-        columns, k = int(metadata.get("token_columns", metadata.get("vocab_size", 0))), int(metadata["top_k"])
-        metadata.update(codec.metadata(columns, k, logprob_map or LogprobMap()))
-        r, logprob_map = codec.read_metadata(metadata, "write_cache")
-    tensors = {}
-    for example_id, row in rows.items():
+    for example_id in rows:
         if "/" in example_id:
             raise ValueError(f"teacher cache: example id {example_id!r} contains '/'")
-        if cache_format == "full":
-            tensors[f"{example_id}/tokens"] = row["tokens"].to(torch.int64).contiguous()
-            tensors[f"{example_id}/indices"] = row["indices"].to(torch.int64).contiguous()
-            tensors[f"{example_id}/logprobs"] = row["logprobs"].to(torch.float32).contiguous()
-            continue
-        if row["indices"].dim() != 2 or row["indices"].shape[-1] != k or row["indices"].shape[0] != row["tokens"].numel():
-            raise ValueError(f"teacher cache: example {example_id!r} has indices {tuple(row['indices'].shape)}, "
-                             f"not ({row['tokens'].numel()}, {k}) for its {row['tokens'].numel()} tokens and top_k {k}")
-        tensors[f"{example_id}/tokens"] = row["tokens"].to(torch.int32).contiguous()
-        for part, tensor in codec.encode_rows(row["indices"], row["logprobs"], columns, r, logprob_map).items():
-            tensors[f"{example_id}/{part}"] = tensor
+    metadata = {key: str(value) for key, value in metadata.items()}
+    if cache_format == "full":
+        tensors = {f"{example_id}/{name}": row[name].to(dtype).contiguous() for example_id, row in rows.items()
+                   for name, dtype in (("tokens", torch.int64), ("indices", torch.int64), ("logprobs", torch.float32))}
+    else:
+        columns, k = int(metadata.get("token_columns", metadata.get("vocab_size", 0))), int(metadata["top_k"])
+        r = codec.rice_parameter(columns, k)
+        for example_id, row in rows.items():
+            if row["indices"].dim() != 2 or row["indices"].shape[-1] != k:
+                raise ValueError(f"teacher cache: example {example_id!r} has indices {tuple(row['indices'].shape)}, not (C, {k}) for top_k {k}")
+
+        def encode(bits: int) -> dict[str, torch.Tensor]:
+            logprob_map = LogprobMap(bits)
+            metadata.update(codec.metadata(columns, k, logprob_map))
+            return {i: codec.encode_example(row["tokens"], row["indices"], row["logprobs"], columns, r, logprob_map) for i, row in rows.items()}
+
+        if logprob_bits is None:  # the sizes without the codes, from the smallest codes
+            entries = {i: row["indices"].numel() for i, row in rows.items()}
+            sizes = {f"{i}/rows": (data.numel() - -(-entries[i] * codec.MIN_BITS // 8), entries[i]) for i, data in encode(codec.MIN_BITS).items()}
+            logprob_bits = codec.choose_bits(sizes, sum(row["tokens"].numel() for row in rows.values()), metadata)
+        tensors = {f"{i}/rows": data for i, data in encode(logprob_bits).items()}
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     save_file(tensors, str(partial), metadata=metadata)
@@ -204,17 +213,25 @@ class TeacherCache:
         positions, after checking that the cache was computed on those very tokens."""
         if example_id not in self.ids:
             raise KeyError(f"{self.setting} {self.path}: no entry for example id {example_id!r}")
-        cached = self._file.get_tensor(f"{example_id}/tokens")
         n = len(tokens)
-        if n > cached.numel() or cached[:n].tolist() != list(tokens):
+        if self.format == "full":
+            self._check_tokens(example_id, self._file.get_tensor(f"{example_id}/tokens"), tokens)
+            return self._file.get_tensor(f"{example_id}/indices")[:n], self._file.get_tensor(f"{example_id}/logprobs")[:n]
+        args = (self.top_k, self.token_columns, self.rice_r, self.logprob_map)
+        try:
+            data = self._file.get_tensor(f"{example_id}/rows")
+            cached = codec.decode_tokens(data, *args)
+        except Exception as error:  # a missing tensor (safetensors' own error type) or one too short
+            raise ValueError(f"{self.setting} {self.path}: example {example_id!r} is not readable as {codec.FORMAT} ({error})") from error
+        self._check_tokens(example_id, cached, tokens)
+        try:
+            return codec.decode_rows(data, n, *args)
+        except ValueError as error:
+            raise ValueError(f"{self.setting} {self.path}: example {example_id!r} is not readable as {codec.FORMAT} ({error})") from error
+
+    def _check_tokens(self, example_id: str, cached: torch.Tensor, tokens: list[int]) -> None:
+        if len(tokens) > cached.numel() or cached[: len(tokens)].tolist() != list(tokens):
             raise ValueError(
                 f"{self.setting} {self.path}: example {example_id!r} was cached on other completion tokens than the "
                 "dataset gives now (a different dataset, tokenizer or max length?); rebuild the cache"
             )
-        if self.format == "full":
-            return self._file.get_tensor(f"{example_id}/indices")[:n], self._file.get_tensor(f"{example_id}/logprobs")[:n]
-        try:
-            parts = {part: self._file.get_tensor(f"{example_id}/{part}") for part in codec.PARTS}
-            return codec.decode_rows(parts, n, self.top_k, self.token_columns, self.rice_r, self.logprob_map)
-        except Exception as error:  # a missing tensor (safetensors' own error type) or rows that do not decode
-            raise ValueError(f"{self.setting} {self.path}: example {example_id!r} is not readable as {codec.FORMAT} ({error})") from error

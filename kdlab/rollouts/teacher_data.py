@@ -18,7 +18,7 @@ import torch
 
 from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer
 from kdlab.rollouts.decoding import sample_completions
-from kdlab.rollouts.cache_codec import DEFAULT_BITS, LogprobMap
+from kdlab.rollouts.cache_codec import MAX_BITS, MIN_BITS
 from kdlab.rollouts.teacher_cache import CACHE_FORMATS, top_k_logprobs, write_cache
 from kdlab.tasks.base import Task
 
@@ -27,12 +27,12 @@ from kdlab.tasks.base import Task
 def build_teacher_cache(
     teacher: torch.nn.Module, tokenizer: Any, task: Any, dataset: str, output: str, top_k: int, temperature: float,
     max_new_tokens: int, max_prompt_tokens: int, batch_size: int, teacher_name: str = "?", cache_format: str = "compact",
-    logprob_bits: int = DEFAULT_BITS,
+    logprob_bits: int | None = None,
 ) -> int:
     """Run ``teacher`` on each dataset completion (exactly the tokens ``TeacherDatasetRollouts`` will train on,
-    after the teacher's own prompt) and write the top-k cache in ``cache_format`` (``compact`` with
-    ``logprob_bits`` per log-prob, or ``full``: :mod:`kdlab.rollouts.teacher_cache`); returns the number of
-    examples cached."""
+    after the teacher's own prompt) and write the top-k cache in ``cache_format`` (``compact``, ``logprob_bits``
+    per log-prob, or ``full``: :func:`kdlab.rollouts.teacher_cache.write_cache`); returns the number of examples
+    cached."""
     from kdlab.data import encode_prompts
     from kdlab.models.loading import end_token_ids
     from kdlab.objectives.logits import completion_logits
@@ -65,7 +65,7 @@ def build_teacher_cache(
                 "logprobs": logprobs[row, :length].cpu(),
             }
     write_cache(output, rows, {"top_k": top_k, "temperature": temperature, "token_columns": vocab, "teacher": teacher_name},
-                cache_format, LogprobMap(bits=logprob_bits))
+                cache_format, logprob_bits)
     return len(rows)
 
 ENGINES = ("hf", "vllm")
@@ -88,7 +88,7 @@ def generate_teacher_data(
     top_k: int | None = None,
     cache_temperature: float = 0.5,
     cache_format: str = "compact",
-    cache_logprob_bits: int = DEFAULT_BITS,
+    cache_logprob_bits: int | None = None,
     engine: str = "hf",
     engine_args: dict[str, Any] | None = None,
 ) -> dict[str, float]:
@@ -111,10 +111,11 @@ def generate_teacher_data(
         cache_temperature: the teacher temperature of the cached log-probs; must equal the distillation's
             ``teacher_temperature`` (paper: 0.5). ``max_new_tokens`` also bounds the cached completions.
         cache_format: ``compact`` (ids Rice-coded, each log-prob as a ``cache_logprob_bits``-bit code within a
-            documented bound, about 2 bytes per entry at ``top_k: 128``: :mod:`kdlab.rollouts.cache_codec`) or
+            documented bound: :mod:`kdlab.rollouts.cache_codec`; sizes in docs/benchmarks.md) or
             ``full`` (int64 ids and fp32 log-probs, 12 bytes per entry; exact, so ``top_k: V`` is the teacher
             exactly). ``CachedTeacherRollouts`` reads both.
-        cache_logprob_bits: bits per log-prob of the compact format (4 to 16).
+        cache_logprob_bits: bits per log-prob of the compact format (4 to 16); ``null``: the most that keep
+            the file within 300 bytes per completion token.
         engine: ``hf`` (kdlab's batched KV-cache decoder on ``device``) or ``vllm`` (``pip install
             'kdlab[vllm]'``, CUDA): the same prompts, end tokens and output format, request ``i`` seeded
             ``seed + i``. With ``top_k`` the cache is still computed by the Hugging Face teacher on
@@ -132,10 +133,8 @@ def generate_teacher_data(
         raise ValueError(f"generate.cache_temperature must be > 0, got {cache_temperature}")
     if cache_format not in CACHE_FORMATS:
         raise ValueError(f"generate.cache_format must be one of {CACHE_FORMATS}, got {cache_format!r}")
-    try:
-        LogprobMap(bits=cache_logprob_bits)
-    except ValueError as error:
-        raise ValueError(f"generate.cache_{error}") from error
+    if cache_logprob_bits is not None and not (isinstance(cache_logprob_bits, int) and MIN_BITS <= cache_logprob_bits <= MAX_BITS):
+        raise ValueError(f"generate.cache_logprob_bits must be null or an integer in [{MIN_BITS}, {MAX_BITS}], got {cache_logprob_bits!r}")
     if engine not in ENGINES:
         raise ValueError(f"generate.engine must be one of {ENGINES}, got {engine!r}")
     if engine_args and engine != "vllm":
