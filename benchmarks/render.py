@@ -227,7 +227,36 @@ def _served(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-RENDERERS = {"real_vocab_step": _step, "cross_tokenizer_step": _cross, "lora_memory": _lora, "served_teacher_step": _served, "kl_memory": _memory, "fused_head_memory": _fused, "mixture_decoding": _decoding,
+def _cache_size(record: dict) -> str:
+    shapes, formats, compact = record["shapes"], record["formats"], record["formats"]["compact"]
+    title = {"tiny": "the tiny teacher", "smollm2": "SmolLM2-135M-Instruct", "synthetic": "uniformly random ids"}[record["case"]]
+    lines = [f"## Teacher cache size, {title}, V = {shapes['vocab']:,}, k = {shapes['top_k']}, {shapes['tokens']:,} tokens "
+             f"({shapes['examples']} examples)\n", _setting(record),
+             f"Teacher `{record['teacher']}`" + (f", student `{record['student']}`" if record["student"] else "") + ". Both files hold the same "
+             "teacher outputs; bytes per token: the file on disk (safetensors header included) over the completion tokens. The "
+             "compact file's `logprob_bits` is the writer's choice (the most that fit 300 bytes per token).\n",
+             "| format | bytes per token | file bytes | x compact |", "| --- | ---: | ---: | ---: |",
+             f"| full (int64 ids, fp32 log-probs) | {formats['full']['bytes_per_token']:.1f} | {formats['full']['file_bytes']:,} | {record['ratio']:.2f} |",
+             f"| compact-v1 ({compact['logprob_bits']} bits, r = {compact['rice_r']}, u0 = {compact['u0']:g}, U = {compact['clip']:g}) | "
+             f"{compact['bytes_per_token']:.1f} | {compact['file_bytes']:,} | 1.00 |"]
+    if shapes["top_k"] == 128:
+        verdict = "met" if compact["bytes_per_token"] <= record["target_bytes_per_token"] else "not met"
+        lines.append(f"\nTarget (issue #28): at most {record['target_bytes_per_token']} bytes per token at k = 128: {verdict}.")
+    if record["kl"]:
+        kl = record["kl"]
+        lines += ["\nKL of the student against each file (nats per token, teacher temperature 0.5):\n",
+                  "| KL | full | compact | compact - full |", "| --- | ---: | ---: | ---: |"]
+        lines += [f"| {name} | {kl['full'][name]:.6f} | {kl['compact'][name]:.6f} | {kl['difference'][name]:+.2e} |" for name in ("forward", "reverse")]
+        lines += ["\nThe compact format's parameters on the same rows (bytes per token: the stored tensors, no header):\n",
+                  "| bits | u0 | U | bytes per token | forward KL difference | reverse KL difference |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {row['logprob_bits']} | {row['u0']:g} | {row['clip']:g} | {row['tensor_bytes_per_token']:.1f} | "
+                  f"{row['forward_difference']:+.2e} | {row['reverse_difference']:+.2e} |" for row in record["sweep"]]
+    if record["problems"]:
+        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS = {"real_vocab_step": _step, "cache_size": _cache_size, "cross_tokenizer_step": _cross, "lora_memory": _lora, "served_teacher_step": _served, "kl_memory": _memory, "fused_head_memory": _fused, "mixture_decoding": _decoding,
              "decode": _decode, "gpu": _gpu}
 
 

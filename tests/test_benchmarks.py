@@ -176,6 +176,28 @@ def test_benchmarks_refuse_bad_settings_with_a_message(args, message):
     assert result.returncode != 0 and message in (result.stdout + result.stderr)
 
 
+def test_the_cache_size_benchmark_runs_at_toy_size_and_its_results_hold_what_the_docs_say(tmp_path):
+    """``benchmarks/cache_size.py`` end to end on random ids and on the tiny world (few examples): shapes, both
+    formats, the KL of both files and the parameter sweep; the committed results use the target the writer aims at
+    (``BYTES_PER_TOKEN``, which docs/scaling.md names) and V = 151,936 for the random ids."""
+    import json
+
+    from kdlab.rollouts.cache_codec import BYTES_PER_TOKEN
+
+    for case, extra in (("synthetic", ["--examples=2", "--max-new-tokens=8"]), ("tiny", ["--examples=4", "--max-new-tokens=16", "--top-k=32"])):
+        out = tmp_path / f"{case}.json"
+        result = run_benchmark("benchmarks/cache_size.py", f"--case={case}", *extra, f"--out={out}", timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        record = json.loads(out.read_text())
+        assert record["problems"] == [] and record["threads"] == 1 and record["formats"]["compact"]["bytes_per_token"] < record["formats"]["full"]["bytes_per_token"]
+        assert record["shapes"]["top_k"] == (128 if case == "synthetic" else 32)
+        assert (record["kl"] is None) == (case == "synthetic") and (case == "synthetic" or abs(record["kl"]["max_abs_difference"]) < 1e-3)
+    committed = {path.name: json.loads(path.read_text()) for path in (BENCHMARKS / "results").glob("cache_size-*.json")}
+    assert set(committed) == {"cache_size-tiny.json", "cache_size-smollm2.json", "cache_size-synthetic.json"}
+    assert all(record["target_bytes_per_token"] == BYTES_PER_TOKEN for record in committed.values())
+    assert committed["cache_size-synthetic.json"]["shapes"]["vocab"] == 151936 and committed["cache_size-smollm2.json"]["shapes"]["top_k"] == 128
+
+
 def test_the_benchmarks_page_is_exactly_what_the_committed_result_files_give():
     """docs/benchmarks.md quotes no number by hand: rendering benchmarks/results/*.json reproduces it."""
     result = run_benchmark("benchmarks/render.py", "--check", timeout=60)

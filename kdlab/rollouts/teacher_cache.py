@@ -5,17 +5,20 @@ Written by ``kdlab generate ... --top_k K`` next to the teacher dataset (``<outp
 and read by ``CachedTeacherRollouts(dataset=..., teacher_cache=...)``. The file is safetensors (no pickle)
 with metadata ``top_k``, ``temperature``, ``token_columns`` (the columns ``V`` of the distributions: the
 student's and teacher's shared tokens, ``DistillModule.token_columns``; a file written by kdlab 0.1 names
-it ``vocab_size``, and is read as well), ``teacher``, and ``format``. Per example id it holds
-``<id>/tokens`` ``(C,)`` (the completion tokens the rollouts will use, end token included) and the
-teacher's k most likely tokens and their log-probs under ``softmax(z_T / temperature)`` at each of them,
-in one of two formats (``cache_format`` of :func:`write_cache` and of ``kdlab generate``):
+it ``vocab_size``, and is read as well) and ``teacher``. Per example id it holds the completion tokens
+the rollouts will use (end token included), ``C`` of them, and at each the teacher's k most likely tokens
+and their log-probs under ``softmax(z_T / temperature)``, in one of two formats (``cache_format`` of
+:func:`write_cache` and of ``kdlab generate``):
 
-* ``compact`` (``format: compact-v1``, the default): ids Rice-coded, log-probs as each row's fp32 maximum
-  plus a ``logprob_bits``-bit code per entry, about 2 bytes per entry at ``k = 128``; the log-probs are
-  rounded within a documented bound (:mod:`kdlab.rollouts.cache_codec`).
-* ``full`` (no ``format`` key, as every kdlab before the compact format wrote): ``<id>/indices`` ``(C, k)``
-  int64 and ``<id>/logprobs`` ``(C, k)`` fp32, 12 bytes per entry, the log-probs exactly. With
-  ``k = V`` this is the teacher exactly.
+* ``compact`` (metadata ``format: compact-v1``; the default): one uint8 tensor ``<id>/rows``: the ids
+  Rice-coded, each row's largest log-prob in fp32 and every other entry as a ``logprob_bits``-bit code
+  (:mod:`kdlab.rollouts.cache_codec` gives the layout and the bound on the rounding; docs/benchmarks.md
+  the sizes). ``logprob_bits`` is the most (up to 16) that keep the file within 300 bytes per token,
+  unless given.
+* ``full`` (no ``format`` key, what every kdlab before the compact format wrote): ``<id>/tokens``
+  ``(C,)`` int64, ``<id>/indices`` ``(C, k)`` int64 and ``<id>/logprobs`` ``(C, k)`` fp32, 12 bytes per
+  entry, the log-probs exactly: with ``k = V`` this is the teacher exactly (the compact format with
+  ``k = V`` stores all V entries too, rounded).
 
 :meth:`TeacherCache.row` reads both the same way.
 
