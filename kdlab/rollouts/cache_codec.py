@@ -1,5 +1,5 @@
 """The compact teacher cache format (``compact-v1``): an example's completion tokens and top-k rows in
-about ``k (log2(V / k) + 2.7 + b) / 8 + 11`` bytes per token instead of ``12 k + 8``.
+about ``k (r + 2 + b) / 8 + 8 + w / 8`` bytes per token (below) instead of the full format's ``12 k + 8``.
 
 Each example is one uint8 tensor ``<id>/rows`` (:func:`encode_example`), little-endian, its sections
 byte-aligned, in this order:
@@ -14,15 +14,16 @@ byte-aligned, in this order:
   per file: gap ``g`` is its ``r`` low bits in ``remainders`` (a fixed-width block) and its quotient
   ``g >> r`` in unary (that many one bits, then a zero bit) in ``unary``, one stream for all rows. A row's
   gaps sum to at most ``V - 1 < k 2^(r+1)``, so a row takes at most ``k (r + 3)`` bits; uniformly spread
-  ids take about ``k (r + 1.7)``. Decoding is vectorised: the zero bits' positions (``nonzero``) give every
-  quotient at once (their differences).
+  ids take ``k (r + 1 + 1 / (exp(2^r (k + 1) / V) - 1))``, between ``k (r + 1.6)`` and ``k (r + 2.6)``.
+  Decoding is vectorised: the zero bits' positions (``nonzero``) give every quotient at once (their
+  differences), a ``cumsum`` the ids.
 
 **Log-probs.** The row's largest entry (one, if several tie) has code 0 and decodes to ``m`` exactly.
 Each other entry ``i`` is stored as the code of ``u_i = m - logprob_i >= 0`` on a compressive map
 (:class:`LogprobMap`): ``code = 1 + round(A log1p(min(u, U) / u0))``, ``A = (2^b - 2) / log1p(U / u0)``,
 decoded as ``u0 expm1((code - 1) / A)``: fine where the probability is (``u`` near 0), coarse far down the
-row. The decoded other entries are then scaled by one factor ``lambda`` per row so that their probabilities sum to ``exp(rest)``
-again: the mass left to the tail (``1 - sum_k p``, which :func:`~kdlab.rollouts.teacher_cache.expand_topk`
+row. The decoded other entries are then scaled by one factor ``lambda`` per row so that their
+probabilities sum to ``exp(rest)`` again: the mass left to the tail (``1 - sum_k p``, which :func:`~kdlab.rollouts.teacher_cache.expand_topk`
 spreads over the other ``V - k`` tokens, and which reverse KL weighs by the student's mass there) is
 the uncompressed row's, not shifted by rounding errors of the large entries.
 
