@@ -27,9 +27,9 @@ def server():
 
 @pytest.fixture(autouse=True)
 def no_faults(server):
-    server.faults, server.fault_after, server.completions = set(), 0, 0
+    server.faults, server.fault_after, server.completions, server.max_batch = set(), 0, 0, 64
     yield
-    server.faults = set()
+    server.faults, server.max_batch = set(), 64
 
 
 def task():
@@ -114,7 +114,7 @@ def test_the_server_sample_is_seeded(server):
 def test_a_failing_server_stops_the_run_naming_the_endpoint_after_its_retries_with_the_last_checkpoint_intact(server, tmp_path, fault, message):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    server.faults, server.fault_after = {fault}, 2 * 2  # two steps of two completions each are scored, then it fails
+    server.faults, server.fault_after = {fault}, 2  # two steps are scored (one request of two completions each), then it fails
     teacher = served(server, timeout_s=1.0, retries=1)
     m = module(teacher, rollout=TeacherDatasetRollouts(dataset(tmp_path)))
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=1)
@@ -144,3 +144,84 @@ def test_what_needs_the_teacher_model_is_refused_with_a_served_teacher(server):
         module(served(server), teacher=TEACHER)
     with pytest.raises(ValueError, match="top_k must be >= 1 or -1"):
         ServedTeacher("http://x", "m", TEACHER, top_k=0)
+
+
+class Losses(pl.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.values.append(float(outputs["loss"]))
+
+
+@pytest.mark.parametrize("kind, accumulate, prefetches, requests", [("dataset", 1, 3, 4), ("sampled", 1, 3, 4 * (2 + 1)), ("dataset", 2, 1, 2)])
+def test_prefetch_gives_bit_identical_losses_and_sends_no_extra_request(server, tmp_path, monkeypatch, kind, accumulate, prefetches, requests):
+    """The next decode group's requests go out while a group trains (TeacherDatasetRollouts: scored;
+    TeacherRollouts: sampled, one request per prompt, and scored by the server; with accumulation, one decode
+    group of two micro-batches per step); the losses and weights equal those without prefetch bit for bit,
+    and every prefetched result is used (as many requests as without). One request per forward on the
+    server, so its answers do not depend on which requests arrived together."""
+    from kdlab.rollouts.served import ServedTeacher as Served
+
+    server.max_batch = 1
+    started = []
+    original = Served.in_background
+    monkeypatch.setattr(Served, "in_background", lambda self, work: started.append(1) or original(self, work))
+    runs = {}
+    for prefetch in (False, True):
+        rollout = TeacherDatasetRollouts(dataset(tmp_path)) if kind == "dataset" else TeacherRollouts()
+        m = module(served(server, prefetch=prefetch), rollout=rollout)
+        losses = Losses()
+        server.completions = 0
+        trainer = pl.Trainer(max_steps=4 // accumulate, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path, callbacks=[losses],
+                             accumulate_grad_batches=accumulate)
+        trainer.fit(m)
+        runs[prefetch] = (losses.values, [p.detach().clone() for p in m.student.parameters()], server.completions)
+    assert len(started) == prefetches  # each group but the epoch's last starts the next (4 micro-batches of 2 prompts: one epoch)
+    (off_losses, off_weights, off_requests), (on_losses, on_weights, on_requests) = runs[False], runs[True]
+    assert len(off_losses) == 4 and on_losses == off_losses
+    assert all(torch.equal(a, b) for a, b in zip(on_weights, off_weights))
+    assert on_requests == off_requests == requests  # per group: one scoring request (and one sampling request per prompt)
+
+
+def test_a_prefetch_is_used_only_for_its_own_examples_policy_and_seed(server, tmp_path):
+    import pickle
+
+    from kdlab.stages.teachers import prefetch_served
+
+    server.max_batch = 1
+    examples = task().examples("train")
+    fresh = module(served(server, prefetch=False), rollout=TeacherDatasetRollouts(dataset(tmp_path)))
+    m = module(served(server), rollout=TeacherDatasetRollouts(dataset(tmp_path)))
+    prefetch_served(m, examples[2:4], 7)
+    ahead = m._served_ahead
+    for wrong_examples, wrong_seed in ((examples[:2], 7), (examples[2:4], 8)):  # computed afresh; the prefetch waits
+        got, expected = m.make_rollout(wrong_examples, wrong_seed), fresh.make_rollout(wrong_examples, wrong_seed)
+        assert torch.equal(got.teacher_logprobs.logprobs, expected.teacher_logprobs.logprobs) and m._served_ahead is ahead
+    requests = server.completions
+    got = m.make_rollout(examples[2:4], 7)
+    assert m._served_ahead is None and server.completions == requests  # taken: no new request
+    expected = fresh.make_rollout(examples[2:4], 7)
+    assert torch.equal(got.completion_ids, expected.completion_ids)
+    assert torch.equal(got.teacher_logprobs.indices, expected.teacher_logprobs.indices)
+    assert torch.equal(got.teacher_logprobs.logprobs, expected.teacher_logprobs.logprobs)
+    copy = pickle.loads(pickle.dumps(m.served_teacher))  # threads and connections are made anew
+    assert copy.prompt_logprobs([1, 2, 3], 1)[0].shape == (2, 20)
+
+
+def test_the_reply_is_ranked_and_cut_to_k_for_every_position_at_once():
+    from kdlab.rollouts.served import ranked_topk
+
+    def entry(logprob, rank):
+        return {"logprob": logprob, "rank": rank, "decoded_token": "x"}
+
+    rows = [{"9": entry(-5.0, 7), "3": entry(-0.1, 1), "4": entry(-1.0, 2), "5": entry(-1.0, 2)},  # own token first, a tie
+            {"4": entry(-0.2, 1), "8": entry(-2.0, 3), "2": entry(-1.5, 2)}]  # own token inside the top 3
+    ids, values = ranked_topk(rows, 3)
+    assert ids.tolist() == [[3, 4, 5], [4, 2, 8]] and values.tolist() == [[-0.1, -1.0, -1.0], [-0.2, -1.5, -2.0]]
+    assert ids.dtype == torch.long and values.dtype == torch.float64
+    assert ranked_topk(rows, -1)[0].tolist() == [[3, 4, 5], [4, 2, 8]]  # the fewest any position has
+    assert ranked_topk([], 3)[0].shape == (0, 3)
+    with pytest.raises(ValueError, match="fewer than top_k=4"):
+        ranked_topk(rows, 4)

@@ -53,7 +53,7 @@ from kdlab.stages.lora import AdaptersDisabled, LoraSpec, apply_lora
 from kdlab.stages.multi_teacher import TeacherChoice, TeacherEntry, TeacherSet, check_teachers_run
 from kdlab.stages.optim import FiniteAdamW, lr_multiplier
 from kdlab.stages.sharding import gathered_for_decoding
-from kdlab.stages.teachers import check_cross_tokenizer_run, check_served_teacher_run, served_rollout, vocabulary_columns
+from kdlab.stages.teachers import check_cross_tokenizer_run, check_served_teacher_run, prefetch_served, served_rollout, vocabulary_columns
 from kdlab.tasks.base import Example, Task
 
 
@@ -375,6 +375,8 @@ class DistillModule(TaskStage):
         if group.rollouts is None:
             rollout = self.make_rollout(group.examples, self.step_seed("train", batch_idx - index))
             group.rollouts = rollout.split([len(part) for part in group.batches]) if len(group.batches) > 1 else [rollout]
+            if self.served_teacher is not None and group.following is not None:  # the server starts on the next group now
+                prefetch_served(self, group.following.examples, self.step_seed("train", batch_idx - index + len(group.batches)))
         taken, group.rollouts[index] = group.rollouts[index], None  # each micro-batch's tensors freed after its step
         return taken
 

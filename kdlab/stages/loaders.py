@@ -37,11 +37,16 @@ class EpochShuffle(DistributedSampler):
 class DecodeGroup:
     """Consecutive micro-batches whose prompts are decoded together (one batched decode for all of them):
     their examples, and once the first of them is trained, each one's rollout (see
-    :meth:`kdlab.stages.distill.DistillModule.micro_batch_rollout`)."""
+    :meth:`kdlab.stages.distill.DistillModule.micro_batch_rollout`).
+
+    ``following`` is the epoch's next group (``None`` after its last), drawn before this group's first
+    micro-batch is yielded, so work that does not depend on this group's training (a served teacher's
+    scores of teacher-written completions) can start early."""
 
     def __init__(self, batches: list[list[Any]]) -> None:
         self.batches = batches
         self.rollouts: list[Any] | None = None
+        self.following: DecodeGroup | None = None
 
     @property
     def examples(self) -> list[Any]:
@@ -65,7 +70,8 @@ class ResumableLoader(DataLoader):
     grouped ``decode_group`` at a time (set after construction; 1 by default). Groups start at every
     multiple of ``decode_group`` micro-batches from the epoch's start, so they line up with Lightning's
     accumulation groups when ``decode_group`` divides ``accumulate_grad_batches``; a run resumed
-    ``batches_done`` micro-batches into an epoch (``resumed_batches``) first completes its group."""
+    ``batches_done`` micro-batches into an epoch (``resumed_batches``) first completes its group. It draws one
+    group ahead (:attr:`DecodeGroup.following`)."""
 
     decode_group = 1
     resumed_batches = 0
@@ -74,17 +80,19 @@ class ResumableLoader(DataLoader):
         batches = super().__iter__()
         first = (-self.resumed_batches) % self.decode_group or self.decode_group
         self.resumed_batches = 0  # the next epoch starts at its beginning
-        size = first
-        while True:
+
+        def draw(size: int) -> DecodeGroup | None:
             chunk = [batch for _, batch in zip(range(size), batches)]
-            if not chunk:
-                return
-            group = DecodeGroup(chunk)
-            for index, batch in enumerate(chunk):
+            return DecodeGroup(chunk) if chunk else None
+
+        group = draw(first)
+        while group is not None:
+            group.following = draw(self.decode_group)
+            for index, batch in enumerate(group.batches):
                 item = MicroBatch(batch)
                 item.group, item.index = group, index
                 yield item
-            size = self.decode_group
+            group = group.following
 
     def state_dict(self) -> dict[str, Any]:
         return {}

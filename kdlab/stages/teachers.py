@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from kdlab.rollouts.policies import (
     CROSS_TOKENIZER_MIXTURE,
     CachedTeacherRollouts,
@@ -13,7 +15,6 @@ from kdlab.rollouts.policies import (
     RolloutPolicy,
     TeacherRollouts,
 )
-from kdlab.rollouts.served import tempered_topk
 from kdlab.tasks.base import Task
 
 
@@ -75,25 +76,82 @@ def check_served_teacher_run(teacher: Any, rollout: RolloutPolicy, cross_tokeniz
         )
 
 
+class ServedWork:
+    """A served rollout on its way: the examples, policy and seed it is for, their prompts, the completions when
+    this process wrote them (``None``: the server samples them), and the server's part (``work``: samples, then
+    every completion's tempered top-K), run now or in the prefetch thread (``future``)."""
+
+    def __init__(self, prompts: Any, policy: RolloutPolicy, seed: int, settings: tuple, rollout: Any, work: Any) -> None:
+        self.examples, self.policy, self.seed, self.settings = list(prompts.examples), policy, seed, settings
+        self.prompts, self.rollout, self.work, self.future = prompts, rollout, work, None
+
+    def matches(self, prompts: Any, policy: RolloutPolicy, seed: int, settings: tuple) -> bool:
+        return policy is self.policy and seed == self.seed and settings == self.settings and list(prompts.examples) == self.examples
+
+    def result(self) -> tuple[list[list[int]], list[Any]]:
+        return self.future.result() if self.future is not None else self.work()
+
+
+def start_served(module: Any, prompts: Any, policy: RolloutPolicy, seed: int) -> ServedWork:
+    """The served rollout of ``prompts``, up to the server's part: ``TeacherRollouts`` are left to the server
+    (each prompt seeded by ``seed`` and its row); other policies write here, as without a served teacher."""
+    served, temperature, columns = module.served_teacher, module.teacher_temperature, module.teacher_columns
+    length, ends = module.max_completion_tokens, list(module.teacher_end_ids)
+    teacher_prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.teacher_ids, prompts.teacher_mask)]
+    rollout = completions = None
+    if type(policy) is not TeacherRollouts:
+        rollout = policy.sample(prompts, module.rollout_context(module._generator(seed)))
+        completions = [ids[mask].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+
+    def work() -> tuple[list[list[int]], list[Any]]:
+        written = completions
+        if written is None:
+            written = served.concurrently(lambda item: served.sample(item[1], length, temperature, seed + item[0], ends)[:length],
+                                          list(enumerate(teacher_prompts)))
+        return written, served.score(teacher_prompts, written, temperature, columns)
+
+    return ServedWork(prompts, policy, seed, served_settings(module), rollout, work)
+
+
+def served_settings(module: Any) -> tuple:
+    """What a served rollout depends on besides its examples, policy and seed."""
+    return (module.served_teacher, module.teacher_temperature, module.max_completion_tokens, tuple(module.teacher_end_ids), module.pad_id)
+
+
 def served_rollout(module: Any, prompts: Any, policy: RolloutPolicy, seed: int) -> Any:
-    """``module``'s rollout with a ``served_teacher``: the server samples ``TeacherRollouts`` (each prompt seeded by ``seed`` and
-    its row); other policies write as usual; then the server scores every completion and its tempered
-    top-K log-probs become ``rollout.teacher_logprobs`` (:class:`~kdlab.rollouts.teacher_cache.TopKLogprobs`)."""
+    """``module``'s rollout with a ``served_teacher`` (:func:`start_served`, or the work :func:`prefetch_served`
+    started for these examples, policy and seed); the server's tempered top-K log-probs on every completion
+    become ``rollout.teacher_logprobs`` (:class:`~kdlab.rollouts.teacher_cache.TopKLogprobs`)."""
     from kdlab.data import Rollout, right_pad
     from kdlab.rollouts.teacher_cache import TopKLogprobs
 
-    served = module.served_teacher
-    teacher_prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.teacher_ids, prompts.teacher_mask)]
-    if type(policy) is TeacherRollouts:
-        rows = served.concurrently(lambda item: served.sample(item[1], module.max_completion_tokens, module.teacher_temperature, seed + item[0],
-                                                        list(module.teacher_end_ids)), list(enumerate(teacher_prompts)))
-        ids, mask = right_pad([row[: module.max_completion_tokens] for row in rows], module.pad_id)
-        rollout = Rollout(prompts, ids.to(module.device), mask.to(module.device))
-    else:
-        rollout = policy.sample(prompts, module.rollout_context(module._generator(seed)))
-    completions = [ids[mask].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
-    scored = served.concurrently(lambda item: served.prompt_logprobs(item[0] + item[1], len(item[0])), list(zip(teacher_prompts, completions)))
-    k = scored[0][0].shape[1] if scored else max(served.top_k, 1)
-    topk = [tempered_topk(ids, raw, module.teacher_temperature, module.teacher_columns) for ids, raw in scored]
-    rollout.teacher_logprobs = TopKLogprobs.from_rows(topk, rollout.completion_ids.shape[1], k, module.teacher_columns).to(module.device)
+    ahead = getattr(module, "_served_ahead", None)
+    if ahead is not None and ahead.matches(prompts, policy, seed, served_settings(module)):
+        module._served_ahead, pending = None, ahead
+    else:  # nothing prefetched for these (a prefetch for other examples stays for its own step)
+        pending = start_served(module, prompts, policy, seed)
+    completions, scored = pending.result()
+    rollout = pending.rollout
+    if rollout is None:
+        ids, mask = right_pad(completions, module.pad_id)
+        rollout = Rollout(pending.prompts, ids.to(module.device), mask.to(module.device))
+    k = max((ids.shape[1] for ids, _ in scored), default=max(module.served_teacher.top_k, 1))
+    rollout.teacher_logprobs = TopKLogprobs.from_rows(scored, rollout.completion_ids.shape[1], k, module.teacher_columns).to(module.device)
     return rollout
+
+
+def prefetch_served(module: Any, examples: list[Any], seed: int) -> None:
+    """Start the served rollout of ``examples`` (the next decode group, at its own ``seed``) in the background,
+    when ``served_teacher.prefetch`` is on and the rollout does not depend on the student: teacher-written
+    completions (``TeacherRollouts``, sampled by the server, or a teacher dataset). :func:`served_rollout`
+    takes it when it is asked for those examples, policy and seed; anything else computes afresh."""
+    policy = module.rollout
+    if not module.served_teacher.prefetch or not isinstance(policy, TeacherRollouts) or isinstance(policy, CachedTeacherRollouts):
+        return
+    try:
+        with torch.no_grad():
+            pending = start_served(module, module._prompts(examples), policy, seed)
+    except Exception:  # noqa: BLE001 - the step that needs these examples meets the error itself
+        return
+    pending.future = module.served_teacher.in_background(pending.work)
+    module._served_ahead = pending
