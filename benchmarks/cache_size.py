@@ -48,15 +48,16 @@ def read_rows(path: str) -> dict[str, dict[str, torch.Tensor]]:
             for key in stored if key.endswith("/tokens")}
 
 
-def synthetic_rows(examples: int, positions: int, k: int, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
-    """k distinct ids a row, uniform over the vocabulary (sorted draws shifted apart, shuffled into rank order)."""
+def synthetic_rows(examples: int, positions: int, k: int, seed: int = 0, vocab: int = SYNTHETIC_VOCAB) -> dict[str, dict[str, torch.Tensor]]:
+    """k distinct ids a row, uniform over the vocabulary (sorted draws shifted apart, shuffled into rank order),
+    with tempered log-probs (also the rows of tests/test_cache_codec.py's size test)."""
     generator = torch.Generator().manual_seed(seed)
     rows = {}
     for example in range(examples):
-        ids = torch.randint(0, SYNTHETIC_VOCAB - k + 1, (positions, k), generator=generator).sort(-1).values + torch.arange(k)
+        ids = torch.randint(0, vocab - k + 1, (positions, k), generator=generator).sort(-1).values + torch.arange(k)
         ids = ids.gather(-1, torch.rand(positions, k, generator=generator).argsort(-1))
         logprobs = torch.log_softmax(torch.randn(positions, k, generator=generator) * 6, -1).sort(-1, descending=True).values
-        rows[f"synthetic-{example}"] = {"tokens": torch.randint(0, SYNTHETIC_VOCAB, (positions,), generator=generator), "indices": ids, "logprobs": logprobs}
+        rows[f"synthetic-{example}"] = {"tokens": torch.randint(0, vocab, (positions,), generator=generator), "indices": ids, "logprobs": logprobs}
     return rows
 
 

@@ -96,20 +96,28 @@ def replace_block(page: str, name: str, body: str) -> str:
     return head + start + "\n" + body + end + tail
 
 
+def update_page(page: Path, blocks: dict[str, str], check: bool, script: str) -> None:
+    """Write each ``name -> body`` of ``blocks`` between ``<!-- name: start -->`` and ``<!-- name: end -->`` of ``page``;
+    with ``check``, write nothing and exit 1 if the page differs (``script`` is named in the message)."""
+    text = page.read_text(encoding="utf-8")
+    new = text
+    for name, body in blocks.items():
+        new = replace_block(new, name, body)
+    if check:
+        if new != text:
+            print(f"{page.relative_to(ROOT)}'s generated blocks differ from what {script} computes")
+            sys.exit(1)
+        return
+    page.write_text(new, encoding="utf-8")
+    print(f"wrote {', '.join(blocks)} into {page.relative_to(ROOT)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/cross_tokenizer.md's generated blocks differ")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    page = PAGE.read_text(encoding="utf-8")
-    new = replace_block(replace_block(page, "example", example()), "results", results())
-    if args.check:
-        if new != page:
-            print("docs/cross_tokenizer.md's generated blocks differ from what scripts/cross_tokenizer_example.py computes")
-            sys.exit(1)
-        return
-    PAGE.write_text(new, encoding="utf-8")
-    print(f"wrote the example and the results into {PAGE.relative_to(ROOT)}")
+    update_page(PAGE, {"example": example(), "results": results()}, args.check, "scripts/cross_tokenizer_example.py")
 
 
 if __name__ == "__main__":

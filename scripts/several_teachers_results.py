@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import csv
-import sys
 from pathlib import Path
 
-from cross_tokenizer_example import replace_block
+from cross_tokenizer_example import update_page
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "several_teachers.md"
@@ -44,15 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the page's results block differs")
     args = parser.parse_args()
-    page = PAGE.read_text(encoding="utf-8")
-    new = replace_block(page, "results", results())
-    if args.check:
-        if new != page:
-            print("docs/several_teachers.md's results block differs from what scripts/several_teachers_results.py computes")
-            sys.exit(1)
-        return
-    PAGE.write_text(new, encoding="utf-8")
-    print(f"wrote the results into {PAGE.relative_to(ROOT)}")
+    update_page(PAGE, {"results": results()}, args.check, "scripts/several_teachers_results.py")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ full cache's, and ``kdlab generate --top_k`` writes it."""
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,17 +86,12 @@ def test_the_exact_teacher_the_largest_vocabulary_and_too_large_a_k(tmp_path):
     assert TeacherCache(str(tmp_path / "empty.safetensors")).row("a", [])[0].shape == (0, 4)
 
 
-def random_cache_rows(vocab: int, examples: int = 64, tokens: int = 64, k: int = 128, seed: int = 0) -> dict:
-    """``examples`` x ``tokens`` rows of k distinct ids uniform over the vocabulary (sorted draws shifted apart,
-    then shuffled into rank order), with tempered log-probs."""
-    generator = torch.Generator().manual_seed(seed)
-    rows = {}
-    for example in range(examples):
-        ids = torch.randint(0, vocab - k + 1, (tokens, k), generator=generator).sort(-1).values + torch.arange(k)
-        ids = ids.gather(-1, torch.rand(tokens, k, generator=generator).argsort(-1))
-        logprobs = torch.log_softmax(torch.randn(tokens, k, generator=generator) * 6, -1).sort(-1, descending=True).values
-        rows[f"ex-{example}"] = {"tokens": torch.randint(0, vocab, (tokens,), generator=generator), "indices": ids, "logprobs": logprobs}
-    return rows
+def random_cache_rows(vocab: int) -> dict:
+    """64 examples x 64 tokens of k = 128 distinct ids uniform over the vocabulary: benchmarks/cache_size.py's rows."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from cache_size import synthetic_rows
+
+    return synthetic_rows(64, 64, 128, vocab=vocab)
 
 
 @pytest.mark.parametrize("vocab", [151936, 49152])
@@ -118,7 +115,7 @@ def test_a_compact_cache_takes_at_most_300_bytes_per_token_at_k_128(vocab, tmp_p
     assert sizes["compact"][0] <= sizes["compact"][1] <= 300
     assert sizes["full"][0] > 1500 and cache.logprob_map.bits >= 6
     full = TeacherCache(str(tmp_path / "full.safetensors"))
-    for example_id in ("ex-0", "ex-63"):
+    for example_id in ("synthetic-0", "synthetic-63"):
         tokens_of = rows[example_id]["tokens"].tolist()
         (a, la), (b, lb) = full.row(example_id, tokens_of), cache.row(example_id, tokens_of)
         assert torch.equal(a.sort(-1).values, b.sort(-1).values) and torch.equal(la[:, 0], lb[:, 0])
