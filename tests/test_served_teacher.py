@@ -210,6 +210,24 @@ def test_a_prefetch_is_used_only_for_its_own_examples_policy_and_seed(server, tm
     assert copy.prompt_logprobs([1, 2, 3], 1)[0].shape == (2, 20)
 
 
+def test_a_decoding_process_gives_what_this_process_decodes_and_is_restarted_when_it_dies(server):
+    """decode_workers=1 (a helper process receives and decodes the scoring replies) and 0 (this process's
+    threads) give the same arrays bit for bit; a helper that died is started afresh; one that cannot reach
+    the server reports the endpoint as this process would."""
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    local = served(server, decode_workers=0).prompt_logprobs_many(prompts, [1, 2])
+    teacher = served(server, decode_workers=1)
+    remote = teacher.prompt_logprobs_many(prompts, [1, 2])
+    assert torch.equal(local[0], remote[0]) and torch.equal(local[1], remote[1]) and local[2] == remote[2] == [4, 1]
+    (process,) = teacher._workers.running
+    process.kill()
+    process.wait()
+    again = teacher.prompt_logprobs_many(prompts, [1, 2])
+    assert torch.equal(again[1], local[1]) and len(teacher._workers.running) == 2 and teacher._workers.running[1].poll() is None
+    with pytest.raises(ServedTeacherError, match=r"served teacher http://127.0.0.1:9/v1/completions: .*after 1 attempt"):
+        ServedTeacher("http://127.0.0.1:9", "x", TEACHER, retries=0, timeout_s=1.0).prompt_logprobs([1, 2, 3], 1)
+
+
 def test_the_reply_is_ranked_and_cut_to_k_for_every_position_at_once():
     from kdlab.rollouts.served import ranked_topk
 
@@ -225,3 +243,16 @@ def test_the_reply_is_ranked_and_cut_to_k_for_every_position_at_once():
     assert ranked_topk([], 3)[0].shape == (0, 3)
     with pytest.raises(ValueError, match="fewer than top_k=4"):
         ranked_topk(rows, 4)
+
+
+def test_the_docs_figures_are_the_committed_benchmark_and_report():
+    """docs/teachers.md's served-teacher figures (the step's cost, the quickstart's accuracy served and in process)
+    are what scripts/served_teacher_results.py writes from benchmarks/results/served_teacher_step-tiny.json and
+    experiments/tiny/served_teacher_report/ (nothing typed by hand)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "scripts/served_teacher_results.py", "--check"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr

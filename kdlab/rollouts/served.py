@@ -30,36 +30,27 @@ error, a timeout, an HTTP 5xx, or a response that is not the JSON vLLM returns; 
 :class:`ServedTeacherError` naming the endpoint, the request and the last error. Lightning then writes the
 exception checkpoint; the last periodic checkpoint is untouched.
 
-**Cost.** Connections are kept open (HTTP/1.1, one per request thread). A reply is decoded by ``orjson`` when
-it is installed (``json`` otherwise; ``pip install orjson``: about three times faster) with the cyclic
-garbage collector paused (:func:`collection_paused`), and its log-probs are ranked and cut to K for every
-position at once (numpy, :func:`ranked_topk`), then tempered once per micro-batch. With ``prefetch``
+**Cost.** Connections are kept open (HTTP/1.1, one per request thread). Scoring replies are received and
+decoded by a helper process (``decode_workers``, :mod:`kdlab.served_wire`): by ``orjson`` when it is installed
+(``json`` otherwise; ``pip install 'kdlab[served]'``: about three times faster), their log-probs ranked and
+cut to K for every position at once (numpy, :func:`ranked_topk`); the training process receives the arrays and
+tempers them once per micro-batch. With ``prefetch``
 (:func:`kdlab.stages.teachers.prefetch_served`) the next decode group's requests go out while the current
 one trains; the results are the same as without.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import http.client
-import json
-import math
-import threading
-import time
-import urllib.parse
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from itertools import chain
-from operator import itemgetter
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
-try:  # decodes vLLM's replies about three times faster than json
-    from orjson import loads as json_loads
-except ImportError:  # pragma: no cover - orjson is optional
-    json_loads = json.loads
+from kdlab.served_wire import DecodeWorkers, ServedTeacherError, Wire, collection_paused, json_loads, prompt_logprobs_many
+from kdlab.served_wire import ranked_topk as ranked_topk_arrays
+
+__all__ = ["ServedTeacher", "ServedTeacherError", "collection_paused", "json_loads", "ranked_topk", "tempered_topk"]
 
 COMPLETION_REQUEST_FIELDS = ("model", "prompt", "max_tokens", "prompt_logprobs", "temperature", "seed", "stop_token_ids",
                              "return_token_ids", "skip_special_tokens", "top_p", "top_k")
@@ -71,10 +62,6 @@ COMPLETION_RESPONSE_FIELDS = {"CompletionResponse": ("model", "choices"),
 TOKENIZE_FIELDS = {"TokenizeCompletionRequest": ("model", "prompt", "add_special_tokens"), "TokenizeResponse": ("tokens",)}
 MODEL_FIELDS = {"ModelCard": ("id",), "ModelList": ("data",)}
 PROBE = "Using 3, 7, 25: 25 - 7 = 18, 18 * 3 = 54 <answer>54</answer> éñ 中文"
-
-
-class ServedTeacherError(RuntimeError):
-    """The served teacher failed (after its retries) or does not match the run; the message names the endpoint."""
 
 
 class ServedTeacher:
@@ -92,106 +79,52 @@ class ServedTeacher:
             the first retry (doubled each time); concurrency: requests in flight at once.
         request_prompts: completions scored per request (``prompt`` as a list of token lists, which vLLM
             schedules as one batch); a sampling request carries one prompt (each has its own seed).
+        decode_workers: helper processes that send the scoring requests and decode their replies
+            (:class:`kdlab.served_wire.DecodeWorkers`), so the training process's interpreter lock stays free
+            for its training loop; at most this many scoring requests are in flight. 0: the request threads of
+            this process do it.
         prefetch: while a micro-batch trains, ask the server for the next decode group's teacher work
             (its scores, and its samples for ``TeacherRollouts``) when that work does not depend on the student
             (teacher-written completions); the results are the same with and without it.
     """
 
     def __init__(self, url: str, model: str, tokenizer: str, top_k: int = 20, timeout_s: float = 60.0, retries: int = 3,
-                 backoff_s: float = 1.0, concurrency: int = 8, request_prompts: int = 8, prefetch: bool = True) -> None:
+                 backoff_s: float = 1.0, concurrency: int = 8, request_prompts: int = 8, decode_workers: int = 1,
+                 prefetch: bool = True) -> None:
         if top_k == 0 or top_k < -1:
             raise ValueError(f"ServedTeacher.top_k must be >= 1 or -1 (the whole vocabulary), got {top_k}")
         for name, value in (("timeout_s", timeout_s), ("concurrency", concurrency), ("request_prompts", request_prompts)):
             if value <= 0:
                 raise ValueError(f"ServedTeacher.{name} must be > 0, got {value}")
-        if retries < 0 or backoff_s < 0:
-            raise ValueError(f"ServedTeacher.retries and backoff_s must be >= 0, got {retries} and {backoff_s}")
+        if retries < 0 or backoff_s < 0 or decode_workers < 0:
+            raise ValueError(f"ServedTeacher.retries, backoff_s and decode_workers must be >= 0, got {retries}, {backoff_s}, {decode_workers}")
         self.url, self.model, self.tokenizer = url.rstrip("/"), model, tokenizer
         self.top_k, self.timeout_s, self.retries, self.backoff_s, self.concurrency = top_k, timeout_s, retries, backoff_s, concurrency
-        self.request_prompts, self.prefetch = request_prompts, prefetch
+        self.request_prompts, self.decode_workers, self.prefetch = request_prompts, decode_workers, prefetch
         self._start_threads()
 
     def _start_threads(self) -> None:
-        """The request threads (``concurrency``; each keeps its connection) and the prefetch thread: made
-        here, started by their first task."""
-        self._local = threading.local()
+        """The request threads (``concurrency``; each keeps its connection), the prefetch thread and the decoding
+        processes: made here, started by their first task; the processes stop when this object goes."""
+        self._wire = Wire(self.url, self.timeout_s, self.retries, self.backoff_s)
         self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="served-teacher")
         self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="served-teacher-prefetch")
+        self._workers = DecodeWorkers(self.decode_workers, self._wire, self.model, self.top_k) if self.decode_workers else None
+        if self._workers is not None:
+            weakref.finalize(self, self._workers.close)
 
-    def __getstate__(self) -> dict[str, Any]:  # threads and connections do not pickle
-        return {key: value for key, value in self.__dict__.items() if key not in ("_local", "_pool", "_ahead")}
+    def __getstate__(self) -> dict[str, Any]:  # threads, connections and processes do not pickle
+        return {key: value for key, value in self.__dict__.items() if key not in ("_wire", "_pool", "_ahead", "_workers")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._start_threads()
 
     # ---- HTTP ------------------------------------------------------------------------------
-    def _connection(self) -> http.client.HTTPConnection:
-        connection = getattr(self._local, "connection", None)
-        if connection is None:
-            parts = urllib.parse.urlsplit(self.url)
-            kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-            connection = self._local.connection = kind(parts.hostname, parts.port, timeout=self.timeout_s)
-            self._local.base = parts.path
-        return connection
-
-    def _exchange(self, path: str, data: bytes | None) -> tuple[int, bytes]:
-        """One HTTP exchange on this thread's kept-alive connection: ``(status, body)``. A connection the
-        server closed while idle is reopened once, at no retry's cost."""
-        for again in (False, True):
-            connection = self._connection()
-            reused = connection.sock is not None
-            try:
-                connection.request("GET" if data is None else "POST", self._local.base + path, body=data,
-                                   headers={"Content-Type": "application/json"})
-                response = connection.getresponse()
-                body = response.read()
-            except Exception as error:
-                connection.close()  # a late reply must not be read as the next request's
-                if reused and not again and isinstance(error, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)):
-                    continue
-                raise
-            if response.will_close:
-                connection.close()
-            return response.status, body
-        raise AssertionError("unreachable")
-
     def request(self, path: str, payload: dict[str, Any] | None = None, read: Callable[[dict[str, Any]], Any] | None = None) -> Any:
-        """One JSON request (GET without ``payload``), retried; raises :class:`ServedTeacherError`. ``read``
-        turns the decoded reply into what is returned, with the cyclic garbage collector paused
-        (:func:`collection_paused`): a reply of many log-probs is freed before it can be promoted; a
-        ``ValueError`` from it is a reply vLLM would not give, which no retry mends."""
-        endpoint = f"{self.url}{path}"
-        data = None if payload is None else json.dumps(payload).encode("utf-8")
-        last: Exception | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                status, body = self._exchange(path, data)
-                if status >= 400:
-                    last = ServedTeacherError(f"HTTP {status}: {body[:120]!r}")
-                    if status < 500:  # the request is wrong: retrying cannot help
-                        break
-                    continue
-                with collection_paused():
-                    try:
-                        parsed = json_loads(body)
-                    except (ValueError, UnicodeDecodeError) as error:
-                        raise ValueError(f"not JSON ({error}): {body[:120]!r}") from None
-                    if not isinstance(parsed, dict):
-                        raise ValueError(f"not a JSON object: {body[:120]!r}")
-                    if read is None:
-                        return parsed
-                    try:
-                        result = read(parsed)
-                    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as error:
-                        raise ServedTeacherError(f"served teacher {endpoint}: a reply vLLM would not give ({error})") from None
-                    del parsed  # freed by refcounting while the collector is still off
-                return result
-            except (OSError, http.client.HTTPException, ValueError) as error:
-                last = error
-        raise ServedTeacherError(f"served teacher {endpoint}: {last} (after {self.retries + 1} attempt(s) of {self.timeout_s:g} s)")
+        """One JSON request (GET without ``payload``), retried (:meth:`kdlab.served_wire.Wire.request`); raises
+        :class:`ServedTeacherError`."""
+        return self._wire.request(path, payload, read)
 
     def concurrently(self, function: Callable[[Any], Any], items: list) -> list:
         """``[function(item) for item in items]``, up to ``concurrency`` at a time (threads: the requests wait on the server)."""
@@ -229,27 +162,13 @@ class ServedTeacher:
         return ids, values
 
     def prompt_logprobs_many(self, prompts: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """:meth:`prompt_logprobs` of several prompts in one request: their rows one after another, and how
-        many each has."""
-        return self.request("/v1/completions", {"model": self.model, "prompt": prompts if len(prompts) > 1 else prompts[0],
-                                                "max_tokens": 1, "prompt_logprobs": self.top_k, "temperature": 1.0},
-                            lambda reply: self._read_prompt_logprobs(reply, prompts, starts))
-
-    def _read_prompt_logprobs(self, reply: dict[str, Any], prompts: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        if reply.get("model") not in (None, self.model):
-            raise ValueError(f"answered for model {reply.get('model')!r}, not {self.model!r}")
-        choices = sorted(reply["choices"], key=lambda choice: choice.get("index", 0))
-        if len(choices) != len(prompts):
-            raise ValueError(f"{len(choices)} choices for {len(prompts)} prompts")
-        rows: list[Any] = []
-        for choice, prompt, start in zip(choices, prompts, starts):
-            positions = choice["prompt_logprobs"]
-            if not isinstance(positions, list) or len(positions) != len(prompt):
-                raise ValueError(f"prompt_logprobs has {len(positions) if isinstance(positions, list) else positions!r} entries "
-                                 f"for a {len(prompt)}-token prompt")
-            rows += positions[start:]
-        ids, values = ranked_topk(rows, self.top_k)
-        return ids, values, [len(prompt) - start for prompt, start in zip(prompts, starts)]
+        """:meth:`prompt_logprobs` of several prompts in one request (by a decoding process when there are
+        ``decode_workers``): their rows one after another, and how many each has."""
+        if self._workers is not None:
+            ids, values, counts = self._workers.run(prompts, starts)
+        else:
+            ids, values, counts = prompt_logprobs_many(self._wire, self.model, self.top_k, prompts, starts)
+        return torch.from_numpy(ids), torch.from_numpy(values), counts
 
     def score(self, prompts: list[list[int]], completions: list[list[int]], temperature: float, columns: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each completion's tempered top-K ``(ids (n_i, K), log-probs (n_i, K) fp32)`` (:func:`tempered_topk`)
@@ -273,55 +192,11 @@ class ServedTeacher:
                             lambda reply: [int(token) for token in reply["choices"][0]["token_ids"]])
 
 
-_paused = threading.Lock()
-_pausing = [0, False]  # requests decoding now; whether the collector was on before the first of them
-
-
-@contextlib.contextmanager
-def collection_paused():
-    """The cyclic garbage collector off while any thread is in this block (re-enabled by the last one out,
-    if it was on). A reply's decoded tree (about a hundred thousand objects for a micro-batch's log-probs)
-    holds no cycles: refcounting frees it at the block's end. With the collector on, its allocations would
-    trigger young collections that promote it, and in time full collections of the whole training process
-    (every module torch and Lightning loaded), a pause of a few hundred milliseconds."""
-    with _paused:
-        if _pausing[0] == 0:
-            _pausing[1] = gc.isenabled()
-            gc.disable()
-        _pausing[0] += 1
-    try:
-        yield
-    finally:
-        with _paused:
-            _pausing[0] -= 1
-            if _pausing[0] == 0 and _pausing[1]:
-                gc.enable()
-
-
 def ranked_topk(rows: list[dict[str, Any]], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids (n, K) int64, log-probs (n, K) fp64)`` of ``prompt_logprobs`` positions ``rows`` (each ``{token
-    id: {logprob, ...}}``: the server's K most likely tokens and the prompt's own): each position's K most
-    likely, most likely first (ties in the server's order), so a prompt token outside the top K drops out;
-    ``top_k`` -1 keeps them all (the fewest any position has). The entries are read by C-level iteration
-    and every position is ranked at once (numpy), with no Python loop per entry."""
-    width = max(top_k, 0)
-    if not rows:
-        return torch.zeros(0, width, dtype=torch.long), torch.zeros(0, width, dtype=torch.float64)
-    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    shortest, longest, total = int(lengths.min()), int(lengths.max()), int(lengths.sum())
-    if top_k > 0 and shortest < top_k:
-        raise ValueError(f"{shortest} log-probs at a position, fewer than top_k={top_k}")
-    ids = np.fromiter(map(int, chain.from_iterable(rows)), dtype=np.int64, count=total)
-    values = np.fromiter(map(itemgetter("logprob"), chain.from_iterable(map(dict.values, rows))), dtype=np.float64, count=total)
-    if shortest != longest:  # pad the shorter positions with -inf, which sorts last
-        column = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        at = (np.repeat(np.arange(len(rows)), lengths), column)
-        padded_ids, padded_values = np.zeros((len(rows), longest), dtype=np.int64), np.full((len(rows), longest), -np.inf)
-        padded_ids[at], padded_values[at] = ids, values
-        ids, values = padded_ids, padded_values
-    ids, values = ids.reshape(len(rows), longest), values.reshape(len(rows), longest)
-    order = np.argsort(-values, axis=1, kind="stable")[:, : top_k if top_k > 0 else shortest]
-    return torch.from_numpy(np.take_along_axis(ids, order, 1)), torch.from_numpy(np.take_along_axis(values, order, 1))
+    """:func:`kdlab.served_wire.ranked_topk` as tensors: ``(ids (n, K) int64, log-probs (n, K) fp64)``, each
+    position's K most likely, most likely first."""
+    ids, values = ranked_topk_arrays(rows, top_k)
+    return torch.from_numpy(ids), torch.from_numpy(values)
 
 
 def tempered_topk(ids: torch.Tensor, raw: torch.Tensor, temperature: float, columns: int, tail: str = "bound") -> tuple[torch.Tensor, torch.Tensor]:
