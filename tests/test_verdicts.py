@@ -10,8 +10,9 @@ import yaml
 
 from kdlab.study.runs import collect
 from kdlab.study.stats import bootstrap_contrast
-from kdlab.study.verdicts import (
+from kdlab.study.labels import (
     ACCURACY_MARGIN,
+    COLLAPSED,
     DIFFERENT,
     EQUIVALENT,
     NO_DIFFERENCE,
@@ -21,13 +22,17 @@ from kdlab.study.verdicts import (
     REPRODUCED,
     Claim,
     Effect,
+    collapse_reason,
+    label,
+    row_word,
+)
+from kdlab.study.verdicts import (
     Study,
     forgetting,
     is_study,
-    label,
     on_policy_advantage,
-    row_word,
     scalar_effect,
+    style_transfer,
     table_effect,
     write_verdicts,
 )
@@ -244,3 +249,38 @@ def test_verdicts_without_their_runs_say_not_run(tmp_path):
     assert hard.verdict == NOT_RUN and hard.evidence.startswith("no runs in")
     sparsity = next(v for f, v in by_finding.items() if f.startswith("Updates are sparse"))
     assert sparsity.verdict == NOT_RUN  # its bf16 runs are missing, though the fp32 grid is there
+
+
+def make_style(root: Path, accuracy, ood_mean) -> None:
+    """``root/style``: OnPD reverse keeps English (Spanish share ~0.1), every other setting ~0.9, three seeds at two LRs;
+    ``accuracy(kind, direction)`` and ``ood_mean(kind, direction)`` set each configuration's health."""
+    for kind in ROLLOUTS:
+        for direction in OBJECTIVES:
+            share = 0.1 if (kind, direction) == ("OnPD", "reverse") else 0.9
+            for lr in (1e-4, 2e-3):
+                for seed in (42, 43, 44):
+                    make_run(root / "style", kind, direction, lr, seed, accuracy(kind, direction),
+                             {"style/spanish_share": share + 0.01 * (seed - 43), "ood/mean": ood_mean(kind, direction)})
+
+
+def test_style_claims_about_a_collapsed_student_are_collapsed_not_transferred(tmp_path):
+    """The collapse guard: the same Spanish shares are "reproduced" from healthy students, and "collapsed" for each
+    claim comparing a student below 5% accuracy or 50 points on its earlier skills (and the reason is shown)."""
+    make_style(tmp_path / "healthy", lambda *a: 0.5, lambda *a: 95.0)
+    healthy = style_transfer(study(tmp_path / "healthy"))
+    assert healthy.verdict == REPRODUCED and COLLAPSED not in healthy.tiny
+    make_style(tmp_path / "broken", lambda kind, direction: 0.0 if (kind, direction) == ("OffPD", "forward") else 0.5,
+               lambda kind, direction: 20.0 if (kind, direction) == ("OnPD", "forward") else 95.0)
+    broken = style_transfer(study(tmp_path / "broken"))
+    assert broken.verdict == (f"{COLLAPSED}: OffPD forward - OnPD reverse, low LR, OnPD forward - OnPD reverse, low LR, "
+                              f"OffPD forward - OnPD reverse, high LR, OnPD forward - OnPD reverse, high LR; "
+                              f"{REPRODUCED}: OffPD reverse - OnPD reverse, low LR, OffPD reverse - OnPD reverse, high LR")
+    assert "OffPD forward 90.0% (collapsed: accuracy 0.0% < 5%)" in broken.tiny
+    assert "OnPD forward 90.0% (collapsed: earlier skills 20.0 < 50 points)" in broken.tiny
+
+
+def test_collapse_reason_names_each_floor():
+    assert collapse_reason(0.04, 99.0) == "accuracy 4.0% < 5%"
+    assert collapse_reason(0.5, 40.0) == "earlier skills 40.0 < 50 points"
+    assert collapse_reason(0.0, 0.0) == "accuracy 0.0% < 5%, earlier skills 0.0 < 50 points"
+    assert collapse_reason(0.5, 90.0) is None and collapse_reason(None, None) is None

@@ -35,6 +35,20 @@ from pathlib import Path
 
 from kdlab.study import stats
 from kdlab.study.groups import Group, group_runs, lr_levels
+from kdlab.study.labels import (
+    ACCURACY_MARGIN,
+    COLLAPSE_ACCURACY,
+    COLLAPSE_OOD,
+    COLLAPSED,
+    NO_DIFFERENCE,
+    NOT_RUN,
+    OOD_MARGIN,
+    Claim,
+    Effect,
+    collapse_reason,
+    label,
+    row_word,
+)
 from kdlab.study.runs import TEACHER_ROLLOUTS, RunResult, read_run, read_samples
 from kdlab.study.stats import bootstrap_contrast, hierarchical_bootstrap_contrast
 from kdlab.study.tables import markdown_table, write_csv
@@ -49,101 +63,6 @@ PART_COMMANDS = {  # each part's folder and the command of experiments/tiny/stud
     "hard": "kdlab sweep --config experiments/tiny/hard_passk.yaml",
 }
 PARTS = tuple(PART_COMMANDS)
-REPRODUCED, OPPOSITE, NOT_DISTINGUISHABLE = "reproduced", "opposite", "not distinguishable"
-EQUIVALENT, DIFFERENT = "equivalent", "different"
-NOT_REPRODUCED = OPPOSITE  # the former name of "opposite"
-NOT_RUN = "not run"
-NO_DIFFERENCE = 0  # the claim of no difference, beside the signs +1 / -1 of a claimed difference
-ACCURACY_MARGIN = 0.02  # equivalence margin of accuracy and pass@k differences (fractions: 2 points)
-OOD_MARGIN = 2.0  # equivalence margin of the OOD change (logged in points)
-
-
-@dataclass(frozen=True)
-class Effect:
-    """An estimate with its 95% intervals, in the logged units (fractions; OOD change in points): ``low``/
-    ``high`` over seeds (and problems and samples), which labels come from, None with a configuration of one
-    seed; ``problems`` (accuracy and pass@k) over problems and samples, the trained models held fixed."""
-
-    value: float
-    low: float | None
-    high: float | None
-    how: str
-    problems: tuple[float, float] | None = None
-
-    @property
-    def sign(self) -> int:
-        """+1 / -1 when the seed-level interval lies above / below 0, else 0 (also without one)."""
-        if self.low is None or self.high is None:
-            return 0
-        return 1 if self.low > 0 else -1 if self.high < 0 else 0
-
-    def text(self, scale: float = 100.0) -> str:
-        """``value [problems] / seeds [seed-level]`` in points (no problems interval: ``value seeds [...]``)."""
-        pair = "[{:+.1f}, {:+.1f}]".format
-        shown = f"{scale * self.value:+.1f}" + (f" {pair(scale * self.problems[0], scale * self.problems[1])} /" if self.problems else "")
-        return shown + " seeds " + (pair(scale * self.low, scale * self.high) if self.low is not None and self.high is not None else "n/a")
-
-
-def t_quantile(df: float) -> float:
-    """Student's t 97.5% quantile with ``df`` degrees of freedom (any real; infinite below 1)."""
-    return stats.t_quantile(0.975, df) if df >= 1 else math.inf
-
-
-def label(effect: Effect | None, claim: int, margin: float | None = None, scale: float = 100.0) -> str:
-    """One claim's label from ``effect``'s seed-level interval. A claimed difference of sign ``claim``
-    (+1 / -1): "reproduced" (the interval excludes 0 on that side), "opposite" (on the other), else "not
-    distinguishable". No difference (:data:`NO_DIFFERENCE`): "equivalent" (inside +-``margin``, ends
-    included), else "different" (excludes 0), else "not distinguishable", each with the margin in points
-    (``scale`` per logged unit). No effect or no seed-level interval: "not distinguishable"."""
-    if claim == NO_DIFFERENCE:
-        if margin is None or margin <= 0:
-            raise ValueError("a claim of no difference needs a positive equivalence margin")
-        stated = f" (margin +-{scale * margin:g} points)"
-        if effect is None or effect.low is None or effect.high is None:
-            return NOT_DISTINGUISHABLE + stated
-        if -margin <= effect.low and effect.high <= margin:
-            return EQUIVALENT + stated
-        return (DIFFERENT if effect.sign else NOT_DISTINGUISHABLE) + stated
-    if claim not in (1, -1):
-        raise ValueError(f"a claim is +1, -1 or NO_DIFFERENCE (0), got {claim}")
-    if effect is None or effect.sign == 0:
-        return NOT_DISTINGUISHABLE
-    return REPRODUCED if effect.sign == claim else OPPOSITE
-
-
-@dataclass(frozen=True)
-class Claim:
-    """One claim a row tests: ``name`` (the contrast), its ``effect``, the paper's ``sign`` (+1 / -1, or
-    :data:`NO_DIFFERENCE` with ``margin``) and the points per logged unit (``scale``)."""
-
-    name: str
-    effect: Effect | None
-    sign: int
-    margin: float | None = None
-    scale: float = 100.0
-
-    @property
-    def label(self) -> str:
-        return label(self.effect, self.sign, self.margin, self.scale)
-
-    @property
-    def rule(self) -> str:
-        if self.sign == NO_DIFFERENCE:
-            return f"{self.name} = 0 (+-{self.scale * self.margin:g} points)"
-        return f"{self.name} {'>' if self.sign > 0 else '<'} 0"
-
-
-def row_word(claims: list[Claim]) -> str:
-    """A row's label from its claims' labels: the label when they all agree (or the only one), else each
-    label followed by its claims, ``label: claim, claim; label: claim``. No claims: not distinguishable."""
-    by_label: dict[str, list[str]] = {}
-    for claim in claims:
-        by_label.setdefault(claim.label, []).append(claim.name)
-    if len(by_label) <= 1:
-        return next(iter(by_label), NOT_DISTINGUISHABLE)
-    return "; ".join(f"{word}: {', '.join(names)}" for word, names in by_label.items())
-
-
 def table_effect(terms: list[tuple[float, list[dict[str, list[float]]]]], k: int | None = None, draws: int = 2000) -> Effect:
     """``sum w * mean`` over ``terms`` ``(w, seed tables)`` with both intervals: the paired bootstrap over
     problems (:func:`~kdlab.study.stats.bootstrap_contrast`) and, with two seeds or more in every
@@ -415,8 +334,16 @@ def rlvr_edge(study: Study) -> Verdict:
 
 
 def style_transfer(study: Study) -> Verdict:
+    """OnPD reverse KL against each other setting's Spanish share, at each LR; a claim that compares a collapsed
+    configuration (:func:`~kdlab.study.labels.collapse_reason` of its mean accuracy and earlier skills) is
+    labelled "collapsed", not transferred."""
     metric = "style/spanish_share"
     rows, claims = [], []
+
+    def reason(group: Group) -> str | None:
+        accuracy, ood = group.stats("val/accuracy"), group.stats("ood/mean")
+        return collapse_reason(accuracy[0] if accuracy else None, ood[0] if ood else None)
+
     for level in ("low", "high"):
         keep = study.cell("style", "OnPD", "reverse", level)
         others = [study.cell("style", k, d, level) for k, d in (("OffPD", "forward"), ("OffPD", "reverse"), ("OnPD", "forward"))]
@@ -424,10 +351,11 @@ def style_transfer(study: Study) -> Verdict:
         if not keep or not others:
             continue
         gaps = [scalar_effect([(1.0, g), (-1.0, keep)], metric) for g in others]
-        claims += [Claim(f"{g.kind} {g.direction} - OnPD reverse, {level} LR", e, +1) for g, e in zip(others, gaps)]
-        shares = ", ".join(f"{g.kind} {g.direction} {_pct(g, metric)}%" for g in others)
+        claims += [Claim(f"{g.kind} {g.direction} - OnPD reverse, {level} LR", e, +1, collapsed=bool(reason(g) or reason(keep)))
+                   for g, e in zip(others, gaps)]
+        shown = lambda g: f"{g.kind} {g.direction} {_pct(g, metric)}%" + (f" ({COLLAPSED}: {reason(g)})" if reason(g) else "")  # noqa: E731
         found = [e for e in gaps if e]
-        rows.append(f"{level} LR: OnPD reverse {_pct(keep, metric)}% Spanish vs {shares}; smallest gap " +
+        rows.append(f"{level} LR: {shown(keep)} Spanish vs {', '.join(shown(g) for g in others)}; smallest gap " +
                     (min(found, key=lambda e: e.value).text() if found else "n/a") + " points")
     return Verdict("OnPD + reverse KL keeps the student's English; the other settings transfer Spanish",
                    "other settings transfer Spanish almost fully", "; ".join(rows) or "n/a", row_word(claims), study.evidence("style"),
@@ -450,8 +378,10 @@ METHOD = (
     "(`> 0`, `< 0`) \"reproduced\" when it excludes 0 on the paper's side, \"opposite\" on the other side, \"not "
     f"distinguishable\" otherwise; for a claim of no difference (`= 0`, with its equivalence margin: {100 * ACCURACY_MARGIN:g} "
     f"points of accuracy, {OOD_MARGIN:g} points of OOD change) \"equivalent\" when it lies inside the margin, \"different\" when "
-    "it excludes 0, \"not distinguishable\" otherwise. A row whose claims get different labels lists each label with its "
-    "claims. \"not run\": the finding's own runs are missing."
+    "it excludes 0, \"not distinguishable\" otherwise; a style claim comparing a student below "
+    f"{100 * COLLAPSE_ACCURACY:g}% held-out accuracy or {COLLAPSE_OOD:g} points on its earlier skills is \"collapsed\", whatever "
+    "its interval (a broken model's Spanish share is no transferred style). A row whose claims get different labels lists each "
+    "label with its claims. \"not run\": the finding's own runs are missing."
 )
 
 FINDINGS: tuple[Callable[[Study], Verdict], ...] = (
