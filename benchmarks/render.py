@@ -213,15 +213,23 @@ def _lora(record: dict) -> str:
 def _served(record: dict) -> str:
     shapes = record["shapes"]
     lines = [f"## A served teacher against a top-k cache, tiny pair, B = {shapes['batch']}, top-{shapes['top_k']}\n", _setting(record),
-             f"A whole `Trainer.fit` step on the same completions; `cached` reads the teacher's top-k log-probs from a cache, "
-             f"`served` gets them over HTTP from kdlab's loopback server (its own process and thread, {record['concurrency']} requests "
-             f"at once), so its step also holds the teacher's forward passes, which `cached` never runs. Median over "
-             f"{record['repeats']} fit(s) per variant of {record['steps']} steps, the first two left out. Target: at most {record['target']}x `cached`.\n",
-             "| variant | step s | first-step loss | completion tokens |", "| --- | ---: | ---: | ---: |"]
+             "A whole `Trainer.fit` step on the same completions; `cached` reads the teacher's top-k log-probs from a cache, "
+             "`served` gets them over HTTP from kdlab's loopback server (its own process and thread; like vLLM it batches a "
+             "request's prompts into one forward), asking for the next step's while a step trains (`prefetch`); "
+             "`served_no_prefetch` waits for them. The teacher's forward passes (on the server) and the replies' decoding "
+             f"({record.get('json_decoder', 'json')}) and ranking (in kdlab's decoding process) run on the machine's other core; "
+             "the training process tempers and stacks the arrays; `cached` does none of this. Step s: the wall time from the start of the third "
+             f"step to the end of the last, per step, over {record['repeats']} fit(s) per variant of {record['steps']} steps (the first "
+             "step of an epoch has nothing prefetched); median s: the median of the same steps' own times; a fit during which other "
+             f"processes used more than {record.get('max_foreign', 0.25):g} core was run again. Target: `served` at most {record['target']}x `cached`.\n",
+             "| variant | prefetch | step s | median s | first-step loss | completion tokens |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
     for variant, row in record["results"].items():
-        lines.append(f"| {variant} | {row['median_step_s']:.3f} | {row['first_loss']:.5f} | {row['completion_tokens']} |")
+        prefetch = {True: "on", False: "off", None: "n/a"}[row.get("prefetch")]
+        lines.append(f"| {variant} | {prefetch} | {row['step_s']:.3f} | {row['median_step_s']:.3f} | {row['first_loss']:.5f} | {row['completion_tokens']} |")
     verdict = "met" if record["ratio"] <= record["target"] else "not met"
-    lines.append(f"\n`served` / `cached`: {record['ratio']:.2f}x (target {verdict}).")
+    lines.append(f"\n`served` / `cached`: {record['ratio']:.2f}x (target {verdict})"
+                 + (f"; without prefetch {record['ratio_no_prefetch']:.2f}x." if "ratio_no_prefetch" in record else "."))
     if record["problems"]:
         lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
     return "\n".join(lines) + "\n"
