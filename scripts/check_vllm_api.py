@@ -400,6 +400,16 @@ def checks(source: Source) -> list[tuple[str, Any]]:
         assert "prompt_logprobs != -1" in source.read("entrypoints/openai/completion/protocol.py")
         assert "-9999.0" in source.read("entrypoints/generate/base/serving.py")
 
+    @check("served teacher: one /v1/completions request may carry several token-id prompts (a choice per prompt, by index)")
+    def _():
+        import re
+
+        text = source.read("entrypoints/openai/completion/protocol.py")
+        annotation = re.search(r"\n    prompt: (\(.*?\)|[^\n=]+) = None", text, re.S)  # one line or a parenthesised union
+        assert annotation, "CompletionRequest.prompt is gone"
+        kinds = annotation.group(1).replace(" ", "").replace("\n", "")
+        assert "list[list[int]]" in kinds or "list[list[Annotated[int" in kinds, kinds
+
     @check("log-prob format: sampled_token_logprobs reads vLLM's list-of-dicts and FlatLogprobs containers")
     def _():
         logprobs = load_standalone(source.package, "logprobs.py", "_vllm_logprobs")
