@@ -36,7 +36,7 @@ from kdlab.objectives.kl import kl_diagnostics
 from kdlab.objectives.logits import completion_logits
 from kdlab.rollouts.decoding import IncrementalLM
 from kdlab.rollouts.policies import CachedTeacherRollouts, MixtureRollouts, RolloutPolicy, TeacherRollouts
-from kdlab.rollouts.served import ServedTeacher, tempered_topk
+from kdlab.rollouts.served import ServedTeacher
 from kdlab.rollouts.teacher_cache import TeacherCache, TopKLogprobs
 from kdlab.tasks.base import Example
 
@@ -252,9 +252,8 @@ class TeacherSet:
             completions.append((prompts.teacher_ids[row][prompts.teacher_mask[row].bool()].tolist(),
                                 rollout.completion_ids[row][rollout.completion_mask[row]].tolist(), prompts.examples[row]["id"]))
         if entry.served is not None:
-            served = entry.served
-            scored = served.concurrently(lambda item: served.prompt_logprobs(item[0] + item[1], len(item[0])), completions)
-            topk = [tempered_topk(ids, raw, module.teacher_temperature, columns) for ids, raw in scored]
+            topk = entry.served.score([prompt for prompt, _, _ in completions], [completion for _, completion, _ in completions],
+                                      module.teacher_temperature, columns)
         else:
             topk = [self.caches[name].row(example_id, completion) for _, completion, example_id in completions]
         k = topk[0][0].shape[1]
