@@ -128,3 +128,30 @@ def test_header_command_runs_with_the_real_cli(path, monkeypatch, tiny_models):
         assert exit_info.value.code in (0, None)
     else:
         pytest.fail(f"{path}: unknown command {args[0]!r}")
+
+
+def test_the_committed_study_runs_are_finished_runs_a_report_reads(tmp_path):
+    """experiments/tiny/study_runs/*.tar.gz (the essential files of finished study runs, kept so a later session
+    continues a sweep instead of starting over): every member is the sweep's sweep.json or a run's config, metrics,
+    per-sample evaluation, provenance or DONE marker, every run has all of them but provenance, and `kdlab report` reads every one."""
+    import tarfile
+
+    from kdlab.study.runs import collect
+
+    archives = sorted((ROOT / "experiments" / "tiny" / "study_runs").glob("*.tar.gz"))
+    assert archives
+    for archive in archives:
+        with tarfile.open(archive) as tar:
+            names = tar.getnames()
+            runs = {Path(name).parent for name in names if Path(name).name == "DONE"}
+            assert runs
+            for name in names:
+                path = Path(name)
+                assert path.name in ("config.yaml", "metrics.jsonl", "DONE", "run_info.json", "sweep.json") or (
+                    path.parent.name == "samples" and path.suffix == ".jsonl"), name
+            for run in runs:
+                assert {str(run / "config.yaml"), str(run / "metrics.jsonl")} <= set(names), run
+                assert any(name.startswith(str(run / "samples") + "/") for name in names), run
+            tar.extractall(tmp_path, filter="data")
+        found, _ = collect([tmp_path / next(iter(runs)).parent])
+        assert len(found) == len(runs), archive
