@@ -149,6 +149,9 @@ def test_a_cached_teacher_scores_its_rows_of_a_teacher_dataset(tmp_path):
     mask = rollout.completion_mask
     for row in (0, 2):
         assert (teacher[row][mask[row]] - strong[row][mask[row]]).abs().max().item() < 1e-5
+    with pytest.raises(ConfigError, match="teachers.cached.cache .* at teacher temperature 0.5, the run .* at 1.0"):
+        module(task, teachers={"cached": TeacherEntry(cache=str(cache)), "self": entry(STUDENT)}, teacher_temperature=1.0,
+               teacher_choice=ByField({"addition": "cached", "sorting": "self"}), rollout=TeacherDatasetRollouts(str(data)))
 
 
 def test_a_served_teacher_scores_its_rows():
@@ -196,6 +199,8 @@ def test_bad_multi_teacher_settings_fail_naming_the_setting():
     with pytest.raises(ConfigError, match="can only score"):
         module(teachers={"a": entry(TEACHER), "b": TeacherEntry(cache="x.safetensors")}, teacher_choice=Average(),
                rollout=MixtureRollouts(0.5))
+    with pytest.raises(ConfigError, match="DistillModule.teachers.other: student and teacher tokenizers differ"):
+        module(teachers={"other": entry("kdlab://tiny/teacher"), "b": entry(STUDENT)}, teacher_choice=Average())
     m = module(teachers={"a": entry(TEACHER), "b": entry(STUDENT)}, teacher_choice=ByField({"addition": "a"}))
     with pytest.raises(KeyError, match="sorting:sort.*does not route"):
         m.make_rollout(m.task.examples("train")[:2], 0)

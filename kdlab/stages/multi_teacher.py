@@ -193,7 +193,10 @@ class TeacherSet:
             setting = f"DistillModule.teachers.{name}"
             if entry.model is not None:
                 tokenizer, config = load_tokenizer(entry.model, f"teachers.{name}"), load_config(entry.model, f"teachers.{name}")
-                columns = shared_vocab_size(module.student_tokenizer, tokenizer, student_config, config)
+                try:
+                    columns = shared_vocab_size(module.student_tokenizer, tokenizer, student_config, config)
+                except ValueError as error:
+                    raise ConfigError(f"{setting}: {error}") from None
                 if columns != module.token_columns:
                     raise ConfigError(f"{setting}: shares {columns} token columns with the student, not its {module.token_columns}")
                 module.hold_frozen(f"teachers/{name}", load_causal_lm(entry.model, f"teachers.{name}", config=config))
