@@ -141,8 +141,14 @@ class RowSubset(LazyLogits):
 
 def combine(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], shape: tuple[int, ...], over: str) -> torch.Tensor:
     """The combined teacher's log-probs ``shape`` = ``(B, C, V)`` from ``parts``: ``(rows (B_i,), weights (B_i,),
-    logits or log-probs (B_i, C, V))`` per teacher (see the module docstring; rows no teacher serves are uniform)."""
+    logits or log-probs (B_i, C, V))`` per teacher (see the module docstring; rows no teacher serves are uniform).
+    When every row has one teacher (routing), each row is that teacher's normalised log-probs, with no averaging pass."""
     device = parts[0][2].device
+    if all(bool((weights == 1).all()) for _, weights, _ in parts):  # routing: each row is its one teacher's, as it is
+        routed = torch.full(shape, -math.log(shape[-1]), device=device)
+        for rows, _, logits in parts:
+            routed[rows] = torch.log_softmax(logits.float(), dim=-1)
+        return routed
     total = torch.full(shape, -math.inf if over == "probs" else 0.0, device=device)
     for rows, weights, logits in parts:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -232,9 +238,11 @@ class TeacherSet:
         decodes only the rows it serves, with its KV cache)."""
         module, models = self.module, self.models()
         device = prompts.teacher_ids.device
-        decoders = [(rows.to(device), weights, IncrementalLM(models[name], prompts.teacher_ids[rows.to(device)], prompts.teacher_mask[rows.to(device)],
-                                                             module.token_columns, module.teacher_temperature))
-                    for name, rows, weights in self._parts(prompts.examples)]
+        decoders = []
+        for name, rows, weights in self._parts(prompts.examples):
+            rows = rows.to(device)
+            decoders.append((rows, weights, IncrementalLM(models[name], prompts.teacher_ids[rows], prompts.teacher_mask[rows],
+                                                          module.token_columns, module.teacher_temperature)))
         shape = (len(prompts), 1, module.token_columns)
 
         def next_logprobs(previous: torch.Tensor | None) -> torch.Tensor:
