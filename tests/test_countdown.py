@@ -48,7 +48,7 @@ def test_a_split_does_not_depend_on_the_other_sizes() -> None:
     assert small.examples("train") == large.examples("train")[:10]
 
 
-@pytest.mark.parametrize("variant", ["countdown3", "countdown4", "countdown4e"])
+@pytest.mark.parametrize("variant", ["countdown3", "countdown4", "countdown4e", "countdown3s"])
 def test_split_sizes_and_unique_ids(variant: str) -> None:
     task = Countdown(variant=variant, num_train=120, num_val=30, num_test=0)
     assert [len(task.examples(split)) for split in ("train", "val", "test")] == [120, 30, 0]
@@ -63,6 +63,7 @@ def test_split_sizes_and_unique_ids(variant: str) -> None:
         ("countdown3", SPEC_POOL, 3, None),
         ("countdown4", SPEC_POOL, 4, 10_000),
         ("countdown4e", tuple(range(1, 11)), 4, 100),
+        ("countdown3s", SPEC_POOL, 3, 20),
     ],
 )
 def test_operands_targets_and_reference_solutions(

@@ -204,3 +204,21 @@ def test_bad_multi_teacher_settings_fail_naming_the_setting():
     m = module(teachers={"a": entry(TEACHER), "b": entry(STUDENT)}, teacher_choice=ByField({"addition": "a"}))
     with pytest.raises(KeyError, match="sorting:sort.*does not route"):
         m.make_rollout(m.task.examples("train")[:2], 0)
+
+
+def test_multitask_splits_train_on_one_task_and_hold_out_another():
+    from kdlab.tasks import Countdown
+
+    train = Countdown(variant="countdown3", instruction=False, system_prompt="", num_train=6, num_val=3, num_test=0)
+    harder = Countdown(variant="countdown3s", instruction=False, system_prompt="", num_train=5, num_val=4, num_test=2)
+    task = MultiTask({"countdown3": train, "countdown3s": harder}, splits={"train": ["countdown3"], "val": ["countdown3s"]})
+    assert [row["id"] for row in task.examples("train")] == [f"countdown3:{row['id']}" for row in train.examples("train")]
+    assert [row["id"] for row in task.examples("val")] == [f"countdown3s:{row['id']}" for row in harder.examples("val")]
+    assert len(task.examples("test")) == 2  # a split not named draws from every task
+    row = task.examples("val")[0]
+    assert task.score(row, harder.reference_completion(harder.examples("val")[0])) == 1.0  # scored by its own task
+    assert MultiTask({"a": train}, splits={"val": []}).examples("val") == []
+    with pytest.raises(ValueError, match=r"MultiTask.splits.val: \['nope'\] not among"):
+        MultiTask({"a": train}, splits={"val": ["nope"]})
+    with pytest.raises(ValueError, match="MultiTask.splits: 'dev' is not a split"):
+        MultiTask({"a": train}, splits={"dev": ["a"]})

@@ -1,6 +1,7 @@
 """The study's verdicts (kdlab.study.verdicts): hand-made study folders with known per-sample scores, so each
 verdict's effect, interval and word are known in advance."""
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -27,8 +28,10 @@ from kdlab.study.labels import (
     row_word,
 )
 from kdlab.study.verdicts import (
+    PART_COMMANDS,
     Study,
     forgetting,
+    harder_pass_at_k,
     is_study,
     on_policy_advantage,
     scalar_effect,
@@ -44,13 +47,14 @@ OBJECTIVES = {"forward": "ForwardKL", "reverse": "ReverseKL"}
 PROBLEMS = 60
 
 
-def make_run(folder: Path, kind: str, direction: str, lr: float, seed: int, correct: float, metrics: dict, samples: int = 4) -> Path:
+def make_run(folder: Path, kind: str, direction: str, lr: float, seed: int, correct: float, metrics: dict, samples: int = 4,
+             task: dict | None = None) -> Path:
     """A finished run: config, DONE, metrics and a samples file where a ``correct`` share of the problems
     (the first ones) is solved by every sample."""
     run = folder / f"{kind}-{direction}-{lr}-{seed}"
     run.mkdir(parents=True)
     config = {"seed_everything": seed, "trainer": {"max_steps": 150},
-              "model": {"task": {"class_path": "kdlab.tasks.Countdown", "init_args": {"variant": "countdown3"}},
+              "model": {"task": task or {"class_path": "kdlab.tasks.Countdown", "init_args": {"variant": "countdown3"}},
                         "rollout": {"class_path": f"kdlab.rollouts.{ROLLOUTS[kind]}"},
                         "objective": {"class_path": f"kdlab.objectives.{OBJECTIVES[direction]}"}, "lr": lr}}
     (run / "config.yaml").write_text(yaml.safe_dump(config))
@@ -228,13 +232,16 @@ def test_report_writes_the_verdicts_and_sums_wall_time(tmp_path, capsys):
                 for step, s in (("grid", 600), ("rlvr", 300), ("grid", 60))))
     main([str(tmp_path), "--output", str(tmp_path / "out")])
     text = (tmp_path / "out" / "verdicts.md").read_text()
-    verdicts, wall = text.split("## Wall time")
+    verdicts, rest = text.split("## Departures from the paper's design")
+    departures, wall = rest.split("## Wall time")
     assert verdicts.count("\n| ") == 2 + 8 and wall.count("\n| ") == 2 + 2  # header, rule, then 8 findings / 2 steps
     assert "| grid | 11.0 |" in text and "Whole study: 16.0 min of wall time; 24.0 min summed" in text
     rows = (tmp_path / "out" / "verdicts.csv").read_text().splitlines()
-    assert len(rows) == 9 and rows[0] == "finding,paper,tiny,verdict,rule,evidence,command"
+    assert len(rows) == 9 and rows[0] == "finding,paper,tiny,verdict,rule,evidence,command,departure"
+    departing = [row for row in csv.DictReader(rows) if row["departure"]]  # one departures-table row each
+    assert departures.count("\n| ") == (2 + len(departing) if departing else 0)
+    assert all(f"(design differs: {row['departure']})" in verdicts for row in departing)
     assert "/ seeds [95% interval, seeds] | verdict | rule (claims the verdict tests) |" in verdicts
-    import csv
 
     runs = list(csv.DictReader((tmp_path / "out" / "runs.csv").open()))
     assert len(runs) == 24 and {r["fit_seconds"] for r in runs} == {"60.0"}  # each run's DONE summary
@@ -284,3 +291,31 @@ def test_collapse_reason_names_each_floor():
     assert collapse_reason(0.5, 40.0) == "earlier skills 40.0 < 50 points"
     assert collapse_reason(0.0, 0.0) == "accuracy 0.0% < 5%, earlier skills 0.0 < 50 points"
     assert collapse_reason(0.5, 90.0) is None and collapse_reason(None, None) is None
+
+
+HELD_OUT = {"class_path": "kdlab.tasks.mixture.MultiTask",
+            "init_args": {"tasks": {"countdown3": {"class_path": "kdlab.tasks.Countdown", "init_args": {"variant": "countdown3"}},
+                                    "countdown3s": {"class_path": "kdlab.tasks.Countdown", "init_args": {"variant": "countdown3s"}}},
+                          "splits": {"train": ["countdown3"], "val": ["countdown3s"]}}}
+
+
+@pytest.mark.parametrize("task, departure", [
+    (HELD_OUT, "harder set countdown3s in place of Countdown-4E"),
+    ({"class_path": "kdlab.tasks.Countdown", "init_args": {"variant": "countdown4e"}}, "distilled on the harder task itself (countdown4e), not on Countdown-3"),
+])
+def test_harder_set_row_names_its_design_and_every_k(tmp_path, task, departure):
+    (tmp_path / "hard").mkdir(parents=True)
+    (tmp_path / "hard" / "sweep.json").write_text(json.dumps({"sweep": "experiments/tiny/harder_set_grid.yaml"}))
+    for kind in ROLLOUTS:
+        for direction in OBJECTIVES:
+            for seed in (42, 43):
+                make_run(tmp_path / "hard", kind, direction, 1e-4, seed, 0.6 if kind == "OnPD" else 0.3,
+                         {"val/pass@1": 0.5, "val/pass@4": 0.6}, task=task)
+    verdict = harder_pass_at_k(study(tmp_path))
+    assert verdict.departure == departure
+    assert "pass@1" in verdict.tiny and "OnPD - OffPD (points) pass@1 +30.0" in verdict.tiny and "pass@4 +30.0" in verdict.tiny
+    assert verdict.rule == "OnPD - OffPD pass@4 > 0" and verdict.verdict == REPRODUCED
+    assert verdict.command == "kdlab sweep --config experiments/tiny/harder_set_grid.yaml"  # the part's sweep.json
+    assert study(tmp_path).command("rlvr") == PART_COMMANDS["rlvr"]  # no sweep.json: the study script's command
+    if task is HELD_OUT:
+        assert "task countdown3 (held out: countdown3s)" in verdict.tiny

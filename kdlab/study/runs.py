@@ -176,6 +176,7 @@ def read_run(run_dir: str | Path) -> RunResult:
         model = model.get("init_args") or {}
     task = model.get("task") or {}
     variant = (task.get("init_args") or {}).get("variant") if isinstance(task, dict) else None
+    variant = variant or _split_tasks(task)
     rollout = model.get("rollout") or {}
     # DistillModule's defaults; another stage (GRPO, SFT) has no rollout policy or KL objective: its
     # name stands in both columns, so it never reads as (or takes the paper's numbers of) a distillation
@@ -211,6 +212,17 @@ def read_run(run_dir: str | Path) -> RunResult:
         coverage_draws=_coverage_draws(config),
         seconds=_fit_seconds(run_dir),
     )
+
+
+def _split_tasks(task: Any) -> str | None:
+    """A ``MultiTask`` with ``splits`` as ``"<train tasks> (held out: <val tasks>)"``, e.g. ``countdown3 (held
+    out: countdown3s)``: a run trained on one task and evaluated on another; None for any other task."""
+    args = (task.get("init_args") or {}) if isinstance(task, dict) else {}
+    splits, tasks = args.get("splits"), args.get("tasks")
+    if _class_name(task, "") != "MultiTask" or not isinstance(splits, dict) or not isinstance(tasks, dict):
+        return None
+    train, held_out = (splits.get(split, list(tasks)) for split in ("train", "val"))
+    return f"{'+'.join(map(str, train))} (held out: {'+'.join(map(str, held_out))})"
 
 
 def _fit_seconds(run_dir: Path) -> float | None:

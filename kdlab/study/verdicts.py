@@ -119,6 +119,7 @@ class Verdict:
     evidence: str
     command: str
     rule: str = ""  # the claims the label is generated from (:attr:`Claim.rule`)
+    departure: str = ""  # how the runs' design differs from the paper's for this claim ("" when it does not)
 
 
 class Study:
@@ -148,7 +149,12 @@ class Study:
         return None
 
     def command(self, part: str) -> str:
-        return PART_COMMANDS[part]
+        """The command that filled the part: the sweep file its ``sweep.json`` names, else :data:`PART_COMMANDS`'s."""
+        try:
+            sweep = json.loads((self.root / part / "sweep.json").read_text(encoding="utf-8")).get("sweep")
+        except (OSError, ValueError, AttributeError):
+            sweep = None
+        return f"kdlab sweep --config {sweep}" if isinstance(sweep, str) and sweep else PART_COMMANDS[part]
 
     def evidence(self, part: str) -> str:
         runs = self.parts[part]
@@ -161,6 +167,15 @@ def _inside(path: Path, root: Path) -> bool:
         return True
     except ValueError:
         return False
+
+
+def lr_departure(study: Study, part: str = "distill") -> str:
+    """The part's LR ratio where it is not the paper's 5x (1e-5 vs 5e-5), else ""."""
+    levels = {g.level: g.lr for g in study.groups(part) if g.level}
+    if "low" not in levels or "high" not in levels:
+        return ""
+    ratio = levels["high"] / levels["low"]
+    return "" if math.isclose(ratio, 5.0) else f"LR {levels['low']:g} vs {levels['high']:g}, {ratio:g}x where the paper's is 5x"
 
 
 def _pct(group: Group | None, metric: str = "val/accuracy") -> str:
@@ -182,7 +197,7 @@ def on_policy_advantage(study: Study) -> Verdict:
     return Verdict(
         "No consistent on-policy advantage", "best mean accuracy OnPD 72% vs OffPD 73%",
         "OnPD - OffPD held-out accuracy (points): " + "; ".join(shown), row_word(claims), study.evidence("distill"),
-        study.command("distill"), _rule(claims))
+        study.command("distill"), _rule(claims), lr_departure(study))
 
 
 def kl_direction_sensitivity(study: Study) -> Verdict:
@@ -205,7 +220,7 @@ def kl_direction_sensitivity(study: Study) -> Verdict:
         ", reverse " + (r.text() if r else "n/a") + "; reverse - forward " + (extra.text() if extra else "n/a")
     return Verdict("Forward KL stable across rollout policy and LR; reverse KL LR-sensitive",
                    "forward 71-73% everywhere; reverse 35-72%", tiny, row_word(claims), study.evidence("distill"),
-                   study.command("distill"), _rule(claims))
+                   study.command("distill"), _rule(claims), lr_departure(study))
 
 
 def forgetting(study: Study) -> Verdict:
@@ -223,7 +238,7 @@ def forgetting(study: Study) -> Verdict:
             (hi.text(1.0) if hi else "n/a") + ", high - low " + (gap.text(1.0) if gap else "n/a"))
     return Verdict("Forgetting is negligible at the low LR and visible at the high LR",
                    "|change| <= 1.3 points at 1e-5; drops of 11.2-14.0 at 5e-5", tiny, row_word(claims), study.evidence("distill"),
-                   study.command("distill"), _rule(claims))
+                   study.command("distill"), _rule(claims), lr_departure(study))
 
 
 def sparsity(study: Study) -> Verdict:
@@ -281,19 +296,27 @@ def spectrum(study: Study) -> Verdict:
 
 
 def harder_pass_at_k(study: Study) -> Verdict:
+    """OnPD - OffPD pass@k on the harder held-out set at every k the runs log, the claim tested at the largest.
+    The paper distils on Countdown-3 and measures Countdown-4E; the runs' task says what they did instead."""
     groups = study.groups("hard")
     ks = sorted({int(m.rsplit("@", 1)[1]) for g in groups for m in g.runs[0].last if m.startswith("val/pass@")})
     k = max(ks) if ks else None
     on = [g for g in groups if g.kind == "OnPD" and g.lam is None]
     off = [g for g in groups if g.kind == "OffPD" and g.lam is None]
-    effect = accuracy_effect(difference(on, off), k=k) if on and off and k else None
-    one = accuracy_effect(difference(on, off), k=1) if on and off and k else None
-    means = "; ".join(f"{g.kind} {g.direction}: pass@1 {_pct(g, 'val/pass@1')}%, pass@{k} {_pct(g, f'val/pass@{k}')}%" for g in off + on) if k else ""
-    tiny = (f"Countdown-4E held-out, distilled from kdlab://tiny/teacher-4e: {means}; OnPD - OffPD pass@{k} " +
-            (effect.text() if effect else "n/a") + ", pass@1 " + (one.text() if one else "n/a") + " points")
-    claims = [Claim(f"OnPD - OffPD pass@{k}", effect, +1)]
+    effects = {j: accuracy_effect(difference(on, off), k=j) for j in ks} if on and off else {}
+    means = "; ".join(f"{g.kind} {g.direction}: " + ", ".join(f"pass@{j} {_pct(g, f'val/pass@{j}')}%" for j in ks) for g in off + on)
+    task = groups[0].task if groups else "n/a"
+    tiny = (f"task {task}: {means}; OnPD - OffPD (points) " +
+            (", ".join(f"pass@{j} " + (effects[j].text() if effects.get(j) else "n/a") for j in ks) or "n/a"))
+    claims = [Claim(f"OnPD - OffPD pass@{k}", effects.get(k) if k else None, +1)]
+    if "held out: countdown4e" in task:
+        departure = ""
+    elif "held out" in task:
+        departure = f"harder set {task.split('held out: ', 1)[1].rstrip(')')} in place of Countdown-4E"
+    else:
+        departure = f"distilled on the harder task itself ({task}), not on Countdown-3"
     return Verdict("On-policy rollouts give higher pass@k on a harder set", "10-15% higher pass@k on Countdown-4E",
-                   tiny, row_word(claims), study.evidence("hard"), study.command("hard"), _rule(claims))
+                   tiny, row_word(claims), study.evidence("hard"), study.command("hard"), _rule(claims), departure)
 
 
 def rlvr_edge(study: Study) -> Verdict:
@@ -384,6 +407,13 @@ METHOD = (
     "label with its claims. \"not run\": the finding's own runs are missing."
 )
 
+WORLD_DEPARTURES = (
+    "Every row: the tiny world's packaged teacher and student (docs/tiny_world.md) in place of 1.5-8B models; "
+    "Countdown-3 the one reasoning task distilled (the paper also distils Science and MedReason); the tiny world's "
+    "earlier skills (the OODForgetting callback's tasks) in place of seven lm-eval-harness tasks. "
+    "Each row's own departures (its verdict says \"design differs\"):"
+)
+
 FINDINGS: tuple[Callable[[Study], Verdict], ...] = (
     on_policy_advantage, kl_direction_sensitivity, forgetting, sparsity, spectrum, harder_pass_at_k, rlvr_edge, style_transfer,
 )
@@ -405,8 +435,12 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path) -> list[Verd
             verdict.verdict = NOT_RUN
     header = ["finding (paper)", "paper", "tiny world: effect [95% interval, problems] / seeds [95% interval, seeds]", "verdict",
               "rule (claims the verdict tests)", "evidence", "command"]
-    rows = [[v.finding, v.paper, v.tiny, f"**{v.verdict}**", v.rule, v.evidence, f"`{v.command}`"] for v in verdicts]
+    rows = [[v.finding, v.paper, v.tiny, f"**{v.verdict}**" + (f" (design differs: {v.departure})" if v.departure else ""),
+             v.rule, v.evidence, f"`{v.command}`"] for v in verdicts]
     lines = ["# Verdicts: the paper's headline findings on the tiny world", "", METHOD, "", markdown_table(header, rows)]
+    departures = [[v.finding, v.departure] for v in verdicts if v.departure]
+    lines += ["", "## Departures from the paper's design", "", WORLD_DEPARTURES, ""]
+    lines += [markdown_table(["finding", "design here"], departures) if departures else "No row departs further from the paper's design."]
     times = root / "wall_times.jsonl"
     if times.is_file():
         steps = [json.loads(line) for line in times.read_text().splitlines() if line.strip()]
@@ -420,8 +454,8 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path) -> list[Verd
                   markdown_table(["step", "wall time (min)", "command"], [[s["step"], f"{s['seconds'] / 60:.1f}", f"`{s['command']}`"] for s in by_step.values()]),
                   "", f"Whole study: {total / 60:.1f} min of wall time; {run_seconds / 60:.1f} min summed over the runs' own fit times."]
     output.mkdir(parents=True, exist_ok=True)
-    lines += ["", "## Each part's tables", "", *(f"- [{part}]({part}/report.md): `{PART_COMMANDS[part]}`" for part in PARTS if study.parts[part])]
+    lines += ["", "## Each part's tables", "", *(f"- [{part}]({part}/report.md): `{study.command(part)}`" for part in PARTS if study.parts[part])]
     (output / "verdicts.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    write_csv(output / "verdicts.csv", ["finding", "paper", "tiny", "verdict", "rule", "evidence", "command"],
-              [[v.finding, v.paper, v.tiny, v.verdict, v.rule, v.evidence, v.command] for v in verdicts])
+    write_csv(output / "verdicts.csv", ["finding", "paper", "tiny", "verdict", "rule", "evidence", "command", "departure"],
+              [[v.finding, v.paper, v.tiny, v.verdict, v.rule, v.evidence, v.command, v.departure] for v in verdicts])
     return verdicts

@@ -1,11 +1,12 @@
 """Several tasks as one: a run that trains one student on Countdown and on Addition (for instance each from
-its own teacher, ``DistillModule(teachers=..., teacher_choice=ByField(...))``)."""
+its own teacher, ``DistillModule(teachers=..., teacher_choice=ByField(...))``), or one that trains on a task
+and is evaluated on another (``splits``: distil on Countdown-3, measure pass@k on a harder Countdown set)."""
 
 from __future__ import annotations
 
 import torch
 
-from kdlab.tasks.base import Example, Messages, Task
+from kdlab.tasks.base import SPLITS, Example, Messages, Task
 
 
 class MultiTask(Task):
@@ -18,9 +19,13 @@ class MultiTask(Task):
         tasks: name -> task (``class_path`` entries in YAML). All must agree on ``chat_template``: a prompt is
             rendered by the one setting of the run.
         field: the field that names an example's task (``ByField(field=...)`` routes on it).
+        splits: split (``train``, ``val``, ``test``) -> the names of the tasks it draws from; a split not
+            named draws from every task (the default: every split from every task). ``{train: [countdown3],
+            val: [countdown3s]}`` trains on one task and evaluates on the other (``val/accuracy``,
+            ``val/pass@k``); an empty list leaves the split empty.
     """
 
-    def __init__(self, tasks: dict[str, Task], field: str = "task") -> None:
+    def __init__(self, tasks: dict[str, Task], field: str = "task", splits: dict[str, list[str]] | None = None) -> None:
         super().__init__()
         if not tasks:
             raise ValueError("MultiTask.tasks: give at least one name -> task")
@@ -32,8 +37,15 @@ class MultiTask(Task):
         templates = {name: task.chat_template for name, task in tasks.items()}
         if len(set(templates.values())) > 1:
             raise ValueError(f"MultiTask.tasks: every task must have the same chat_template, got {templates}")
+        for split, names in (splits or {}).items():
+            if split not in SPLITS:
+                raise ValueError(f"MultiTask.splits: {split!r} is not a split; use {SPLITS}")
+            unknown = [name for name in names if name not in tasks]
+            if unknown:
+                raise ValueError(f"MultiTask.splits.{split}: {unknown} not among MultiTask.tasks {sorted(tasks)}")
         self.tasks = torch.nn.ModuleDict(tasks)
         self.field = field
+        self.splits = {split: list(names) for split, names in (splits or {}).items()}
         self.chat_template = next(iter(templates.values()))
 
     def task_of(self, example: Example) -> Task:
@@ -44,7 +56,8 @@ class MultiTask(Task):
         return self.tasks[name]
 
     def load_split(self, split: str) -> list[Example]:
-        parts = {name: task.examples(split) for name, task in self.tasks.items()}
+        names = self.splits.get(split, list(self.tasks))
+        parts = {name: self.tasks[name].examples(split) for name in names}
         for name, rows in parts.items():
             clash = next((row for row in rows if self.field in row), None)
             if clash is not None:
