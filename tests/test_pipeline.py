@@ -83,3 +83,14 @@ def test_rlvr_chains_run_side_by_side_with_max_parallel(tmp_path):
     assert len(spans) == 2
     (start_a, end_a), (start_b, end_b) = spans
     assert start_a < end_b and start_b < end_a  # each started before the other ended
+
+
+def test_distill_dir_names_the_folder_of_the_distilled_runs(tmp_path):
+    pipeline = load_pipeline(smoke_file(tmp_path, distill_dir="hard"))
+    assert pipeline.distill.output == str(tmp_path / "out" / "hard")
+    start = pipeline.rlvr_sweep("run-a").overrides["model.policy.checkpoint"]
+    assert start == str(tmp_path / "out" / "hard" / "run-a" / "checkpoints" / "final.ckpt")
+    assert pipeline.rlvr_sweep("run-a").output == str(tmp_path / "out" / "rlvr" / "run-a")
+    for bad in ("a/b", "rlvr", "", 3):
+        with pytest.raises(ValueError, match="'distill_dir' must be one folder name"):
+            load_pipeline(smoke_file(tmp_path, distill_dir=bad))

@@ -218,8 +218,30 @@ def test_rlvr_runs_are_seeds_of_their_source_configuration(tmp_path):
         seed = int(source.name.rsplit("-", 1)[1])
         make_run(tmp_path / "rlvr" / source.name, "OffPD", "forward", 2e-5, 42, after[seed] if "OnPD" in source.name else 0.5, {})
     verdict = rlvr_edge(study(tmp_path))
-    assert verdict.tiny.count(" / seeds [") == 4 and "n/a" not in verdict.tiny  # before and after, accuracy and pass@4
-    assert verdict.verdict == f"{REPRODUCED}: OnPD - OffPD accuracy before RLVR; {NOT_DISTINGUISHABLE}{MARGIN}: OnPD - OffPD accuracy after RLVR"
+    assert verdict.tiny.count(" / seeds [") == 4 and "n/a" not in verdict.tiny  # RLVR's effect, before, after, their difference
+    assert verdict.verdict == (f"{NOT_DISTINGUISHABLE}: held-out accuracy after - before RLVR, OnPD - OffPD accuracy after - before RLVR; "
+                               f"{REPRODUCED}: OnPD - OffPD accuracy before RLVR; {NOT_DISTINGUISHABLE}{MARGIN}: OnPD - OffPD accuracy after RLVR")
+    assert verdict.departure.startswith("RLVR on Countdown-3 (the distillation task)")
+
+
+def test_rlvr_from_the_harder_set_tests_the_difference_in_differences(tmp_path):
+    """RLVR runs started from the harder-set part are compared with it: RLVR lifts every configuration to the
+    same pass@k, so the OnPD edge before RLVR is gone after it and their difference is negative."""
+    from kdlab.study.verdicts import rlvr_edge
+
+    (tmp_path / "distill").mkdir()
+    for kind in ROLLOUTS:
+        for direction in OBJECTIVES:
+            for seed in (42, 43, 44):
+                source = make_run(tmp_path / "hard", kind, direction, 1e-4, seed, 0.6 if kind == "OnPD" else 0.5,
+                                  {"val/pass@4": 0.5}, task=HELD_OUT)
+                make_run(tmp_path / "rlvr" / source.name, "OffPD", "forward", 2e-5, 42, 0.8, {"val/pass@4": 0.8})
+    verdict = rlvr_edge(study(tmp_path))
+    assert verdict.tiny.startswith("RLVR from the hard part's runs; held-out accuracy after - before RLVR +25.0")
+    assert "OnPD - OffPD pass@4: before RLVR +10.0" in verdict.tiny and "(difference in differences) -10.0" in verdict.tiny
+    assert verdict.verdict == (f"{REPRODUCED}: held-out accuracy after - before RLVR, OnPD - OffPD pass@4 before RLVR, "
+                               f"OnPD - OffPD pass@4 after - before RLVR; {EQUIVALENT}{MARGIN}: OnPD - OffPD pass@4 after RLVR")
+    assert verdict.departure == "RLVR on countdown3s (the harder set) in place of Countdown-4"
 
 
 def test_report_writes_the_verdicts_and_sums_wall_time(tmp_path, capsys):

@@ -3,7 +3,7 @@ with pass@k, forgetting and update sparsity tracked across both stages.
 
 A pipeline file is plain YAML::
 
-    output: runs/pipeline-tiny          # distillation runs in <output>/distill/<name>/,
+    output: runs/pipeline-tiny          # distillation runs in <output>/<distill_dir>/<name>/,
                                         # RLVR runs in <output>/rlvr/<distill name>/<name>/
     distill:                            # a sweep (see kdlab.study.sweep) without ``output``
       base: experiments/tiny/quickstart.yaml
@@ -15,6 +15,7 @@ A pipeline file is plain YAML::
       max_parallel: 2
     checkpoint: final.ckpt              # the file in each distillation run's checkpoints/ RLVR starts from
     policy_key: model.policy.checkpoint # the RLVR config key that receives that path
+    distill_dir: distill                # the folder under <output> of the distillation runs (e.g. hard)
 
 Both stages keep the sweep's rules: finished runs (``DONE``) are skipped, interrupted ones resume from
 their newest checkpoint (``on_exception.ckpt`` or ``last.ckpt``), a failed run is recorded and the rest go on (exit status 1 at the end). An
@@ -40,7 +41,7 @@ from kdlab.study.grid import FILE_KEYS as SWEEP_KEYS
 from kdlab.study.grid import Sweep, read_mapping_file
 from kdlab.study.sweep import run_sweep
 
-PIPELINE_KEYS = ("output", "distill", "rlvr", "checkpoint", "policy_key")
+PIPELINE_KEYS = ("output", "distill", "rlvr", "checkpoint", "policy_key", "distill_dir")
 STAGE_KEYS = tuple(key for key in SWEEP_KEYS if key != "output")
 
 
@@ -51,11 +52,12 @@ class Pipeline:
     rlvr: dict[str, Any]
     checkpoint: str = "final.ckpt"
     policy_key: str = "model.policy.checkpoint"
+    distill_dir: str = "distill"
 
     def rlvr_sweep(self, distilled: str) -> Sweep:
         """The RLVR sweep that starts from distillation run ``distilled``."""
         overrides = dict(self.rlvr.get("overrides") or {})
-        overrides[self.policy_key] = str(Path(self.output, "distill", distilled, "checkpoints", self.checkpoint))
+        overrides[self.policy_key] = str(Path(self.output, self.distill_dir, distilled, "checkpoints", self.checkpoint))
         return Sweep(**{**self.rlvr, "overrides": overrides, "output": str(Path(self.output, "rlvr", distilled))})
 
 
@@ -79,15 +81,19 @@ def load_pipeline(path: str | Path) -> Pipeline:
         raise ValueError(f"{path}: 'output' must be a directory path")
     distill, rlvr = _stage(path, data, "distill"), _stage(path, data, "rlvr")
     policy_key = data.get("policy_key", "model.policy.checkpoint")
+    distill_dir = data.get("distill_dir", "distill")
+    if not isinstance(distill_dir, str) or not distill_dir or Path(distill_dir).name != distill_dir or distill_dir in (".", "..", "rlvr"):
+        raise ValueError(f"{path}: 'distill_dir' must be one folder name other than 'rlvr', got {distill_dir!r}")
     if policy_key in (rlvr.get("grid") or {}) or policy_key in (rlvr.get("overrides") or {}):
         raise ValueError(f"{path}: rlvr sets {policy_key!r}; the pipeline sets it to each distilled checkpoint")
     try:
         pipeline = Pipeline(
             output=data["output"],
-            distill=Sweep(**distill, output=str(Path(data["output"], "distill"))),
+            distill=Sweep(**distill, output=str(Path(data["output"], distill_dir))),
             rlvr=rlvr,
             checkpoint=data.get("checkpoint", "final.ckpt"),
             policy_key=policy_key,
+            distill_dir=distill_dir,
         )
         pipeline.rlvr_sweep("check")  # the RLVR stage's settings are checked before anything runs
     except ValueError as error:

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from kdlab.study import stats
 from kdlab.study.groups import Group, group_runs, lr_levels
 from kdlab.study.labels import (
@@ -149,12 +151,19 @@ class Study:
         return None
 
     def command(self, part: str) -> str:
-        """The command that filled the part: the sweep file its ``sweep.json`` names, else :data:`PART_COMMANDS`'s."""
+        """The command that filled the part: the file its ``sweep.json`` names (``kdlab pipeline`` for a pipeline
+        file, which has a ``distill`` stage; else ``kdlab sweep``), else :data:`PART_COMMANDS`'s."""
         try:
             sweep = json.loads((self.root / part / "sweep.json").read_text(encoding="utf-8")).get("sweep")
         except (OSError, ValueError, AttributeError):
             sweep = None
-        return f"kdlab sweep --config {sweep}" if isinstance(sweep, str) and sweep else PART_COMMANDS[part]
+        if not isinstance(sweep, str) or not sweep:
+            return PART_COMMANDS[part]
+        try:
+            pipeline = isinstance(yaml.safe_load(Path(sweep).read_text(encoding="utf-8")).get("distill"), dict)
+        except (OSError, ValueError, AttributeError, yaml.YAMLError):
+            pipeline = False
+        return f"kdlab {'pipeline' if pipeline else 'sweep'} --config {sweep}"
 
     def evidence(self, part: str) -> str:
         runs = self.parts[part]
@@ -320,40 +329,60 @@ def harder_pass_at_k(study: Study) -> Verdict:
 
 
 def rlvr_edge(study: Study) -> Verdict:
-    """OnPD - OffPD before RLVR (the low-LR grid) and after it: each RLVR run is one seed of the
-    configuration (rollout, KL direction) of the distilled run it started from (the RLVR runs' own seed is
-    the same for all of them, so they are grouped by their source, not by their seed)."""
-    before_on = [g for g in study.groups("distill") if g.kind == "OnPD" and g.level == "low" and g.lam is None]
-    before_off = [g for g in study.groups("distill") if g.kind == "OffPD" and g.level == "low" and g.lam is None]
+    """OnPD - OffPD before RLVR (the distilled runs the RLVR runs started from: the harder-set part ``hard`` when
+    the RLVR runs start from it, else the main grid's low LR) and after it, their difference in differences,
+    and RLVR's own effect on held-out accuracy (after - before, every configuration): an RLVR stage that
+    does not move accuracy leaves the claim untested. Each RLVR run is one seed of the configuration
+    (rollout, KL direction) of the distilled run it started from (the RLVR runs' own seed is the same for
+    all of them, so they are grouped by their source, not by their seed). The difference in differences
+    treats before and after as independent (each chain's two stages are not paired): a wider interval."""
+    source_part = "hard" if any((study.root / "hard" / Path(run.path).resolve().parent.name).is_dir() for run in study.parts["rlvr"]) else "distill"
+    level = None if source_part == "hard" else "low"
+    before_groups = {kind: [g for g in study.groups(source_part) if g.kind == kind and g.level == level and g.lam is None] if level
+                     else [g for g in study.groups(source_part) if g.kind == kind and g.lam is None] for kind in ("OnPD", "OffPD")}
     after: dict[str, dict[str, dict[Path, RunResult]]] = {"OnPD": {}, "OffPD": {}}  # kind -> objective -> source -> last run
     for run in study.parts["rlvr"]:
-        distilled = Path(run.path).resolve().parent
-        source = study.root / "distill" / distilled.name
+        source = study.root / source_part / Path(run.path).resolve().parent.name
         if (source / "config.yaml").is_file():
             source_run = read_run(source)
             kind = "OffPD" if source_run.rollout in TEACHER_ROLLOUTS else {"StudentRollouts": "OnPD"}.get(source_run.rollout)
             if kind:
                 after[kind].setdefault(str(source_run.objective), {})[source] = run
+    before_tables = {kind: [[read_samples(runs[-1].path) for runs in g.by_seed().values()] for g in groups] for kind, groups in before_groups.items()}
+    after_tables = {kind: [[read_samples(run.path) for run in by_source.values()] for by_source in configurations.values()]
+                    for kind, configurations in after.items()}
+    ks = sorted({int(m.rsplit("@", 1)[1]) for runs in after.values() for by_source in runs.values() for run in by_source.values()
+                 for m in run.last if m.startswith("val/pass@")})
+    k = max(ks) if ks else None
+    metric = f"pass@{k}" if k else "accuracy"
 
-    def before(k: int | None) -> Effect | None:
-        return accuracy_effect(difference(before_on, before_off), k=k) if before_on and before_off else None
+    def effect(sides: list[tuple[float, dict[str, list[list]]]], kinds: dict[str, float], metric_k: int | None) -> Effect | None:
+        terms = []
+        for sign, tables in sides:
+            for kind, weight in kinds.items():
+                configurations = tables[kind]
+                if not configurations or any(not seeds or any(t is None for t in seeds) for seeds in configurations):
+                    return None
+                terms += [(sign * weight / len(configurations), seeds) for seeds in configurations]
+        return table_effect(terms, metric_k)
 
-    def after_effect(k: int | None) -> Effect | None:
-        sides = {kind: [[read_samples(run.path) for run in by_source.values()] for by_source in configurations.values()]
-                 for kind, configurations in after.items()}
-        if not (sides["OnPD"] and sides["OffPD"]):
-            return None
-        if any(table is None for tables in sides["OnPD"] + sides["OffPD"] for table in tables):
-            return None
-        terms = [(1.0 / len(sides["OnPD"]), t) for t in sides["OnPD"]] + [(-1.0 / len(sides["OffPD"]), t) for t in sides["OffPD"]]
-        return table_effect(terms, k)
-
-    rows = [(name, before(k), after_effect(k)) for name, k in (("accuracy", None), ("pass@4", 4))]
-    claims = [Claim("OnPD - OffPD accuracy before RLVR", rows[0][1], +1),
-              Claim("OnPD - OffPD accuracy after RLVR", rows[0][2], NO_DIFFERENCE, ACCURACY_MARGIN)]
-    tiny = "; ".join(f"OnPD - OffPD {name}: before RLVR {bb.text() if bb else 'n/a'}, after {aa.text() if aa else 'n/a'}" for name, bb, aa in rows)
+    edge = {"OnPD": 1.0, "OffPD": -1.0}
+    every = {"OnPD": 0.5, "OffPD": 0.5}
+    before_edge = effect([(1.0, before_tables)], edge, k)
+    after_edge = effect([(1.0, after_tables)], edge, k)
+    did = effect([(1.0, after_tables), (-1.0, before_tables)], edge, k)
+    moved = effect([(1.0, after_tables), (-1.0, before_tables)], every, None)
+    shown = lambda e: e.text() if e else "n/a"  # noqa: E731
+    tiny = (f"RLVR from the {source_part} part's runs; held-out accuracy after - before RLVR {shown(moved)}; OnPD - OffPD {metric}: "
+            f"before RLVR {shown(before_edge)}, after {shown(after_edge)}, after - before (difference in differences) {shown(did)} (points)")
+    claims = [Claim("held-out accuracy after - before RLVR", moved, +1),
+              Claim(f"OnPD - OffPD {metric} before RLVR", before_edge, +1),
+              Claim(f"OnPD - OffPD {metric} after RLVR", after_edge, NO_DIFFERENCE, ACCURACY_MARGIN),
+              Claim(f"OnPD - OffPD {metric} after - before RLVR", did, -1)]
+    departure = ("RLVR on countdown3s (the harder set) in place of Countdown-4" if source_part == "hard"
+                 else "RLVR on Countdown-3 (the distillation task) in place of Countdown-4, from the main grid's low-LR runs")
     return Verdict("The on-policy edge does not survive RLVR", "after GRPO on Countdown-4 the OnPD/OffPD difference is gone",
-                   tiny + " (points)", row_word(claims), study.evidence("rlvr"), study.command("rlvr"), _rule(claims))
+                   tiny, row_word(claims), study.evidence("rlvr"), study.command("rlvr"), _rule(claims), departure)
 
 
 def style_transfer(study: Study) -> Verdict:
