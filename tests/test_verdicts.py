@@ -304,8 +304,12 @@ def test_style_claims_about_a_collapsed_student_are_collapsed_not_transferred(tm
     assert broken.verdict == (f"{COLLAPSED}: OffPD forward - OnPD reverse, low LR, OnPD forward - OnPD reverse, low LR, "
                               f"OffPD forward - OnPD reverse, high LR, OnPD forward - OnPD reverse, high LR; "
                               f"{REPRODUCED}: OffPD reverse - OnPD reverse, low LR, OffPD reverse - OnPD reverse, high LR")
-    assert "OffPD forward 90.0% (collapsed: accuracy 0.0% < 5%)" in broken.tiny
-    assert "OnPD forward 90.0% (collapsed: earlier skills 20.0 < 50 points)" in broken.tiny
+    assert "OffPD forward 90.0% Spanish (accuracy 0.0%, earlier skills 95.0) (collapsed: accuracy 0.0% < 5%)" in broken.tiny
+    assert "OnPD forward 90.0% Spanish (accuracy 50.0%, earlier skills 20.0) (collapsed: earlier skills 20.0 < 50 points)" in broken.tiny
+    assert broken.departure.startswith("the tiny world's Spanish is its teacher's swap of eight English words and phrases")
+    from kdlab.tiny import world
+
+    assert len(world._VERBS["spanish"]) + len(world._WORDS["spanish"]) == 8  # what the departure says
 
 
 def test_collapse_reason_names_each_floor():

@@ -187,6 +187,12 @@ def lr_departure(study: Study, part: str = "distill") -> str:
     return "" if math.isclose(ratio, 5.0) else f"LR {levels['low']:g} vs {levels['high']:g}, {ratio:g}x where the paper's is 5x"
 
 
+def _points(group: Group | None, metric: str) -> str:
+    """The group's mean of a metric logged in points (e.g. ``ood/mean``), or n/a."""
+    stats = group.stats(metric) if group else None
+    return "n/a" if stats is None else f"{stats[0]:.1f}"
+
+
 def _pct(group: Group | None, metric: str = "val/accuracy") -> str:
     stats = group.stats(metric) if group else None
     return "n/a" if stats is None else f"{100 * stats[0]:.1f}"
@@ -405,13 +411,16 @@ def style_transfer(study: Study) -> Verdict:
         gaps = [scalar_effect([(1.0, g), (-1.0, keep)], metric) for g in others]
         claims += [Claim(f"{g.kind} {g.direction} - OnPD reverse, {level} LR", e, +1, collapsed=bool(reason(g) or reason(keep)))
                    for g, e in zip(others, gaps)]
-        shown = lambda g: f"{g.kind} {g.direction} {_pct(g, metric)}%" + (f" ({COLLAPSED}: {reason(g)})" if reason(g) else "")  # noqa: E731
+        shown = lambda g: (f"{g.kind} {g.direction} {_pct(g, metric)}% Spanish (accuracy {_pct(g)}%, earlier skills {_points(g, 'ood/mean')})"  # noqa: E731
+                           + (f" ({COLLAPSED}: {reason(g)})" if reason(g) else ""))
         found = [e for e in gaps if e]
-        rows.append(f"{level} LR: {shown(keep)} Spanish vs {', '.join(shown(g) for g in others)}; smallest gap " +
+        rows.append(f"{level} LR: {shown(keep)} vs {', '.join(shown(g) for g in others)}; smallest gap " +
                     (min(found, key=lambda e: e.value).text() if found else "n/a") + " points")
     return Verdict("OnPD + reverse KL keeps the student's English; the other settings transfer Spanish",
                    "other settings transfer Spanish almost fully", "; ".join(rows) or "n/a", row_word(claims), study.evidence("style"),
-                   study.command("style"), _rule(claims))
+                   study.command("style"), _rule(claims),
+                   "the tiny world's Spanish is its teacher's swap of eight English words and phrases (kdlab/tiny/world.py), judged by py3langid; "
+                   "the real-model style study (docs/real_model.md) judges real Spanish")
 
 
 def _rule(claims: list[Claim]) -> str:
