@@ -67,15 +67,15 @@ def make_run(folder: Path, kind: str, direction: str, lr: float, seed: int, corr
     return run
 
 
-def make_grid(root: Path, accuracy, ood) -> None:
-    """``root/distill`` with ``accuracy(kind, direction, level, seed)`` and ``ood(level, seed)``."""
-    (root / "distill").mkdir(parents=True)
-    (root / "distill" / "sweep.json").write_text(json.dumps({"sweep": "experiments/tiny/grid.yaml"}))
+def make_grid(root: Path, accuracy, ood, part: str = "distill") -> None:
+    """``root/<part>`` with ``accuracy(kind, direction, level, seed)`` and ``ood(level, seed)``."""
+    (root / part).mkdir(parents=True)
+    (root / part / "sweep.json").write_text(json.dumps({"sweep": "experiments/tiny/grid.yaml"}))
     for kind in ROLLOUTS:
         for direction in OBJECTIVES:
             for level, lr in (("low", 1e-4), ("high", 2e-3)):
                 for seed in (42, 43, 44):
-                    make_run(root / "distill", kind, direction, lr, seed, accuracy(kind, direction, level, seed),
+                    make_run(root / part, kind, direction, lr, seed, accuracy(kind, direction, level, seed),
                              {"ood/mean_delta": ood(level, seed)})
 
 
@@ -345,3 +345,19 @@ def test_harder_set_row_names_its_design_and_every_k(tmp_path, task, departure):
     assert study(tmp_path).command("rlvr") == PART_COMMANDS["rlvr"]  # no sweep.json: the study script's command
     if task is HELD_OUT:
         assert "task countdown3 (held out: countdown3s)" in verdict.tiny
+
+
+def test_main_grid_rows_say_which_precision_each_label_is_from(tmp_path):
+    """With the main grid's cells in bf16 too, rows 1-3 carry a label for each precision: here forgetting is
+    visible at the high LR in fp32 only."""
+    from kdlab.study.verdicts import with_bf16
+
+    make_grid(tmp_path, lambda *a: 0.5, lambda level, seed: -15.0 + seed - 43 if level == "high" else 0.1 * (seed - 43))
+    only_fp32 = with_bf16(forgetting, study(tmp_path))
+    assert only_fp32 == forgetting(study(tmp_path))  # no bf16 part: the fp32 row unchanged
+    make_grid(tmp_path, lambda *a: 0.5, lambda level, seed: 0.1 * (seed - 43), part="bf16")
+    row = with_bf16(forgetting, study(tmp_path))
+    assert row.verdict == (f"fp32: {EQUIVALENT}{MARGIN}: OOD change at the low LR; {REPRODUCED}: OOD change at the high LR. "
+                           f"bf16: {EQUIVALENT}{MARGIN}: OOD change at the low LR; {NOT_DISTINGUISHABLE}: OOD change at the high LR")
+    assert row.tiny.startswith("fp32: mean OOD change") and ". bf16: mean OOD change" in row.tiny
+    assert row.evidence == "24 runs in " + tmp_path.name + "/distill/; 24 runs in " + tmp_path.name + "/bf16/"

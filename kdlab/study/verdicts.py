@@ -199,11 +199,11 @@ def _pct(group: Group | None, metric: str = "val/accuracy") -> str:
 
 
 # ---- the eight findings --------------------------------------------------------------------------
-def on_policy_advantage(study: Study) -> Verdict:
+def on_policy_advantage(study: Study, part: str = "distill") -> Verdict:
     claims, shown = [], []
     for direction in ("forward", "reverse"):
         for level in ("low", "high"):
-            on, off = study.cell("distill", "OnPD", direction, level), study.cell("distill", "OffPD", direction, level)
+            on, off = study.cell(part, "OnPD", direction, level), study.cell(part, "OffPD", direction, level)
             if on and off:
                 effect = accuracy_effect([(1.0, on), (-1.0, off)])
                 claims.append(Claim(f"OnPD - OffPD ({direction} KL, {level} LR)", effect, NO_DIFFERENCE, ACCURACY_MARGIN))
@@ -211,15 +211,15 @@ def on_policy_advantage(study: Study) -> Verdict:
                     shown.append(f"{direction} KL, {level} LR: {effect.text()}")
     return Verdict(
         "No consistent on-policy advantage", "best mean accuracy OnPD 72% vs OffPD 73%",
-        "OnPD - OffPD held-out accuracy (points): " + "; ".join(shown), row_word(claims), study.evidence("distill"),
-        study.command("distill"), _rule(claims), lr_departure(study))
+        "OnPD - OffPD held-out accuracy (points): " + "; ".join(shown), row_word(claims), study.evidence(part),
+        study.command(part), _rule(claims), lr_departure(study, part))
 
 
-def kl_direction_sensitivity(study: Study) -> Verdict:
+def kl_direction_sensitivity(study: Study, part: str = "distill") -> Verdict:
     def lr_change(direction: str) -> list[tuple[float, Group]] | None:
         terms = []
         for kind in ("OffPD", "OnPD"):
-            high, low = study.cell("distill", kind, direction, "high"), study.cell("distill", kind, direction, "low")
+            high, low = study.cell(part, kind, direction, "high"), study.cell(part, kind, direction, "low")
             if not (high and low):
                 return None
             terms += [(0.5, high), (-0.5, low)]
@@ -234,13 +234,13 @@ def kl_direction_sensitivity(study: Study) -> Verdict:
     tiny = "accuracy change high - low LR (points, mean of OffPD and OnPD): forward " + (f.text() if f else "n/a") + \
         ", reverse " + (r.text() if r else "n/a") + "; reverse - forward " + (extra.text() if extra else "n/a")
     return Verdict("Forward KL stable across rollout policy and LR; reverse KL LR-sensitive",
-                   "forward 71-73% everywhere; reverse 35-72%", tiny, row_word(claims), study.evidence("distill"),
-                   study.command("distill"), _rule(claims), lr_departure(study))
+                   "forward 71-73% everywhere; reverse 35-72%", tiny, row_word(claims), study.evidence(part),
+                   study.command(part), _rule(claims), lr_departure(study, part))
 
 
-def forgetting(study: Study) -> Verdict:
+def forgetting(study: Study, part: str = "distill") -> Verdict:
     def level_terms(level: str) -> list[tuple[float, Group]]:
-        cells = [study.cell("distill", kind, d, level) for kind in ("OffPD", "OnPD") for d in ("forward", "reverse")]
+        cells = [study.cell(part, kind, d, level) for kind in ("OffPD", "OnPD") for d in ("forward", "reverse")]
         cells = [c for c in cells if c]
         return [(1.0 / len(cells), c) for c in cells] if cells else []
 
@@ -252,8 +252,8 @@ def forgetting(study: Study) -> Verdict:
     tiny = ("mean OOD change (points; 4 earlier skills): low LR " + (lo.text(1.0) if lo else "n/a") + ", high LR " +
             (hi.text(1.0) if hi else "n/a") + ", high - low " + (gap.text(1.0) if gap else "n/a"))
     return Verdict("Forgetting is negligible at the low LR and visible at the high LR",
-                   "|change| <= 1.3 points at 1e-5; drops of 11.2-14.0 at 5e-5", tiny, row_word(claims), study.evidence("distill"),
-                   study.command("distill"), _rule(claims), lr_departure(study))
+                   "|change| <= 1.3 points at 1e-5; drops of 11.2-14.0 at 5e-5", tiny, row_word(claims), study.evidence(part),
+                   study.command(part), _rule(claims), lr_departure(study, part))
 
 
 def sparsity(study: Study) -> Verdict:
@@ -457,6 +457,22 @@ FINDINGS: tuple[Callable[[Study], Verdict], ...] = (
 )
 
 
+PRECISION_FINDINGS = (on_policy_advantage, kl_direction_sensitivity, forgetting)
+"""The main grid's rows, tested on the fp32 grid (``distill``) and, where the study has it, on the same cells in bf16."""
+
+
+def with_bf16(finding: Callable[..., Verdict], study: Study) -> Verdict:
+    """``finding`` on the main grid and, when the ``bf16`` part holds both KL directions, on it too: the row
+    then says which precision each label and effect is from."""
+    fp32 = finding(study)
+    if {g.direction for g in study.groups("bf16")} != {"forward", "reverse"}:
+        return fp32
+    bf16 = finding(study, "bf16")
+    departures = "; ".join(dict.fromkeys(d for d in (fp32.departure, bf16.departure) if d))
+    return Verdict(fp32.finding, fp32.paper, f"fp32: {fp32.tiny}. bf16: {bf16.tiny}", f"fp32: {fp32.verdict}. bf16: {bf16.verdict}",
+                   f"{fp32.evidence}; {bf16.evidence}", f"{fp32.command}; {bf16.command}", f"{fp32.rule} (each precision)", departures)
+
+
 def is_study(root: Path) -> bool:
     """Whether ``root`` has the study's layout (its main grid folder at least)."""
     return (root / "distill" / "sweep.json").is_file()
@@ -467,7 +483,7 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path) -> list[Verd
     (``<root>/wall_times.jsonl``, written by ``experiments/tiny/study.sh``). Each part's own report, which
     ``verdicts.md`` links to (``<output>/<part>/report.md``), is ``kdlab report``'s to write."""
     study = Study(root, runs)
-    verdicts = [finding(study) for finding in FINDINGS]
+    verdicts = [with_bf16(finding, study) if finding in PRECISION_FINDINGS else finding(study) for finding in FINDINGS]
     for verdict in verdicts:  # a finding whose own runs (its first evidence) are missing was not tested
         if verdict.evidence.split("; ")[0].startswith("no runs"):
             verdict.verdict = NOT_RUN
