@@ -100,3 +100,33 @@ def test_the_gap_closed_is_in_the_end_summary_and_in_metrics_jsonl_at_the_last_s
     out = capsys.readouterr().out
     assert f"  heldout_kl/forward_closed: {100 * closed:.1f}% at step 3  (HeldOutKL: share of the starting forward-KL gap" in out
     assert "  heldout_kl/forward: " in out and "  heldout_kl/reverse: " in out and "_before:" not in out
+
+
+def test_student_prefixes_are_the_current_students_own_samples(tiny_pair, tmp_path):
+    """prefixes="student": the KL on completions the student writes at each measurement (seeded, so a
+    redraw from the same weights is the same), logged under heldout_kl/student_prefixes/."""
+    module = DistillModule(*tiny_pair, Addition(num_train=8, num_val=6), max_completion_tokens=6, batch_size=4,
+                           teacher_temperature=0.5, student_temperature=1.0)
+    trainer = bare_trainer(tmp_path)
+    teacher_side, student_side = HeldOutKL(examples=5, batch_size=2), HeldOutKL(examples=5, batch_size=2, prefixes="student")
+    teacher_side.on_fit_start(trainer, module)
+    student_side.on_fit_start(trainer, module)
+    drawn = student_side.sample(module)
+    assert [r.completion_ids.tolist() for r in drawn] == [r.completion_ids.tolist() for r in student_side.sample(module)]
+    assert [r.completion_ids.tolist() for r in drawn] != [r.completion_ids.tolist() for r in teacher_side._rollouts]
+    forward, reverse = by_hand(module, drawn)
+    first, second = rows(trainer)
+    assert set(first) >= {"heldout_kl/forward_before"} and "heldout_kl/student_prefixes/forward" not in first
+    assert second["heldout_kl/student_prefixes/forward_before"] == pytest.approx(forward, rel=1e-5)
+    assert second["heldout_kl/student_prefixes/reverse_before"] == pytest.approx(reverse, rel=1e-5)
+    with torch.no_grad():
+        module.student.lm_head.weight.mul_(0.5)  # another student writes other prefixes
+    student_side.measure(trainer, module)
+    redrawn = student_side.sample(module)
+    assert [r.completion_ids.tolist() for r in redrawn] != [r.completion_ids.tolist() for r in drawn]
+    new_forward, _ = by_hand(module, redrawn)
+    after = rows(trainer)[-1]
+    assert after["heldout_kl/student_prefixes/forward"] == pytest.approx(new_forward, rel=1e-5)
+    assert after["heldout_kl/student_prefixes/forward_closed"] == pytest.approx(1 - new_forward / forward, abs=1e-5)
+    with pytest.raises(ValueError, match="HeldOutKL.prefixes must be one of"):
+        HeldOutKL(prefixes="both")

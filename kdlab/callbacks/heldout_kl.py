@@ -13,7 +13,7 @@ from kdlab.runlog import log_metrics
 
 
 class HeldOutKL(PeriodicCallback):
-    """Full-vocabulary KL between teacher and student on teacher samples of held-out prompts.
+    """Full-vocabulary KL between teacher and student on teacher (or student) samples of held-out prompts.
 
     At fit start the teacher writes one completion (at the module's ``teacher_temperature``, seeded by
     ``seed``) for each of the first ``examples`` prompts of the task's ``split``; the same completions are
@@ -27,15 +27,28 @@ class HeldOutKL(PeriodicCallback):
     * ``heldout_kl/forward_closed`` = 1 - forward / forward_before: the share of the starting forward-KL gap
       the student has closed (1 = it matches the teacher, 0 = no closer, negative = further away).
 
+    ``prefixes="student"`` measures on the student's own samples instead (the prefixes an on-policy run trains
+    on): at every measurement the current student writes one completion per prompt (at ``student_temperature``,
+    seeded by ``seed``), and the same metrics are logged under ``heldout_kl/student_prefixes/`` (``.../forward``,
+    ``.../reverse``, ``..._before``, ``.../forward_closed``). Two callbacks, one of each, measure both.
+
     Needs a :class:`~kdlab.stages.distill.DistillModule` with its teacher model. The completions are redrawn
     identically on resume (same seed, same teacher); the "before" values are kept in the checkpoint.
     """
 
-    def __init__(self, examples: int = 50, batch_size: int = 10, split: str = "val", seed: int = 0, every_n_steps: int | None = None) -> None:
+    PREFIXES = ("teacher", "student")
+
+    def __init__(self, examples: int = 50, batch_size: int = 10, split: str = "val", seed: int = 0, every_n_steps: int | None = None,
+                 prefixes: str = "teacher") -> None:
         super().__init__(every_n_steps)
         if examples < 1 or batch_size < 1:
             raise ValueError(f"HeldOutKL.examples and batch_size must be >= 1, got {examples} and {batch_size}")
+        if prefixes not in self.PREFIXES:
+            raise ValueError(f"HeldOutKL.prefixes must be one of {self.PREFIXES}, got {prefixes!r}")
         self.examples, self.batch_size, self.split, self.seed = examples, batch_size, split, seed
+        self.prefixes = prefixes
+        self.name = "heldout_kl" if prefixes == "teacher" else "heldout_kl/student_prefixes"
+        self._examples: list[Any] = []
         self.before: dict[str, float] = {}
         self._rollouts: list[Any] = []
 
@@ -45,30 +58,33 @@ class HeldOutKL(PeriodicCallback):
         require_teacher_model(pl_module, "HeldOutKL", "compares a student with its teacher", "it samples the held-out completions")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from kdlab.rollouts.policies import TeacherRollouts
-
-        examples = list(pl_module.task.examples(self.split))[: self.examples]
-        if not examples:
+        self._examples = list(pl_module.task.examples(self.split))[: self.examples]
+        if not self._examples:
             raise ValueError(f"HeldOutKL: the task's {self.split!r} split is empty")
-        policy = TeacherRollouts()
-        self._rollouts = [
-            pl_module.make_rollout(examples[start : start + self.batch_size], self.seed + start, policy=policy)
-            for start in range(0, len(examples), self.batch_size)
-        ]
+        self._rollouts = self.sample(pl_module) if self.prefixes == "teacher" else []  # the student's: drawn at each measurement
         if not self.before and trainer.global_step == 0 and not trainer.ckpt_path:
             forward, reverse = self.kl(pl_module)
             self.before = {"forward": forward, "reverse": reverse}
-            log_metrics(trainer, {"heldout_kl/forward": forward, "heldout_kl/reverse": reverse,
-                             "heldout_kl/forward_before": forward, "heldout_kl/reverse_before": reverse})
+            log_metrics(trainer, {f"{self.name}/forward": forward, f"{self.name}/reverse": reverse,
+                                  f"{self.name}/forward_before": forward, f"{self.name}/reverse_before": reverse})
+
+    def sample(self, pl_module: pl.LightningModule) -> list[Any]:
+        """One completion per held-out prompt from the ``prefixes`` model, in batches of ``batch_size``."""
+        from kdlab.rollouts.policies import StudentRollouts, TeacherRollouts
+
+        policy = TeacherRollouts() if self.prefixes == "teacher" else StudentRollouts()
+        return [pl_module.make_rollout(self._examples[start : start + self.batch_size], self.seed + start, policy=policy)
+                for start in range(0, len(self._examples), self.batch_size)]
 
     @torch.no_grad()
     def kl(self, pl_module: pl.LightningModule) -> tuple[float, float]:
-        """(forward, reverse) KL in nats per completion token over the held-out completions."""
+        """(forward, reverse) KL in nats per completion token over the held-out completions (the student's drawn now)."""
         totals, tokens = torch.zeros(2, dtype=torch.float64), 0
+        rollouts = self._rollouts if self.prefixes == "teacher" else self.sample(pl_module)
         was_training = pl_module.student.training
         pl_module.student.eval()
         try:
-            for rollout in self._rollouts:
+            for rollout in rollouts:
                 mask = rollout.completion_mask
                 count = int(mask.sum())
                 if count == 0:
@@ -79,15 +95,15 @@ class HeldOutKL(PeriodicCallback):
         finally:
             pl_module.student.train(was_training)
         if tokens == 0:
-            raise ValueError("HeldOutKL: the teacher's held-out completions hold no token")
+            raise ValueError(f"HeldOutKL: the {self.prefixes}'s held-out completions hold no token")
         forward, reverse = (totals / tokens).tolist()
         return forward, reverse
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         forward, reverse = self.kl(pl_module)
-        metrics = {"heldout_kl/forward": forward, "heldout_kl/reverse": reverse}
+        metrics = {f"{self.name}/forward": forward, f"{self.name}/reverse": reverse}
         if self.before.get("forward"):
-            metrics["heldout_kl/forward_closed"] = 1.0 - forward / self.before["forward"]
+            metrics[f"{self.name}/forward_closed"] = 1.0 - forward / self.before["forward"]
         log_metrics(trainer, metrics)
 
     def state_dict(self) -> dict[str, Any]:
