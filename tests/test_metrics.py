@@ -64,3 +64,29 @@ def test_real_language_detection_of_english_and_spanish_reasoning():
     assert detect_language(spanish) == "es"
     assert detect_language("<answer>6+1=7</answer>") is None
     assert spanish_share([english, spanish, spanish, "<answer>1</answer>"]) == 0.5
+
+
+def test_bf16_frozen_counts_predict_which_entries_a_bf16_adam_step_leaves_alone():
+    """Adam's first step is lr * sign(g) exactly: in bf16 it leaves unchanged every entry the rounding
+    prediction calls frozen, and (for entries not on a power of two, where the spacings differ) only those."""
+    from kdlab.evaluation.metrics import bf16_frozen_counts
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter((torch.randn(4096) * torch.logspace(-4, 0, 4096)).to(torch.bfloat16))
+    before = weight.detach().clone()
+    for lr in (1e-5, 1e-3):
+        weight.data.copy_(before)
+        optimizer = torch.optim.AdamW([weight], lr=lr, weight_decay=0.0)
+        weight.grad = torch.randn(4096).to(torch.bfloat16)
+        optimizer.step()
+        unchanged = weight.detach() == before
+        frozen, total = bf16_frozen_counts({"w": before}, lr)
+        assert total == 4096 and 0 < frozen < total
+        wide = before.float()
+        both = ((wide + lr).to(torch.bfloat16) == before) & ((wide - lr).to(torch.bfloat16) == before)
+        assert int(both.sum()) == frozen and bool(unchanged[both].all())  # frozen entries did not move
+        power_of_two = torch.frexp(before.float()).mantissa.abs() == 0.5
+        assert torch.equal(unchanged[~power_of_two], both[~power_of_two])
+    assert bf16_frozen_counts({"w": torch.tensor([1.0, 0.01, 0.0, 100.0])}, 1e-3) == (2, 4)  # 1 and 100; 0 always moves
+    with pytest.raises(ValueError, match="step must be > 0"):
+        bf16_frozen_counts({"w": before}, 0.0)

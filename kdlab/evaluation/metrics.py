@@ -88,6 +88,27 @@ def sparsity_counts(before: Mapping[str, torch.Tensor], after: Mapping[str, torc
     return small, total
 
 
+def bf16_frozen_counts(weights: Mapping[str, torch.Tensor], step: float) -> tuple[int, int]:
+    """(entries a step of ``+-step`` cannot move in bf16, all entries): an entry is frozen when both
+    ``w + step`` and ``w - step``, computed in fp32 and rounded to bf16 as a bf16 optimiser step is, give ``w``
+    back, i.e. ``step`` is below half the bf16 spacing around ``w`` (8 significant bits: a weight of magnitude
+    ``2**e`` cannot move by less than ``2**(e - 8)``).
+
+    The rounding prediction of update sparsity: with bf16 weights and Adam (whose step is about ``lr`` for a
+    steady gradient, ``|m / sqrt(v)| <= 1``), an entry frozen at ``step = lr`` never changes, so the share frozen
+    is what the weights alone predict of ``S_tau`` at that LR. Weights are read through bf16 first."""
+    if not step > 0:
+        raise ValueError(f"bf16_frozen_counts: step must be > 0, got {step}")
+    frozen = total = 0
+    for tensor in weights.values():
+        w = tensor.detach().to(torch.bfloat16)
+        wide = w.float()
+        same = ((wide + step).to(torch.bfloat16) == w) & ((wide - step).to(torch.bfloat16) == w)
+        frozen += int(same.sum())
+        total += w.numel()
+    return frozen, total
+
+
 # ---- language of a response ---------------------------------------------------------------------
 _NEUTRAL = [
     re.compile(r"<answer>.*?</answer>", re.S),  # answer labels and equations
