@@ -141,6 +141,12 @@ def test_style_transfer_judges_real_text(module, tmp_path):
     callback.on_fit_start(trainer, module)
     (row,) = metrics_file(trainer)
     assert row["style/teacher_spanish_share"] == 1.0 and row["style/spanish_share"] == 0.5
+    later = StyleTransfer([task], examples=2, at_start=False)  # the end of fit only: nothing sampled at the start
+    later.sample = lambda *a, **k: pytest.fail("at_start=False sampled at the start of fit")
+    later.on_fit_start(trainer, module)
+    later.sample = lambda pl_module, task, examples, role="student", repeat=1, model=None: replies[role]
+    later.measure(trainer, module)
+    assert metrics_file(trainer)[-1]["style/spanish_share"] == 0.5 and len(metrics_file(trainer)) == 2
 
 
 def test_callbacks_in_a_real_fit_write_tensorboard_and_the_metrics_file(module, tmp_path):

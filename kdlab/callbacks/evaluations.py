@@ -220,9 +220,12 @@ class StyleTransfer(EvaluationCallback):
         teacher: the reference teacher (a model path, ``kdlab://...``, or a
             :class:`~kdlab.models.loading.ModelSpec`). Its tokenizer is read at setup; its weights are loaded at
             the start of fit onto the module's device for the one measurement, then released.
+        at_start: measure at the start of fit (the teacher's share and the student's before training); False
+            measures the student only at the end (and every ``every_n_steps``), for a grid whose runs all
+            start from the same student and teacher, measured once elsewhere.
     """
 
-    def __init__(self, tasks: list[Task], temperature: float = 1.0, teacher: Any = None, **settings: Any) -> None:
+    def __init__(self, tasks: list[Task], temperature: float = 1.0, teacher: Any = None, at_start: bool = True, **settings: Any) -> None:
         from kdlab.models.loading import ModelSpec
 
         super().__init__(temperature=temperature, **settings)
@@ -231,6 +234,7 @@ class StyleTransfer(EvaluationCallback):
         spanish_share(["probe"])  # fails now, naming the extra, if the detector is not installed
         self.tasks = list(tasks)
         self.teacher = ModelSpec(teacher) if isinstance(teacher, str) else teacher
+        self.at_start = at_start
         self._teacher_tokenizer: Any = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -264,7 +268,8 @@ class StyleTransfer(EvaluationCallback):
             del network  # held for this one measurement only
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        log_metrics(trainer, {"style/teacher_spanish_share": self.teacher_share(pl_module), "style/spanish_share": self.share(pl_module, "student")})
+        if self.at_start:
+            log_metrics(trainer, {"style/teacher_spanish_share": self.teacher_share(pl_module), "style/spanish_share": self.share(pl_module, "student")})
 
     def measure(self, trainer, pl_module) -> None:
         log_metrics(trainer, {"style/spanish_share": self.share(pl_module, "student")})
