@@ -130,3 +130,5 @@ def test_student_prefixes_are_the_current_students_own_samples(tiny_pair, tmp_pa
     assert after["heldout_kl/student_prefixes/forward_closed"] == pytest.approx(1 - new_forward / forward, abs=1e-5)
     with pytest.raises(ValueError, match="HeldOutKL.prefixes must be one of"):
         HeldOutKL(prefixes="both")
+    both = pl.Trainer(accelerator="cpu", logger=False, callbacks=[teacher_side, student_side], enable_progress_bar=False)
+    assert len({c.state_key for c in both.callbacks if isinstance(c, HeldOutKL)}) == 2  # one of each fits in a Trainer

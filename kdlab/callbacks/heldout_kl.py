@@ -106,6 +106,11 @@ class HeldOutKL(PeriodicCallback):
             metrics[f"{self.name}/forward_closed"] = 1.0 - forward / self.before["forward"]
         log_metrics(trainer, metrics)
 
+    @property
+    def state_key(self) -> str:
+        """``HeldOutKL`` on teacher prefixes (as before ``prefixes`` existed), else keyed by it: one of each fits in a Trainer."""
+        return "HeldOutKL" if self.prefixes == "teacher" else self._generate_state_key(prefixes=self.prefixes)
+
     def state_dict(self) -> dict[str, Any]:
         return {"before": dict(self.before)}
 
