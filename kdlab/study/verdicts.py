@@ -324,7 +324,7 @@ def harder_pass_at_k(study: Study) -> Verdict:
     tiny = (f"task {task}: {means}; OnPD - OffPD (points) " +
             (", ".join(f"pass@{j} " + (effects[j].text() if effects.get(j) else "n/a") for j in ks) or "n/a"))
     claims = [Claim(f"OnPD - OffPD pass@{k}", effects.get(k) if k else None, +1)]
-    if "held out: countdown4e" in task:
+    if not groups or "held out: countdown4e" in task:
         departure = ""
     elif "held out" in task:
         departure = f"harder set {task.split('held out: ', 1)[1].rstrip(')')} in place of Countdown-4E"
@@ -385,7 +385,7 @@ def rlvr_edge(study: Study) -> Verdict:
               Claim(f"OnPD - OffPD {metric} before RLVR", before_edge, +1),
               Claim(f"OnPD - OffPD {metric} after RLVR", after_edge, NO_DIFFERENCE, ACCURACY_MARGIN),
               Claim(f"OnPD - OffPD {metric} after - before RLVR", did, -1)]
-    departure = ("RLVR on countdown3s (the harder set) in place of Countdown-4" if source_part == "hard"
+    departure = ("" if not study.parts["rlvr"] else "RLVR on countdown3s (the harder set) in place of Countdown-4" if source_part == "hard"
                  else "RLVR on Countdown-3 (the distillation task) in place of Countdown-4, from the main grid's low-LR runs")
     return Verdict("The on-policy edge does not survive RLVR", "after GRPO on Countdown-4 the OnPD/OffPD difference is gone",
                    tiny, row_word(claims), study.evidence("rlvr"), study.command("rlvr"), _rule(claims), departure)
