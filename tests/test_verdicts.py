@@ -345,6 +345,10 @@ def test_harder_set_row_names_its_design_and_every_k(tmp_path, task, departure):
     assert study(tmp_path).command("rlvr") == PART_COMMANDS["rlvr"]  # no sweep.json: the study script's command
     if task is HELD_OUT:
         assert "task countdown3 (held out: countdown3s)" in verdict.tiny
+    from kdlab.study.verdicts import rlvr_edge
+
+    nothing = Study(tmp_path / "empty", [])  # parts not run state no departure
+    assert harder_pass_at_k(nothing).departure == "" and rlvr_edge(nothing).departure == ""
 
 
 def test_main_grid_rows_say_which_precision_each_label_is_from(tmp_path):
