@@ -96,6 +96,9 @@ CLI_CASES = {
     "47": (FIT + ["--model.base_teacher=true"], "DistillModule.base_teacher: the teacher is the student's base under its LoRA adapters"),
     "50": (FIT + ['--model.teachers={"a": {"model": {"path": "kdlab://tiny-random/teacher"}}}'],
            "DistillModule.teachers replaces ['teacher']: give each teacher as an entry of teachers"),
+    "51": (FIT + ['--model.task={"class_path": "kdlab.tasks.mixture.MultiTask", "init_args": {"tasks": {"a": {"class_path": '
+                  '"kdlab.tasks.Addition"}}, "splits": {"val": ["nope"]}}}'], "MultiTask.splits.val: ['nope'] not among MultiTask.tasks ['a']"),
+    "52": (FIT + [CALLBACK + "kdlab.callbacks.HeldOutKL", "--trainer.callbacks.prefixes=both"], "HeldOutKL.prefixes must be one of"),
 }
 NOT_CLI = {  # rows whose input is not a configuration a command line can give, with where they are tested
     "11": "a corrupted weight file: tested by loading a damaged copy (test_models.py)",
