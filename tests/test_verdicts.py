@@ -235,13 +235,13 @@ def test_rlvr_from_the_harder_set_tests_the_difference_in_differences(tmp_path):
             for seed in (42, 43, 44):
                 source = make_run(tmp_path / "hard", kind, direction, 1e-4, seed, 0.6 if kind == "OnPD" else 0.5,
                                   {"val/pass@4": 0.5}, task=HELD_OUT)
-                make_run(tmp_path / "rlvr" / source.name, "OffPD", "forward", 2e-5, 42, 0.8, {"val/pass@4": 0.8})
+                make_run(tmp_path / "rlvr" / source.name, "OffPD", "forward", 1e-4, 42, 0.8, {"val/pass@4": 0.8})
     verdict = rlvr_edge(study(tmp_path))
     assert verdict.tiny.startswith("RLVR from the hard part's runs; held-out accuracy after - before RLVR +25.0")
     assert "OnPD - OffPD pass@4: before RLVR +10.0" in verdict.tiny and "(difference in differences) -10.0" in verdict.tiny
     assert verdict.verdict == (f"{REPRODUCED}: held-out accuracy after - before RLVR, OnPD - OffPD pass@4 before RLVR, "
                                f"OnPD - OffPD pass@4 after - before RLVR; {EQUIVALENT}{MARGIN}: OnPD - OffPD pass@4 after RLVR")
-    assert verdict.departure == "RLVR on countdown3s (the harder set) in place of Countdown-4"
+    assert verdict.departure == "RLVR on countdown3s (the harder set) in place of Countdown-4; RLVR LR 1x the distillation's (the paper's 0.2x)"
 
 
 def test_report_writes_the_verdicts_and_sums_wall_time(tmp_path, capsys):

@@ -347,10 +347,12 @@ def rlvr_edge(study: Study) -> Verdict:
     before_groups = {kind: [g for g in study.groups(source_part) if g.kind == kind and g.level == level and g.lam is None] if level
                      else [g for g in study.groups(source_part) if g.kind == kind and g.lam is None] for kind in ("OnPD", "OffPD")}
     after: dict[str, dict[str, dict[Path, RunResult]]] = {"OnPD": {}, "OffPD": {}}  # kind -> objective -> source -> last run
+    ratios = set()  # RLVR LR / the distillation's
     for run in study.parts["rlvr"]:
         source = study.root / source_part / Path(run.path).resolve().parent.name
         if (source / "config.yaml").is_file():
             source_run = read_run(source)
+            ratios.add(round(run.lr / source_run.lr, 6))
             kind = "OffPD" if source_run.rollout in TEACHER_ROLLOUTS else {"StudentRollouts": "OnPD"}.get(source_run.rollout)
             if kind:
                 after[kind].setdefault(str(source_run.objective), {})[source] = run
@@ -387,6 +389,8 @@ def rlvr_edge(study: Study) -> Verdict:
               Claim(f"OnPD - OffPD {metric} after - before RLVR", did, -1)]
     departure = ("" if not study.parts["rlvr"] else "RLVR on countdown3s (the harder set) in place of Countdown-4" if source_part == "hard"
                  else "RLVR on Countdown-3 (the distillation task) in place of Countdown-4, from the main grid's low-LR runs")
+    if departure and ratios and ratios != {0.2}:
+        departure += f"; RLVR LR {'/'.join(f'{r:g}' for r in sorted(ratios))}x the distillation's (the paper's 0.2x)"
     return Verdict("The on-policy edge does not survive RLVR", "after GRPO on Countdown-4 the OnPD/OffPD difference is gone",
                    tiny, row_word(claims), study.evidence("rlvr"), study.command("rlvr"), _rule(claims), departure)
 
