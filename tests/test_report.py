@@ -144,8 +144,8 @@ def test_report_tables_figures_and_paper_numbers(runs, tmp_path, capsys, monkeyp
     passes = markdown_table(text, "## pass@k")
     assert list(passes[0])[-3:] == ["val/pass@1 (%)", "val/pass@10 (%)", "coverage/countdown4e/pass@1 (%)"]
     assert {(r["rollout"], r["val/pass@10 (%)"]) for r in passes} == {("MixtureRollouts (lam=-0.5)", "60.0"), ("MixtureRollouts (lam=0.5)", "80.0")}
-    style = {r["rollout"]: r["style/spanish_share (%)"] for r in markdown_table(text, "## Style transfer")}
-    assert style == {"MixtureRollouts (lam=-0.5)": "90.0", "MixtureRollouts (lam=0.5)": "10.0"}
+    style = {r["rollout"]: (r["style/spanish_share (%)"], r["val/accuracy (%)"]) for r in markdown_table(text, "## Style transfer")}
+    assert style == {"MixtureRollouts (lam=-0.5)": ("90.0", "50.0"), "MixtureRollouts (lam=0.5)": ("10.0", "70.0")}  # accuracy beside
     curves = read_csv(out / "rlvr_curves.csv")
     assert len(curves) == 10 and {float(r["value"]) for r in curves if r["lam"] == "0.5"} == {0.0, 1.0, 2.0, 3.0, 4.0}
     assert len(read_csv(out / "runs.csv")) == 5
@@ -623,3 +623,25 @@ def test_the_heldout_kl_gap_closed_is_a_column_of_the_main_table(tmp_path):
     main(["report", str(tmp_path / "runs"), "--output", str(tmp_path / "out")])
     table = markdown_table((tmp_path / "out" / "report.md").read_text(), "## Results by configuration")
     assert table[0]["heldout_kl/forward_closed (%)"].startswith("64.0 ± 7.1")
+
+
+def test_the_spanish_share_gets_a_wilson_interval_over_the_answers_judged(tmp_path):
+    """StyleTransfer judges examples x tasks answers per run: the style table gives the share its Wilson
+    interval over them (pooled over seeds), with the student's accuracy and held-out KLs beside it."""
+    from kdlab.study.runs import collect
+    from kdlab.study.groups import group_runs
+    from kdlab.study.stats import wilson_interval
+
+    style = {"class_path": "kdlab.callbacks.StyleTransfer",
+             "init_args": {"examples": 200, "tasks": [{"class_path": "kdlab.tasks.Counting"}], "at_start": False}}
+    rows = [{"step": 4, "val/accuracy": 0.3, "style/spanish_share": 0.25, "heldout_kl/forward": 0.5, "heldout_kl/student_prefixes/forward": 0.2}]
+    for seed in (42, 43):
+        make_run(tmp_path / "runs", f"s{seed}", "TeacherRollouts", "ForwardKL", 1e-5, seed, rows, callbacks=[style])
+    runs, _ = collect([tmp_path / "runs"])
+    assert {run.coverage_draws["style"] for run in runs} == {200}
+    (group,) = group_runs(runs, {1e-5: "low"})
+    low, high, how = group.interval("style/spanish_share")
+    assert (low, high) == pytest.approx(wilson_interval(0.25, 400)) and how == "Wilson"
+    main(["report", str(tmp_path / "runs"), "--output", str(tmp_path / "out")])
+    (row,) = markdown_table((tmp_path / "out" / "report.md").read_text(), "## Style transfer")
+    assert row["heldout_kl/student_prefixes/forward"].startswith("0.2") and row["val/accuracy (%)"].startswith("30.0")

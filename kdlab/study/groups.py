@@ -114,7 +114,8 @@ class Group:
         ``val/accuracy`` and ``val/pass@k`` by bootstrap over problems (and samples, for the accuracy) of each seed's last
         evaluation (``samples/val-*.jsonl``); ``coverage/<name>/pass@1`` by a Wilson interval over the
         callback's examples x samples (correlated samples of one problem make it a little narrow);
-        None otherwise."""
+        ``style/spanish_share`` by a Wilson interval over the answers judged, pooled over the seeds (the
+        seeds' own variance left out: the verdicts' t interval over seeds has it); None otherwise."""
         if metric == "val/accuracy" or re.fullmatch(r"val/pass@\d+", metric):
             tables = []
             for runs in self.by_seed().values():
@@ -124,7 +125,7 @@ class Group:
                 tables.append(scores)
             k = None if metric == "val/accuracy" else int(metric.rsplit("@", 1)[1])
             return (*bootstrap_interval(tables, k=k, draws=draws), "bootstrap")
-        match = re.fullmatch(r"(coverage/.+)/pass@1", metric)
+        match = re.fullmatch(r"(coverage/.+)/pass@1", metric) or re.fullmatch(r"(style)/spanish_share", metric)
         stats = self.stats(metric)
         if match and stats is not None:
             total = sum(run.coverage_draws.get(match.group(1), 0) for runs in self.by_seed().values() for run in runs[-1:])

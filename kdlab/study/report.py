@@ -70,6 +70,9 @@ from kdlab.study.groups import (
 )
 from kdlab.study.paper import PAPER, PAPER_NOTE_TASKS, PAPER_NOTES, PAPER_RESULTS, is_paper_task
 from kdlab.study.runs import MAIN_METRICS, PASS_AT_K, STYLE_METRICS, RunResult, collect
+
+STYLE_GUARDS = ("val/accuracy", "ood/mean_delta", "heldout_kl/forward", "heldout_kl/student_prefixes/forward")
+"""Shown beside the Spanish share, on the configurations that logged it."""
 from kdlab.study.tables import markdown_table, write_csv
 
 
@@ -164,10 +167,11 @@ class _Report:
             return [f"> Paper: {PAPER_NOTES[key]}"]
         return []
 
-    def metric_section(self, title: str, metrics: list[str], csv_name: str, note: str | None = None) -> list[Group]:
-        """A table (and CSV) of ``metrics`` for the configurations that logged any of them; ``note`` names
-        the paper's note shown under it (:meth:`paper_note`)."""
+    def metric_section(self, title: str, metrics: list[str], csv_name: str, note: str | None = None, beside: list[str] = ()) -> list[Group]:
+        """A table (and CSV) of ``metrics`` for the configurations that logged any of them, with the ``beside``
+        metrics after them; ``note`` names the paper's note shown under it (:meth:`paper_note`)."""
         shown = [g for g in self.groups if any(g.stats(m) for m in metrics)]
+        metrics = [*metrics, *beside]
         rows = [self.describe(g) + [str(g.seeds)] + [cell(g, m) for m in metrics] for g in shown]
         self.md += ["", f"## {title}", "", markdown_table(self.describe_header + ["n", *map(metric_unit, metrics)], rows)]
         quote = self.paper_note(note, shown) if note else []
@@ -296,10 +300,13 @@ class _Report:
             self.lam_figure(f"pass_at_k-{task}", lines, "pass@k (%)", f"pass@k vs lam, {task}: {', '.join(metrics)}", text_size=(8, 7))
 
     def style(self) -> None:
+        """The Spanish share with what tells a transferred style from a broken student beside it: held-out
+        accuracy, the change on earlier skills, and the held-out KLs on teacher and on student samples."""
         metrics = [m for m in STYLE_METRICS if m in self.present]
         if metrics:
-            title = "Style transfer (share of primarily Spanish student responses)"
-            self.metric_section(title, metrics, "style.csv", "style")
+            guards = [m for m in STYLE_GUARDS if m in self.present]
+            title = "Style transfer (share of primarily Spanish student responses; accuracy, forgetting and held-out KL beside it)"
+            self.metric_section(title, metrics, "style.csv", "style", beside=guards)
 
     def rlvr(self) -> None:
         """Final rewards in a table; whole curves (every run, a colour per configuration) in figures and CSV."""

@@ -255,10 +255,16 @@ def run_status(run_dir: Path, config: dict[str, Any], series: dict[str, list[tup
 
 def _coverage_draws(config: dict[str, Any]) -> dict[str, int]:
     """``coverage/<name>`` -> examples x samples of each ``Coverage`` callback in the config (for the
-    interval of its pass@1)."""
+    interval of its pass@1); ``style`` -> the answers a ``StyleTransfer`` callback judges (examples x tasks)."""
     callbacks = (config.get("trainer") or {}).get("callbacks") if isinstance(config.get("trainer"), dict) else None
     draws = {}
     for callback in callbacks if isinstance(callbacks, list) else []:
+        if isinstance(callback, dict) and str(callback.get("class_path", "")).endswith("StyleTransfer"):
+            args = callback.get("init_args") or {}
+            examples, tasks = args.get("examples", 200), args.get("tasks")
+            if isinstance(examples, int) and isinstance(tasks, list) and tasks:
+                draws["style"] = examples * len(tasks)  # a task with fewer val examples gives fewer: an upper bound
+            continue
         if not (isinstance(callback, dict) and str(callback.get("class_path", "")).endswith("Coverage")):
             continue
         args = callback.get("init_args") or {}
