@@ -365,3 +365,15 @@ def test_main_grid_rows_say_which_precision_each_label_is_from(tmp_path):
                            f"bf16: {EQUIVALENT}{MARGIN}: OOD change at the low LR; {NOT_DISTINGUISHABLE}: OOD change at the high LR")
     assert row.tiny.startswith("fp32: mean OOD change") and ". bf16: mean OOD change" in row.tiny
     assert row.evidence == "24 runs in " + tmp_path.name + "/distill/; 24 runs in " + tmp_path.name + "/bf16/"
+
+
+def test_a_study_of_one_part_in_subfolders_names_each_sweep(tmp_path):
+    """The real-model style study: runs/<root>/style/{low,high} from two sweep files is a study (its verdicts
+    are written) whose style part names both commands; a folder with no part is not."""
+    for level, sweep in (("low", "experiments/smollm2/style_grid.yaml"), ("high", "experiments/smollm2/style_grid_high.yaml")):
+        (tmp_path / "style" / level).mkdir(parents=True)
+        (tmp_path / "style" / level / "sweep.json").write_text(json.dumps({"sweep": sweep}))
+    assert is_study(tmp_path) and not is_study(tmp_path / "style") and not is_study(tmp_path / "style" / "low")
+    assert Study(tmp_path, []).command("style") == ("kdlab sweep --config experiments/smollm2/style_grid_high.yaml; "
+                                                    "kdlab sweep --config experiments/smollm2/style_grid.yaml")
+    assert Study(tmp_path, []).command("hard") == PART_COMMANDS["hard"]

@@ -151,23 +151,32 @@ class Study:
         return None
 
     def command(self, part: str) -> str:
-        """The command that filled the part: the file its ``sweep.json`` names (``kdlab pipeline`` for a pipeline
-        file, which has a ``distill`` stage; else ``kdlab sweep``), else :data:`PART_COMMANDS`'s."""
-        try:
-            sweep = json.loads((self.root / part / "sweep.json").read_text(encoding="utf-8")).get("sweep")
-        except (OSError, ValueError, AttributeError):
-            sweep = None
-        if not isinstance(sweep, str) or not sweep:
-            return PART_COMMANDS[part]
-        try:
-            pipeline = isinstance(yaml.safe_load(Path(sweep).read_text(encoding="utf-8")).get("distill"), dict)
-        except (OSError, ValueError, AttributeError, yaml.YAMLError):
-            pipeline = False
-        return f"kdlab {'pipeline' if pipeline else 'sweep'} --config {sweep}"
+        """The commands that filled the part: the file each ``sweep.json`` names (the part's own, else those of
+        its subfolders; ``kdlab pipeline`` for a pipeline file, which has a ``distill`` stage, else ``kdlab
+        sweep``), else :data:`PART_COMMANDS`'s."""
+        folder = self.root / part
+        found = [folder / "sweep.json"] if (folder / "sweep.json").is_file() else sorted(folder.glob("*/sweep.json"))
+        commands = [command for command in map(_sweep_command, found) if command]
+        return "; ".join(dict.fromkeys(commands)) or PART_COMMANDS[part]
 
     def evidence(self, part: str) -> str:
         runs = self.parts[part]
         return f"{len(runs)} runs in {self.root.name}/{part}/" if runs else f"no runs in {self.root.name}/{part}/"
+
+
+def _sweep_command(path: Path) -> str | None:
+    """``kdlab sweep|pipeline --config <file>`` for the file a ``sweep.json`` names, or None."""
+    try:
+        sweep = json.loads(path.read_text(encoding="utf-8")).get("sweep")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(sweep, str) or not sweep:
+        return None
+    try:
+        pipeline = isinstance(yaml.safe_load(Path(sweep).read_text(encoding="utf-8")).get("distill"), dict)
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        pipeline = False
+    return f"kdlab {'pipeline' if pipeline else 'sweep'} --config {sweep}"
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -478,8 +487,9 @@ def with_bf16(finding: Callable[..., Verdict], study: Study) -> Verdict:
 
 
 def is_study(root: Path) -> bool:
-    """Whether ``root`` has the study's layout (its main grid folder at least)."""
-    return (root / "distill" / "sweep.json").is_file()
+    """Whether ``root`` has the study's layout: a part's folder (:data:`PARTS`) holding a sweep, or subfolders
+    that do (e.g. ``style/low``, ``style/high``), so the real-model study with its style part alone is one."""
+    return any((root / part / "sweep.json").is_file() or any((root / part).glob("*/sweep.json")) for part in PARTS)
 
 
 def write_verdicts(root: Path, runs: list[RunResult], output: Path) -> list[Verdict]:
