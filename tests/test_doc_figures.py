@@ -177,3 +177,15 @@ def test_the_real_model_page_quotes_the_real_vocabulary_benchmark():
     assert rows["kdlab"]["observed"]["columns"] == [49152]  # the KL it timed was as wide as the vocabulary
     for variant in ("kdlab", "kdlab-fused"):
         assert f"{rows[variant]['floor_ratio']:.2f}x" in page, variant
+
+
+def test_the_real_model_style_configs_quote_the_style_check():
+    """experiments/smollm2/style.yaml quotes the check that the told teacher answers in Spanish (>= 80%, the
+    issue's bar) and the plain model does not: its figures are style_check.json's."""
+    check = json.loads((ROOT / "experiments/smollm2/style_check.json").read_text(encoding="utf-8"))
+    shares = check["tasks"]["counting"]["spanish_share"]
+    config = (ROOT / "experiments/smollm2/style.yaml").read_text(encoding="utf-8")
+    told, plain = 100 * shares["system+instruction"]["share"], 100 * shares["plain"]["share"]
+    assert told >= 80.0 and f"Spanish on {told:.1f}% of counting prompts" in config
+    assert f"answers {plain:.1f}% in Spanish" in config
+    assert check["system_prompt"] in config and check["instruction"] in config
