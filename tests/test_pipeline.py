@@ -94,3 +94,27 @@ def test_distill_dir_names_the_folder_of_the_distilled_runs(tmp_path):
     for bad in ("a/b", "rlvr", "", 3):
         with pytest.raises(ValueError, match="'distill_dir' must be one folder name"):
             load_pipeline(smoke_file(tmp_path, distill_dir=bad))
+
+
+def test_an_archived_distillation_without_its_checkpoint_is_run_again_for_rlvr(tmp_path, capsys):
+    """An archive keeps no checkpoints: a finished distillation run whose RLVR stage has not finished is run
+    again to write the checkpoint RLVR starts from; one whose RLVR stage finished is left alone."""
+    import shutil
+
+    from kdlab.study.pipeline import without_checkpoint
+
+    path = smoke_file(tmp_path)
+    main(["pipeline", "--config", str(path)])
+    out, pipeline = tmp_path / "out", load_pipeline(path)
+    assert without_checkpoint(pipeline) == []
+    kept, archived = sorted(p.name for p in (out / "distill").iterdir() if p.is_dir())
+    for name in (kept, archived):
+        shutil.rmtree(out / "distill" / name / "checkpoints")  # as scripts/archive_runs.py keeps them
+    shutil.rmtree(out / "rlvr" / archived)  # this chain's RLVR stage has not run
+    assert without_checkpoint(pipeline) == [archived]
+    capsys.readouterr()
+    main(["pipeline", "--config", str(path)])
+    assert f"{archived}: finished without checkpoints/final.ckpt" in capsys.readouterr().err
+    assert (out / "distill" / archived / "checkpoints" / "final.ckpt").is_file()
+    assert (out / "rlvr" / archived / "seed=42" / "DONE").is_file()
+    assert not (out / "distill" / kept / "checkpoints").exists()  # its chain had finished: not run again

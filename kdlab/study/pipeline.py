@@ -19,7 +19,9 @@ A pipeline file is plain YAML::
 
 Both stages keep the sweep's rules: finished runs (``DONE``) are skipped, interrupted ones resume from
 their newest checkpoint (``on_exception.ckpt`` or ``last.ckpt``), a failed run is recorded and the rest go on (exit status 1 at the end). An
-RLVR chain starts only from a distillation run that finished.
+RLVR chain starts only from a distillation run that finished. A finished distillation run without the
+checkpoint RLVR starts from (restored from an archive, which keeps no checkpoints: scripts/archive_runs.py)
+whose RLVR stage has not finished is run again first, from scratch, to write it.
 
 ``<output>/pipeline.md`` and ``pipeline.csv`` then hold one row per chain: the distilled run's and the
 RLVR run's last ``val/accuracy`` and ``val/pass@k``, the forgetting of each stage relative to the
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kdlab.study.grid import FILE_KEYS as SWEEP_KEYS
-from kdlab.study.grid import Sweep, read_mapping_file
+from kdlab.study.grid import Sweep, expand, read_mapping_file
 from kdlab.study.sweep import run_sweep
 
 PIPELINE_KEYS = ("output", "distill", "rlvr", "checkpoint", "policy_key", "distill_dir")
@@ -142,8 +144,24 @@ def _cell(value: Any) -> str:
 
 
 # ---- running ----------------------------------------------------------------------------------
+def without_checkpoint(pipeline: Pipeline) -> list[str]:
+    """Finished distillation runs (``DONE``) that lack the checkpoint RLVR starts from, and whose RLVR stage
+    has not finished: the runs :func:`run_pipeline` runs again."""
+    missing = []
+    for run in expand(pipeline.distill):
+        folder = Path(pipeline.distill.output, run.name)
+        if (folder / "DONE").is_file() and not (folder / "checkpoints" / pipeline.checkpoint).is_file():
+            rlvr = pipeline.rlvr_sweep(run.name)
+            if not all((Path(rlvr.output, step.name) / "DONE").is_file() for step in expand(rlvr)):
+                missing.append(run.name)
+    return missing
+
+
 def run_pipeline(pipeline: Pipeline, pipeline_file: str) -> list[dict[str, Any]]:
     """Run both stages; returns every run record (distillation first), each with its ``stage``."""
+    for name in without_checkpoint(pipeline):
+        print(f"[pipeline] {name}: finished without checkpoints/{pipeline.checkpoint} (an archived run?); running it again to write it", file=sys.stderr)
+        Path(pipeline.distill.output, name, "DONE").unlink()
     distilled_records = [dict(r, stage="distill") for r in run_sweep(pipeline.distill, pipeline_file)]
     records, chains = list(distilled_records), []
     finished = []
