@@ -7,6 +7,7 @@ import torch
 import yaml
 
 from kdlab.cli.main import main
+from kdlab.study.grid import expand
 from kdlab.study.pipeline import load_pipeline
 
 ROOT = Path(__file__).parents[1]
@@ -118,3 +119,15 @@ def test_an_archived_distillation_without_its_checkpoint_is_run_again_for_rlvr(t
     assert (out / "distill" / archived / "checkpoints" / "final.ckpt").is_file()
     assert (out / "rlvr" / archived / "seed=42" / "DONE").is_file()
     assert not (out / "distill" / kept / "checkpoints").exists()  # its chain had finished: not run again
+
+
+def test_rlvr_seeds_choose_the_distillation_runs_rlvr_starts_from(tmp_path):
+    pipeline = load_pipeline(smoke_file(tmp_path, rlvr_seeds=[42]))
+    assert all(pipeline.chains_from(run) for run in expand(pipeline.distill))
+    assert not any(load_pipeline(smoke_file(tmp_path, rlvr_seeds=[])).chains_from(run) for run in expand(pipeline.distill))
+    with pytest.raises(ValueError, match=r"'rlvr_seeds' \[7\] are not seeds of the distillation stage"):
+        load_pipeline(smoke_file(tmp_path, rlvr_seeds=[7]))
+    with pytest.raises(ValueError, match="'rlvr_seeds' must be a list of integer seeds"):
+        load_pipeline(smoke_file(tmp_path, rlvr_seeds="42"))
+    main(["pipeline", "--config", str(smoke_file(tmp_path, rlvr_seeds=[]))])  # distillation only: no chain
+    assert len([p for p in (tmp_path / "out" / "distill").iterdir() if p.is_dir()]) == 2 and not (tmp_path / "out" / "rlvr").exists()

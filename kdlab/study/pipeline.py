@@ -16,6 +16,7 @@ A pipeline file is plain YAML::
     checkpoint: final.ckpt              # the file in each distillation run's checkpoints/ RLVR starts from
     policy_key: model.policy.checkpoint # the RLVR config key that receives that path
     distill_dir: distill                # the folder under <output> of the distillation runs (e.g. hard)
+    rlvr_seeds: [42, 43]                # RLVR only from the distillation runs of these seeds (default: all)
 
 Both stages keep the sweep's rules: finished runs (``DONE``) are skipped, interrupted ones resume from
 their newest checkpoint (``on_exception.ckpt`` or ``last.ckpt``), a failed run is recorded and the rest go on (exit status 1 at the end). An
@@ -43,7 +44,7 @@ from kdlab.study.grid import FILE_KEYS as SWEEP_KEYS
 from kdlab.study.grid import Sweep, expand, read_mapping_file
 from kdlab.study.sweep import run_sweep
 
-PIPELINE_KEYS = ("output", "distill", "rlvr", "checkpoint", "policy_key", "distill_dir")
+PIPELINE_KEYS = ("output", "distill", "rlvr", "checkpoint", "policy_key", "distill_dir", "rlvr_seeds")
 STAGE_KEYS = tuple(key for key in SWEEP_KEYS if key != "output")
 
 
@@ -55,6 +56,11 @@ class Pipeline:
     checkpoint: str = "final.ckpt"
     policy_key: str = "model.policy.checkpoint"
     distill_dir: str = "distill"
+    rlvr_seeds: list[int] | None = None
+
+    def chains_from(self, run: Any) -> bool:
+        """Whether an RLVR stage starts from distillation run ``run`` (a :class:`~kdlab.study.grid.Run`)."""
+        return self.rlvr_seeds is None or run.seed in self.rlvr_seeds
 
     def rlvr_sweep(self, distilled: str) -> Sweep:
         """The RLVR sweep that starts from distillation run ``distilled``."""
@@ -88,6 +94,9 @@ def load_pipeline(path: str | Path) -> Pipeline:
         raise ValueError(f"{path}: 'distill_dir' must be one folder name other than 'rlvr', got {distill_dir!r}")
     if policy_key in (rlvr.get("grid") or {}) or policy_key in (rlvr.get("overrides") or {}):
         raise ValueError(f"{path}: rlvr sets {policy_key!r}; the pipeline sets it to each distilled checkpoint")
+    rlvr_seeds = data.get("rlvr_seeds")
+    if rlvr_seeds is not None and (not isinstance(rlvr_seeds, list) or not all(type(seed) is int for seed in rlvr_seeds)):
+        raise ValueError(f"{path}: 'rlvr_seeds' must be a list of integer seeds, got {rlvr_seeds!r}")
     try:
         pipeline = Pipeline(
             output=data["output"],
@@ -96,8 +105,12 @@ def load_pipeline(path: str | Path) -> Pipeline:
             checkpoint=data.get("checkpoint", "final.ckpt"),
             policy_key=policy_key,
             distill_dir=distill_dir,
+            rlvr_seeds=rlvr_seeds,
         )
         pipeline.rlvr_sweep("check")  # the RLVR stage's settings are checked before anything runs
+        unknown = sorted(set(rlvr_seeds or ()) - {run.seed for run in expand(pipeline.distill)})
+        if unknown:
+            raise ValueError(f"'rlvr_seeds' {unknown} are not seeds of the distillation stage")
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from error
     return pipeline
@@ -148,7 +161,7 @@ def without_checkpoint(pipeline: Pipeline) -> list[str]:
     """Finished distillation runs (``DONE``) that lack the checkpoint RLVR starts from, and whose RLVR stage
     has not finished: the runs :func:`run_pipeline` runs again."""
     missing = []
-    for run in expand(pipeline.distill):
+    for run in filter(pipeline.chains_from, expand(pipeline.distill)):
         folder = Path(pipeline.distill.output, run.name)
         if (folder / "DONE").is_file() and not (folder / "checkpoints" / pipeline.checkpoint).is_file():
             rlvr = pipeline.rlvr_sweep(run.name)
@@ -165,7 +178,10 @@ def run_pipeline(pipeline: Pipeline, pipeline_file: str) -> list[dict[str, Any]]
     distilled_records = [dict(r, stage="distill") for r in run_sweep(pipeline.distill, pipeline_file)]
     records, chains = list(distilled_records), []
     finished = []
+    seeds = {run.name: run for run in expand(pipeline.distill)}
     for record in distilled_records:
+        if not pipeline.chains_from(seeds[record["name"]]):
+            continue
         if record["status"] in ("done", "skipped"):
             finished.append(record["name"])
         else:
