@@ -14,7 +14,7 @@ layout, which ``experiments/tiny/study.sh`` writes::
 
 An effect is a weighted sum of configuration means (for example OnPD minus OffPD), with 95% intervals
 (:class:`Effect`): for held-out accuracy and pass@k the paired bootstrap over problems of the seeds' mean
-(:func:`~kdlab.study.stats.bootstrap_contrast`, the models held fixed) beside the seed-level one
+(:func:`~kdlab.study.stats.bootstrap_contrast`, the models held fixed; :mod:`kdlab.study.effects`) beside the seed-level one
 (:func:`~kdlab.study.stats.hierarchical_bootstrap_contrast`: seeds, then problems, then samples); for
 per-run numbers (OOD change, sparsity, Spanish share) a t interval over seeds with Welch-Satterthwaite
 degrees of freedom (:func:`~kdlab.study.stats.t_contrast`). Every label comes from :func:`label` applied
@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from kdlab.study import stats
 from kdlab.study.groups import Group, group_runs, lr_levels
 from kdlab.study.labels import (
     ACCURACY_MARGIN,
@@ -51,8 +49,8 @@ from kdlab.study.labels import (
     label,
     row_word,
 )
+from kdlab.study.effects import accuracy_effect, difference, scalar_effect, table_effect
 from kdlab.study.runs import TEACHER_ROLLOUTS, RunResult, read_run, read_samples
-from kdlab.study.stats import bootstrap_contrast, hierarchical_bootstrap_contrast
 from kdlab.study.tables import markdown_table, write_csv
 
 PART_COMMANDS = {  # each part's folder and the command of experiments/tiny/study.sh that fills it
@@ -65,47 +63,6 @@ PART_COMMANDS = {  # each part's folder and the command of experiments/tiny/stud
     "hard": "kdlab sweep --config experiments/tiny/hard_passk.yaml",
 }
 PARTS = tuple(PART_COMMANDS)
-def table_effect(terms: list[tuple[float, list[dict[str, list[float]]]]], k: int | None = None, draws: int = 2000) -> Effect:
-    """``sum w * mean`` over ``terms`` ``(w, seed tables)`` with both intervals: the paired bootstrap over
-    problems (:func:`~kdlab.study.stats.bootstrap_contrast`) and, with two seeds or more in every
-    configuration, the seed-level one (:func:`~kdlab.study.stats.hierarchical_bootstrap_contrast`)."""
-    value, *problems = bootstrap_contrast(terms, k=k, draws=draws)
-    seeds = min(len(tables) for _, tables in terms)
-    low, high = hierarchical_bootstrap_contrast(terms, k=k, draws=draws)[1:] if seeds >= 2 else (None, None)
-    return Effect(value, low, high, f"paired bootstrap over problems; over seeds (n >= {seeds}), problems, samples", tuple(problems))
-
-
-def accuracy_effect(terms: list[tuple[float, Group]], k: int | None = None, draws: int = 2000) -> Effect | None:
-    """``sum w * mean`` of ``val/accuracy`` (``k`` None) or ``val/pass@k`` from each seed's last evaluation
-    samples, with both intervals (:func:`table_effect`); None when a run has no samples file."""
-    tables = []
-    for weight, group in terms:
-        seeds = [read_samples(runs[-1].path) for runs in group.by_seed().values()]
-        if not seeds or any(table is None for table in seeds):
-            return None
-        tables.append((weight, seeds))
-    return table_effect(tables, k, draws)
-
-
-def difference(plus: list[Group], minus: list[Group]) -> list[tuple[float, Group]]:
-    """Terms of ``mean(plus) - mean(minus)``, each configuration weighted equally within its side."""
-    return [(1.0 / len(plus), g) for g in plus] + [(-1.0 / len(minus), g) for g in minus]
-
-
-def scalar_effect(terms: list[tuple[float, Group]], metric: str) -> Effect | None:
-    """``sum w * mean`` of a per-run metric over seeds (reruns of a seed averaged first), with a t
-    interval over seeds with Welch-Satterthwaite degrees of freedom (:func:`~kdlab.study.stats.t_contrast`);
-    None without two seeds in every configuration."""
-    values = []
-    for weight, group in terms:
-        seeds = [statistics.fmean(r.last[metric] for r in runs if metric in r.last) for runs in group.by_seed().values()
-                 if any(metric in r.last for r in runs)]
-        if len(seeds) < 2:
-            return None
-        values.append((weight, seeds))
-    value, low, high, df = stats.t_contrast(values)
-    return Effect(value, low, high, f"t over seeds (n >= {min(len(v) for _, v in values)}, Welch-Satterthwaite df {df:.1f})")
-
 
 def verdict_word(effect: Effect | None, paper_sign: int) -> str:
     """:func:`label` of a claimed difference of sign ``paper_sign``."""
