@@ -306,8 +306,9 @@ def rlvr_edge(study: Study) -> Verdict:
     and RLVR's own effect on held-out accuracy (after - before, every configuration): an RLVR stage that
     does not move accuracy leaves the claim untested. Each RLVR run is one seed of the configuration
     (rollout, KL direction) of the distilled run it started from (the RLVR runs' own seed is the same for
-    all of them, so they are grouped by their source, not by their seed). The difference in differences
-    treats before and after as independent (each chain's two stages are not paired): a wider interval."""
+    all of them, so they are grouped by their source, not by their seed). "Before" takes every seed of the
+    source configurations, also those without an RLVR run. The difference in differences treats before and
+    after as independent (each chain's two stages are not paired): a wider interval."""
     source_part = "hard" if any((study.root / "hard" / Path(run.path).resolve().parent.name).is_dir() for run in study.parts["rlvr"]) else "distill"
     level = None if source_part == "hard" else "low"
     before_groups = {kind: [g for g in study.groups(source_part) if g.kind == kind and g.level == level and g.lam is None] if level
