@@ -189,3 +189,13 @@ def test_the_real_model_style_configs_quote_the_style_check():
     assert told >= 80.0 and f"Spanish on {told:.1f}% of counting prompts" in config
     assert f"answers {plain:.1f}% in Spanish" in config
     assert check["system_prompt"] in config and check["instruction"] in config
+
+
+def test_the_real_model_style_section_is_what_its_script_writes():
+    """docs/real_model.md's style-check, bf16-prediction and style-grid blocks are what
+    scripts/real_model_style_results.py writes from the committed files."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "scripts/real_model_style_results.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,76 @@
+"""The generated blocks of docs/real_model.md's "Teacher style on the real model" section, from committed files:
+
+    python scripts/real_model_style_results.py [--check]
+
+``style_check``: ``experiments/smollm2/style_check.json`` (does the told teacher answer in Spanish, and which task
+does the model already solve), each share with its 95% Wilson interval; ``bf16``: the rounding prediction of
+update sparsity from SmolLM2's weights and the measured bf16 runs (``experiments/smollm2/bf16_sparsity.json``);
+``style``: the style table of the grid's report (``experiments/smollm2/style_report/report.md``, written by
+``kdlab report runs/smollm2-study --output experiments/smollm2/style_report --low_lr 1e-5 --high_lr 5e-5``) and
+its verdict row. ``--check``: exit 1 if the page differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from cross_tokenizer_example import update_page
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "real_model.md"
+CHECK = ROOT / "experiments" / "smollm2" / "style_check.json"
+BF16 = ROOT / "experiments" / "smollm2" / "bf16_sparsity.json"
+REPORT = ROOT / "experiments" / "smollm2" / "style_report"
+
+
+def pct(value: float, interval: list[float] | None = None) -> str:
+    return f"{100 * value:.1f}%" + (f" [{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]" if interval else "")
+
+
+def style_check() -> str:
+    record = json.loads(CHECK.read_text(encoding="utf-8"))
+    lines = [f"`{record['command']}` ({record['examples']} held-out prompts per task, T = {record['temperature']}, "
+             f"{record['max_new_tokens']} new tokens; system prompt \"{record['system_prompt']}\", instruction \"{record['instruction']}\"):", "",
+             "| task | greedy accuracy (last number) | Spanish: plain prompt | system prompt | instruction | both |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for task, result in record["tasks"].items():
+        shares = result["spanish_share"]
+        lines.append(f"| {task} | {pct(result['greedy_accuracy'], result['greedy_accuracy_ci95'])} | " +
+                     " | ".join(pct(shares[t]["share"], shares[t]["ci95"]) for t in ("plain", "system", "instruction", "system+instruction")) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def bf16() -> str:
+    if not BF16.exists():
+        return "Not run yet: no `experiments/smollm2/bf16_sparsity.json`.\n"
+    record = json.loads(BF16.read_text(encoding="utf-8"))
+    measured = {round(row["lr"], 12): row for row in record["measured"]}
+    lines = [f"`{record['command']}` (tau = {record['tau']:g}):", "",
+             "| LR | predicted S_tau (weights a +-LR step cannot move in bf16) | measured S_tau, bf16 run |", "| ---: | ---: | ---: |"]
+    for lr, prediction in record["prediction"].items():
+        run = measured.get(round(float(lr), 12))
+        lines.append(f"| {lr} | {pct(prediction['predicted'])} | " + (pct(run["sparsity/1e-06"]) if run and run["sparsity/1e-06"] is not None else "not run") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def style() -> str:
+    report, verdicts = REPORT / "report.md", REPORT / "verdicts.md"
+    if not report.exists():
+        return "Not run yet: no `experiments/smollm2/style_report/report.md`.\n"
+    text = report.read_text(encoding="utf-8")
+    start = text.index("## Style transfer")
+    table = [line for line in text[start:].splitlines()[1:] if line.startswith("|")]
+    rows = [line for line in verdicts.read_text(encoding="utf-8").splitlines() if line.startswith("| OnPD + reverse KL")] if verdicts.exists() else []
+    return "\n".join(table + ([""] + rows[:1] if rows else [])) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page's generated blocks differ")
+    args = parser.parse_args()
+    update_page(PAGE, {"style_check": style_check(), "bf16": bf16(), "style": style()}, args.check, "scripts/real_model_style_results.py")
+
+
+if __name__ == "__main__":
+    main()
