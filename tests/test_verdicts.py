@@ -348,7 +348,7 @@ def test_harder_set_row_names_its_design_and_every_k(tmp_path, task, departure):
     from kdlab.study.verdicts import rlvr_edge
 
     nothing = Study(tmp_path / "empty", [])  # parts not run state no departure
-    assert harder_pass_at_k(nothing).departure == "" and rlvr_edge(nothing).departure == ""
+    assert harder_pass_at_k(nothing).departure == "" and rlvr_edge(nothing).departure == "" and style_transfer(nothing).departure == ""
 
 
 def test_main_grid_rows_say_which_precision_each_label_is_from(tmp_path):

@@ -391,7 +391,7 @@ def style_transfer(study: Study) -> Verdict:
                    "other settings transfer Spanish almost fully", "; ".join(rows) or "n/a", row_word(claims), study.evidence("style"),
                    study.command("style"), _rule(claims),
                    "the tiny world's Spanish is its teacher's swap of eight English words and phrases (kdlab/tiny/world.py), judged by py3langid; "
-                   "the real-model style study (docs/real_model.md) judges real Spanish")
+                   "the real-model style study (docs/real_model.md) judges real Spanish" if study.parts["style"] else "")
 
 
 def _rule(claims: list[Claim]) -> str:
