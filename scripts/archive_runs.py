@@ -3,6 +3,7 @@ sweep's sweep.json; each finished run's config.yaml, metrics.jsonl, run_info.jso
 without checkpoints or event files, in one .tar.gz. Unfinished runs (no DONE) are left out.
 
     python scripts/archive_runs.py runs/tiny-study-5x/distill experiments/tiny/study_runs/grid_5x.tar.gz
+    python scripts/archive_runs.py runs/tiny-study-5x/rlvr/* experiments/tiny/study_runs/rlvr_harder.tar.gz  # several sweeps
 
 Restore with `tar xzf <archive>` from the repository root; the sweep then skips the restored runs.
 """
@@ -16,13 +17,23 @@ from pathlib import Path
 KEPT = ("config.yaml", "metrics.jsonl", "DONE", "run_info.json")
 
 
-def archive(sweep: Path, output: Path) -> int:
-    """Write ``output`` from the sweep folder ``sweep`` (a relative path, kept as is in the archive); the runs kept."""
+def archive(sweeps: list[Path], output: Path) -> int:
+    """Write ``output`` from the sweep folders ``sweeps`` (relative paths, kept as they are in the archive); the runs kept.
+    A sweep folder with no finished run is left out."""
     output.parent.mkdir(parents=True, exist_ok=True)
     kept = 0
     with tarfile.open(output, "w:gz") as tar:
+        for sweep in sweeps:
+            kept += _add(tar, sweep)
+    return kept
+
+
+def _add(tar: tarfile.TarFile, sweep: Path) -> int:
+    kept = 0
+    finished = sorted(path for path in sweep.iterdir() if (path / "DONE").is_file())
+    if finished:
         tar.add(sweep / "sweep.json")
-        for run in sorted(path for path in sweep.iterdir() if (path / "DONE").is_file()):
+        for run in finished:
             for name in KEPT:
                 if (run / name).is_file():
                     tar.add(run / name)
@@ -34,7 +45,7 @@ def archive(sweep: Path, output: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("sweep", type=Path, help="the sweep's output folder, relative to the repository root")
+    parser.add_argument("sweep", type=Path, nargs="+", help="the sweeps' output folders, relative to the repository root")
     parser.add_argument("output", type=Path, help="the .tar.gz to write")
     args = parser.parse_args()
     print(f"{archive(args.sweep, args.output)} finished runs -> {args.output}")

@@ -153,5 +153,5 @@ def test_the_committed_study_runs_are_finished_runs_a_report_reads(tmp_path):
                 assert {str(run / "config.yaml"), str(run / "metrics.jsonl")} <= set(names), run
                 assert any(name.startswith(str(run / "samples") + "/") for name in names), run
             tar.extractall(tmp_path, filter="data")
-        found, _ = collect([tmp_path / next(iter(runs)).parent])
+        found, _ = collect(sorted({tmp_path / run.parent for run in runs}))  # one sweep folder, or several (RLVR chains)
         assert len(found) == len(runs), archive
