@@ -377,3 +377,12 @@ def test_a_study_of_one_part_in_subfolders_names_each_sweep(tmp_path):
     assert Study(tmp_path, []).command("style") == ("kdlab sweep --config experiments/smollm2/style_grid_high.yaml; "
                                                     "kdlab sweep --config experiments/smollm2/style_grid.yaml")
     assert Study(tmp_path, []).command("hard") == PART_COMMANDS["hard"]
+
+
+def test_a_pipeline_part_is_named_by_kdlab_pipeline_from_any_directory(tmp_path, monkeypatch):
+    """A part filled by kdlab pipeline names it, also when the report runs outside the checkout (the file is
+    then found in kdlab's own checkout)."""
+    (tmp_path / "rlvr" / "a").mkdir(parents=True)
+    (tmp_path / "rlvr" / "a" / "sweep.json").write_text(json.dumps({"sweep": "experiments/tiny/rlvr_harder_pipeline.yaml"}))
+    monkeypatch.chdir(tmp_path)
+    assert Study(tmp_path, []).command("rlvr") == "kdlab pipeline --config experiments/tiny/rlvr_harder_pipeline.yaml"

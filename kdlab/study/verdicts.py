@@ -129,8 +129,9 @@ def _sweep_command(path: Path) -> str | None:
         return None
     if not isinstance(sweep, str) or not sweep:
         return None
+    here = next((p for p in (Path(sweep), Path(__file__).resolve().parents[2] / sweep) if p.is_file()), None)  # or in kdlab's checkout
     try:
-        pipeline = isinstance(yaml.safe_load(Path(sweep).read_text(encoding="utf-8")).get("distill"), dict)
+        pipeline = here is not None and isinstance(yaml.safe_load(here.read_text(encoding="utf-8")).get("distill"), dict)
     except (OSError, ValueError, AttributeError, yaml.YAMLError):
         pipeline = False
     return f"kdlab {'pipeline' if pipeline else 'sweep'} --config {sweep}"
