@@ -312,8 +312,8 @@ def rlvr_edge(study: Study) -> Verdict:
     after as independent (each chain's two stages are not paired): a wider interval."""
     source_part = "hard" if any((study.root / "hard" / Path(run.path).resolve().parent.name).is_dir() for run in study.parts["rlvr"]) else "distill"
     level = None if source_part == "hard" else "low"
-    before_groups = {kind: [g for g in study.groups(source_part) if g.kind == kind and g.level == level and g.lam is None] if level
-                     else [g for g in study.groups(source_part) if g.kind == kind and g.lam is None] for kind in ("OnPD", "OffPD")}
+    sources = [g for g in study.groups(source_part) if g.lam is None and level in (None, g.level)]
+    before_groups = {kind: [g for g in sources if g.kind == kind] for kind in ("OnPD", "OffPD")}
     after: dict[str, dict[str, dict[Path, RunResult]]] = {"OnPD": {}, "OffPD": {}}  # kind -> objective -> source -> last run
     ratios = set()  # RLVR LR / the distillation's
     for run in study.parts["rlvr"]:
