@@ -4,13 +4,13 @@ decides it, its 95% interval, and the runs and command behind it.
 ``kdlab report <root>`` writes them (``verdicts.md``, ``verdicts.csv``) when ``<root>`` holds the study's
 layout, which ``experiments/tiny/study.sh`` writes::
 
-    <root>/distill/                  main grid: rollout x KL x LR x seeds (experiments/tiny/grid.yaml)
-    <root>/rlvr/<distilled run>/...  GRPO from each low-LR grid run (experiments/tiny/rlvr_pipeline.yaml)
-    <root>/bf16/                     bf16-weight runs for update sparsity (experiments/tiny/bf16_grid.yaml)
-    <root>/spectrum/                 lambda spectrum at the low LR (experiments/tiny/spectrum_sweep.yaml)
-    <root>/spectrum_high/            reverse-KL spectrum at the high LR (experiments/tiny/spectrum_high.yaml)
-    <root>/style/                    Spanish-style grid (experiments/tiny/style_grid.yaml)
-    <root>/hard/                     pass@k on Countdown-4E (experiments/tiny/hard_passk.yaml)
+    <root>/distill/                  main grid: rollout x KL x LR (1e-4, 5e-4) x seeds (experiments/tiny/grid_5x.yaml)
+    <root>/hard/                     harder set: distilled on Countdown-3, pass@k on countdown3s
+    <root>/rlvr/<distilled run>/...  GRPO on the harder set from the hard runs (both: experiments/tiny/rlvr_harder_pipeline.yaml)
+    <root>/bf16/                     the main grid's cells in bf16 (experiments/tiny/bf16_grid_5x.yaml)
+    <root>/spectrum/                 lambda spectrum at the low LR (experiments/tiny/spectrum_sweep_5x.yaml)
+    <root>/spectrum_high/            reverse-KL spectrum at the high LR (experiments/tiny/spectrum_high_5x.yaml)
+    <root>/style/                    Spanish-style grid (experiments/tiny/style_grid_5x.yaml)
 
 An effect is a weighted sum of configuration means (for example OnPD minus OffPD), with 95% intervals
 (:class:`Effect`): for held-out accuracy and pass@k the paired bootstrap over problems of the seeds' mean
@@ -54,13 +54,13 @@ from kdlab.study.runs import TEACHER_ROLLOUTS, RunResult, read_run, read_samples
 from kdlab.study.tables import markdown_table, write_csv
 
 PART_COMMANDS = {  # each part's folder and the command of experiments/tiny/study.sh that fills it
-    "distill": "kdlab sweep --config experiments/tiny/grid.yaml",
-    "rlvr": "kdlab pipeline --config experiments/tiny/rlvr_pipeline.yaml",
-    "bf16": "kdlab sweep --config experiments/tiny/bf16_grid.yaml",
-    "spectrum": "kdlab sweep --config experiments/tiny/spectrum_sweep.yaml",
-    "spectrum_high": "kdlab sweep --config experiments/tiny/spectrum_high.yaml",
-    "style": "kdlab sweep --config experiments/tiny/style_grid.yaml",
-    "hard": "kdlab sweep --config experiments/tiny/hard_passk.yaml",
+    "distill": "kdlab sweep --config experiments/tiny/grid_5x.yaml",
+    "rlvr": "kdlab pipeline --config experiments/tiny/rlvr_harder_pipeline.yaml",
+    "bf16": "kdlab sweep --config experiments/tiny/bf16_grid_5x.yaml",
+    "spectrum": "kdlab sweep --config experiments/tiny/spectrum_sweep_5x.yaml",
+    "spectrum_high": "kdlab sweep --config experiments/tiny/spectrum_high_5x.yaml",
+    "style": "kdlab sweep --config experiments/tiny/style_grid_5x.yaml",
+    "hard": "kdlab pipeline --config experiments/tiny/rlvr_harder_pipeline.yaml",
 }
 PARTS = tuple(PART_COMMANDS)
 
@@ -479,7 +479,10 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path) -> list[Verd
         run_seconds = sum(r.seconds or 0.0 for r in runs)
         lines += ["", "## Wall time (2-core CPU, two runs at a time, one thread each)", "",
                   markdown_table(["step", "wall time (min)", "command"], [[s["step"], f"{s['seconds'] / 60:.1f}", f"`{s['command']}`"] for s in by_step.values()]),
-                  "", f"Whole study: {total / 60:.1f} min of wall time; {run_seconds / 60:.1f} min summed over the runs' own fit times."]
+                  "", f"Whole study: {total / 60:.1f} min of wall time; {run_seconds / 60:.1f} min summed over the runs' own fit times.",
+                  "", "Each part's runs' own fit times, summed (they count runs finished in an earlier call of a step, whose "
+                  "wall time that call logged): " + ", ".join(f"{part} {sum(r.seconds or 0.0 for r in study.parts[part]) / 60:.1f} min "
+                                                              f"({len(study.parts[part])} runs)" for part in PARTS if study.parts[part]) + "."]
     output.mkdir(parents=True, exist_ok=True)
     lines += ["", "## Each part's tables", "", *(f"- [{part}]({part}/report.md): `{study.command(part)}`" for part in PARTS if study.parts[part])]
     (output / "verdicts.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
