@@ -257,8 +257,8 @@ def test_report_writes_the_verdicts_and_sums_wall_time(tmp_path, capsys):
     verdicts, rest = text.split("## Departures from the paper's design")
     departures, wall = rest.split("## Wall time")
     assert verdicts.count("\n| ") == 2 + 8 and wall.count("\n| ") == 2 + 2  # header, rule, then 8 findings / 2 steps
-    assert "| grid | 11.0 |" in text and "Whole study: 16.0 min of wall time; 24.0 min summed" in text
-    assert "summed (they count runs finished in an earlier call of a step, whose wall time that call logged): distill 24.0 min (24 runs)." in text
+    assert "| grid | 11.0 |" in text and "Whole study: 16.0 min of wall time logged; 24.0 min summed" in text
+    assert "about 12.0 min of wall time at two runs at a time" in text and "By part: distill 24.0 min (24 runs)." in text
     rows = (tmp_path / "out" / "verdicts.csv").read_text().splitlines()
     assert len(rows) == 9 and rows[0] == "finding,paper,tiny,verdict,rule,evidence,command,departure"
     departing = [row for row in csv.DictReader(rows) if row["departure"]]  # one departures-table row each

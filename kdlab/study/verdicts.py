@@ -479,10 +479,11 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path) -> list[Verd
         run_seconds = sum(r.seconds or 0.0 for r in runs)
         lines += ["", "## Wall time (2-core CPU, two runs at a time, one thread each)", "",
                   markdown_table(["step", "wall time (min)", "command"], [[s["step"], f"{s['seconds'] / 60:.1f}", f"`{s['command']}`"] for s in by_step.values()]),
-                  "", f"Whole study: {total / 60:.1f} min of wall time; {run_seconds / 60:.1f} min summed over the runs' own fit times.",
-                  "", "Each part's runs' own fit times, summed (they count runs finished in an earlier call of a step, whose "
-                  "wall time that call logged): " + ", ".join(f"{part} {sum(r.seconds or 0.0 for r in study.parts[part]) / 60:.1f} min "
-                                                              f"({len(study.parts[part])} runs)" for part in PARTS if study.parts[part]) + "."]
+                  "", f"Whole study: {total / 60:.1f} min of wall time logged; {run_seconds / 60:.1f} min summed over the runs' own fit times, "
+                  f"about {run_seconds / 120:.1f} min of wall time at two runs at a time (an estimate that also counts runs finished in "
+                  "an earlier call of a step, and time other jobs took from the runs). By part: "
+                  + ", ".join(f"{part} {sum(r.seconds or 0.0 for r in study.parts[part]) / 60:.1f} min ({len(study.parts[part])} runs)"
+                              for part in PARTS if study.parts[part]) + "."]
     output.mkdir(parents=True, exist_ok=True)
     lines += ["", "## Each part's tables", "", *(f"- [{part}]({part}/report.md): `{study.command(part)}`" for part in PARTS if study.parts[part])]
     (output / "verdicts.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
