@@ -387,3 +387,20 @@ def test_a_pipeline_part_is_named_by_kdlab_pipeline_from_any_directory(tmp_path,
     (tmp_path / "rlvr" / "a" / "sweep.json").write_text(json.dumps({"sweep": "experiments/tiny/rlvr_harder_pipeline.yaml"}))
     monkeypatch.chdir(tmp_path)
     assert Study(tmp_path, []).command("rlvr") == "kdlab pipeline --config experiments/tiny/rlvr_harder_pipeline.yaml"
+
+
+def test_the_study_script_fills_every_part_with_the_commands_the_verdicts_name():
+    """experiments/tiny/study.sh runs each part's command (PART_COMMANDS), every config it names exists and
+    writes under the root it reports on, with the grid's two LRs as the report's low and high."""
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "experiments" / "tiny" / "study.sh").read_text(encoding="utf-8")
+    assert all(command in script for command in PART_COMMANDS.values())
+    configs = [word for line in script.splitlines() if line.startswith("step ") for word in line.split() if word.endswith(".yaml")]
+    assert configs and all((root / config).is_file() for config in configs)
+    assert all(yaml.safe_load((root / config).read_text())["output"].startswith("runs/tiny-study-5x") for config in configs)
+    grid = yaml.safe_load((root / "experiments" / "tiny" / "grid_5x.yaml").read_text())
+    low, high = sorted(grid["grid"]["model.lr"])
+    report = next(line.split() for line in script.splitlines() if line.startswith("step report "))
+    assert report[2:6] == ["kdlab", "report", "$root", "--output"] and report[6] == "docs/tiny_reproduction"
+    assert float(report[report.index("--low_lr") + 1]) == low and float(report[report.index("--high_lr") + 1]) == high
+    assert "root=runs/tiny-study-5x" in script
