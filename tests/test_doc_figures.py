@@ -200,3 +200,25 @@ def test_the_real_model_style_section_is_what_its_script_writes():
 
     result = subprocess.run([sys.executable, "scripts/real_model_style_results.py", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_real_model_style_study_script_runs_the_sweeps_the_page_counts():
+    """experiments/smollm2/style_study.sh runs the three sweeps with the run counts docs/real_model.md gives, the
+    bf16 measurement over the bf16 sweep's output, and the report and page commands the page names."""
+    import yaml
+
+    script = (ROOT / "experiments/smollm2/style_study.sh").read_text(encoding="utf-8")
+    page = section((ROOT / "docs/real_model.md").read_text(encoding="utf-8"), "Teacher style on the real model")
+    assert "bash experiments/smollm2/style_study.sh" in page
+    for step, name, count in (("style_low", "style_grid", 12), ("style_high", "style_grid_high", 4), ("bf16", "style_bf16", 2)):
+        assert f"step {step} kdlab sweep --config experiments/smollm2/{name}.yaml" in script
+        sweep = yaml.safe_load((ROOT / f"experiments/smollm2/{name}.yaml").read_text(encoding="utf-8"))
+        runs = len(sweep["seeds"])
+        for values in sweep["grid"].values():
+            runs *= len(values)
+        assert runs == count and f"`{name}.yaml`: {count}" in page, name
+    bf16 = yaml.safe_load((ROOT / "experiments/smollm2/style_bf16.yaml").read_text(encoding="utf-8"))["output"]
+    for command in (f"python experiments/smollm2/bf16_sparsity.py --runs {bf16}",
+                    "kdlab report runs/smollm2-study --output experiments/smollm2/style_report --low_lr 1e-5 --high_lr 5e-5",
+                    "python scripts/real_model_style_results.py"):
+        assert command in page and command.replace("runs/smollm2-study", "$root") in script, command
