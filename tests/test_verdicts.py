@@ -341,7 +341,8 @@ def test_harder_set_row_names_its_design_and_every_k(tmp_path, task, departure):
     verdict = harder_pass_at_k(study(tmp_path))
     assert verdict.departure == departure
     assert "pass@1" in verdict.tiny and "OnPD - OffPD (points) pass@1 +30.0" in verdict.tiny and "pass@4 +30.0" in verdict.tiny
-    assert verdict.rule == "OnPD - OffPD pass@4 > 0" and verdict.verdict == REPRODUCED
+    assert verdict.rule == "OnPD - OffPD pass@1 > 0; OnPD - OffPD pass@4 > 0"
+    assert verdict.verdict == REPRODUCED  # both claims agree: one word
     assert verdict.command == "kdlab sweep --config experiments/tiny/harder_set_grid.yaml"  # the part's sweep.json
     assert study(tmp_path).command("rlvr") == PART_COMMANDS["rlvr"]  # no sweep.json: the study script's command
     if task is HELD_OUT:

@@ -278,11 +278,11 @@ def spectrum(study: Study) -> Verdict:
 
 
 def harder_pass_at_k(study: Study) -> Verdict:
-    """OnPD - OffPD pass@k on the harder held-out set at every k the runs log, the claim tested at the largest.
-    The paper distils on Countdown-3 and measures Countdown-4E; the runs' task says what they did instead."""
+    """OnPD - OffPD pass@k on the harder held-out set, the claim (> 0: the paper's on-policy edge is "consistent")
+    tested at every k the runs log. The paper distils on Countdown-3 and measures Countdown-4E; the runs' task
+    says what they did instead."""
     groups = study.groups("hard")
     ks = sorted({int(m.rsplit("@", 1)[1]) for g in groups for m in g.runs[0].last if m.startswith("val/pass@")})
-    k = max(ks) if ks else None
     on = [g for g in groups if g.kind == "OnPD" and g.lam is None]
     off = [g for g in groups if g.kind == "OffPD" and g.lam is None]
     effects = {j: accuracy_effect(difference(on, off), k=j) for j in ks} if on and off else {}
@@ -290,7 +290,7 @@ def harder_pass_at_k(study: Study) -> Verdict:
     task = groups[0].task if groups else "n/a"
     tiny = (f"task {task}: {means}; OnPD - OffPD (points) " +
             (", ".join(f"pass@{j} " + (effects[j].text() if effects.get(j) else "n/a") for j in ks) or "n/a"))
-    claims = [Claim(f"OnPD - OffPD pass@{k}", effects.get(k) if k else None, +1)]
+    claims = [Claim(f"OnPD - OffPD pass@{j}", effects.get(j), +1) for j in ks] or [Claim("OnPD - OffPD pass@k", None, +1)]
     if not groups or "held out: countdown4e" in task:
         departure = ""
     elif "held out" in task:
