@@ -405,3 +405,17 @@ def test_the_study_script_fills_every_part_with_the_commands_the_verdicts_name()
     assert report[2:6] == ["kdlab", "report", "$root", "--output"] and report[6] == "docs/tiny_reproduction"
     assert float(report[report.index("--low_lr") + 1]) == low and float(report[report.index("--high_lr") + 1]) == high
     assert "root=runs/tiny-study-5x" in script
+
+
+def test_a_study_step_logs_its_wall_time_and_a_failed_one_the_status(tmp_path):
+    """experiments/steps.sh (sourced by the study scripts): each step appends its name, seconds and command to
+    $root/wall_times.jsonl, the form write_verdicts reads; a failed step sets status=1 and the next still runs."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    script = f"root={tmp_path / 'study'}\nsource experiments/steps.sh\nstep fine true\nstep broken false\nstep after true\nexit $status\n"
+    result = subprocess.run(["bash", "-c", script], cwd=repo, capture_output=True, text=True)
+    assert result.returncode == 1, result.stderr
+    steps = [json.loads(line) for line in (tmp_path / "study" / "wall_times.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["command"]) for s in steps] == [("fine", "true"), ("broken", "false"), ("after", "true")]
+    assert all(isinstance(s["seconds"], int) for s in steps)

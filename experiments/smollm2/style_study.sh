@@ -7,16 +7,8 @@
 # measured update sparsity (style_bf16.yaml). Two runs at a time with one CPU thread each; a finished run is
 # skipped on a rerun, an interrupted one resumes. Each step's wall time goes to runs/smollm2-study/wall_times.jsonl.
 set -u
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 root=runs/smollm2-study
-mkdir -p $root
-status=0
-step() {
-  local name=$1; shift
-  local start=$SECONDS
-  "$@" || status=1
-  printf '{"step": "%s", "seconds": %d, "command": "%s"}\n' "$name" $((SECONDS - start)) "$*" >> $root/wall_times.jsonl
-}
+source experiments/steps.sh
 step style_low kdlab sweep --config experiments/smollm2/style_grid.yaml
 step style_high kdlab sweep --config experiments/smollm2/style_grid_high.yaml
 step bf16 kdlab sweep --config experiments/smollm2/style_bf16.yaml

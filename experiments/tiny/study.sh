@@ -4,18 +4,10 @@
 #   bash experiments/tiny/study.sh
 # Run from the repository root. Each sweep runs two processes at a time with one CPU thread each; a
 # finished run (DONE) is skipped on a rerun, an interrupted one resumes. The wall time of each step goes to
-# runs/tiny-study-5x/wall_times.jsonl; the report sums it per step (a rerun adds its time).
+# runs/tiny-study-5x/wall_times.jsonl (experiments/steps.sh); the report sums it per step.
 set -u
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 root=runs/tiny-study-5x
-mkdir -p $root
-status=0
-step() {
-  local name=$1; shift
-  local start=$SECONDS
-  "$@" || status=1
-  printf '{"step": "%s", "seconds": %d, "command": "%s"}\n' "$name" $((SECONDS - start)) "$*" >> $root/wall_times.jsonl
-}
+source experiments/steps.sh
 step grid kdlab sweep --config experiments/tiny/grid_5x.yaml
 step hard_rlvr kdlab pipeline --config experiments/tiny/rlvr_harder_pipeline.yaml
 step bf16 kdlab sweep --config experiments/tiny/bf16_grid_5x.yaml
