@@ -419,3 +419,37 @@ def test_a_study_step_logs_its_wall_time_and_a_failed_one_the_status(tmp_path):
     steps = [json.loads(line) for line in (tmp_path / "study" / "wall_times.jsonl").read_text().splitlines()]
     assert [(s["step"], s["command"]) for s in steps] == [("fine", "true"), ("broken", "false"), ("after", "true")]
     assert all(isinstance(s["seconds"], int) for s in steps)
+
+
+def make_spectrum(root: Path, part: str, direction: str, lr: float, accuracy, seeds=(42, 43, 44)) -> None:
+    """``root/<part>`` with MixtureRollouts runs at lambda -2..2 whose held-out accuracy is ``accuracy(lam, seed)``."""
+    for lam in (-2.0, -1.0, 0.0, 1.0, 2.0):
+        for seed in seeds:
+            run = make_run(root / part / f"lam{lam}", "OffPD", direction, lr, seed, accuracy(lam, seed), {})
+            config = yaml.safe_load((run / "config.yaml").read_text())
+            config["model"]["rollout"] = {"class_path": "kdlab.rollouts.MixtureRollouts", "init_args": {"lam": lam}}
+            (run / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def test_spectrum_row_tests_forward_kl_flat_and_reverse_kl_favouring_the_students_side(tmp_path):
+    """Forward KL equal on both sides of the spectrum is "equivalent"; reverse KL 20 points higher for lambda > 0
+    at both LRs is "reproduced"; a reverse KL that is higher on the teacher's side is "opposite"."""
+    from kdlab.study.verdicts import spectrum
+
+    make_spectrum(tmp_path, "spectrum", "forward", 1e-4, lambda lam, seed: 0.5)
+    make_spectrum(tmp_path, "spectrum", "reverse", 1e-4, lambda lam, seed: 0.6 if lam > 0 else 0.4)
+    make_spectrum(tmp_path, "spectrum_high", "reverse", 5e-4, lambda lam, seed: 0.5 if lam > 0 else 0.3, seeds=range(42, 52))
+    verdict = spectrum(study(tmp_path))
+    assert verdict.rule == ("forward KL lam > 0 - lam < 0, low LR = 0 (+-2 points); reverse KL lam > 0 - lam < 0, low LR > 0; "
+                            "reverse KL lam > 0 - lam < 0, high LR > 0")
+    assert verdict.verdict == (f"{EQUIVALENT}{MARGIN}: forward KL lam > 0 - lam < 0, low LR; "
+                               f"{REPRODUCED}: reverse KL lam > 0 - lam < 0, low LR, reverse KL lam > 0 - lam < 0, high LR")
+    assert "low LR +20.0" in verdict.tiny and "high LR +20.0" in verdict.tiny
+    assert "forward KL means from 50.0%" in verdict.tiny
+
+    other = tmp_path / "other"
+    make_spectrum(other, "spectrum", "forward", 1e-4, lambda lam, seed: 0.5 if lam > 0 else 0.2)
+    make_spectrum(other, "spectrum", "reverse", 1e-4, lambda lam, seed: 0.3 if lam > 0 else 0.5)
+    flipped = spectrum(study(other))
+    assert flipped.verdict == (f"{DIFFERENT}{MARGIN}: forward KL lam > 0 - lam < 0, low LR; "
+                               f"{OPPOSITE}: reverse KL lam > 0 - lam < 0, low LR")

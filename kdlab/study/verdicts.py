@@ -244,6 +244,10 @@ def sparsity(study: Study) -> Verdict:
 
 
 def spectrum(study: Study) -> Verdict:
+    """Along the rollout spectrum (``MixtureRollouts``, lambda < 0 the teacher's side, > 0 the student's): reverse
+    KL's accuracy on the student's side minus the teacher's (> 0) at the low LR and, with the high-LR runs, at
+    the high LR; forward KL's (= 0 within :data:`ACCURACY_MARGIN`: "stays high across lambda"), its range of
+    means shown beside it (descriptive: its ends are chosen after the fact)."""
     def side_contrast(part: str, direction: str) -> tuple[Effect | None, list[Group]]:
         groups = [g for g in study.groups(part) if g.lam is not None and g.direction == direction]
         above = [g for g in groups if g.lam > 0 and not math.isclose(g.lam, 0.0)]
@@ -262,7 +266,8 @@ def spectrum(study: Study) -> Verdict:
                        f"lam > 0 minus lam < 0 {low_f.text() if low_f else 'n/a'}")
     else:
         spread_text = "forward KL: n/a"
-    claims = [Claim("reverse KL lam > 0 - lam < 0, low LR", low_r, +1)] + (
+    claims = [Claim("forward KL lam > 0 - lam < 0, low LR", low_f, NO_DIFFERENCE, ACCURACY_MARGIN),
+              Claim("reverse KL lam > 0 - lam < 0, low LR", low_r, +1)] + (
         [Claim("reverse KL lam > 0 - lam < 0, high LR", high_r, +1)] if high_r else [])
     seeds_spread = ""
     if high_groups:
