@@ -399,6 +399,12 @@ def test_the_study_script_fills_every_part_with_the_commands_the_verdicts_name()
     configs = [word for line in script.splitlines() if line.startswith("step ") for word in line.split() if word.endswith(".yaml")]
     assert configs and all((root / config).is_file() for config in configs)
     assert all(yaml.safe_load((root / config).read_text())["output"].startswith("runs/tiny-study-5x") for config in configs)
+    from kdlab.study.verdicts import PARALLEL_RUNS  # the wall-time estimate's assumption
+
+    for config in configs:  # a sweep file, or a pipeline file's distill and rlvr stages
+        sweep = yaml.safe_load((root / config).read_text())
+        stages = [stage for stage in (sweep, sweep.get("distill"), sweep.get("rlvr")) if isinstance(stage, dict) and "max_parallel" in stage]
+        assert stages and {stage["max_parallel"] for stage in stages} == {PARALLEL_RUNS}, config
     grid = yaml.safe_load((root / "experiments" / "tiny" / "grid_5x.yaml").read_text())
     low, high = sorted(grid["grid"]["model.lr"])
     report = next(line.split() for line in script.splitlines() if line.startswith("step report "))

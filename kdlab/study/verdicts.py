@@ -63,6 +63,7 @@ PART_COMMANDS = {  # each part's folder and the command of experiments/tiny/stud
     "hard": "kdlab pipeline --config experiments/tiny/rlvr_harder_pipeline.yaml",
 }
 PARTS = tuple(PART_COMMANDS)
+PARALLEL_RUNS = 2  # the study scripts' sweeps run two processes at a time (max_parallel), one thread each
 
 def verdict_word(effect: Effect | None, paper_sign: int) -> str:
     """:func:`label` of a claimed difference of sign ``paper_sign``."""
@@ -485,7 +486,7 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path) -> list[Verd
         lines += ["", "## Wall time (2-core CPU, two runs at a time, one thread each)", "",
                   markdown_table(["step", "wall time (min)", "command"], [[s["step"], f"{s['seconds'] / 60:.1f}", f"`{s['command']}`"] for s in by_step.values()]),
                   "", f"Whole study: {total / 60:.1f} min of wall time logged; {run_seconds / 60:.1f} min summed over the runs' own fit times, "
-                  f"about {run_seconds / 120:.1f} min of wall time at two runs at a time (an estimate that also counts runs finished in "
+                  f"about {run_seconds / 60 / PARALLEL_RUNS:.1f} min of wall time at two runs at a time (an estimate that also counts runs finished in "
                   "an earlier call of a step, and time other jobs took from the runs). By part: "
                   + ", ".join(f"{part} {sum(r.seconds or 0.0 for r in study.parts[part]) / 60:.1f} min ({len(study.parts[part])} runs)"
                               for part in PARTS if study.parts[part]) + "."]
