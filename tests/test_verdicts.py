@@ -70,7 +70,7 @@ def make_run(folder: Path, kind: str, direction: str, lr: float, seed: int, corr
 def make_grid(root: Path, accuracy, ood, part: str = "distill") -> None:
     """``root/<part>`` with ``accuracy(kind, direction, level, seed)`` and ``ood(level, seed)``."""
     (root / part).mkdir(parents=True)
-    (root / part / "sweep.json").write_text(json.dumps({"sweep": "experiments/tiny/grid.yaml"}))
+    (root / part / "sweep.json").write_text(json.dumps({"sweep": "experiments/tiny/grid_5x.yaml"}))
     for kind in ROLLOUTS:
         for direction in OBJECTIVES:
             for level, lr in (("low", 1e-4), ("high", 2e-3)):
@@ -116,7 +116,7 @@ def test_equal_policies_are_equivalent(tmp_path):
     make_grid(tmp_path, lambda *a: 0.5, lambda *a: 0.0)
     verdict = on_policy_advantage(study(tmp_path))
     assert verdict.verdict == EQUIVALENT + MARGIN
-    assert verdict.command == "kdlab sweep --config experiments/tiny/grid.yaml"
+    assert verdict.command == "kdlab sweep --config experiments/tiny/grid_5x.yaml"
 
 
 def test_seeds_that_disagree_make_a_difference_not_distinguishable(tmp_path):
@@ -332,7 +332,7 @@ HELD_OUT = {"class_path": "kdlab.tasks.mixture.MultiTask",
 ])
 def test_harder_set_row_names_its_design_and_every_k(tmp_path, task, departure):
     (tmp_path / "hard").mkdir(parents=True)
-    (tmp_path / "hard" / "sweep.json").write_text(json.dumps({"sweep": "experiments/tiny/harder_set_grid.yaml"}))
+    (tmp_path / "hard" / "sweep.json").write_text(json.dumps({"sweep": "experiments/my_hard_sweep.yaml"}))
     for kind in ROLLOUTS:
         for direction in OBJECTIVES:
             for seed in (42, 43):
@@ -343,7 +343,7 @@ def test_harder_set_row_names_its_design_and_every_k(tmp_path, task, departure):
     assert "pass@1" in verdict.tiny and "OnPD - OffPD (points) pass@1 +30.0" in verdict.tiny and "pass@4 +30.0" in verdict.tiny
     assert verdict.rule == "OnPD - OffPD pass@1 > 0; OnPD - OffPD pass@4 > 0"
     assert verdict.verdict == REPRODUCED  # both claims agree: one word
-    assert verdict.command == "kdlab sweep --config experiments/tiny/harder_set_grid.yaml"  # the part's sweep.json
+    assert verdict.command == "kdlab sweep --config experiments/my_hard_sweep.yaml"  # the part's sweep.json
     assert study(tmp_path).command("rlvr") == PART_COMMANDS["rlvr"]  # no sweep.json: the study script's command
     if task is HELD_OUT:
         assert "task countdown3 (held out: countdown3s)" in verdict.tiny

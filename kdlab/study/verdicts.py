@@ -411,7 +411,7 @@ METHOD = (
     "[problems] is a paired bootstrap over the problems (for accuracy also over the samples within each) of each seed's last "
     "evaluation, the trained models held fixed; seeds [...] is a bootstrap that resamples the seeds within each configuration, "
     "then the problems (the same for every configuration), then the samples, so it includes the training seed's variance "
-    "(with three seeds a bootstrap still understates it: the seed variance by a factor 2/3, and no t tails). Per-run numbers "
+    "(with n seeds a bootstrap still understates it: the seed variance by a factor (n - 1)/n, and no t tails). Per-run numbers "
     "(OOD change, sparsity, Spanish share) get one, seeds [...]: a t interval over seeds with Welch-Satterthwaite degrees of "
     "freedom. Labels come from the seeds interval of each claim the row tests (column rule): for a claimed difference "
     "(`> 0`, `< 0`) \"reproduced\" when it excludes 0 on the paper's side, \"opposite\" on the other side, \"not "

@@ -349,7 +349,7 @@ def teacher_4e_card(recipe: dict[str, Any], measured: dict[str, Any]) -> str:
         f"Countdown-4E problems (four operands 1-10, three-step chains) and {recipe['countdown3']:,} Countdown-3 problems,",
         f"English only, {recipe['epochs']} epochs at LR {recipe['lr']:g} (cosine, 5% warm-up), one thread, fixed seeds. Same",
         "tokenizer and architecture as the packaged pair. It exists so that the harder set's pass@k can be",
-        "measured (docs/tiny_reproduction.md): the packaged teacher and student solve no Countdown-4E problem.",
+        "measured: the packaged teacher and student solve no Countdown-4E problem (experiments/tiny/harder_split_probe.json).",
         "",
         f"## Measured (first {recipe['eval_examples']} held-out problems; greedy accuracy, and pass@k from "
         f"{recipe['pass_at_k_samples']} samples per problem at T = {recipe['pass_at_k_temperature']:g})",
