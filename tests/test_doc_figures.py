@@ -61,6 +61,56 @@ def test_the_verdict_table_has_one_row_per_headline_finding_and_none_not_run():
     assert "## Wall time" in (DOCS / "tiny_reproduction" / "verdicts.md").read_text(encoding="utf-8")
 
 
+def verdict_rows() -> list[dict[str, str]]:
+    with (DOCS / "tiny_reproduction" / "verdicts.csv").open(encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+def number(text: str, before: str) -> float:
+    """The signed number right after ``before`` in ``text``."""
+    return float(re.search(re.escape(before) + r" ?([+-]?\d+\.\d)", text).group(1))
+
+
+def test_what_the_rows_say_is_what_the_verdicts_say():
+    """Each bullet of the page's "What the rows say", checked against verdicts.csv in the order of the page."""
+    page = " ".join(section((DOCS / "tiny_reproduction.md").read_text(encoding="utf-8"), "What the rows say").split())
+    onpd, kl, ood, sparse, spectrum, hard, rlvr, style = verdict_rows()
+    # rows 1-2 depend on the precision
+    assert "Rows 1-2 depend on the precision." in page
+    fp32, bf16 = onpd["verdict"].split(". bf16: ")
+    assert "different" not in fp32 and fp32.count("equivalent") == 1 and fp32.count("OnPD - OffPD") == 4
+    assert bf16.startswith("different (margin +-2 points): OnPD - OffPD (forward KL, low LR);")
+    assert number(onpd["tiny"].split("bf16: ")[1], "forward KL, low LR:") < 0
+    fp32, bf16 = kl["verdict"].split(". bf16: ")
+    assert "not distinguishable: reverse - forward KL change" in fp32 and "reproduced: reverse - forward KL change" in bf16
+    changes = kl["tiny"].split("bf16: ")[1]
+    assert number(changes, "forward") > 0 and number(changes, "reverse") > 0
+    # forgetting: the paper's labels, a smaller size
+    assert "Forgetting follows the paper's labels in both precisions, at a far smaller size" in page
+    for part in ood["tiny"].split(". bf16: "):
+        assert -2.0 < number(part, "high LR") < 0
+    assert ood["verdict"].count("equivalent (margin +-2 points): OOD change at the low LR; reproduced: OOD change at the high LR") == 2
+    # sparsity
+    assert "Update sparsity is reproduced with bf16 weights" in page and sparse["verdict"] == "reproduced"
+    fp32_cells = re.findall(r"(\d+\.\d)%", sparse["tiny"].split("fp32 grid")[1])
+    assert len(fp32_cells) == 4 and max(map(float, fp32_cells)) < 15
+    assert number(sparse["tiny"], "OffPD low") > 50 and number(sparse["tiny"], "OnPD low") > 50  # most bf16 updates round away
+    # the harder set
+    assert "The harder set shows the opposite of the paper's edge" in page
+    assert hard["verdict"] == "opposite: OnPD - OffPD pass@1, OnPD - OffPD pass@4, OnPD - OffPD pass@16; not distinguishable: OnPD - OffPD pass@32"
+    # RLVR
+    assert "RLVR moved held-out accuracy beyond its interval, but there was no on-policy edge before it" in page
+    assert rlvr["verdict"].startswith("reproduced: held-out accuracy after - before RLVR;")
+    assert "not distinguishable: OnPD - OffPD pass@32 before RLVR, OnPD - OffPD pass@32 after - before RLVR" in rlvr["verdict"]
+    # style
+    assert "The tiny world does not test the style row" in page
+    collapsed, healthy = style["verdict"].split("; ")
+    assert collapsed.startswith("collapsed: ") and collapsed.count(" - OnPD reverse") == 5
+    assert healthy == "not distinguishable: OffPD reverse - OnPD reverse, low LR"
+    low = style["tiny"].split("; high LR")[0]
+    assert "OnPD reverse 0.0% Spanish" in low and "OffPD reverse 0.0% Spanish" in low
+
+
 def test_the_reproduction_pages_parts_table_is_the_study_scripts_commands_and_seeds():
     """Each part the page lists is a step of experiments/tiny/study.sh, with its config's seeds."""
     import yaml
