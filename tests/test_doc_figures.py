@@ -95,6 +95,10 @@ def test_what_the_rows_say_is_what_the_verdicts_say():
     fp32_cells = re.findall(r"(\d+\.\d)%", sparse["tiny"].split("fp32 grid")[1])
     assert len(fp32_cells) == 4 and max(map(float, fp32_cells)) < 15
     assert number(sparse["tiny"], "OffPD low") > 50 and number(sparse["tiny"], "OnPD low") > 50  # most bf16 updates round away
+    # the spectrum
+    assert "The spectrum row is not distinguishable on any of its three claims" in page
+    assert spectrum["verdict"] == ("not distinguishable (margin +-2 points): forward KL lam > 0 - lam < 0, low LR; "
+                                   "not distinguishable: reverse KL lam > 0 - lam < 0, low LR, reverse KL lam > 0 - lam < 0, high LR")
     # the harder set
     assert "The harder set shows the opposite of the paper's edge" in page
     assert hard["verdict"] == "opposite: OnPD - OffPD pass@1, OnPD - OffPD pass@4, OnPD - OffPD pass@16; not distinguishable: OnPD - OffPD pass@32"
