@@ -131,15 +131,16 @@ def test_header_command_runs_with_the_real_cli(path, monkeypatch, tiny_models):
 
 
 def test_the_committed_study_runs_are_finished_runs_a_report_reads(tmp_path):
-    """experiments/tiny/study_runs/*.tar.gz (the essential files of finished study runs, kept so a later session
+    """experiments/{tiny,smollm2}/study_runs/*.tar.gz (the essential files of finished study runs, kept so a later session
     continues a sweep instead of starting over): every member is the sweep's sweep.json or a run's config, metrics,
     per-sample evaluation, provenance or DONE marker, every run has all of them but provenance, and `kdlab report` reads every one."""
     import tarfile
 
     from kdlab.study.runs import collect
 
-    archives = sorted((ROOT / "experiments" / "tiny" / "study_runs").glob("*.tar.gz"))
-    assert archives
+    archives = {world: sorted((ROOT / "experiments" / world / "study_runs").glob("*.tar.gz")) for world in ("tiny", "smollm2")}
+    assert archives["tiny"] and archives["smollm2"]
+    archives = archives["tiny"] + archives["smollm2"]
     for archive in archives:
         with tarfile.open(archive) as tar:
             names = tar.getnames()
@@ -152,6 +153,6 @@ def test_the_committed_study_runs_are_finished_runs_a_report_reads(tmp_path):
             for run in runs:
                 assert {str(run / "config.yaml"), str(run / "metrics.jsonl")} <= set(names), run
                 assert any(name.startswith(str(run / "samples") + "/") for name in names), run
-            tar.extractall(tmp_path, filter="data")
-        found, _ = collect(sorted({tmp_path / run.parent for run in runs}))  # one sweep folder, or several (RLVR chains)
+            tar.extractall(tmp_path / archive.parent.parent.name, filter="data")
+        found, _ = collect(sorted({tmp_path / archive.parent.parent.name / run.parent for run in runs}))  # one sweep folder, or several (RLVR chains)
         assert len(found) == len(runs), archive
