@@ -303,6 +303,18 @@ def test_the_real_model_style_section_is_what_its_script_writes():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_real_model_bf16_prediction_is_within_two_points_below_the_measured_runs():
+    """docs/real_model.md: the weights alone predict the measured bf16 sparsity to within 2 points at both LRs, and
+    the measured runs are the sparser (experiments/smollm2/bf16_sparsity.json)."""
+    record = json.loads((ROOT / "experiments/smollm2/bf16_sparsity.json").read_text(encoding="utf-8"))
+    page = section((ROOT / "docs/real_model.md").read_text(encoding="utf-8"), "Teacher style on the real model")
+    assert "predict the measured bf16 sparsity to within 2 points at both LRs, and the measured runs are the sparser" in " ".join(page.split())
+    measured = {round(row["lr"], 12): row["sparsity/1e-06"] for row in record["measured"]}
+    assert set(measured) == {round(float(lr), 12) for lr in record["prediction"]}
+    for lr, prediction in record["prediction"].items():
+        assert 0 < measured[round(float(lr), 12)] - prediction["predicted"] < 0.02, lr
+
+
 def test_the_real_model_style_study_script_runs_the_sweeps_the_page_counts():
     """experiments/smollm2/style_study.sh runs the three sweeps with the run counts docs/real_model.md gives, the
     bf16 measurement over the bf16 sweep's output, and the report and page commands the page names."""
