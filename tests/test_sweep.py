@@ -288,7 +288,7 @@ def test_sigterm_stops_a_sequential_sweep_instead_of_starting_the_next_run(tmp_p
     assert not (tmp_path / "out" / "lr=0.001-seed=42" / "DONE").exists()
 
 
-def test_a_rerun_resumes_from_the_newer_of_on_exception_and_last(tmp_path):
+def test_a_rerun_resumes_from_the_newest_full_state_never_final(tmp_path):
     import os
 
     from kdlab.study.sweep import _prepare
@@ -302,8 +302,38 @@ def test_a_rerun_resumes_from_the_newer_of_on_exception_and_last(tmp_path):
     assert _prepare(tmp_path / "run") == str(checkpoints / "last.ckpt")
     os.utime(checkpoints / "last.ckpt", (0, 0))
     assert _prepare(tmp_path / "run") == str(checkpoints / "on_exception.ckpt")
+    (checkpoints / "epoch=0-step=60.ckpt").write_text("x")  # a ModelCheckpoint without save_last
+    (checkpoints / "final.ckpt").write_text("x")  # weights only: never resumed from
+    assert _prepare(tmp_path / "run") == str(checkpoints / "epoch=0-step=60.ckpt")
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     assert _prepare(tmp_path / "empty") is None and not (tmp_path / "empty").exists()
+    (tmp_path / "weights" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "weights" / "checkpoints" / "final.ckpt").write_text("x")
+    assert _prepare(tmp_path / "weights") is None and not (tmp_path / "weights").exists()
+
+
+def test_a_run_killed_during_its_end_of_fit_evaluations_resumes_from_its_last_step_and_evaluates_again(tmp_path, fits):
+    """A ModelCheckpoint without save_last wrote epoch=0-step=1.ckpt; the run was killed outright after fit's last
+    step (no DONE, no on_exception.ckpt; here also an evaluation line left corrupt). The rerun resumes from that
+    file instead of starting over, and the end-of-fit evaluation runs again: its new line is the one read."""
+    from kdlab.study.runs import read_metrics
+
+    ood = {"class_path": "kdlab.callbacks.OODForgetting", "init_args": {
+        "tasks": [{"class_path": "kdlab.tasks.Addition", "init_args": {"num_val": 4}}], "examples": 2, "max_new_tokens": 4}}
+    overrides = {**FAST, "trainer.val_check_interval": 1, "trainer.callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint"}, ood]}
+    path = write_sweep(tmp_path, {"model.objective": [FKL]}, overrides=overrides)
+    main(["sweep", "--config", str(path)])
+    run_dir = tmp_path / "out" / "objective=ForwardKL-seed=42"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["epoch=0-step=1.ckpt", "final.ckpt"]
+    measured = read_metrics(run_dir)["ood/mean_delta"]
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    assert metrics.count('"ood/mean_delta": ') == 1
+    (run_dir / "DONE").unlink()
+    (run_dir / "metrics.jsonl").write_text(metrics.replace('"ood/mean_delta": ', '"ood/mean_delta": 999'))
+    main(["sweep", "--config", str(path)])
+    assert len(fits) == 2 and fits[1][-1] == f"--ckpt_path={run_dir / 'checkpoints' / 'epoch=0-step=1.ckpt'}"
+    assert json.loads((run_dir / "DONE").read_text())["resumed_from"].endswith("epoch=0-step=1.ckpt")
+    assert read_metrics(run_dir)["ood/mean_delta"] == measured
 
 
 # ---- slurm mode (submitit; its local executor stands in for the cluster) ------------------------

@@ -40,10 +40,32 @@ def checkpoint_directory(trainer: pl.Trainer) -> Path:
 
 class FinalCheckpoint(pl.Callback):
     """Saves ``<checkpoint dir>/final.ckpt`` (:func:`checkpoint_directory`) when fit ends: the weights only
-    (the module docstring says why); refuses to resume from a weights-only file."""
+    (the module docstring says why); refuses to resume from a weights-only file.
+
+    A fit resumed from a checkpoint of its last step (a run killed outright while its end-of-fit evaluations
+    ran) skips Lightning's training loop and with it every ``on_train_end`` hook. Then, at ``on_fit_end`` (this
+    callback's comes before the other callbacks'), it runs kdlab's end-of-training hooks itself: its own save,
+    every :class:`~kdlab.callbacks.periodic.PeriodicCallback`'s end-of-fit measurement (the evaluations,
+    sparsity, held-out KL) and the module's ``on_train_end`` (a stage's export). Other callbacks'
+    ``on_train_end`` is not replayed."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._ended = False
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._ended = True
         trainer.save_checkpoint(checkpoint_directory(trainer) / "final.ckpt", weights_only=True)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if getattr(self, "_ended", True):
+            return
+        from kdlab.callbacks.periodic import PeriodicCallback
+
+        self.on_train_end(trainer, pl_module)
+        for callback in trainer.callbacks:
+            if isinstance(callback, PeriodicCallback):
+                callback.on_train_end(trainer, pl_module)
+        pl_module.on_train_end()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After ``--ckpt_path``'s weights were loaded (a checkpoint of another model has failed by then) and

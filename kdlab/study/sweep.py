@@ -3,9 +3,10 @@
 
 Restarting: a run is done when ``<output>/<name>/DONE`` exists (a JSON summary written after fit
 returns). Running the same sweep again skips done runs. A run without ``DONE`` (interrupted or failed)
-starts again: from the newer of ``checkpoints/on_exception.ckpt`` (saved when a run stops on an exception,
-Ctrl+C or SIGTERM) and ``checkpoints/last.ckpt`` (``ModelCheckpoint(save_last=True)``) when the run saved
-one, otherwise from scratch after its directory is deleted. A failing run is recorded and the sweep goes on;
+starts again: from the newest full state in ``checkpoints/`` (``on_exception.ckpt``, saved when a run stops on
+an exception, Ctrl+C or SIGTERM; ``last.ckpt`` from ``ModelCheckpoint(save_last=True)``; any other file a
+``ModelCheckpoint`` wrote; never the weights-only ``final.ckpt``) when the run saved one, otherwise from
+scratch after its directory is deleted. A failing run is recorded and the sweep goes on;
 the command then exits with status 1 and lists the failures (Ctrl+C: status 130).
 ``<output>/sweep.json`` lists every run: name, settings, seed, status and the fit command.
 
@@ -46,9 +47,14 @@ class RunFailed(RuntimeError):
 
 
 def _prepare(run_dir: Path) -> str | None:
-    """The checkpoint to resume from (the newer of ``on_exception.ckpt``, which a run stopped by an
-    exception or SIGTERM saves, and ``last.ckpt``), or None after clearing what an unfinished run left behind."""
-    saved = [path for path in (run_dir / "checkpoints" / name for name in ("on_exception.ckpt", "last.ckpt")) if path.is_file()]
+    """The checkpoint to resume from: the newest full training state in ``checkpoints/`` (``on_exception.ckpt``,
+    which a run stopped by an exception or SIGTERM saves, ``last.ckpt``, or a ``ModelCheckpoint`` file such as
+    ``epoch=0-step=60.ckpt``, a file or a sharded checkpoint's folder; never the weights-only ``final.ckpt``), or
+    None after clearing what an unfinished run left behind. A run killed outright (SIGKILL, a lost machine) while
+    its end-of-fit evaluations ran thus resumes from the last step's checkpoint and evaluates again, instead of
+    losing its training."""
+    folder = run_dir / "checkpoints"
+    saved = [path for path in folder.glob("*.ckpt") if path.name != "final.ckpt" and path.exists()] if folder.is_dir() else []
     if saved:
         return str(max(saved, key=lambda path: path.stat().st_mtime))
     if run_dir.exists():
