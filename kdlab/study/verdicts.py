@@ -1,8 +1,8 @@
-"""The tiny-world study's verdicts: one row per headline finding of the paper, with the effect that
-decides it, its 95% interval, and the runs and command behind it.
-
-``kdlab report <root>`` writes them (``verdicts.md``, ``verdicts.csv``) when ``<root>`` holds the study's
-layout, which ``experiments/tiny/study.sh`` writes::
+"""A study's verdicts: one row per headline finding of the paper, with the effect that decides it, its 95%
+interval, and the runs and command behind it. ``kdlab report <root>`` writes them (``verdicts.md``,
+``verdicts.csv``) when ``<root>`` holds the study's layout, which ``experiments/tiny/study.sh`` writes (the
+real-model study, ``experiments/smollm2/style_study.sh``, only its ``style/``; the tiny world's departures
+from the paper's design are said only for tiny-world runs)::
 
     <root>/distill/                  main grid: rollout x KL x LR (1e-4, 5e-4) x seeds (experiments/tiny/grid_5x.yaml)
     <root>/hard/                     harder set: distilled on Countdown-3, pass@k on countdown3s
@@ -17,7 +17,7 @@ An effect is a weighted sum of configuration means (for example OnPD minus OffPD
 (:func:`~kdlab.study.stats.bootstrap_contrast`, the models held fixed; :mod:`kdlab.study.effects`) beside the seed-level one
 (:func:`~kdlab.study.stats.hierarchical_bootstrap_contrast`: seeds, then problems, then samples); for
 per-run numbers (OOD change, sparsity, Spanish share) a t interval over seeds with Welch-Satterthwaite
-degrees of freedom (:func:`~kdlab.study.stats.t_contrast`). Every label comes from :func:`label` applied
+degrees of freedom (:func:`~kdlab.study.stats.t_contrast`). Every label comes from :func:`~kdlab.study.labels.label` applied
 to the seed-level interval of each :class:`Claim` a row tests: "reproduced" / "opposite" / "not
 distinguishable" for a claimed difference, "equivalent" / "different" / "not distinguishable" for a
 claimed absence of difference, with an equivalence margin (:data:`ACCURACY_MARGIN`, :data:`OOD_MARGIN`);
@@ -46,7 +46,6 @@ from kdlab.study.labels import (
     Claim,
     Effect,
     collapse_reason,
-    label,
     row_word,
 )
 from kdlab.study.effects import accuracy_effect, difference, scalar_effect, table_effect
@@ -64,10 +63,6 @@ PART_COMMANDS = {  # each part's folder and the command of experiments/tiny/stud
 }
 PARTS = tuple(PART_COMMANDS)
 PARALLEL_RUNS = 2  # the study scripts' sweeps run two processes at a time (max_parallel), one thread each
-
-def verdict_word(effect: Effect | None, paper_sign: int) -> str:
-    """:func:`label` of a claimed difference of sign ``paper_sign``."""
-    return label(effect, paper_sign)
 
 
 @dataclass
@@ -93,6 +88,9 @@ class Study:
             relative = Path(run.path).resolve().relative_to(root.resolve()) if _inside(run.path, root) else None
             if relative is not None and relative.parts and relative.parts[0] in self.parts:
                 self.parts[relative.parts[0]].append(run)
+        students = sorted({json.loads(r.settings.get("model.student.path") or r.settings.get("model.init_args.student.path") or '""') for r in runs} - {""})
+        self.tiny = all(path.startswith("kdlab://") for path in students)  # the packaged tiny models (docs/tiny_world.md)
+        self.world = "the tiny world" if self.tiny else f"{', '.join(students)}"
 
     def groups(self, part: str) -> list[Group]:
         """The part's configurations (grouped once: each group keeps its computed intervals)."""
@@ -398,7 +396,7 @@ def style_transfer(study: Study) -> Verdict:
                    "other settings transfer Spanish almost fully", "; ".join(rows) or "n/a", row_word(claims), study.evidence("style"),
                    study.command("style"), _rule(claims),
                    "the tiny world's Spanish is its teacher's swap of eight English words and phrases (kdlab/tiny/world.py), judged by py3langid; "
-                   "the real-model style study (docs/real_model.md) judges real Spanish" if study.parts["style"] else "")
+                   "the real-model style study (docs/real_model.md) judges real Spanish" if study.parts["style"] and study.tiny else "")
 
 
 def _rule(claims: list[Claim]) -> str:
@@ -466,14 +464,14 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path) -> list[Verd
     for verdict in verdicts:  # a finding whose own runs (its first evidence) are missing was not tested
         if verdict.evidence.split("; ")[0].startswith("no runs"):
             verdict.verdict = NOT_RUN
-    header = ["finding (paper)", "paper", "tiny world: effect [95% interval, problems] / seeds [95% interval, seeds]", "verdict",
+    header = ["finding (paper)", "paper", f"{study.world.removeprefix('the ')}: effect [95% interval, problems] / seeds [95% interval, seeds]", "verdict",
               "rule (claims the verdict tests)", "evidence", "command"]
     rows = [[v.finding, v.paper, v.tiny, f"**{v.verdict}**" + (f" (design differs: {v.departure})" if v.departure else ""),
              v.rule, v.evidence, f"`{v.command}`"] for v in verdicts]
-    lines = ["# Verdicts: the paper's headline findings on the tiny world", "", METHOD, "", markdown_table(header, rows)]
-    departures = [[v.finding, v.departure] for v in verdicts if v.departure]
-    lines += ["", "## Departures from the paper's design", "", WORLD_DEPARTURES, ""]
-    lines += [markdown_table(["finding", "design here"], departures) if departures else "No row departs further from the paper's design."]
+    lines = [f"# Verdicts: the paper's headline findings on {study.world}", "", METHOD, "", markdown_table(header, rows)]
+    departures = [[v.finding, v.departure] for v in verdicts if v.departure]  # the page of a real-model study states its own
+    lines += ["", "## Departures from the paper's design", "", WORLD_DEPARTURES, "", markdown_table(["finding", "design here"], departures)
+              if departures else "No row departs further from the paper's design."] if study.tiny else []
     times = root / "wall_times.jsonl"
     if times.is_file():
         steps = [json.loads(line) for line in times.read_text().splitlines() if line.strip()]
