@@ -7,13 +7,15 @@ does the model already solve), each share with its 95% Wilson interval; ``bf16``
 update sparsity from SmolLM2's weights and the measured bf16 runs (``experiments/smollm2/bf16_sparsity.json``);
 ``style``: the style table of the grid's report (``experiments/smollm2/style_report/report.md``, written by
 ``kdlab report runs/smollm2-study --output experiments/smollm2/style_report --low_lr 1e-5 --high_lr 5e-5``) and
-its verdict row. ``--check``: exit 1 if the page differs.
+its verdict row; ``style_samples``: what the low-LR students answer (:func:`style_samples`). ``--check``: exit 1 if
+the page differs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tarfile
 from pathlib import Path
 
 from cross_tokenizer_example import update_page
@@ -23,6 +25,7 @@ PAGE = ROOT / "docs" / "real_model.md"
 CHECK = ROOT / "experiments" / "smollm2" / "style_check.json"
 BF16 = ROOT / "experiments" / "smollm2" / "bf16_sparsity.json"
 REPORT = ROOT / "experiments" / "smollm2" / "style_report"
+RUNS = ROOT / "experiments" / "smollm2" / "study_runs"
 
 
 def pct(value: float, interval: list[float] | None = None) -> str:
@@ -67,11 +70,28 @@ def style() -> str:
     return "\n".join(table + (["", *lines[header[0]:header[0] + 2], rows[0]] if rows and header else [])) + "\n"
 
 
+def style_samples() -> str:
+    """The first two held-out counting prompts and each low-LR cell's greedy answer to them (seed 42, the runs kept
+    in ``experiments/smollm2/study_runs/style_low.tar.gz``), with the score ``val/accuracy`` gave it."""
+    archive = RUNS / "style_low.tar.gz"
+    if not archive.exists():
+        return "Not run yet: no `experiments/smollm2/study_runs/style_low.tar.gz`.\n"
+    lines = ["| cell (LR 1e-5, seed 42) | prompt | greedy answer | score |", "| --- | --- | --- | ---: |"]
+    with tarfile.open(archive) as tar:
+        for name in sorted(n for n in tar.getnames() if "seed=42/samples/val-" in n):
+            cell = name.split("/")[-3].split("-lr=")[0].replace("rollout=", "").replace("-objective=", ", ")
+            for line in tar.extractfile(name).read().decode("utf-8").splitlines()[:2]:
+                row = json.loads(line)
+                cells = [cell, row["prompt"], row["completion"], f"{float(row['score']):g}"]
+                lines.append("| " + " | ".join(" ".join(c.split()).replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the page's generated blocks differ")
     args = parser.parse_args()
-    update_page(PAGE, {"style_check": style_check(), "bf16": bf16(), "style": style()}, args.check, "scripts/real_model_style_results.py")
+    update_page(PAGE, {"style_check": style_check(), "bf16": bf16(), "style": style(), "style_samples": style_samples()}, args.check, "scripts/real_model_style_results.py")
 
 
 if __name__ == "__main__":
