@@ -315,6 +315,49 @@ def test_the_real_model_bf16_prediction_is_within_two_points_below_the_measured_
         assert 0 < measured[round(float(lr), 12)] - prediction["predicted"] < 0.02, lr
 
 
+def test_what_the_real_model_style_grid_shows_is_what_its_runs_logged():
+    """docs/real_model.md's reading of the style grid, run by run (experiments/smollm2/style_report/runs.csv) and
+    against its verdict row: every student moved towards the told teacher (both held-out KLs fell), answers in
+    Spanish on at least 70% of its answers, scores under 1% on counting (below the 5% floor, which the plain model
+    is above), gained on one-digit addition at the low LR and lost at most 5 points at the high LR; the row is
+    "collapsed", its low-LR smallest gap's interval includes zero and at the high LR OnPD reverse is the most Spanish."""
+    import yaml
+
+    from kdlab.study.labels import COLLAPSE_ACCURACY
+
+    page = " ".join(section((DOCS / "real_model.md").read_text(encoding="utf-8"), "Teacher style on the real model").split())
+    with (SMOLLM2 / "style_report" / "runs.csv").open(encoding="utf-8") as handle:
+        runs = list(csv.DictReader(handle))
+    assert len(runs) == 16 and {float(run["lr"]) for run in runs} == {1e-5, 5e-5}
+    for run in runs:
+        for kl in ("heldout_kl/forward", "heldout_kl/student_prefixes/forward"):
+            assert float(run[kl]) < float(run[kl + "_before"]), (run["run"], kl)
+        assert float(run["style/spanish_share"]) >= 0.70, run["run"]
+        assert float(run["val/accuracy"]) < 0.01, run["run"]
+        low = float(run["lr"]) == 1e-5
+        assert float(run["ood/mean_delta"]) > 0 if low else float(run["ood/mean_delta"]) >= -5, run["run"]
+    check = json.loads((SMOLLM2 / "style_check.json").read_text(encoding="utf-8"))
+    assert check["tasks"]["counting"]["greedy_accuracy"] > COLLAPSE_ACCURACY == 0.05 and check["max_new_tokens"] == 64
+    config = yaml.safe_load((SMOLLM2 / "style.yaml").read_text(encoding="utf-8"))
+    assert config["trainer"]["max_steps"] == 60 and config["model"]["max_completion_tokens"] == 48
+    for claim in ("the held-out KL on the teacher's samples and on the student's own fell in every run",
+                  "every run answers in Spanish on at least 70% of its 200 answers",
+                  "counting accuracy is under 1% in every run, below the 5% floor that the plain model's greedy accuracy in the style check is above (with 64 new tokens there, 48 here)",
+                  "one-digit addition (plain English prompts, greedy) rose in every low-LR run and fell by no more than 5 points in any high-LR run",
+                  "on this model, at 60 steps", "at the high LR (one seed, no interval) it is the most Spanish of the four"):
+        assert claim in page, claim
+    with (SMOLLM2 / "style_report" / "verdicts.csv").open(encoding="utf-8") as handle:
+        style = next(row for row in csv.DictReader(handle) if row["finding"].startswith("OnPD + reverse KL keeps"))
+    assert style["verdict"] == "collapsed" and "labels every comparison collapsed" in page
+    low, high = re.search(r"smallest gap [+-]?\d+\.\d seeds \[([+-]?\d+\.\d), ([+-]?\d+\.\d)\]", style["tiny"]).groups()
+    assert float(low) < 0 < float(high) and "at the low LR (three seeds) the smallest gap's interval includes zero" in page
+    with (SMOLLM2 / "style_report" / "style.csv").open(encoding="utf-8") as handle:
+        high_lr = {(row["rollout"], row["objective"]): (float(row["style/spanish_share mean"]), int(row["n"]))
+                   for row in csv.DictReader(handle) if float(row["lr"]) == 5e-5}
+    keep = high_lr.pop(("StudentRollouts", "ReverseKL"))
+    assert len(high_lr) == 3 and keep[1] == 1 and all(keep[0] > share for share, _ in high_lr.values())
+
+
 def test_the_real_model_style_study_script_runs_the_sweeps_the_page_counts():
     """experiments/smollm2/style_study.sh runs the three sweeps with the run counts docs/real_model.md gives, the
     bf16 measurement over the bf16 sweep's output, and the report and page commands the page names."""
