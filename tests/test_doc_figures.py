@@ -108,6 +108,9 @@ def test_what_the_rows_say_is_what_the_verdicts_say():
     assert "not distinguishable: OnPD - OffPD pass@32 before RLVR, OnPD - OffPD pass@32 after - before RLVR" in rlvr["verdict"]
     # style
     assert "The tiny world does not test the style row" in page
+    with (SMOLLM2 / "style_report" / "verdicts.csv").open(encoding="utf-8") as handle:  # the real-model row it points to
+        real = next(row for row in csv.DictReader(handle) if row["finding"] == style["finding"])
+    assert real["verdict"] == "collapsed" and "so the rule labels that row collapsed too" in " ".join(page.split())
     collapsed, healthy = style["verdict"].split("; ")
     assert collapsed.startswith("collapsed: ") and collapsed.count(" - OnPD reverse") == 5
     assert healthy == "not distinguishable: OffPD reverse - OnPD reverse, low LR"
