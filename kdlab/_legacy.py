@@ -44,7 +44,7 @@ MOVED: dict[str, dict[str, str]] = {
     "kdlab.console": {"kdlab.cli.console": WHOLE},
     "kdlab.pipeline": {"kdlab.study.pipeline": WHOLE},
     "kdlab.teacher_data": {"kdlab.rollouts.teacher_data": WHOLE},
-    "kdlab.verdicts": {"kdlab.study.verdicts": WHOLE, "kdlab.study.labels": "NOT_DISTINGUISHABLE NOT_REPRODUCED REPRODUCED t_quantile"},
+    "kdlab.verdicts": {"kdlab.study.verdicts": WHOLE, "kdlab.study.labels": "NOT_DISTINGUISHABLE NOT_REPRODUCED REPRODUCED t_quantile verdict_word"},
     # modules split over several
     "kdlab.checkpointing": {
         "kdlab.callbacks.checkpoints": "FinalCheckpoint",

@@ -98,6 +98,11 @@ class Claim:
         return f"{self.name} {'>' if self.sign > 0 else '<'} 0"
 
 
+def verdict_word(effect: Effect | None, paper_sign: int) -> str:
+    """:func:`label` of a claimed difference of sign ``paper_sign`` (kdlab 0.1's name for it)."""
+    return label(effect, paper_sign)
+
+
 def row_word(claims: list[Claim]) -> str:
     """A row's label from its claims' labels: the label when they all agree (or the only one), else each
     label followed by its claims, ``label: claim, claim; label: claim``. No claims: not distinguishable."""

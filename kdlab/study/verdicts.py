@@ -90,7 +90,7 @@ class Study:
                 self.parts[relative.parts[0]].append(run)
         students = sorted({json.loads(r.settings.get("model.student.path") or r.settings.get("model.init_args.student.path") or '""') for r in runs} - {""})
         self.tiny = all(path.startswith("kdlab://") for path in students)  # the packaged tiny models (docs/tiny_world.md)
-        self.world = "the tiny world" if self.tiny else f"{', '.join(students)}"
+        self.world = "the tiny world" if self.tiny else ", ".join(students)
 
     def groups(self, part: str) -> list[Group]:
         """The part's configurations (grouped once: each group keeps its computed intervals)."""
