@@ -309,8 +309,8 @@ def test_the_real_model_style_section_is_what_its_script_writes():
 def test_the_real_model_bf16_prediction_is_within_two_points_below_the_measured_runs():
     """docs/real_model.md: the weights alone predict the measured bf16 sparsity to within 2 points at both LRs, and
     the measured runs are the sparser (experiments/smollm2/bf16_sparsity.json)."""
-    record = json.loads((ROOT / "experiments/smollm2/bf16_sparsity.json").read_text(encoding="utf-8"))
-    page = section((ROOT / "docs/real_model.md").read_text(encoding="utf-8"), "Teacher style on the real model")
+    record = json.loads((SMOLLM2 / "bf16_sparsity.json").read_text(encoding="utf-8"))
+    page = section((DOCS / "real_model.md").read_text(encoding="utf-8"), "Teacher style on the real model")
     assert "predict the measured bf16 sparsity to within 2 points at both LRs, and the measured runs are the sparser" in " ".join(page.split())
     measured = {round(row["lr"], 12): row["sparsity/1e-06"] for row in record["measured"]}
     assert set(measured) == {round(float(lr), 12) for lr in record["prediction"]}

@@ -138,10 +138,9 @@ def test_the_committed_study_runs_are_finished_runs_a_report_reads(tmp_path):
 
     from kdlab.study.runs import collect
 
-    archives = {world: sorted((ROOT / "experiments" / world / "study_runs").glob("*.tar.gz")) for world in ("tiny", "smollm2")}
-    assert archives["tiny"] and archives["smollm2"]
-    archives = archives["tiny"] + archives["smollm2"]
-    for archive in archives:
+    tiny, smollm2 = (sorted((ROOT / "experiments" / world / "study_runs").glob("*.tar.gz")) for world in ("tiny", "smollm2"))
+    assert tiny and smollm2
+    for archive in tiny + smollm2:
         with tarfile.open(archive) as tar:
             names = tar.getnames()
             runs = {Path(name).parent for name in names if Path(name).name == "DONE"}
