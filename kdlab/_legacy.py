@@ -12,7 +12,8 @@ path still imports from it, with a ``FutureWarning`` that names its new path.
 * a module path that is now a package (:data:`PACKAGES`, ``kdlab.models``): the names the package lacks,
   which its ``__getattr__`` (PEP 562) resolves through :func:`moved_attribute`.
 
-Names are space-separated; ``old=new`` is a name that was renamed. Nothing here is imported until an old
+kdlab 0.3's ``kdlab.stages.multi_teacher`` and ``kdlab.stages.teachers`` (now :mod:`kdlab.teachers`) are kept the same
+way. Names are space-separated; ``old=new`` is a name that was renamed. Nothing here is imported until an old
 name is used. ``tests/test_legacy_imports.py`` checks every name of ``tests/fixtures/kdlab_0_1_names.json``
 (written by ``scripts/legacy_names.py`` from kdlab 0.1's source). Not kept: ``from kdlab.cli import main``,
 which was a function and is now the module :mod:`kdlab.cli.main` (the function is ``kdlab.cli.main.main``).
@@ -73,6 +74,11 @@ MOVED: dict[str, dict[str, str]] = {
         "kdlab.study.grid": "FILE_KEYS MODES RESERVED Run Sweep expand fit_args load_sweep read_mapping_file short_keys value_label",
         "kdlab.study.sweep": "RunFailed main run_sweep",
     },
+    "kdlab.stages.multi_teacher": {
+        "kdlab.teachers.choice": "Average ByField RowSubset TeacherChoice combine",
+        "kdlab.teachers.legacy": "TeacherEntry",
+    },
+    "kdlab.stages.teachers": {"kdlab.teachers.model": "vocabulary_columns"},
     "kdlab.teacher_cache": {
         "kdlab.rollouts.teacher_cache": "TAIL_FLOOR TeacherCache TopKLogprobs expand_topk top_k_logprobs write_cache",
         "kdlab.rollouts.teacher_data": "build_teacher_cache",
@@ -101,6 +107,9 @@ MOVED: dict[str, dict[str, str]] = {
     },
     "kdlab.rollouts": {"kdlab.rollouts.policies": "read_completions validate_mixture"},
 }
+
+SINCE_0_1 = frozenset({"kdlab.stages.multi_teacher", "kdlab.stages.teachers"})
+"""Old paths of names that moved after kdlab 0.1 (kept the same way; the 0.1 name list does not hold them)."""
 
 PACKAGES = frozenset({"kdlab.callbacks", "kdlab.cli", "kdlab.evaluation", "kdlab.models", "kdlab.objectives", "kdlab.rollouts"})
 

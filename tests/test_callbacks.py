@@ -267,7 +267,7 @@ def test_every_measuring_callback_runs_on_a_grpo_stage(grpo, tiny_pair, tmp_path
 
 def test_style_transfer_refuses_a_grpo_stage_without_a_teacher_at_setup(grpo, tmp_path, monkeypatch):
     calls = spy_on_generation(monkeypatch)
-    with pytest.raises(ValueError, match="StyleTransfer.teacher is required on a GRPOModule without a teacher model"):
+    with pytest.raises(ValueError, match="StyleTransfer.teacher is required on a GRPOModule whose teacher writes no completions"):
         fit(grpo, [StyleTransfer([Addition(num_val=2)], examples=2, max_new_tokens=3)], tmp_path)
     assert calls == [] and grpo.global_step == 0  # nothing sampled, nothing trained
 
@@ -275,7 +275,7 @@ def test_style_transfer_refuses_a_grpo_stage_without_a_teacher_at_setup(grpo, tm
 def test_style_transfer_on_distillation_from_a_teacher_cache(cached_distill, tiny_pair, tmp_path, monkeypatch):
     calls = spy_on_generation(monkeypatch)
     tasks = [Addition(num_val=2, seed=7)]
-    with pytest.raises(ValueError, match="StyleTransfer.teacher is required on a DistillModule without a teacher model"):
+    with pytest.raises(ValueError, match="StyleTransfer.teacher is required on a DistillModule whose teacher writes no completions"):
         fit(cached_distill, [StyleTransfer(tasks, examples=2, max_new_tokens=3)], tmp_path / "refused")
     assert calls == [] and cached_distill.global_step == 0
     trainer = fit(cached_distill, [StyleTransfer(tasks, examples=2, max_new_tokens=3, teacher=tiny_pair[1])], tmp_path / "given")
@@ -305,6 +305,6 @@ def test_style_transfer_prefers_the_teacher_it_is_given(module, tmp_path, monkey
 def test_rollout_sensitivity_refuses_stages_it_cannot_measure_at_setup(grpo, cached_distill, tmp_path):
     with pytest.raises(ValueError, match="RolloutSensitivity .* needs a DistillModule, got GRPOModule"):
         fit(grpo, [RolloutSensitivity(examples=2)], tmp_path / "grpo")
-    with pytest.raises(ValueError, match=r"RolloutSensitivity needs the teacher model \(DistillModule.teacher\)"):
+    with pytest.raises(ValueError, match=r"RolloutSensitivity needs a teacher that scores any completion .*DistillModule.teacher \(CachedTeacher\)"):
         fit(cached_distill, [RolloutSensitivity(examples=2)], tmp_path / "cache")
     assert grpo.global_step == 0 and cached_distill.global_step == 0

@@ -274,7 +274,8 @@ def test_what_needs_one_vocabulary_and_lossy_tokenizers_are_refused_before_weigh
         raise AssertionError("weights were read")
 
     monkeypatch.setattr(distill, "load_causal_lm", no_weights)
-    with pytest.raises(ConfigError, match="MixtureRollouts.*shared vocabulary.*StudentRollouts"):
+    monkeypatch.setattr("kdlab.teachers.model.load_causal_lm", no_weights)
+    with pytest.raises(ConfigError, match="MixtureRollouts needs .*one vocabulary shared by student and teacher.*ModelTeacher"):
         module(MixtureRollouts(lam=0.0))
     # a tokenizer that lowercases its input cannot be aligned by bytes: the same check, named with the
     # model and the first differing character
@@ -282,19 +283,20 @@ def test_what_needs_one_vocabulary_and_lossy_tokenizers_are_refused_before_weigh
 
     from tokenizers import normalizers
 
-    from kdlab.stages.teachers import check_cross_tokenizer_run
+    from kdlab.objectives.aligned import CrossTokenizer
 
     lossy = copy.deepcopy(tokenizer(OTHER))
     lossy.backend_tokenizer.normalizer = normalizers.Lowercase()
     with pytest.raises(ConfigError, match=r"DistillModule.teacher's tokenizer does not reproduce.*character 0 'A'.*in 'Add the numbers"):
-        check_cross_tokenizer_run(task(), TeacherRollouts(), tokenizer(STUDENT), lossy)
-    check_cross_tokenizer_run(task(), TeacherRollouts(), tokenizer(STUDENT), tokenizer(OTHER))
-    # VLLMRollouts cannot be built without vLLM here; the check goes by its class name, so a stand-in of that name
+        CrossTokenizer().check_texts(task(), tokenizer(STUDENT), lossy)
+    CrossTokenizer().check_texts(task(), tokenizer(STUDENT), tokenizer(OTHER))
+    # any policy that declares it needs one vocabulary (as VLLMRollouts does) is refused by what it declares, whatever
+    # its class is called
     from kdlab.rollouts.policies import RolloutPolicy
 
-    stand_in = type("VLLMRollouts", (RolloutPolicy,), {})()
-    with pytest.raises(ConfigError, match="VLLMRollouts is not supported with cross_tokenizer.*TeacherRollouts or StudentRollouts"):
-        check_cross_tokenizer_run(task(), stand_in, tokenizer(STUDENT), tokenizer(OTHER))
+    engine = type("SomeEngine", (RolloutPolicy,), {"needs": lambda self: frozenset({"one_vocabulary"})})()
+    with pytest.raises(ConfigError, match="SomeEngine needs one vocabulary shared by student and teacher"):
+        module(engine)
 
 
 @pytest.mark.parametrize("rollout", ["teacher", "student", "dataset", "cached"])
@@ -316,16 +318,54 @@ def test_every_rollout_source_trains_across_tokenizers(rollout, tmp_path):
             teacher = load_causal_lm(ModelSpec(OTHER))
             build_teacher_cache(teacher, tokenizer(OTHER), task(), str(data), str(tmp_path / "cache.safetensors"), top_k=8,
                                 temperature=0.5, max_new_tokens=12, max_prompt_tokens=256, batch_size=4)
-            policy = CachedTeacherRollouts(str(data), str(tmp_path / "cache.safetensors"))
-    m = module(policy)
+    if rollout == "cached":  # the cache is the teacher: only the teacher's tokenizer is read (no HeldOutKL: it cannot score new text)
+        from kdlab.teachers import CachedTeacher
+
+        m = module(policy, teacher=CachedTeacher(str(tmp_path / "cache.safetensors"), tokenizer=OTHER))
+        assert m.teacher_source.models() == {} and m._frozen == {}
+    else:
+        m = module(policy)
     before = [p.detach().clone() for p in m.student.parameters()]
-    heldout = HeldOutKL(examples=4, batch_size=4)
-    trainer = fit(m, tmp_path, callbacks=[heldout])
+    heldout = [HeldOutKL(examples=4, batch_size=4)] if rollout != "cached" else []
+    trainer = fit(m, tmp_path, callbacks=heldout)
     metrics = trainer.callback_metrics
     assert math.isfinite(float(metrics["train/loss"]))
     assert 0.0 < float(metrics["train/one_to_one_share"]) <= 1.0
     assert any(not torch.equal(a, b) for a, b in zip(before, m.student.parameters()))
-    assert heldout.before["forward"] > 0 and math.isfinite(heldout.kl(m)[0])
+    if heldout:
+        assert heldout[0].before["forward"] > 0 and math.isfinite(heldout[0].kl(m)[0])
+
+
+def test_a_cache_across_tokenizers_never_loads_the_teachers_weights(tmp_path, monkeypatch):
+    """The earlier spelling (teacher: {path} with a CachedTeacherRollouts cache and cross_tokenizer) loaded the teacher's
+    weights although the cache replaces them; it now reads only the teacher's tokenizer, and trains what the new
+    spelling (teacher: CachedTeacher with TeacherDatasetRollouts) trains, bit for bit."""
+    from kdlab.models.loading import ModelSpec, load_causal_lm
+    from kdlab.rollouts.teacher_data import build_teacher_cache
+    from kdlab.teachers import CachedTeacher
+
+    data = tmp_path / "teacher.jsonl"
+    data.write_text("".join(json.dumps({"id": ex["id"], "completion": task().reference_completion(ex)}) + "\n" for ex in task().examples("train")))
+    cache = str(tmp_path / "cache.safetensors")
+    build_teacher_cache(load_causal_lm(ModelSpec(OTHER)), tokenizer(OTHER), task(), str(data), cache, top_k=8,
+                        temperature=0.5, max_new_tokens=12, max_prompt_tokens=256, batch_size=4)
+    loads = []
+    import kdlab.teachers.model
+
+    original = kdlab.teachers.model.load_causal_lm
+    monkeypatch.setattr(kdlab.teachers.model, "load_causal_lm", lambda *a, **k: loads.append(a) or original(*a, **k))
+    runs = []
+    for old in (True, False):
+        pl.seed_everything(0)
+        if old:
+            with pytest.warns(FutureWarning, match="CachedTeacherRollouts is deprecated: use DistillModule.teacher: .*CachedTeacher"):
+                m = module(CachedTeacherRollouts(str(data), cache))
+        else:
+            m = module(TeacherDatasetRollouts(str(data)), teacher=CachedTeacher(cache, tokenizer=OTHER))
+        trainer = fit(m, tmp_path, steps=2)
+        runs.append((float(trainer.callback_metrics["train/loss"]), [p.detach().clone() for p in m.student.parameters()]))
+    assert loads == []
+    assert runs[0][0] == runs[1][0] and all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
 
 
 def test_identical_tokenizers_through_cross_tokenizer_train_like_the_plain_module(tmp_path):

@@ -15,7 +15,8 @@ from kdlab.objectives.kl import kl_diagnostics
 from kdlab.objectives.logits import completion_logits
 from kdlab.rollouts.decoding import IncrementalLM
 from kdlab.rollouts.policies import MixtureRollouts, StudentRollouts, TeacherDatasetRollouts, TeacherRollouts
-from kdlab.stages.multi_teacher import Average, ByField, TeacherEntry
+from kdlab.teachers import Average, ByField
+from kdlab.teachers.legacy import TeacherEntry
 from kdlab.tasks import Addition, Sorting
 from kdlab.tasks.mixture import MultiTask
 
@@ -93,8 +94,8 @@ def test_routing_gives_each_example_its_own_teachers_distribution_and_kls():
         assert (teacher[row][mask[row]] - expected[mask[row]]).abs().max().item() < 1e-5
     rows = torch.tensor([0, 2])  # the addition rows: the strong teacher's
     kls = kl_diagnostics(student.detach()[rows], strong[rows], mask[rows], m.objective.reduction)
-    assert torch.allclose(m.teacher_set.diagnostics["kl_forward/strong"], kls["kl_forward"], atol=1e-6)
-    assert torch.allclose(m.teacher_set.diagnostics["kl_reverse/strong"], kls["kl_reverse"], atol=1e-6)
+    assert torch.allclose(m.teacher_source.diagnostics["kl_forward/strong"], kls["kl_forward"], atol=1e-6)
+    assert torch.allclose(m.teacher_source.diagnostics["kl_reverse/strong"], kls["kl_reverse"], atol=1e-6)
 
 
 def test_routed_teacher_rollouts_are_decoded_by_each_rows_teacher():
@@ -126,7 +127,7 @@ def test_averaging_mixes_probabilities_or_log_probabilities(over):
         expected = torch.log_softmax(0.75 * a + 0.25 * b, -1)
     mask = rollout.completion_mask
     assert (teacher[mask] - expected[mask]).abs().max().item() < 1e-5
-    assert set(m.teacher_set.diagnostics) == {"kl_forward/strong", "kl_reverse/strong", "kl_forward/self", "kl_reverse/self"}
+    assert set(m.teacher_source.diagnostics) == {"kl_forward/strong", "kl_reverse/strong", "kl_forward/self", "kl_reverse/self"}
 
 
 def test_a_cached_teacher_scores_its_rows_of_a_teacher_dataset(tmp_path):
@@ -149,7 +150,7 @@ def test_a_cached_teacher_scores_its_rows_of_a_teacher_dataset(tmp_path):
     mask = rollout.completion_mask
     for row in (0, 2):
         assert (teacher[row][mask[row]] - strong[row][mask[row]]).abs().max().item() < 1e-5
-    with pytest.raises(ConfigError, match="teachers.cached.cache .* at teacher temperature 0.5, the run .* at 1.0"):
+    with pytest.raises(ConfigError, match="teacher.teachers.cached.path .* at teacher temperature 0.5, but DistillModule.teacher_temperature is 1.0"):
         module(task, teachers={"cached": TeacherEntry(cache=str(cache)), "self": entry(STUDENT)}, teacher_temperature=1.0,
                teacher_choice=ByField({"addition": "cached", "sorting": "self"}), rollout=TeacherDatasetRollouts(str(data)))
 
@@ -164,7 +165,7 @@ def test_a_served_teacher_scores_its_rows():
         served = ServedTeacher(server.url, "tiny-teacher", TEACHER, top_k=-1, timeout_s=10.0, retries=0)
         m = module(teachers={"served": TeacherEntry(served=served), "self": entry(STUDENT)},
                    teacher_choice=ByField({"addition": "served", "sorting": "self"}), rollout=StudentRollouts())
-        m.teacher_set.check_served()
+        m.teacher_source.ready()
         rollout = m.make_rollout(m.task.examples("train")[:4], 0)
         _, teacher = m.distillation_logits(rollout)
     strong = tempered_logprobs(TEACHER, rollout, m.token_columns)
@@ -194,12 +195,12 @@ def test_bad_multi_teacher_settings_fail_naming_the_setting():
         module(teachers={"a": entry(TEACHER), "b": entry(STUDENT)})
     with pytest.raises(ConfigError, match="ByField.routes.sorting"):
         module(teachers={"a": entry(TEACHER)}, teacher_choice=ByField({"sorting": "b"}))
-    with pytest.raises(ConfigError, match="can only score"):
+    with pytest.raises(ConfigError, match="TeacherRollouts needs a teacher that writes completions.*Several"):
         module(teachers={"a": entry(TEACHER), "b": TeacherEntry(cache="x.safetensors")}, teacher_choice=Average())
-    with pytest.raises(ConfigError, match="can only score"):
+    with pytest.raises(ConfigError, match="MixtureRollouts needs a teacher that decodes token by token.*Several"):
         module(teachers={"a": entry(TEACHER), "b": TeacherEntry(cache="x.safetensors")}, teacher_choice=Average(),
                rollout=MixtureRollouts(0.5))
-    with pytest.raises(ConfigError, match="DistillModule.teachers.other: student and teacher tokenizers differ"):
+    with pytest.raises(ConfigError, match="DistillModule.teacher.teachers.other: student and teacher tokenizers differ"):
         module(teachers={"other": entry("kdlab://tiny/teacher"), "b": entry(STUDENT)}, teacher_choice=Average())
     m = module(teachers={"a": entry(TEACHER), "b": entry(STUDENT)}, teacher_choice=ByField({"addition": "a"}))
     with pytest.raises(KeyError, match="sorting:sort.*does not route"):

@@ -194,9 +194,16 @@ def test_each_teacher_policy_has_one_meaning(module, tmp_path):
     assert module.student_tokenizer.decode(first[:-1]) == "<answer>0</answer>" and first[-1] == module.end_ids[0]
     assert dataset.sampling_entropy is None and dataset.teacher_logprobs is None
     assert TeacherDatasetRollouts(data).covers(examples[0]) and not TeacherDatasetRollouts(data).covers({"id": "elsewhere"})
-    # cached: the same completions, and the teacher's log-probs read from the cache (the teacher never runs)
+    # cached: the same completions, and the teacher's log-probs read from the cache by a CachedTeacher source (the
+    # teacher never runs); CachedTeacherRollouts is the dataset policy that names that cache
+    from kdlab.teachers import CachedTeacher
+
     cached_policy = CachedTeacherRollouts(data, cache)
-    cached = rollout_with(module, cached_policy)
+    source = CachedTeacher(cache)
+    source.bind(module.teacher_source.run)
+    source.load()
+    cached = source.rollout(TeacherDatasetRollouts(data), module._prompts(module.task.examples("train")[:4]),
+                            module.rollout_context(module._generator(5), 5))
     assert torch.equal(cached.completion_ids, dataset.completion_ids) and cached.sampling_entropy is None
     assert isinstance(cached.teacher_logprobs, TopKLogprobs) and cached.teacher_logprobs.shape == (4, cached.completion_ids.shape[1], module.token_columns)
     length = int(cached.completion_mask[0].sum())

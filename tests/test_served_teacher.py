@@ -138,7 +138,7 @@ def test_the_server_is_checked_before_training(server):
 
 
 def test_what_needs_the_teacher_model_is_refused_with_a_served_teacher(server):
-    with pytest.raises(ConfigError, match="MixtureRollouts needs the teacher model"):
+    with pytest.raises(ConfigError, match="MixtureRollouts needs a teacher that decodes token by token in this process.*Served"):
         module(served(server), rollout=MixtureRollouts(0.0))
     with pytest.raises(ConfigError, match="served_teacher is the teacher: set teacher: null"):
         module(served(server), teacher=TEACHER)
@@ -188,25 +188,23 @@ def test_prefetch_gives_bit_identical_losses_and_sends_no_extra_request(server, 
 def test_a_prefetch_is_used_only_for_its_own_examples_policy_and_seed(server, tmp_path):
     import pickle
 
-    from kdlab.stages.teachers import prefetch_served
-
     server.max_batch = 1
     examples = task().examples("train")
     fresh = module(served(server, prefetch=False), rollout=TeacherDatasetRollouts(dataset(tmp_path)))
     m = module(served(server), rollout=TeacherDatasetRollouts(dataset(tmp_path)))
-    prefetch_served(m, examples[2:4], 7)
-    ahead = m._served_ahead
+    m.teacher_source.prefetch(m.rollout, lambda: m._prompts(examples[2:4]), 7, lambda: m.rollout_context(m._generator(7), 7))
+    ahead = m.teacher_source.ahead
     for wrong_examples, wrong_seed in ((examples[:2], 7), (examples[2:4], 8)):  # computed afresh; the prefetch waits
         got, expected = m.make_rollout(wrong_examples, wrong_seed), fresh.make_rollout(wrong_examples, wrong_seed)
-        assert torch.equal(got.teacher_logprobs.logprobs, expected.teacher_logprobs.logprobs) and m._served_ahead is ahead
+        assert torch.equal(got.teacher_logprobs.logprobs, expected.teacher_logprobs.logprobs) and m.teacher_source.ahead is ahead
     requests = server.completions
     got = m.make_rollout(examples[2:4], 7)
-    assert m._served_ahead is None and server.completions == requests  # taken: no new request
+    assert m.teacher_source.ahead is None and server.completions == requests  # taken: no new request
     expected = fresh.make_rollout(examples[2:4], 7)
     assert torch.equal(got.completion_ids, expected.completion_ids)
     assert torch.equal(got.teacher_logprobs.indices, expected.teacher_logprobs.indices)
     assert torch.equal(got.teacher_logprobs.logprobs, expected.teacher_logprobs.logprobs)
-    copy = pickle.loads(pickle.dumps(m.served_teacher))  # threads and connections are made anew
+    copy = pickle.loads(pickle.dumps(m.teacher_source.server))  # threads and connections are made anew
     assert copy.prompt_logprobs([1, 2, 3], 1)[0].shape == (2, 20)
 
 

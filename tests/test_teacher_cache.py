@@ -141,5 +141,5 @@ def test_distillation_from_a_full_cache_equals_distillation_from_the_teacher_wit
         DistillModule(tiny_pair[0], None, task, rollout=CachedTeacherRollouts(str(data), cache), teacher_temperature=1.0)
     with pytest.raises(ValueError, match="DistillModule.teacher is required"):
         DistillModule(tiny_pair[0], None, task)
-    with pytest.raises(RuntimeError, match="no teacher model"):
+    with pytest.raises(RuntimeError, match="has no model in this process: its outputs come from a teacher cache"):
         without.teacher

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kdlab.callbacks.periodic import EvaluationCallback, module_teacher, task_name
+from kdlab.callbacks.periodic import EvaluationCallback, module_writes_teacher_texts, task_name
 from kdlab.evaluation.lm_eval_suite import (
     LMEvalTask,
     evaluate_suite,
@@ -244,9 +244,9 @@ class StyleTransfer(EvaluationCallback):
             from kdlab.models.loading import load_tokenizer
 
             self._teacher_tokenizer = load_tokenizer(self.teacher, "StyleTransfer.teacher")
-        elif module_teacher(pl_module) is None:
+        elif not module_writes_teacher_texts(pl_module):
             raise ValueError(
-                f"StyleTransfer.teacher is required on a {type(pl_module).__name__} without a teacher model: "
+                f"StyleTransfer.teacher is required on a {type(pl_module).__name__} whose teacher writes no completions: "
                 "style/teacher_spanish_share needs a teacher to sample from (give StyleTransfer.teacher a model path)"
             )
 

@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from kdlab.callbacks.periodic import PeriodicCallback, require_teacher_model
+from kdlab.callbacks.periodic import PeriodicCallback, require_teacher
 from kdlab.runlog import log_metrics
 
 
@@ -32,7 +32,8 @@ class HeldOutKL(PeriodicCallback):
     seeded by ``seed``), and the same metrics are logged under ``heldout_kl/student_prefixes/`` (``.../forward``,
     ``.../reverse``, ``..._before``, ``.../forward_closed``). Two callbacks, one of each, measure both.
 
-    Needs a :class:`~kdlab.stages.distill.DistillModule` with its teacher model. The completions are redrawn
+    Needs a :class:`~kdlab.stages.distill.DistillModule`; on teacher prefixes its teacher must write completions (an
+    in-process model, the student's base, a served teacher that samples); any teacher source scores them. The completions are redrawn
     identically on resume (same seed, same teacher); the "before" values are kept in the checkpoint.
     """
 
@@ -55,7 +56,8 @@ class HeldOutKL(PeriodicCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        require_teacher_model(pl_module, "HeldOutKL", "compares a student with its teacher", "it samples the held-out completions")
+        # the teacher writes the held-out completions (prefixes: teacher); any source scores them
+        require_teacher(pl_module, "HeldOutKL", "compares a student with its teacher", frozenset({"teacher_writes", "teacher_scores"}) if self.prefixes == "teacher" else frozenset({"teacher_scores"}))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._examples = list(pl_module.task.examples(self.split))[: self.examples]

@@ -11,7 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from kdlab.callbacks.periodic import PeriodicCallback, require_teacher_model
+from kdlab.callbacks.periodic import PeriodicCallback, require_teacher
 from kdlab.runlog import log_metrics, run_directory
 
 
@@ -45,8 +45,8 @@ class RolloutSensitivity(PeriodicCallback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
-        require_teacher_model(pl_module, "RolloutSensitivity", "measures a distillation objective's gradients",
-                              "the reference rollouts' teacher log-probs are not in a teacher cache")
+        require_teacher(pl_module, "RolloutSensitivity", "measures a distillation objective's gradients",
+                        self.reference_policy(pl_module).needs() | pl_module.rollout.needs())
         if getattr(pl_module, "cross_tokenizer", None) is not None:
             from kdlab.errors import ConfigError
 

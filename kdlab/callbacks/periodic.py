@@ -17,13 +17,27 @@ from kdlab.evaluation.scoring import completion_texts
 from kdlab.tasks.base import Task
 
 
-def require_teacher_model(pl_module: pl.LightningModule, owner: str, what: str, why: str) -> None:
-    """Stop fit at setup, naming ``owner``, unless ``pl_module`` is a DistillModule that holds its teacher
-    model: ``<owner> <what> and needs a DistillModule, got ...`` / ``<owner> needs the teacher model ...: <why>``."""
-    if not hasattr(pl_module, "distillation_logits"):
+def require_teacher(pl_module: pl.LightningModule, owner: str, what: str, needs: frozenset[str] = frozenset()) -> None:
+    """Stop fit at setup, naming ``owner``, unless ``pl_module`` is a DistillModule whose teacher source offers
+    ``needs`` (capability names of :mod:`kdlab.teachers.base`): ``<owner> <what> and needs a DistillModule, got ...`` /
+    ``<owner> needs <capability> ...``."""
+    from kdlab.teachers.base import CAPABILITIES
+
+    source = getattr(pl_module, "teacher_source", None)
+    if source is None:
         raise ValueError(f"{owner} {what} and needs a DistillModule, got {type(pl_module).__name__}")
-    if module_teacher(pl_module) is None:
-        raise ValueError(f"{owner} needs the teacher model (DistillModule.teacher): {why}")
+    missing = sorted(needs - source.offers(source.run))
+    if missing:
+        raise ValueError(f"{owner} needs {'; '.join(CAPABILITIES[name] for name in missing)}, which DistillModule.teacher "
+                         f"({type(source).__name__}) does not offer")
+
+
+def module_writes_teacher_texts(pl_module: pl.LightningModule) -> bool:
+    """Whether the module's teacher source writes completions (the evaluating callbacks' teacher samples)."""
+    from kdlab.teachers.base import WRITES
+
+    source = getattr(pl_module, "teacher_source", None)
+    return source is not None and WRITES in source.offers(source.run)
 
 
 def _due(every_n_steps: int | None, trainer: pl.Trainer) -> bool:
@@ -84,33 +98,23 @@ class EvaluationCallback(PeriodicCallback):
     def sample(self, pl_module, task: Task, examples, role: str = "student", repeat: int = 1, model: Any = None) -> list[str]:
         """Completions of ``examples`` (each ``repeat`` times) prompted as ``role``, from the module's
         student or teacher, or from ``model = (network, tokenizer)`` (its own vocabulary) when given."""
+        generator = torch.Generator(device=pl_module.device).manual_seed(self.seed)
+        repeated = [ex for ex in examples for _ in range(repeat)]
+        settings = dict(temperature=self.temperature, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size, generator=generator,
+                        all_done=pl_module.all_done_hook() if hasattr(pl_module, "all_done_hook") else None)
+        if model is None and role == "teacher":  # whatever the run's teacher source is writes them
+            return pl_module.teacher_source.texts(task, repeated, pl_module.device, **settings)
         if model is not None:
             (network, tokenizer), token_columns = model, None
         else:
-            network = pl_module.student if role == "student" else pl_module.teacher
-            tokenizer = pl_module.student_tokenizer if role == "student" else pl_module.teacher_tokenizer
-            # each model's own columns (they differ across tokenizers: DistillModule.teacher_columns)
-            token_columns = getattr(pl_module, "token_columns" if role == "student" else "teacher_columns", getattr(pl_module, "token_columns", None))
-        generator = torch.Generator(device=pl_module.device).manual_seed(self.seed)
-        repeated = [ex for ex in examples for _ in range(repeat)]
-        return completion_texts(
-            network,
-            tokenizer,
-            task,
-            repeated,
-            role=role,
-            temperature=self.temperature,
-            max_new_tokens=self.max_new_tokens,
-            batch_size=self.batch_size,
-            generator=generator,
-            token_columns=token_columns,
-            all_done=pl_module.all_done_hook() if hasattr(pl_module, "all_done_hook") else None,
-        )
+            network, tokenizer, token_columns = pl_module.student, pl_module.student_tokenizer, getattr(pl_module, "token_columns", None)
+        return completion_texts(network, tokenizer, task, repeated, role=role, token_columns=token_columns, device=pl_module.device, **settings)
 
 
 def module_teacher(pl_module: pl.LightningModule) -> torch.nn.Module | None:
-    """The module's teacher model, or ``None`` (a GRPOModule; a DistillModule reading a teacher cache)."""
+    """The module's in-process teacher model, or ``None`` (a GRPOModule; a DistillModule whose teacher is a cache, a
+    server or several teachers)."""
     try:
         return getattr(pl_module, "teacher", None)
-    except RuntimeError:  # DistillModule(teacher=None) says so when asked
+    except RuntimeError:  # DistillModule says so when its source has no model
         return None

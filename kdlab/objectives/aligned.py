@@ -267,6 +267,28 @@ class CrossTokenizer(Component):
         self.vocabulary: VocabularyMap | None = None
         self._on_device: dict[torch.device, tuple[VocabularyMap, tuple[EventLayout, EventLayout]]] = {}
 
+    def check_texts(self, task: Any, student_tokenizer: Any, teacher_tokenizer: Any, probes: int = 8) -> None:
+        """Before any weight loads: refuse tokenizers that do not reproduce the task's text byte for byte
+        (:func:`kdlab.alignment.check_reproduces` names the model and the first differing character)."""
+        from kdlab.alignment import check_reproduces
+        from kdlab.errors import ConfigError
+
+        texts: list[str] = []
+        for split in ("train", "val"):
+            for example in list(task.examples(split))[:probes]:
+                texts += [message["content"] for message in task.student_messages(example) + task.teacher_messages(example)]
+                reference = task.reference_completion(example)
+                if reference:
+                    texts.append(reference)
+            if texts:
+                break
+        for text in dict.fromkeys(texts):
+            for role, tokenizer in (("student", student_tokenizer), ("teacher", teacher_tokenizer)):
+                try:
+                    check_reproduces(tokenizer, text, tokenizer(text, add_special_tokens=False)["input_ids"], f"DistillModule.{role}'s")
+                except ConfigError as error:
+                    raise ConfigError(f"{error} (in {text[:60]!r}; cross_tokenizer aligns the two models' tokens by bytes)") from None
+
     def bind(self, teacher_tokenizer: Any, student_tokenizer: Any, teacher_columns: int, student_columns: int) -> None:
         """Build the vocabulary map of the two tokenizers (once, when the module is built)."""
         self.vocabulary = VocabularyMap.build(teacher_tokenizer, student_tokenizer, teacher_columns, student_columns)

@@ -194,6 +194,7 @@ def sample_completions(
     all_done: Callable[[bool], bool] | None = None,
     end_ids: Sequence[int] | None = None,
     stop_strings: Sequence[str] = (),
+    device: torch.device | None = None,
 ) -> list[tuple[str, bool]]:
     """``(text, ended)`` for each of ``examples``, prompted as ``role`` (``"student"`` or ``"teacher"``);
     ``ended`` is False when the completion was cut by ``max_new_tokens`` instead of ending with an end
@@ -202,9 +203,12 @@ def sample_completions(
 
     ``temperature`` 0 decodes greedily. The model is put in eval mode for the call and its mode is
     restored afterwards. ``all_done`` makes stopping collective under sharded training; every rank
-    must then call with the same number of batches.
+    must then call with the same number of batches. ``device``: where the prompts go (default: the device of the
+    model's first parameter; a view with no parameters of its own, such as the student's base under disabled
+    LoRA adapters, needs it given).
     """
-    device = next(model.parameters()).device
+    if device is None:
+        device = next(model.parameters()).device
     vocab = token_columns or len(tokenizer)
     end_ids = tuple(end_ids) if end_ids else end_token_ids(tokenizer, model)
     was_training = model.training

@@ -86,18 +86,28 @@ class RolloutContext:
     (:func:`kdlab.rollouts.decoding.top_p_logprobs`); 1 samples from the whole distribution (distillation)."""
     teacher_tokens: TeacherTokens | None = None
     """The teacher's tokenizer when it is not the student's (``None``: one shared vocabulary)."""
-    teacher_decoder: Callable[[PromptBatch], NextLogprobs] | None = None
-    """Several teachers (``DistillModule(teachers=...)``): their combined next-token log-probs on a prompt batch."""
+    teacher_source: Any = None
+    """Where the teacher's distribution comes from (a :class:`~kdlab.teachers.base.TeacherSource`): it decodes and
+    writes teacher completions. ``None``: ``teacher`` is the teacher model itself."""
+    seed: int | None = None
+    """The seed of this rollout's random streams (a served teacher seeds each prompt's sample with it and its row)."""
 
-    def decoder(self, model: str, prompts: PromptBatch) -> IncrementalLM:
+    def decoder(self, model: str, prompts: PromptBatch) -> NextLogprobs:
         """An incremental decoder for ``"student"`` or ``"teacher"`` at that model's temperature, over that
-        model's own token columns."""
-        if model == "teacher" and self.teacher_decoder is not None:
-            return self.teacher_decoder(prompts)
+        model's own token columns (the teacher's from its source)."""
+        if model == "teacher" and self.teacher_source is not None:
+            return self.teacher_source.decoder(prompts, self.teacher_temperature)
         ids = getattr(prompts, f"{model}_ids")
         mask = getattr(prompts, f"{model}_mask")
         columns = self.teacher_tokens.token_columns if model == "teacher" and self.teacher_tokens is not None else self.token_columns
         return IncrementalLM(getattr(self, model), ids, mask, columns, getattr(self, f"{model}_temperature"))
+
+    def teacher_writes(self, prompts: PromptBatch) -> Rollout:
+        """Teacher-written completions of ``prompts``: the teacher source writes them (token by token here, or sampled
+        by a server); without a source, sampled from the teacher model."""
+        if self.teacher_source is not None:
+            return self.teacher_source.write(prompts, self)
+        return self.sample(self.decoder("teacher", prompts), prompts, writer="teacher")
 
     def sample(self, next_logprobs: NextLogprobs, prompts: PromptBatch, writer: str = "student") -> Rollout:
         """Completions drawn token by token from ``next_logprobs``, in ``writer``'s tokens (``"student"`` or
@@ -164,6 +174,15 @@ class RolloutPolicy(Component):
     def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
         raise NotImplementedError
 
+    depends_on_student: bool = True
+    """Whether its completions depend on the student's current weights (a teacher source may prefetch those that do not)."""
+
+    def needs(self) -> frozenset[str]:
+        """What it needs of the teacher source (capability names of :mod:`kdlab.teachers.base`: ``teacher_decodes``,
+        ``teacher_writes``, ``teacher_scores``, ``teacher_weights``, ``one_vocabulary``); compared with what the source offers before any
+        weights load (:func:`kdlab.teachers.base.check_needs`)."""
+        return frozenset()
+
     def covers(self, example: dict[str, Any]) -> bool:
         """Whether this policy can write a completion for ``example`` (training skips prompts it cannot)."""
         return True
@@ -176,6 +195,9 @@ class RolloutPolicy(Component):
 
 class StudentRollouts(RolloutPolicy):
     """On-policy: the current student samples each completion at ``student_temperature``."""
+
+    def needs(self) -> frozenset[str]:
+        return frozenset({"teacher_scores"})  # completions no cache holds
 
     def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
         return context.sample(context.decoder("student", prompts), prompts)
@@ -211,15 +233,20 @@ class TeacherRollouts(RolloutPolicy):
         chosen = _legacy_class(dataset, teacher_cache) if cls is TeacherRollouts else cls
         return super().__new__(chosen)  # object.__new__ takes no settings: __init__ reads them
 
+    depends_on_student = False
+
     def __init__(self, dataset: str | None = None, teacher_cache: str | None = None) -> None:
         super().__init__()  # dataset and teacher_cache were read by __new__ (None here)
+
+    def needs(self) -> frozenset[str]:
+        return frozenset({"teacher_writes", "teacher_scores"})
 
     def next_token_logprobs(self, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
         """The teacher's distribution (for a dataset, the one it was sampled from at that temperature)."""
         return teacher_logprobs
 
     def sample(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
-        return context.sample(context.decoder("teacher", prompts), prompts, writer="teacher")
+        return context.teacher_writes(prompts)
 
 
 def _legacy_class(dataset: str | None, teacher_cache: str | None) -> type[TeacherRollouts]:
@@ -264,6 +291,9 @@ class TeacherDatasetRollouts(TeacherRollouts):
         self.dataset = dataset
         self._completions = read_completions(dataset, f"{type(self).__name__}.dataset")
 
+    def needs(self) -> frozenset[str]:
+        return frozenset()  # the completions are read; any source scores them
+
     def covers(self, example: dict[str, Any]) -> bool:
         return example["id"] in self._completions
 
@@ -272,13 +302,9 @@ class TeacherDatasetRollouts(TeacherRollouts):
         if context.teacher_tokens is not None:  # across tokenizers: the teacher's tokens of the same text
             rows = self.completion_tokens(prompts, context, "teacher")
             ids, mask = right_pad(rows, context.teacher_tokens.pad_token_id)
-            rollout = context.retokenized(prompts, ids.to(device), mask.to(device), "teacher")
-            rollout.teacher_logprobs = self.teacher_logprobs(prompts, rows, ids.shape[1], context)
-            return rollout
-        rows = self.completion_tokens(prompts, context)
-        ids, mask = right_pad(rows, context.pad_token_id)
-        teacher_logprobs = self.teacher_logprobs(prompts, rows, ids.shape[1], context)
-        return Rollout(prompts, ids.to(device), mask.to(device), None, teacher_logprobs=teacher_logprobs)
+            return context.retokenized(prompts, ids.to(device), mask.to(device), "teacher")
+        ids, mask = right_pad(self.completion_tokens(prompts, context), context.pad_token_id)
+        return Rollout(prompts, ids.to(device), mask.to(device), None)
 
     def completion_tokens(self, prompts: PromptBatch, context: RolloutContext, model: str = "student") -> list[list[int]]:
         """Each example's completion tokens in ``model``'s tokenizer (the student's, or across tokenizers the
@@ -295,16 +321,13 @@ class TeacherDatasetRollouts(TeacherRollouts):
             rows.append(_text_tokens(tokenizer, text, end if ended else None)[: context.max_new_tokens])
         return rows
 
-    def teacher_logprobs(self, prompts: PromptBatch, rows: list[list[int]], columns: int, context: RolloutContext) -> Any:
-        """The teacher's log-probs on ``rows`` when they are known without running it; ``None`` here."""
-        return None
-
 
 class CachedTeacherRollouts(TeacherDatasetRollouts):
-    """A teacher dataset (as :class:`TeacherDatasetRollouts`) with the teacher's top-k log-probs on its
-    completions read from a cache: the teacher never runs during training, and ``DistillModule`` may be
-    built with ``teacher: null``. How full-vocabulary objectives treat a top-k teacher:
-    :mod:`kdlab.rollouts.teacher_cache`.
+    """A teacher dataset (as :class:`TeacherDatasetRollouts`) whose teacher is a top-k cache of its log-probs on the
+    dataset's completions: the earlier spelling of ``rollout: TeacherDatasetRollouts`` with ``teacher:
+    {class_path: kdlab.teachers.CachedTeacher, init_args: {path: <cache>}}``, which ``DistillModule`` turns it into
+    (with a ``FutureWarning``; :func:`kdlab.teachers.legacy.teacher_source`). The cache is opened here, so a missing or
+    corrupt file fails at construction.
 
     Args:
         dataset: the teacher completions, as for :class:`TeacherDatasetRollouts`.
@@ -318,15 +341,6 @@ class CachedTeacherRollouts(TeacherDatasetRollouts):
         super().__init__(dataset)
         self.teacher_cache = teacher_cache
         self.cache = TeacherCache(teacher_cache, f"{type(self).__name__}.teacher_cache")
-
-    def teacher_logprobs(self, prompts: PromptBatch, rows: list[list[int]], columns: int, context: RolloutContext) -> Any:
-        """Held as the top k (a :class:`~kdlab.rollouts.teacher_cache.TopKLogprobs`): the dense
-        ``(B, C, V)`` teacher is never built."""
-        from kdlab.rollouts.teacher_cache import TopKLogprobs
-
-        cached = [self.cache.row(example["id"], tokens) for example, tokens in zip(prompts.examples, rows)]
-        teacher_columns = context.teacher_tokens.token_columns if context.teacher_tokens is not None else context.token_columns
-        return TopKLogprobs.from_rows(cached, columns, self.cache.top_k, teacher_columns).to(prompts.student_ids.device)
 
 
 def read_completions(path: str, setting: str = "TeacherDatasetRollouts.dataset") -> dict[str, tuple[str, bool]]:
@@ -419,6 +433,9 @@ class MixtureRollouts(RolloutPolicy):
         super().__init__()
         validate_mixture(lam, alpha, clip)
         self.lam, self.alpha, self.clip = float(lam), float(alpha), float(clip)
+
+    def needs(self) -> frozenset[str]:
+        return frozenset({"teacher_decodes", "teacher_scores", "one_vocabulary"})
 
     def next_token_logprobs(self, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
         return mixture_logprobs(student_logprobs, teacher_logprobs, self.lam, self.alpha, self.clip)

@@ -16,7 +16,6 @@ sharded) carries it: it is reloaded from its path.
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
@@ -24,37 +23,21 @@ import torch
 
 from kdlab.components import Component
 from kdlab.data import encode_prompts
-from kdlab.models.loading import (
-    ModelSpec,
-    end_token_ids,
-    load_causal_lm,
-    load_config,
-    load_tokenizer,
-    shared_vocab_size,
-)
+from kdlab.models.loading import ModelSpec, end_token_ids, load_causal_lm, load_config, load_tokenizer
 from kdlab.objectives.aligned import CrossTokenizer
 from kdlab.objectives.kl import ForwardKL, KLObjective, kl_diagnostics, sampled_logprobs
-from kdlab.objectives.logits import (
-    completion_head_logits,
-    completion_logits,
-    fused_head_unsupported,
-)
-from kdlab.rollouts.policies import (
-    CachedTeacherRollouts,
-    RolloutContext,
-    RolloutPolicy,
-    TeacherRollouts,
-    TeacherTokens,
-    importance_weights,
-)
+from kdlab.objectives.logits import completion_head_logits, completion_logits, fused_head_unsupported
+from kdlab.rollouts.policies import RolloutContext, RolloutPolicy, TeacherRollouts, TeacherTokens, importance_weights
 from kdlab.rollouts.served import ServedTeacher
 from kdlab.stages.base import TaskStage
-from kdlab.stages.lora import AdaptersDisabled, LoraSpec, apply_lora
-from kdlab.stages.multi_teacher import TeacherChoice, TeacherEntry, TeacherSet, check_teachers_run
+from kdlab.stages.lora import LoraSpec, apply_lora
 from kdlab.stages.optim import FiniteAdamW, lr_multiplier
 from kdlab.stages.sharding import gathered_for_decoding
-from kdlab.stages.teachers import check_cross_tokenizer_run, check_served_teacher_run, prefetch_served, served_rollout, vocabulary_columns
 from kdlab.tasks.base import Example, Task
+from kdlab.teachers.base import TeacherRun, TeacherSource, check_needs
+from kdlab.teachers.choice import TeacherChoice
+from kdlab.teachers.legacy import TeacherEntry, teacher_source
+from kdlab.teachers.model import vocabulary_columns
 
 
 class DistillModule(TaskStage):
@@ -62,10 +45,12 @@ class DistillModule(TaskStage):
 
     Args:
         student: the model trained (all its parameters, full fine-tuning).
-        teacher: the frozen model distilled from; it shares the student's vocabulary unless
-            ``cross_tokenizer`` is given. ``None`` when the
-            rollout is :class:`~kdlab.rollouts.policies.CachedTeacherRollouts`: the teacher then never sits in
-            training memory (callbacks that sample from the teacher cannot be used).
+        teacher: where the teacher's distribution comes from, one :class:`~kdlab.teachers.base.TeacherSource`: a model
+            in this process (``{path: ..., dtype: ...}``, i.e. :class:`~kdlab.teachers.ModelTeacher`), a top-k cache
+            (:class:`~kdlab.teachers.CachedTeacher`), a served teacher (:class:`~kdlab.teachers.Served`), several teachers
+            (:class:`~kdlab.teachers.Several`) or the student's base under its LoRA adapters
+            (:class:`~kdlab.teachers.BaseModelTeacher`). It shares the student's vocabulary unless ``cross_tokenizer`` is
+            given. What the rollout policy needs of it is checked before any weights load.
         task: prompts, per-model prompting and the verifier used for validation accuracy.
         rollout: who writes completions (default :class:`~kdlab.rollouts.policies.TeacherRollouts`, online).
         objective: the token-level divergence (default :class:`~kdlab.objectives.kl.ForwardKL`).
@@ -112,19 +97,10 @@ class DistillModule(TaskStage):
         lora: train LoRA adapters on the student instead of all its weights (peft, as SFT and GRPO; ``pip
             install kdlab[lora]``): only the adapters move and hold optimiser state; checkpoints carry the
             student with its adapters, exports and vLLM pushes merge them.
-        base_teacher: with ``lora``, the teacher is the student's own base model, its adapters disabled
-            (``teacher: null``): self-distillation with no second model in memory, e.g. from a teacher
-            prompt the student does not get (the task's ``teacher_messages``).
-        served_teacher: the teacher behind an HTTP endpoint that speaks vLLM's OpenAI-compatible API
-            (:class:`~kdlab.rollouts.served.ServedTeacher`; ``teacher: null``): its top-K log-probs on each
-            completion take the place of a teacher forward (as a top-k cache does), so the teacher never sits in
-            training memory. ``TeacherRollouts`` are sampled by the server; ``StudentRollouts`` and teacher
-            datasets are scored by it. Checked (model, vocabulary) before the first step.
-        teachers: several named teachers (:class:`~kdlab.stages.multi_teacher.TeacherEntry`: ``model``, ``served``
-            or ``cache``; ``teacher: null``), made into one teacher per example by ``teacher_choice``
-            (:class:`~kdlab.stages.multi_teacher.ByField` routes, :class:`~kdlab.stages.multi_teacher.Average`
-            combines); ``train/kl_forward/<name>`` per teacher. One in-process entry is exactly ``teacher``.
-        teacher_choice: see ``teachers`` (optional with one teacher).
+        base_teacher, served_teacher, teachers, teacher_choice: the earlier spellings of ``teacher`` (deprecated, with a
+            ``FutureWarning``): ``BaseModelTeacher``, ``Served(server=...)``, ``Several(teachers, choice)`` (each
+            :class:`~kdlab.teachers.legacy.TeacherEntry` one member); a ``CachedTeacherRollouts`` rollout stands for
+            ``CachedTeacher`` with ``TeacherDatasetRollouts`` (:func:`kdlab.teachers.legacy.teacher_source`).
         seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each
             step's streams are derived from (seed, split, rank, epoch, batch index) and each epoch's
             order from (seed, epoch), not from how long the process has been running.
@@ -133,7 +109,7 @@ class DistillModule(TaskStage):
     def __init__(
         self,
         student: ModelSpec | str,
-        teacher: ModelSpec | str | None = None,
+        teacher: TeacherSource | ModelSpec | str | None = None,
         task: Task | None = None,
         rollout: RolloutPolicy | None = None,
         objective: KLObjective | None = None,
@@ -176,31 +152,6 @@ class DistillModule(TaskStage):
         if warmup_steps < 0:
             raise ValueError(f"DistillModule.warmup_steps must be >= 0, got {warmup_steps}")
         self.student_spec = ModelSpec(student) if isinstance(student, str) else student
-        cache = rollout.cache if isinstance(rollout, CachedTeacherRollouts) else None
-        self.teacher_names = list(teachers or {})
-        if teachers is not None:
-            check_teachers_run(teachers, teacher_choice, rollout if rollout is not None else TeacherRollouts(), teacher=teacher,
-                               served_teacher=served_teacher, base_teacher=base_teacher, cross_tokenizer=cross_tokenizer)
-            only = next(iter(teachers.values()))
-            if len(teachers) == 1 and only.model is not None:  # today's single-teacher path, exactly
-                teacher, teachers = only.model, None
-        self.teacher_spec = ModelSpec(teacher) if isinstance(teacher, str) else teacher
-        if base_teacher:
-            if lora is None or teacher is not None or cache is not None or cross_tokenizer is not None:
-                raise ValueError("DistillModule.base_teacher: the teacher is the student's base under its LoRA adapters, so it needs "
-                                 "lora, teacher: null, no teacher_cache and no cross_tokenizer")
-            if teacher_placement != "replicate":
-                raise ValueError("DistillModule.base_teacher: the teacher is the student itself, so teacher_placement must be 'replicate'")
-        self.served_teacher = served_teacher
-        if served_teacher is not None:
-            check_served_teacher_run(teacher, rollout if rollout is not None else TeacherRollouts(), cross_tokenizer, base_teacher)
-            self.teacher_spec = ModelSpec(served_teacher.tokenizer)
-        elif teacher is None and cache is None and not base_teacher and teachers is None:
-            raise ValueError("DistillModule.teacher is required unless the rollout is CachedTeacherRollouts (a teacher_cache) "
-                             "or base_teacher is true")
-        if teacher is None and cross_tokenizer is not None:
-            raise ValueError("DistillModule.teacher is required with cross_tokenizer (its tokenizer re-tokenises the completions), "
-                             "even when its log-probs come from CachedTeacherRollouts.teacher_cache")
         self.rollout = rollout if rollout is not None else TeacherRollouts()
         self.objective = objective if objective is not None else ForwardKL()
         if rollout_micro_batches is not None and rollout_micro_batches < 1:
@@ -215,44 +166,33 @@ class DistillModule(TaskStage):
             raise ValueError(f"DistillModule.teacher_placement must be 'replicate' or 'shard', got {teacher_placement!r}")
         self.teacher_placement = teacher_placement
         self.fused_lm_head = fused_lm_head
-
-        # Tokenizers and configs first: a vocabulary mismatch (or a head too small for the tokenizer)
-        # fails before any weights are read.
-        self.student_tokenizer = load_tokenizer(self.student_spec, "student")
-        self.teacher_tokenizer = load_tokenizer(self.teacher_spec, "teacher") if teacher is not None or served_teacher is not None else self.student_tokenizer
-        student_config = load_config(self.student_spec, "student")
-        teacher_config = load_config(self.teacher_spec, "teacher") if teacher is not None else student_config
         self.cross_tokenizer = cross_tokenizer
-        if cross_tokenizer is None:
-            self.token_columns = shared_vocab_size(self.student_tokenizer, self.teacher_tokenizer, student_config, teacher_config)
-            self.teacher_columns = self.token_columns
-        else:
-            self.token_columns = vocabulary_columns(self.student_tokenizer, student_config, "student")
-            self.teacher_columns = vocabulary_columns(self.teacher_tokenizer, teacher_config, "teacher") if teacher is not None else cache.token_columns
-            check_cross_tokenizer_run(task, self.rollout, self.student_tokenizer, self.teacher_tokenizer)
+        self.teacher_source = teacher_source(teacher, self.rollout, cross_tokenizer, served_teacher=served_teacher, teachers=teachers,
+                                             teacher_choice=teacher_choice, base_teacher=base_teacher)
+
+        # Tokenizers and configs first: what the rollout needs of the teacher, a vocabulary mismatch (or a head too
+        # small for the tokenizer) fail before any weights are read.
+        self.student_tokenizer = load_tokenizer(self.student_spec, "student")
+        student_config = load_config(self.student_spec, "student")
+        self.token_columns = vocabulary_columns(self.student_tokenizer, student_config, "student")
+        run = TeacherRun(self.student_tokenizer, student_config, self.token_columns, teacher_temperature, cross_tokenizer is not None,
+                         teacher_placement, fused_lm_head, self.objective.reduction, self.objective.chunk_size, tuple(self.stop_strings),
+                         max_completion_tokens, held=self._frozen, student=(lambda: self.student) if lora is not None else None)
+        check_needs(self.rollout.needs(), self.teacher_source.offers(run), type(self.rollout).__name__, type(self.teacher_source).__name__)
+        self.teacher_source.bind(run)
+        self.teacher_tokenizer, self.teacher_columns = self.teacher_source.tokenizer, self.teacher_source.token_columns
+        if cross_tokenizer is not None:
+            cross_tokenizer.check_texts(task, self.student_tokenizer, self.teacher_tokenizer)
             cross_tokenizer.bind(self.teacher_tokenizer, self.student_tokenizer, self.teacher_columns, self.token_columns)
         self.student = load_causal_lm(self.student_spec, "student", config=student_config)
-        self.lora, self.base_teacher = lora, base_teacher
+        self.lora = lora
         if lora is not None:
             self.student = apply_lora(self.student, lora)
-        self.teacher_set = TeacherSet(teachers, teacher_choice, self) if teachers is not None else None
-        if teacher is not None:
-            self.hold_frozen("teacher", load_causal_lm(self.teacher_spec, "teacher", config=teacher_config))
-        elif base_teacher:
-            self.hold_frozen("teacher", AdaptersDisabled(self.student))
-        if cache is not None:
-            if cache.token_columns != self.teacher_columns:
-                raise ValueError(f"CachedTeacherRollouts.teacher_cache {cache.path!r} has {cache.token_columns} token columns, the teacher {self.teacher_columns}")
-            if not math.isclose(cache.temperature, teacher_temperature):
-                raise ValueError(
-                    f"CachedTeacherRollouts.teacher_cache {cache.path!r} holds log-probs at teacher temperature {cache.temperature}, "
-                    f"but DistillModule.teacher_temperature is {teacher_temperature}"
-                )
+        self.teacher_source.load()
         self.student.train()  # from_pretrained returns eval mode; Lightning keeps modes as it finds them
         # a completion ends at either model's end token (their chat templates may differ); across
         # tokenizers each model's own end tokens end the completions it writes
-        teacher_ends = end_token_ids(self.teacher_tokenizer, self.teacher) if "teacher" in self._frozen else ()
-        teacher_ends += self.teacher_set.end_ids() if self.teacher_set is not None else ()
+        teacher_ends = self.teacher_source.end_ids
         student_ends = end_token_ids(self.student_tokenizer, self.student)
         if cross_tokenizer is None:
             self.end_ids = tuple(dict.fromkeys(student_ends + teacher_ends))
@@ -264,16 +204,14 @@ class DistillModule(TaskStage):
 
     # ---- parallelism ----------------------------------------------------------------------
     def sharded_models(self) -> list[torch.nn.Module]:
-        """The student, and the teacher when ``teacher_placement == "shard"``."""
-        teachers = [model for name, model in self._frozen.items() if name == "teacher" or name.startswith("teachers/")]
-        return [self.student] + (teachers if self.teacher_placement == "shard" else [])
+        """The student, and the teacher source's in-process models when ``teacher_placement == "shard"``."""
+        return [self.student] + (list(self.teacher_source.models().values()) if self.teacher_placement == "shard" else [])
 
     @property
     def teacher(self) -> torch.nn.Module:
-        """The frozen teacher (eval mode, outside the module's state; see ``TaskStage.hold_frozen``)."""
-        if "teacher" not in self._frozen:
-            raise RuntimeError("this run has no teacher model of its own (teacher: null: its outputs come from a teacher cache, a served teacher or several teachers)")
-        return self._frozen["teacher"]
+        """The frozen in-process teacher model (eval mode, outside the module's state; see ``TaskStage.hold_frozen``);
+        an error naming the source when the teacher has none (a cache, a server, several teachers)."""
+        return self.teacher_source.model
 
     def components(self) -> dict[str, Component]:
         parts = {"rollout": self.rollout, "objective": self.objective, "task": self.task}
@@ -294,10 +232,11 @@ class DistillModule(TaskStage):
         return prompts
 
     # ---- training -------------------------------------------------------------------------
-    def rollout_context(self, generator: torch.Generator | None) -> RolloutContext:
+    def rollout_context(self, generator: torch.Generator | None, seed: int | None = None) -> RolloutContext:
+        in_process = self.teacher_source.models()
         return RolloutContext(
             student=self.student,
-            teacher=self._frozen.get("teacher"),
+            teacher=next(iter(in_process.values())) if len(in_process) == 1 else None,
             tokenizer=self.student_tokenizer,
             token_columns=self.token_columns,
             max_new_tokens=self.max_completion_tokens,
@@ -309,11 +248,12 @@ class DistillModule(TaskStage):
             all_done=self.all_done_hook(),
             step=self.global_step,
             student_spec=self.student_spec,
-            teacher_spec=self.teacher_spec,
+            teacher_spec=self.teacher_source.spec,
             stop=self.stop_check(),
             stop_strings=tuple(self.stop_strings),
             teacher_tokens=self.teacher_tokens(),
-            teacher_decoder=self.teacher_set.decoder if self.teacher_set is not None else None,
+            teacher_source=self.teacher_source,
+            seed=seed,
         )
 
     def teacher_tokens(self) -> TeacherTokens | None:
@@ -335,9 +275,7 @@ class DistillModule(TaskStage):
         self.student.eval()
         try:
             with torch.no_grad(), gathered_for_decoding([self.student, *self._frozen.values()]):
-                if self.served_teacher is not None:
-                    return served_rollout(self, prompts, policy, seed)
-                return policy.sample(prompts, self.rollout_context(self._generator(seed)))
+                return self.teacher_source.rollout(policy, prompts, self.rollout_context(self._generator(seed), seed))
         finally:
             self.student.train(was_training)
             # Under Lightning's autocast the decode cached bf16 casts of the fp32 student's weights, made
@@ -347,10 +285,8 @@ class DistillModule(TaskStage):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if stage == "fit" and self.served_teacher is not None:
-            self.served_teacher.check(self.teacher_tokenizer)
-        if stage == "fit" and self.teacher_set is not None:
-            self.teacher_set.check_served()
+        if stage == "fit":
+            self.teacher_source.ready()
 
     def decode_group(self) -> int:
         """Micro-batches per batched decode: ``rollout_micro_batches``, by default the trainer's
@@ -375,8 +311,10 @@ class DistillModule(TaskStage):
         if group.rollouts is None:
             rollout = self.make_rollout(group.examples, self.step_seed("train", batch_idx - index))
             group.rollouts = rollout.split([len(part) for part in group.batches]) if len(group.batches) > 1 else [rollout]
-            if self.served_teacher is not None and group.following is not None:  # the server starts on the next group now
-                prefetch_served(self, group.following.examples, self.step_seed("train", batch_idx - index + len(group.batches)))
+            if group.following is not None:  # a source may start on the next group now (a served teacher's prefetch)
+                examples, seed = group.following.examples, self.step_seed("train", batch_idx - index + len(group.batches))
+                self.teacher_source.prefetch(self.rollout, lambda: self._prompts(examples), seed,
+                                             lambda: self.rollout_context(self._generator(seed), seed))
         taken, group.rollouts[index] = group.rollouts[index], None  # each micro-batch's tensors freed after its step
         return taken
 
@@ -384,25 +322,15 @@ class DistillModule(TaskStage):
         """Tempered student and teacher logits ``(B, C, V)`` at the completion positions (as
         :class:`~kdlab.objectives.kernels.HeadLogits` with ``fused_lm_head``)."""
         length = rollout.completion_ids.shape[1]
-        teacher_length = rollout.completion("teacher")[0].shape[1]
         if self.uses_fused_head(self.student):
             student = completion_head_logits(self.student, rollout.model_inputs("student"), length, self.token_columns, self.student_temperature)
         else:
             student = completion_logits(self.student, rollout.model_inputs("student"), length, self.token_columns)
             if self.student_temperature != 1.0:
                 student = student / self.student_temperature
-        if rollout.teacher_logprobs is not None:  # precomputed, already tempered (kdlab.rollouts.teacher_cache)
+        if rollout.teacher_logprobs is not None:  # scored already (a served teacher scores a decode group in one go)
             return student, rollout.teacher_logprobs
-        if self.teacher_set is not None:  # several teachers: their combination, and each one's KLs for the log
-            teacher, self.teacher_set.diagnostics = self.teacher_set.completion_logprobs(rollout, student)
-            return student, teacher
-        with torch.no_grad():
-            if self.uses_fused_head(self.teacher):
-                return student, completion_head_logits(self.teacher, rollout.model_inputs("teacher"), teacher_length, self.teacher_columns, self.teacher_temperature).detach()
-            teacher = completion_logits(self.teacher, rollout.model_inputs("teacher"), teacher_length, self.teacher_columns)
-        if self.teacher_temperature != 1.0:
-            teacher = teacher.div_(self.teacher_temperature)  # a fresh no-grad tensor: no second (B, C, V) copy
-        return student, teacher
+        return student, self.teacher_source.completion_logprobs(rollout, student)
 
     def uses_fused_head(self, model: torch.nn.Module) -> bool:
         """Whether ``model``'s logits reach the objective as hidden states and head (``fused_lm_head``)."""
@@ -440,9 +368,7 @@ class DistillModule(TaskStage):
                 student_logits.detach(), teacher_logits, mask, self.objective.reduction, self.objective.chunk_size
             )
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
-        if self.teacher_names:
-            diagnostics.update(self.teacher_set.diagnostics if self.teacher_set is not None else
-                               {f"{kind}/{self.teacher_names[0]}": diagnostics[kind] for kind in ("kl_forward", "kl_reverse")})
+        diagnostics.update(self.teacher_source.named_diagnostics(diagnostics))
         for name, value in diagnostics.items():
             self.log(f"train/{name}", value, batch_size=size)
         self.log("train/completion_length", mask.sum(1).float().mean(), batch_size=size)

@@ -20,126 +20,15 @@ bf16 weight copies. optimiser step: AdamW's temporaries. validation: the student
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
+
+from kdlab.study.shapes import HUB_ID, PUBLISHED, Shape, model_shape, published_shape, shape_of_config  # noqa: F401 - their callers' names
 
 GiB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CLOSED_FORM = ("ForwardKL", "ReverseKL", "TotalVariation")
 """Objectives whose loss and gradient come from the shared row statistics (no autograd on a chunk)."""
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A dense decoder-only transformer's sizes (what the arithmetic needs of a config)."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool = False
-    qkv_bias: bool = False
-    source: str = ""
-    context: int = 0  # max_position_embeddings (what vLLM's default budget keeps room for)
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @property
-    def layer_params(self) -> int:
-        q = self.heads * self.head_dim
-        bias = q + 2 * self.kv_dim if self.qkv_bias else 0
-        return 2 * self.hidden * q + 2 * self.hidden * self.kv_dim + 3 * self.hidden * self.intermediate + 2 * self.hidden + bias
-
-    @property
-    def root_params(self) -> int:
-        """Embeddings, the head when untied, the final norm: what sits outside the decoder layers."""
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
-
-    @property
-    def params(self) -> int:
-        return self.root_params + self.layers * self.layer_params
-
-    @property
-    def largest_tensor(self) -> int:  # elements of the largest parameter
-        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
-
-
-def _published(hidden, layers, heads, kv_heads, intermediate, vocab, tied, qkv_bias, name, context) -> Shape:
-    return Shape(hidden, layers, heads, kv_heads, hidden // heads, intermediate, vocab, tied, qkv_bias, f"published config of {name}", context)
-
-
-PUBLISHED = {
-    "Qwen/Qwen2.5-1.5B-Instruct": _published(1536, 28, 12, 2, 8960, 151936, True, True, "Qwen/Qwen2.5-1.5B-Instruct", 32768),
-    "Qwen/Qwen2.5-7B-Instruct": _published(3584, 28, 28, 4, 18944, 152064, False, True, "Qwen/Qwen2.5-7B-Instruct", 32768),
-    "meta-llama/Llama-3.2-1B-Instruct": _published(2048, 16, 32, 8, 8192, 128256, True, False, "meta-llama/Llama-3.2-1B-Instruct", 131072),
-    "meta-llama/Llama-3.1-8B-Instruct": _published(4096, 32, 32, 8, 14336, 128256, False, False, "meta-llama/Llama-3.1-8B-Instruct", 131072),
-}
-"""The paper's models' published ``config.json`` numbers, for configs that cannot be read here (no hub offline;
-the task-trained teachers' folders do not exist yet)."""
-ALIASES = {
-    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B-Instruct", "qwen1.5b": "Qwen/Qwen2.5-1.5B-Instruct",
-    "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct", "qwen7b": "Qwen/Qwen2.5-7B-Instruct",
-    "llama-3.2-1b": "meta-llama/Llama-3.2-1B-Instruct", "llama1b": "meta-llama/Llama-3.2-1B-Instruct",
-    "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct", "llama8b": "meta-llama/Llama-3.1-8B-Instruct",
-}
-"""Names in a path (a hub id, or a teacher folder such as ``./teachers/qwen7b-countdown3``) -> the published model."""
-HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-
-
-def shape_of_config(config: Any, source: str) -> Shape:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden, heads = int(text.hidden_size), int(text.num_attention_heads)
-    tied = bool(getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
-    bias = bool(getattr(text, "attention_bias", False)) or getattr(text, "model_type", "") == "qwen2"
-    return Shape(hidden, int(text.num_hidden_layers), heads, int(getattr(text, "num_key_value_heads", None) or heads),
-                 int(getattr(text, "head_dim", None) or hidden // heads), int(getattr(text, "intermediate_size", None) or 4 * hidden),
-                 int(text.vocab_size), tied, bias, source, int(getattr(text, "max_position_embeddings", 0) or 0))
-
-
-def published_shape(path: str) -> Shape | None:
-    """The published shape a path names (exactly, or by a model name in its last component), else ``None``."""
-    exact, last = {name.lower(): shape for name, shape in PUBLISHED.items()}, path.rstrip("/").rsplit("/", 1)[-1].lower()
-    if path.lower().rstrip("/") in exact:
-        return exact[path.lower().rstrip("/")]
-    for alias, name in ALIASES.items():
-        if re.search(rf"(?<![\w.]){re.escape(alias)}(?![\w.])", last.replace("_", "-")) or last.startswith(alias):
-            return PUBLISHED[name]
-    return None
-
-
-def model_shape(spec: Any, role: str) -> Shape:
-    """``spec``'s (a :class:`~kdlab.models.loading.ModelSpec`) shape from its config, read without weights
-    (a hub id only from the local cache), else from :data:`PUBLISHED`; pruned to ``spec.layers``."""
-    from kdlab.models.loading import load_config
-
-    shape, error = None, None
-    try:
-        if HUB_ID.match(spec.path) and not Path(spec.path).exists():  # a hub id: its config from the local cache only
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(spec.path, revision=spec.revision, local_files_only=True)
-            shape = shape_of_config(config, f"config of {spec.path} (local cache)")
-        else:
-            shape = shape_of_config(load_config(spec, role), f"config of {spec.path}")
-    except Exception as exc:  # noqa: BLE001 - unreadable here: the published table may know it
-        error, shape = exc, published_shape(spec.path)
-        shape = shape and replace(shape, source=f"{shape.source} ({role}.path {spec.path!r} not readable here)")
-    if shape is None:
-        raise ValueError(f"{role}.path {spec.path!r}: its config cannot be read here ({type(error).__name__}: {str(error)[:160]}) "
-                         f"and it is none of the published shapes kdlab estimate knows ({', '.join(PUBLISHED)})")
-    if spec.layers is not None:
-        from kdlab.models.pruning import select_layers
-
-        kept = len(select_layers(spec.layers, shape.layers, f"{role}.layers"))
-        shape = replace(shape, layers=kept, source=f"{shape.source}, layers {spec.layers!r}: {kept} kept")
-    return shape
 
 
 @dataclass
@@ -153,6 +42,7 @@ class Setup:
     checkpointing: bool = False
     decoders: tuple[str, ...] = ("teacher",)  # the models kdlab's decoder runs: "student", "teacher"
     cached_teacher: bool = False  # teacher log-probs from a top-k cache
+    other_teachers: tuple[Shape, ...] = ()  # several teachers: the in-process members after the first (their weights)
     vllm_fraction: float = 0.0  # of the GPU's memory, reserved by a vLLM engine
     engine: str = ""  # the model a vLLM engine samples: "student" or "teacher"
     objective: str = "ForwardKL"
@@ -310,6 +200,8 @@ def estimate(setup: Setup) -> Estimate:
              Term("optimiser (AdamW)", "persistent", 2 * s.params * sb / n, f"2 moments x {billions} x {sb} B{where}")]
     if t is not None:
         terms.append(Term("teacher weights", "persistent", t.params * tb / tn, f"{t.params / 1e9:.3f}B params x {tb} B{twhere}"))
+    for index, other in enumerate(setup.other_teachers, 2):  # several in-process teachers: each one's weights
+        terms.append(Term(f"teacher {index} weights", "persistent", other.params * tb / tn, f"{other.params / 1e9:.3f}B params x {tb} B{twhere}"))
     if setup.strategy == "ddp":
         terms.append(Term("DDP gradient buckets", "persistent", s.params * sb, f"a copy of the gradients: {billions} x {sb} B"))
     if setup.vllm_fraction:
@@ -394,6 +286,42 @@ def _spec(value: Any) -> Any:
     return ModelSpec(**{key: item for key, item in dict(value).items() if key in {f.name for f in fields(ModelSpec)}})
 
 
+def teacher_models(model: dict[str, Any]) -> tuple[list[Any], bool]:
+    """The in-process teacher models (:class:`~kdlab.models.loading.ModelSpec`) of a DistillModule config, every member
+    of several teachers included, and whether a top-k cache stands for a teacher. Served teachers and the student's own
+    base hold no teacher weights of their own. Reads the ``teacher`` slot and its earlier spellings (``teachers``, a
+    ``CachedTeacherRollouts`` rollout)."""
+    specs, cached = [], False
+
+    def visit(value: Any) -> None:
+        nonlocal cached
+        if value is None:
+            return
+        if isinstance(value, str) or (isinstance(value, dict) and "class_path" not in value):
+            specs.append(_spec(value))
+            return
+        name, args = _name(value)
+        if name == "ModelTeacher":
+            visit(args.get("model"))
+        elif name == "Several":
+            for member in (args.get("teachers") or {}).values():
+                visit(member)
+        elif name == "CachedTeacher":
+            cached = True
+
+    if model.get("teachers"):  # the earlier spelling: entries of model / served / cache
+        for entry in model["teachers"].values():
+            visit((entry or {}).get("model"))
+            cached = cached or bool((entry or {}).get("cache"))
+    elif not model.get("served_teacher") and not model.get("base_teacher"):
+        rollout, rollout_args = _name(model.get("rollout") or "TeacherRollouts")
+        if rollout == "CachedTeacherRollouts" or rollout_args.get("teacher_cache"):
+            cached = True  # the cache replaces the teacher's weights (its tokenizer only is read)
+        else:
+            visit(model.get("teacher"))
+    return specs, cached
+
+
 def setup_from_config(config: dict[str, Any], gpus: int | None = None, gpu_memory_gib: float | None = None) -> Setup:
     """A :class:`Setup` from what ``kdlab fit`` parsed (its namespace as a dict: ``trainer``, ``model``), on
     ``gpus`` GPUs (default: ``trainer.devices x trainer.num_nodes``) of ``gpu_memory_gib`` (default 80)."""
@@ -403,7 +331,9 @@ def setup_from_config(config: dict[str, Any], gpus: int | None = None, gpu_memor
         if not str(model["class_path"]).endswith("DistillModule"):
             raise ValueError(f"model.class_path {model['class_path']!r}: kdlab estimate models DistillModule configs only")
         model = dict(model.get("init_args") or {})
-    student, teacher = _spec(model.get("student")), _spec(model.get("teacher"))
+    student = _spec(model.get("student"))
+    teachers, cached = teacher_models(model)
+    teacher = teachers[0] if teachers else None
     if student is None:
         raise ValueError("model.student: missing")
     devices, nodes = trainer.get("devices", "auto"), int(trainer.get("num_nodes") or 1)
@@ -438,7 +368,7 @@ def setup_from_config(config: dict[str, Any], gpus: int | None = None, gpu_memor
     setup = Setup(
         student=model_shape(student, "student"), teacher=model_shape(teacher, "teacher") if teacher is not None else None,
         student_dtype=dtypes["student"], teacher_dtype=dtypes["teacher"], checkpointing=bool(student.gradient_checkpointing),
-        decoders=decoders, cached_teacher=rollout == "CachedTeacherRollouts" or bool(rollout_args.get("teacher_cache")),
+        decoders=decoders, cached_teacher=cached, other_teachers=tuple(model_shape(spec, "teacher") for spec in teachers[1:]),
         objective=objective, chunk_size=int(objective_args.get("chunk_size") or 256), batch_size=int(model.get("batch_size") or 1),
         accumulate=accumulate, decode_group=int(group), prompt_tokens=int(model.get("max_prompt_tokens") or 2048),
         completion_tokens=int(model.get("max_completion_tokens") or 512),
