@@ -37,7 +37,7 @@ def lightning_cli_class():
             """An unknown key (``--model.lrr``, or ``lrr:`` in a config file) fails naming it and the
             nearest key the command accepts."""
             try:
-                super().parse_arguments(parser, args)
+                super().parse_arguments(parser, teacher_overlays(list(sys.argv[1:] if args is None else args)))
             except Exception as error:
                 from kdlab.cli.config_errors import ConfigError, nearest
 
@@ -115,6 +115,30 @@ def lightning_cli_class():
                     trim_logs(self.trainer.log_dir, position)
 
     return KDLabCLI
+
+
+def teacher_overlays(args: list[str]) -> list[str]:
+    """``args`` with ``--model.teacher=null`` before each config file that gives ``model.teacher`` as a teacher source
+    (``class_path``) after an earlier one gave it as a model (``{path: ...}``): jsonargparse would otherwise merge the
+    two and lose the class (a teacher source replaces a teacher model, as a later value replaces an earlier one)."""
+    import yaml
+
+    out, previous = [], None
+    for index, arg in enumerate(args):
+        path = arg.split("=", 1)[1] if arg.startswith("--config=") else args[index + 1] if arg == "--config" and index + 1 < len(args) else None
+        if path is not None and Path(path).is_file():
+            try:
+                model = (yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}).get("model") or {}
+            except (yaml.YAMLError, AttributeError):
+                model = {}
+            teacher = model.get("teacher", "absent") if isinstance(model, dict) else "absent"
+            if isinstance(teacher, dict) and "class_path" in teacher and isinstance(previous, dict) and "class_path" not in previous:
+                out.append("--model.teacher=null")
+            previous = previous if teacher == "absent" else teacher
+        elif arg.startswith("--model.teacher="):
+            previous = arg.split("=", 1)[1]
+        out.append(arg)
+    return out
 
 
 def link_last_checkpoints(trainer) -> None:

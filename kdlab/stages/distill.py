@@ -28,15 +28,13 @@ from kdlab.objectives.aligned import CrossTokenizer
 from kdlab.objectives.kl import ForwardKL, KLObjective, kl_diagnostics, sampled_logprobs
 from kdlab.objectives.logits import completion_head_logits, completion_logits, fused_head_unsupported
 from kdlab.rollouts.policies import RolloutContext, RolloutPolicy, TeacherRollouts, TeacherTokens, importance_weights
-from kdlab.rollouts.served import ServedTeacher
 from kdlab.stages.base import TaskStage
 from kdlab.stages.lora import LoraSpec, apply_lora
 from kdlab.stages.optim import FiniteAdamW, lr_multiplier
 from kdlab.stages.sharding import gathered_for_decoding
 from kdlab.tasks.base import Example, Task
 from kdlab.teachers.base import TeacherRun, TeacherSource, check_needs
-from kdlab.teachers.choice import TeacherChoice
-from kdlab.teachers.legacy import TeacherEntry, teacher_source
+from kdlab.teachers.legacy import teacher_source
 from kdlab.teachers.model import vocabulary_columns
 
 
@@ -97,10 +95,8 @@ class DistillModule(TaskStage):
         lora: train LoRA adapters on the student instead of all its weights (peft, as SFT and GRPO; ``pip
             install kdlab[lora]``): only the adapters move and hold optimiser state; checkpoints carry the
             student with its adapters, exports and vLLM pushes merge them.
-        base_teacher, served_teacher, teachers, teacher_choice: the earlier spellings of ``teacher`` (deprecated, with a
-            ``FutureWarning``): ``BaseModelTeacher``, ``Served(server=...)``, ``Several(teachers, choice)`` (each
-            :class:`~kdlab.teachers.legacy.TeacherEntry` one member); a ``CachedTeacherRollouts`` rollout stands for
-            ``CachedTeacher`` with ``TeacherDatasetRollouts`` (:func:`kdlab.teachers.legacy.teacher_source`).
+        legacy: the earlier spellings of ``teacher`` (``base_teacher``, ``served_teacher``, ``teachers``, ``teacher_choice``;
+            deprecated, with a ``FutureWarning``), see :func:`kdlab.teachers.legacy.teacher_source`.
         seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each
             step's streams are derived from (seed, split, rank, epoch, batch index) and each epoch's
             order from (seed, epoch), not from how long the process has been running.
@@ -136,10 +132,7 @@ class DistillModule(TaskStage):
         stop_strings: list[str] | None = None,
         cross_tokenizer: CrossTokenizer | None = None,
         lora: LoraSpec | None = None,
-        base_teacher: bool = False,
-        served_teacher: ServedTeacher | None = None,
-        teachers: dict[str, TeacherEntry] | None = None,
-        teacher_choice: TeacherChoice | None = None,
+        **legacy: Any,
     ) -> None:
         if task is None:
             raise ValueError("DistillModule.task is required (a kdlab.tasks Task chosen by class_path)")
@@ -167,8 +160,9 @@ class DistillModule(TaskStage):
         self.teacher_placement = teacher_placement
         self.fused_lm_head = fused_lm_head
         self.cross_tokenizer = cross_tokenizer
-        self.teacher_source = teacher_source(teacher, self.rollout, cross_tokenizer, served_teacher=served_teacher, teachers=teachers,
-                                             teacher_choice=teacher_choice, base_teacher=base_teacher)
+        # the earlier spellings (served_teacher, teachers + teacher_choice, base_teacher) arrive in ``legacy``; jsonargparse
+        # reads their types and help from teacher_source's signature, so old configs keep parsing
+        self.teacher_source = teacher_source(teacher, self.rollout, cross_tokenizer, **legacy)
 
         # Tokenizers and configs first: what the rollout needs of the teacher, a vocabulary mismatch (or a head too
         # small for the tokenizer) fail before any weights are read.

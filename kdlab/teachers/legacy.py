@@ -50,9 +50,20 @@ def _deprecated(old: str, new: str) -> None:
 
 
 def teacher_source(teacher: Any, rollout: Any, cross_tokenizer: Any = None, served_teacher: ServedTeacher | None = None,
-                   teachers: dict[str, Any] | None = None, teacher_choice: TeacherChoice | None = None, base_teacher: bool = False) -> TeacherSource:
+                   teachers: dict[str, TeacherEntry] | None = None, teacher_choice: TeacherChoice | None = None, base_teacher: bool = False) -> TeacherSource:
     """The teacher source of a ``DistillModule`` given ``teacher`` (a source, a model spec or path) or the older
-    settings; refuses more than one source, naming them."""
+    settings; refuses more than one source, naming them.
+
+    Args:
+        teacher: ``DistillModule.teacher``.
+        rollout: ``DistillModule.rollout`` (a ``CachedTeacherRollouts``' cache stands for the teacher).
+        cross_tokenizer: ``DistillModule.cross_tokenizer``.
+        served_teacher: deprecated: ``teacher: {class_path: kdlab.teachers.Served, init_args: {server: ...}}``.
+        teachers: deprecated: ``teacher: {class_path: kdlab.teachers.Several, init_args: {teachers: ..., choice: ...}}``
+            (each entry: ``model``, ``served`` or ``cache``).
+        teacher_choice: deprecated: ``Several``'s ``choice``.
+        base_teacher: deprecated: ``teacher: {class_path: kdlab.teachers.BaseModelTeacher}``.
+    """
     cache = getattr(rollout, "teacher_cache", None) if hasattr(rollout, "cache") else None
     if teachers is not None:
         given = [name for name, value in (("teacher", teacher), ("served_teacher", served_teacher), ("base_teacher", base_teacher),
