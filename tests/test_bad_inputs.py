@@ -89,7 +89,7 @@ CLI_CASES = {
     "43": (RLVR + [CALLBACK + "kdlab.callbacks.HeldOutKL"], "HeldOutKL compares a student with its teacher and needs a DistillModule"),
     "44": (FIT + ["--model.task.answer_from=number"], "Addition.answer_from must be one of"),
     "46": (FIT + MIXTURE + ["--model.student.path=kdlab://tiny/student", "--model.cross_tokenizer=kdlab.objectives.CrossTokenizer"],
-           "DistillModule.rollout: MixtureRollouts mixes the two models' next-token distributions"),
+           "DistillModule.rollout: MixtureRollouts needs one vocabulary shared by student and teacher"),
     "48": (FIT + ['--model.served_teacher={"class_path": "kdlab.rollouts.served.ServedTeacher", "init_args": '
                    '{"url": "http://127.0.0.1:9", "model": "m", "tokenizer": "kdlab://tiny-random/teacher"}}'],
            "DistillModule.served_teacher is the teacher: set teacher: null"),

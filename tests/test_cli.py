@@ -70,7 +70,7 @@ def test_checkpoint_holds_the_student_but_not_the_teacher_and_reloads(tmp_path):
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
     assert any(k.startswith("student.") for k in state)
     assert not any(k.startswith("teacher.") for k in state)
-    fresh = cli.model.__class__(cli.model.student_spec, cli.model.teacher_spec, cli.model.task)
+    fresh = cli.model.__class__(cli.model.student_spec, cli.model.teacher_source.spec, cli.model.task)
     fresh.load_state_dict(state)
     for name, value in fresh.student.state_dict().items():
         assert torch.equal(value, cli.model.student.state_dict()[name])

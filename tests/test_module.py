@@ -419,7 +419,7 @@ def test_fsdp1_wraps_each_decoder_layer_and_each_sharded_model_whole(tiny_pair, 
 def test_a_training_step_logs_the_exact_diagnostics_without_a_second_pass(tiny_pair, monkeypatch, fused):
     """The step logs kl_forward, kl_reverse and both entropies from the objective's own pass: the separate
     kl_diagnostics pass is never called, and the logged values equal that pass run on the same logits."""
-    import kdlab.stages.distill
+    import kdlab.objectives.pairing
     from kdlab.objectives.kl import kl_diagnostics
 
     module = make_module(tiny_pair, fused_lm_head=fused)
@@ -431,7 +431,7 @@ def test_a_training_step_logs_the_exact_diagnostics_without_a_second_pass(tiny_p
         expected = kl_diagnostics(student, teacher, rollout.completion_mask)
     logged = {}
     module.log = lambda name, value, **kwargs: logged.__setitem__(name, value)
-    monkeypatch.setattr(kdlab.stages.distill, "kl_diagnostics", lambda *args, **kwargs: pytest.fail("a second diagnostics pass ran"))
+    monkeypatch.setattr(kdlab.objectives.pairing, "kl_diagnostics", lambda *args, **kwargs: pytest.fail("a second diagnostics pass ran"))
     module.training_step(batch, 0)
     for name, value in expected.items():
         torch.testing.assert_close(logged[f"train/{name}"], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -281,3 +281,58 @@ def test_what_a_source_cannot_do_is_refused_naming_the_policy_and_the_source():
 
     with pytest.raises(ConfigError, match=r"StudentRollouts needs a teacher that scores any completion .*\(CachedTeacher\)"):
         module(CachedTeacher("never-read.safetensors"), rollout=StudentRollouts())  # refused before the file is opened
+
+
+# ---- YAML: the new spellings overlay the quickstart, the earlier ones still parse -------------------------
+EARLIER = {
+    "served": ("model:\n  teacher: null\n  served_teacher:\n    class_path: kdlab.rollouts.served.ServedTeacher\n"
+               "    init_args: {url: http://127.0.0.1:9, model: tiny-teacher, tokenizer: kdlab://tiny/teacher}\n", "Served"),
+    "several": ("model:\n  teacher: null\n  teachers:\n    a: {model: {path: kdlab://tiny/teacher}}\n"
+                "    b: {model: {path: kdlab://tiny/teacher}}\n  teacher_choice: {class_path: kdlab.stages.multi_teacher.Average}\n", "Several"),
+}
+
+
+@pytest.mark.parametrize("overlay, source", [("served_teacher.yaml", "Served"), ("multi_teacher.yaml", "Several"),
+                                             ("lora_self_distill.yaml", "BaseModelTeacher"), ("earlier:served", "Served"),
+                                             ("earlier:several", "Several")])
+def test_committed_overlays_and_the_earlier_spellings_parse_over_the_quickstart(overlay, source, tmp_path, monkeypatch):
+    """A teacher source (class_path) overlaid on the quickstart's teacher model ({path: ...}) replaces it (jsonargparse
+    alone would merge the two and lose the class), from a file or the command line; the earlier keys still parse,
+    with a FutureWarning naming the new spelling."""
+    if overlay == "lora_self_distill.yaml":
+        pytest.importorskip("peft")
+    from kdlab.cli.lightning import run_lightning
+
+    monkeypatch.chdir(tmp_path)
+    if overlay.startswith("earlier:"):
+        text, _ = EARLIER[overlay.split(":")[1]]
+        path = tmp_path / "earlier.yaml"
+        path.write_text(text)
+    else:
+        path = ROOT / "experiments" / "tiny" / overlay
+    with pytest.warns(FutureWarning) if overlay.startswith("earlier:") else _no_teacher_warning():
+        cli = run_lightning(["fit", f"--config={ROOT / 'experiments/tiny/quickstart.yaml'}", f"--config={path}", "--trainer.max_steps=1",
+                             "--trainer.logger=false"], run=False, raise_parse_errors=True)
+    assert type(cli.model.teacher_source).__name__ == source
+
+
+class _no_teacher_warning:
+    def __enter__(self):
+        import warnings
+
+        self.caught = warnings.catch_warnings(record=True)
+        self.records = self.caught.__enter__()
+        warnings.simplefilter("always")
+
+    def __exit__(self, *exc):
+        self.caught.__exit__(*exc)
+        assert not [r for r in self.records if issubclass(r.category, FutureWarning) and "teacher" in str(r.message)]
+
+
+def test_a_teacher_class_on_the_command_line_replaces_the_quickstart_teacher_model():
+    from kdlab.cli.lightning import teacher_overlays
+
+    quickstart = str(ROOT / "experiments/tiny/quickstart.yaml")
+    args = ["fit", f"--config={quickstart}", "--model.teacher=kdlab.teachers.CachedTeacher", "--model.teacher.path=x"]
+    assert teacher_overlays(args) == ["fit", f"--config={quickstart}", "--model.teacher=null", *args[2:]]
+    assert teacher_overlays(["fit", f"--config={quickstart}", "--model.teacher.path=kdlab://tiny/student"])[2:] == ["--model.teacher.path=kdlab://tiny/student"]

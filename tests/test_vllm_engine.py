@@ -511,7 +511,7 @@ def test_a_teacher_engine_in_one_process_also_runs_in_process(tiny_pair, stand_i
     fake = stand_in()
     module.rollout = VLLMRollouts(model="teacher")
     rollout = module.rollout.sample(module._prompts(module.task.examples("train")), module.rollout_context(torch.Generator().manual_seed(0)))
-    assert fake.engine_env == ["0"] and fake.engines[0]["model"] == module.teacher_spec.resolved and not fake.pushes
+    assert fake.engine_env == ["0"] and fake.engines[0]["model"] == module.teacher_source.spec.resolved and not fake.pushes
     assert rollout.behaviour_logprobs is None
 
 

@@ -118,9 +118,10 @@ def lightning_cli_class():
 
 
 def teacher_overlays(args: list[str]) -> list[str]:
-    """``args`` with ``--model.teacher=null`` before each config file that gives ``model.teacher`` as a teacher source
-    (``class_path``) after an earlier one gave it as a model (``{path: ...}``): jsonargparse would otherwise merge the
-    two and lose the class (a teacher source replaces a teacher model, as a later value replaces an earlier one)."""
+    """``args`` with ``--model.teacher=null`` before each config file (or ``--model.teacher=<class path>``) that gives
+    ``model.teacher`` as a teacher source (``class_path``) after an earlier one gave it as a model (``{path: ...}``):
+    jsonargparse would otherwise merge the two and lose the class (a teacher source replaces a teacher model, as a
+    later value replaces an earlier one)."""
     import yaml
 
     out, previous = [], None
@@ -136,7 +137,10 @@ def teacher_overlays(args: list[str]) -> list[str]:
                 out.append("--model.teacher=null")
             previous = previous if teacher == "absent" else teacher
         elif arg.startswith("--model.teacher="):
-            previous = arg.split("=", 1)[1]
+            value = arg.split("=", 1)[1]
+            if re.fullmatch(r"[\w.]+\.[A-Z]\w*", value) and isinstance(previous, dict) and "class_path" not in previous:
+                out.append("--model.teacher=null")  # a class given on the command line replaces a model spec too
+            previous = {"class_path": value} if re.fullmatch(r"[\w.]+\.[A-Z]\w*", value) else value
         out.append(arg)
     return out
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from kdlab.components import Component
+from kdlab.objectives.pairing import TokenPairing
 from kdlab.objectives.kernels import (
     HeadGradient,
     HeadLogits,
@@ -247,7 +247,7 @@ def sorted_probability_distance(student_logprobs: torch.Tensor, teacher_logprobs
     return (p_s - p_t).abs().sum(-1)
 
 
-class CrossTokenizer(Component):
+class CrossTokenizer(TokenPairing):
     """Distillation between models with different tokenizers: the settings of the aligned objective.
 
     Give it to :class:`~kdlab.stages.distill.DistillModule` as ``cross_tokenizer`` (in YAML,
@@ -266,6 +266,17 @@ class CrossTokenizer(Component):
         self.uld_weight = float(uld_weight)
         self.vocabulary: VocabularyMap | None = None
         self._on_device: dict[torch.device, tuple[VocabularyMap, tuple[EventLayout, EventLayout]]] = {}
+
+    def rollout_loss(self, objective, rollout, student, teacher, sequence_weights=None, reduction: str | None = None):
+        """The objective over the byte-aligned groups of ``rollout``'s student and teacher tokens, and the same pass's
+        diagnostics (:meth:`loss`)."""
+        teacher_ids, teacher_mask = rollout.completion("teacher")
+        groups = self.groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
+        return self.loss(objective, student, teacher, groups, rollout.completion_ids, teacher_ids, rollout.completion_mask,
+                         sequence_weights, reduction)
+
+    def divergences(self, objective, rollout, student, teacher, reduction):
+        return self.rollout_loss(objective, rollout, student.detach(), teacher, reduction=reduction)[1]
 
     def check_texts(self, task: Any, student_tokenizer: Any, teacher_tokenizer: Any, probes: int = 8) -> None:
         """Before any weight loads: refuse tokenizers that do not reproduce the task's text byte for byte

@@ -25,7 +25,8 @@ from kdlab.components import Component
 from kdlab.data import encode_prompts
 from kdlab.models.loading import ModelSpec, end_token_ids, load_causal_lm, load_config, load_tokenizer
 from kdlab.objectives.aligned import CrossTokenizer
-from kdlab.objectives.kl import ForwardKL, KLObjective, kl_diagnostics, sampled_logprobs
+from kdlab.objectives.pairing import SharedVocabulary
+from kdlab.objectives.kl import ForwardKL, KLObjective, sampled_logprobs
 from kdlab.objectives.logits import completion_head_logits, completion_logits, fused_head_unsupported
 from kdlab.rollouts.policies import RolloutContext, RolloutPolicy, TeacherRollouts, TeacherTokens, importance_weights
 from kdlab.stages.base import TaskStage
@@ -160,6 +161,7 @@ class DistillModule(TaskStage):
         self.teacher_placement = teacher_placement
         self.fused_lm_head = fused_lm_head
         self.cross_tokenizer = cross_tokenizer
+        self.pairing = cross_tokenizer if cross_tokenizer is not None else SharedVocabulary()  # how the two models' tokens meet
         # the earlier spellings (served_teacher, teachers + teacher_choice, base_teacher) arrive in ``legacy``; jsonargparse
         # reads their types and help from teacher_source's signature, so old configs keep parsing
         self.teacher_source = teacher_source(teacher, self.rollout, cross_tokenizer, **legacy)
@@ -350,17 +352,7 @@ class DistillModule(TaskStage):
             # mean log q - log p_theta over sampled tokens: an estimate of KL(q || p_theta), 0 only when the
             # engine samples the student exactly (the weight's mean is ~1 for any q, so it cannot tell)
             self.log("train/engine_kl", ((rollout.behaviour_logprobs - sampled) * mask).sum() / mask.sum(), batch_size=size)
-        extra = {} if weights is None else {"sequence_weights": weights}  # overridden forwards need not take them
-        if self.cross_tokenizer is not None:
-            loss, diagnostics = self.cross_tokenizer_loss(rollout, student_logits, teacher_logits, weights)
-        else:
-            if isinstance(student_logits, torch.Tensor) and type(self.objective).forward is KLObjective.forward:
-                extra["consume"] = True  # nothing reads the student logits again: their storage becomes the gradient
-            loss = self.objective(student_logits, teacher_logits, mask, **extra)
-            # the objective's own pass computed them; a subclass that overrides forward gets a second pass
-            diagnostics = self.objective.take_diagnostics() or kl_diagnostics(
-                student_logits.detach(), teacher_logits, mask, self.objective.reduction, self.objective.chunk_size
-            )
+        loss, diagnostics = self.pairing.rollout_loss(self.objective, rollout, student_logits, teacher_logits, weights)
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         diagnostics.update(self.teacher_source.named_diagnostics(diagnostics))
         for name, value in diagnostics.items():
@@ -371,22 +363,12 @@ class DistillModule(TaskStage):
         self._log_records("train", size)
         return loss
 
-    def cross_tokenizer_loss(self, rollout, student_logits, teacher_logits, sequence_weights=None, reduction: str | None = None):
-        """The objective over the byte-aligned groups of ``rollout``'s student and teacher tokens, and the
-        same pass's diagnostics (:meth:`kdlab.objectives.aligned.CrossTokenizer.loss`)."""
-        teacher_ids, teacher_mask = rollout.completion("teacher")
-        groups = self.cross_tokenizer.groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
-        return self.cross_tokenizer.loss(self.objective, student_logits, teacher_logits, groups, rollout.completion_ids, teacher_ids,
-                                         rollout.completion_mask, sequence_weights, reduction)
-
     @torch.no_grad()
     def divergences(self, rollout, reduction: str = "token") -> dict[str, torch.Tensor]:
         """Exact ``kl_forward``, ``kl_reverse`` and entropies of ``rollout`` (no grad), reduced per token or per
-        sequence; across tokenizers, over its aligned groups (:class:`~kdlab.objectives.aligned.CrossTokenizer`)."""
+        sequence; across tokenizers, over its aligned groups (:class:`~kdlab.objectives.pairing.TokenPairing`)."""
         student, teacher = self.distillation_logits(rollout)
-        if self.cross_tokenizer is not None:
-            return self.cross_tokenizer_loss(rollout, student.detach(), teacher, reduction=reduction)[1]
-        return kl_diagnostics(student, teacher, rollout.completion_mask, reduction, self.objective.chunk_size)
+        return self.pairing.divergences(self.objective, rollout, student, teacher, reduction)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.log("train/grad_norm", self.student_grad_norm())  # before clipping: Lightning clips after this hook
