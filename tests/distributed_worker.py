@@ -32,9 +32,8 @@ from kdlab.models import export_pretrained
 from kdlab.models.export import merged_weights
 from kdlab.rollouts import TeacherDatasetRollouts
 from kdlab.stages import DistillModule
-from kdlab.models.loading import ModelSpec
 from kdlab.stages.lora import LoraSpec
-from kdlab.stages.multi_teacher import Average, TeacherEntry
+from kdlab.teachers import Average, ModelTeacher, Several
 from kdlab.tasks import Addition
 
 GLOBAL_BATCH = 8
@@ -157,13 +156,12 @@ def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, r
     fused = "fused" in flags  # the hidden-state + LM-head path (HeadLogits) instead of logits
     probes = [PrecisionProbe(out), ProbeOOD(out), ProbeCoverage(out)] if "probe" in flags else []
     devices = 1 if layout == "single" else 2
-    teachers = None
+    teacher = "kdlab://tiny-random/teacher"
     if "teachers" in flags:  # two in-process teachers averaged on every row (sharded like the student under FSDP)
-        teachers = {"strong": TeacherEntry(model=ModelSpec("kdlab://tiny-random/teacher")),
-                    "self": TeacherEntry(model=ModelSpec("kdlab://tiny-random/student"))}
+        teacher = Several({"strong": ModelTeacher("kdlab://tiny-random/teacher"), "self": ModelTeacher("kdlab://tiny-random/student")},
+                          Average({"strong": 3.0, "self": 1.0}))
     module = DistillModule(
-        "kdlab://tiny-random/student", None if teachers else "kdlab://tiny-random/teacher", task,
-        teachers=teachers, teacher_choice=Average({"strong": 3.0, "self": 1.0}) if teachers else None,
+        "kdlab://tiny-random/student", teacher, task,
         rollout=TeacherDatasetRollouts(str(data)), batch_size=GLOBAL_BATCH // devices, lr=1e-3, warmup_steps=0,
         teacher_placement="shard" if layout in ("fsdp2", "fsdp1") else "replicate", fused_lm_head=fused,
         lora=LoraSpec(r=4, alpha=8) if "lora" in flags else None,  # a LoRA student: adapters sharded with the rest

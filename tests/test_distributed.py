@@ -187,7 +187,7 @@ def test_fsdp2_trains_a_lora_student_like_one_process(tmp_path):
 
 @pytest.mark.slow  # two fits of about 75 s each
 def test_fsdp2_with_two_sharded_teachers_trains_like_one_process(tmp_path):
-    """Two in-process teachers averaged (DistillModule(teachers=..., teacher_choice=Average)), both sharded like the
+    """Two in-process teachers averaged (teacher: Several(..., Average)), both sharded like the
     student under FSDP2 (teacher_placement: shard) over two processes: the student ends where one process ends."""
     (whole, _), (sharded, _) = run("single-teachers", tmp_path / "single"), run("fsdp2-teachers", tmp_path / "fsdp2")
     assert sharded.keys() == whole.keys()

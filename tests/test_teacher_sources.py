@@ -336,3 +336,28 @@ def test_a_teacher_class_on_the_command_line_replaces_the_quickstart_teacher_mod
     args = ["fit", f"--config={quickstart}", "--model.teacher=kdlab.teachers.CachedTeacher", "--model.teacher.path=x"]
     assert teacher_overlays(args) == ["fit", f"--config={quickstart}", "--model.teacher=null", *args[2:]]
     assert teacher_overlays(["fit", f"--config={quickstart}", "--model.teacher.path=kdlab://tiny/student"])[2:] == ["--model.teacher.path=kdlab://tiny/student"]
+
+
+def test_the_served_spellings_train_the_same_with_prefetch_on_and_off(tmp_path):
+    """``teacher: Served(server)`` trains exactly what the earlier ``served_teacher: server`` trains, with prefetch on
+    and off (teacher-written completions sampled by the server, one request per forward on it)."""
+    from kdlab.rollouts.loopback import LoopbackServer
+    from kdlab.rollouts.served import ServedTeacher
+
+    with LoopbackServer(TEACHER, name="tiny-teacher") as server:
+        server.max_batch = 1
+
+        def client(prefetch):
+            return ServedTeacher(server.url, "tiny-teacher", TEACHER, timeout_s=10.0, retries=0, backoff_s=0.0, prefetch=prefetch)
+
+        runs = {}
+        for name, prefetch in (("new", True), ("new-no-prefetch", False), ("earlier", True)):
+            if name == "earlier":
+                with pytest.warns(FutureWarning, match="served_teacher is deprecated"):
+                    m = module(None, rollout=TeacherRollouts(), served_teacher=client(prefetch))
+            else:
+                m = module(Served(client(prefetch)), rollout=TeacherRollouts())
+            runs[name] = trained(m, tmp_path / name, steps=3)
+    loss, weights = runs["new"]
+    for name, (other_loss, other_weights) in runs.items():
+        assert other_loss == loss and all(torch.equal(a, b) for a, b in zip(weights, other_weights)), name
