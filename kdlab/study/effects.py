@@ -20,16 +20,17 @@ from kdlab.study.runs import read_samples
 from kdlab.study.stats import bootstrap_contrast, seed_contrast, t_interval
 
 SEED = 0  # the bootstrap's random numbers (every label is the same under any seed: tests/test_verdict_stability.py)
+PROBLEM_DRAWS = 2000  # draws of the problems interval (the models held fixed; shown, never labelled)
 
 
-def table_effect(terms: list[tuple[float, Any]], k: int | None = None, draws: int = 2000) -> Effect:
+def table_effect(terms: list[tuple[float, Any]], k: int | None = None, draws: int | None = None) -> Effect:
     """``sum w * mean`` over ``terms`` ``(w, seed tables)`` with both intervals: the bootstrap over problems
-    (:func:`~kdlab.study.stats.bootstrap_contrast`, ``draws`` draws) and, with two seeds or more in every
+    (:func:`~kdlab.study.stats.bootstrap_contrast`, ``draws`` draws, default :data:`PROBLEM_DRAWS`) and, with two seeds or more in every
     configuration, the seed-level one (:func:`~kdlab.study.stats.seed_contrast`, paired when every configuration has
     the same seeds). The seed tables are ``{seed: table}`` (seeds named, so same-seed runs pair) or a list (unnamed:
     never paired)."""
     named = [(w, tables if isinstance(tables, dict) else {(i, j): t for j, t in enumerate(tables)}) for i, (w, tables) in enumerate(terms)]
-    value, *problems = bootstrap_contrast([(w, list(by_seed.values())) for w, by_seed in named], k=k, draws=draws, seed=SEED)
+    value, *problems = bootstrap_contrast([(w, list(by_seed.values())) for w, by_seed in named], k=k, draws=draws or PROBLEM_DRAWS, seed=SEED)
     if min(len(by_seed) for _, by_seed in named) < 2:
         return Effect(value, None, None, "bootstrap over problems; one seed", tuple(problems))
     seeds = seed_contrast(named, k=k, seed=SEED)
@@ -57,7 +58,7 @@ def seed_tables(group: Group) -> dict[Any, dict[str, list[float]]] | None:
     return None if not tables or any(table is None for table in tables.values()) else tables
 
 
-def accuracy_effect(terms: list[tuple[float, Group]], k: int | None = None, draws: int = 2000) -> Effect | None:
+def accuracy_effect(terms: list[tuple[float, Group]], k: int | None = None, draws: int | None = None) -> Effect | None:
     """``sum w * mean`` of ``val/accuracy`` (``k`` None) or ``val/pass@k`` from each seed's last evaluation
     samples, with both intervals (:func:`table_effect`); None when a run has no samples file."""
     tables = []
