@@ -398,7 +398,7 @@ def style_transfer(study: Study) -> Verdict:
         found = [(e, t) for e, t in zip(gaps, tests) if e]
         smallest = min(found, key=lambda pair: pair[0].value) if found else None
         rows.append(f"{level} LR: {shown(keep)} vs {', '.join(shown(g) for g in others)}; smallest gap " +
-                    (f"{smallest[0].text()} points" + (f", log-odds {smallest[1].text(1.0)}" if smallest[1] else "")
+                    (f"{100 * smallest[0].value:+.1f} points" + (f" (log-odds {smallest[1].text(1.0)})" if smallest[1] else "")
                      if smallest else "n/a points"))
     return Verdict("OnPD + reverse KL keeps the student's English; the other settings transfer Spanish",
                    "other settings transfer Spanish almost fully", "; ".join(rows) or "n/a", row_word(claims), study.evidence("style"),
