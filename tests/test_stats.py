@@ -230,3 +230,21 @@ def test_hierarchical_bootstrap_is_the_unpaired_seed_contrast():
 def test_a_seed_level_interval_needs_two_seeds():
     with pytest.raises(ValueError, match="two seeds"):
         seed_contrast([(1.0, {42: table(30)}), (-1.0, {42: table(20)})])
+
+
+def test_the_paired_two_way_bootstrap_has_its_exact_variance():
+    """The draws' variance against its closed form: a draw is ``a' D b / (S P)`` with ``a``, ``b`` independent
+    multinomial counts (``E[a a'] = I + (1 - 1/S) 11'``), so ``Var = trace(M_a D M_b D') / (S P)^2 - mean(D)^2``."""
+    on, off = paired_world(6, 0.02, seed=7)
+    terms = [(1.0, on), (-1.0, off)]
+    found = seed_contrast(terms, draws=20000, seed=1)
+    from kdlab.study.stats import seed_cells
+
+    ids = sorted(on[42])
+    cells = seed_cells([on[s] for s in sorted(on)], None, ids) - seed_cells([off[s] for s in sorted(off)], None, ids)
+    seeds, problems = cells.shape
+    m_a = np.eye(seeds) + (1 - 1 / seeds) * np.ones((seeds, seeds))
+    m_b = np.eye(problems) + (1 - 1 / problems) * np.ones((problems, problems))
+    exact = np.trace(m_a @ cells @ m_b @ cells.T) / (seeds * problems) ** 2 - cells.mean() ** 2
+    assert found.estimate == pytest.approx(cells.mean())
+    assert np.std(found.draws) == pytest.approx(math.sqrt(exact), rel=0.03)
