@@ -248,3 +248,11 @@ def test_the_paired_two_way_bootstrap_has_its_exact_variance():
     exact = np.trace(m_a @ cells @ m_b @ cells.T) / (seeds * problems) ** 2 - cells.mean() ** 2
     assert found.estimate == pytest.approx(cells.mean())
     assert np.std(found.draws) == pytest.approx(math.sqrt(exact), rel=0.03)
+
+
+def test_the_problem_bootstrap_matches_the_binomial_it_samples():
+    """Problems solved by all their samples or by none: resampling the problems makes the mean a Binomial(P, solved
+    share) / P, whose 2.5% and 97.5% quantiles scipy gives (4 of 10 solved: 0.1 and 0.7)."""
+    low, high = bootstrap_contrast([(1.0, [table(4, problems=10)])], draws=4000)[1:]
+    reference = scipy_stats.binom(10, 0.4)
+    assert (low, high) == (reference.ppf(0.025) / 10, reference.ppf(0.975) / 10) == (0.1, 0.7)

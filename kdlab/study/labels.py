@@ -1,6 +1,8 @@
-"""How the study's verdicts are labelled: an :class:`Effect` (an estimate with its 95% intervals), a :class:`Claim`
-(what the paper says of it: a difference of a sign, or none within a margin) and the one rule, :func:`label`, that
-turns a claim's seed-level interval into a word; :func:`row_word` joins a row's words. A claim about a style
+"""How the study's verdicts are labelled: an :class:`Effect` (an estimate with its seed-level intervals), a
+:class:`Claim` (what the paper says of it: a difference of a sign, beyond a margin or not; none within a margin, a
+TOST; no superiority; the paper's magnitude) and the one rule, :func:`label`, that turns a claim's seed-level
+intervals into a word, every one-sided test at :data:`ALPHA` (the 90% interval); :func:`p_value` is the same test's
+p-value and :func:`holm` corrects a family of them; :func:`row_word` joins a row's words. A claim about a style
 student that collapsed (:func:`collapse_reason`) is labelled "collapsed", whatever its interval."""
 
 from __future__ import annotations
