@@ -3,6 +3,7 @@ scipy/statsmodels computing the same thing another way), and the seed-level inte
 seeds are shared, the samples' noise counted once, a t interval below five seeds, Monte Carlo error reported)."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -256,3 +257,13 @@ def test_the_problem_bootstrap_matches_the_binomial_it_samples():
     low, high = bootstrap_contrast([(1.0, [table(4, problems=10)])], draws=4000)[1:]
     reference = scipy_stats.binom(10, 0.4)
     assert (low, high) == (reference.ppf(0.025) / 10, reference.ppf(0.975) / 10) == (0.1, 0.7)
+
+
+def test_scipy_and_statsmodels_are_in_the_report_and_dev_extras():
+    """kdlab report's statistics need them (the report extra), and CI, which installs .[dev], runs these tests."""
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    for extra in ("report", "dev"):
+        names = {requirement.split(">")[0].split("[")[0] for requirement in extras[extra]}
+        assert {"scipy", "statsmodels"} <= names, extra
