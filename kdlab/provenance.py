@@ -51,3 +51,29 @@ def write_run_info(directory: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(run_info(), indent=2) + "\n", encoding="utf-8")
     return path
+
+
+def commit_mix(run_dirs: list[str | Path]) -> str:
+    """What a table's runs say of the code behind them (each run's ``run_info.json``), when it is not one clean
+    commit: ``"N commits (abcdef1 x 3, ...)"``, ``"M of R runs from a dirty tree"``, ``"K runs without run_info.json"``,
+    joined by "; "; "" when every run has the same commit and a clean tree."""
+    commits: dict[str, int] = {}
+    dirty = missing = 0
+    for directory in run_dirs:
+        try:
+            info = json.loads((Path(directory) / "run_info.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            missing += 1
+            continue
+        commit = str(info.get("git_commit") or "unknown")
+        commits[commit] = commits.get(commit, 0) + 1
+        dirty += info.get("git_dirty") is True
+    notes = []
+    if len(commits) > 1:
+        shown = sorted(commits.items(), key=lambda item: (-item[1], item[0]))
+        notes.append(f"{len(commits)} commits (" + ", ".join(f"{c[:7]} x {n}" for c, n in shown[:3]) + (", ..." if len(shown) > 3 else "") + ")")
+    if dirty:
+        notes.append(f"{dirty} of {len(run_dirs) - missing} runs from a dirty tree")
+    if missing and missing < len(run_dirs):
+        notes.append(f"{missing} runs without run_info.json")
+    return "; ".join(notes)

@@ -4,7 +4,10 @@
 
 Writes the block between ``<!-- results: start -->`` and ``<!-- results: end -->`` (``--check``: exit 1 if the
 page differs): per task, held-out accuracy before and after (the Coverage callbacks' ``pass@1_before`` and
-``pass@1``, with 95% Wilson intervals over their prompts) and the change with Newcombe's interval.
+``pass@1``, with 95% Wilson intervals over their prompts) and the change with a paired interval: the same prompts are
+measured twice, and the runs keep only the two fractions, so the interval is the widest of Newcombe's paired method 10
+over every 2 x 2 table those fractions allow (:func:`kdlab.study.stats.paired_difference_bounds`; exact where before is
+0%).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ EXAMPLES = 200  # the Coverage callbacks' prompts in experiments/tiny/multi_teac
 
 
 def results() -> str:
-    from kdlab.study.stats import newcombe_difference, wilson_interval
+    from kdlab.study.stats import paired_difference_bounds, wilson_interval
 
     path = REPORT / "runs.csv"
     if not path.exists():
@@ -33,7 +36,7 @@ def results() -> str:
     for row in csv.DictReader(path.open(encoding="utf-8")):
         for task, teacher in teachers.items():
             before, after = float(row[f"coverage/{task}/pass@1_before"]), float(row[f"coverage/{task}/pass@1"])
-            low, high = newcombe_difference(after, EXAMPLES, before, EXAMPLES)
+            _, low, high = paired_difference_bounds(after, before, EXAMPLES)
             lines.append(f"| `{REPORT.relative_to(ROOT)}/report.md` | {task} ({teacher}) | {cell(before)} | {cell(after)} "
                          f"| {100 * (after - before):+.1f} [{100 * low:+.1f}, {100 * high:+.1f}] |")
     return "\n".join(lines) + "\n"

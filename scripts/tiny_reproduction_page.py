@@ -4,9 +4,10 @@
 
 Every block comes from ``docs/tiny_reproduction/verdicts.md``, which ``bash experiments/tiny/study.sh`` ends by
 writing (``kdlab report runs/tiny-study-5x --output docs/tiny_reproduction --low_lr 1e-4 --high_lr 5e-4``):
-``verdicts`` (the verdict table), ``departures`` (the departures from the paper's design), ``wall_time`` (the
-study's wall time by step and the runs' fit times) and ``parts`` (each part's report, its links made relative
-to docs/). ``--check``: exit 1 if the page differs.
+``verdicts`` (the verdict table and the Monte Carlo error of its bootstrap intervals), ``provenance`` (the parts
+whose runs come from several commits or a dirty tree), ``departures`` (the departures from the paper's design),
+``wall_time`` (the study's wall time by step and the runs' fit times) and ``parts`` (each part's report, its links
+made relative to docs/). ``--check``: exit 1 if the page differs.
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ def sections(text: str) -> dict[str, str]:
 def blocks(text: str) -> dict[str, str]:
     found = sections(text)
     table = "\n".join(line for line in found[""].splitlines() if line.startswith("|"))
+    monte_carlo = [line for line in found[""].splitlines() if line.startswith("Monte Carlo error:")]
     wall = found.get("Wall time", "No wall time recorded: `runs/tiny-study-5x/wall_times.jsonl` is written by `experiments/tiny/study.sh`.")
     parts = found["Each part's tables"].replace("](", "](tiny_reproduction/")
-    return {"verdicts": table + "\n", "departures": found["Departures from the paper's design"] + "\n", "wall_time": wall + "\n", "parts": parts + "\n"}
+    provenance = found.get("Provenance", "Every part's runs come from one commit and a clean tree (each run's run_info.json).")
+    return {"verdicts": "\n\n".join([table, *monte_carlo]) + "\n", "provenance": provenance + "\n", "departures": found["Departures from the paper's design"] + "\n", "wall_time": wall + "\n", "parts": parts + "\n"}
 
 
 def main() -> None:

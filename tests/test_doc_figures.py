@@ -75,21 +75,25 @@ def test_what_the_rows_say_is_what_the_verdicts_say():
     """Each bullet of the page's "What the rows say", checked against verdicts.csv in the order of the page."""
     page = " ".join(section((DOCS / "tiny_reproduction.md").read_text(encoding="utf-8"), "What the rows say").split())
     onpd, kl, ood, sparse, spectrum, hard, rlvr, style = verdict_rows()
-    # rows 1-2 depend on the precision
-    assert "Rows 1-2 depend on the precision." in page
-    fp32, bf16 = onpd["verdict"].split(". bf16: ")
-    assert "different" not in fp32 and fp32.count("equivalent") == 1 and fp32.count("OnPD - OffPD") == 4
-    assert bf16.startswith("different (margin +-2 points): OnPD - OffPD (forward KL, low LR);")
-    assert number(onpd["tiny"].split("bf16: ")[1], "forward KL, low LR:") < 0
+    # row 1: non-superiority in every cell and precision, the primary claim through Holm
+    assert 'Row 1, "no consistent on-policy advantage", is reproduced as the paper states it' in page
+    assert onpd["verdict"] == "fp32: reproduced (margin +-2 points). bf16: reproduced (margin +-2 points)"
+    assert onpd["rule"].count("< +2 points (not superior)") == 4 and float(onpd["holm_p"]) < 0.05
+    fp32, bf16 = onpd["tiny"].split(". bf16: ")
+    assert round(number(fp32, "forward KL, low LR:")) == -2 and round(number(bf16, "forward KL, low LR:")) == -12
+    # row 2
+    assert "Row 2 is not reproduced" in page and float(kl["holm_p"]) >= 0.05
     fp32, bf16 = kl["verdict"].split(". bf16: ")
-    assert "not distinguishable: reverse - forward KL change" in fp32 and "reproduced: reverse - forward KL change" in bf16
+    assert fp32 == "fp32: not distinguishable (margin +-2 points)"
+    assert bf16 == "different (margin +-2 points): forward KL high - low LR; opposite (margin +-2 points): reverse KL high - low LR"
     changes = kl["tiny"].split("bf16: ")[1]
     assert number(changes, "forward") > 0 and number(changes, "reverse") > 0
-    # forgetting: the paper's labels, a smaller size
-    assert "Forgetting follows the paper's labels in both precisions, at a far smaller size" in page
+    # row 3: within the margin at the high LR, smaller than the paper's
+    assert "Forgetting is negligible at the low LR, but at the high LR it stays within the margin" in page
     for part in ood["tiny"].split(". bf16: "):
         assert -2.0 < number(part, "high LR") < 0
-    assert ood["verdict"].count("equivalent (margin +-2 points): OOD change at the low LR; reproduced: OOD change at the high LR") == 2
+    assert ood["verdict"].count("equivalent (margin +-2 points): OOD change at the low LR; within the margin (margin +-2 points): "
+                                "OOD change at the high LR; high-LR drop smaller than the paper's (paper: 11.2-14 points)") == 2
     # sparsity
     assert "Update sparsity is reproduced with bf16 weights" in page and sparse["verdict"] == "reproduced"
     fp32_cells = re.findall(r"(\d+\.\d)%", sparse["tiny"].split("fp32 grid")[1])
@@ -100,12 +104,12 @@ def test_what_the_rows_say_is_what_the_verdicts_say():
     assert spectrum["verdict"] == ("not distinguishable (margin +-2 points): forward KL lam > 0 - lam < 0, low LR; "
                                    "not distinguishable: reverse KL lam > 0 - lam < 0, low LR, reverse KL lam > 0 - lam < 0, high LR")
     # the harder set
-    assert "The harder set shows the opposite of the paper's edge" in page
-    assert hard["verdict"] == "opposite: OnPD - OffPD pass@1, OnPD - OffPD pass@4, OnPD - OffPD pass@16; not distinguishable: OnPD - OffPD pass@32"
+    assert "The harder set shows the opposite of the paper's edge**: OnPD is behind OffPD at pass@1, 4, 16 and 32" in page
+    assert hard["verdict"] == "opposite" and hard["primary"] == "OnPD - OffPD pass@16 > 0" and float(hard["holm_p"]) >= 0.05
     # RLVR
-    assert "RLVR moved held-out accuracy beyond its interval, but there was no on-policy edge before it" in page
-    assert rlvr["verdict"].startswith("reproduced: held-out accuracy after - before RLVR;")
-    assert "not distinguishable: OnPD - OffPD pass@32 before RLVR, OnPD - OffPD pass@32 after - before RLVR" in rlvr["verdict"]
+    assert "Row 7 is untestable" in page and "RLVR itself moved held-out accuracy beyond its interval" in page
+    assert rlvr["verdict"].startswith("untestable: no OnPD - OffPD edge before RLVR to lose (opposite); reproduced: held-out accuracy after - before RLVR;")
+    assert number(rlvr["tiny"], "pass@32: before RLVR") < 0
     # style
     assert "The tiny world does not test the style row" in page
     with (SMOLLM2 / "style_report" / "verdicts.csv").open(encoding="utf-8") as handle:  # the real-model row it points to
@@ -116,6 +120,39 @@ def test_what_the_rows_say_is_what_the_verdicts_say():
     assert healthy == "not distinguishable: OffPD reverse - OnPD reverse, low LR"
     low = style["tiny"].split("; high LR")[0]
     assert "OnPD reverse 0.0% Spanish" in low and "OffPD reverse 0.0% Spanish" in low
+
+
+def test_what_changed_lists_the_labels_that_moved():
+    """"What changed with issue #40": the rows whose label differs from kdlab 0.1's (previous_verdicts.csv, the committed
+    verdicts before #40) are the rows it names, each with its old and new words."""
+    page = " ".join(section((DOCS / "tiny_reproduction.md").read_text(encoding="utf-8"), "What changed with issue #40").split())
+    with (DOCS / "tiny_reproduction" / "previous_verdicts.csv").open(encoding="utf-8") as handle:
+        previous = {row["finding"]: row["verdict"] for row in csv.DictReader(handle)}
+    now = verdict_rows()
+    moved = [index + 1 for index, row in enumerate(now) if previous[row["finding"]] != row["verdict"]]
+    assert moved == [1, 2, 3, 6, 7] and "Rows 1, 2, 3, 6 and 7 moved" in page
+    onpd, kl, ood, hard, rlvr = (now[i - 1] for i in moved)
+    old_onpd = previous[onpd["finding"]].split(". bf16: ")[0]
+    assert "different" not in old_onpd and old_onpd.count("OnPD - OffPD") == 4 and "equivalent" in old_onpd  # "not distinguishable" or "equivalent"
+    assert 'every cell is "reproduced"' in page and number(onpd["tiny"], "forward KL, low LR:") == -2.2
+    assert "reproduced: reverse - forward KL change" in previous[kl["finding"]].split(". bf16: ")[1]
+    assert 'reverse KL\'s gain is the "opposite" of its claimed drop' in page and "opposite (margin +-2 points): reverse KL high - low LR" in kl["verdict"]
+    assert previous[ood["finding"]].count("reproduced: OOD change at the high LR") == 2 and '"within the margin"' in page
+    assert "not distinguishable: OnPD - OffPD pass@32" in previous[hard["finding"]] and hard["verdict"] == "opposite"
+    assert rlvr["verdict"].startswith("untestable") and "row 7: \"untestable\"" in page
+
+
+def test_rows_1_2_3_and_7_state_the_claim_as_the_paper_does():
+    """Row 1 is non-superiority of OnPD over OffPD, row 2 reverse KL's high - low LR drop beyond the margin with forward
+    KL within it, row 3 the low LR within the margin, a drop beyond it at the high LR and the paper's magnitude, row 7
+    the edge before RLVR and its loss (each primary claim as stated before the runs)."""
+    onpd, kl, ood, _, _, _, rlvr, _ = verdict_rows()
+    assert onpd["primary"] == " and ".join(f"OnPD - OffPD ({d} KL, {lv} LR) < +2 points (not superior)"
+                                            for d in ("forward", "reverse") for lv in ("low", "high"))
+    assert kl["primary"] == "forward KL high - low LR = 0 (+-2 points, TOST) and reverse KL high - low LR < -2 points"
+    assert ood["primary"] == "OOD change at the low LR = 0 (+-2 points, TOST) and OOD change at the high LR < -2 points"
+    assert "OOD change at the high LR vs the paper's -14 to -11.2 points" in ood["rule"]
+    assert rlvr["primary"] == "OnPD - OffPD pass@32 before RLVR > 0 and OnPD - OffPD pass@32 after - before RLVR < 0"
 
 
 def test_the_reproduction_pages_parts_table_is_the_study_scripts_commands_and_seeds():
@@ -352,7 +389,7 @@ def test_what_the_real_model_style_grid_shows_is_what_its_runs_logged():
     with (SMOLLM2 / "style_report" / "verdicts.csv").open(encoding="utf-8") as handle:
         style = next(row for row in csv.DictReader(handle) if row["finding"].startswith("OnPD + reverse KL keeps"))
     assert style["verdict"] == "collapsed" and "labels every comparison collapsed" in page
-    low, high = re.search(r"smallest gap [+-]?\d+\.\d seeds \[([+-]?\d+\.\d), ([+-]?\d+\.\d)\]", style["tiny"]).groups()
+    low, high = re.search(r"smallest gap [+-]?\d+\.\d points \(log-odds [+-]?\d+\.\d seeds \[([+-]?\d+\.\d), ([+-]?\d+\.\d)\]", style["tiny"]).groups()
     assert float(low) < 0 < float(high) and "at the low LR (three seeds) the smallest gap's interval includes zero" in page
     with (SMOLLM2 / "style_report" / "style.csv").open(encoding="utf-8") as handle:
         high_lr = {(row["rollout"], row["objective"]): (float(row["style/spanish_share mean"]), int(row["n"]))

@@ -13,6 +13,13 @@ from kdlab.study.runs import collect
 from kdlab.study.stats import bootstrap_contrast
 from kdlab.study.labels import (
     ACCURACY_MARGIN,
+    AS_PAPER,
+    LARGER,
+    MAGNITUDE,
+    NOT_SUPERIOR,
+    SMALLER,
+    UNTESTABLE,
+    WITHIN_MARGIN,
     COLLAPSED,
     DIFFERENT,
     EQUIVALENT,
@@ -48,12 +55,12 @@ PROBLEMS = 60
 
 
 def make_run(folder: Path, kind: str, direction: str, lr: float, seed: int, correct: float, metrics: dict, samples: int = 4,
-             task: dict | None = None, student: str = "kdlab://tiny/student") -> Path:
+             task: dict | None = None, student: str = "kdlab://tiny/student", callbacks: list | None = None) -> Path:
     """A finished run: config, DONE, metrics and a samples file where a ``correct`` share of the problems
     (the first ones) is solved by every sample."""
     run = folder / f"{kind}-{direction}-{lr}-{seed}"
     run.mkdir(parents=True)
-    config = {"seed_everything": seed, "trainer": {"max_steps": 150},
+    config = {"seed_everything": seed, "trainer": {"max_steps": 150, **({"callbacks": callbacks} if callbacks else {})},
               "model": {"student": {"path": student}, "task": task or {"class_path": "kdlab.tasks.Countdown", "init_args": {"variant": "countdown3"}},
                         "rollout": {"class_path": f"kdlab.rollouts.{ROLLOUTS[kind]}"},
                         "objective": {"class_path": f"kdlab.objectives.{OBJECTIVES[direction]}"}, "lr": lr}}
@@ -103,19 +110,23 @@ def test_scalar_effect_is_a_t_interval_over_seeds(tmp_path):
     assert effect.high - effect.value == pytest.approx(4.302653 / math.sqrt(3))  # t(0.975, 2) * s / sqrt(n), s = 1
 
 
-def test_a_consistent_on_policy_edge_is_different(tmp_path):
+def test_a_consistent_on_policy_edge_is_the_opposite_of_no_superiority(tmp_path):
+    """Row 1 is the paper's one-sided claim, OnPD not better than OffPD (by more than the margin): a 40-point OnPD edge
+    in every cell is its opposite, and the primary claim (all four cells) is not shown."""
     make_grid(tmp_path, lambda kind, *a: 0.7 if kind == "OnPD" else 0.3, lambda *a: 0.0)
     verdict = on_policy_advantage(study(tmp_path))
-    assert verdict.verdict == DIFFERENT + MARGIN  # every cell's seed-level interval excludes 0
+    assert verdict.verdict == OPPOSITE + MARGIN  # every cell's seed-level interval lies above 0
     assert verdict.tiny.count("+40.0 [") == 4  # each (KL, LR) cell: OnPD - OffPD = 40 points, interval beside it
     assert verdict.tiny.count(" / seeds [") == 4  # and the seed-level interval beside that
-    assert verdict.rule.count("= 0 (+-2 points)") == 4
+    assert verdict.rule.count("< +2 points (not superior)") == 4
+    assert len(verdict.primary) == 4 and verdict.primary_p == pytest.approx(1.0)
 
 
-def test_equal_policies_are_equivalent(tmp_path):
+def test_equal_policies_are_not_superior(tmp_path):
     make_grid(tmp_path, lambda *a: 0.5, lambda *a: 0.0)
     verdict = on_policy_advantage(study(tmp_path))
-    assert verdict.verdict == EQUIVALENT + MARGIN
+    assert verdict.verdict == REPRODUCED + MARGIN
+    assert verdict.primary_p == 0.0  # every seed's contrast is 0: the t interval has no width
     assert verdict.command == "kdlab sweep --config experiments/tiny/grid_5x.yaml"
 
 
@@ -163,48 +174,118 @@ def test_each_label_from_made_up_tables(on, off, claim, expected):
     assert label(effect, claim, ACCURACY_MARGIN if claim == NO_DIFFERENCE else None) == expected
 
 
+def made_up(value: float, low95: float, high95: float, low90: float, high90: float) -> Effect:
+    """An effect with a t-like seed-level record: its 95% and 90% intervals as given."""
+    from kdlab.study.stats import SeedInterval
+
+    return Effect(value, low95, high95, "made up", seeds=SeedInterval(value, low95, high95, low90, high90, "made up", se=None))
+
+
 def test_label_edge_cases_and_row_words():
+    """Every one-sided test reads the 90% interval (5% per side); "different" and the non-superiority's "opposite" the
+    95% one; a made-up effect without its 90% interval is read from its 95% one."""
     inside_but_not_zero = Effect(0.01, 0.005, 0.015, "made up")  # excludes 0, but inside the margin: equivalent
     assert label(inside_but_not_zero, NO_DIFFERENCE, ACCURACY_MARGIN) == EQUIVALENT + MARGIN
     assert label(inside_but_not_zero, +1) == REPRODUCED
     assert label(Effect(0.0, 0.0, 0.02, "made up"), NO_DIFFERENCE, ACCURACY_MARGIN) == EQUIVALENT + MARGIN  # ends included
     assert label(Effect(0.0, -0.01, 0.03, "made up"), NO_DIFFERENCE, ACCURACY_MARGIN) == NOT_DISTINGUISHABLE + MARGIN
     assert label(Effect(-1.0, -2.5, -0.5, "OOD points"), NO_DIFFERENCE, 2.0, scale=1.0) == DIFFERENT + MARGIN
+    # TOST at 5% per side: the 90% interval inside the margin is enough, the 95% one need not be
+    tost = made_up(0.0, -0.025, 0.025, -0.019, 0.019)
+    assert label(tost, NO_DIFFERENCE, ACCURACY_MARGIN) == EQUIVALENT + MARGIN
+    # a claimed sign at 5% one-sided: the 90% interval above 0 reproduces it though the 95% one reaches 0
+    one_sided = made_up(0.02, -0.001, 0.041, 0.003, 0.037)
+    assert label(one_sided, +1) == REPRODUCED and label(one_sided, -1) == OPPOSITE
+    # non-superiority: the 90% interval's upper end below the margin; above 0 at 95% and not below the margin: opposite
+    assert label(made_up(-0.01, -0.03, 0.021, -0.027, 0.017), NOT_SUPERIOR, ACCURACY_MARGIN) == REPRODUCED + MARGIN
+    assert label(made_up(0.03, 0.01, 0.05, 0.015, 0.045), NOT_SUPERIOR, ACCURACY_MARGIN) == OPPOSITE + MARGIN
+    assert label(made_up(0.01, -0.02, 0.04, -0.015, 0.035), NOT_SUPERIOR, ACCURACY_MARGIN) == NOT_DISTINGUISHABLE + MARGIN
+    # a difference claimed beyond a margin: reproduced beyond it, "within the margin" when the 90% interval lies inside
+    assert label(made_up(-3.0, -4.0, -2.1, -3.8, -2.2), -1, 2.0, scale=1.0) == REPRODUCED + MARGIN
+    assert label(made_up(-1.2, -1.3, -1.0, -1.28, -1.02), -1, 2.0, scale=1.0) == WITHIN_MARGIN + MARGIN
+    assert label(made_up(-1.5, -2.5, -0.5, -2.3, -0.7), -1, 2.0, scale=1.0) == NOT_DISTINGUISHABLE + MARGIN
+    # the paper's magnitude (a drop of 11.2-14 points) against the 95% interval
+    paper = (-14.0, -11.2)
+    assert label(Effect(-1.2, -1.3, -1.0, "m"), MAGNITUDE, scale=1.0, expected=paper) == SMALLER
+    assert label(Effect(-12.0, -13.0, -10.0, "m"), MAGNITUDE, scale=1.0, expected=paper) == AS_PAPER
+    assert label(Effect(-20.0, -22.0, -18.0, "m"), MAGNITUDE, scale=1.0, expected=paper) == LARGER
     one_seed = Effect(0.1, None, None, "one seed", problems=(0.05, 0.15))
     assert label(one_seed, +1) == NOT_DISTINGUISHABLE and one_seed.text() == "+10.0 [+5.0, +15.0] / seeds n/a"
     assert label(None, NO_DIFFERENCE, ACCURACY_MARGIN) == NOT_DISTINGUISHABLE + MARGIN
     with pytest.raises(ValueError, match="margin"):
         label(one_seed, NO_DIFFERENCE)
+    with pytest.raises(ValueError, match="margin"):
+        label(one_seed, NOT_SUPERIOR)
+    with pytest.raises(ValueError, match="expected range"):
+        label(one_seed, MAGNITUDE)
     ahead, even = Effect(0.1, 0.05, 0.15, "made up"), Effect(0.0, -0.01, 0.01, "made up")
     assert row_word([Claim("a", ahead, +1), Claim("b", ahead, +1)]) == REPRODUCED
     assert row_word([Claim("a", ahead, +1), Claim("b", even, NO_DIFFERENCE, ACCURACY_MARGIN), Claim("c", ahead, -1)]) == (
         f"{REPRODUCED}: a; {EQUIVALENT}{MARGIN}: b; {OPPOSITE}: c")
-    assert Claim("b", even, NO_DIFFERENCE, ACCURACY_MARGIN).rule == "b = 0 (+-2 points)" and Claim("a", ahead, -1).rule == "a < 0"
+    assert Claim("b", even, NO_DIFFERENCE, ACCURACY_MARGIN).rule == "b = 0 (+-2 points, TOST)" and Claim("a", ahead, -1).rule == "a < 0"
+    assert Claim("n", even, NOT_SUPERIOR, ACCURACY_MARGIN).rule == "n < +2 points (not superior)"
+    assert Claim("d", even, -1, 2.0, 1.0).rule == "d < -2 points"
+    assert Claim("m", even, MAGNITUDE, scale=1.0, expected=paper).rule == "m vs the paper's -14 to -11.2 points"
 
 
-def test_a_scalar_difference_has_welch_df(tmp_path):
+def test_p_values_and_holm_match_the_labels_and_statsmodels():
+    """A claim's p-value is the one-sided test its label reads (below 5% exactly when the label says reproduced /
+    equivalent), a TOST's the larger of its two; Holm's adjustment is statsmodels' (by hand: 3p, 2p, p, monotone)."""
+    from kdlab.study.labels import holm, p_value
+    from kdlab.study.stats import t_interval
+
+    def effect(value: float, se: float, df: float) -> Effect:
+        interval = t_interval(value, se, df, "t")
+        return Effect(value, interval.low, interval.high, "t", seeds=interval)
+
+    for value in (0.005, 0.01, 0.02, 0.03):
+        e = effect(value, 0.006, 9)
+        assert (p_value(e, +1) < 0.05) == (label(e, +1) == REPRODUCED)
+        assert (p_value(e, NOT_SUPERIOR, ACCURACY_MARGIN) < 0.05) == label(e, NOT_SUPERIOR, ACCURACY_MARGIN).startswith(REPRODUCED)
+        assert (p_value(e, NO_DIFFERENCE, ACCURACY_MARGIN) < 0.05) == label(e, NO_DIFFERENCE, ACCURACY_MARGIN).startswith(EQUIVALENT)
+    e = effect(0.005, 0.006, 9)
+    assert p_value(e, NO_DIFFERENCE, ACCURACY_MARGIN) == pytest.approx(max(e.p_greater(-0.02), e.p_less(0.02)))
+    assert p_value(None, +1) == 1.0 and p_value(Effect(0.1, 0.05, 0.15, "made up"), +1) == 1.0
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06]) and holm([]) == []
+
+
+def test_a_scalar_difference_is_paired_on_shared_seeds_and_welch_otherwise(tmp_path):
+    """Two cells of one grid share their seeds (42-44): their contrast is the paired t test over the seeds; the same
+    values under different seeds are Welch's t test."""
+    from scipy import stats as scipy_stats
+
+    from kdlab.study.effects import seed_values_effect
+
     spread = {42: 0.0, 43: 3.0, 44: 9.0}
     make_grid(tmp_path, lambda *a: 0.5, lambda level, seed: spread[seed] if level == "high" else 0.1 * (seed - 43))
     s = study(tmp_path)
     high, low = s.cell("distill", "OffPD", "forward", "high"), s.cell("distill", "OffPD", "forward", "low")
     effect = scalar_effect([(1.0, high), (-1.0, low)], "ood/mean_delta")
-    va, vb = 21.0 / 3, 0.01 / 3  # s^2 / n: variance of 0, 3, 9 is 21, of -0.1, 0, 0.1 is 0.01
-    df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 2)
-    assert f"df {df:.1f}" in effect.how and df < 2.01  # one noisy side: Welch's df is close to its n - 1
-    scipy_stats = pytest.importorskip("scipy.stats")
+    paired = scipy_stats.ttest_rel([0.0, 3.0, 9.0], [-0.1, 0.0, 0.1])
+    assert "paired t over 3 seeds (df 2)" in effect.how
+    assert (effect.low, effect.high) == pytest.approx(tuple(paired.confidence_interval(0.95)))
+    unpaired = seed_values_effect([(1.0, {42: 0.0, 43: 3.0, 44: 9.0}), (-1.0, {52: -0.1, 53: 0.0, 54: 0.1})])
     welch = scipy_stats.ttest_ind([0.0, 3.0, 9.0], [-0.1, 0.0, 0.1], equal_var=False)
-    assert (effect.low, effect.high) == pytest.approx(tuple(welch.confidence_interval(0.95)))
+    assert f"df {welch.df:.1f}" in unpaired.how and welch.df < 2.01  # one noisy side: Welch's df is close to its n - 1
+    assert (unpaired.low, unpaired.high) == pytest.approx(tuple(welch.confidence_interval(0.95)))
 
 
-def test_forgetting_needs_the_high_lr_drop_beyond_its_interval(tmp_path):
+def test_forgetting_needs_the_high_lr_drop_beyond_the_margin_and_compares_the_papers_magnitude(tmp_path):
     noisy = {42: -20.0, 43: 0.0, 44: 20.0}
     make_grid(tmp_path / "clear", lambda *a: 0.5, lambda level, seed: -15.0 + seed - 43 if level == "high" else 0.1 * (seed - 43))
     make_grid(tmp_path / "noisy", lambda *a: 0.5, lambda level, seed: noisy[seed] - 1.0 if level == "high" else 0.0)
+    make_grid(tmp_path / "mild", lambda *a: 0.5, lambda level, seed: -1.2 + 0.05 * (seed - 43) if level == "high" else 0.0)
     clear = forgetting(study(tmp_path / "clear"))
-    assert clear.verdict == f"{EQUIVALENT}{MARGIN}: OOD change at the low LR; {REPRODUCED}: OOD change at the high LR"
-    assert clear.rule == "OOD change at the low LR = 0 (+-2 points); OOD change at the high LR < 0"
+    assert clear.verdict == (f"{EQUIVALENT}{MARGIN}: OOD change at the low LR; {REPRODUCED}{MARGIN}: OOD change at the high LR; "
+                             f"high-LR drop {AS_PAPER} (paper: 11.2-14 points)")
+    assert clear.rule == ("OOD change at the low LR = 0 (+-2 points, TOST); OOD change at the high LR < -2 points; "
+                          "OOD change at the high LR vs the paper's -14 to -11.2 points")
+    assert clear.primary_p < 0.05 and len(clear.primary) == 2
     noisy = forgetting(study(tmp_path / "noisy"))
-    assert noisy.verdict == f"{EQUIVALENT}{MARGIN}: OOD change at the low LR; {NOT_DISTINGUISHABLE}: OOD change at the high LR"
+    assert noisy.verdict.startswith(f"{EQUIVALENT}{MARGIN}: OOD change at the low LR; {NOT_DISTINGUISHABLE}{MARGIN}: OOD change at the high LR")
+    mild = forgetting(study(tmp_path / "mild"))  # a drop surely smaller than the margin, and than the paper's
+    assert mild.verdict == (f"{EQUIVALENT}{MARGIN}: OOD change at the low LR; {WITHIN_MARGIN}{MARGIN}: OOD change at the high LR; "
+                            f"high-LR drop {SMALLER} (paper: 11.2-14 points)")
 
 
 def test_rlvr_runs_are_seeds_of_their_source_configuration(tmp_path):
@@ -237,11 +318,28 @@ def test_rlvr_from_the_harder_set_tests_the_difference_in_differences(tmp_path):
                                   {"val/pass@4": 0.5}, task=HELD_OUT)
                 make_run(tmp_path / "rlvr" / source.name, "OffPD", "forward", 1e-4, 42, 0.8, {"val/pass@4": 0.8})
     verdict = rlvr_edge(study(tmp_path))
-    assert verdict.tiny.startswith("RLVR from the hard part's runs; held-out accuracy after - before RLVR +25.0")
-    assert "OnPD - OffPD pass@4: before RLVR +10.0" in verdict.tiny and "(difference in differences) -10.0" in verdict.tiny
+    assert verdict.tiny.startswith("RLVR from the hard part's runs (3 chains per configuration); held-out accuracy after - before RLVR +25.0")
+    assert "OnPD - OffPD pass@4: before RLVR +10.0" in verdict.tiny and "(difference in differences, chains paired) -10.0" in verdict.tiny
     assert verdict.verdict == (f"{REPRODUCED}: held-out accuracy after - before RLVR, OnPD - OffPD pass@4 before RLVR, "
                                f"OnPD - OffPD pass@4 after - before RLVR; {EQUIVALENT}{MARGIN}: OnPD - OffPD pass@4 after RLVR")
     assert verdict.departure == "RLVR on countdown3s (the harder set) in place of Countdown-4; RLVR LR 1x the distillation's (the paper's 0.2x)"
+
+
+def test_rlvr_without_an_edge_before_is_untestable_and_pairs_the_chains(tmp_path):
+    """No OnPD edge before RLVR: nothing for RLVR to remove, so the row is "untestable". Only seeds 42 and 43 have an
+    RLVR chain: the difference in differences and RLVR's effect pair each chain's after with its own before (seed 44's
+    distilled runs, far better, do not enter them)."""
+    from kdlab.study.verdicts import rlvr_edge
+
+    make_grid(tmp_path, lambda kind, direction, level, seed: 0.9 if seed == 44 else 0.5, lambda *a: 0.0)
+    for source in sorted((tmp_path / "distill").glob("*-0.0001-*")):
+        seed = int(source.name.rsplit("-", 1)[1])
+        if seed != 44:
+            make_run(tmp_path / "rlvr" / source.name, "OffPD", "forward", 2e-5, 42, 0.6, {})
+    verdict = rlvr_edge(study(tmp_path))
+    assert verdict.verdict.startswith(f"{UNTESTABLE}: no OnPD - OffPD edge before RLVR to lose ({NOT_DISTINGUISHABLE}); ")
+    assert "(2 chains per configuration)" in verdict.tiny
+    assert "held-out accuracy after - before RLVR +10.0" in verdict.tiny  # 60% after against the chains' own 50% before
 
 
 def test_report_writes_the_verdicts_and_sums_wall_time(tmp_path, capsys):
@@ -260,7 +358,11 @@ def test_report_writes_the_verdicts_and_sums_wall_time(tmp_path, capsys):
     assert "| grid | 11.0 |" in text and "Whole study: 16.0 min of wall time logged; 24.0 min summed" in text
     assert "about 12.0 min of wall time at two runs at a time" in text and "By part: distill 24.0 min (24 runs)." in text
     rows = (tmp_path / "out" / "verdicts.csv").read_text().splitlines()
-    assert len(rows) == 9 and rows[0] == "finding,paper,tiny,verdict,rule,evidence,command,departure"
+    assert len(rows) == 9 and rows[0] == "finding,paper,tiny,verdict,rule,evidence,command,departure,primary,primary_p,holm_p"
+    tested = [row for row in csv.DictReader(rows) if row["holm_p"]]  # rows 1-3 (and 5, 7: their parts' runs are missing)
+    assert [row["finding"] for row in tested] == ["No consistent on-policy advantage", "Forward KL stable across rollout policy and LR; reverse KL LR-sensitive",
+                                                 "Forgetting is negligible at the low LR and visible at the high LR"]
+    assert f"primary claim (Holm over {len(tested)} findings)" in verdicts and "Monte Carlo error:" in text
     departing = [row for row in csv.DictReader(rows) if row["departure"]]  # one departures-table row each
     assert departures.count("\n| ") == (2 + len(departing) if departing else 0)
     assert all(f"(design differs: {row['departure']})" in verdicts for row in departing)
@@ -281,6 +383,9 @@ def test_verdicts_without_their_runs_say_not_run(tmp_path):
     assert sparsity.verdict == NOT_RUN  # its bf16 runs are missing, though the fp32 grid is there
 
 
+STYLE_CALLBACK = {"class_path": "kdlab.callbacks.StyleTransfer", "init_args": {"examples": 100, "tasks": ["countdown3", "addition"]}}
+
+
 def make_style(root: Path, accuracy, ood_mean, student: str = "kdlab://tiny/student") -> None:
     """``root/style``: OnPD reverse keeps English (Spanish share ~0.1), every other setting ~0.9, three seeds at two LRs;
     ``accuracy(kind, direction)`` and ``ood_mean(kind, direction)`` set each configuration's health."""
@@ -290,7 +395,8 @@ def make_style(root: Path, accuracy, ood_mean, student: str = "kdlab://tiny/stud
             for lr in (1e-4, 2e-3):
                 for seed in (42, 43, 44):
                     make_run(root / "style", kind, direction, lr, seed, accuracy(kind, direction),
-                             {"style/spanish_share": share + 0.01 * (seed - 43), "ood/mean": ood_mean(kind, direction)}, student=student)
+                             {"style/spanish_share": share + 0.01 * (seed - 43), "ood/mean": ood_mean(kind, direction)}, student=student,
+                             callbacks=[STYLE_CALLBACK])
 
 
 def test_style_claims_about_a_collapsed_student_are_collapsed_not_transferred(tmp_path):
@@ -383,8 +489,11 @@ def test_main_grid_rows_say_which_precision_each_label_is_from(tmp_path):
     assert only_fp32 == forgetting(study(tmp_path))  # no bf16 part: the fp32 row unchanged
     make_grid(tmp_path, lambda *a: 0.5, lambda level, seed: 0.1 * (seed - 43), part="bf16")
     row = with_bf16(forgetting, study(tmp_path))
-    assert row.verdict == (f"fp32: {EQUIVALENT}{MARGIN}: OOD change at the low LR; {REPRODUCED}: OOD change at the high LR. "
-                           f"bf16: {EQUIVALENT}{MARGIN}: OOD change at the low LR; {NOT_DISTINGUISHABLE}: OOD change at the high LR")
+    assert row.verdict == (f"fp32: {EQUIVALENT}{MARGIN}: OOD change at the low LR; {REPRODUCED}{MARGIN}: OOD change at the high LR; "
+                           f"high-LR drop {AS_PAPER} (paper: 11.2-14 points). "
+                           f"bf16: {EQUIVALENT}{MARGIN}: OOD change at the low LR; {WITHIN_MARGIN}{MARGIN}: OOD change at the high LR; "
+                           f"high-LR drop {SMALLER} (paper: 11.2-14 points)")
+    assert row.primary == forgetting(study(tmp_path)).primary  # the primary claim is the fp32 grid's
     assert row.tiny.startswith("fp32: mean OOD change") and ". bf16: mean OOD change" in row.tiny
     assert row.evidence == "24 runs in " + tmp_path.name + "/distill/; 24 runs in " + tmp_path.name + "/bf16/"
 
@@ -466,7 +575,7 @@ def test_spectrum_row_tests_forward_kl_flat_and_reverse_kl_favouring_the_student
     make_spectrum(tmp_path, "spectrum", "reverse", 1e-4, lambda lam, seed: 0.6 if lam > 0 else 0.4)
     make_spectrum(tmp_path, "spectrum_high", "reverse", 5e-4, lambda lam, seed: 0.5 if lam > 0 else 0.3, seeds=range(42, 52))
     verdict = spectrum(study(tmp_path))
-    assert verdict.rule == ("forward KL lam > 0 - lam < 0, low LR = 0 (+-2 points); reverse KL lam > 0 - lam < 0, low LR > 0; "
+    assert verdict.rule == ("forward KL lam > 0 - lam < 0, low LR = 0 (+-2 points, TOST); reverse KL lam > 0 - lam < 0, low LR > 0; "
                             "reverse KL lam > 0 - lam < 0, high LR > 0")
     assert verdict.verdict == (f"{EQUIVALENT}{MARGIN}: forward KL lam > 0 - lam < 0, low LR; "
                                f"{REPRODUCED}: reverse KL lam > 0 - lam < 0, low LR, reverse KL lam > 0 - lam < 0, high LR")

@@ -58,6 +58,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from kdlab.provenance import commit_mix
 from kdlab.study.groups import (
     Group,
     cell,
@@ -376,6 +377,9 @@ def write_report(
     flagged = [run for run in runs if run.flag]
     if flagged:
         report.md += ["", "Flagged:", *(f"- `{run.path}`: {run.flag}" for run in flagged)]
+    mix = commit_mix([run.path for run in runs])  # issue #40: one table's runs from several commits or a dirty tree
+    if mix:
+        report.md += ["", f"Provenance (each run's run_info.json): {mix}; these tables may mix code versions."]
     if levels:
         how = "as given" if (low_lr or high_lr) else "default: the smaller of two learning rates is low; set with --low_lr / --high_lr"
         mapping = ", ".join(f"{lr:g} = {level}" for lr, level in sorted(levels.items()))

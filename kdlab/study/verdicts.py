@@ -12,413 +12,107 @@ from the paper's design are said only for tiny-world runs)::
     <root>/spectrum_high/            reverse-KL spectrum at the high LR (experiments/tiny/spectrum_high_5x.yaml)
     <root>/style/                    Spanish-style grid (experiments/tiny/style_grid_5x.yaml)
 
-An effect is a weighted sum of configuration means (for example OnPD minus OffPD), with 95% intervals
-(:class:`Effect`): for held-out accuracy and pass@k the paired bootstrap over problems of the seeds' mean
-(:func:`~kdlab.study.stats.bootstrap_contrast`, the models held fixed; :mod:`kdlab.study.effects`) beside the seed-level one
-(:func:`~kdlab.study.stats.hierarchical_bootstrap_contrast`: seeds, then problems, then samples); for
-per-run numbers (OOD change, sparsity, Spanish share) a t interval over seeds with Welch-Satterthwaite
-degrees of freedom (:func:`~kdlab.study.stats.t_contrast`). Every label comes from :func:`~kdlab.study.labels.label` applied
-to the seed-level interval of each :class:`Claim` a row tests: "reproduced" / "opposite" / "not
-distinguishable" for a claimed difference, "equivalent" / "different" / "not distinguishable" for a
-claimed absence of difference, with an equivalence margin (:data:`ACCURACY_MARGIN`, :data:`OOD_MARGIN`);
-:func:`row_word` joins a row's labels. :data:`METHOD` says the same for the reader of ``verdicts.md``.
+The findings themselves (:class:`Study`, :class:`Verdict`, one function per finding) live in
+:mod:`kdlab.study.findings`, their effects in :mod:`kdlab.study.effects` (seed-level intervals paired where the
+configurations share their seeds: :func:`~kdlab.study.stats.seed_contrast`), their labels in :mod:`kdlab.study.labels`.
+This module writes the page: each row's labels, its pre-stated primary claim with Holm's correction over the
+findings, the largest Monte Carlo error of a bootstrap interval end, and the runs' provenance (several commits or a
+dirty tree in one part, :func:`~kdlab.provenance.commit_mix`). :data:`METHOD` says how, for the reader of ``verdicts.md``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from kdlab.study.groups import Group, group_runs, lr_levels
-from kdlab.study.labels import (
-    ACCURACY_MARGIN,
-    COLLAPSE_ACCURACY,
-    COLLAPSE_OOD,
-    COLLAPSED,
-    NO_DIFFERENCE,
-    NOT_RUN,
-    OOD_MARGIN,
-    Claim,
-    Effect,
-    collapse_reason,
-    row_word,
+from kdlab.provenance import commit_mix
+from kdlab.study.effects import accuracy_effect, difference, scalar_effect, table_effect  # noqa: F401  (kdlab 0.1 imported them from here)
+from kdlab.study.findings import (  # noqa: F401  (the findings, importable from here as before)
+    PARALLEL_RUNS,
+    PART_COMMANDS,
+    PARTS,
+    Study,
+    Verdict,
+    forgetting,
+    harder_pass_at_k,
+    kl_direction_sensitivity,
+    lr_departure,
+    on_policy_advantage,
+    rlvr_edge,
+    sparsity,
+    spectrum,
+    style_transfer,
 )
-from kdlab.study.effects import accuracy_effect, difference, scalar_effect, table_effect
-from kdlab.study.runs import TEACHER_ROLLOUTS, RunResult, read_run, read_samples
+from kdlab.study.labels import ACCURACY_MARGIN, ALPHA, COLLAPSE_ACCURACY, COLLAPSE_OOD, NOT_RUN, OOD_MARGIN, holm
+from kdlab.study.labels import REPRODUCED as _REPRODUCED  # kdlab.verdicts.REPRODUCED is the legacy name of labels'
+from kdlab.study.labels import Effect  # noqa: F401  (kdlab 0.1 imported it from here)
+from kdlab.study.runs import RunResult
+from kdlab.study.stats import SEED_DRAWS
 from kdlab.study.tables import markdown_table, write_csv
 
-PART_COMMANDS = {  # each part's folder and the command of experiments/tiny/study.sh that fills it
-    "distill": "kdlab sweep --config experiments/tiny/grid_5x.yaml",
-    "rlvr": "kdlab pipeline --config experiments/tiny/rlvr_harder_pipeline.yaml",
-    "bf16": "kdlab sweep --config experiments/tiny/bf16_grid_5x.yaml",
-    "spectrum": "kdlab sweep --config experiments/tiny/spectrum_sweep_5x.yaml",
-    "spectrum_high": "kdlab sweep --config experiments/tiny/spectrum_high_5x.yaml",
-    "style": "kdlab sweep --config experiments/tiny/style_grid_5x.yaml",
-    "hard": "kdlab pipeline --config experiments/tiny/rlvr_harder_pipeline.yaml",
-}
-PARTS = tuple(PART_COMMANDS)
-PARALLEL_RUNS = 2  # the study scripts' sweeps run two processes at a time (max_parallel), one thread each
+
+def primary_text(verdict: Verdict) -> str:
+    """The primary claim's cell: its rule, its p-value (intersection-union: the largest of its parts') and Holm's."""
+    if verdict.holm_p is None:
+        return verdict.primary_rule or "n/a"
+    word = _REPRODUCED if verdict.holm_p < ALPHA else "not shown"
+    return f"{verdict.primary_rule}: **{word}** (p {verdict.primary_p:.3g}, Holm {verdict.holm_p:.3g})"
 
 
-@dataclass
-class Verdict:
-    finding: str
-    paper: str
-    tiny: str
-    verdict: str
-    evidence: str
-    command: str
-    rule: str = ""  # the claims the label is generated from (:attr:`Claim.rule`)
-    departure: str = ""  # how the runs' design differs from the paper's for this claim ("" when it does not)
+def monte_carlo_text(verdicts: list[Verdict]) -> str:
+    """The largest Monte Carlo standard error of a seed-level bootstrap interval end among the verdicts' claims."""
+    errors = [(e, c.scale) for v in verdicts for c in v.claims if c.effect and c.effect.seeds and c.effect.seeds.mc_error
+              for e in c.effect.seeds.mc_error]
+    if not errors:
+        return "Monte Carlo error: no seed-level interval here is a bootstrap (every one is a t interval, which has none)."
+    return (f"Monte Carlo error: {SEED_DRAWS} draws per seed-level bootstrap; the largest standard error of an interval end over "
+            f"the {len(errors)} bootstrap ends is {max(e * scale for e, scale in errors):.3f} points (from the draws' order statistics).")
 
 
-class Study:
-    """The study's runs by part, and its configurations by (rollout kind, KL direction, LR level)."""
-
-    def __init__(self, root: Path, runs: list[RunResult]) -> None:
-        self.root = root
-        self._groups: dict[str, list[Group]] = {}
-        self.parts: dict[str, list[RunResult]] = {part: [] for part in PARTS}
-        for run in runs:
-            relative = Path(run.path).resolve().relative_to(root.resolve()) if _inside(run.path, root) else None
-            if relative is not None and relative.parts and relative.parts[0] in self.parts:
-                self.parts[relative.parts[0]].append(run)
-        students = sorted({json.loads(r.settings.get("model.student.path") or r.settings.get("model.init_args.student.path") or '""') for r in runs} - {""})
-        self.tiny = all(path.startswith("kdlab://") for path in students)  # the packaged tiny models (docs/tiny_world.md)
-        self.world = "the tiny world" if self.tiny else ", ".join(students)
-
-    def groups(self, part: str) -> list[Group]:
-        """The part's configurations (grouped once: each group keeps its computed intervals)."""
-        if part not in self._groups:
-            runs = self.parts[part]
-            self._groups[part] = group_runs(runs, lr_levels({r.lr for r in runs}))
-        return self._groups[part]
-
-    def cell(self, part: str, kind: str, direction: str | None = None, level: str | None = None) -> Group | None:
-        """The part's pure-policy configuration of rollout ``kind`` (OffPD/OnPD), KL ``direction`` and LR ``level``."""
-        for group in self.groups(part):
-            if group.lam is None and group.kind == kind and direction in (None, group.direction) and level in (None, group.level):
-                return group
-        return None
-
-    def command(self, part: str) -> str:
-        """The commands that filled the part: the file each ``sweep.json`` names (the part's own, else those of
-        its subfolders; ``kdlab pipeline`` for a pipeline file, which has a ``distill`` stage, else ``kdlab
-        sweep``), else :data:`PART_COMMANDS`'s."""
-        folder = self.root / part
-        found = [folder / "sweep.json"] if (folder / "sweep.json").is_file() else sorted(folder.glob("*/sweep.json"))
-        commands = [command for command in map(_sweep_command, found) if command]
-        return "; ".join(dict.fromkeys(commands)) or PART_COMMANDS[part]
-
-    def evidence(self, part: str) -> str:
-        runs = self.parts[part]
-        return f"{len(runs)} runs in {self.root.name}/{part}/" if runs else f"no runs in {self.root.name}/{part}/"
-
-
-def _sweep_command(path: Path) -> str | None:
-    """``kdlab sweep|pipeline --config <file>`` for the file a ``sweep.json`` names, or None."""
-    try:
-        sweep = json.loads(path.read_text(encoding="utf-8")).get("sweep")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(sweep, str) or not sweep:
-        return None
-    here = next((p for p in (Path(sweep), Path(__file__).resolve().parents[2] / sweep) if p.is_file()), None)  # or in kdlab's checkout
-    try:
-        pipeline = here is not None and isinstance(yaml.safe_load(here.read_text(encoding="utf-8")).get("distill"), dict)
-    except (OSError, ValueError, AttributeError, yaml.YAMLError):
-        pipeline = False
-    return f"kdlab {'pipeline' if pipeline else 'sweep'} --config {sweep}"
-
-
-def _inside(path: Path, root: Path) -> bool:
-    try:
-        Path(path).resolve().relative_to(root.resolve())
-        return True
-    except ValueError:
-        return False
-
-
-def lr_departure(study: Study, part: str = "distill") -> str:
-    """The part's LR ratio where it is not the paper's 5x (1e-5 vs 5e-5), else ""."""
-    levels = {g.level: g.lr for g in study.groups(part) if g.level}
-    if "low" not in levels or "high" not in levels:
-        return ""
-    ratio = levels["high"] / levels["low"]
-    return "" if math.isclose(ratio, 5.0) else f"LR {levels['low']:g} vs {levels['high']:g}, {ratio:g}x where the paper's is 5x"
-
-
-def _points(group: Group | None, metric: str) -> str:
-    """The group's mean of a metric logged in points (e.g. ``ood/mean``), or n/a."""
-    stats = group.stats(metric) if group else None
-    return "n/a" if stats is None else f"{stats[0]:.1f}"
-
-
-def _pct(group: Group | None, metric: str = "val/accuracy") -> str:
-    stats = group.stats(metric) if group else None
-    return "n/a" if stats is None else f"{100 * stats[0]:.1f}"
-
-
-# ---- the eight findings --------------------------------------------------------------------------
-def on_policy_advantage(study: Study, part: str = "distill") -> Verdict:
-    claims, shown = [], []
-    for direction in ("forward", "reverse"):
-        for level in ("low", "high"):
-            on, off = study.cell(part, "OnPD", direction, level), study.cell(part, "OffPD", direction, level)
-            if on and off:
-                effect = accuracy_effect([(1.0, on), (-1.0, off)])
-                claims.append(Claim(f"OnPD - OffPD ({direction} KL, {level} LR)", effect, NO_DIFFERENCE, ACCURACY_MARGIN))
-                if effect:
-                    shown.append(f"{direction} KL, {level} LR: {effect.text()}")
-    return Verdict(
-        "No consistent on-policy advantage", "best mean accuracy OnPD 72% vs OffPD 73%",
-        "OnPD - OffPD held-out accuracy (points): " + "; ".join(shown), row_word(claims), study.evidence(part),
-        study.command(part), _rule(claims), lr_departure(study, part))
-
-
-def kl_direction_sensitivity(study: Study, part: str = "distill") -> Verdict:
-    def lr_change(direction: str) -> list[tuple[float, Group]] | None:
-        terms = []
-        for kind in ("OffPD", "OnPD"):
-            high, low = study.cell(part, kind, direction, "high"), study.cell(part, kind, direction, "low")
-            if not (high and low):
-                return None
-            terms += [(0.5, high), (-0.5, low)]
-        return terms
-
-    forward, reverse = lr_change("forward"), lr_change("reverse")
-    f = accuracy_effect(forward) if forward else None
-    r = accuracy_effect(reverse) if reverse else None
-    extra = accuracy_effect(reverse + [(-w, g) for w, g in forward]) if forward and reverse else None
-    claims = [Claim("forward KL high - low LR", f, NO_DIFFERENCE, ACCURACY_MARGIN),
-              Claim("reverse - forward KL change", extra, -1)]
-    tiny = "accuracy change high - low LR (points, mean of OffPD and OnPD): forward " + (f.text() if f else "n/a") + \
-        ", reverse " + (r.text() if r else "n/a") + "; reverse - forward " + (extra.text() if extra else "n/a")
-    return Verdict("Forward KL stable across rollout policy and LR; reverse KL LR-sensitive",
-                   "forward 71-73% everywhere; reverse 35-72%", tiny, row_word(claims), study.evidence(part),
-                   study.command(part), _rule(claims), lr_departure(study, part))
-
-
-def forgetting(study: Study, part: str = "distill") -> Verdict:
-    def level_terms(level: str) -> list[tuple[float, Group]]:
-        cells = [study.cell(part, kind, d, level) for kind in ("OffPD", "OnPD") for d in ("forward", "reverse")]
-        cells = [c for c in cells if c]
-        return [(1.0 / len(cells), c) for c in cells] if cells else []
-
-    low, high = level_terms("low"), level_terms("high")
-    lo = scalar_effect(low, "ood/mean_delta") if low else None
-    hi = scalar_effect(high, "ood/mean_delta") if high else None
-    gap = scalar_effect(high + [(-w, g) for w, g in low], "ood/mean_delta") if low and high else None
-    claims = [Claim("OOD change at the low LR", lo, NO_DIFFERENCE, OOD_MARGIN, 1.0), Claim("OOD change at the high LR", hi, -1, scale=1.0)]
-    tiny = ("mean OOD change (points; 4 earlier skills): low LR " + (lo.text(1.0) if lo else "n/a") + ", high LR " +
-            (hi.text(1.0) if hi else "n/a") + ", high - low " + (gap.text(1.0) if gap else "n/a"))
-    return Verdict("Forgetting is negligible at the low LR and visible at the high LR",
-                   "|change| <= 1.3 points at 1e-5; drops of 11.2-14.0 at 5e-5", tiny, row_word(claims), study.evidence(part),
-                   study.command(part), _rule(claims), lr_departure(study, part))
-
-
-def sparsity(study: Study) -> Verdict:
-    metric = "sparsity/1e-06"
-    cells = {(kind, level): study.cell("bf16", kind, "forward", level) for kind in ("OffPD", "OnPD") for level in ("low", "high")}
-    have = all(cells.values())
-    by_lr = scalar_effect([(0.5, cells["OffPD", "low"]), (0.5, cells["OnPD", "low"]), (-0.5, cells["OffPD", "high"]),
-                           (-0.5, cells["OnPD", "high"])], metric) if have else None
-    by_rollout = scalar_effect([(0.5, cells["OffPD", "low"]), (0.5, cells["OffPD", "high"]), (-0.5, cells["OnPD", "low"]),
-                                (-0.5, cells["OnPD", "high"])], metric) if have else None
-    # "OffPD at least as sparse" is tested as OffPD sparser: "not distinguishable" there is no evidence against it
-    claims = [Claim("sparsity low - high LR", by_lr, +1), Claim("sparsity OffPD - OnPD", by_rollout, +1)]
-    means = ", ".join(f"{k} {lv} {_pct(g, metric)}%" for (k, lv), g in cells.items() if g)
-    fp32 = {(k, lv): study.cell("distill", k, "forward", lv) for k in ("OffPD", "OnPD") for lv in ("low", "high")}
-    tiny = (f"bf16 weights, forward KL, sparsity tau 1e-6: {means}; low - high LR " + (by_lr.text() if by_lr else "n/a") +
-            " points, OffPD - OnPD " + (by_rollout.text() if by_rollout else "n/a") +
-            " points. fp32 grid (forward KL): " + ", ".join(f"{k} {lv} {_pct(g, metric)}%" for (k, lv), g in fp32.items() if g))
-    return Verdict("Updates are sparse at the low LR, far less at the high LR; OffPD at least as sparse as OnPD",
-                   "85.3-89.6% at 1e-5 vs 51.9-60.0% at 5e-5", tiny, row_word(claims),
-                   study.evidence("bf16") + "; " + study.evidence("distill"), study.command("bf16"), _rule(claims))
-
-
-def spectrum(study: Study) -> Verdict:
-    """Along the rollout spectrum (``MixtureRollouts``, lambda < 0 the teacher's side, > 0 the student's): reverse
-    KL's accuracy on the student's side minus the teacher's (> 0) at the low LR and, with the high-LR runs, at
-    the high LR; forward KL's (= 0 within :data:`ACCURACY_MARGIN`: "stays high across lambda"), its range of
-    means shown beside it (descriptive: its ends are chosen after the fact)."""
-    def side_contrast(part: str, direction: str) -> tuple[Effect | None, list[Group]]:
-        groups = [g for g in study.groups(part) if g.lam is not None and g.direction == direction]
-        above = [g for g in groups if g.lam > 0 and not math.isclose(g.lam, 0.0)]
-        below = [g for g in groups if g.lam < 0 and not math.isclose(g.lam, 0.0)]
-        if not (above and below):
-            return None, groups
-        return accuracy_effect(difference(above, below)), groups
-
-    low_r, _ = side_contrast("spectrum", "reverse")
-    high_r, high_groups = side_contrast("spectrum_high", "reverse")
-    low_f, forward = side_contrast("spectrum", "forward")
-    means = sorted((g.stats("val/accuracy")[0], g.lam) for g in forward if g.stats("val/accuracy"))
-    if means:  # the range is descriptive: its ends are chosen after the fact, so no interval is given for it
-        (worst, worst_lam), (best, best_lam) = means[0], means[-1]
-        spread_text = (f"forward KL means from {100 * worst:.1f}% (lam {worst_lam:g}) to {100 * best:.1f}% (lam {best_lam:g}), "
-                       f"lam > 0 minus lam < 0 {low_f.text() if low_f else 'n/a'}")
-    else:
-        spread_text = "forward KL: n/a"
-    claims = [Claim("forward KL lam > 0 - lam < 0, low LR", low_f, NO_DIFFERENCE, ACCURACY_MARGIN),
-              Claim("reverse KL lam > 0 - lam < 0, low LR", low_r, +1)] + (
-        [Claim("reverse KL lam > 0 - lam < 0, high LR", high_r, +1)] if high_r else [])
-    seeds_spread = ""
-    if high_groups:
-        stds = [g.stats("val/accuracy")[1] for g in high_groups if g.stats("val/accuracy") and g.stats("val/accuracy")[1] is not None]
-        if stds:
-            seeds_spread = f"; high-LR reverse KL seed std {100 * min(stds):.1f}-{100 * max(stds):.1f} points across lam"
-    tiny = (f"{spread_text}; reverse KL, mean over lam > 0 minus lam < 0 (points): low LR " + (low_r.text() if low_r else "n/a") +
-            (", high LR " + high_r.text() if high_r else "") + seeds_spread)
-    return Verdict("Spectrum: forward KL stays high across lambda; reverse KL favours lambda > 0",
-                   "forward KL > 80% across lambda (5.2-point spread); reverse KL favours lambda > 0, unstable at the high LR",
-                   tiny, row_word(claims), study.evidence("spectrum") + "; " + study.evidence("spectrum_high"),
-                   study.command("spectrum") + "; " + study.command("spectrum_high"), _rule(claims))
-
-
-def harder_pass_at_k(study: Study) -> Verdict:
-    """OnPD - OffPD pass@k on the harder held-out set, the claim (> 0: the paper's on-policy edge is "consistent")
-    tested at every k the runs log. The paper distils on Countdown-3 and measures Countdown-4E; the runs' task
-    says what they did instead."""
-    groups = study.groups("hard")
-    ks = sorted({int(m.rsplit("@", 1)[1]) for g in groups for m in g.runs[0].last if m.startswith("val/pass@")})
-    on = [g for g in groups if g.kind == "OnPD" and g.lam is None]
-    off = [g for g in groups if g.kind == "OffPD" and g.lam is None]
-    effects = {j: accuracy_effect(difference(on, off), k=j) for j in ks} if on and off else {}
-    means = "; ".join(f"{g.kind} {g.direction}: " + ", ".join(f"pass@{j} {_pct(g, f'val/pass@{j}')}%" for j in ks) for g in off + on)
-    task = groups[0].task if groups else "n/a"
-    tiny = (f"task {task}: {means}; OnPD - OffPD (points) " +
-            (", ".join(f"pass@{j} " + (effects[j].text() if effects.get(j) else "n/a") for j in ks) or "n/a"))
-    claims = [Claim(f"OnPD - OffPD pass@{j}", effects.get(j), +1) for j in ks] or [Claim("OnPD - OffPD pass@k", None, +1)]
-    if not groups or "held out: countdown4e" in task:
-        departure = ""
-    elif "held out" in task:
-        departure = f"harder set {task.split('held out: ', 1)[1].rstrip(')')} in place of Countdown-4E"
-    else:
-        departure = f"distilled on the harder task itself ({task}), not on Countdown-3"
-    return Verdict("On-policy rollouts give higher pass@k on a harder set", "10-15% higher pass@k on Countdown-4E",
-                   tiny, row_word(claims), study.evidence("hard"), study.command("hard"), _rule(claims), departure)
-
-
-def rlvr_edge(study: Study) -> Verdict:
-    """OnPD - OffPD before RLVR (the distilled runs the RLVR runs started from: the harder-set part ``hard`` when
-    the RLVR runs start from it, else the main grid's low LR) and after it, their difference in differences,
-    and RLVR's own effect on held-out accuracy (after - before, every configuration): an RLVR stage that
-    does not move accuracy leaves the claim untested. Each RLVR run is one seed of the configuration
-    (rollout, KL direction) of the distilled run it started from (the RLVR runs' own seed is the same for
-    all of them, so they are grouped by their source, not by their seed). "Before" takes every seed of the
-    source configurations, also those without an RLVR run. The difference in differences treats before and
-    after as independent (each chain's two stages are not paired): a wider interval."""
-    source_part = "hard" if any((study.root / "hard" / Path(run.path).resolve().parent.name).is_dir() for run in study.parts["rlvr"]) else "distill"
-    level = None if source_part == "hard" else "low"
-    sources = [g for g in study.groups(source_part) if g.lam is None and level in (None, g.level)]
-    before_groups = {kind: [g for g in sources if g.kind == kind] for kind in ("OnPD", "OffPD")}
-    after: dict[str, dict[str, dict[Path, RunResult]]] = {"OnPD": {}, "OffPD": {}}  # kind -> objective -> source -> last run
-    ratios = set()  # RLVR LR / the distillation's
-    for run in study.parts["rlvr"]:
-        source = study.root / source_part / Path(run.path).resolve().parent.name
-        if (source / "config.yaml").is_file():
-            source_run = read_run(source)
-            ratios.add(round(run.lr / source_run.lr, 6))
-            kind = "OffPD" if source_run.rollout in TEACHER_ROLLOUTS else {"StudentRollouts": "OnPD"}.get(source_run.rollout)
-            if kind:
-                after[kind].setdefault(str(source_run.objective), {})[source] = run
-    before_tables = {kind: [[read_samples(runs[-1].path) for runs in g.by_seed().values()] for g in groups] for kind, groups in before_groups.items()}
-    after_tables = {kind: [[read_samples(run.path) for run in by_source.values()] for by_source in configurations.values()]
-                    for kind, configurations in after.items()}
-    ks = sorted({int(m.rsplit("@", 1)[1]) for runs in after.values() for by_source in runs.values() for run in by_source.values()
-                 for m in run.last if m.startswith("val/pass@")})
-    k = max(ks) if ks else None
-    metric = f"pass@{k}" if k else "accuracy"
-
-    def effect(sides: list[tuple[float, dict[str, list[list]]]], kinds: dict[str, float], metric_k: int | None) -> Effect | None:
-        terms = []
-        for sign, tables in sides:
-            for kind, weight in kinds.items():
-                configurations = tables[kind]
-                if not configurations or any(not seeds or any(t is None for t in seeds) for seeds in configurations):
-                    return None
-                terms += [(sign * weight / len(configurations), seeds) for seeds in configurations]
-        return table_effect(terms, metric_k)
-
-    edge = {"OnPD": 1.0, "OffPD": -1.0}
-    every = {"OnPD": 0.5, "OffPD": 0.5}
-    before_edge = effect([(1.0, before_tables)], edge, k)
-    after_edge = effect([(1.0, after_tables)], edge, k)
-    did = effect([(1.0, after_tables), (-1.0, before_tables)], edge, k)
-    moved = effect([(1.0, after_tables), (-1.0, before_tables)], every, None)
-    shown = lambda e: e.text() if e else "n/a"  # noqa: E731
-    tiny = (f"RLVR from the {source_part} part's runs; held-out accuracy after - before RLVR {shown(moved)}; OnPD - OffPD {metric}: "
-            f"before RLVR {shown(before_edge)}, after {shown(after_edge)}, after - before (difference in differences) {shown(did)} (points)")
-    claims = [Claim("held-out accuracy after - before RLVR", moved, +1),
-              Claim(f"OnPD - OffPD {metric} before RLVR", before_edge, +1),
-              Claim(f"OnPD - OffPD {metric} after RLVR", after_edge, NO_DIFFERENCE, ACCURACY_MARGIN),
-              Claim(f"OnPD - OffPD {metric} after - before RLVR", did, -1)]
-    departure = ("" if not study.parts["rlvr"] else "RLVR on countdown3s (the harder set) in place of Countdown-4" if source_part == "hard"
-                 else "RLVR on Countdown-3 (the distillation task) in place of Countdown-4, from the main grid's low-LR runs")
-    if departure and ratios and ratios != {0.2}:
-        departure += f"; RLVR LR {'/'.join(f'{r:g}' for r in sorted(ratios))}x the distillation's (the paper's 0.2x)"
-    return Verdict("The on-policy edge does not survive RLVR", "after GRPO on Countdown-4 the OnPD/OffPD difference is gone",
-                   tiny, row_word(claims), study.evidence("rlvr"), study.command("rlvr"), _rule(claims), departure)
-
-
-def style_transfer(study: Study) -> Verdict:
-    """OnPD reverse KL against each other setting's Spanish share, at each LR; a claim that compares a collapsed
-    configuration (:func:`~kdlab.study.labels.collapse_reason` of its mean accuracy and earlier skills) is
-    labelled "collapsed", not transferred."""
-    metric = "style/spanish_share"
-    rows, claims = [], []
-
-    def reason(group: Group) -> str | None:
-        accuracy, ood = group.stats("val/accuracy"), group.stats("ood/mean")
-        return collapse_reason(accuracy[0] if accuracy else None, ood[0] if ood else None)
-
-    for level in ("low", "high"):
-        keep = study.cell("style", "OnPD", "reverse", level)
-        others = [study.cell("style", k, d, level) for k, d in (("OffPD", "forward"), ("OffPD", "reverse"), ("OnPD", "forward"))]
-        others = [g for g in others if g]
-        if not keep or not others:
-            continue
-        gaps = [scalar_effect([(1.0, g), (-1.0, keep)], metric) for g in others]
-        claims += [Claim(f"{g.kind} {g.direction} - OnPD reverse, {level} LR", e, +1, collapsed=bool(reason(g) or reason(keep)))
-                   for g, e in zip(others, gaps)]
-        shown = lambda g: (f"{g.kind} {g.direction} {_pct(g, metric)}% Spanish (accuracy {_pct(g)}%, earlier skills {_points(g, 'ood/mean')})"  # noqa: E731
-                           + (f" ({COLLAPSED}: {reason(g)})" if reason(g) else ""))
-        found = [e for e in gaps if e]
-        rows.append(f"{level} LR: {shown(keep)} vs {', '.join(shown(g) for g in others)}; smallest gap " +
-                    (min(found, key=lambda e: e.value).text() if found else "n/a") + " points")
-    return Verdict("OnPD + reverse KL keeps the student's English; the other settings transfer Spanish",
-                   "other settings transfer Spanish almost fully", "; ".join(rows) or "n/a", row_word(claims), study.evidence("style"),
-                   study.command("style"), _rule(claims),
-                   "the tiny world's Spanish is its teacher's swap of eight English words and phrases (kdlab/tiny/world.py), judged by py3langid; "
-                   "the real-model style study (docs/real_model.md) judges real Spanish" if study.parts["style"] and study.tiny else "")
-
-
-def _rule(claims: list[Claim]) -> str:
-    return "; ".join(claim.rule for claim in claims)
+def provenance_text(study: Study) -> str:
+    """One line per part whose runs come from more than one commit or from a dirty tree (:func:`~kdlab.provenance.commit_mix`)."""
+    lines = []
+    for part in PARTS:
+        mix = commit_mix([run.path for run in study.parts[part]])
+        if mix:
+            lines.append(f"- {part}: {mix}")
+    return "\n".join(lines)
 
 
 METHOD = (
     "Written by `kdlab report` from the study's runs (kdlab/study/verdicts.py). Each effect is a difference of configuration "
-    "means in points, with 95% intervals. Held-out accuracy and pass@k get two, written `value [problems] / seeds [seeds]`: "
+    "means in points. Held-out accuracy and pass@k get two 95% intervals, written `value [problems] / seeds [seeds]`: "
     "[problems] is a paired bootstrap over the problems (for accuracy also over the samples within each) of each seed's last "
-    "evaluation, the trained models held fixed; seeds [...] is a bootstrap that resamples the seeds within each configuration, "
-    "then the problems (the same for every configuration), then the samples, so it includes the training seed's variance "
-    "(with n seeds a bootstrap still understates it: the seed variance by a factor (n - 1)/n, and no t tails). Per-run numbers "
-    "(OOD change, sparsity, Spanish share) get one, seeds [...]: a t interval over seeds with Welch-Satterthwaite degrees of "
-    "freedom. Labels come from the seeds interval of each claim the row tests (column rule): for a claimed difference "
-    "(`> 0`, `< 0`) \"reproduced\" when it excludes 0 on the paper's side, \"opposite\" on the other side, \"not "
-    f"distinguishable\" otherwise; for a claim of no difference (`= 0`, with its equivalence margin: {100 * ACCURACY_MARGIN:g} "
-    f"points of accuracy, {OOD_MARGIN:g} points of OOD change) \"equivalent\" when it lies inside the margin, \"different\" when "
-    "it excludes 0, \"not distinguishable\" otherwise; a style claim comparing a student below "
+    "evaluation, the trained models held fixed; seeds [...] covers the training seed too. Where the configurations share their "
+    "seeds (the seed fixes the data order and the evaluation's sampling streams, so same-seed runs share random numbers), the "
+    "seed-level interval is paired: each (seed, problem) cell's contrast enters with its own samples' mean, never resampled, so "
+    "the samples' noise, already in the spread between seeds, is counted once; with 5 seeds or more a paired two-way bootstrap "
+    f"({SEED_DRAWS} draws, each resampling the seeds and the problems, the same picks for every configuration; percentile ends) and "
+    "with fewer a t interval over the seeds' contrasts (n - 1 df: a bootstrap over 3 seeds has 10 distinct resamples and no t "
+    "tails). We chose the bootstrap over a mixed-effects logistic model because pass@k is no Bernoulli outcome and the bootstrap "
+    "needs no model of how seeds and problems interact. Unpaired configurations keep an unpaired interval (seeds resampled in "
+    "each configuration; Welch's t below 5 seeds). Per-run numbers (OOD change, sparsity) get a t interval over seeds, paired "
+    "when the seeds are shared; the Spanish share, which sits near 0 and 100%, is tested on the logit scale (each run's share "
+    "moved to its Wilson interval's centre, then t over seeds) and shown in points beside its log-odds. "
+    "Labels (column verdict) come from the seed-level intervals of each claim the row tests (column rule), every one-sided "
+    f"test at {100 * ALPHA:g}%: a claimed difference (`> 0`, `< 0`, or beyond a margin) is \"reproduced\" when the 90% interval "
+    "lies beyond 0 (or the margin) on the paper's side, \"opposite\" when it lies beyond 0 on the other side, \"not "
+    "distinguishable\" otherwise; a claim of no difference (`= 0`, TOST) is \"equivalent\" when the 90% interval lies inside "
+    f"the margin ({100 * ACCURACY_MARGIN:g} points of accuracy, {OOD_MARGIN:g} points of OOD change), \"different\" when the 95% "
+    "interval excludes 0; a claim of no superiority (`< +margin`) is \"reproduced\" when the 90% interval's upper end lies "
+    "below the margin, \"opposite\" when the 95% interval lies above 0; the paper's magnitude is compared with the 95% "
+    "interval. Each finding has one primary claim, stated before the runs (column primary claim): rows 1-3 on the fp32 grid, "
+    "the spectrum's forward and reverse KL at the low LR, the harder set at the k nearest the paper's 10, RLVR's edge before it "
+    "and its loss, the style claims at the paper's (low) LR; a claim of several parts is an intersection-union test (its "
+    "p-value the largest of its parts'), and Holm's procedure over the findings holds the family-wise error at 5%. Row 7 is "
+    "\"untestable\" when there is no OnPD edge before RLVR to lose. A style claim comparing a student below "
     f"{100 * COLLAPSE_ACCURACY:g}% held-out accuracy or {COLLAPSE_OOD:g} points on its earlier skills is \"collapsed\", whatever "
     "its interval (a broken model's Spanish share is no transferred style). A row whose claims get different labels lists each "
-    "label with its claims. \"not run\": the finding's own runs are missing."
+    "label with its claims. \"not run\": the finding's own runs are missing. Changed from kdlab 0.1 (issue #40): same-seed "
+    "contrasts were unpaired and redrew the samples in every seed slot (noise counted twice), 2000 draws let labels move with the "
+    "bootstrap's random numbers, equivalence needed the 95% interval (2.5% per side), directional claims were read from the 95% "
+    "interval, row 1 was tested as equivalence, row 2 as reverse minus forward KL, and no correction covered the findings."
 )
 
 WORLD_DEPARTURES = (
@@ -446,7 +140,8 @@ def with_bf16(finding: Callable[..., Verdict], study: Study) -> Verdict:
     bf16 = finding(study, "bf16")
     departures = "; ".join(dict.fromkeys(d for d in (fp32.departure, bf16.departure) if d))
     return Verdict(fp32.finding, fp32.paper, f"fp32: {fp32.tiny}. bf16: {bf16.tiny}", f"fp32: {fp32.verdict}. bf16: {bf16.verdict}",
-                   f"{fp32.evidence}; {bf16.evidence}", f"{fp32.command}; {bf16.command}", f"{fp32.rule} (each precision)", departures)
+                   f"{fp32.evidence}; {bf16.evidence}", f"{fp32.command}; {bf16.command}", f"{fp32.rule} (each precision)", departures,
+                   fp32.claims + bf16.claims, fp32.primary)  # the primary claim is the fp32 grid's: bf16 repeats it
 
 
 def is_study(root: Path) -> bool:
@@ -464,11 +159,18 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path) -> list[Verd
     for verdict in verdicts:  # a finding whose own runs (its first evidence) are missing was not tested
         if verdict.evidence.split("; ")[0].startswith("no runs"):
             verdict.verdict = NOT_RUN
+    tested = [v for v in verdicts if v.verdict != NOT_RUN and v.primary]
+    for verdict, adjusted in zip(tested, holm([v.primary_p for v in tested])):
+        verdict.holm_p = adjusted
     header = ["finding (paper)", "paper", f"{study.world.removeprefix('the ')}: effect [95% interval, problems] / seeds [95% interval, seeds]", "verdict",
-              "rule (claims the verdict tests)", "evidence", "command"]
+              "rule (claims the verdict tests)", f"primary claim (Holm over {len(tested)} findings)", "evidence", "command"]
     rows = [[v.finding, v.paper, v.tiny, f"**{v.verdict}**" + (f" (design differs: {v.departure})" if v.departure else ""),
-             v.rule, v.evidence, f"`{v.command}`"] for v in verdicts]
+             v.rule, primary_text(v), v.evidence, f"`{v.command}`"] for v in verdicts]
     lines = [f"# Verdicts: the paper's headline findings on {study.world}", "", METHOD, "", markdown_table(header, rows)]
+    lines += ["", monte_carlo_text(verdicts)]
+    provenance = provenance_text(study)
+    if provenance:
+        lines += ["", "## Provenance", "", provenance]
     departures = [[v.finding, v.departure] for v in verdicts if v.departure]  # the page of a real-model study states its own
     lines += ["", "## Departures from the paper's design", "", WORLD_DEPARTURES, "", markdown_table(["finding", "design here"], departures)
               if departures else "No row departs further from the paper's design."] if study.tiny else []
@@ -491,6 +193,7 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path) -> list[Verd
     output.mkdir(parents=True, exist_ok=True)
     lines += ["", "## Each part's tables", "", *(f"- [{part}]({part}/report.md): `{study.command(part)}`" for part in PARTS if study.parts[part])]
     (output / "verdicts.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    write_csv(output / "verdicts.csv", ["finding", "paper", "tiny", "verdict", "rule", "evidence", "command", "departure"],
-              [[v.finding, v.paper, v.tiny, v.verdict, v.rule, v.evidence, v.command, v.departure] for v in verdicts])
+    write_csv(output / "verdicts.csv", ["finding", "paper", "tiny", "verdict", "rule", "evidence", "command", "departure", "primary", "primary_p", "holm_p"],
+              [[v.finding, v.paper, v.tiny, v.verdict, v.rule, v.evidence, v.command, v.departure, v.primary_rule,
+                v.primary_p if v.holm_p is not None else None, v.holm_p] for v in verdicts])
     return verdicts
