@@ -171,9 +171,11 @@ class DistillModule(TaskStage):
         self.student_tokenizer = load_tokenizer(self.student_spec, "student")
         student_config = load_config(self.student_spec, "student")
         self.token_columns = vocabulary_columns(self.student_tokenizer, student_config, "student")
-        run = TeacherRun(self.student_tokenizer, student_config, self.token_columns, teacher_temperature, cross_tokenizer is not None,
-                         teacher_placement, fused_lm_head, self.objective.reduction, self.objective.chunk_size, tuple(self.stop_strings),
-                         max_completion_tokens, held=self._frozen, student=(lambda: self.student) if lora is not None else None)
+        run = TeacherRun(student_tokenizer=self.student_tokenizer, student_config=student_config, student_columns=self.token_columns,
+                         teacher_temperature=teacher_temperature, cross_tokenizer=cross_tokenizer is not None, placement=teacher_placement,
+                         fused_lm_head=fused_lm_head, reduction=self.objective.reduction, chunk_size=self.objective.chunk_size,
+                         stop_strings=tuple(self.stop_strings), max_completion_tokens=max_completion_tokens, held=self._frozen,
+                         student=(lambda: self.student) if lora is not None else None)
         check_needs(self.rollout.needs(), self.teacher_source.offers(run), type(self.rollout).__name__, type(self.teacher_source).__name__)
         self.teacher_source.bind(run)
         self.teacher_tokenizer, self.teacher_columns = self.teacher_source.tokenizer, self.teacher_source.token_columns
