@@ -361,3 +361,14 @@ def test_the_served_spellings_train_the_same_with_prefetch_on_and_off(tmp_path):
     loss, weights = runs["new"]
     for name, (other_loss, other_weights) in runs.items():
         assert other_loss == loss and all(torch.equal(a, b) for a, b in zip(weights, other_weights)), name
+
+
+def test_kdlab_estimate_reads_the_committed_several_teachers_overlay():
+    """``kdlab estimate`` parses what ``kdlab fit`` parses (the teacher source overlaid on the quickstart's model) and
+    finds both in-process teachers of experiments/tiny/multi_teacher.yaml."""
+    from kdlab.cli.estimate import fit_config
+    from kdlab.study.estimate import teacher_models
+
+    config = fit_config([f"--config={ROOT / 'experiments/tiny/quickstart.yaml'}", f"--config={ROOT / 'experiments/tiny/multi_teacher.yaml'}"])
+    specs, cached = teacher_models(config["model"])
+    assert [spec.path for spec in specs] == ["kdlab://tiny/teacher", "kdlab://tiny/student"] and not cached

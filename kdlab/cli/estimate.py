@@ -16,7 +16,7 @@ import warnings
 from typing import Any
 
 from kdlab.cli.config_errors import ConfigError, nearest
-from kdlab.cli.lightning import lightning_cli_class, names_model_class
+from kdlab.cli.lightning import lightning_cli_class, names_model_class, teacher_overlays
 from kdlab.study.estimate import GiB, Estimate, estimate, setup_from_config
 
 USAGE = """usage: kdlab estimate --config X.yaml [--config Y.yaml ...] [fit options] [--gpus N] [--gpu_memory_gib M] [--json]
@@ -46,7 +46,7 @@ def fit_config(argv: list[str]) -> dict[str, Any]:
     class ParseOnly(lightning_cli_class()):
         def parse_arguments(self, parser, args) -> None:
             try:
-                LightningCLI.parse_arguments(self, parser, args)
+                LightningCLI.parse_arguments(self, parser, teacher_overlays(list(sys.argv[1:] if args is None else args)))
             except Exception as error:
                 unknown = UNKNOWN.search(str(error))
                 if unknown is None:
