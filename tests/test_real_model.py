@@ -212,3 +212,25 @@ def test_heldout_kl_on_the_real_pair_and_lenient_counting(real, tmp_path):
     example = task.examples("val")[0]
     count = example["word"].count(example["letter"])
     assert task.score(example, f"The letter appears {count} times.") == 1.0
+
+
+@needs_real
+def test_a_served_real_teacher_has_the_in_process_teachers_end_tokens_and_ends_its_turn(real):
+    """SmolLM2 behind kdlab's loopback server (its Hugging Face export) as a ``Served`` teacher source: the run's end
+    tokens are those the in-process teacher gives (the tokenizer's EOS and the generation config's), and the server's
+    samples of one-word answers end with one of them, as the in-process teacher's do."""
+    from kdlab.rollouts.loopback import LoopbackServer
+    from kdlab.rollouts.served import ServedTeacher
+    from kdlab.teachers import Served
+
+    settings = {"max_completion_tokens": 24, "batch_size": 2, "teacher_temperature": 0.5}
+    in_process = DistillModule(real["student"], real["teacher"], OneWord(), rollout=TeacherRollouts(), **settings)
+    local = in_process.make_rollout(OneWord().examples("train"), 0)
+    with LoopbackServer(real["teacher"], name="smollm2") as server:
+        source = Served(ServedTeacher(server.url, "smollm2", real["teacher"], timeout_s=120.0, retries=0, prefetch=False))
+        served = DistillModule(real["student"], source, OneWord(), rollout=TeacherRollouts(), **settings)
+        assert set(served.end_ids) == set(in_process.end_ids)
+        remote = served.make_rollout(OneWord().examples("train"), 0)
+    for rollout in (local, remote):
+        last = [int(ids[mask][-1]) for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+        assert all(token in served.end_ids for token in last), last
