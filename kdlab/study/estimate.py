@@ -288,38 +288,30 @@ def _spec(value: Any) -> Any:
 
 def teacher_models(model: dict[str, Any]) -> tuple[list[Any], bool]:
     """The in-process teacher models (:class:`~kdlab.models.loading.ModelSpec`) of a DistillModule config, every member
-    of several teachers included, and whether a top-k cache stands for a teacher. Served teachers and the student's own
-    base hold no teacher weights of their own. Reads the ``teacher`` slot and its earlier spellings (``teachers``, a
-    ``CachedTeacherRollouts`` rollout)."""
-    specs, cached = [], False
+    of several teachers included, and whether a top-k cache stands for a teacher: each teacher source's class says
+    from its settings (:meth:`kdlab.teachers.base.TeacherSource.config_models`), so served teachers and the student's
+    own base count none. Reads the ``teacher`` slot and its earlier spellings (``teachers``, a ``CachedTeacherRollouts``
+    rollout)."""
+    import importlib
 
-    def visit(value: Any) -> None:
-        nonlocal cached
+    def visit(value: Any) -> tuple[list[Any], bool]:
         if value is None:
-            return
+            return [], False
         if isinstance(value, str) or (isinstance(value, dict) and "class_path" not in value):
-            specs.append(_spec(value))
-            return
-        name, args = _name(value)
-        if name == "ModelTeacher":
-            visit(args.get("model"))
-        elif name == "Several":
-            for member in (args.get("teachers") or {}).values():
-                visit(member)
-        elif name == "CachedTeacher":
-            cached = True
+            return [_spec(value)], False
+        module, _, name = str(value["class_path"]).rpartition(".")
+        source = getattr(importlib.import_module(module), name)
+        return source.config_models(dict(value.get("init_args") or {}), visit)
 
     if model.get("teachers"):  # the earlier spelling: entries of model / served / cache
-        for entry in model["teachers"].values():
-            visit((entry or {}).get("model"))
-            cached = cached or bool((entry or {}).get("cache"))
-    elif not model.get("served_teacher") and not model.get("base_teacher"):
-        rollout, rollout_args = _name(model.get("rollout") or "TeacherRollouts")
-        if rollout == "CachedTeacherRollouts" or rollout_args.get("teacher_cache"):
-            cached = True  # the cache replaces the teacher's weights (its tokenizer only is read)
-        else:
-            visit(model.get("teacher"))
-    return specs, cached
+        entries = [entry or {} for entry in model["teachers"].values()]
+        return [_spec(entry["model"]) for entry in entries if entry.get("model")], any(entry.get("cache") for entry in entries)
+    if model.get("served_teacher") or model.get("base_teacher"):
+        return [], False
+    rollout, rollout_args = _name(model.get("rollout") or "TeacherRollouts")
+    if rollout == "CachedTeacherRollouts" or rollout_args.get("teacher_cache"):
+        return [], True  # the cache replaces the teacher's weights (its tokenizer only is read)
+    return visit(model.get("teacher"))
 
 
 def setup_from_config(config: dict[str, Any], gpus: int | None = None, gpu_memory_gib: float | None = None) -> Setup:

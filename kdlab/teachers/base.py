@@ -122,8 +122,15 @@ class TeacherSource(Component):
         return self._run
 
     def model_specs(self) -> list[Any]:
-        """The models this source holds in training memory (``kdlab estimate`` counts them)."""
+        """The models this source holds in training memory."""
         return []
+
+    @classmethod
+    def config_models(cls, init_args: dict[str, Any], visit: Callable[[Any], tuple[list[Any], bool]]) -> tuple[list[Any], bool]:
+        """What ``kdlab estimate`` counts of this source from its config's ``init_args``, before anything is built: the
+        model settings it would hold in training memory, and whether a top-k cache stands for a teacher. ``visit``
+        reads a nested teacher value (a member of several) the same way. Default: nothing in memory."""
+        return [], False
 
     # ---- weights --------------------------------------------------------------------------------------
     def load(self) -> None:

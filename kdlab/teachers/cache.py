@@ -48,6 +48,10 @@ class CachedTeacher(TeacherSource):
                               f"but DistillModule.teacher_temperature is {run.teacher_temperature}")
         self.token_columns = self.cache.token_columns
 
+    @classmethod
+    def config_models(cls, init_args, visit):
+        return [], True  # the cache replaces the teacher's weights
+
     def load(self) -> None:
         self.end_ids = tokenizer_end_ids(self.tokenizer)
 

@@ -113,6 +113,10 @@ class ModelTeacher(InProcessTeacher):
     def model_specs(self) -> list[Any]:
         return [self.spec]
 
+    @classmethod
+    def config_models(cls, init_args, visit):
+        return visit(init_args.get("model"))
+
     def load(self) -> None:
         model = load_causal_lm(self.spec, self.setting.removeprefix("DistillModule."), config=self._config)
         hold(self.run, self.name, model)

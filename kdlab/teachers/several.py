@@ -93,6 +93,14 @@ class Several(TeacherSource):
             member.bind(run, f"{setting}.teachers.{name}")
         self.tokenizer, self.token_columns = run.student_tokenizer, run.student_columns
 
+    @classmethod
+    def config_models(cls, init_args, visit):
+        specs, cached = [], False
+        for member in (init_args.get("teachers") or {}).values():
+            found, member_cached = visit(member)
+            specs, cached = specs + found, cached or member_cached
+        return specs, cached
+
     def model_specs(self) -> list[Any]:
         return [spec for member in self.members.values() for spec in member.model_specs()]
 
