@@ -38,7 +38,7 @@ RECIPE: dict[str, Any] = {
     "student_countdown": 8000,
     "slip_share": 0.65,  # share of the training chains' multiplication steps written one too high
     "addition_digits": 3,
-    "skill_lengths": {"sorting": [7, 10], "reversal": [8, 12], "counting": [10, 16]},
+    "skill_lengths": {"sorting": [7, 10], "reversal": [8, 12], "counting": [14, 22]},
     "skill_examples": {"addition": 3000, "sorting": 1000, "reversal": 1000, "counting": 1000},
     "student_epochs": 2,
     "student_lr": 1e-3,
@@ -363,3 +363,32 @@ def model_card(recipe: dict[str, Any], measured: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+# ---- the quickstart's before and after ------------------------------------------------------------------
+QUICKSTART_METRICS = (
+    ("coverage/countdown3/pass@1", "held-out Countdown-3, one sample at T = 0.5 (`Coverage`)", "%"),
+    *((f"coverage/harder/pass@{k}", f"harder set pass@{k}, 32 samples at T = 1.0", "%") for k in (1, 4, 16, 32)),
+    *((f"ood/{skill}", f"earlier skill: {skill}", "points") for skill in ("addition", "sorting", "reversal", "counting")),
+    ("ood/mean", "earlier skills, mean", "points"),
+)
+
+
+def before_after_rows(run: dict[str, str], examples: int = 200) -> list[str]:
+    """Markdown rows ``| metric | what | before (%) | after (%) | change (points) |`` of one quickstart run, from
+    its ``runs.csv`` row (``kdlab report``); Countdown-3 (one sample on each of ``examples`` prompts) with
+    95% Wilson intervals and Newcombe's interval of the change. ``ood/*`` are logged in percent already."""
+    from kdlab.study.stats import newcombe_difference, wilson_interval
+
+    rows = []
+    for key, label, unit in QUICKSTART_METRICS:
+        scale = 100.0 if unit == "%" else 1.0
+        before, after = scale * float(run[f"{key}_before"]), scale * float(run[key])
+        cells = [f"{before:.1f}", f"{after:.1f}", f"{after - before:+.1f}"]
+        if key == "coverage/countdown3/pass@1":
+            (b_low, b_high), (a_low, a_high) = (wilson_interval(v / 100, examples) for v in (before, after))
+            d_low, d_high = newcombe_difference(after / 100, examples, before / 100, examples)
+            cells = [f"{before:.1f} [{100 * b_low:.1f}, {100 * b_high:.1f}]", f"{after:.1f} [{100 * a_low:.1f}, {100 * a_high:.1f}]",
+                     f"{after - before:+.1f} [{100 * d_low:+.1f}, {100 * d_high:+.1f}]"]
+        rows.append(f"| `{key}` | {label} | " + " | ".join(cells) + " |")
+    return rows
