@@ -216,3 +216,8 @@ def test_the_page_says_which_world_each_page_uses_and_each_page_uses_it():
                 assert "experiments/reasoning/" not in text and "kdlab://tiny-reasoning/" not in text, page
             else:
                 assert world in text, page
+
+
+def test_the_quickstart_is_the_worlds_only_experiment_as_the_page_says():
+    assert sorted(p.name for p in (ROOT / "experiments" / "reasoning").glob("*.yaml")) == ["quickstart.yaml"]
+    assert "No grid has been run on this world yet" in " ".join(PAGE.read_text(encoding="utf-8").split())
