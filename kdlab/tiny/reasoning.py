@@ -110,7 +110,7 @@ def skills(recipe: dict[str, Any] = RECIPE, num_train: dict[str, int] | None = N
     addition, and sorting, reversal and counting of the longer ``recipe["skill_lengths"]``; no system prompt;
     ``num_train`` examples per skill (default none)."""
     sizes, lengths = num_train or {}, recipe["skill_lengths"]
-    common = dict(num_val=num_val, num_test=num_val, seed=seed, system_prompt="")
+    common = {"num_val": num_val, "num_test": num_val, "seed": seed, "system_prompt": ""}
     return [Addition(max_digits=recipe["addition_digits"], num_train=sizes.get("addition", 0), **common),
             *(skill(num_train=sizes.get(skill.name, 0), lengths=tuple(lengths[skill.name]), **common) for skill in (Sorting, Reversal, Counting))]
 
@@ -247,6 +247,7 @@ def build_reasoning(out_dir: Path, recipe: dict[str, Any] = RECIPE) -> dict[str,
     fixed seeds), measure both,
     and write ``teacher/``, ``student/``, ``metrics.json`` and ``MODEL_CARD.md`` to ``out_dir``."""
     from lightning.pytorch import seed_everything
+
     from kdlab.models.loading import ASSETS
     from kdlab.tiny.build import RECIPE as TINY_RECIPE
     from kdlab.tiny.build import _train
@@ -305,15 +306,15 @@ def model_card(recipe: dict[str, Any], measured: dict[str, Any]) -> str:
         "Built by `python -m kdlab.tiny reasoning` (kdlab/tiny/reasoning.py, `build_reasoning`) on CPU with kdlab's",
         "`SFTModule`, one thread, fixed seeds. The teacher and its tokenizer are the tiny world's",
         f"(`kdlab/assets/{recipe['teacher_from']}/teacher`), copied unchanged. The student is the tiny world's",
-        f"(`kdlab/assets/{recipe['student_from']}/student`) trained further for {recipe['student_epochs']} epochs at LR {recipe['student_lr']:g} "
-        "(cosine, 5% warm-up, clip 1.0) on:",
+        (f"(`kdlab/assets/{recipe['student_from']}/student`) trained further for {recipe['student_epochs']} epochs at LR {recipe['student_lr']:g} "
+        "(cosine, 5% warm-up, clip 1.0) on:"),
         "",
         f"* {recipe['student_countdown']:,} Countdown-3 problems, every response in the task's own format (`<think>` steps in",
         "  words, then the `<answer>` chain of equations the verifier requires), but with weak arithmetic: in",
         f"  {recipe['slip_share']:.0%} of the multiplication steps (seeded draws) the product is written one too high and the",
         "  steps after it carry the wrong value on, so the chain misses the target;",
-        f"* earlier skills harder than the tiny world's, from few examples: {recipe['addition_digits']}-digit addition "
-        f"({recipe['skill_examples']['addition']:,} examples), sorting",
+        (f"* earlier skills harder than the tiny world's, from few examples: {recipe['addition_digits']}-digit addition "
+        f"({recipe['skill_examples']['addition']:,} examples);"),
         *(f"  {name} of {low}-{high} items ({recipe['skill_examples'][name]:,} examples)" + (";" if name != "counting" else ".")
           for name, (low, high) in recipe["skill_lengths"].items()),
         "",
@@ -341,8 +342,8 @@ def model_card(recipe: dict[str, Any], measured: dict[str, Any]) -> str:
         "",
         "`kdlab.tiny.reasoning.UnseenCountdown`: Countdown-3 with targets 1-20, each held-out problem drawn once, with every",
         "problem (operand multiset and target) of the student's build chains and of the distillation prompts",
-        f"(Countdown-3 seed {DISTILLATION_TRAIN['seed']}, {DISTILLATION_TRAIN['num_train']:,} problems) removed. "
-        f"{100 * harder['share_in_teacher_training']:.0f}% of them occur in the teacher's training phases.",
+        (f"(Countdown-3 seed {DISTILLATION_TRAIN['seed']}, {DISTILLATION_TRAIN['num_train']:,} problems) removed. "
+        f"{100 * harder['share_in_teacher_training']:.0f}% of them occur in the teacher's training phases."),
         f"pass@k from {recipe['harder_samples']} samples per problem at T = {recipe['harder_temperature']:g} (unbiased estimator):",
         "",
         "| model | " + " | ".join(f"pass@{k}" for k in ks) + " |",
