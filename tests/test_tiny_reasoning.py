@@ -133,6 +133,14 @@ def test_the_packaged_world_meets_its_targets():
     assert not missed, f"tiny-reasoning misses: {missed}"
 
 
+def test_the_packaged_student_writes_the_chain_but_its_arithmetic_fails_where_the_teachers_holds():
+    """What the card and docs/tiny_reasoning.md say the world is: the format is there, the arithmetic is not."""
+    measured = json.loads((WORLD / "metrics.json").read_text(encoding="utf-8"))["measured"]
+    student, teacher = measured["student"], measured["teacher"]
+    assert student["chain_format_share"]["low"] >= 0.9
+    assert student["chain_arithmetic_true_share"]["high"] < 0.5 < teacher["chain_arithmetic_true_share"]["low"]
+
+
 def test_the_packaged_student_writes_chains_on_a_few_problems():
     """A cheap check of the card's format claim on 12 held-out problems (the card measures 200)."""
     from kdlab.evaluation.scoring import completion_texts
