@@ -54,3 +54,23 @@ def test_answer_from_is_checked_and_named():
         Reversal(answer_from="last_number")
     with pytest.raises(ValueError, match=r"Addition.answer_from must be one of \('tag', 'last_number'\), got 'number'"):
         Addition(answer_from="number")
+
+
+@pytest.mark.parametrize("task_class", [Sorting, Reversal, Counting])
+def test_lengths_set_the_drawn_size_and_the_default_draws_are_unchanged(task_class):
+    default, explicit = task_class(num_train=50), task_class(num_train=50, lengths=task_class.default_lengths)
+    assert default.examples("train") == explicit.examples("train")
+    longer = task_class(num_train=50, lengths=(11, 13)).examples("train")
+    sizes = {len(e.get("values", e.get("word", ""))) for e in longer}
+    assert sizes <= {11, 12, 13} and len(sizes) > 1
+    with pytest.raises(ValueError, match=rf"{task_class.__name__}.lengths must be"):
+        task_class(lengths=(4, 2))
+
+
+def test_the_default_lengths_are_the_documented_ranges():
+    assert (Sorting.default_lengths, Reversal.default_lengths, Counting.default_lengths) == ((3, 6), (3, 7), (4, 9))
+    assert {len(e["values"]) for e in Sorting(num_train=300).examples("train")} == set(range(3, 7))
+    # the first draws of each default stream, as drawn before ``lengths`` existed (the packaged worlds were trained on them)
+    assert [e["values"] for e in Sorting(num_train=2).examples("train")] == [[7, 0, 1, 3], [8, 6, 7]]
+    assert [e["word"] for e in Reversal(num_train=2).examples("train")] == ["hebefad", "egcc"]
+    assert [(e["word"], e["letter"]) for e in Counting(num_train=2).examples("train")] == [("daba", "c"), ("cdcbdbda", "a")]

@@ -17,15 +17,23 @@ from kdlab.tasks.base import Example, Task, check_answer_source, last_integer, l
 class _Skill(Task):
     """Shared split generation and exact-match scoring of the answer tag.
 
+    ``lengths``: ``(low, high)``, the inclusive range of the drawn list or word's length (each skill's default
+    is its class's ``default_lengths``; longer ranges make a harder probe).
+
     ``answer_from``: ``"tag"`` (the last ``<answer>...</answer>``) or, for a numeric skill (counting),
     ``"last_number"`` (the last integer anywhere in the response, for models that answer in their own words).
     """
 
     name = "skill"
     numeric = False
+    default_lengths: tuple[int, int] = (3, 6)
 
-    def __init__(self, num_train: int = 1000, num_val: int = 100, num_test: int = 100, seed: int = 0, answer_from: str = "tag", **prompting: Any) -> None:
+    def __init__(self, num_train: int = 1000, num_val: int = 100, num_test: int = 100, seed: int = 0, answer_from: str = "tag",
+                 lengths: tuple[int, int] | None = None, **prompting: Any) -> None:
         super().__init__(**prompting)
+        low, high = self.lengths = tuple(lengths or self.default_lengths)
+        if not 1 <= low <= high:
+            raise ValueError(f"{type(self).__name__}.lengths must be (low, high) with 1 <= low <= high, got {list(lengths)}")
         self.answer_from = check_answer_source(type(self).__name__, answer_from)
         if answer_from == "last_number" and not self.numeric:
             raise ValueError(f"{type(self).__name__}.answer_from 'last_number' needs a numeric answer; {type(self).__name__} has none")
@@ -59,12 +67,12 @@ class _Skill(Task):
 
 
 class Sorting(_Skill):
-    """Sort a list of 3-6 single-digit numbers in ascending order: ``3 1 2`` -> ``1 2 3``."""
+    """Sort a list of 3-6 (``lengths``) single-digit numbers in ascending order: ``3 1 2`` -> ``1 2 3``."""
 
     name = "sorting"
 
     def draw(self, rng: random.Random) -> dict[str, Any]:
-        return {"values": [rng.randint(0, 9) for _ in range(rng.randint(3, 6))]}
+        return {"values": [rng.randint(0, 9) for _ in range(rng.randint(*self.lengths))]}
 
     def user_prompt(self, example: Example) -> str:
         return "Sort ascending: " + " ".join(map(str, example["values"]))
@@ -74,12 +82,13 @@ class Sorting(_Skill):
 
 
 class Reversal(_Skill):
-    """Reverse a string of 3-7 lowercase letters: ``abc`` -> ``cba``."""
+    """Reverse a string of 3-7 (``lengths``) lowercase letters: ``abc`` -> ``cba``."""
 
     name = "reversal"
+    default_lengths = (3, 7)
 
     def draw(self, rng: random.Random) -> dict[str, Any]:
-        return {"word": "".join(rng.choice(string.ascii_lowercase[:8]) for _ in range(rng.randint(3, 7)))}
+        return {"word": "".join(rng.choice(string.ascii_lowercase[:8]) for _ in range(rng.randint(*self.lengths)))}
 
     def user_prompt(self, example: Example) -> str:
         return "Reverse: " + " ".join(example["word"])
@@ -89,13 +98,14 @@ class Reversal(_Skill):
 
 
 class Counting(_Skill):
-    """Count how often a letter occurs in a string of 4-9 letters from ``abcd``."""
+    """Count how often a letter occurs in a string of 4-9 (``lengths``) letters from ``abcd``."""
 
     name = "counting"
     numeric = True
+    default_lengths = (4, 9)
 
     def draw(self, rng: random.Random) -> dict[str, Any]:
-        word = "".join(rng.choice("abcd") for _ in range(rng.randint(4, 9)))
+        word = "".join(rng.choice("abcd") for _ in range(rng.randint(*self.lengths)))
         return {"word": word, "letter": rng.choice("abcd")}
 
     def user_prompt(self, example: Example) -> str:

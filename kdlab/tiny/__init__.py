@@ -1,7 +1,9 @@
 """kdlab's tiny world: a locally built tokenizer and tiny Qwen2 models, so nothing is downloaded.
 
 ``python -m kdlab.tiny random`` rebuilds ``kdlab/assets/tiny-random`` (random-initialised pair);
-``python -m kdlab.tiny world`` rebuilds ``kdlab/assets/tiny`` (trained teacher and student).
+``python -m kdlab.tiny world`` rebuilds ``kdlab/assets/tiny`` (trained teacher and student);
+``python -m kdlab.tiny reasoning`` rebuilds ``kdlab/assets/tiny-reasoning`` (the tiny reasoning world:
+the same teacher, a student that writes the task's format but slips in its arithmetic).
 """
 
 from kdlab.tiny.build import build_random_pair, tiny_qwen2

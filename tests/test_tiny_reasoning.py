@@ -1,0 +1,231 @@
+"""The tiny reasoning world (kdlab/tiny/reasoning.py, kdlab/assets/tiny-reasoning): its slipped chains, the
+harder set with the student's problems removed, the build, and that the packaged card is the build's."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kdlab.models.loading import ASSETS
+from kdlab.tasks.countdown import verify
+from kdlab.tiny.reasoning import (
+    RECIPE,
+    TARGETS,
+    UnseenCountdown,
+    build_reasoning,
+    chain_arithmetic_holds,
+    harder_task,
+    model_card,
+    slip,
+    student_countdown_task,
+    student_rows,
+    target_met,
+)
+
+ROOT = Path(__file__).parents[1]
+WORLD = ASSETS / "tiny-reasoning"
+QUICKSTART = ROOT / "experiments" / "reasoning" / "quickstart.yaml"
+
+
+def test_a_slipped_product_is_one_too_high_and_the_next_step_carries_it_on():
+    always, never = random.Random(0), random.Random(0)
+    assert slip("25*9=225,225-7=218", always, 1.0) == "25*9=226,226-7=219"
+    assert slip("4*2=8,9+8=17", always, 1.0) == "4*2=9,9+9=18"  # the carried value replaces the right operand
+    assert slip("10-9=1,50*1=50", always, 1.0) == "10-9=1,50*1=51"
+    assert slip("3*4=12,12/6=2", always, 1.0) == "3*4=12,12/6=2"  # 13/6 is not whole: the chain is left as it was
+    assert slip("25*9=225,225-7=218", never, 0.0) == "25*9=225,225-7=218"
+    assert not verify([7, 9, 25], 218, "<answer>25*9=226,226-7=219</answer>")
+
+
+def test_chain_arithmetic_is_judged_apart_from_the_target():
+    assert chain_arithmetic_holds("<think>x</think><answer>25*9=225,225-7=218</answer>") is True
+    assert chain_arithmetic_holds("<answer>25*9=226,226-7=219</answer>") is False
+    assert chain_arithmetic_holds("<answer>(6+1)*3</answer>") is None
+    assert chain_arithmetic_holds("no answer") is None
+
+
+def test_the_students_chains_all_have_the_tasks_format_and_only_slipped_ones_are_false():
+    recipe = dict(RECIPE, student_countdown=400, skill_examples={"addition": 10, "sorting": 10, "reversal": 10, "counting": 10})
+    rows = student_rows(recipe)
+    examples = student_countdown_task(recipe).examples("train")
+    chains = rows[-len(examples):]
+    assert len(rows) == 40 + len(examples)
+    holds = [chain_arithmetic_holds(row["completion"]) for row in chains]
+    assert None not in holds  # every response answers with a chain of equations
+    for example, row, true in zip(examples, chains, holds):
+        assert true == verify(example["nums"], example["target"], row["completion"])
+        if not true:
+            assert "*" in example["solution"]
+    share = holds.count(False) / sum("*" in e["solution"] for e in examples)
+    assert 0.45 < share < 0.75  # about slip_share of the chains with a multiplication (one slip is enough)
+
+
+def test_the_harder_set_draws_each_problem_once_and_none_the_student_saw():
+    task = harder_task(RECIPE, problems=60)
+    rows = task.examples("val")
+    problems = [(tuple(sorted(r["nums"])), r["target"]) for r in rows]
+    assert len(rows) == 60 and len(set(problems)) == 60
+    assert not set(problems) & task.excluded()
+    assert all(1 <= target <= 20 for _, target in problems)
+    assert len(task.excluded()) > 1000
+
+
+def test_unseen_countdown_names_a_malformed_exclusion():
+    with pytest.raises(ValueError, match=r"exclude\[1\] lacks \['num_train'\]"):
+        UnseenCountdown(exclude=[{"variant": "countdown3", "seed": 1, "num_train": 5}, {"variant": "countdown3", "seed": 2}])
+
+
+def test_the_quickstarts_harder_set_is_the_worlds():
+    config = yaml.safe_load(QUICKSTART.read_text(encoding="utf-8"))
+    coverage = [c["init_args"] for c in config["trainer"]["callbacks"] if c["class_path"] == "kdlab.callbacks.Coverage"]
+    harder = next(c["task"]["init_args"] for c in coverage if c.get("name") == "harder")
+    task = harder_task(RECIPE)
+    assert harder["exclude"] == task.exclude and harder["variant"] == task.variant and harder["num_val"] == RECIPE["harder_problems"]
+    distill = config["model"]["task"]["init_args"]
+    assert {"variant": distill["variant"], "seed": config["seed_everything"], "num_train": distill["num_train"]} in task.exclude
+    assert config["model"]["student"]["path"] == "kdlab://tiny-reasoning/student"
+
+
+def test_the_quickstarts_forgetting_probes_are_the_worlds_skills():
+    from kdlab.tiny.reasoning import skills
+
+    config = yaml.safe_load(QUICKSTART.read_text(encoding="utf-8"))
+    probes = next(c["init_args"]["tasks"] for c in config["trainer"]["callbacks"] if c["class_path"] == "kdlab.callbacks.OODForgetting")
+    assert [p["class_path"].rsplit(".", 1)[1] for p in probes] == [type(t).__name__ for t in skills(RECIPE)]
+    for probe, task in zip(probes, skills(RECIPE)):
+        settings = probe["init_args"]
+        assert settings.get("max_digits", getattr(task, "max_digits", None)) == getattr(task, "max_digits", None)
+        assert tuple(settings.get("lengths", getattr(task, "lengths", ()))) == getattr(task, "lengths", ())
+
+
+@pytest.mark.slow
+def test_a_small_build_copies_the_teacher_trains_the_student_and_writes_its_card(tmp_path):
+    recipe = dict(RECIPE, student_countdown=48, skill_examples={"addition": 8, "sorting": 8, "reversal": 8, "counting": 8}, student_epochs=1,
+                  eval_examples=4, harder_problems=3, harder_samples=2)
+    measured = build_reasoning(tmp_path / "world", recipe)
+    world = tmp_path / "world"
+    assert (world / "teacher" / "model.safetensors").read_bytes() == (ASSETS / "tiny" / "teacher" / "model.safetensors").read_bytes()
+    saved = json.loads((world / "metrics.json").read_text())
+    assert saved["recipe"] == recipe and saved["measured"] == json.loads(json.dumps(measured))
+    assert (world / "MODEL_CARD.md").read_text(encoding="utf-8") == model_card(recipe, saved["measured"])
+    assert set(measured["student"]["harder_pass_at_k"]) == {"1"} and measured["student"]["countdown3_greedy"]["n"] == 4
+    assert not (tmp_path / "world.build").exists()
+
+
+# ---- the packaged world --------------------------------------------------------------------------------
+def test_the_packaged_card_and_metrics_are_the_builds_for_the_current_recipe():
+    saved = json.loads((WORLD / "metrics.json").read_text(encoding="utf-8"))
+    assert saved["recipe"] == RECIPE
+    assert (WORLD / "MODEL_CARD.md").read_text(encoding="utf-8") == model_card(saved["recipe"], saved["measured"])
+
+
+def test_the_packaged_teacher_is_the_tiny_worlds():
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (WORLD / "teacher" / name).read_bytes() == (ASSETS / "tiny" / "teacher" / name).read_bytes()
+    assert (WORLD / "student" / "tokenizer.json").read_bytes() == (ASSETS / "tiny" / "teacher" / "tokenizer.json").read_bytes()
+
+
+def test_the_packaged_world_meets_its_targets():
+    measured = json.loads((WORLD / "metrics.json").read_text(encoding="utf-8"))["measured"]
+    missed = [label for role, key, op, bound, label in TARGETS if not target_met(measured[role][key]["value"], op, bound)]
+    assert not missed, f"tiny-reasoning misses: {missed}"
+
+
+def test_the_packaged_student_writes_the_chain_but_its_arithmetic_fails_where_the_teachers_holds():
+    """What the card and docs/tiny_reasoning.md say the world is: the format is there, the arithmetic is not."""
+    measured = json.loads((WORLD / "metrics.json").read_text(encoding="utf-8"))["measured"]
+    student, teacher = measured["student"], measured["teacher"]
+    assert student["chain_format_share"]["low"] >= 0.9
+    assert student["chain_arithmetic_true_share"]["high"] < 0.5 < teacher["chain_arithmetic_true_share"]["low"]
+
+
+def test_the_packaged_student_writes_chains_on_a_few_problems():
+    """A cheap check of the card's format claim on 12 held-out problems (the card measures 200)."""
+    from kdlab.evaluation.scoring import completion_texts
+    from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
+    from kdlab.tiny.reasoning import countdown
+
+    spec = ModelSpec("kdlab://tiny-reasoning/student")
+    model, tokenizer = load_causal_lm(spec), load_tokenizer(spec)
+    task = countdown(num_train=0, num_val=12, num_test=0)
+    texts = completion_texts(model, tokenizer, task, task.examples("val"), max_new_tokens=80)
+    assert sum(chain_arithmetic_holds(text) is not None for text in texts) >= 10
+
+
+# ---- docs/tiny_reasoning.md -----------------------------------------------------------------------------
+PAGE = ROOT / "docs" / "tiny_reasoning.md"
+REPORT = ROOT / "experiments" / "reasoning" / "quickstart_report"
+
+
+def _table_rows(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.startswith("|") and any(c.isdigit() for c in line) and not set(line) <= set("|- :")]
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(f"## {heading}")
+    end = text.find("\n## ", start + 3)
+    return text[start : end if end >= 0 else None]
+
+
+def _quickstart_run() -> dict[str, str]:
+    import csv
+
+    with (REPORT / "runs.csv").open(encoding="utf-8") as handle:
+        (run,) = list(csv.DictReader(handle))
+    return run
+
+
+@pytest.mark.parametrize("heading", ["Before distillation", "The harder set"])
+def test_the_pages_measurements_are_the_model_cards_rows(heading):
+    quoted = _table_rows(_section(PAGE.read_text(encoding="utf-8"), heading))
+    card = set(_table_rows((WORLD / "MODEL_CARD.md").read_text(encoding="utf-8")))
+    assert quoted and [row for row in quoted if row not in card] == []
+
+
+def test_the_harder_set_is_covered_by_the_teachers_training_as_the_page_says():
+    measured = json.loads((WORLD / "metrics.json").read_text(encoding="utf-8"))["measured"]
+    assert measured["harder_set"]["share_in_teacher_training"] == 1.0
+    assert "The teacher's own training phases cover all of them" in " ".join(PAGE.read_text(encoding="utf-8").split())
+
+
+def test_the_pages_quickstart_table_is_the_runs_before_and_after():
+    from kdlab.tiny.reasoning import before_after_rows
+
+    run = _quickstart_run()
+    assert run["run"].startswith("runs/reasoning-quickstart/") and run["objective"] == "ForwardKL" and run["rollout"] == "TeacherRollouts"
+    quoted = _table_rows(_section(PAGE.read_text(encoding="utf-8"), "The quickstart on this world"))
+    assert quoted == before_after_rows(run)
+
+
+def test_the_quickstart_run_meets_the_worlds_distillation_target():
+    """The issue's target: OffPD raises held-out Countdown-3 by at least 15 points from at least 10%."""
+    run = _quickstart_run()
+    before, after = float(run["coverage/countdown3/pass@1_before"]), float(run["coverage/countdown3/pass@1"])
+    assert before >= 0.10 and after - before >= 0.15
+
+
+WORLDS = {
+    "kdlab://tiny": ["quickstart.md", "tiny_world.md", "tiny_reproduction.md", "cross_tokenizer.md", "several_teachers.md", "teachers.md", "stages.md"],
+    "SmolLM2-135M-Instruct": ["real_model.md"],
+    "kdlab://tiny-reasoning": ["tiny_reasoning.md"],
+}
+
+
+def test_the_page_says_which_world_each_page_uses_and_each_page_uses_it():
+    table = _section(PAGE.read_text(encoding="utf-8"), "Which world each page uses")
+    for world, pages in WORLDS.items():
+        for page in pages:
+            assert f"| [{page}]({page}) | {world} |" in table, (page, world)
+            text = (ROOT / "docs" / page).read_text(encoding="utf-8")
+            if world == "kdlab://tiny":
+                assert "kdlab://tiny/" in text or "experiments/tiny/" in text, page
+                assert "experiments/reasoning/" not in text and "kdlab://tiny-reasoning/" not in text, page
+            else:
+                assert world in text, page
+
+
+def test_the_quickstart_is_the_worlds_only_experiment_as_the_page_says():
+    assert sorted(p.name for p in (ROOT / "experiments" / "reasoning").glob("*.yaml")) == ["quickstart.yaml"]
+    assert "No grid has been run on this world yet" in " ".join(PAGE.read_text(encoding="utf-8").split())
