@@ -234,10 +234,10 @@ def test_the_reply_is_ranked_and_cut_to_k_for_every_position_at_once():
     def entry(logprob, rank):
         return {"logprob": logprob, "rank": rank, "decoded_token": "x"}
 
-    rows = [{"9": entry(-5.0, 7), "3": entry(-0.1, 1), "4": entry(-1.0, 2), "5": entry(-1.0, 2)},  # own token first, a tie
-            {"4": entry(-0.2, 1), "8": entry(-2.0, 3), "2": entry(-1.5, 2)}]  # own token inside the top 3
+    rows = [{"9": entry(-5.0, 7), "3": entry(-0.5, 1), "4": entry(-2.0, 2), "5": entry(-2.0, 2)},  # own token first, a tie
+            {"4": entry(-0.4, 1), "8": entry(-2.5, 3), "2": entry(-2.0, 2)}]  # own token inside the top 3
     ids, values = ranked_topk(rows, 3)
-    assert ids.tolist() == [[3, 4, 5], [4, 2, 8]] and values.tolist() == [[-0.1, -1.0, -1.0], [-0.2, -1.5, -2.0]]
+    assert ids.tolist() == [[3, 4, 5], [4, 2, 8]] and values.tolist() == [[-0.5, -2.0, -2.0], [-0.4, -2.0, -2.5]]
     assert ids.dtype == torch.long and values.dtype == torch.float64
     assert ranked_topk(rows, -1)[0].tolist() == [[3, 4, 5], [4, 2, 8]]  # the fewest any position has
     assert ranked_topk([], 3)[0].shape == (0, 3)
