@@ -36,22 +36,29 @@ MAX_ANSWER_CHARS = 1_000
 """Longer extracted answers score 0 without being normalised or parsed."""
 MAX_NUMBER_DIGITS = 40
 """Longest digit string read as a number (keeps Fraction arithmetic cheap)."""
-MAX_BRACE_DEPTH = 50
-"""Answers nested deeper than this are not handed to math_verify (SymPy recursion)."""
+MAX_BRACE_DEPTH = 8
+"""Answers nested deeper than this (braces, parentheses and brackets together) are not handed to math_verify:
+SymPy's parse of ten nested braces alone runs into the alarm (about 1 s); MATH answers nest three or four deep."""
+MAX_EXPONENT_DIGITS = 4
+"""Longest digit string in an exponent, a factorial's operand (3 there) or a binomial that is handed to
+math_verify: ``2^{99999999}`` costs SymPy a second, ``2^{9999}`` tens of milliseconds."""
 VERIFY_TIMEOUT_S = 1
 """math_verify's per-parse and per-comparison alarm, in whole seconds."""
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
+_BRACE_TOKENS = re.compile(r"[\\{}]")  # a backslash (escaping the next character: \{, \}) or a brace
 
 
 # ---- extraction -----------------------------------------------------------------------------------------------
-def last_boxed(text: Any) -> str | None:
+def last_boxed(text: Any, limit: int | None = None) -> str | None:
     """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced.
 
     The last occurrence of the command decides: if its braces never close, the answer is ``None``
     (an earlier complete box does not count). ``\\{`` and ``\\}`` are literal braces and do not
     count towards the balance. ``\\boxed 5`` (a space, then one token) gives ``"5"``. Linear time:
-    one ``rfind`` per command and one forward scan; non-``str`` input gives ``None``.
+    one ``rfind`` per command and one forward scan (a regular expression over the braces and escapes, so a
+    million digits take milliseconds); non-``str`` input gives ``None``. ``limit``: a box whose content
+    is longer than this many characters gives ``None`` too, found without reading past it.
     """
     if not isinstance(text, str):
         return None
@@ -63,19 +70,19 @@ def last_boxed(text: Any) -> str | None:
     while j < n and text[j] == " ":
         j += 1
     if j < n and text[j] == "{":
-        depth, k = 0, j
-        while k < n:
-            char = text[k]
-            if char == "\\":
-                k += 2  # an escaped character, e.g. \{ or \}
+        depth = escaped = 0
+        for match in _BRACE_TOKENS.finditer(text, j, n if limit is None else min(n, j + limit + 2)):  # braces and backslashes only
+            at, token = match.start(), match.group()
+            if at < escaped:  # the character after a backslash (\{ or \}): literal
                 continue
-            if char == "{":
+            if token == "\\":
+                escaped = at + 2
+            elif token == "{":
                 depth += 1
-            elif char == "}":
+            else:
                 depth -= 1
                 if depth == 0:
-                    return text[j + 1 : k]
-            k += 1
+                    return text[j + 1 : at]
         return None
     if j > i:  # "\boxed 5": one whitespace-delimited token
         end = j
@@ -213,14 +220,87 @@ def math_verify_usable() -> bool:
 
 
 def _brace_depth(text: str) -> int:
+    """The deepest nesting of braces, parentheses and brackets together (``\\left(`` counts as ``(``)."""
     depth = deepest = 0
     for char in text:
-        if char == "{":
+        if char in "{([":
             depth += 1
             deepest = max(deepest, depth)
-        elif char == "}":
+        elif char in "})]":
             depth -= 1
     return deepest
+
+
+_DIGITS = re.compile(r"\d+")
+_REDUNDANT = re.compile(r"[{(\[](?:\s*[{(\[]){2}")
+_CLOSING = {")": "(", "}": "{", "]": "["}
+
+
+def _group_before(text: str, end: int) -> str:
+    """The bracketed group (or digit run, or single character) that ends just before ``text[end]``."""
+    if end <= 0:
+        return ""
+    if text[end - 1] in _CLOSING:
+        depth = 0
+        for start in range(end - 1, -1, -1):
+            depth += text[start] in _CLOSING
+            depth -= text[start] in _CLOSING.values()
+            if depth == 0:
+                return text[start:end]
+        return text[:end]
+    start = end
+    while start > 0 and text[start - 1].isdigit():
+        start -= 1
+    return text[start:end] if start < end else text[end - 1]
+
+
+def _group_after(text: str, start: int) -> str:
+    """The braced group (or digit run, or single character) that starts at ``text[start]``."""
+    if start >= len(text):
+        return ""
+    if text[start] == "{":
+        depth = 0
+        for end in range(start, len(text)):
+            depth += text[end] == "{"
+            depth -= text[end] == "}"
+            if depth == 0:
+                return text[start : end + 1]
+        return text[start:]
+    match = _DIGITS.match(text, start)
+    return match.group() if match else text[start]
+
+
+def _longest_digits(text: str) -> int:
+    return max((len(run) for run in _DIGITS.findall(text)), default=0)
+
+
+def too_costly(answer: str) -> str | None:
+    """Why handing ``answer`` to math_verify could cost SymPy up to its alarm (about a second), or ``None``:
+    nesting deeper than :data:`MAX_BRACE_DEPTH` or three brackets opened in a row; a power tower (an exponent holding ``^``, ``!`` or a
+    binomial) or an exponent with more than :data:`MAX_EXPONENT_DIGITS` digits (``9^{9^{9}}``,
+    ``10^{10^{10}}``, ``2^{99999999}``); a repeated factorial or one of more than a 3-digit number or of a
+    group holding ``^`` (``(10^{100000})!``, ``99999!``); a binomial of large numbers. Linear time: one
+    scan per ``^`` and ``!`` over what they apply to, within :data:`MAX_ANSWER_CHARS`. No correct MATH
+    answer is refused by these (its answers are below a thousand characters, with small exponents)."""
+    if _brace_depth(answer) > MAX_BRACE_DEPTH:
+        return f"nested more than {MAX_BRACE_DEPTH} deep"
+    if _REDUNDANT.search(answer):
+        return "three brackets opened in a row"
+    for at in (i for i, char in enumerate(answer) if char == "^"):
+        exponent = _group_after(answer, at + 1)
+        if "^" in exponent or "!" in exponent or "binom" in exponent or "choose" in exponent:
+            return "a power tower"
+        if _longest_digits(exponent) > MAX_EXPONENT_DIGITS:
+            return f"an exponent of more than {MAX_EXPONENT_DIGITS} digits"
+    if "!!" in answer.replace(" ", ""):
+        return "a repeated factorial"
+    for at in (i for i, char in enumerate(answer) if char == "!"):
+        operand = _group_before(answer.rstrip(), len(answer[:at].rstrip()))
+        if "^" in operand or _longest_digits(operand) > MAX_EXPONENT_DIGITS - 1:
+            return "a factorial of a large number"
+    if ("binom" in answer or "choose" in answer) and ("^" in answer or _longest_digits(answer) > MAX_EXPONENT_DIGITS):
+        return "a binomial of large numbers"
+    return None
 
 
 def answers_match(reference: str, answer: str, use_math_verify: bool = True) -> bool:
@@ -230,7 +310,8 @@ def answers_match(reference: str, answer: str, use_math_verify: bool = True) -> 
     exactly when their values are equal, and never go further. Otherwise, when ``use_math_verify``
     is true and :func:`math_verify_usable`, ``math_verify.verify(parse(reference), parse(answer))``
     decides, each step under a :data:`VERIFY_TIMEOUT_S` alarm, for answers up to
-    :data:`MAX_ANSWER_CHARS` characters and :data:`MAX_BRACE_DEPTH` braces deep. Never raises.
+    :data:`MAX_ANSWER_CHARS` characters that :func:`too_costly` lets through (an answer it stops, such as
+    a power tower, scores 0 at once instead of costing math_verify its alarm). Never raises.
     """
     if not isinstance(reference, str) or not isinstance(answer, str) or len(answer) > MAX_ANSWER_CHARS:
         return False
@@ -242,7 +323,7 @@ def answers_match(reference: str, answer: str, use_math_verify: bool = True) -> 
     gold_value, guess_value = as_fraction(gold), as_fraction(guess)
     if gold_value is not None and guess_value is not None:
         return gold_value == guess_value
-    if not use_math_verify or not math_verify_usable() or _brace_depth(answer) > MAX_BRACE_DEPTH:
+    if not use_math_verify or not math_verify_usable() or too_costly(answer) is not None:
         return False
     parse, verify = _math_verify()  # type: ignore[misc]
     try:
@@ -380,7 +461,7 @@ class MATH(Task):
         return last_boxed(completion) is not None
 
     def score(self, example: Example, completion: str) -> float:
-        answer = last_boxed(completion)
+        answer = last_boxed(completion, MAX_ANSWER_CHARS)
         reference = example.get("answer")
         if answer is None or not isinstance(reference, str):
             return 0.0
