@@ -22,6 +22,7 @@ import threading
 from fractions import Fraction
 from typing import Any
 
+from kdlab.tasks.answer_cost import MAX_BRACE_DEPTH, MAX_EXPONENT_DIGITS, too_costly  # noqa: F401 - MAX_BRACE_DEPTH: a kdlab 0.1 name
 from kdlab.tasks.base import Example, Task, last_tagged
 from kdlab.tasks.sources import UnresolvedAnswer, hashed_order, load_rows, require_fields
 
@@ -36,12 +37,6 @@ MAX_ANSWER_CHARS = 1_000
 """Longer extracted answers score 0 without being normalised or parsed."""
 MAX_NUMBER_DIGITS = 40
 """Longest digit string read as a number (keeps Fraction arithmetic cheap)."""
-MAX_BRACE_DEPTH = 8
-"""Answers nested deeper than this (braces, parentheses and brackets together) are not handed to math_verify:
-SymPy's parse of ten nested braces alone runs into the alarm (about 1 s); MATH answers nest three or four deep."""
-MAX_EXPONENT_DIGITS = 4
-"""Longest digit string in an exponent, a factorial's operand (3 there) or a binomial that is handed to
-math_verify: ``2^{99999999}`` costs SymPy a second, ``2^{9999}`` tens of milliseconds."""
 VERIFY_TIMEOUT_S = 1
 """math_verify's per-parse and per-comparison alarm, in whole seconds."""
 
@@ -217,90 +212,6 @@ def _math_verify() -> tuple[Any, Any] | None:
 def math_verify_usable() -> bool:
     """Whether math_verify is installed and its alarm-based timeouts work here (main thread, POSIX)."""
     return os.name == "posix" and threading.current_thread() is threading.main_thread() and _math_verify() is not None
-
-
-def _brace_depth(text: str) -> int:
-    """The deepest nesting of braces, parentheses and brackets together (``\\left(`` counts as ``(``)."""
-    depth = deepest = 0
-    for char in text:
-        if char in "{([":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char in "})]":
-            depth -= 1
-    return deepest
-
-
-_DIGITS = re.compile(r"\d+")
-_REDUNDANT = re.compile(r"[{(\[](?:\s*[{(\[]){2}")
-_CLOSING = {")": "(", "}": "{", "]": "["}
-
-
-def _group_before(text: str, end: int) -> str:
-    """The bracketed group (or digit run, or single character) that ends just before ``text[end]``."""
-    if end <= 0:
-        return ""
-    if text[end - 1] in _CLOSING:
-        depth = 0
-        for start in range(end - 1, -1, -1):
-            depth += text[start] in _CLOSING
-            depth -= text[start] in _CLOSING.values()
-            if depth == 0:
-                return text[start:end]
-        return text[:end]
-    start = end
-    while start > 0 and text[start - 1].isdigit():
-        start -= 1
-    return text[start:end] if start < end else text[end - 1]
-
-
-def _group_after(text: str, start: int) -> str:
-    """The braced group (or digit run, or single character) that starts at ``text[start]``."""
-    if start >= len(text):
-        return ""
-    if text[start] == "{":
-        depth = 0
-        for end in range(start, len(text)):
-            depth += text[end] == "{"
-            depth -= text[end] == "}"
-            if depth == 0:
-                return text[start : end + 1]
-        return text[start:]
-    match = _DIGITS.match(text, start)
-    return match.group() if match else text[start]
-
-
-def _longest_digits(text: str) -> int:
-    return max((len(run) for run in _DIGITS.findall(text)), default=0)
-
-
-def too_costly(answer: str) -> str | None:
-    """Why handing ``answer`` to math_verify could cost SymPy up to its alarm (about a second), or ``None``:
-    nesting deeper than :data:`MAX_BRACE_DEPTH` or three brackets opened in a row; a power tower (an exponent holding ``^``, ``!`` or a
-    binomial) or an exponent with more than :data:`MAX_EXPONENT_DIGITS` digits (``9^{9^{9}}``,
-    ``10^{10^{10}}``, ``2^{99999999}``); a repeated factorial or one of more than a 3-digit number or of a
-    group holding ``^`` (``(10^{100000})!``, ``99999!``); a binomial of large numbers. Linear time: one
-    scan per ``^`` and ``!`` over what they apply to, within :data:`MAX_ANSWER_CHARS`. No correct MATH
-    answer is refused by these (its answers are below a thousand characters, with small exponents)."""
-    if _brace_depth(answer) > MAX_BRACE_DEPTH:
-        return f"nested more than {MAX_BRACE_DEPTH} deep"
-    if _REDUNDANT.search(answer):
-        return "three brackets opened in a row"
-    for at in (i for i, char in enumerate(answer) if char == "^"):
-        exponent = _group_after(answer, at + 1)
-        if "^" in exponent or "!" in exponent or "binom" in exponent or "choose" in exponent:
-            return "a power tower"
-        if _longest_digits(exponent) > MAX_EXPONENT_DIGITS:
-            return f"an exponent of more than {MAX_EXPONENT_DIGITS} digits"
-    if "!!" in answer.replace(" ", ""):
-        return "a repeated factorial"
-    for at in (i for i, char in enumerate(answer) if char == "!"):
-        operand = _group_before(answer.rstrip(), len(answer[:at].rstrip()))
-        if "^" in operand or _longest_digits(operand) > MAX_EXPONENT_DIGITS - 1:
-            return "a factorial of a large number"
-    if ("binom" in answer or "choose" in answer) and ("^" in answer or _longest_digits(answer) > MAX_EXPONENT_DIGITS):
-        return "a binomial of large numbers"
-    return None
 
 
 def answers_match(reference: str, answer: str, use_math_verify: bool = True) -> bool:
