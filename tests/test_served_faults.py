@@ -234,3 +234,22 @@ def test_the_docs_serve_only_on_loopback_or_with_a_key():
     text = (Path(__file__).parents[1] / "docs" / "teachers.md").read_text(encoding="utf-8")
     commands = re.findall(r"`(vllm serve [^`]*)`", text)
     assert commands and [c for c in commands if "--host 127.0.0.1" not in c and "--api-key" not in c] == []
+
+
+def test_every_fault_switch_is_a_row_of_the_bad_inputs_page():
+    text = (Path(__file__).parents[1] / "docs" / "bad_inputs.md").read_text(encoding="utf-8")
+    assert [fault for fault in FAULTS if f"`{fault}`" not in text and fault not in ("timeout", "malformed", "error", "wrong_model", "status_400")] == []
+
+
+def test_a_url_with_a_password_on_the_command_line_is_refused_and_echoed_nowhere(tmp_path, capsys, monkeypatch):
+    from kdlab.cli.main import entry
+
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+    smoke = Path(__file__).parents[1] / "experiments" / "tiny" / "smoke.yaml"
+    served = ('{"class_path": "kdlab.rollouts.served.ServedTeacher", "init_args": {"url": "http://user:' + KEY + '@127.0.0.1:9", '
+              '"model": "m", "tokenizer": "' + TEACHER + '"}}')
+    with pytest.raises(SystemExit):
+        entry(["fit", f"--config={smoke}", "--model.teacher=null", f"--model.served_teacher={served}", f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    out = capsys.readouterr()
+    assert "a URL with a user, password, query or fragment is refused" in out.err
+    assert KEY not in out.out + out.err and [p for p in tmp_path.rglob("*") if p.is_file() and KEY.encode() in p.read_bytes()] == []

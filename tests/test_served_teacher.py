@@ -110,7 +110,8 @@ def test_the_server_sample_is_seeded(server):
 
 
 @pytest.mark.parametrize("fault, message", [("timeout", "timed out"), ("malformed", "not JSON"), ("error", "500"),
-                                            ("wrong_model", "answered for model 'another-model'")])
+                                            ("wrong_model", "answered for model 'another-model'"), ("id_out_of_range", "token id 353 outside"),
+                                            ("mass_over_one", "probabilities sum to"), ("trickle", "timed out"), ("hang_up", "Remote end closed")])
 def test_a_failing_server_stops_the_run_naming_the_endpoint_after_its_retries_with_the_last_checkpoint_intact(server, tmp_path, fault, message):
     from lightning.pytorch.callbacks import ModelCheckpoint
 

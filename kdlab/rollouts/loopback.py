@@ -377,7 +377,7 @@ class LoopbackServer:
         """``reply`` with the defects ``faults`` (:data:`FAULTS`) written in."""
         choices = reply["choices"]
         rows = [row for choice in choices for row in (choice["prompt_logprobs"] or [])[1:]]
-        row = rows[0] if rows else None
+        row = rows[-1] if rows else None  # the last position: a completion's, which every client reads
         if row is not None:
             first = next(iter(row))
             if "id_out_of_range" in faults:
