@@ -253,3 +253,29 @@ def test_a_url_with_a_password_on_the_command_line_is_refused_and_echoed_nowhere
     out = capsys.readouterr()
     assert "a URL with a user, password, query or fragment is refused" in out.err
     assert KEY not in out.out + out.err and [p for p in tmp_path.rglob("*") if p.is_file() and KEY.encode() in p.read_bytes()] == []
+
+
+def test_the_loopback_server_refuses_what_vllm_refuses(server):
+    """A Content-Length past the limit (or missing), max_tokens past max_model_len, a prompt id outside the
+    vocabulary: HTTP 400, as vLLM answers, before any work (today it reads any length and samples any count)."""
+    import http.client
+    import json
+
+    def post(body: bytes, length: str | None = None):
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        connection.putrequest("POST", "/v1/completions")
+        connection.putheader("Content-Length", length if length is not None else str(len(body)))
+        connection.endheaders()
+        connection.send(body)
+        response = connection.getresponse()
+        status, text = response.status, response.read()
+        connection.close()
+        return status, text
+
+    assert post(b"{}", str(1 << 40))[0] == 400
+    assert post(b"{}", "abc")[0] == 400
+    status, text = post(json.dumps({"model": "tiny-teacher", "prompt": [1, 2, 3], "max_tokens": 10**9}).encode())
+    assert status == 400 and b"exceed max_model_len=512" in text
+    status, text = post(json.dumps({"model": "tiny-teacher", "prompt": [1, 2, 10**6], "max_tokens": 1}).encode())
+    assert status == 400 and b"a prompt token outside [0, 353)" in text
+    assert server.completions == 0
