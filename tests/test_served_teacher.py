@@ -257,3 +257,29 @@ def test_the_docs_figures_are_the_committed_benchmark_and_report():
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run([sys.executable, "scripts/served_teacher_results.py", "--check"], cwd=root, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_waiting_sampling_requests_share_their_forwards_and_each_keeps_its_seeds_tokens(server):
+    """Issue #43 item 3: sampling requests waiting together at one temperature are decoded as one batch
+    (server.batches records it), and each gets the tokens its seed gives when it is sampled alone."""
+    from kdlab.rollouts.loopback import _Job
+
+    def job(i):
+        return _Job({"prompt": [1, 2, 3 + i] + [7] * i, "max_tokens": 6 - i, "temperature": 1.0, "seed": 10 + i})
+
+    together = [job(i) for i in range(4)]
+    server.batches.clear()
+    server._run(together)
+    assert server.batches == [4]
+    for i, shared in enumerate(together):
+        alone = job(i)
+        server._run([alone])
+        assert shared.results == alone.results and len(alone.results[0]["new"]) <= 6 - i
+    queued = LoopbackServer(TEACHER)  # its worker not started: the queue is served below, in this thread
+    scoring = {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 1, "prompt_logprobs": 2}
+    for payload in ({"prompt": [1, 2], "max_tokens": 3, "seed": 1}, scoring, {"prompt": [3, 4], "max_tokens": 3, "seed": 2},
+                    {"prompt": [5], "max_tokens": 3, "temperature": 0.5}, scoring):
+        queued.jobs.put(_Job(payload))
+    queued.jobs.put(None)
+    queued._serve_jobs()
+    assert queued.batches == [2, 4, 1]  # the two samples at T = 1 together, then both scoring requests, then T = 0.5

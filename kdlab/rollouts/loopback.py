@@ -13,8 +13,9 @@ keeps its connections open, as with vLLM's server.
 
 **Batching, as vLLM does.** One worker thread runs the model. The prompts of the scoring requests
 (``max_tokens: 1``) that are waiting when it becomes free, up to ``max_batch`` requests, go through one
-right-padded forward, as vLLM's scheduler batches a request's prompts and concurrent requests; sampling
-runs one prompt at a time. A prompt's
+right-padded forward, as vLLM's scheduler batches a request's prompts and concurrent requests; so do the
+sampling requests waiting together at one temperature with the same stop tokens (left-padded, one forward per
+token for all, each prompt drawing from its own seeded generator: :meth:`LoopbackServer.sample_many`). A prompt's
 log-probs may then differ in the last bits with the batch it shared (padding and batch size change the
 kernels' summation order, in vLLM too); ``max_batch=1`` answers each request alone, deterministically. The
 replies are written (JSON, by orjson when it is installed) by the requests' own threads while the worker
@@ -34,11 +35,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import queue
 import socket
 import threading
 import time
+from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -75,6 +78,7 @@ class _Job:
         self.prompts = [[int(token) for token in one] for one in (prompt if self.listed else [prompt])]
         self.k = payload.get("prompt_logprobs")
         self.scores_only = self.k is not None and int(payload.get("max_tokens", 16)) <= 1
+        self.sampling_key = (float(payload.get("temperature", 1.0)), tuple(int(t) for t in payload.get("stop_token_ids") or []))
         self.done = threading.Event()
         self.results: list[dict[str, Any]] = []
         self.error: BaseException | None = None
@@ -99,6 +103,7 @@ class LoopbackServer:
         self.faults: set[str] = set()
         self.fault_after = 0
         self.completions = 0
+        self.batches: list[int] = []  # prompts per forward batch the worker ran (scoring or sampling)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -244,24 +249,36 @@ class LoopbackServer:
         return self.reply(job, model_name, faults)
 
     def _serve_jobs(self) -> None:
+        pending: deque[_Job | None] = deque()  # taken from the queue, not yet run: first in line next time
         while True:
-            job = self.jobs.get()
+            job = pending.popleft() if pending else self.jobs.get()
             if job is None:
                 return
-            batch = [job]
-            while len(batch) < max(self.max_batch, 1) and job.scores_only:  # whatever else waits joins its forward
-                try:
-                    waiting = self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if waiting is None:
-                    self.jobs.put(None)
-                    break
-                if not waiting.scores_only:  # a sampling request runs after this batch
-                    self._run([waiting])
-                    continue
-                batch.append(waiting)
+            batch, passed = [job], deque()
+            while len(batch) < max(self.max_batch, 1):  # whatever else waits and can share the forwards joins
+                if pending:
+                    waiting = pending.popleft()
+                else:
+                    try:
+                        waiting = self.jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                if waiting is not None and self._shares(job, waiting):
+                    batch.append(waiting)
+                else:  # runs later, in its turn (None: after what is before it)
+                    passed.append(waiting)
+                    if waiting is None:
+                        break
+            pending = passed + pending
             self._run(batch)
+
+    @staticmethod
+    def _shares(job: _Job, other: _Job) -> bool:
+        """Whether ``other`` can join ``job``'s batch: both scoring, or both sampling (without prompt
+        log-probs) at one temperature with the same stop tokens."""
+        if job.scores_only or other.scores_only:
+            return job.scores_only and other.scores_only
+        return job.k is None and other.k is None and job.sampling_key == other.sampling_key
 
     def _run(self, jobs: list[_Job]) -> None:
         try:
@@ -271,9 +288,17 @@ class LoopbackServer:
                     results = iter(self.scores(prompts, [job.k for job in jobs for _ in job.prompts], self.forward(prompts)))
                     for job in jobs:
                         job.results = [next(results) for _ in job.prompts]
+                elif jobs[0].k is None:  # sampling: every prompt of every job in one batch, each row its own seed
+                    temperature, stops = jobs[0].sampling_key
+                    stops = (*stops, self.tokenizer.eos_token_id)
+                    rows = [(prompt, int(job.payload.get("max_tokens", 16)), job.payload.get("seed")) for job in jobs for prompt in job.prompts]
+                    results = iter(self.sample_many(rows, temperature, list(stops)))
+                    for job in jobs:
+                        job.results = [dict(zip(("new", "ended"), next(results))) for _ in job.prompts]
                 else:
                     (job,) = jobs
                     job.results = [self.complete(job, prompt) for prompt in job.prompts]
+            self.batches.append(sum(len(job.prompts) for job in jobs))
         except Exception as error:  # noqa: BLE001 - each request gets it back
             for job in jobs:
                 job.error = error
@@ -330,14 +355,47 @@ class LoopbackServer:
         return result
 
     def sample(self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None, stops: list[int]) -> tuple[list[int], bool]:
+        """One completion of ``prompt`` (:meth:`sample_many` of one row)."""
+        return self.sample_many([(prompt, max_tokens, seed)], temperature, stops)[0]
+
+    def sample_many(self, rows: list[tuple[list[int], int, int | None]], temperature: float, stops: list[int]) -> list[tuple[list[int], bool]]:
+        """A completion of each ``(prompt, max_tokens, seed)`` of ``rows``, decoded together (left-padded, one
+        forward per token for the whole batch, as vLLM batches concurrent requests); each row draws from its
+        own generator seeded by its ``seed`` (a random one without), so a row's tokens depend on its seed
+        alone, up to the last bits padding changes (``max_batch=1``: each request alone). Returns each row's
+        tokens (its end token included) and whether it ended."""
         from kdlab.rollouts.decoding import IncrementalLM, sample_tokens
 
-        generator = torch.Generator().manual_seed(int(seed)) if seed is not None else None
-        decoder = IncrementalLM(self.model, torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long), self.columns, temperature)
-        ids, mask, _ = sample_tokens(decoder, 1, max_tokens, tuple(stops), int(self.tokenizer.pad_token_id or 0), generator,
+        width = max(len(prompt) for prompt, _, _ in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for row, (prompt, _, _) in enumerate(rows):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        generators = [torch.Generator().manual_seed(int(seed)) if seed is not None else torch.Generator() for _, _, seed in rows]
+        for (_, _, seed), generator in zip(rows, generators):
+            if seed is None:
+                generator.seed()
+        decoder = IncrementalLM(self.model, ids, mask, self.columns, temperature)
+
+        def drawn(previous: torch.Tensor | None) -> torch.Tensor:
+            """The decoder's next-token log-probs with each row's token drawn by its own generator: that token
+            at log-prob 0, the others at -inf (so the shared draw below takes it)."""
+            logprobs = decoder(previous)
+            if temperature == 0.0:
+                return logprobs
+            tokens = torch.stack([torch.multinomial(logprobs[row : row + 1].exp(), 1, generator=generator)[0, 0]
+                                  for row, generator in enumerate(generators)])
+            return torch.full_like(logprobs, -math.inf).scatter_(1, tokens[:, None], 0.0)
+
+        limits = torch.tensor([max_tokens for _, max_tokens, _ in rows])
+        out, kept, _ = sample_tokens(drawn, len(rows), limits, tuple(stops), int(self.tokenizer.pad_token_id or 0), torch.Generator().manual_seed(0),
                                      greedy=temperature == 0.0)
-        tokens = ids[0][mask[0]].tolist()
-        return tokens, bool(tokens) and tokens[-1] in stops
+        results = []
+        for row in range(len(rows)):
+            tokens = out[row][kept[row]].tolist()
+            results.append((tokens, bool(tokens) and tokens[-1] in stops))
+        return results
 
     # ---- the reply: vLLM's JSON -------------------------------------------------------------------
     def prompt_logprobs(self, prompt: list[int], result: dict[str, Any]) -> list[Any]:
