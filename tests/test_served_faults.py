@@ -203,9 +203,10 @@ def test_a_url_carrying_a_secret_is_refused_without_repeating_it(url):
     assert KEY.replace("-", "/") not in str(error.value)
 
 
-def test_a_finished_run_holds_the_key_in_no_file(server, tmp_path, monkeypatch):
+def test_a_finished_run_holds_the_key_in_no_file(server, tmp_path, monkeypatch, capsys):
     """`kdlab fit` against a server that wants a key: its run directory (config.yaml, run_info.json, the
-    logs, the checkpoints) holds the variable's name and never the key."""
+    metrics and event logs, the checkpoints) holds the variable's name and never the key, and neither does
+    its console output (a sweep's fit.log); an archive (scripts/archive_runs.py) keeps a subset of these files."""
     from kdlab.cli.main import main
 
     server.api_key = KEY
@@ -220,6 +221,8 @@ def test_a_finished_run_holds_the_key_in_no_file(server, tmp_path, monkeypatch):
     assert any(path.name == "config.yaml" for path in files) and any(path.suffix == ".ckpt" for path in files)
     assert any(b"KDLAB_TEST_KEY" in path.read_bytes() for path in files if path.name == "config.yaml")
     assert [str(path) for path in files if KEY.encode() in path.read_bytes()] == []
+    out = capsys.readouterr()  # what a sweep's fit.log would hold
+    assert "train/loss" in out.out + out.err and KEY not in out.out + out.err
 
 
 def test_every_fault_switch_has_a_test_here():

@@ -165,8 +165,8 @@ class ServedTeacher:
     def check(self, tokenizer: Any) -> None:
         """Before training: the server serves ``model``, tokenizes a probe text and every added token of
         ``tokenizer`` exactly as ``tokenizer`` does, and, when it answers ``GET /tokenizer_info`` (``vllm serve
-        --enable-tokenizer-info-endpoint``; kdlab's loopback server), holds the same added tokens (ids and
-        texts): else :class:`ServedTeacherError` naming the endpoint. Then every id the server sends is
+        --enable-tokenizer-info-endpoint``; kdlab's loopback server), lists no added token (id and text) that
+        ``tokenizer`` lacks: else :class:`ServedTeacherError` naming the endpoint. Then every id the server sends is
         checked against ``len(tokenizer)``."""
         where = redact(self.url)
         models = self.request("/v1/models", max_bytes=1 << 20)
@@ -190,10 +190,10 @@ class ServedTeacher:
                 theirs = {int(i): str(t.get("content") if isinstance(t, dict) else t) for i, t in (info.get("added_tokens_decoder") or {}).items()}
             except (ValueError, TypeError, AttributeError) as error:
                 raise ServedTeacherError(f"served teacher {where}/tokenizer_info: a reply vLLM would not give ({error})") from None
-            if "added_tokens_decoder" in info and theirs != added:
-                differ = sorted(set(theirs.items()) ^ set(added.items()))[:4]
+            extra = sorted(set(theirs.items()) - set(added.items()))  # the local ones the probe above has shown the server to have
+            if extra:
                 raise ServedTeacherError(f"served teacher {where}/tokenizer_info: the server's added tokens differ from "
-                                         f"ServedTeacher.tokenizer={self.tokenizer!r}'s (e.g. {differ}): not the same vocabulary")
+                                         f"ServedTeacher.tokenizer={self.tokenizer!r}'s (e.g. {extra[:4]}): not the same vocabulary")
         self.vocabulary = len(tokenizer)
 
     # ---- log-probs ---------------------------------------------------------------------------
