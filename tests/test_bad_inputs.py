@@ -126,6 +126,7 @@ NOT_CLI = {  # rows whose input is not a configuration a command line can give, 
     "57": "a hostile teacher cache file: mutated and crafted files read directly (test_cache_codec.py)",
     "59": "kdlab report input: a metrics file read directly (test_no_data_lost.py)",
     "60": "model responses: scored, never an error (test_hostile_inputs.py)",
+    "61": "kdlab report input: a run's config read directly (test_no_data_lost.py)",
 }
 
 

@@ -29,3 +29,18 @@ def test_packaged_paths_stay_inside_what_they_name(path):
     with pytest.raises(ValueError, match=rf"model.path '{path}': leaves "):
         resolve_path(path, "model.path")
     assert resolve_path("kdlab://tiny/teacher") == str(ASSETS / "tiny" / "teacher")
+
+
+def test_a_report_imports_no_module_a_run_config_names_outside_kdlab(tmp_path, monkeypatch):
+    """Reading a run's settings looks up class defaults; a config naming another package's module (someone's
+    archive) does not get that module imported: importing it would run its code."""
+    import sys
+
+    from kdlab.study.runs import class_defaults
+
+    (tmp_path / "kdlab_planted_module.py").write_text("import pathlib\npathlib.Path(__file__).with_name('ran').write_text('x')\n"
+                                                      "class Thing:\n    def __init__(self, a=1):\n        pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert class_defaults("kdlab_planted_module.Thing") == {}
+    assert "kdlab_planted_module" not in sys.modules and not (tmp_path / "ran").exists()
+    assert class_defaults("kdlab.objectives.ForwardKL")  # kdlab's own classes still give their defaults

@@ -99,13 +99,21 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
     return {} if value is None else {prefix: json.dumps(value, sort_keys=True, default=str)}
 
 
+TRUSTED_MODULES = ("kdlab.", "lightning.", "torch.")
+"""The packages whose classes a report imports to read their defaults: a run directory (or someone's archive)
+naming any other module in its config.yaml does not get it imported (importing runs its code)."""
+
+
 @functools.lru_cache(maxsize=None)
 def class_defaults(class_path: str) -> dict[str, Any]:
-    """``{argument: default}`` of a class's ``__init__`` (empty when it cannot be imported)."""
+    """``{argument: default}`` of a class's ``__init__`` (empty when it cannot be imported, or lies outside
+    :data:`TRUSTED_MODULES`)."""
     import importlib
     import inspect
 
     module, _, name = class_path.rpartition(".")
+    if not module.startswith(TRUSTED_MODULES) and module not in ("kdlab", "lightning", "torch"):
+        return {}
     try:
         cls = getattr(importlib.import_module(module), name)
         parameters = inspect.signature(cls.__init__).parameters.values()
