@@ -1,6 +1,7 @@
 """The wire side of a served teacher, without torch: HTTP to a vLLM-compatible server (kept-alive connections,
-timeouts, retries) and the decoding of its ``prompt_logprobs`` replies into numpy arrays, in this process or in
-helper processes (:class:`DecodeWorkers`).
+a deadline per exchange, a byte limit per reply, retries, a key from the environment) and the decoding of its
+``prompt_logprobs`` replies into numpy arrays, each checked first (:mod:`kdlab.served_replies`), in this process
+or in helper processes (:class:`DecodeWorkers`).
 
     python -m kdlab.served_wire   (a helper process, started by ServedTeacher: pickles on stdin and stdout)
 
@@ -17,9 +18,8 @@ import contextlib
 import gc
 import http.client
 import json
-import math
-import pickle
 import os
+import pickle
 import queue
 import random
 import socket
@@ -33,6 +33,8 @@ from operator import itemgetter
 from typing import Any, Callable
 
 import numpy as np
+
+from kdlab.served_replies import check_entries, check_values, ordered_choices
 
 try:  # decodes vLLM's replies about three times faster than json
     from orjson import loads as json_loads
@@ -69,9 +71,6 @@ def collection_paused():
                 gc.enable()
 
 
-LOGPROB_TOLERANCE = 1e-3
-"""How far above 0 a served log-prob, and above 1 a position's total probability, may lie (fp32 rounding of
-a softmax, and of the server's JSON); anything past it is a reply no model gives."""
 RETRIED_STATUSES = (408, 429)
 """HTTP statuses below 500 that are retried (timeout, too many requests) like a 5xx; any other 4xx is not."""
 BYTES_PER_ENTRY = 512
@@ -269,45 +268,6 @@ class Wire:
         raise ServedTeacherError(f"served teacher {endpoint}: {last} (after {attempts} attempt(s) of at most {self.timeout_s:g} s)")
 
 
-def check_entries(rows: list[dict[str, Any]], top_k: int, vocabulary: int | None) -> np.ndarray:
-    """The entry count of each of a reply's ``prompt_logprobs`` positions ``rows``, after checking that
-    each is a dict of at most ``top_k + 1`` entries (``vocabulary`` with ``top_k`` -1): before any array
-    is sized from them. Raises ``ValueError`` naming the field."""
-    if not all(type(row) is dict for row in rows):
-        raise ValueError("prompt_logprobs: a position after the first is not an object of log-probs")
-    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    most = top_k + 1 if top_k > 0 else vocabulary
-    if most is not None and lengths.size and int(lengths.max()) > most:
-        asked = f"top_k + 1 = {top_k + 1}" if top_k > 0 else f"the vocabulary, {vocabulary}"
-        raise ValueError(f"prompt_logprobs: a position has {int(lengths.max())} entries, more than the {most} asked for ({asked})")
-    return lengths
-
-
-def check_values(ids: np.ndarray, values: np.ndarray, lengths: np.ndarray, vocabulary: int | None) -> None:
-    """The checks of a reply's entries (``ids``, ``values``: every position's, one after another; ``lengths``:
-    how many each position has): ids in ``[0, vocabulary)``, none twice in a position, log-probs finite and
-    at most ``LOGPROB_TOLERANCE``, each position's probabilities summing to at most ``1 + LOGPROB_TOLERANCE``.
-    Raises ``ValueError`` naming the field."""
-    if not ids.size:
-        return
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or (vocabulary is not None and high >= vocabulary):
-        raise ValueError(f"prompt_logprobs: token id {low if low < 0 else high} outside the vocabulary [0, {vocabulary})")
-    row = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
-    keyed = np.sort(row * (high + 1) + ids)
-    if bool((np.diff(keyed) == 0).any()):
-        repeated = int(keyed[1:][np.diff(keyed) == 0][0] % (high + 1))
-        raise ValueError(f"prompt_logprobs: token id {repeated} appears twice at one position")
-    if not bool(np.isfinite(values).all()):
-        raise ValueError("prompt_logprobs: a logprob is not finite (NaN or infinite)")
-    if float(values.max()) > LOGPROB_TOLERANCE:
-        raise ValueError(f"prompt_logprobs: a logprob of {float(values.max()):g} > 0, a probability above 1")
-    mass = np.zeros(lengths.size)
-    np.add.at(mass, row, np.exp(values))
-    if float(mass.max()) > 1.0 + LOGPROB_TOLERANCE:
-        raise ValueError(f"prompt_logprobs: a position's probabilities sum to {float(mass.max()):.6g} > 1")
-
-
 def ranked_topk(rows: list[dict[str, Any]], top_k: int, vocabulary: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(ids (n, K) int64, log-probs (n, K) float64)`` of ``prompt_logprobs`` positions ``rows`` (each ``{token
     id: {logprob, ...}}``: the server's K most likely tokens and the prompt's own): each position's K most
@@ -334,19 +294,6 @@ def ranked_topk(rows: list[dict[str, Any]], top_k: int, vocabulary: int | None =
     ids, values = ids.reshape(len(rows), longest), values.reshape(len(rows), longest)
     order = np.argsort(-values, axis=1, kind="stable")[:, : top_k if top_k > 0 else shortest]
     return np.take_along_axis(ids, order, 1), np.take_along_axis(values, order, 1)
-
-
-def ordered_choices(reply: dict[str, Any], count: int) -> list[dict[str, Any]]:
-    """``reply["choices"]`` in ``index`` order, checked: ``count`` of them, indices exactly ``0..count-1``."""
-    choices = reply["choices"]
-    if not isinstance(choices, list) or not all(isinstance(choice, dict) for choice in choices):
-        raise ValueError("choices is not a list of objects")
-    indices = [choice.get("index") for choice in choices]
-    if any(type(index) is not int for index in indices):
-        raise ValueError(f"choices: an index is missing or not an integer ({indices[:8]})")
-    if sorted(indices) != list(range(count)):
-        raise ValueError(f"choices: indices {sorted(indices)[:8]} are not exactly 0..{count - 1} for {count} prompt(s)")
-    return sorted(choices, key=itemgetter("index"))
 
 
 def scoring_bytes(prompts: list[list[int]], top_k: int, vocabulary: int | None) -> int:
@@ -380,22 +327,6 @@ def prompt_logprobs_many(wire: Wire, model: str, top_k: int, prompts: list[list[
     return wire.request("/v1/completions", {"model": model, "prompt": prompts if len(prompts) > 1 else prompts[0], "max_tokens": 1,
                                             "prompt_logprobs": top_k, "temperature": 1.0}, read,
                         max_bytes=scoring_bytes(prompts, top_k, vocabulary))
-
-
-def sampled_tokens(reply: dict[str, Any], model: str, max_tokens: int, vocabulary: int | None) -> list[int]:
-    """The token ids of a sampling reply's one choice, checked: the model, ``choices`` exactly index 0,
-    ``token_ids`` a list of at most ``max_tokens`` integers in ``[0, vocabulary)``."""
-    if reply.get("model") not in (None, model):
-        raise ValueError(f"answered for model {reply.get('model')!r}, not {model!r}")
-    (choice,) = ordered_choices(reply, 1)
-    tokens = choice["token_ids"]
-    if not isinstance(tokens, list) or any(type(token) is not int for token in tokens):
-        raise ValueError("token_ids is not a list of integers")
-    if len(tokens) > max_tokens:
-        raise ValueError(f"token_ids: {len(tokens)} tokens sampled, more than max_tokens={max_tokens}")
-    if tokens and (min(tokens) < 0 or (vocabulary is not None and max(tokens) >= vocabulary)):
-        raise ValueError(f"token_ids: token id {min(tokens) if min(tokens) < 0 else max(tokens)} outside the vocabulary [0, {vocabulary})")
-    return tokens
 
 
 # ---- helper processes ------------------------------------------------------------------------------------

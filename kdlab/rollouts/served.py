@@ -31,10 +31,10 @@ error, a timeout, an HTTP 5xx, 408 or 429, or a response that is not the JSON vL
 with a :class:`ServedTeacherError` naming the endpoint (its URL redacted), the attempts made and the last
 error. Lightning then writes the exception checkpoint; the last periodic checkpoint is untouched.
 
-**Every reply is checked** on the host before a tensor is made of it (:mod:`kdlab.served_wire`): choice
+**Every reply is checked** on the host before a tensor is made of it (:mod:`kdlab.served_replies`): choice
 indices exactly ``0..n-1``, at most ``K + 1`` entries per position, ids in ``[0, V)`` and none twice at a
 position, log-probs finite and ``<= 0`` and each position's probabilities summing to at most 1 (both up to
-:data:`~kdlab.served_wire.LOGPROB_TOLERANCE`), sampled completions of at most ``max_tokens`` ids in
+:data:`~kdlab.served_replies.LOGPROB_TOLERANCE`), sampled completions of at most ``max_tokens`` ids in
 ``[0, V)``; a reply that fails is a :class:`ServedTeacherError` naming the endpoint and the field, never a
 device-side assert or a silently wrong loss.
 
@@ -59,8 +59,9 @@ from typing import Any, Callable
 
 import torch
 
+from kdlab.served_replies import sampled_tokens
 from kdlab.served_wire import (BYTES_PER_ENTRY, BYTES_PER_REPLY, DecodeWorkers, ServedTeacherError, Wire, check_url, collection_paused,
-                               json_loads, prompt_logprobs_many, redact, sampled_tokens)
+                               json_loads, prompt_logprobs_many, redact)
 from kdlab.served_wire import ranked_topk as ranked_topk_arrays
 
 __all__ = ["ServedTeacher", "ServedTeacherError", "collection_paused", "json_loads", "ranked_topk", "tempered_topk"]
@@ -232,7 +233,7 @@ class ServedTeacher:
 
     def sample(self, prompt: list[int], max_tokens: int, temperature: float, seed: int, stop_token_ids: list[int]) -> list[int]:
         """A completion sampled by the server at ``temperature`` (``seed`` fixes it), end token included when it ended;
-        checked (:func:`kdlab.served_wire.sampled_tokens`: at most ``max_tokens`` ids, each below :attr:`vocabulary`)."""
+        checked (:func:`kdlab.served_replies.sampled_tokens`: at most ``max_tokens`` ids, each below :attr:`vocabulary`)."""
         return self.request("/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                                                 "temperature": temperature, "seed": seed, "top_p": 1.0, "top_k": -1,
                                                 "stop_token_ids": stop_token_ids, "return_token_ids": True, "skip_special_tokens": False},
