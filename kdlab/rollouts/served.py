@@ -53,6 +53,7 @@ one trains; the results are the same as without.
 
 from __future__ import annotations
 
+import http.client
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -184,7 +185,10 @@ class ServedTeacher:
                 f"served teacher {where}/tokenize: the server's tokenizer gives {str(remote)[:80]} for a probe text, "
                 f"ServedTeacher.tokenizer={self.tokenizer!r} gives {str(local)[:80]}: not the same vocabulary"
             )
-        status, body = self._wire.exchange("/tokenizer_info", None, 16 << 20)
+        try:  # one attempt: a server without the endpoint answers 404, and the check is skipped
+            status, body = self._wire.exchange("/tokenizer_info", None, 16 << 20)
+        except (OSError, http.client.HTTPException, ValueError) as error:
+            raise ServedTeacherError(f"served teacher {where}/tokenizer_info: {error}") from None
         if status == 200:
             try:
                 info = json_loads(body)
