@@ -1,6 +1,7 @@
 """The wire side of a served teacher, without torch: HTTP to a vLLM-compatible server (kept-alive connections,
-timeouts, retries) and the decoding of its ``prompt_logprobs`` replies into numpy arrays, in this process or in
-helper processes (:class:`DecodeWorkers`).
+a deadline per exchange, a byte limit per reply, retries, a key from the environment) and the decoding of its
+``prompt_logprobs`` replies into numpy arrays, each checked first (:mod:`kdlab.served_replies`), in this process
+or in helper processes (:class:`DecodeWorkers`).
 
     python -m kdlab.served_wire   (a helper process, started by ServedTeacher: pickles on stdin and stdout)
 
@@ -17,9 +18,11 @@ import contextlib
 import gc
 import http.client
 import json
-import math
+import os
 import pickle
 import queue
+import random
+import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +33,8 @@ from operator import itemgetter
 from typing import Any, Callable
 
 import numpy as np
+
+from kdlab.served_replies import check_entries, check_values, ordered_choices
 
 try:  # decodes vLLM's replies about three times faster than json
     from orjson import loads as json_loads
@@ -66,13 +71,62 @@ def collection_paused():
                 gc.enable()
 
 
+RETRIED_STATUSES = (408, 429)
+"""HTTP statuses below 500 that are retried (timeout, too many requests) like a 5xx; any other 4xx is not."""
+BYTES_PER_ENTRY = 512
+"""The most bytes one ``{id: {logprob, rank, decoded_token}}`` entry of a reply may take (with the token's text)."""
+BYTES_PER_REPLY = 1 << 16
+"""Bytes a reply may take besides its entries and tokens (ids, usage, ...)."""
+
+
+def redact(url: str) -> str:
+    """``url`` without what must not reach a message or a file: ``scheme://host[:port]/path`` (any user,
+    password, query and fragment dropped)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port is not None else ""
+    except ValueError:
+        return "<an unreadable URL>"
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{host}{port}{parts.path}".rstrip("/")
+
+
+def check_url(url: Any, setting: str = "ServedTeacher.url") -> str:
+    """``url`` without a trailing ``/``, refused (``ValueError`` naming ``setting`` and the redacted URL)
+    unless it is ``http(s)://host[:port][/path]``: a user, password, query or fragment is refused, since the
+    URL is written to the run's config and logs (give a key with ``api_key_env``)."""
+    if not isinstance(url, str):
+        raise ValueError(f"{setting} must be a URL string, got {type(url).__name__}")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError as error:
+        raise ValueError(f"{setting}={redact(url)!r} is not a URL ({error})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{setting}={redact(url)!r} must be http://host[:port] or https://host[:port]")
+    if parts.username is not None or parts.password is not None or parts.query or parts.fragment or "@" in parts.netloc:
+        raise ValueError(f"{setting}={redact(url)!r}: a URL with a user, password, query or fragment is refused (it is written "
+                         "to the run's config and logs); give the server's key with ServedTeacher.api_key_env")
+    return url.rstrip("/")
+
+
+class ReplyTooLarge(ValueError):
+    """A reply past the byte limit derived from its request: no retry mends it."""
+
+
 class Wire:
     """JSON requests to the server at ``url``: each thread keeps its own HTTP/1.1 connection; a request that
-    fails (connection error, timeout, HTTP 5xx, a reply that is not JSON) is retried ``retries`` times,
-    ``backoff_s`` apart (doubled each time), then raises :class:`ServedTeacherError` naming the endpoint."""
+    fails (connection error, its deadline of ``timeout_s`` for the whole exchange passed, HTTP 5xx, 408 or
+    429, a reply that is not JSON) is retried ``retries`` times, ``backoff_s`` apart (doubled each time,
+    with random jitter of up to half), then raises :class:`ServedTeacherError` naming the endpoint (redacted)
+    and the attempts made. ``api_key_env`` names the environment variable holding the server's key, read at
+    each request and sent as ``Authorization: Bearer``; the key itself is never stored."""
 
-    def __init__(self, url: str, timeout_s: float, retries: int, backoff_s: float) -> None:
-        self.url, self.timeout_s, self.retries, self.backoff_s = url.rstrip("/"), timeout_s, retries, backoff_s
+    def __init__(self, url: str, timeout_s: float, retries: int, backoff_s: float, api_key_env: str | None = None) -> None:
+        self.url, self.timeout_s, self.retries, self.backoff_s = check_url(url), timeout_s, retries, backoff_s
+        self.api_key_env = api_key_env
+        self.where = redact(self.url)
         self._local = threading.local()
 
     def __getstate__(self) -> dict[str, Any]:  # connections do not pickle
@@ -81,6 +135,10 @@ class Wire:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._local = threading.local()
+
+    def budget_s(self) -> float:
+        """The longest a :meth:`request` can take: every attempt's deadline and the longest backoffs."""
+        return (self.retries + 1) * self.timeout_s + sum(1.5 * self.backoff_s * 2**i for i in range(self.retries))
 
     def _connection(self) -> http.client.HTTPConnection:
         connection = getattr(self._local, "connection", None)
@@ -91,42 +149,99 @@ class Wire:
             self._local.base = parts.path
         return connection
 
-    def exchange(self, path: str, data: bytes | None) -> tuple[int, bytes]:
-        """One HTTP exchange on this thread's kept-alive connection: ``(status, body)``. A connection the
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key_env:
+            key = os.environ.get(self.api_key_env)
+            if not key:
+                raise ServedTeacherError(f"served teacher {self.where}: ServedTeacher.api_key_env={self.api_key_env!r} names an "
+                                         "environment variable that is not set (or empty); export the server's key there")
+            headers["Authorization"] = f"Bearer {key}"
+        return headers
+
+    def exchange(self, path: str, data: bytes | None, max_bytes: int | None = None) -> tuple[int, bytes]:
+        """One HTTP exchange on this thread's kept-alive connection: ``(status, body)``, all of it within
+        ``timeout_s`` (a watchdog closes the socket at the deadline, so a server that trickles its bytes
+        cannot hold it longer), the body at most ``max_bytes`` (:class:`ReplyTooLarge`). A connection the
         server closed while idle is reopened once, at no retry's cost."""
+        headers = self._headers()
         for again in (False, True):
             connection = self._connection()
             reused = connection.sock is not None
+            expired = threading.Event()
+            deadline = time.monotonic() + self.timeout_s
+
+            def expire(connection: http.client.HTTPConnection = connection) -> None:
+                expired.set()
+                with contextlib.suppress(OSError, AttributeError):
+                    connection.sock.shutdown(socket.SHUT_RDWR)
+
+            watchdog = threading.Timer(self.timeout_s, expire)
+            watchdog.daemon = True
             try:
-                connection.request("GET" if data is None else "POST", self._local.base + path, body=data,
-                                   headers={"Content-Type": "application/json"})
+                connection.timeout = self.timeout_s
+                if connection.sock is not None:
+                    connection.sock.settimeout(self.timeout_s)
+                watchdog.start()
+                self._local.sent = getattr(self._local, "sent", 0) + 1
+                connection.request("GET" if data is None else "POST", self._local.base + path, body=data, headers=headers)
                 response = connection.getresponse()
-                body = response.read()
+                body = self._read(response, max_bytes, deadline)
+                if expired.is_set():
+                    raise TimeoutError("the deadline passed")
             except Exception as error:
                 connection.close()  # a late reply must not be read as the next request's
+                if expired.is_set() and not isinstance(error, ReplyTooLarge):
+                    raise TimeoutError(f"timed out: no complete reply within {self.timeout_s:g} s") from None
                 if reused and not again and isinstance(error, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)):
                     continue
                 raise
+            finally:
+                watchdog.cancel()
             if response.will_close:
                 connection.close()
             return response.status, body
         raise AssertionError("unreachable")
 
-    def request(self, path: str, payload: dict[str, Any] | None = None, read: Callable[[dict[str, Any]], Any] | None = None) -> Any:
+    @staticmethod
+    def _read(response: http.client.HTTPResponse, max_bytes: int | None, deadline: float) -> bytes:
+        length = response.getheader("Content-Length")
+        if max_bytes is not None and length is not None and length.strip().isdigit() and int(length) > max_bytes:
+            raise ReplyTooLarge(f"a reply of {int(length)} bytes, more than the {max_bytes} this request can need")
+        chunks, size = [], 0
+        while True:
+            if time.monotonic() > deadline:
+                raise TimeoutError("timed out while reading the reply")
+            chunk = response.read1(1 << 20)
+            if not chunk:
+                if response.length:  # the connection ended before the Content-Length it announced
+                    raise http.client.IncompleteRead(b"".join(chunks), response.length)
+                response.close()  # read1 leaves a response whose length it used up open; the connection is kept
+                return b"".join(chunks)
+            chunks.append(chunk)
+            size += len(chunk)
+            if max_bytes is not None and size > max_bytes:
+                raise ReplyTooLarge(f"a reply of more than {max_bytes} bytes, the most this request can need")
+
+    def request(self, path: str, payload: dict[str, Any] | None = None, read: Callable[[dict[str, Any]], Any] | None = None,
+                max_bytes: int | None = None) -> Any:
         """One JSON request (GET without ``payload``), retried. ``read`` turns the decoded reply into what is
         returned, with the cyclic garbage collector paused (:func:`collection_paused`); a ``ValueError`` (or
-        ``KeyError``, ...) from it is a reply vLLM would not give, which no retry mends."""
-        endpoint = f"{self.url}{path}"
+        ``KeyError``, ...) from it is a reply vLLM would not give, which no retry mends. ``max_bytes``: the
+        largest reply accepted."""
+        endpoint = f"{self.where}{path}"
         data = None if payload is None else json.dumps(payload).encode("utf-8")
         last: Exception | None = None
+        self._local.sent = 0  # requests sent, counted by exchange (a connection reopened once included)
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+                time.sleep(self.backoff_s * 2 ** (attempt - 1) * random.uniform(1.0, 1.5))
             try:
-                status, body = self.exchange(path, data)
+                status, body = self.exchange(path, data, max_bytes)
                 if status >= 400:
-                    last = ServedTeacherError(f"HTTP {status}: {body[:120]!r}")
-                    if status < 500:  # the request is wrong: retrying cannot help
+                    last = ServedTeacherError(f"HTTP {status}: {body[:120]!r}" + (" (the server wants a key: set ServedTeacher.api_key_env "
+                                                                                   "to the variable holding it)" if status in (401, 403) else ""))
+                    if status < 500 and status not in RETRIED_STATUSES:  # the request is wrong: retrying cannot help
                         break
                     continue
                 with collection_paused():
@@ -140,30 +255,36 @@ class Wire:
                         return parsed
                     try:
                         result = read(parsed)
-                    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as error:
+                    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as error:
                         raise ServedTeacherError(f"served teacher {endpoint}: a reply vLLM would not give ({error})") from None
                     del parsed  # freed by refcounting while the collector is still off
                 return result
+            except ReplyTooLarge as error:
+                last = error
+                break
             except (OSError, http.client.HTTPException, ValueError) as error:
                 last = error
-        raise ServedTeacherError(f"served teacher {endpoint}: {last} (after {self.retries + 1} attempt(s) of {self.timeout_s:g} s)")
+        attempts = max(self._local.sent, 1)
+        raise ServedTeacherError(f"served teacher {endpoint}: {last} (after {attempts} attempt(s) of at most {self.timeout_s:g} s)")
 
 
-def ranked_topk(rows: list[dict[str, Any]], top_k: int) -> tuple[np.ndarray, np.ndarray]:
+def ranked_topk(rows: list[dict[str, Any]], top_k: int, vocabulary: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(ids (n, K) int64, log-probs (n, K) float64)`` of ``prompt_logprobs`` positions ``rows`` (each ``{token
     id: {logprob, ...}}``: the server's K most likely tokens and the prompt's own): each position's K most
     likely, most likely first (ties in the server's order), so a prompt token outside the top K drops out;
     ``top_k`` -1 keeps them all (the fewest any position has). The entries are read by C-level iteration
-    and every position is ranked at once, with no Python loop per entry."""
+    and every position is ranked at once, with no Python loop per entry. Every entry is checked first
+    (:func:`check_entries`, :func:`check_values`; ids below ``vocabulary`` when given): ``ValueError``."""
     width = max(top_k, 0)
     if not rows:
         return np.zeros((0, width), dtype=np.int64), np.zeros((0, width), dtype=np.float64)
-    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    lengths = check_entries(rows, top_k, vocabulary)
     shortest, longest, total = int(lengths.min()), int(lengths.max()), int(lengths.sum())
     if top_k > 0 and shortest < top_k:
         raise ValueError(f"{shortest} log-probs at a position, fewer than top_k={top_k}")
     ids = np.fromiter(map(int, chain.from_iterable(rows)), dtype=np.int64, count=total)
-    values = np.fromiter(map(itemgetter("logprob"), chain.from_iterable(map(dict.values, rows))), dtype=np.float64, count=total)
+    values = np.fromiter(map(float, map(itemgetter("logprob"), chain.from_iterable(map(dict.values, rows)))), dtype=np.float64, count=total)
+    check_values(ids, values, lengths, vocabulary)
     if shortest != longest:  # pad the shorter positions with -inf, which sorts last
         column = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         at = (np.repeat(np.arange(len(rows)), lengths), column)
@@ -175,16 +296,24 @@ def ranked_topk(rows: list[dict[str, Any]], top_k: int) -> tuple[np.ndarray, np.
     return np.take_along_axis(ids, order, 1), np.take_along_axis(values, order, 1)
 
 
-def prompt_logprobs_many(wire: Wire, model: str, top_k: int, prompts: list[list[int]], starts: list[int]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+def scoring_bytes(prompts: list[list[int]], top_k: int, vocabulary: int | None) -> int:
+    """The most bytes a scoring reply for ``prompts`` can need (``BYTES_PER_ENTRY`` per entry, ``top_k + 1``
+    entries per position, or the vocabulary's with ``top_k`` -1, and each prompt's ids echoed)."""
+    entries = top_k + 1 if top_k > 0 else (vocabulary or 1 << 18)
+    tokens = sum(map(len, prompts))
+    return BYTES_PER_REPLY + tokens * (entries * BYTES_PER_ENTRY + 32) + len(prompts) * BYTES_PER_ENTRY
+
+
+def prompt_logprobs_many(wire: Wire, model: str, top_k: int, prompts: list[list[int]], starts: list[int],
+                         vocabulary: int | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """The server's untempered top-K ``(ids, log-probs)`` at positions ``starts[i]..`` of each of ``prompts``, from
-    one ``/v1/completions`` request (``prompt_logprobs``): their rows one after another, and how many each has."""
+    one ``/v1/completions`` request (``prompt_logprobs``): their rows one after another, and how many each has.
+    Every reply is checked before use (:func:`ranked_topk`, :func:`ordered_choices`; ids below ``vocabulary``)."""
 
     def read(reply: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, list[int]]:
         if reply.get("model") not in (None, model):
             raise ValueError(f"answered for model {reply.get('model')!r}, not {model!r}")
-        choices = sorted(reply["choices"], key=lambda choice: choice.get("index", 0))
-        if len(choices) != len(prompts):
-            raise ValueError(f"{len(choices)} choices for {len(prompts)} prompts")
+        choices = ordered_choices(reply, len(prompts))
         rows: list[Any] = []
         for choice, prompt, start in zip(choices, prompts, starts):
             positions = choice["prompt_logprobs"]
@@ -192,21 +321,25 @@ def prompt_logprobs_many(wire: Wire, model: str, top_k: int, prompts: list[list[
                 raise ValueError(f"prompt_logprobs has {len(positions) if isinstance(positions, list) else positions!r} entries "
                                  f"for a {len(prompt)}-token prompt")
             rows += positions[start:]
-        ids, values = ranked_topk(rows, top_k)
+        ids, values = ranked_topk(rows, top_k, vocabulary)
         return ids, values, [len(prompt) - start for prompt, start in zip(prompts, starts)]
 
     return wire.request("/v1/completions", {"model": model, "prompt": prompts if len(prompts) > 1 else prompts[0], "max_tokens": 1,
-                                            "prompt_logprobs": top_k, "temperature": 1.0}, read)
+                                            "prompt_logprobs": top_k, "temperature": 1.0}, read,
+                        max_bytes=scoring_bytes(prompts, top_k, vocabulary))
 
 
 # ---- helper processes ------------------------------------------------------------------------------------
 class DecodeWorkers:
     """``count`` helper processes (``python -m kdlab.served_wire``), each running :func:`prompt_logprobs_many`
     for one request at a time; started on first use, restarted if one dies, stopped by :meth:`close` (and at
-    exit). :meth:`run` blocks its calling thread (without the interpreter lock) until a worker answers."""
+    exit). :meth:`run` blocks its calling thread (without the interpreter lock) until a worker answers, at
+    most the wire's whole budget (every attempt and backoff) and ``grace_s`` more: a worker that has not
+    answered by then is killed and the request fails naming the endpoint."""
 
-    def __init__(self, count: int, wire: Wire, model: str, top_k: int) -> None:
-        self.url, self.settings = wire.url, (wire.url, wire.timeout_s, wire.retries, wire.backoff_s, model, top_k)
+    def __init__(self, count: int, wire: Wire, model: str, top_k: int, grace_s: float = 30.0) -> None:
+        self.url, self.settings = wire.where, (wire.url, wire.timeout_s, wire.retries, wire.backoff_s, model, top_k, wire.api_key_env)
+        self.limit_s = wire.budget_s() + grace_s
         self.idle: queue.Queue[subprocess.Popen | None] = queue.Queue()
         for _ in range(count):
             self.idle.put(None)  # a slot: its process starts when first needed
@@ -219,20 +352,28 @@ class DecodeWorkers:
         self.running.append(process)
         return process
 
-    def run(self, prompts: list[list[int]], starts: list[int]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    def run(self, prompts: list[list[int]], starts: list[int], vocabulary: int | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
         process = self.idle.get()
+        watchdog = None
         try:
             if process is None or process.poll() is not None:
                 process = self._start()
-            pickle.dump((prompts, starts), process.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            watchdog = threading.Timer(self.limit_s, process.kill)  # a silent worker: its pipe ends, the load below fails
+            watchdog.daemon = True
+            watchdog.start()
+            pickle.dump((prompts, starts, vocabulary), process.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             process.stdin.flush()
             status, value = pickle.load(process.stdout)
-        except (OSError, EOFError, pickle.UnpicklingError) as error:
+        except (OSError, EOFError, pickle.UnpicklingError, ValueError) as error:
+            late = watchdog is not None and watchdog.finished.is_set()
             if process is not None:
                 process.kill()
             process = None  # started afresh by the next request
-            raise ServedTeacherError(f"served teacher {self.url}/v1/completions: its decoding process failed ({error!r})") from None
+            cause = f"gave no answer within {self.limit_s:g} s" if late else f"failed ({error!r})"
+            raise ServedTeacherError(f"served teacher {self.url}/v1/completions: its decoding process {cause}") from None
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
             self.idle.put(process)
         if status != "ok":
             raise ServedTeacherError(value)
@@ -250,24 +391,24 @@ class DecodeWorkers:
 
 
 def main() -> None:
-    """A helper process: the settings, then one ``(prompts, starts)`` after another on stdin; for each,
+    """A helper process: the settings, then one ``(prompts, starts, vocabulary)`` after another on stdin; for each,
     ``("ok", (ids, log-probs, counts))`` or ``("error", message)`` on stdout. Ends when stdin closes."""
     gc.disable()  # what it decodes holds no cycles
     source, sink = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing else may write into the answers
-    url, timeout_s, retries, backoff_s, model, top_k = pickle.load(source)
-    wire = Wire(url, timeout_s, retries, backoff_s)
+    url, timeout_s, retries, backoff_s, model, top_k, api_key_env = pickle.load(source)
+    wire = Wire(url, timeout_s, retries, backoff_s, api_key_env)
     while True:
         try:
-            prompts, starts = pickle.load(source)
+            prompts, starts, vocabulary = pickle.load(source)
         except EOFError:
             return
         try:
-            answer: tuple[str, Any] = ("ok", prompt_logprobs_many(wire, model, top_k, prompts, starts))
+            answer: tuple[str, Any] = ("ok", prompt_logprobs_many(wire, model, top_k, prompts, starts, vocabulary))
         except ServedTeacherError as error:
             answer = ("error", str(error))
         except Exception as error:  # noqa: BLE001 - the training process raises it, naming the endpoint
-            answer = ("error", f"served teacher {wire.url}/v1/completions: {type(error).__name__}: {error}")
+            answer = ("error", f"served teacher {wire.where}/v1/completions: {type(error).__name__}: {error}")
         pickle.dump(answer, sink, protocol=pickle.HIGHEST_PROTOCOL)
         sink.flush()
 

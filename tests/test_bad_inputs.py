@@ -99,6 +99,10 @@ CLI_CASES = {
     "51": (FIT + ['--model.task={"class_path": "kdlab.tasks.mixture.MultiTask", "init_args": {"tasks": {"a": {"class_path": '
                   '"kdlab.tasks.Addition"}}, "splits": {"val": ["nope"]}}}'], "MultiTask.splits.val: ['nope'] not among MultiTask.tasks ['a']"),
     "52": (FIT + [CALLBACK + "kdlab.callbacks.HeldOutKL", "--trainer.callbacks.prefixes=both"], "HeldOutKL.prefixes must be one of"),
+    "55": (FIT + ["--model.teacher=null", '--model.served_teacher={"class_path": "kdlab.rollouts.served.ServedTeacher", "init_args": '
+                  '{"url": "http://user:secret@127.0.0.1:9", "model": "m", "tokenizer": "kdlab://tiny-random/teacher"}}'],
+           "ServedTeacher.url='http://127.0.0.1:9': a URL with a user, password, query or fragment is refused"),
+    "58": (FIT + ["--model.teacher.path=kdlab://../.."], "model.teacher.path='kdlab://../..' is not a packaged model"),
 }
 NOT_CLI = {  # rows whose input is not a configuration a command line can give, with where they are tested
     "11": "a corrupted weight file: tested by loading a damaged copy (test_models.py)",
@@ -116,6 +120,13 @@ NOT_CLI = {  # rows whose input is not a configuration a command line can give, 
     "41": "kdlab report input: its own usage messages (test_report.py)",
     "45": "kdlab sweep files: their own usage error naming the key (test_sweep.py)",
     "49": "a misbehaving HTTP server: run against kdlab's loopback server with faults (test_served_teacher.py)",
+    "53": "a served reply no model gives: the loopback server's fault switches (test_served_faults.py)",
+    "54": "a server that trickles, hangs up, dies or throttles: the loopback server's fault switches (test_served_faults.py)",
+    "56": "a served tokenizer with other added tokens: a loopback server given another tokenizer (test_served_faults.py)",
+    "57": "a hostile teacher cache file: mutated and crafted files read directly (test_cache_codec.py)",
+    "59": "kdlab report input: a metrics file read directly (test_no_data_lost.py)",
+    "60": "model responses: scored, never an error (test_hostile_inputs.py)",
+    "61": "kdlab report input: a run's config read directly (test_no_data_lost.py)",
 }
 
 

@@ -3,6 +3,7 @@ documented bound, the file stays within 300 bytes per token at k = 128, the tiny
 full cache's, and ``kdlab generate --top_k`` writes it."""
 
 import json
+import re
 import math
 import sys
 from pathlib import Path
@@ -230,3 +231,100 @@ def test_the_map_and_the_bits_it_chooses():
     # 1,000 tokens, 100 bytes each besides the codes of its 128 entries: 12 bits make 292 bytes a token, 13 bits 308
     assert codec.choose_bits({"a/rows": (100_000, 128_000)}, 1000, {}) == 12
     assert codec.choose_bits({"a/rows": (250_000, 128_000)}, 1000, {}) == codec.MIN_BITS
+
+
+# ---- hostile files (issue #41 item 4): a named error, never a crash, a hang or a huge allocation ----------
+HOSTILE_ROWS = {name: {"tokens": torch.tensor(tokens), "indices": indices, "logprobs": logprobs}
+                for name, tokens, (indices, logprobs) in (("a", [5, 6, 7, 8], teacher_rows(4, 40, 3, 0)), ("b", [9, 1], teacher_rows(2, 40, 3, 1)))}
+
+
+def hostile_file(tmp_path, cache_format: str) -> bytes:
+    path = tmp_path / f"valid-{cache_format}.safetensors"
+    write_cache(path, HOSTILE_ROWS, {"top_k": 3, "temperature": 0.5, "token_columns": 40, "teacher": "t"}, cache_format=cache_format)
+    return path.read_bytes()
+
+
+def read_all(path: Path) -> None:
+    """Open ``path`` and read every example: either a ValueError/KeyError naming the file, or rows that are
+    valid (ids in [0, 40), none twice in a row, log-probs not NaN and at most 0)."""
+    try:
+        cache = TeacherCache(str(path))
+        for name, row in HOSTILE_ROWS.items():
+            indices, logprobs = cache.row(name, row["tokens"].tolist())
+            assert indices.shape == logprobs.shape == (row["tokens"].numel(), 3)
+            assert int(indices.min()) >= 0 and int(indices.max()) < 40
+            assert all(len(set(r)) == 3 for r in indices.tolist())
+            assert not bool(torch.isnan(logprobs).any()) and float(logprobs.max()) <= 1e-3
+    except (ValueError, KeyError) as error:
+        assert str(path) in str(error), error
+
+
+@pytest.mark.parametrize("cache_format", ["compact", "full"])
+@settings(max_examples=120, deadline=5000)
+@given(data=st.data())
+def test_mutated_and_truncated_cache_files_give_a_named_error_or_valid_rows(tmp_path_factory, cache_format, data):
+    """Random byte overwrites (anywhere: header, metadata, tensors), extreme 32-bit values written over a
+    tensor's bytes, and truncations of a valid file of either format: every read ends in a ValueError or
+    KeyError naming the file, or gives valid rows; never another exception, a hang (the deadline) or a crash."""
+    folder = tmp_path_factory.mktemp("hostile")
+    original = bytearray(hostile_file(folder, cache_format))
+    header = 8 + int.from_bytes(original[:8], "little")
+    kind = data.draw(st.sampled_from(["bytes", "int32", "truncate"]))
+    if kind == "truncate":
+        mutated = original[: data.draw(st.integers(0, len(original) - 1))]
+    else:
+        mutated = bytearray(original)
+        for _ in range(data.draw(st.integers(1, 6))):
+            if kind == "bytes":
+                mutated[data.draw(st.integers(0, len(original) - 1))] = data.draw(st.integers(0, 255))
+            else:
+                at = data.draw(st.integers(header, len(original) - 4))
+                value = data.draw(st.sampled_from([0x7FFFFFFF, -1, -(2**31), 2**24, 0x7F800000, 0x7FC00000, 0xFF800000 - 2**32]))
+                mutated[at : at + 4] = value.to_bytes(4, "little", signed=True)
+    path = folder / "mutated.safetensors"
+    path.write_bytes(bytes(mutated))
+    read_all(path)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("rice_r", "9", "rice_r 9, not the 3 of top_k 3 over 40 columns"), ("token_columns", "99999999999", "token_columns 99999999999"),
+    ("top_k", "-3", "top_k -3"), ("temperature", "nan", "temperature nan"), ("top_k", "x", "invalid literal for int()"),
+])
+def test_hostile_metadata_is_refused_naming_the_file(tmp_path, key, value, message):
+    from safetensors.torch import load_file, save_file
+
+    hostile_file(tmp_path, "compact")
+    valid = tmp_path / "valid-compact.safetensors"
+    metadata = dict(TeacherCache(str(valid))._file.metadata())
+    path = tmp_path / "bad.safetensors"
+    save_file(load_file(str(valid)), str(path), metadata={**metadata, key: value})
+    with pytest.raises(ValueError, match=rf"teacher_cache '.*bad.safetensors': corrupt .*{re.escape(message)}"):
+        TeacherCache(str(path))
+
+
+def test_a_long_id_stream_is_unpacked_only_as_far_as_valid_rows_reach(tmp_path, monkeypatch):
+    """An example whose unary stream is 2 MB of zero bytes (16 million terminators) after a valid file's
+    rows: only the bytes n valid rows can take are unpacked (today all of it: 64 times its size); one of
+    0xFF bytes (quotients past the token columns) is refused, not shifted into negative ids."""
+    from safetensors.torch import load_file, save_file
+
+    hostile_file(tmp_path, "compact")
+    valid = tmp_path / "valid-compact.safetensors"
+    metadata, tensors = dict(TeacherCache(str(valid))._file.metadata()), load_file(str(valid))
+    unpacked: list[int] = []
+    original = codec.unpack_bits
+    monkeypatch.setattr(codec, "unpack_bits", lambda data: unpacked.append(data.numel()) or original(data))
+    rows = load_file(str(valid))["a/rows"]
+    unary = codec._layout(rows, 3, 40, 3, int(metadata["logprob_bits"]))[1][5]
+    for fill, outcome in ((0, None), (255, "not readable as compact-v1")):  # after the valid stream; in place of it
+        kept = rows if fill == 0 else rows[:unary]
+        tensors["a/rows"] = torch.cat([kept, torch.full((2 << 20,), fill, dtype=torch.uint8)])
+        path = tmp_path / f"long-{fill}.safetensors"
+        save_file(tensors, str(path), metadata=metadata)
+        unpacked.clear()
+        if outcome is None:
+            TeacherCache(str(path)).row("a", [5, 6, 7, 8])
+        else:
+            with pytest.raises(ValueError, match=outcome):
+                TeacherCache(str(path)).row("a", [5, 6, 7, 8])
+        assert max(unpacked) <= 64  # the fixed-width sections' bytes and n (k + (V - 1) >> r) bits of the stream, not 2 MB

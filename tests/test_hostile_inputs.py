@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kdlab.tasks.countdown import verify
-from kdlab.tasks.math import answers_match, final_number, last_boxed
+from kdlab.tasks.math import MAX_ANSWER_CHARS, answers_match, final_number, last_boxed, math_verify_usable, too_costly
 from kdlab.tasks.multiple_choice import read_letter
 
 SENTINEL_CODE = ["kdlab_sentinel()", "__import__('builtins').kdlab_sentinel()", "(lambda: kdlab_sentinel())()", "kdlab_sentinel.touch"]
@@ -27,6 +27,7 @@ VERIFIERS = {
     "countdown_expression": lambda text: verify([2, 3, 4, 75], 20, text, answer_format="expression"),
     "multiple_choice": lambda text: read_letter(text),
     "boxed": lambda text: (last_boxed(text), answers_match("\\frac{1}{2}", text, use_math_verify=False)),
+    "boxed_math_verify": lambda text: answers_match("\\frac{1}{2}", last_boxed(text) or text[:MAX_ANSWER_CHARS], use_math_verify=True),
     "gsm8k_number": lambda text: final_number(text),
 }
 
@@ -131,3 +132,38 @@ def test_verifiers_never_raise_10k(name, text):
 )
 def test_known_hostile_strings(name, text):
     check(name, text)
+
+
+COSTLY_ANSWERS = {  # issue #41: about a second each of math_verify's alarm on kdlab before the pre-check
+    "power-tower": "9^{9^{9}}", "power-tower-10": "10^{10^{10}}", "factorial-of-a-power": "(10^{100000})!",
+    "million-digits": "9" * 1_000_000, "nested-braces": "{" * 10_000 + "1" + "}" * 10_000, "redundant-braces": "{{{{{1}}}}}",
+    "huge-factorial": "99999999999!", "factorials": "9!!!!!", "huge-exponent": "2^{99999999}", "binomial": "\\binom{10^{9}}{10^{5}}",
+    "exp-tower": "e^{10^{10}}", "nested-roots": "\\sqrt{" * 30 + "2" + "}" * 30,
+}
+
+
+@pytest.mark.parametrize("answer", list(COSTLY_ANSWERS.values()), ids=list(COSTLY_ANSWERS))
+def test_answers_that_would_cost_math_verify_its_alarm_score_in_under_50_ms_with_it_on(answer):
+    """Each is scored 0 in under 50 ms with math_verify on (the pre-check too_costly stops it), where
+    math_verify spent about a second on it; a plain answer still reaches math_verify and matches."""
+    import time
+
+    assert math_verify_usable()
+    assert answers_match("\\frac{1}{2}", "\\frac{2}{4}+0", use_math_verify=True)  # math_verify decides (and is warm)
+    started = time.perf_counter()
+    scored = answers_match("\\frac{1}{2}", last_boxed(f"\\boxed{{{answer}}}", MAX_ANSWER_CHARS) or "", use_math_verify=True)  # as MATH.score
+    elapsed = time.perf_counter() - started
+    assert scored is False and elapsed < 0.05, elapsed
+    assert len(answer) > MAX_ANSWER_CHARS or too_costly(answer) is not None
+    assert last_boxed(f"\\boxed{{{answer}}}") == answer  # without the limit, the whole box is still read
+
+
+def test_the_pre_check_lets_every_fixture_answer_through():
+    """No reference answer of the MATH-500 and Numina fixtures is stopped by too_costly."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).parent / "fixtures"
+    answers = [json.loads(line).get("answer") or last_boxed(json.loads(line)["solution"])
+               for name in ("math500.jsonl", "numina.jsonl") for line in (root / name).read_text(encoding="utf-8").splitlines() if line.strip()]
+    assert len(answers) >= 10 and [answer for answer in answers if answer and too_costly(answer)] == []

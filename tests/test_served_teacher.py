@@ -110,7 +110,8 @@ def test_the_server_sample_is_seeded(server):
 
 
 @pytest.mark.parametrize("fault, message", [("timeout", "timed out"), ("malformed", "not JSON"), ("error", "500"),
-                                            ("wrong_model", "answered for model 'another-model'")])
+                                            ("wrong_model", "answered for model 'another-model'"), ("id_out_of_range", "token id 353 outside"),
+                                            ("mass_over_one", "probabilities sum to"), ("trickle", "timed out"), ("hang_up", "Remote end closed")])
 def test_a_failing_server_stops_the_run_naming_the_endpoint_after_its_retries_with_the_last_checkpoint_intact(server, tmp_path, fault, message):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -232,10 +233,10 @@ def test_the_reply_is_ranked_and_cut_to_k_for_every_position_at_once():
     def entry(logprob, rank):
         return {"logprob": logprob, "rank": rank, "decoded_token": "x"}
 
-    rows = [{"9": entry(-5.0, 7), "3": entry(-0.1, 1), "4": entry(-1.0, 2), "5": entry(-1.0, 2)},  # own token first, a tie
-            {"4": entry(-0.2, 1), "8": entry(-2.0, 3), "2": entry(-1.5, 2)}]  # own token inside the top 3
+    rows = [{"9": entry(-5.0, 7), "3": entry(-0.5, 1), "4": entry(-2.0, 2), "5": entry(-2.0, 2)},  # own token first, a tie
+            {"4": entry(-0.4, 1), "8": entry(-2.5, 3), "2": entry(-2.0, 2)}]  # own token inside the top 3
     ids, values = ranked_topk(rows, 3)
-    assert ids.tolist() == [[3, 4, 5], [4, 2, 8]] and values.tolist() == [[-0.1, -1.0, -1.0], [-0.2, -1.5, -2.0]]
+    assert ids.tolist() == [[3, 4, 5], [4, 2, 8]] and values.tolist() == [[-0.5, -2.0, -2.0], [-0.4, -2.0, -2.5]]
     assert ids.dtype == torch.long and values.dtype == torch.float64
     assert ranked_topk(rows, -1)[0].tolist() == [[3, 4, 5], [4, 2, 8]]  # the fewest any position has
     assert ranked_topk([], 3)[0].shape == (0, 3)
@@ -254,3 +255,29 @@ def test_the_docs_figures_are_the_committed_benchmark_and_report():
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run([sys.executable, "scripts/served_teacher_results.py", "--check"], cwd=root, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_waiting_sampling_requests_share_their_forwards_and_each_keeps_its_seeds_tokens(server):
+    """Issue #43 item 3: sampling requests waiting together at one temperature are decoded as one batch
+    (server.batches records it), and each gets the tokens its seed gives when it is sampled alone."""
+    from kdlab.rollouts.loopback import _Job
+
+    def job(i):
+        return _Job({"prompt": [1, 2, 3 + i] + [7] * i, "max_tokens": 6 - i, "temperature": 1.0, "seed": 10 + i})
+
+    together = [job(i) for i in range(4)]
+    server.batches.clear()
+    server._run(together)
+    assert server.batches == [4]
+    for i, shared in enumerate(together):
+        alone = job(i)
+        server._run([alone])
+        assert shared.results == alone.results and len(alone.results[0]["new"]) <= 6 - i
+    queued = LoopbackServer(TEACHER)  # its worker not started: the queue is served below, in this thread
+    scoring = {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 1, "prompt_logprobs": 2}
+    for payload in ({"prompt": [1, 2], "max_tokens": 3, "seed": 1}, scoring, {"prompt": [3, 4], "max_tokens": 3, "seed": 2},
+                    {"prompt": [5], "max_tokens": 3, "temperature": 0.5}, scoring):
+        queued.jobs.put(_Job(payload))
+    queued.jobs.put(None)
+    queued._serve_jobs()
+    assert queued.batches == [2, 4, 1]  # the two samples at T = 1 together, then both scoring requests, then T = 0.5

@@ -306,10 +306,13 @@ def test_a_rerun_resumes_from_the_newest_full_state_never_final(tmp_path):
     (checkpoints / "final.ckpt").write_text("x")  # weights only: never resumed from
     assert _prepare(tmp_path / "run") == str(checkpoints / "epoch=0-step=60.ckpt")
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
-    assert _prepare(tmp_path / "empty") is None and not (tmp_path / "empty").exists()
+    assert _prepare(tmp_path / "empty") is None and not (tmp_path / "empty").exists()  # no file: nothing to keep
     (tmp_path / "weights" / "checkpoints").mkdir(parents=True)
     (tmp_path / "weights" / "checkpoints" / "final.ckpt").write_text("x")
-    assert _prepare(tmp_path / "weights") is None and not (tmp_path / "weights").exists()
+    (tmp_path / "weights" / "metrics.jsonl").write_text('{"step": 1, "train/loss": 2.0}\n')
+    assert _prepare(tmp_path / "weights") is None and not (tmp_path / "weights").exists()  # free for a fresh start...
+    (aside,) = tmp_path.glob("weights.unresumable-*")  # ...and nothing lost: moved aside, never deleted
+    assert (aside / "checkpoints" / "final.ckpt").read_text() == "x" and (aside / "metrics.jsonl").is_file()
 
 
 def test_a_run_killed_during_its_end_of_fit_evaluations_resumes_from_its_last_step_and_evaluates_again(tmp_path, fits):

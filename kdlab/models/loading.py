@@ -38,7 +38,7 @@ def resolve_path(name_or_path: str, key: str = "path") -> str:
     Raises ``ModuleNotFoundError`` naming ``key`` and the package when it is not installed.
     """
     if name_or_path.startswith(PACKAGE_SCHEME):
-        return str(ASSETS / name_or_path[len(PACKAGE_SCHEME) :])
+        return str(_inside(ASSETS, name_or_path[len(PACKAGE_SCHEME) :], name_or_path, key, "the packaged assets"))
     if name_or_path.startswith(INSTALLED_SCHEME):
         package, _, relative = name_or_path[len(INSTALLED_SCHEME) :].partition("/")
         if not package.isidentifier():
@@ -48,8 +48,17 @@ def resolve_path(name_or_path: str, key: str = "path") -> str:
             hint = INSTALL_HINTS.get(package, f"pip install the distribution that provides {package!r}")
             raise ModuleNotFoundError(f"{key} {name_or_path!r}: the Python package {package!r} is not installed ({hint})")
         locations = list(spec.submodule_search_locations or []) or [str(Path(spec.origin).parent)]
-        return str(Path(locations[0]) / relative)
+        return str(_inside(Path(locations[0]), relative, name_or_path, key, f"the package {package!r}"))
     return name_or_path
+
+
+def _inside(root: Path, relative: str, name_or_path: str, key: str, what: str) -> Path:
+    """``root / relative``, refused (``ValueError`` naming ``key``) when it is absolute or leaves ``root``
+    (``..``, a link pointing out of it)."""
+    target = root / relative
+    if Path(relative).is_absolute() or not target.resolve().is_relative_to(root.resolve()):
+        raise ValueError(f"{key} {name_or_path!r}: leaves {what} ({root}); name a folder inside it")
+    return target
 
 
 @dataclass

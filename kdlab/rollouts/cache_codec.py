@@ -221,45 +221,95 @@ def encode_example(tokens: torch.Tensor, indices: torch.Tensor, logprobs: torch.
     return torch.cat(sections)
 
 
+LOGPROB_TOLERANCE = 1e-3
+"""How far above 0 a stored log-prob may lie (fp32 rounding of a softmax); past it a file is refused."""
+
+
 def _layout(data: torch.Tensor, k: int, token_columns: int, r: int, bits: int) -> tuple[int, list[int]]:
-    """``C`` and the byte offsets of the sections after it (max, rest, tokens, codes, remainders, unary, end)."""
+    """``C`` and the byte offsets of the sections after it (max, rest, tokens, codes, remainders, unary, end),
+    every size checked against the bytes there are before anything is sized from it."""
+    if data.dtype != torch.uint8 or data.dim() != 1:
+        raise ValueError(f"a {data.dtype} tensor of shape {tuple(data.shape)}, not a 1-D uint8 one")
     if data.numel() < 4:
         raise ValueError("shorter than its header")
     positions = int(data[:4].view(torch.int32)[0])
+    if positions < 0 or 8 * positions > data.numel():
+        raise ValueError(f"{data.numel()} bytes cannot hold {positions} rows")
     sizes = [4 * positions, 4 * positions] + [-(-positions * width // 8) for width in (token_bits(token_columns), k * bits, k * r)]
     offsets = [4]
     for size in sizes:
         offsets.append(offsets[-1] + size)
-    if positions < 0 or offsets[-1] > data.numel():
+    if offsets[-1] > data.numel():
         raise ValueError(f"{data.numel()} bytes cannot hold {positions} rows")
     return positions, offsets + [data.numel()]
 
 
 def decode_tokens(data: torch.Tensor, k: int, token_columns: int, r: int, logprob_map: LogprobMap) -> torch.Tensor:
-    """The completion tokens ``(C,)`` (int64) of :func:`encode_example`'s tensor."""
+    """The completion tokens ``(C,)`` (int64) of :func:`encode_example`'s tensor, checked below ``token_columns``."""
     positions, offsets = _layout(data, k, token_columns, r, logprob_map.bits)
-    return unpack_fixed(data[offsets[2] : offsets[3]], positions, token_bits(token_columns))
+    tokens = unpack_fixed(data[offsets[2] : offsets[3]], positions, token_bits(token_columns))
+    if tokens.numel() and int(tokens.max()) >= token_columns:
+        raise ValueError(f"a completion token {int(tokens.max())} outside the token columns [0, {token_columns})")
+    return tokens
 
 
 def decode_rows(data: torch.Tensor, n: int, k: int, token_columns: int, r: int, logprob_map: LogprobMap) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``n`` rows of :func:`encode_example`'s tensor: ``(indices (n, k) int64, logprobs (n, k)
-    fp32)`` in rank order. Raises ``ValueError`` when ``data`` cannot be what it wrote."""
+    fp32)`` in rank order. Raises ``ValueError`` when ``data`` cannot be what it wrote: sections too short,
+    ids outside ``[0, token_columns)`` or repeated in a row, a stored value that is not finite or above 0.
+    At most the bits ``n`` valid rows can take are unpacked (a row's gaps sum to below ``token_columns``,
+    so its quotients to at most ``(token_columns - 1) >> r``), whatever the stream's length."""
     positions, offsets = _layout(data, k, token_columns, r, logprob_map.bits)
     if n > positions:
         raise ValueError(f"holds {positions} rows, {n} asked for")
     count = n * k
-    zeros = (unpack_bits(data[offsets[5] :]) == 0).nonzero().flatten()[:count]
+    most_bits = count + n * ((token_columns - 1) >> r)
+    stream = data[offsets[5] : min(offsets[6], offsets[5] + -(-most_bits // 8))]
+    zeros = (unpack_bits(stream) == 0).nonzero().flatten()[:count]
     if zeros.numel() < count:
-        raise ValueError(f"its id stream ends before {n} rows of {k}")
+        raise ValueError(f"its id stream ends (or runs past what {n} rows of {k} ids below {token_columns} take) before {n} rows of {k}")
     quotients = zeros.diff(prepend=torch.tensor([-1])) - 1
+    if count and int(quotients.view(n, k).sum(-1).max()) > (token_columns - 1) >> r:
+        raise ValueError(f"a row's ids reach past the token columns ({token_columns})")
     gaps = (quotients << r) | unpack_fixed(data[offsets[4] : offsets[5]], count, r)
     ids = gaps.view(n, k).cumsum(dim=-1)
     if ids.numel() and int(ids[:, -1].max()) >= token_columns:
         raise ValueError(f"a token id reaches {int(ids[:, -1].max())}, the token columns are {token_columns}")
+    if k > 1 and n and bool((gaps.view(n, k)[:, 1:] == 0).any()):
+        raise ValueError("a token id appears twice in one row")
     codes, order = unpack_fixed(data[offsets[3] : offsets[4]], count, logprob_map.bits).view(n, k).sort(dim=-1, stable=True)
+    if n and bool((codes[:, 0] != 0).any()):
+        raise ValueError("a row has no largest entry (code 0)")
     top, rest = (data[offsets[i] : offsets[i] + 4 * n].view(torch.float32).double() for i in (0, 1))
+    if not bool(torch.isfinite(top).all()) or (n and float(top.max()) > LOGPROB_TOLERANCE):
+        raise ValueError("a row's largest log-prob is not finite or above 0")
+    if bool(torch.isnan(rest).any()) or bool((rest > LOGPROB_TOLERANCE).any()):
+        raise ValueError("a row's stored rest mass is NaN or above 1")
     logprobs = top[:, None] - logprob_map.decode(codes)
     if k > 1:  # scale the other entries' probabilities back to their stored total exp(rest)
         shift = rest - torch.logsumexp(logprobs[:, 1:], -1)
         logprobs[:, 1:] += torch.where(torch.isfinite(shift), shift, 0.0)[:, None]
     return ids.gather(-1, order), logprobs.float()
+
+
+def check_full_rows(tokens: torch.Tensor, indices: torch.Tensor, logprobs: torch.Tensor, k: int, token_columns: int) -> None:
+    """The ``full`` format's tensors of one example checked (``ValueError`` naming what is wrong): ``tokens``
+    1-D integers, ``indices`` and ``logprobs`` ``(C, k)`` (integers, floats) for its ``C`` tokens, ids in
+    ``[0, token_columns)`` and none twice in a row, log-probs not NaN, at most 0 and each row's largest finite."""
+    if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens is {tokens.dtype} {tuple(tokens.shape)}, not 1-D integers")
+    shape = (tokens.numel(), k)
+    if tuple(indices.shape) != shape or tuple(logprobs.shape) != shape:
+        raise ValueError(f"indices {tuple(indices.shape)} and logprobs {tuple(logprobs.shape)} are not {shape} for its {tokens.numel()} tokens")
+    if indices.dtype.is_floating_point or indices.dtype == torch.bool or not logprobs.dtype.is_floating_point:
+        raise ValueError(f"indices is {indices.dtype} and logprobs {logprobs.dtype}: not integers and floats")
+    for name, values in (("a token id", indices), ("a completion token", tokens)):
+        if values.numel() and (int(values.min()) < 0 or int(values.max()) >= token_columns):
+            raise ValueError(f"{name} outside the token columns [0, {token_columns})")
+    if k > 1 and indices.numel() and bool((indices.sort(-1).values.diff(dim=-1) == 0).any()):
+        raise ValueError("a token id appears twice in one row")
+    if logprobs.numel():
+        if bool(torch.isnan(logprobs).any()) or float(logprobs.max()) > LOGPROB_TOLERANCE:
+            raise ValueError("a log-prob is NaN or above 0")
+        if not bool(torch.isfinite(logprobs.max(-1).values).all()):
+            raise ValueError("a row's largest log-prob is not finite")

@@ -13,15 +13,21 @@ keeps its connections open, as with vLLM's server.
 
 **Batching, as vLLM does.** One worker thread runs the model. The prompts of the scoring requests
 (``max_tokens: 1``) that are waiting when it becomes free, up to ``max_batch`` requests, go through one
-right-padded forward, as vLLM's scheduler batches a request's prompts and concurrent requests; sampling
-runs one prompt at a time. A prompt's
+right-padded forward, as vLLM's scheduler batches a request's prompts and concurrent requests; so do the
+sampling requests waiting together at one temperature with the same stop tokens (left-padded, one forward per
+token for all, each prompt drawing from its own seeded generator: :meth:`LoopbackServer.sample_many`). A prompt's
 log-probs may then differ in the last bits with the batch it shared (padding and batch size change the
 kernels' summation order, in vLLM too); ``max_batch=1`` answers each request alone, deterministically. The
 replies are written (JSON, by orjson when it is installed) by the requests' own threads while the worker
 runs the next forward.
 
-``faults`` makes it misbehave for tests: ``"timeout"`` (sleeps), ``"malformed"`` (not JSON), ``"error"``
-(HTTP 500), ``"wrong_model"`` (another model name), each for the completions requests from ``fault_after`` on.
+``api_key`` (``--api-key``, or the environment variable ``VLLM_API_KEY``, as vLLM's) answers 401 to a request
+without ``Authorization: Bearer <key>``. ``GET /tokenizer_info`` answers as ``vllm serve
+--enable-tokenizer-info-endpoint`` does (the tokenizer's settings, ``added_tokens_decoder`` among them). A body
+longer than ``MAX_REQUEST_BYTES``, a prompt longer than ``max_model_len`` or a ``max_tokens`` past it is
+answered 400, as vLLM answers.
+
+``faults`` makes it misbehave for tests, for the completions requests from ``fault_after`` on (:data:`FAULTS`).
 """
 
 from __future__ import annotations
@@ -29,10 +35,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
+import os
 import queue
 import socket
 import threading
 import time
+from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -45,6 +54,21 @@ except ImportError:  # pragma: no cover - orjson is optional
     def json_dumps(value: Any) -> bytes:
         return json.dumps(value).encode()
 
+FAULTS = {
+    "timeout": "sleeps 30 s before answering", "malformed": "a reply that is not JSON", "error": "HTTP 500",
+    "wrong_model": "answers for another model", "status_429": "HTTP 429 (too many requests)", "status_400": "HTTP 400",
+    "id_out_of_range": "a log-prob entry's id is the vocabulary's size", "negative_id": "a log-prob entry's id is -1",
+    "repeated_id": "one id twice at a position (keys '5' and '05')", "positive_logprob": "a log-prob of +0.5",
+    "nan_logprob": "a log-prob that is NaN", "mass_over_one": "a position whose probabilities sum to about 2",
+    "missing_index": "a choice without its index", "duplicate_index": "two choices with index 0",
+    "too_many_entries": "a position with K + 2 entries", "long_sample": "a sample one token past max_tokens",
+    "sample_out_of_range": "a sampled id the vocabulary's size", "huge_reply": "a reply past the request's byte limit",
+    "trickle": "the reply one byte every 0.2 s", "hang_up": "closes the connection without a reply",
+}
+"""The fault switches (``LoopbackServer.faults``), each a defect of a reply the client must refuse, naming it."""
+MAX_REQUEST_BYTES = 64 << 20
+
+
 class _Job:
     """One completions request, answered by the worker thread."""
 
@@ -54,6 +78,7 @@ class _Job:
         self.prompts = [[int(token) for token in one] for one in (prompt if self.listed else [prompt])]
         self.k = payload.get("prompt_logprobs")
         self.scores_only = self.k is not None and int(payload.get("max_tokens", 16)) <= 1
+        self.sampling_key = (float(payload.get("temperature", 1.0)), tuple(int(t) for t in payload.get("stop_token_ids") or []))
         self.done = threading.Event()
         self.results: list[dict[str, Any]] = []
         self.error: BaseException | None = None
@@ -63,12 +88,13 @@ class LoopbackServer:
     """Serves ``model`` (a ModelSpec path) under ``name`` on ``127.0.0.1:port`` (0: a free port) in a thread;
     up to ``max_batch`` waiting scoring requests share one forward."""
 
-    def __init__(self, model: str, name: str = "teacher", port: int = 0, max_model_len: int = 512, max_batch: int = 64) -> None:
+    def __init__(self, model: str, name: str = "teacher", port: int = 0, max_model_len: int = 512, max_batch: int = 64,
+                 api_key: str | None = None, host: str = "127.0.0.1") -> None:
         from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer
 
         spec = ModelSpec(model)
         self.model, self.tokenizer = load_causal_lm(spec).eval(), load_tokenizer(spec)
-        self.name, self.max_model_len, self.max_batch = name, max_model_len, max_batch
+        self.name, self.max_model_len, self.max_batch, self.api_key = name, max_model_len, max_batch, api_key
         self.columns = len(self.tokenizer)
         self.pieces = [self.tokenizer.decode([t]) for t in range(self.columns)]  # each token's text, once
         self.names = [str(t) for t in range(self.columns)]  # each token's JSON key
@@ -77,6 +103,7 @@ class LoopbackServer:
         self.faults: set[str] = set()
         self.fault_after = 0
         self.completions = 0
+        self.batches: list[int] = []  # prompts per forward batch the worker ran (scoring or sampling)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -96,8 +123,18 @@ class LoopbackServer:
                 self.end_headers()
                 self.wfile.write(body)
 
+            def _allowed(self) -> bool:
+                if server.api_key is None or self.headers.get("Authorization") == f"Bearer {server.api_key}":
+                    return True
+                self._send(401, b'{"error": "Unauthorized"}')
+                return False
+
             def do_GET(self) -> None:  # noqa: N802
-                if self.path == "/v1/models":
+                if not self._allowed():
+                    return
+                if self.path == "/tokenizer_info":
+                    self._send(200, json.dumps(server.tokenizer_info()).encode())
+                elif self.path == "/v1/models":
                     card = {"id": server.name, "object": "model", "created": int(time.time()), "owned_by": "vllm",
                             "root": server.name, "parent": None, "max_model_len": server.max_model_len, "permission": []}
                     self._send(200, json.dumps({"object": "list", "data": [card]}).encode())
@@ -105,7 +142,20 @@ class LoopbackServer:
                     self._send(404, b'{"error": "not found"}')
 
             def do_POST(self) -> None:  # noqa: N802
-                payload = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                length = self.headers.get("Content-Length", "0")
+                if not length.isdigit() or int(length) > MAX_REQUEST_BYTES:
+                    self.close_connection = True
+                    self._send(400, b'{"error": "Content-Length missing or too large"}')
+                    return
+                if not self._allowed():
+                    self.rfile.read(int(length))
+                    return
+                try:
+                    payload = json.loads(self.rfile.read(int(length)) or b"{}")
+                    server.check_request(self.path, payload)
+                except (ValueError, TypeError, KeyError) as error:
+                    self._send(400, json.dumps({"error": f"{type(error).__name__}: {error}"}).encode())
+                    return
                 if self.path == "/tokenize":
                     tokens = server.tokenizer(payload["prompt"], add_special_tokens=payload.get("add_special_tokens", True))["input_ids"]
                     self._send(200, json.dumps({"count": len(tokens), "max_model_len": server.max_model_len, "tokens": tokens}).encode())
@@ -123,14 +173,31 @@ class LoopbackServer:
                 if "malformed" in fault:
                     self._send(200, b'{"choices": [')
                     return
+                for status in (429, 400):
+                    if f"status_{status}" in fault:
+                        self._send(status, b'{"error": "refused"}')
+                        return
+                if "hang_up" in fault:
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 try:
-                    body = server.answer(payload, "another-model" if "wrong_model" in fault else server.name)
+                    body = server.answer(payload, "another-model" if "wrong_model" in fault else server.name, fault)
                 except Exception as error:  # noqa: BLE001 - the client sees a 500, as from vLLM
                     self._send(500, json.dumps({"error": f"{type(error).__name__}: {error}"}).encode())
                     return
+                if "trickle" in fault:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    for byte in range(len(body)):
+                        self.wfile.write(body[byte : byte + 1])
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                    return
                 self._send(200, body)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
         self.port = self.httpd.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -145,35 +212,73 @@ class LoopbackServer:
         self.httpd.server_close()
         self.jobs.put(None)
 
+    def check_request(self, path: str, payload: Any) -> None:
+        """Refuse (``ValueError``) what vLLM refuses with 400: prompts past ``max_model_len``, ``max_tokens``
+        that do not fit after them, ids outside the vocabulary."""
+        if not isinstance(payload, dict):
+            raise ValueError("the body is not a JSON object")
+        if path != "/v1/completions":
+            return
+        prompt = payload["prompt"]
+        prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt]
+        max_tokens = int(payload.get("max_tokens", 16))
+        for one in prompts:
+            if not all(type(t) is int and 0 <= t < self.columns for t in one):
+                raise ValueError(f"a prompt token outside [0, {self.columns})")
+            if not 0 <= max_tokens <= self.max_model_len - len(one):
+                raise ValueError(f"max_tokens={max_tokens} and a {len(one)}-token prompt exceed max_model_len={self.max_model_len}")
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """What ``GET /tokenizer_info`` answers in vLLM: the tokenizer's settings, ``added_tokens_decoder`` as ``{id: text}``."""
+        settings = {key: value for key, value in self.tokenizer.init_kwargs.items() if isinstance(value, (str, int, float, bool, type(None)))}
+        settings.pop("vocab_file", None)
+        settings.pop("merges_file", None)
+        settings["added_tokens_decoder"] = {str(i): token.content for i, token in self.tokenizer.added_tokens_decoder.items()}
+        settings["tokenizer_class"] = type(self.tokenizer).__name__
+        return settings
+
     # ---- the worker: batched forwards -------------------------------------------------------------
-    def answer(self, payload: dict[str, Any], model_name: str) -> bytes:
-        """The JSON reply to one completions request (called by the request's thread; the worker computes)."""
+    def answer(self, payload: dict[str, Any], model_name: str, faults: set[str] = frozenset()) -> bytes:
+        """The JSON reply to one completions request (called by the request's thread; the worker computes),
+        with the reply ``faults`` of :data:`FAULTS` injected."""
         job = _Job(payload)
         self.jobs.put(job)
         job.done.wait()
         if job.error is not None:
             raise job.error
-        return self.reply(job, model_name)
+        return self.reply(job, model_name, faults)
 
     def _serve_jobs(self) -> None:
+        pending: deque[_Job | None] = deque()  # taken from the queue, not yet run: first in line next time
         while True:
-            job = self.jobs.get()
+            job = pending.popleft() if pending else self.jobs.get()
             if job is None:
                 return
-            batch = [job]
-            while len(batch) < max(self.max_batch, 1) and job.scores_only:  # whatever else waits joins its forward
-                try:
-                    waiting = self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if waiting is None:
-                    self.jobs.put(None)
-                    break
-                if not waiting.scores_only:  # a sampling request runs after this batch
-                    self._run([waiting])
-                    continue
-                batch.append(waiting)
+            batch, passed = [job], deque()
+            while len(batch) < max(self.max_batch, 1):  # whatever else waits and can share the forwards joins
+                if pending:
+                    waiting = pending.popleft()
+                else:
+                    try:
+                        waiting = self.jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                if waiting is not None and self._shares(job, waiting):
+                    batch.append(waiting)
+                else:  # runs later, in its turn (None: after what is before it)
+                    passed.append(waiting)
+                    if waiting is None:
+                        break
+            pending = passed + pending
             self._run(batch)
+
+    @staticmethod
+    def _shares(job: _Job, other: _Job) -> bool:
+        """Whether ``other`` can join ``job``'s batch: both scoring, or both sampling (without prompt
+        log-probs) at one temperature with the same stop tokens."""
+        if job.scores_only or other.scores_only:
+            return job.scores_only and other.scores_only
+        return job.k is None and other.k is None and job.sampling_key == other.sampling_key
 
     def _run(self, jobs: list[_Job]) -> None:
         try:
@@ -183,9 +288,17 @@ class LoopbackServer:
                     results = iter(self.scores(prompts, [job.k for job in jobs for _ in job.prompts], self.forward(prompts)))
                     for job in jobs:
                         job.results = [next(results) for _ in job.prompts]
+                elif jobs[0].k is None:  # sampling: every prompt of every job in one batch, each row its own seed
+                    temperature, stops = jobs[0].sampling_key
+                    stops = (*stops, self.tokenizer.eos_token_id)
+                    rows = [(prompt, int(job.payload.get("max_tokens", 16)), job.payload.get("seed")) for job in jobs for prompt in job.prompts]
+                    results = iter(self.sample_many(rows, temperature, list(stops)))
+                    for job in jobs:
+                        job.results = [dict(zip(("new", "ended"), next(results))) for _ in job.prompts]
                 else:
                     (job,) = jobs
                     job.results = [self.complete(job, prompt) for prompt in job.prompts]
+            self.batches.append(sum(len(job.prompts) for job in jobs))
         except Exception as error:  # noqa: BLE001 - each request gets it back
             for job in jobs:
                 job.error = error
@@ -242,14 +355,47 @@ class LoopbackServer:
         return result
 
     def sample(self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None, stops: list[int]) -> tuple[list[int], bool]:
+        """One completion of ``prompt`` (:meth:`sample_many` of one row)."""
+        return self.sample_many([(prompt, max_tokens, seed)], temperature, stops)[0]
+
+    def sample_many(self, rows: list[tuple[list[int], int, int | None]], temperature: float, stops: list[int]) -> list[tuple[list[int], bool]]:
+        """A completion of each ``(prompt, max_tokens, seed)`` of ``rows``, decoded together (left-padded, one
+        forward per token for the whole batch, as vLLM batches concurrent requests); each row draws from its
+        own generator seeded by its ``seed`` (a random one without), so a row's tokens depend on its seed
+        alone, up to the last bits padding changes (``max_batch=1``: each request alone). Returns each row's
+        tokens (its end token included) and whether it ended."""
         from kdlab.rollouts.decoding import IncrementalLM, sample_tokens
 
-        generator = torch.Generator().manual_seed(int(seed)) if seed is not None else None
-        decoder = IncrementalLM(self.model, torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long), self.columns, temperature)
-        ids, mask, _ = sample_tokens(decoder, 1, max_tokens, tuple(stops), int(self.tokenizer.pad_token_id or 0), generator,
+        width = max(len(prompt) for prompt, _, _ in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for row, (prompt, _, _) in enumerate(rows):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        generators = [torch.Generator().manual_seed(int(seed)) if seed is not None else torch.Generator() for _, _, seed in rows]
+        for (_, _, seed), generator in zip(rows, generators):
+            if seed is None:
+                generator.seed()
+        decoder = IncrementalLM(self.model, ids, mask, self.columns, temperature)
+
+        def drawn(previous: torch.Tensor | None) -> torch.Tensor:
+            """The decoder's next-token log-probs with each row's token drawn by its own generator: that token
+            at log-prob 0, the others at -inf (so the shared draw below takes it)."""
+            logprobs = decoder(previous)
+            if temperature == 0.0:
+                return logprobs
+            tokens = torch.stack([torch.multinomial(logprobs[row : row + 1].exp(), 1, generator=generator)[0, 0]
+                                  for row, generator in enumerate(generators)])
+            return torch.full_like(logprobs, -math.inf).scatter_(1, tokens[:, None], 0.0)
+
+        limits = torch.tensor([max_tokens for _, max_tokens, _ in rows])
+        out, kept, _ = sample_tokens(drawn, len(rows), limits, tuple(stops), int(self.tokenizer.pad_token_id or 0), torch.Generator().manual_seed(0),
                                      greedy=temperature == 0.0)
-        tokens = ids[0][mask[0]].tolist()
-        return tokens, bool(tokens) and tokens[-1] in stops
+        results = []
+        for row in range(len(rows)):
+            tokens = out[row][kept[row]].tolist()
+            results.append((tokens, bool(tokens) and tokens[-1] in stops))
+        return results
 
     # ---- the reply: vLLM's JSON -------------------------------------------------------------------
     def prompt_logprobs(self, prompt: list[int], result: dict[str, Any]) -> list[Any]:
@@ -263,8 +409,9 @@ class LoopbackServer:
             rows.append(row)
         return rows
 
-    def reply(self, job: _Job, model_name: str) -> bytes:
-        """vLLM's ``CompletionResponse``, one choice per prompt (written by orjson when installed)."""
+    def reply(self, job: _Job, model_name: str, faults: set[str] = frozenset()) -> bytes:
+        """vLLM's ``CompletionResponse``, one choice per prompt (written by orjson when installed), with the
+        reply ``faults`` injected."""
         payload, choices = job.payload, []
         for index, (prompt, result) in enumerate(zip(job.prompts, job.results)):
             new = result["new"]
@@ -277,8 +424,50 @@ class LoopbackServer:
             choices.append(choice)
         prompt_tokens, completion_tokens = sum(map(len, job.prompts)), sum(len(result["new"]) for result in job.results)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+        if faults:
+            return self.faulty(faults, {"id": "cmpl-fault", "object": "text_completion", "created": int(time.time()), "model": model_name,
+                                        "choices": choices, "usage": usage}, int(payload.get("max_tokens", 16)))
         return json_dumps({"id": f"cmpl-{time.time_ns()}", "object": "text_completion", "created": int(time.time()), "model": model_name,
                            "choices": choices, "usage": usage})
+
+
+    def faulty(self, faults: set[str], reply: dict[str, Any], max_tokens: int) -> bytes:
+        """``reply`` with the defects ``faults`` (:data:`FAULTS`) written in."""
+        choices = reply["choices"]
+        rows = [row for choice in choices for row in (choice["prompt_logprobs"] or [])[1:]]
+        row = rows[-1] if rows else None  # the last position: a completion's, which every client reads
+        if row is not None:
+            first = next(iter(row))
+            if "id_out_of_range" in faults:
+                row[str(self.columns)] = row.pop(first)
+            if "negative_id" in faults:
+                row["-1"] = row.pop(first)
+            if "repeated_id" in faults:  # in place of another entry: the count stays K + 1
+                row.pop(list(row)[-1])
+                row["0" + first] = dict(row[first])
+            if "positive_logprob" in faults:
+                row[first]["logprob"] = 0.5
+            if "mass_over_one" in faults:
+                for entry in row.values():
+                    entry["logprob"] = -0.05
+            if "too_many_entries" in faults:
+                spare = [t for t in range(self.columns) if str(t) not in row][:2]
+                row.update({str(t): {"logprob": -50.0, "rank": 9999, "decoded_token": ""} for t in spare})
+            if "nan_logprob" in faults:
+                row[first]["logprob"] = float("nan")  # written NaN by json, which is not JSON
+        if "missing_index" in faults:
+            del choices[-1]["index"]
+        if "duplicate_index" in faults:
+            choices[-1]["index"] = 0
+        for choice in choices:
+            if choice["token_ids"] is not None:
+                if "long_sample" in faults:
+                    choice["token_ids"] = list(choice["token_ids"]) + [0] * (max_tokens + 1 - len(choice["token_ids"]))
+                if "sample_out_of_range" in faults:
+                    choice["token_ids"] = [self.columns]
+        if "huge_reply" in faults:
+            reply["padding"] = "x" * (8 << 20)
+        return json.dumps(reply).encode()
 
 
 def main() -> None:
@@ -287,8 +476,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--name", default="teacher")
     parser.add_argument("--max-batch", type=int, default=64, help="scoring requests one forward answers (1: each alone)")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: this machine only)")
+    parser.add_argument("--api-key", default=None, help="answer 401 without 'Authorization: Bearer <key>' (default: $VLLM_API_KEY)")
     args = parser.parse_args()
-    server = LoopbackServer(args.model, args.name, args.port, max_batch=args.max_batch)
+    server = LoopbackServer(args.model, args.name, args.port, max_batch=args.max_batch, api_key=args.api_key or os.environ.get("VLLM_API_KEY"),
+                            host=args.host)
     gc.freeze()  # what is loaded stays: the collector scans only what the requests allocate (no pauses of whole-process scans)
     server.worker.start()
     print(f"serving {args.model} as {args.name!r} at {server.url}", flush=True)

@@ -25,10 +25,22 @@ vocabulary (``-1``) this is exact. With K < V the tail's share of ``Z`` is unkno
 lower bounds, exact when the tail is flat; the remaining tempered mass is spread over the other tokens as in a
 top-k cache. ``tail_bounds`` gives both ends (tail share 0 and the bound) for tests and diagnostics.
 
-**Failures.** Each request has a timeout and is retried (``retries`` more times, with backoff) on a connection
-error, a timeout, an HTTP 5xx, or a response that is not the JSON vLLM returns; then the run stops with a
-:class:`ServedTeacherError` naming the endpoint, the request and the last error. Lightning then writes the
-exception checkpoint; the last periodic checkpoint is untouched.
+**Failures.** Each request attempt has a deadline for the whole exchange (``timeout_s``) and a byte limit
+derived from the request, and is retried (``retries`` more times, with backoff and jitter) on a connection
+error, a timeout, an HTTP 5xx, 408 or 429, or a response that is not the JSON vLLM returns; then the run stops
+with a :class:`ServedTeacherError` naming the endpoint (its URL redacted), the attempts made and the last
+error. Lightning then writes the exception checkpoint; the last periodic checkpoint is untouched.
+
+**Every reply is checked** on the host before a tensor is made of it (:mod:`kdlab.served_replies`): choice
+indices exactly ``0..n-1``, at most ``K + 1`` entries per position, ids in ``[0, V)`` and none twice at a
+position, log-probs finite and ``<= 0`` and each position's probabilities summing to at most 1 (both up to
+:data:`~kdlab.served_replies.LOGPROB_TOLERANCE`), sampled completions of at most ``max_tokens`` ids in
+``[0, V)``; a reply that fails is a :class:`ServedTeacherError` naming the endpoint and the field, never a
+device-side assert or a silently wrong loss.
+
+**Keys.** ``api_key_env`` names the environment variable holding the server's key (``vllm serve --api-key``);
+it is read at each request and sent as a bearer token, never stored. A URL with a user, password, query or
+fragment is refused.
 
 **Cost.** Connections are kept open (HTTP/1.1, one per request thread). Scoring replies are received and
 decoded by a helper process (``decode_workers``, :mod:`kdlab.served_wire`): by ``orjson`` when it is installed
@@ -41,13 +53,16 @@ one trains; the results are the same as without.
 
 from __future__ import annotations
 
+import http.client
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
 
-from kdlab.served_wire import DecodeWorkers, ServedTeacherError, Wire, collection_paused, json_loads, prompt_logprobs_many
+from kdlab.served_replies import sampled_tokens
+from kdlab.served_wire import (BYTES_PER_ENTRY, BYTES_PER_REPLY, DecodeWorkers, ServedTeacherError, Wire, check_url, collection_paused,
+                               json_loads, prompt_logprobs_many, redact)
 from kdlab.served_wire import ranked_topk as ranked_topk_arrays
 
 __all__ = ["ServedTeacher", "ServedTeacherError", "collection_paused", "json_loads", "ranked_topk", "tempered_topk"]
@@ -75,8 +90,9 @@ class ServedTeacher:
             prompts with its chat template; checked against the server's ``/tokenize`` before training.
         top_k: K log-probs per position (``prompt_logprobs``; the server must allow it: ``vllm serve
             --max-logprobs K``); ``-1`` asks for the whole vocabulary (exact tempering).
-        timeout_s: seconds per request; retries: further attempts after a failure; backoff_s: the wait before
-            the first retry (doubled each time); concurrency: requests in flight at once.
+        timeout_s: seconds per request attempt, for the whole exchange (a server that trickles its reply
+            is cut off there); retries: further attempts after a failure; backoff_s: the wait before the first
+            retry (doubled each time, with up to half again of random jitter); concurrency: requests in flight at once.
         request_prompts: completions scored per request (``prompt`` as a list of token lists, which vLLM
             schedules as one batch); a sampling request carries one prompt (each has its own seed).
         decode_workers: helper processes that send the scoring requests and decode their replies
@@ -86,11 +102,18 @@ class ServedTeacher:
         prefetch: while a micro-batch trains, ask the server for the next decode group's teacher work
             (its scores, and its samples for ``TeacherRollouts``) when that work does not depend on the student
             (teacher-written completions); the results are the same with and without it.
+        api_key_env: the name of an environment variable holding the server's key (``vllm serve --api-key``),
+            read at each request and sent as ``Authorization: Bearer``; the key itself is never stored, so it
+            reaches no config, log or checkpoint. ``url`` may hold no user, password, query or fragment.
     """
 
     def __init__(self, url: str, model: str, tokenizer: str, top_k: int = 20, timeout_s: float = 60.0, retries: int = 3,
                  backoff_s: float = 1.0, concurrency: int = 8, request_prompts: int = 8, decode_workers: int = 1,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, api_key_env: str | None = None) -> None:
+        url = check_url(url)
+        if api_key_env is not None and not (isinstance(api_key_env, str) and api_key_env.isidentifier() and api_key_env.isascii()):
+            raise ValueError("ServedTeacher.api_key_env must be the NAME of an environment variable (letters, digits, _), "
+                             "not the key itself")
         if top_k == 0 or top_k < -1:
             raise ValueError(f"ServedTeacher.top_k must be >= 1 or -1 (the whole vocabulary), got {top_k}")
         for name, value in (("timeout_s", timeout_s), ("concurrency", concurrency), ("request_prompts", request_prompts)):
@@ -101,12 +124,14 @@ class ServedTeacher:
         self.url, self.model, self.tokenizer = url.rstrip("/"), model, tokenizer
         self.top_k, self.timeout_s, self.retries, self.backoff_s, self.concurrency = top_k, timeout_s, retries, backoff_s, concurrency
         self.request_prompts, self.decode_workers, self.prefetch = request_prompts, decode_workers, prefetch
+        self.api_key_env = api_key_env
+        self.vocabulary: int | None = None  # len(tokenizer), set by check(): every served id must lie below it
         self._start_threads()
 
     def _start_threads(self) -> None:
         """The request threads (``concurrency``; each keeps its connection), the prefetch thread and the decoding
         processes: made here, started by their first task; the processes stop when this object goes."""
-        self._wire = Wire(self.url, self.timeout_s, self.retries, self.backoff_s)
+        self._wire = Wire(self.url, self.timeout_s, self.retries, self.backoff_s, self.api_key_env)
         self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="served-teacher")
         self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="served-teacher-prefetch")
         self._workers = DecodeWorkers(self.decode_workers, self._wire, self.model, self.top_k) if self.decode_workers else None
@@ -121,10 +146,11 @@ class ServedTeacher:
         self._start_threads()
 
     # ---- HTTP ------------------------------------------------------------------------------
-    def request(self, path: str, payload: dict[str, Any] | None = None, read: Callable[[dict[str, Any]], Any] | None = None) -> Any:
+    def request(self, path: str, payload: dict[str, Any] | None = None, read: Callable[[dict[str, Any]], Any] | None = None,
+                max_bytes: int | None = None) -> Any:
         """One JSON request (GET without ``payload``), retried (:meth:`kdlab.served_wire.Wire.request`); raises
-        :class:`ServedTeacherError`."""
-        return self._wire.request(path, payload, read)
+        :class:`ServedTeacherError`. ``max_bytes``: the largest reply accepted."""
+        return self._wire.request(path, payload, read, max_bytes)
 
     def concurrently(self, function: Callable[[Any], Any], items: list) -> list:
         """``[function(item) for item in items]``, up to ``concurrency`` at a time (threads: the requests wait on the server)."""
@@ -139,19 +165,41 @@ class ServedTeacher:
 
     # ---- checks ------------------------------------------------------------------------------
     def check(self, tokenizer: Any) -> None:
-        """Before training: the server serves ``model`` and tokenizes a probe text exactly as ``tokenizer``
-        does (the same vocabulary); else :class:`ServedTeacherError` naming the endpoint."""
-        models = self.request("/v1/models")
+        """Before training: the server serves ``model``, tokenizes a probe text and every added token of
+        ``tokenizer`` exactly as ``tokenizer`` does, and, when it answers ``GET /tokenizer_info`` (``vllm serve
+        --enable-tokenizer-info-endpoint``; kdlab's loopback server), lists no added token (id and text) that
+        ``tokenizer`` lacks: else :class:`ServedTeacherError` naming the endpoint. Then every id the server sends is
+        checked against ``len(tokenizer)``."""
+        where = redact(self.url)
+        models = self.request("/v1/models", max_bytes=1 << 20)
         served = [card.get("id") for card in models.get("data", []) if isinstance(card, dict)]
         if self.model not in served:
-            raise ServedTeacherError(f"served teacher {self.url}/v1/models serves {served}, not ServedTeacher.model={self.model!r}")
-        remote = self.request("/tokenize", {"model": self.model, "prompt": PROBE, "add_special_tokens": False}).get("tokens")
-        local = tokenizer(PROBE, add_special_tokens=False)["input_ids"]
+            raise ServedTeacherError(f"served teacher {where}/v1/models serves {served[:8]}, not ServedTeacher.model={self.model!r}")
+        added = {int(i): str(getattr(token, "content", token)) for i, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
+        probe = PROBE + "".join(f" {text}" for text in added.values())
+        remote = self.request("/tokenize", {"model": self.model, "prompt": probe, "add_special_tokens": False},
+                              max_bytes=1 << 20).get("tokens")
+        local = tokenizer(probe, add_special_tokens=False)["input_ids"]
         if remote != local:
             raise ServedTeacherError(
-                f"served teacher {self.url}/tokenize: the server's tokenizer gives {str(remote)[:80]} for a probe text, "
+                f"served teacher {where}/tokenize: the server's tokenizer gives {str(remote)[:80]} for a probe text, "
                 f"ServedTeacher.tokenizer={self.tokenizer!r} gives {str(local)[:80]}: not the same vocabulary"
             )
+        try:  # one attempt: a server without the endpoint answers 404, and the check is skipped
+            status, body = self._wire.exchange("/tokenizer_info", None, 16 << 20)
+        except (OSError, http.client.HTTPException, ValueError) as error:
+            raise ServedTeacherError(f"served teacher {where}/tokenizer_info: {error}") from None
+        if status == 200:
+            try:
+                info = json_loads(body)
+                theirs = {int(i): str(t.get("content") if isinstance(t, dict) else t) for i, t in (info.get("added_tokens_decoder") or {}).items()}
+            except (ValueError, TypeError, AttributeError) as error:
+                raise ServedTeacherError(f"served teacher {where}/tokenizer_info: a reply vLLM would not give ({error})") from None
+            extra = sorted(set(theirs.items()) - set(added.items()))  # the local ones the probe above has shown the server to have
+            if extra:
+                raise ServedTeacherError(f"served teacher {where}/tokenizer_info: the server's added tokens differ from "
+                                         f"ServedTeacher.tokenizer={self.tokenizer!r}'s (e.g. {extra[:4]}): not the same vocabulary")
+        self.vocabulary = len(tokenizer)
 
     # ---- log-probs ---------------------------------------------------------------------------
     def prompt_logprobs(self, prompt: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,13 +209,16 @@ class ServedTeacher:
         ids, values, _ = self.prompt_logprobs_many([prompt], [start])
         return ids, values
 
-    def prompt_logprobs_many(self, prompts: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def prompt_logprobs_many(self, prompts: list[list[int]], starts: list[int], vocabulary: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """:meth:`prompt_logprobs` of several prompts in one request (by a decoding process when there are
-        ``decode_workers``): their rows one after another, and how many each has."""
+        ``decode_workers``): their rows one after another, and how many each has. Every id is checked below
+        ``vocabulary`` (and :attr:`vocabulary`, once :meth:`check` has run)."""
+        bounds = [bound for bound in (vocabulary, self.vocabulary) if bound is not None]
+        vocabulary = min(bounds) if bounds else None
         if self._workers is not None:
-            ids, values, counts = self._workers.run(prompts, starts)
+            ids, values, counts = self._workers.run(prompts, starts, vocabulary)
         else:
-            ids, values, counts = prompt_logprobs_many(self._wire, self.model, self.top_k, prompts, starts)
+            ids, values, counts = prompt_logprobs_many(self._wire, self.model, self.top_k, prompts, starts, vocabulary)
         return torch.from_numpy(ids), torch.from_numpy(values), counts
 
     def score(self, prompts: list[list[int]], completions: list[list[int]], temperature: float, columns: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -176,7 +227,7 @@ class ServedTeacher:
         tempering for every position."""
         size = self.request_prompts
         parts = self.concurrently(lambda first: self.prompt_logprobs_many([p + c for p, c in zip(prompts[first : first + size], completions[first : first + size])],
-                                                                          [len(p) for p in prompts[first : first + size]]),
+                                                                          [len(p) for p in prompts[first : first + size]], columns),
                                   list(range(0, len(prompts), size)))
         if not parts:
             return []
@@ -185,11 +236,13 @@ class ServedTeacher:
         return list(zip(ids.split(lengths), values.split(lengths)))
 
     def sample(self, prompt: list[int], max_tokens: int, temperature: float, seed: int, stop_token_ids: list[int]) -> list[int]:
-        """A completion sampled by the server at ``temperature`` (``seed`` fixes it), end token included when it ended."""
+        """A completion sampled by the server at ``temperature`` (``seed`` fixes it), end token included when it ended;
+        checked (:func:`kdlab.served_replies.sampled_tokens`: at most ``max_tokens`` ids, each below :attr:`vocabulary`)."""
         return self.request("/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                                                 "temperature": temperature, "seed": seed, "top_p": 1.0, "top_k": -1,
                                                 "stop_token_ids": stop_token_ids, "return_token_ids": True, "skip_special_tokens": False},
-                            lambda reply: [int(token) for token in reply["choices"][0]["token_ids"]])
+                            lambda reply: sampled_tokens(reply, self.model, max_tokens, self.vocabulary),
+                            max_bytes=BYTES_PER_REPLY + (max_tokens + len(prompt)) * BYTES_PER_ENTRY)
 
 
 def ranked_topk(rows: list[dict[str, Any]], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

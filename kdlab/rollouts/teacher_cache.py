@@ -44,6 +44,8 @@ from kdlab.objectives.kernels import LazyLogits
 from kdlab.rollouts import cache_codec as codec
 from kdlab.rollouts.cache_codec import LogprobMap
 
+MAX_TOKEN_COLUMNS = 1 << 24
+"""The most token columns a cache file may declare (16.8 million; vocabularies are below a million)."""
 TAIL_FLOOR = 1e-6
 """Smallest tail mass used: keeps the expanded log-probs finite when the top k hold (almost) all mass. The
 tail is ``1 - sum`` of k fp32 probabilities, known only to about 1e-7 (the log-probs' own rounding), so a
@@ -199,16 +201,25 @@ class TeacherCache:
         if missing:
             raise ValueError(f"{setting} {path!r}: not a kdlab teacher cache (metadata lacks {missing})")
         self.path, self.setting = path, setting
-        self.top_k, self.temperature = int(metadata["top_k"]), float(metadata["temperature"])
-        self.token_columns, self.teacher = int(metadata["token_columns"]), metadata.get("teacher", "?")
+        try:
+            self.top_k, self.temperature = int(metadata["top_k"]), float(metadata["temperature"])
+            self.token_columns, self.teacher = int(metadata["token_columns"]), metadata.get("teacher", "?")
+        except ValueError as error:
+            raise ValueError(f"{setting} {path!r}: corrupt metadata ({error})") from None
+        if not (1 <= self.token_columns <= MAX_TOKEN_COLUMNS and 1 <= self.top_k <= self.token_columns):
+            raise ValueError(f"{setting} {path!r}: corrupt metadata (top_k {self.top_k}, token_columns {self.token_columns}: "
+                             f"need 1 <= top_k <= token_columns <= {MAX_TOKEN_COLUMNS})")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"{setting} {path!r}: corrupt metadata (temperature {self.temperature})")
         self.format = metadata.get("format", "full")
         if self.format not in ("full", codec.FORMAT):
             raise ValueError(f"{setting} {path!r}: unknown teacher cache format {self.format!r} (this kdlab reads "
                              f"{codec.FORMAT!r} and files without a format key); rebuild the cache or update kdlab")
         if self.format == codec.FORMAT:
             self.rice_r, self.logprob_map = codec.read_metadata(metadata, f"{setting} {path!r}")
-            if not 1 <= self.top_k <= self.token_columns:
-                raise ValueError(f"{setting} {path!r}: corrupt {codec.FORMAT} metadata (top_k {self.top_k}, token_columns {self.token_columns})")
+            if self.rice_r != codec.rice_parameter(self.token_columns, self.top_k):
+                raise ValueError(f"{setting} {path!r}: corrupt {codec.FORMAT} metadata (rice_r {self.rice_r}, not the "
+                                 f"{codec.rice_parameter(self.token_columns, self.top_k)} of top_k {self.top_k} over {self.token_columns} columns)")
         self.ids = {key.rsplit("/", 1)[0] for key in self._file.keys()}
 
     def row(self, example_id: str, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,8 +229,13 @@ class TeacherCache:
             raise KeyError(f"{self.setting} {self.path}: no entry for example id {example_id!r}")
         n = len(tokens)
         if self.format == "full":
-            self._check_tokens(example_id, self._file.get_tensor(f"{example_id}/tokens"), tokens)
-            return self._file.get_tensor(f"{example_id}/indices")[:n], self._file.get_tensor(f"{example_id}/logprobs")[:n]
+            try:
+                cached, indices, logprobs = (self._file.get_tensor(f"{example_id}/{name}") for name in ("tokens", "indices", "logprobs"))
+                codec.check_full_rows(cached, indices, logprobs, self.top_k, self.token_columns)
+            except Exception as error:  # a missing tensor (safetensors' own error type), or one that fails the checks
+                raise ValueError(f"{self.setting} {self.path}: example {example_id!r} is not readable as a full teacher cache ({error})") from error
+            self._check_tokens(example_id, cached, tokens)
+            return indices[:n].long(), logprobs[:n].float()
         args = (self.top_k, self.token_columns, self.rice_r, self.logprob_map)
         try:
             data = self._file.get_tensor(f"{example_id}/rows")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,13 +45,36 @@ def read_metrics(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     A run written before the metrics file carried ``self.log`` values (none of its lines has
     Lightning's ``epoch``) has those only in its TensorBoard events: they are read from there, and the
     file's own lines win at equal steps."""
-    lines = list(metrics_lines(Path(run_dir, METRICS_FILE)))
+    lines = read_metrics_lines(Path(run_dir, METRICS_FILE))
     points: dict[str, dict[int, float]] = {}
     if not any(name == "epoch" for _, name, _ in lines):
         points = _tensorboard_scalars(run_dir)
     for step, name, value in lines:
         points.setdefault(name, {})[step] = value
     return {name: sorted(series.items()) for name, series in points.items()}
+
+
+def read_metrics_lines(path: Path) -> list[tuple[int, str, float]]:
+    """:func:`kdlab.runlog.metrics_lines` of ``path``, except that a torn last line (a run killed while
+    writing it, a full disk) is skipped with a warning naming the file; a bad line elsewhere raises
+    ``ValueError`` naming the file and line."""
+    lines: list[tuple[int, str, float]] = []
+    try:
+        lines.extend(metrics_lines(path))
+    except (ValueError, KeyError, TypeError) as error:
+        text = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        for number, line in enumerate(text[:-1], 1):
+            try:
+                json.loads(line)
+            except ValueError:
+                raise ValueError(f"{path}: line {number} is not JSON ({error})") from None
+        try:
+            json.loads(text[-1])
+        except ValueError:
+            warnings.warn(f"{path}: its last line is torn (a run stopped while writing it); skipped: {text[-1][:80]!r}", stacklevel=2)
+        else:
+            raise ValueError(f"{path}: a line without a step or with a value that is not a number ({error!r})") from None
+    return lines
 
 
 def _tensorboard_scalars(run_dir: str | Path) -> dict[str, dict[int, float]]:
@@ -75,13 +99,21 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
     return {} if value is None else {prefix: json.dumps(value, sort_keys=True, default=str)}
 
 
+TRUSTED_MODULES = ("kdlab.", "lightning.", "torch.")
+"""The packages whose classes a report imports to read their defaults: a run directory (or someone's archive)
+naming any other module in its config.yaml does not get it imported (importing runs its code)."""
+
+
 @functools.lru_cache(maxsize=None)
 def class_defaults(class_path: str) -> dict[str, Any]:
-    """``{argument: default}`` of a class's ``__init__`` (empty when it cannot be imported)."""
+    """``{argument: default}`` of a class's ``__init__`` (empty when it cannot be imported, or lies outside
+    :data:`TRUSTED_MODULES`)."""
     import importlib
     import inspect
 
     module, _, name = class_path.rpartition(".")
+    if not module.startswith(TRUSTED_MODULES) and module not in ("kdlab", "lightning", "torch"):
+        return {}
     try:
         cls = getattr(importlib.import_module(module), name)
         parameters = inspect.signature(cls.__init__).parameters.values()

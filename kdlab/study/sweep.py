@@ -6,7 +6,8 @@ returns). Running the same sweep again skips done runs. A run without ``DONE`` (
 starts again: from the newest full state in ``checkpoints/`` (``on_exception.ckpt``, saved when a run stops on
 an exception, Ctrl+C or SIGTERM; ``last.ckpt`` from ``ModelCheckpoint(save_last=True)``; any other file a
 ``ModelCheckpoint`` wrote; never the weights-only ``final.ckpt``) when the run saved one, otherwise from
-scratch after its directory is deleted. A failing run is recorded and the sweep goes on;
+scratch after its directory is moved aside to ``<name>.unresumable-<UTC time>`` (nothing is deleted; an
+empty one is removed). A failing run is recorded and the sweep goes on;
 the command then exits with status 1 and lists the failures (Ctrl+C: status 130).
 ``<output>/sweep.json`` lists every run: name, settings, seed, status and the fit command.
 
@@ -50,7 +51,7 @@ def _prepare(run_dir: Path) -> str | None:
     """The checkpoint to resume from: the newest full training state in ``checkpoints/`` (``on_exception.ckpt``,
     which a run stopped by an exception or SIGTERM saves, ``last.ckpt``, or a ``ModelCheckpoint`` file such as
     ``epoch=0-step=60.ckpt``, a file or a sharded checkpoint's folder; never the weights-only ``final.ckpt``), or
-    None after clearing what an unfinished run left behind. A run killed outright (SIGKILL, a lost machine) while
+    None after moving what an unfinished run left behind aside (:func:`move_aside`). A run killed outright (SIGKILL, a lost machine) while
     its end-of-fit evaluations ran thus resumes from the last step's checkpoint and evaluates again, instead of
     losing its training."""
     folder = run_dir / "checkpoints"
@@ -58,8 +59,22 @@ def _prepare(run_dir: Path) -> str | None:
     if saved:
         return str(max(saved, key=lambda path: path.stat().st_mtime))
     if run_dir.exists():
-        shutil.rmtree(run_dir)
+        move_aside(run_dir)
     return None
+
+
+def move_aside(run_dir: Path) -> Path | None:
+    """Clear ``run_dir`` for a fresh start without losing what it holds: a folder with any file in it is
+    renamed to ``<name>.unresumable-<UTC time>`` beside it (and said so on stderr); one with no file at all
+    is removed. Returns where it went (``None``: nothing was kept)."""
+    if not any(path.is_file() for path in run_dir.rglob("*")):
+        shutil.rmtree(run_dir)
+        return None
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    target = run_dir.with_name(f"{run_dir.name}.unresumable-{stamp}")
+    run_dir.rename(target)
+    print(f"kdlab sweep: {run_dir} has no checkpoint to resume from; moved aside to {target} and started afresh", file=sys.stderr, flush=True)
+    return target
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -22,6 +22,7 @@ import threading
 from fractions import Fraction
 from typing import Any
 
+from kdlab.tasks.answer_cost import MAX_BRACE_DEPTH, MAX_EXPONENT_DIGITS, too_costly  # noqa: F401 - MAX_BRACE_DEPTH: a kdlab 0.1 name
 from kdlab.tasks.base import Example, Task, last_tagged
 from kdlab.tasks.sources import UnresolvedAnswer, hashed_order, load_rows, require_fields
 
@@ -36,22 +37,23 @@ MAX_ANSWER_CHARS = 1_000
 """Longer extracted answers score 0 without being normalised or parsed."""
 MAX_NUMBER_DIGITS = 40
 """Longest digit string read as a number (keeps Fraction arithmetic cheap)."""
-MAX_BRACE_DEPTH = 50
-"""Answers nested deeper than this are not handed to math_verify (SymPy recursion)."""
 VERIFY_TIMEOUT_S = 1
 """math_verify's per-parse and per-comparison alarm, in whole seconds."""
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
+_BRACE_TOKENS = re.compile(r"[\\{}]")  # a backslash (escaping the next character: \{, \}) or a brace
 
 
 # ---- extraction -----------------------------------------------------------------------------------------------
-def last_boxed(text: Any) -> str | None:
+def last_boxed(text: Any, limit: int | None = None) -> str | None:
     """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced.
 
     The last occurrence of the command decides: if its braces never close, the answer is ``None``
     (an earlier complete box does not count). ``\\{`` and ``\\}`` are literal braces and do not
     count towards the balance. ``\\boxed 5`` (a space, then one token) gives ``"5"``. Linear time:
-    one ``rfind`` per command and one forward scan; non-``str`` input gives ``None``.
+    one ``rfind`` per command and one forward scan (a regular expression over the braces and escapes, so a
+    million digits take milliseconds); non-``str`` input gives ``None``. ``limit``: a box whose content
+    is longer than this many characters gives ``None`` too, found without reading past it.
     """
     if not isinstance(text, str):
         return None
@@ -63,19 +65,19 @@ def last_boxed(text: Any) -> str | None:
     while j < n and text[j] == " ":
         j += 1
     if j < n and text[j] == "{":
-        depth, k = 0, j
-        while k < n:
-            char = text[k]
-            if char == "\\":
-                k += 2  # an escaped character, e.g. \{ or \}
+        depth = escaped = 0
+        for match in _BRACE_TOKENS.finditer(text, j, n if limit is None else min(n, j + limit + 2)):  # braces and backslashes only
+            at, token = match.start(), match.group()
+            if at < escaped:  # the character after a backslash (\{ or \}): literal
                 continue
-            if char == "{":
+            if token == "\\":
+                escaped = at + 2
+            elif token == "{":
                 depth += 1
-            elif char == "}":
+            else:
                 depth -= 1
                 if depth == 0:
-                    return text[j + 1 : k]
-            k += 1
+                    return text[j + 1 : at]
         return None
     if j > i:  # "\boxed 5": one whitespace-delimited token
         end = j
@@ -212,17 +214,6 @@ def math_verify_usable() -> bool:
     return os.name == "posix" and threading.current_thread() is threading.main_thread() and _math_verify() is not None
 
 
-def _brace_depth(text: str) -> int:
-    depth = deepest = 0
-    for char in text:
-        if char == "{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char == "}":
-            depth -= 1
-    return deepest
-
-
 def answers_match(reference: str, answer: str, use_math_verify: bool = True) -> bool:
     """Whether ``answer`` (e.g. the content of a model's last ``\\boxed{}``) equals ``reference``.
 
@@ -230,7 +221,8 @@ def answers_match(reference: str, answer: str, use_math_verify: bool = True) -> 
     exactly when their values are equal, and never go further. Otherwise, when ``use_math_verify``
     is true and :func:`math_verify_usable`, ``math_verify.verify(parse(reference), parse(answer))``
     decides, each step under a :data:`VERIFY_TIMEOUT_S` alarm, for answers up to
-    :data:`MAX_ANSWER_CHARS` characters and :data:`MAX_BRACE_DEPTH` braces deep. Never raises.
+    :data:`MAX_ANSWER_CHARS` characters that :func:`too_costly` lets through (an answer it stops, such as
+    a power tower, scores 0 at once instead of costing math_verify its alarm). Never raises.
     """
     if not isinstance(reference, str) or not isinstance(answer, str) or len(answer) > MAX_ANSWER_CHARS:
         return False
@@ -242,7 +234,7 @@ def answers_match(reference: str, answer: str, use_math_verify: bool = True) -> 
     gold_value, guess_value = as_fraction(gold), as_fraction(guess)
     if gold_value is not None and guess_value is not None:
         return gold_value == guess_value
-    if not use_math_verify or not math_verify_usable() or _brace_depth(answer) > MAX_BRACE_DEPTH:
+    if not use_math_verify or not math_verify_usable() or too_costly(answer) is not None:
         return False
     parse, verify = _math_verify()  # type: ignore[misc]
     try:
@@ -380,7 +372,7 @@ class MATH(Task):
         return last_boxed(completion) is not None
 
     def score(self, example: Example, completion: str) -> float:
-        answer = last_boxed(completion)
+        answer = last_boxed(completion, MAX_ANSWER_CHARS)
         reference = example.get("answer")
         if answer is None or not isinstance(reference, str):
             return 0.0

@@ -1,0 +1,86 @@
+"""What a served teacher's replies may hold, checked in the training process before any array or tensor is
+made of them (:mod:`kdlab.served_wire` reads the replies): ids in ``[0, V)`` and none twice at a position,
+log-probs finite and at most 0, each position's probabilities summing to at most 1 (both up to
+:data:`LOGPROB_TOLERANCE`), at most ``top_k + 1`` entries per position, choice indices exactly ``0..n-1``,
+sampled completions of at most ``max_tokens`` ids. Each check raises ``ValueError`` naming the field, which
+the wire turns into a :class:`~kdlab.served_wire.ServedTeacherError` naming the endpoint. No torch.
+"""
+
+from __future__ import annotations
+
+from operator import itemgetter
+from typing import Any
+
+import numpy as np
+
+LOGPROB_TOLERANCE = 1e-3
+"""How far above 0 a served log-prob, and above 1 a position's total probability, may lie (fp32 rounding of
+a softmax, and of the server's JSON); anything past it is a reply no model gives."""
+
+
+def check_entries(rows: list[dict[str, Any]], top_k: int, vocabulary: int | None) -> np.ndarray:
+    """The entry count of each of a reply's ``prompt_logprobs`` positions ``rows``, after checking that
+    each is a dict of at most ``top_k + 1`` entries (``vocabulary`` with ``top_k`` -1): before any array
+    is sized from them. Raises ``ValueError`` naming the field."""
+    if not all(type(row) is dict for row in rows):
+        raise ValueError("prompt_logprobs: a position after the first is not an object of log-probs")
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    most = top_k + 1 if top_k > 0 else vocabulary
+    if most is not None and lengths.size and int(lengths.max()) > most:
+        asked = f"top_k + 1 = {top_k + 1}" if top_k > 0 else f"the vocabulary, {vocabulary}"
+        raise ValueError(f"prompt_logprobs: a position has {int(lengths.max())} entries, more than the {most} asked for ({asked})")
+    return lengths
+
+
+def check_values(ids: np.ndarray, values: np.ndarray, lengths: np.ndarray, vocabulary: int | None) -> None:
+    """The checks of a reply's entries (``ids``, ``values``: every position's, one after another; ``lengths``:
+    how many each position has): ids in ``[0, vocabulary)``, none twice in a position, log-probs finite and
+    at most ``LOGPROB_TOLERANCE``, each position's probabilities summing to at most ``1 + LOGPROB_TOLERANCE``.
+    Raises ``ValueError`` naming the field."""
+    if not ids.size:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or (vocabulary is not None and high >= vocabulary):
+        raise ValueError(f"prompt_logprobs: token id {low if low < 0 else high} outside the vocabulary [0, {vocabulary})")
+    row = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
+    keyed = np.sort(row * (high + 1) + ids)
+    if bool((np.diff(keyed) == 0).any()):
+        repeated = int(keyed[1:][np.diff(keyed) == 0][0] % (high + 1))
+        raise ValueError(f"prompt_logprobs: token id {repeated} appears twice at one position")
+    if not bool(np.isfinite(values).all()):
+        raise ValueError("prompt_logprobs: a logprob is not finite (NaN or infinite)")
+    if float(values.max()) > LOGPROB_TOLERANCE:
+        raise ValueError(f"prompt_logprobs: a logprob of {float(values.max()):g} > 0, a probability above 1")
+    mass = np.zeros(lengths.size)
+    np.add.at(mass, row, np.exp(values))
+    if float(mass.max()) > 1.0 + LOGPROB_TOLERANCE:
+        raise ValueError(f"prompt_logprobs: a position's probabilities sum to {float(mass.max()):.6g} > 1")
+
+
+def ordered_choices(reply: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """``reply["choices"]`` in ``index`` order, checked: ``count`` of them, indices exactly ``0..count-1``."""
+    choices = reply["choices"]
+    if not isinstance(choices, list) or not all(isinstance(choice, dict) for choice in choices):
+        raise ValueError("choices is not a list of objects")
+    indices = [choice.get("index") for choice in choices]
+    if any(type(index) is not int for index in indices):
+        raise ValueError(f"choices: an index is missing or not an integer ({indices[:8]})")
+    if sorted(indices) != list(range(count)):
+        raise ValueError(f"choices: indices {sorted(indices)[:8]} are not exactly 0..{count - 1} for {count} prompt(s)")
+    return sorted(choices, key=itemgetter("index"))
+
+
+def sampled_tokens(reply: dict[str, Any], model: str, max_tokens: int, vocabulary: int | None) -> list[int]:
+    """The token ids of a sampling reply's one choice, checked: the model, ``choices`` exactly index 0,
+    ``token_ids`` a list of at most ``max_tokens`` integers in ``[0, vocabulary)``."""
+    if reply.get("model") not in (None, model):
+        raise ValueError(f"answered for model {reply.get('model')!r}, not {model!r}")
+    (choice,) = ordered_choices(reply, 1)
+    tokens = choice["token_ids"]
+    if not isinstance(tokens, list) or any(type(token) is not int for token in tokens):
+        raise ValueError("token_ids is not a list of integers")
+    if len(tokens) > max_tokens:
+        raise ValueError(f"token_ids: {len(tokens)} tokens sampled, more than max_tokens={max_tokens}")
+    if tokens and (min(tokens) < 0 or (vocabulary is not None and max(tokens) >= vocabulary)):
+        raise ValueError(f"token_ids: token id {min(tokens) if min(tokens) < 0 else max(tokens)} outside the vocabulary [0, {vocabulary})")
+    return tokens
