@@ -47,7 +47,7 @@ decoded by a helper process (``decode_workers``, :mod:`kdlab.served_wire`): by `
 (``json`` otherwise; ``pip install 'kdlab[served]'``: about three times faster), their log-probs ranked and
 cut to K for every position at once (numpy, :func:`ranked_topk`); the training process receives the arrays and
 tempers them once per micro-batch. With ``prefetch``
-(:func:`kdlab.stages.teachers.prefetch_served`) the next decode group's requests go out while the current
+(:meth:`kdlab.teachers.served.Served.prefetch`) the next decode group's requests go out while the current
 one trains; the results are the same as without.
 """
 
