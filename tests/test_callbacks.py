@@ -308,3 +308,21 @@ def test_rollout_sensitivity_refuses_stages_it_cannot_measure_at_setup(grpo, cac
     with pytest.raises(ValueError, match=r"RolloutSensitivity needs a teacher that scores any completion .*DistillModule.teacher \(CachedTeacher\)"):
         fit(cached_distill, [RolloutSensitivity(examples=2)], tmp_path / "cache")
     assert grpo.global_step == 0 and cached_distill.global_step == 0
+
+
+@pytest.mark.parametrize("callback, key", [("kdlab.callbacks.StyleTransfer", "teacher"), ("kdlab.callbacks.UpdateSparsity", "reference"),
+                                           ("kdlab.callbacks.RolloutSensitivity", "reference")])
+def test_a_callback_setting_that_takes_a_model_instantiates_no_other_class(callback, key):
+    """``teacher``/``reference`` are typed (a model spec or path; a rollout policy), so a config cannot make them any
+    importable class (they were ``Any``: ``{class_path: collections.OrderedDict}`` was built)."""
+    from jsonargparse import ArgumentParser
+
+    module, _, name = callback.rpartition(".")
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(getattr(__import__(module, fromlist=[name]), name), "cb")
+    args = [f'--cb.{key}={{"class_path": "collections.OrderedDict"}}'] + (["--cb.tasks=[]"] if name == "StyleTransfer" else [])
+    try:
+        value = parser.parse_args(args).cb[key]
+    except Exception:  # refused outright (a policy type)
+        return
+    assert isinstance(value, str)  # at most a path string, never a class to build (Any kept a class_path to instantiate)

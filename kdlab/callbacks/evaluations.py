@@ -35,6 +35,7 @@ from kdlab.evaluation.lm_eval_suite import (
 )
 from kdlab.evaluation.metrics import pass_at_k, spanish_share
 from kdlab.evaluation.scoring import accuracy
+from kdlab.models.loading import ModelSpec
 from kdlab.runlog import log_metrics
 from kdlab.tasks.base import Task
 
@@ -225,8 +226,8 @@ class StyleTransfer(EvaluationCallback):
             start from the same student and teacher, measured once elsewhere.
     """
 
-    def __init__(self, tasks: list[Task], temperature: float = 1.0, teacher: Any = None, at_start: bool = True, **settings: Any) -> None:
-        from kdlab.models.loading import ModelSpec
+    def __init__(self, tasks: list[Task], temperature: float = 1.0, teacher: ModelSpec | str | None = None, at_start: bool = True,
+                 **settings: Any) -> None:
 
         super().__init__(temperature=temperature, **settings)
         if not tasks:

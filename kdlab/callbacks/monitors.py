@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import torch
 
 from kdlab.callbacks.periodic import PeriodicCallback, require_teacher
+from kdlab.rollouts.policies import RolloutPolicy
 from kdlab.runlog import log_metrics, run_directory
 
 
@@ -36,7 +37,7 @@ class RolloutSensitivity(PeriodicCallback):
     ``torch.autograd.grad`` and never touch the parameters' ``.grad``; the step's training is unchanged.
     """
 
-    def __init__(self, reference: Any = None, examples: int = 8, every_n_steps: int | None = 10, seed: int = 0) -> None:
+    def __init__(self, reference: RolloutPolicy | None = None, examples: int = 8, every_n_steps: int | None = 10, seed: int = 0) -> None:
         super().__init__(every_n_steps)
         if examples < 1:
             raise ValueError(f"RolloutSensitivity.examples must be >= 1, got {examples}")

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
 from kdlab.callbacks.periodic import PeriodicCallback
 from kdlab.evaluation.metrics import sparsity_counts
+from kdlab.models.loading import ModelSpec
 from kdlab.runlog import log_metrics
 
 # ---- update sparsity ---------------------------------------------------------------------------
@@ -63,7 +63,8 @@ class UpdateSparsity(PeriodicCallback):
             ``kdlab://...``, or a :class:`~kdlab.models.loading.ModelSpec` with ``checkpoint``).
     """
 
-    def __init__(self, thresholds: Sequence[float] = (1e-6, 1e-8), every_n_steps: int | None = None, reference: Any = None) -> None:
+    def __init__(self, thresholds: Sequence[float] = (1e-6, 1e-8), every_n_steps: int | None = None,
+                 reference: ModelSpec | str | None = None) -> None:
         super().__init__(every_n_steps)
         if not thresholds or any(not tau > 0 for tau in thresholds):
             raise ValueError(f"UpdateSparsity.thresholds must be positive numbers, got {list(thresholds)}")
