@@ -422,7 +422,7 @@ def test_no_grad_forward_reaches_training_without_clearing_the_autocast_cache(gr
     grpo.student.register_forward_pre_hook(
         lambda module, args: events.append(("grad" if torch.is_grad_enabled() else "no_grad", torch.is_autocast_enabled("cpu"))))
     trainer = pl.Trainer(
-        max_steps=2, accelerator="cpu", precision="bf16-mixed", logger=False, enable_checkpointing=False,
+        max_steps=2, accelerator="cpu", precision="bf16-mixed", logger=False, enable_checkpointing=False, default_root_dir=tmp_path,
         enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0,
     )
     trainer.fit(grpo)
