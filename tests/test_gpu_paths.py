@@ -1,5 +1,6 @@
 """Memory and communication of the paths that matter on a GPU, shown on the CPU (issue #45): a LoRA merge
-(export, vLLM push) holds one weight's delta at a time."""
+(export, vLLM push) holds one weight's delta at a time; GRPO's accumulated micro-batches reduce FSDP2
+gradients once per mini-batch."""
 
 import weakref
 
@@ -58,3 +59,28 @@ def test_a_lora_merge_holds_one_weights_delta_at_a_time(tiny_pair):
     # one merged weight, its delta and one intermediate (B A before scaling) at most
     assert 0 < counter.peak <= 3 * largest, (counter.peak, largest, total)
     assert counter.live == 0
+
+
+def test_grpo_reduces_fsdp2_gradients_on_a_mini_batchs_last_micro_batch_only(tiny_pair, tmp_path, monkeypatch):
+    """GRPO accumulates its micro-batches itself (manual optimisation): each backward but a mini-batch's
+    last runs with FSDP2 gradient sync off (tests/test_distributed.py counts the reduce-scatters of the
+    automatic path over 2 processes)."""
+    import lightning.pytorch as pl
+
+    import kdlab.stages.grpo as grpo_stage
+    from kdlab.stages import GRPOModule
+    from kdlab.tasks import Addition
+
+    module = GRPOModule(tiny_pair[0], Addition(num_train=4, num_val=0, num_test=0), group_size=4, batch_size=2, mini_batches=2,
+                        micro_batch_size=2, max_completion_tokens=4, lr=1e-3, warmup_steps=0)
+    events = []
+    monkeypatch.setattr(grpo_stage, "require_gradient_sync", lambda models, sync: events.append(("sync", sync, models[0] is module.student)))
+    backward = module.manual_backward
+    monkeypatch.setattr(module, "manual_backward", lambda loss, *a, **k: events.append("backward") or backward(loss, *a, **k))
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False, default_root_dir=tmp_path,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(module)
+    # one rollout batch: 8 rows, 2 mini-batches of 4 rows, 2 micro-batches of 2 rows each
+    step = [("sync", False, True), "backward", ("sync", True, True), "backward"]
+    assert events == step * 2
+

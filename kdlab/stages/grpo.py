@@ -56,6 +56,7 @@ from kdlab.rollouts.policies import RolloutContext, RolloutPolicy, StudentRollou
 from kdlab.stages.base import TaskStage
 from kdlab.stages.lora import LoraSpec, apply_lora
 from kdlab.stages.optim import SCHEDULES, FiniteAdamW, lr_multiplier
+from kdlab.stages.sharding import require_gradient_sync
 from kdlab.tasks.base import Example, Task
 
 
@@ -368,6 +369,7 @@ class GRPOModule(TaskStage):
             step = self.micro_batch_size or per_mini
             for micro_start in range(start, end, step):
                 micro = slice(micro_start, min(micro_start + step, end))
+                require_gradient_sync([self.student], micro.stop == end)  # FSDP2: one reduction per mini-batch
                 logprobs, entropy = self.sequence_logprobs(self.student, rollout, micro)
                 old = logprobs.detach() if old_logprobs is None else old_logprobs[micro]
                 correction = None
