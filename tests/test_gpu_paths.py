@@ -1,8 +1,11 @@
 """Memory and communication of the paths that matter on a GPU, shown on the CPU (issue #45): a LoRA merge
 (export, vLLM push) holds one weight's delta at a time; GRPO's accumulated micro-batches reduce FSDP2
-gradients once per mini-batch."""
+gradients once per mini-batch; docs/scaling.md's multi-node commands parse."""
 
+import re
+import shlex
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,3 +87,47 @@ def test_grpo_reduces_fsdp2_gradients_on_a_mini_batchs_last_micro_batch_only(tin
     step = [("sync", False, True), "backward", ("sync", True, True), "backward"]
     assert events == step * 2
 
+
+ROOT = Path(__file__).parents[1]
+
+
+def documented_fit_commands(path: Path) -> list[list[str]]:
+    """The arguments from ``fit`` on of every ``kdlab fit`` / ``python -m kdlab.cli fit`` command in the
+    ``bash`` blocks of ``path`` (continuation lines joined, comments dropped)."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", path.read_text(encoding="utf-8"), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if "fit" in words and {"kdlab", "kdlab.cli"} & set(words[: words.index("fit")]):
+                commands.append(words[words.index("fit"):])
+    return commands
+
+
+MULTI_NODE = documented_fit_commands(ROOT / "docs" / "scaling.md")
+
+
+def test_scaling_documents_multi_node_commands():
+    assert len(MULTI_NODE) >= 3 and all("--trainer.num_nodes=2" in command for command in MULTI_NODE)
+
+
+@pytest.mark.parametrize("command", MULTI_NODE, ids=lambda command: command[-3].split("/")[-1] if len(command) > 3 else "?")
+def test_the_multi_node_commands_parse_into_the_papers_batch(command, monkeypatch, capsys):
+    """docs/scaling.md's multi-node commands parse as written (``--print_config``: no model is loaded) and
+    give 2 nodes x 8 devices x 1 prompt x 2 micro-batches = the paper's 32 prompts per step; under FSDP2
+    the data-parallel size is all 16 ranks."""
+    import yaml
+
+    from kdlab.cli.main import main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--print_config"], raise_parse_errors=True)
+    assert exit_info.value.code in (0, None)
+    config = yaml.safe_load(capsys.readouterr().out)
+    trainer, model = config["trainer"], config["model"]["init_args"] if "init_args" in config["model"] else config["model"]
+    ranks = trainer["num_nodes"] * trainer["devices"]
+    assert ranks * model["batch_size"] * trainer["accumulate_grad_batches"] == 32
+    strategy = trainer["strategy"]
+    if isinstance(strategy, dict) and strategy["class_path"].endswith("ModelParallelStrategy"):
+        assert strategy["init_args"]["data_parallel_size"] == ranks
