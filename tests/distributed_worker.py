@@ -13,6 +13,10 @@ the dtypes of the rotary ``inv_freq`` buffers and each FSDP1 unit's mixed precis
 ``ood-rank<r>.jsonl`` (the scores OODForgetting's lm-eval back end logged, measured by a stand-in for
 lm-eval that saves the model it was given to ``ood-model-<n>.pt``) and ``coverage-rank<r>.jsonl``
 (the prompts Coverage sampled on that rank, their completions and the pooled per-prompt counts).
+
+``-accum`` takes each step in 2 micro-batches (``accumulate_grad_batches=2``, the same global batch);
+``-count`` writes ``reduce_scatters-rank<r>.json``, the gradient reduce-scatters that rank issued;
+``-sync`` makes every FSDP2 backward reduce its gradients (``set_requires_gradient_sync`` forced true).
 """
 
 import json
@@ -143,6 +147,29 @@ class ProbeCoverage(Coverage):
         return counts
 
 
+def count_reduce_scatters() -> list[int]:
+    """Wrap torch.distributed's reduce-scatter entry points (FSDP2 calls ``reduce_scatter_single`` or, in older
+    torch, ``reduce_scatter_tensor``); the returned one-element list counts the calls."""
+    import torch.distributed as dist
+
+    calls = [0]
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        original = getattr(dist, name, None)
+        if original is not None:
+            def counted(*args, _original=original, **kwargs):
+                calls[0] += 1
+                return _original(*args, **kwargs)
+            setattr(dist, name, counted)
+    return calls
+
+
+def force_gradient_sync() -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    original = FSDPModule.set_requires_gradient_sync
+    FSDPModule.set_requires_gradient_sync = lambda self, sync, *, recurse=True: original(self, True, recurse=recurse)
+
+
 def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, resume: str | None = None) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0)
@@ -156,13 +183,17 @@ def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, r
     fused = "fused" in flags  # the hidden-state + LM-head path (HeadLogits) instead of logits
     probes = [PrecisionProbe(out), ProbeOOD(out), ProbeCoverage(out)] if "probe" in flags else []
     devices = 1 if layout == "single" else 2
+    accumulate = 2 if "accum" in flags else 1
+    calls = count_reduce_scatters() if "count" in flags else None
+    if "sync" in flags:
+        force_gradient_sync()
     teacher = "kdlab://tiny-random/teacher"
     if "teachers" in flags:  # two in-process teachers averaged on every row (sharded like the student under FSDP)
         teacher = Several({"strong": ModelTeacher("kdlab://tiny-random/teacher"), "self": ModelTeacher("kdlab://tiny-random/student")},
                           Average({"strong": 3.0, "self": 1.0}))
     module = DistillModule(
         "kdlab://tiny-random/student", teacher, task,
-        rollout=TeacherDatasetRollouts(str(data)), batch_size=GLOBAL_BATCH // devices, lr=1e-3, warmup_steps=0,
+        rollout=TeacherDatasetRollouts(str(data)), batch_size=GLOBAL_BATCH // devices // accumulate, lr=1e-3, warmup_steps=0,
         teacher_placement="shard" if layout in ("fsdp2", "fsdp1") else "replicate", fused_lm_head=fused,
         lora=LoraSpec(r=4, alpha=8) if "lora" in flags else None,  # a LoRA student: adapters sharded with the rest
     )
@@ -175,6 +206,7 @@ def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, r
     }[layout]
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False, precision=precision,
+        accumulate_grad_batches=accumulate,
         gradient_clip_val=0.05,  # small enough to clip, so sharded clipping is exercised too
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=str(out),
         callbacks=[
@@ -185,6 +217,8 @@ def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, r
         ],
     )
     trainer.fit(module, ckpt_path=resume)
+    if calls is not None:
+        (out / f"reduce_scatters-rank{trainer.global_rank}.json").write_text(json.dumps(calls[0]))
 
 
 if __name__ == "__main__":

@@ -193,3 +193,17 @@ def test_fsdp2_with_two_sharded_teachers_trains_like_one_process(tmp_path):
     assert sharded.keys() == whole.keys()
     for name, value in whole.items():
         torch.testing.assert_close(sharded[name], value, atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.slow  # two fits of about 75 s each
+def test_fsdp2_reduces_gradients_once_per_accumulated_step(tmp_path):
+    """Steps of 2 accumulated micro-batches under FSDP2 reduce-scatter gradients on the last micro-batch
+    only (``set_requires_gradient_sync``): half the reduce-scatters of a run that reduces every micro-batch,
+    and the same student."""
+    (accumulated, _), (synced, _) = run("fsdp2-accum-count", tmp_path / "once"), run("fsdp2-accum-count-sync", tmp_path / "every")
+    for name, value in synced.items():
+        torch.testing.assert_close(accumulated[name], value, atol=1e-6, rtol=0, msg=name)
+    for rank in (0, 1):
+        once = json.loads((tmp_path / "once" / f"reduce_scatters-rank{rank}.json").read_text())
+        every = json.loads((tmp_path / "every" / f"reduce_scatters-rank{rank}.json").read_text())
+        assert every > 0 and once * 2 == every, (rank, once, every)

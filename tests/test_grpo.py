@@ -407,3 +407,32 @@ def test_fused_lm_head_gives_the_same_log_probs_and_gradients_as_the_logits(tiny
     assert plain_grads.keys() == fused_grads.keys()
     for name in plain_grads:
         torch.testing.assert_close(fused_grads[name], plain_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_no_grad_forward_reaches_training_without_clearing_the_autocast_cache(grpo, tmp_path, monkeypatch):
+    """Under bf16-mixed, the rollout decode and pi_old's log-probs run under no_grad inside Lightning's
+    autocast; torch before pytorch#165068 reused their cached weight casts in the training forward (no
+    weight gradient). Every grad-enabled forward must follow a ``torch.clear_autocast_cache`` call made
+    after the last no-grad forward (torch 2.13 gives the right gradient either way, so the test spies)."""
+    grpo.mini_batches = 2  # pi_old's no-grad log-probs as well as the decode
+    alternate_rewards(grpo.task)
+    events = []
+    clear = torch.clear_autocast_cache
+    monkeypatch.setattr(torch, "clear_autocast_cache", lambda: events.append("clear") or clear())
+    grpo.student.register_forward_pre_hook(
+        lambda module, args: events.append(("grad" if torch.is_grad_enabled() else "no_grad", torch.is_autocast_enabled("cpu"))))
+    trainer = pl.Trainer(
+        max_steps=2, accelerator="cpu", precision="bf16-mixed", logger=False, enable_checkpointing=False, default_root_dir=tmp_path,
+        enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    trainer.fit(grpo)
+    forwards = [event for event in events if event != "clear"]
+    assert ("no_grad", True) in forwards and ("grad", True) in forwards  # decode and training under autocast
+    stale = False
+    for event in events:
+        if event == "clear":
+            stale = False
+        elif event[0] == "no_grad":
+            stale = True
+        else:
+            assert not stale, "a training forward reused a no-grad forward's autocast cache"

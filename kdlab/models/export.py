@@ -77,22 +77,25 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     Sharded (DTensor) parameters are gathered one at a time (``full_tensor``), so at most one full
     tensor is alive on top of the shards; an FSDP1-wrapped model is gathered whole while the generator
     runs (:func:`full_parameters`; consume it fully, on every rank). LoRA-wrapped layers yield
-    ``W + delta`` under the base weight's name, ``delta`` from peft's ``get_delta_weight`` (see
-    :func:`_lora_deltas`; DoRA and other variants are refused).
+    ``W + delta`` under the base weight's name, ``delta`` from peft's ``get_delta_weight`` computed when
+    that weight is reached and freed before the next (:func:`_lora_layers`, :func:`_lora_delta`): one
+    weight's delta at a time, never all of them; DoRA and other variants are refused before anything
+    is yielded.
     """
     summoned = fsdp1_wrapped(model)
     with full_parameters(model):
-        lora = _lora_deltas(model)
+        lora = _lora_layers(model)
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             target = hf_weight_name(name)
             if target is None or target.endswith("inv_freq"):
                 continue
             full = _full(tensor).detach()
             if target in lora:
-                full = full + lora[target].to(full.dtype)
+                full = full + _lora_delta(lora[target]).to(full.dtype)
             elif summoned:  # a view of FSDP1's gathered flat parameter, freed when the context exits
                 full = full.clone()
             yield target, full
+            del full  # the consumer's copy is the only one left while the next weight is built
 
 
 def fsdp1_wrapped(model: torch.nn.Module) -> bool:
@@ -120,15 +123,14 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``{Hugging Face weight name: delta}`` of each peft LoRA layer's active, unmerged adapters, each
-    delta from peft's own ``get_delta_weight`` (``fan_in_fan_out`` layouts and embedding adapters
-    included); else empty.
+def _lora_layers(model: torch.nn.Module) -> dict[str, list[tuple[torch.nn.Module, str]]]:
+    """``{Hugging Face weight name: [(peft LoRA layer, adapter name), ...]}`` of each layer's active,
+    unmerged adapters (``fan_in_fan_out`` layouts and embedding adapters included); no tensor is built.
 
     Raises ``ValueError`` naming the layer for an adapter whose merge is not ``W + delta`` (DoRA and
     other peft LoRA variants): merge it with peft (``merge_and_unload``) first.
     """
-    deltas = {}
+    layers: dict[str, list[tuple[torch.nn.Module, str]]] = {}
     for name, module in model.named_modules():
         if not (hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")):
             continue
@@ -142,10 +144,19 @@ def _lora_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                     f"LoRA adapter {adapter!r} on {name} is a variant (DoRA or another) whose merge is not W + B A; "
                     "kdlab cannot merge it on the fly: call peft's merge_and_unload() and export that model"
                 )
-            delta = _full(module.get_delta_weight(adapter))
-            key = hf_weight_name(f"{name}.weight")
-            deltas[key] = deltas[key] + delta if key in deltas else delta
-    return {k: v.detach() for k, v in deltas.items()}
+            layers.setdefault(hf_weight_name(f"{name}.weight"), []).append((module, adapter))
+    return layers
+
+
+def _lora_delta(adapters: list[tuple[torch.nn.Module, str]]) -> torch.Tensor:
+    """The summed delta (the weight's shape) of one weight's adapters, from peft's own ``get_delta_weight``
+    (gathered whole when its factors are sharded: a collective)."""
+    delta = None
+    with torch.no_grad():  # not around a yield: grad mode is thread state the consumer would inherit
+        for module, adapter in adapters:
+            part = _full(module.get_delta_weight(adapter))
+            delta = part if delta is None else delta + part
+    return delta
 
 
 def export_pretrained(model: torch.nn.Module, tokenizer: Any, directory: str | Path, write: bool = True) -> None:

@@ -34,7 +34,7 @@ from kdlab.rollouts.decoding import stop_strings_check
 from kdlab.runlog import metrics_file, run_directory, write_samples
 from kdlab.stages.loaders import EpochShuffle, ResumableLoader
 from kdlab.stages.optim import FiniteAdamW
-from kdlab.stages.sharding import fsdp1_root, global_grad_norm, shard_fsdp2, wrap_fsdp1
+from kdlab.stages.sharding import fsdp1_root, global_grad_norm, require_gradient_sync, shard_fsdp2, wrap_fsdp1
 from kdlab.tasks.base import Example, Task
 
 
@@ -413,6 +413,8 @@ class TaskStage(pl.LightningModule):
         if self._resume_log_step is not None:  # the first batch after a resume: Lightning's guess corrected
             loop._batches_that_stepped, self._resume_log_step = self._resume_log_step, None
         self._log_step_at_batch_start = loop._batches_that_stepped
+        if self.automatic_optimization:  # FSDP2 reduces gradients on a step's last micro-batch only
+            require_gradient_sync(self.sharded_models(), not loop._should_accumulate())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._resume_position = checkpoint.get("kdlab_data_position")

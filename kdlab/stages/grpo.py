@@ -56,6 +56,7 @@ from kdlab.rollouts.policies import RolloutContext, RolloutPolicy, StudentRollou
 from kdlab.stages.base import TaskStage
 from kdlab.stages.lora import LoraSpec, apply_lora
 from kdlab.stages.optim import SCHEDULES, FiniteAdamW, lr_multiplier
+from kdlab.stages.sharding import require_gradient_sync
 from kdlab.tasks.base import Example, Task
 
 
@@ -175,6 +176,11 @@ class GRPOModule(TaskStage):
             (:func:`token_logprobs` with :class:`~kdlab.objectives.kernels.HeadLogits`), so no ``(b, C, V)``
             logits exist even in the model's dtype (long RLVR traces); same values and gradients. Not with
             a sharded (FSDP1/FSDP2) head.
+
+    The rollout decode and pi_old's log-probs run under ``no_grad`` inside Lightning's autocast (the RLVR
+    presets train an fp32 policy under ``bf16-mixed``); the autocast cache is cleared after them, because
+    torch before pytorch#165068 (2.10) reused their gradient-free bf16 casts of the weights in the training
+    forward, which then gave the weights no gradient (``torch>=2.6`` allows those versions).
     """
 
     trained_role = "policy"
@@ -305,6 +311,7 @@ class GRPOModule(TaskStage):
                 rollout = self.rollout.sample(prompts, context)
         finally:
             self.student.train(was_training)
+            torch.clear_autocast_cache()  # see the class docstring: the decode's casts have no grad
         texts = decode_completions(self.student_tokenizer, rollout.completion_ids, rollout.completion_mask, self.end_ids)
         return rollout, torch.tensor([self.reward(example, text) for example, text in zip(repeated, texts)], device=self.device)
 
@@ -347,6 +354,8 @@ class GRPOModule(TaskStage):
                 old_logprobs = self._all_rows(self.student, rollout, rows)
             if self.reference is not None:
                 ref_logprobs = self._all_rows(self.reference, rollout, rows)
+        if old_logprobs is not None or ref_logprobs is not None:
+            torch.clear_autocast_cache()  # their no-grad casts of the policy's weights must not reach training
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         # whole groups per mini-batch; a short last batch (fewer prompts) takes fewer, smaller steps
         groups = rows // self.group_size
@@ -360,6 +369,7 @@ class GRPOModule(TaskStage):
             step = self.micro_batch_size or per_mini
             for micro_start in range(start, end, step):
                 micro = slice(micro_start, min(micro_start + step, end))
+                require_gradient_sync([self.student], micro.stop == end)  # FSDP2: one reduction per mini-batch
                 logprobs, entropy = self.sequence_logprobs(self.student, rollout, micro)
                 old = logprobs.detach() if old_logprobs is None else old_logprobs[micro]
                 correction = None

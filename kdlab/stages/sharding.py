@@ -2,7 +2,8 @@
 sharding changes. :class:`~kdlab.stages.base.TaskStage` calls these from ``configure_model`` and its
 training steps; the stage decides *which* models are sharded (``sharded_models``), this module *how*.
 
-* FSDP2 (Lightning's ``ModelParallelStrategy``): :func:`shard_fsdp2`.
+* FSDP2 (Lightning's ``ModelParallelStrategy``): :func:`shard_fsdp2`; gradients reduced once per accumulated
+  step (:func:`require_gradient_sync`, which Lightning does for DDP only).
 * FSDP1 (``strategy: fsdp``, Lightning's ``FSDPStrategy``, CUDA only): :func:`wrap_fsdp1`.
 * Every other strategy (single device, DDP): nothing to do."""
 
@@ -35,6 +36,23 @@ def shard_fsdp2(models: list[torch.nn.Module], mesh, precision: str) -> None:
             if type(module).__name__ in blocks:
                 fully_shard(module, **options)
         fully_shard(model, **options)
+
+
+def require_gradient_sync(models: list[torch.nn.Module], sync: bool) -> None:
+    """Whether the next backwards of each FSDP2-sharded model in ``models`` reduce-scatter its gradients
+    (``set_requires_gradient_sync``, every unit). Off on the micro-batches of an accumulated step that are
+    not its last: their gradients are summed unsharded on each rank (the reduce dtype, fp32 under
+    ``bf16-mixed``) and reduced once, with the last micro-batch's, so a step of ``k`` micro-batches
+    communicates once instead of ``k`` times. The price is a whole unsharded gradient per rank between the
+    first and last micro-batch. Models that are not FSDP2 modules are left alone (DDP: Lightning's
+    ``no_sync``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return
+    for model in models:
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(sync)
 
 
 @contextlib.contextmanager
