@@ -195,8 +195,12 @@ def estimate(setup: Setup) -> Estimate:
     tn = n if setup.teacher_sharded else 1
     where, twhere = (f" / {n} (sharded)" if n > 1 else ""), (f" / {tn} (sharded)" if tn > 1 else "")
     billions = f"{s.params / 1e9:.3f}B"
+    unsharded_accumulation = setup.strategy == "fsdp2" and setup.accumulate > 1 and n > 1
     terms = [Term("student weights", "persistent", s.params * sb / n, f"{billions} params x {sb} B{where}"),
-             Term("student gradients", "persistent", s.params * sb / n, f"{billions} x {sb} B{where}"),
+             # FSDP2 reduce-scatters once per optimiser step (kdlab.stages.sharding.require_gradient_sync): between a step's
+             # micro-batches each rank holds the whole unsharded gradient
+             Term("student gradients", "persistent", s.params * sb / (1 if unsharded_accumulation else n),
+                  f"{billions} x {sb} B" + (" (whole: FSDP2 accumulates unsharded between a step's micro-batches)" if unsharded_accumulation else where)),
              Term("optimiser (AdamW)", "persistent", 2 * s.params * sb / n, f"2 moments x {billions} x {sb} B{where}")]
     if t is not None:
         terms.append(Term("teacher weights", "persistent", t.params * tb / tn, f"{t.params / 1e9:.3f}B params x {tb} B{twhere}"))
