@@ -9,13 +9,14 @@ numbers. The file is appended to and flushed on every call: a killed run keeps e
 and a resumed run continues the same file (:func:`kdlab.cli.resume.trim_logs` first drops the lines
 written after its checkpoint).
 
-Steps: kdlab numbers a run's progress by optimiser steps taken (``trainer.global_step``): the progress
-lines, the end summary, ``samples/<split>-stepNNNNNN.jsonl`` and the callbacks' lines
-(:func:`log_metrics`) all say step 150 after 150 optimiser steps. Lightning's ``self.log`` lines (they
-carry ``epoch``) and their TensorBoard scalars are at Lightning's logger step, which counts the steps
-before the current one: the ``train/loss`` and ``val/accuracy`` of step 150 are recorded at 149. That
-recorded number is kept (the study tables and resumed runs read it); :func:`metrics_lines` with
-``optimiser_steps=True`` turns it into the step count, as the end summary shows it."""
+Steps: every number a run logs is at the optimiser steps taken (``trainer.global_step``): TensorBoard,
+``metrics.jsonl``, the progress lines, the end summary, ``samples/<split>-stepNNNNNN.jsonl`` and the
+callbacks' lines (:func:`log_metrics`) all say step 150 after 150 optimiser steps.
+:func:`log_at_optimiser_steps` makes Lightning's ``self.log`` lines (they carry ``epoch``) follow it: by
+itself Lightning records them at its logger step, which counts the steps before the current one (the
+``train/loss`` and ``val/accuracy`` of step 150 at 149). Their lines in ``metrics.jsonl`` carry
+``"steps": "optimiser"``; runs written before carry no such mark, and :func:`metrics_lines` with
+``optimiser_steps=True`` moves their Lightning lines one step on, so old and new runs read alike."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
 METRICS_FILE = "metrics.jsonl"
+STEPS_MARK = ("steps", "optimiser")  # on a Lightning line of metrics.jsonl: its step is the optimiser step count
 
 
 class MetricsFile(Logger):
@@ -40,6 +42,7 @@ class MetricsFile(Logger):
     def __init__(self, directory: str | Path) -> None:
         super().__init__()
         self.directory = Path(directory)
+        self.optimiser_steps = False  # set by log_at_optimiser_steps: Lightning's lines then carry STEPS_MARK
 
     @property
     def name(self) -> str:
@@ -65,7 +68,9 @@ class MetricsFile(Logger):
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         if step is None:
             raise ValueError("MetricsFile.log_metrics needs a step: every line of metrics.jsonl names one")
-        values = {name: float(value) for name, value in metrics.items()}
+        values: dict[str, Any] = {name: float(value) for name, value in metrics.items()}
+        if self.optimiser_steps and "epoch" in values:
+            values[STEPS_MARK[0]] = STEPS_MARK[1]
         self.directory.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps({"step": int(step), **values}) + "\n")
@@ -88,6 +93,38 @@ def metrics_file(trainer: pl.Trainer) -> MetricsFile:
     logger = MetricsFile(run_directory(trainer))
     trainer.loggers = [*trainer.loggers, logger]
     return logger
+
+
+def log_at_optimiser_steps(trainer: pl.Trainer) -> None:
+    """Send Lightning's own ``self.log`` lines to every logger at ``trainer.global_step`` (the optimiser
+    steps taken) instead of its logger step, one lower during fit (the module docstring's "Steps"), and
+    mark them so in the run's :class:`MetricsFile`. Idempotent; call it on every rank after
+    :func:`metrics_file`."""
+    for logger in trainer.loggers:
+        if isinstance(logger, MetricsFile):
+            logger.optimiser_steps = True
+    connector = trainer._logger_connector
+    if getattr(connector, "_kdlab_optimiser_steps", False):
+        return
+    lightning_log_metrics = connector.log_metrics
+
+    def log_metrics(metrics, step=None):
+        if metrics and step is None and "step" not in metrics:  # the lines of self.log (Lightning adds epoch to them)
+            metrics = {**metrics, "epoch": trainer.current_epoch}
+            step = trainer.global_step
+        lightning_log_metrics(metrics, step=step)
+
+    connector.log_metrics = log_metrics
+    connector._kdlab_optimiser_steps = True
+
+
+def rewrite_file(path: str | Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` through a temporary file beside it and a rename: an interruption
+    leaves the old file or the new one, never half of one."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(data)
+    partial.replace(path)
 
 
 def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int | None = None) -> None:
@@ -117,8 +154,9 @@ def write_samples(trainer: pl.Trainer, split: str, records: list[dict[str, Any]]
 def metrics_lines(path: str | Path, optimiser_steps: bool = False) -> Iterator[tuple[int, str, float]]:
     """``(step, name, value)`` for every scalar of a ``metrics.jsonl`` file, in file order (none if it
     does not exist), at the step the line records; with ``optimiser_steps`` at the number of optimiser
-    steps taken instead: a Lightning line (it carries ``epoch``) one later, and without its ``epoch``
-    (the module docstring's "Steps")."""
+    steps taken, and without Lightning's ``epoch``: the step a line records, except a Lightning line (it
+    carries ``epoch``) written before kdlab logged at optimiser steps (no ``"steps": "optimiser"``), one
+    later (the module docstring's "Steps")."""
     path = Path(path)
     if not path.is_file():
         return
@@ -126,8 +164,9 @@ def metrics_lines(path: str | Path, optimiser_steps: bool = False) -> Iterator[t
         if line.strip():
             row = json.loads(line)
             step = int(row.pop("step"))
+            marked = row.pop(STEPS_MARK[0], None) == STEPS_MARK[1]
             if optimiser_steps and "epoch" in row:
-                step += 1
+                step += 0 if marked else 1
                 row.pop("epoch")
             for name, value in row.items():
                 yield step, name, float(value)

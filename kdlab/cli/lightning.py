@@ -33,9 +33,26 @@ def lightning_cli_class():
         def add_arguments_to_parser(self, parser) -> None:
             parser.link_arguments("seed_everything", "model.init_args.seed" if self.subclass_mode_model else "model.seed")
 
+        only_subcommand: str | None = None  # set by run_lightning: the one subcommand parser to build
+
+        def _add_subcommands(self, parser, **kwargs) -> None:
+            """Only the parser of the subcommand given (``fit``): building all four (fit, validate, test,
+            predict) took most of the time ``kdlab fit --help`` and every run spend parsing."""
+            every = type(self).subcommands
+            if self.only_subcommand in every():
+                self.subcommands = lambda: {self.only_subcommand: every()[self.only_subcommand]}
+            try:
+                super()._add_subcommands(parser, **kwargs)
+            finally:
+                self.__dict__.pop("subcommands", None)
+
         def parse_arguments(self, parser, args) -> None:
             """An unknown key (``--model.lrr``, or ``lrr:`` in a config file) fails naming it and the
-            nearest key the command accepts."""
+            nearest key the command accepts. ``--help`` is plain text led by the model's arguments
+            (:func:`plain_help`)."""
+            if any(arg in ("-h", "--help") for arg in (args if args is not None else sys.argv[1:])):
+                for name, subparser in self._subcommand_parsers.items():
+                    plain_help(subparser, f"kdlab {name}")
             try:
                 super().parse_arguments(parser, args)
             except Exception as error:
@@ -63,6 +80,9 @@ def lightning_cli_class():
             ``version_N`` (unless the config names a version), so a resumed run is one run directory."""
             config = self.config.get(self.subcommand) if self.subcommand else None
             if config is not None:
+                from kdlab.cli.extras import check_extras
+
+                check_extras(config)  # an optional package the config needs, named before anything loads
                 check_hub_paths(config)
             if config is not None and self.subcommand == "fit":  # before any weights are read (kdlab estimate's arithmetic)
                 from kdlab.study.estimate import warn_if_it_cannot_fit
@@ -230,14 +250,16 @@ def names_model_class(argv: list[str]) -> bool:
 
 _RST = [
     # a role the help's line wrapping broke (``kdlab.rol\n    louts.X``) is joined again before its last name is kept
-    (re.compile(r":(?:class|func|meth|mod|attr|data|obj):`~?([\w.\s]+?)`"), lambda m: re.sub(r"\s+", "", m.group(1)).rsplit(".", 1)[-1]),
+    (re.compile(r":(?:class|func|meth|mod|attr|data|obj|paramref):`~?([\w.\s]+?)`"), lambda m: re.sub(r"\s+", "", m.group(1)).rsplit(".", 1)[-1]),
     (re.compile(r"``([^`]+)``"), lambda m: m.group(1)),
     (re.compile(r"`([^`<]+) <[^>]+>`_"), lambda m: m.group(1)),
+    (re.compile(r"`([^`\n]+)`"), lambda m: m.group(1)),  # `N`: interpreted text, shown as is
 ]
 
 
 def clean_help(text: str) -> str:
-    """Docstring markup out of ``--help`` text: ``:class:`~a.B``` -> B, ````x```` -> x, links -> their text."""
+    """Docstring markup out of ``--help`` text: ``:class:`~a.B``` -> B (also ``:paramref:``), ````x```` -> x,
+    links -> their text, ```x``` -> x."""
     for pattern, replacement in _RST:
         text = pattern.sub(replacement, text)
     return text
@@ -255,6 +277,32 @@ def clean_help_output(argv: list[str]):
             yield
     finally:
         sys.stdout.write(clean_help(buffer.getvalue()))
+
+
+def plain_help(parser, prog: str) -> None:
+    """Prepare a subcommand parser's ``--help``: every help text without docstring markup
+    (:func:`clean_help`, before argparse wraps it, so no role is cut in two), the groups in reading
+    order (the model's arguments first, then the command's own and the config options, the trainer's
+    last) and a short usage line instead of one entry per option."""
+    for action in parser._actions:
+        if action.help:
+            action.help = clean_help(action.help)
+    for group in parser._action_groups:
+        group.description = clean_help(group.description) if group.description else group.description
+        group.title = clean_help(group.title) if group.title else group.title
+
+    def rank(group) -> int:
+        options = [option for action in group._group_actions for option in action.option_strings]
+        if any(option.startswith("--model") for option in options):
+            return 0
+        if any(option.startswith("--trainer") for option in options):
+            return 3
+        if any(option in ("--ckpt_path", "--config", "-c") for option in options):
+            return 1
+        return 2
+
+    parser._action_groups.sort(key=rank)  # stable: the rest keep their order
+    parser.usage = f"{prog} [--config FILE.yaml ...] [--model.KEY=VALUE ...] [--trainer.KEY=VALUE ...] [--print_config] (options below)"
 
 
 def run_lightning(argv: list[str], run: bool = True, raise_parse_errors: bool = False, from_sys_argv: bool = False):
@@ -276,10 +324,13 @@ def run_lightning(argv: list[str], run: bool = True, raise_parse_errors: bool = 
 
     from kdlab.stages.distill import DistillModule
 
-    subcommand_kwargs = {"exit_on_error": not raise_parse_errors}
+    # allow_abbrev=False: --trainer.max_step=2 is an unknown key (with its nearest name), not max_steps
+    subcommand_kwargs = {"exit_on_error": not raise_parse_errors, "allow_abbrev": False}
     cli_args = argv[1:] if not run and argv[:1] in (["fit"], ["validate"], ["test"]) else (None if from_sys_argv else argv)
+    cli_class = lightning_cli_class()
+    cli_class.only_subcommand = argv[0]
     with clean_help_output(argv):
-        return lightning_cli_class()(
+        return cli_class(
             pl.LightningModule if stage_class else DistillModule,
             subclass_mode_model=stage_class,
             seed_everything_default=42,

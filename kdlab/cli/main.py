@@ -69,7 +69,7 @@ def main(args: list[str] | None = None, run: bool = True, raise_parse_errors: bo
 
         from kdlab.rollouts.teacher_data import generate_teacher_data
 
-        return auto_cli(generate_teacher_data, args=argv[1:])
+        return auto_cli(generate_teacher_data, args=argv[1:], allow_abbrev=False)
     if argv[:1] == ["sweep"]:
         from kdlab.study.sweep import main as sweep
 
@@ -87,7 +87,7 @@ def main(args: list[str] | None = None, run: bool = True, raise_parse_errors: bo
 
         from kdlab.cli.prune import prune_checkpoint
 
-        return auto_cli(prune_checkpoint, args=argv[1:])
+        return auto_cli(prune_checkpoint, args=argv[1:], allow_abbrev=False)
     if argv[:1] == ["report"]:
         from kdlab.study.report import main as report
 

@@ -1,0 +1,108 @@
+"""What ``kdlab fit`` says before it starts: a misspelt or abbreviated option, a class name that does not
+exist, a package the config needs that is not installed (each one line, exit status 2, nothing loaded),
+and a ``--help`` led by the model's arguments, in plain text."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kdlab.cli.main import entry, main
+
+ROOT = Path(__file__).parents[1]
+TINY = ROOT / "experiments" / "tiny"
+SMOKE = str(TINY / "smoke.yaml")
+
+
+@pytest.fixture(autouse=True)
+def clean_argv(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+
+
+def entry_error(capsys, args):
+    """Run the console script in-process; its exit status and the last line of stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        entry(args)
+    return exit_info.value.code, capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_an_abbreviated_option_is_an_unknown_key_not_the_option_it_abbreviates(tmp_path, capsys):
+    """argparse took --trainer.max_step=2 as max_steps (allow_abbrev); it names the key it meant instead."""
+    status, last = entry_error(capsys, ["fit", f"--config={SMOKE}", f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.max_step=2"])
+    assert status == 2 and last == "kdlab: error: trainer.max_step: no such key for kdlab fit (did you mean 'trainer.max_steps'?)"
+    status, last = entry_error(capsys, ["fit", f"--config={SMOKE}", "--model.val_exampl=4"])
+    assert status == 2 and "model.val_exampl: no such key" in last and "'model.val_examples'" in last
+    assert not (tmp_path / "tiny-smoke").exists()
+
+
+@pytest.mark.parametrize("given, expected", [
+    ("--model.objective=ReverseKLL", "model.objective: no class 'ReverseKLL' (did you mean 'ReverseKL'?)"),
+    ("--model.rollout=StudentRollout", "model.rollout: no class 'StudentRollout' (did you mean 'StudentRollouts'?)"),
+    ("--trainer.callbacks+=UpdateSparsty", "trainer.callbacks: no class 'UpdateSparsty' (did you mean 'UpdateSparsity'?)"),
+])
+def test_a_misspelt_short_class_name_gets_the_nearest_class(tmp_path, capsys, given, expected):
+    """Short names are jsonargparse's (a subclass of the accepted type); a typo in one said only
+    "Expected a dot import path string"."""
+    status, last = entry_error(capsys, ["fit", f"--config={SMOKE}", f"--trainer.logger.init_args.save_dir={tmp_path}", given])
+    assert status == 2 and last == f"kdlab: error: {expected}"
+
+
+def test_a_config_that_needs_a_missing_extra_fails_at_parse_time_naming_the_setting_and_the_extra(tmp_path, capsys, monkeypatch):
+    """The style overlay without py3langid, LoRA without peft: one line naming the setting and the extra,
+    before any model loads (no run directory)."""
+    import kdlab.cli.extras as extras
+
+    monkeypatch.setattr(extras, "installed", lambda module: module not in ("py3langid", "peft"))
+    configs = [f"--config={TINY / name}" for name in ("quickstart.yaml", "spanish_style.yaml", "lora_self_distill.yaml")]
+    save = f"--trainer.logger.init_args.save_dir={tmp_path}"
+    started = time.monotonic()
+    status, last = entry_error(capsys, ["fit", *configs, save])
+    assert status == 2 and last == (
+        "kdlab: error: trainer.callbacks[4].class_path='kdlab.callbacks.StyleTransfer' needs py3langid, which is not installed: "
+        "pip install 'kdlab[eval]' (the config also needs kdlab[lora])"
+    )
+    status, last = entry_error(capsys, ["fit", f"--config={TINY / 'quickstart.yaml'}", f"--config={TINY / 'lora.yaml'}", save])
+    assert status == 2 and last == "kdlab: error: model.lora needs peft, which is not installed: pip install 'kdlab[lora]'"
+    assert not list(tmp_path.iterdir()) and time.monotonic() - started < 120
+
+
+def test_each_rule_names_an_extra_of_pyproject_that_installs_its_package():
+    """Every need's extra exists in pyproject.toml and lists the package the message tells to install."""
+    import re
+
+    from kdlab.cli.extras import NEEDS
+
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    for need in NEEDS:
+        line = re.search(rf"^{need.extra} = \[(.*)\]$", text, re.M)
+        assert line and f'"{need.package}' in line.group(1), (need.extra, need.package)
+
+
+def test_fit_help_is_led_by_the_models_arguments_in_plain_text_with_a_short_usage(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("usage: kdlab fit [--config FILE.yaml ...] [--model.KEY=VALUE ...]") and len(lines[0]) < 140
+    options = [line.split()[0] for line in lines if line.startswith("  --")]
+    assert options[0].startswith("--model") and options[-1].startswith("--trainer")
+    assert options.index("--ckpt_path") < min(i for i, option in enumerate(options) if option.startswith("--trainer"))
+    for markup in ("``", ":class:", ":meth:", ":func:", ":paramref:", "`"):
+        assert markup not in out, markup
+
+
+def test_fit_builds_only_the_parser_of_its_subcommand():
+    """kdlab fit no longer builds validate's, test's and predict's parsers (most of --help's time)."""
+    code = (
+        "import sys\nfrom kdlab.cli import lightning\nseen = []\n"
+        "cls = lightning.lightning_cli_class()\nreal = cls._prepare_subcommand_parser\n"
+        "def spy(self, klass, subcommand, **kw):\n    seen.append(subcommand)\n    return real(self, klass, subcommand, **kw)\n"
+        "cls._prepare_subcommand_parser = spy\nfrom kdlab.cli.main import main\n"
+        "try:\n    main(['fit', '--help'])\nexcept SystemExit:\n    pass\nprint('SEEN', seen, file=sys.stderr)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert "SEEN ['fit']" in result.stderr, result.stderr[-2000:]
