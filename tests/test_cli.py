@@ -516,3 +516,21 @@ def test_the_end_summary_counts_optimiser_steps_for_every_metric_and_shows_the_h
     assert not [name for name in lines if name.endswith("_before")]
     steps = {int(part.split()[0]) for line in lines.values() for part in line.split("at step ")[1:]}
     assert steps <= {0, 5, 150}
+
+
+def test_a_run_shortened_below_its_validation_interval_validates_after_its_last_step_and_says_so(tmp_path, capsys):
+    """--trainer.max_steps=2 under smoke.yaml's val_check_interval of 6 batches (3 steps) ended with no
+    val/accuracy, no samples/ and no word; now a line at the start says validation comes after the last
+    step, and it does. A run that reaches its interval validates there only (no extra one at the end)."""
+    from kdlab.runlog import metrics_lines
+
+    main(["fit", f"--config={SMOKE}", "--trainer.max_steps=2", f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    run_dir = tmp_path / "tiny-smoke" / "version_0"
+    out = capsys.readouterr().out
+    assert "[kdlab] validation after the last step (2): val_check_interval (6 batches) is beyond max_steps=2 (4 batches)" in out
+    assert [step for step, name, _ in metrics_lines(run_dir / "metrics.jsonl", optimiser_steps=True) if name == "val/accuracy"] == [2]
+    assert sorted(path.name for path in (run_dir / "samples").iterdir()) == ["val-step000002.jsonl"]
+    main(["fit", f"--config={SMOKE}", "--trainer.max_steps=4", f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    run_dir = tmp_path / "tiny-smoke" / "version_1"
+    assert "validation after the last step" not in capsys.readouterr().out
+    assert [step for step, name, _ in metrics_lines(run_dir / "metrics.jsonl", optimiser_steps=True) if name == "val/accuracy"] == [3]
