@@ -106,13 +106,7 @@ def lightning_cli_class():
             (:mod:`kdlab.callbacks.checkpoints`); ``last.ckpt`` links to the periodic file of its step
             (:func:`link_last_checkpoints`); a resumed fit first removes what the interrupted run logged after
             its checkpoint (:mod:`kdlab.cli.resume`)."""
-            from lightning.pytorch.callbacks import RichProgressBar
-
-            from kdlab.cli.console import Console, step_progress_bar
-
-            bars = [index for index, callback in enumerate(self.trainer.callbacks) if type(callback) is RichProgressBar]
-            for index in bars:  # Lightning's default bar: counted in steps instead (Console's docstring)
-                self.trainer.callbacks[index] = step_progress_bar()()
+            from kdlab.runlog import Console
 
             if not any(isinstance(callback, FinalCheckpoint) for callback in self.trainer.callbacks):
                 self.trainer.callbacks.insert(0, FinalCheckpoint())  # first: its --ckpt_path check precedes other start-of-fit work
@@ -313,7 +307,8 @@ def run_lightning(argv: list[str], run: bool = True, raise_parse_errors: bool = 
     stage_class = names_model_class(argv)
     import lightning.pytorch as pl
 
-    from kdlab.cli.console import choose_cpu_threads, quiet
+    from kdlab.cli.console import choose_cpu_threads
+    from kdlab.runlog import quiet
 
     quiet()
     # nothing but the config may reach stdout under --print_config (it is read back as YAML)

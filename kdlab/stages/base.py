@@ -33,7 +33,7 @@ from kdlab.evaluation.metrics import PassAtK
 from kdlab.evaluation.scoring import completion_texts
 from kdlab.provenance import write_run_info
 from kdlab.rollouts.decoding import stop_strings_check
-from kdlab.runlog import STEPS_MARK, log_at_optimiser_steps, metrics_file, run_directory, write_samples
+from kdlab.runlog import STEPS_MARK, Console, log_at_optimiser_steps, metrics_file, quiet, run_directory, write_samples
 from kdlab.stages.loaders import EpochShuffle, ResumableLoader
 from kdlab.stages.optim import FiniteAdamW
 from kdlab.stages.sharding import fsdp1_root, global_grad_norm, shard_fsdp2, wrap_fsdp1
@@ -111,6 +111,7 @@ class TaskStage(pl.LightningModule):
         stop_strings: list[str] | None = None,
     ) -> None:
         super().__init__()
+        quiet()  # before the models load and the Trainer is made: a notebook's run prints what kdlab fit's does
         for name, value in (
             ("batch_size", batch_size),
             ("max_prompt_tokens", max_prompt_tokens),
@@ -259,8 +260,11 @@ class TaskStage(pl.LightningModule):
         return kept
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        """:class:`ValidateLastStep`: a fit shorter than its validation interval evaluates its final weights."""
-        return [ValidateLastStep()]
+        """:class:`ValidateLastStep` (a fit shorter than its validation interval evaluates its final weights)
+        and, unless the trainer has one (``kdlab fit`` adds it), :class:`~kdlab.runlog.Console`: a notebook's
+        ``Trainer.fit`` prints the run directory and ends with the summary ``kdlab fit`` prints."""
+        console = [] if any(isinstance(callback, Console) for callback in self.trainer.callbacks) else [Console()]
+        return [ValidateLastStep(), *console]
 
     def setup(self, stage: str) -> None:
         """Attach the run's :class:`~kdlab.runlog.MetricsFile` (every ``self.log`` value and every
