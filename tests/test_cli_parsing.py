@@ -106,3 +106,31 @@ def test_fit_builds_only_the_parser_of_its_subcommand():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
                             env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert "SEEN ['fit']" in result.stderr, result.stderr[-2000:]
+
+
+def test_kdlab_report_writes_its_tables_without_matplotlib_and_names_the_figures_it_skipped(tmp_path, monkeypatch, capsys):
+    """kdlab report refused to run without [report]; its tables need only pandas."""
+    import json
+
+    import yaml
+
+    import kdlab.study.report  # noqa: F401  (and what it imports, torchmetrics's plotting included, before matplotlib goes)
+    import kdlab.study.verdicts  # noqa: F401
+
+    for module in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed
+    for seed, accuracy in ((42, 0.5), (43, 0.7)):
+        run = tmp_path / "runs" / f"seed={seed}"
+        run.mkdir(parents=True)
+        config = {"seed_everything": seed, "trainer": {"max_steps": 4},
+                  "model": {"student": {"path": "kdlab://tiny-random/student"}, "task": {"class_path": "kdlab.tasks.Addition"},
+                            "rollout": {"class_path": "kdlab.rollouts.TeacherRollouts"}, "objective": {"class_path": "kdlab.objectives.ForwardKL"},
+                            "lr": 1e-3}}
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 4, "val/accuracy": accuracy, "rlvr/reward": 1.0}) + "\n")
+    main(["report", str(tmp_path / "runs"), "--output", str(tmp_path / "report")])
+    err = capsys.readouterr().err
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "[report] figures not drawn, matplotlib is not installed (pip install 'kdlab[report]'): accuracy, rlvr-reward" in err
+    assert "Figures not drawn, matplotlib is not installed (pip install 'kdlab[report]'): accuracy, rlvr-reward." in report
+    assert "60.0" in report and (tmp_path / "report" / "runs.csv").is_file() and not list((tmp_path / "report").glob("*.png"))
