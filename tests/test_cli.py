@@ -408,6 +408,12 @@ def test_cpu_threads_are_one_per_usable_cpu_whatever_the_load_average_and_the_ru
         monkeypatch.setattr(console, "_CHOSEN", [])
         monkeypatch.setattr(console, "cgroup_cpu_limit", lambda: 1.5)
         assert console.choose_cpu_threads().startswith("[kdlab] CPU threads: 1 (4 CPUs this process may use, capped by its CPU quota of 1.5")
+        monkeypatch.setattr(console, "cgroup_cpu_limit", lambda: None)
+        own = [0.0, 150.0]  # this process's own threads kept CPU 0 busy during the sample: not other work
+        monkeypatch.setattr(console, "_own_jiffies", lambda: own.pop(0))
+        samples[:] = [idle[0], {0: (250, 1200), 1: (110, 1200), 2: (110, 1200), 3: (110, 1200)}]
+        monkeypatch.setattr(console, "_CHOSEN", [])
+        assert console.choose_cpu_threads().startswith("[kdlab] CPU threads: 4 (4 CPUs this process may use, none of them busy now")
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
         assert console.choose_cpu_threads() is None  # the user's choice stands
     finally:

@@ -69,21 +69,33 @@ def _cpu_times(cpus: list[int]) -> dict[int, tuple[int, int]] | None:
     return times or None
 
 
+def _own_jiffies() -> float:
+    """CPU time this process (all its threads) has used, in ``/proc/stat``'s clock ticks."""
+    times = os.times()
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return (times.user + times.system) * ticks
+
+
 def busy_cpus(cpus: list[int], seconds: float = BUSY_SAMPLE_S) -> int | None:
     """How many of ``cpus`` other work keeps busy now: those busier than :data:`BUSY_SHARE` over
-    ``seconds`` (``/proc/stat``; this process sleeps meanwhile), or None where that cannot be read.
-    Unlike the load average it does not count work that has just ended."""
-    before = _cpu_times(cpus)
+    ``seconds`` (``/proc/stat``), or None where that cannot be read. Unlike the load average it does not
+    count work that has just ended, and the time this process's own threads used meanwhile (its main
+    thread sleeps; a library's threads may not) is taken off the busiest CPUs first: it is not other work
+    (a first run on an idle machine said "1 of them busy now")."""
+    before, own = _cpu_times(cpus), _own_jiffies()
     if before is None:
         return None
     time.sleep(seconds)
-    after = _cpu_times(cpus) or {}
-    busy = 0
+    after, own = _cpu_times(cpus) or {}, _own_jiffies() - own
+    shares = []
     for cpu, (was_busy, was_total) in before.items():
         now_busy, now_total = after.get(cpu, (was_busy, was_total))
-        if now_total > was_total and (now_busy - was_busy) / (now_total - was_total) > BUSY_SHARE:
-            busy += 1
-    return busy
+        if now_total > was_total:
+            shares.append([now_busy - was_busy, now_total - was_total])
+    for share in sorted(shares, key=lambda share: -share[0]):
+        taken = min(own, share[0])
+        share[0], own = share[0] - taken, own - taken
+    return sum(busy / total > BUSY_SHARE for busy, total in shares)
 
 
 def choose_cpu_threads() -> str | None:
