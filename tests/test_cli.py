@@ -540,3 +540,23 @@ def test_a_run_shortened_below_its_validation_interval_validates_after_its_last_
     run_dir = tmp_path / "tiny-smoke" / "version_1"
     assert "validation after the last step" not in capsys.readouterr().out
     assert [step for step, name, _ in metrics_lines(run_dir / "metrics.jsonl", optimiser_steps=True) if name == "val/accuracy"] == [3]
+
+
+def test_a_fit_that_stops_before_its_first_step_leaves_no_version_behind(tmp_path, monkeypatch, capsys):
+    """A crash at fit start used up a version number (version_0 holding only config.yaml); now the
+    directory goes, and the next run is version_0. A run that stopped after a step keeps its folder."""
+    from kdlab.stages import DistillModule
+
+    real = DistillModule.on_fit_start
+
+    def crash(self):
+        raise RuntimeError("boom at fit start")
+
+    monkeypatch.setattr(DistillModule, "on_fit_start", crash)
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(tmp_path)
+    assert not (tmp_path / "tiny-smoke" / "version_0").exists()
+    assert "[kdlab] removed " in capsys.readouterr().err
+    monkeypatch.setattr(DistillModule, "on_fit_start", real)
+    fit(tmp_path)
+    assert (tmp_path / "tiny-smoke" / "version_0" / "checkpoints" / "final.ckpt").is_file()

@@ -101,6 +101,16 @@ def lightning_cli_class():
             if version is not None:
                 args["version"] = version
 
+        def _run_subcommand(self, subcommand: str) -> None:
+            """A fit that stops before its first optimiser step leaves no ``version_N`` behind
+            (:func:`remove_unstarted_run`): the next run takes its number."""
+            try:
+                super()._run_subcommand(subcommand)
+            except BaseException:
+                if subcommand == "fit" and not self.config_init[subcommand].get("ckpt_path"):
+                    remove_unstarted_run(self.trainer)
+                raise
+
         def before_fit(self) -> None:
             """Every fit ends with ``final.ckpt``, its final weights, and saves its full state on an exception
             (:mod:`kdlab.callbacks.checkpoints`); ``last.ckpt`` links to the periodic file of its step
@@ -129,6 +139,23 @@ def lightning_cli_class():
                     trim_logs(self.trainer.log_dir, position)
 
     return KDLabCLI
+
+
+def remove_unstarted_run(trainer) -> None:
+    """After a fresh fit stopped before its first optimiser step: remove its run directory, a
+    ``version_N`` folder its logger opened, when it holds no checkpoint (there is nothing to resume, and
+    a crashed run used up a version number); say so. Rank 0 of one process only; a folder not named
+    ``version_N`` (a sweep's run directory) is left alone."""
+    import shutil
+
+    logger = trainer.logger
+    log_dir = getattr(logger, "log_dir", None) if logger is not None else None
+    if trainer.global_step != 0 or trainer.world_size != 1 or not log_dir or not re.fullmatch(r"version_\d+", Path(log_dir).name):
+        return
+    if not Path(log_dir).is_dir() or any(Path(log_dir).rglob("*.ckpt")):
+        return
+    shutil.rmtree(log_dir)
+    print(f"[kdlab] removed {log_dir}: the run stopped before its first optimiser step, nothing to resume", file=sys.stderr, flush=True)
 
 
 def link_last_checkpoints(trainer) -> None:
