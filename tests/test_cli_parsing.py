@@ -80,7 +80,8 @@ def test_each_rule_names_an_extra_of_pyproject_that_installs_its_package():
         assert line and f'"{need.package}' in line.group(1), (need.extra, need.package)
 
 
-def test_fit_help_is_led_by_the_models_arguments_in_plain_text_with_a_short_usage(capsys):
+def test_fit_help_is_led_by_the_models_arguments_in_plain_text_with_a_short_usage(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--help"])
     out = capsys.readouterr().out
@@ -134,3 +135,31 @@ def test_kdlab_report_writes_its_tables_without_matplotlib_and_names_the_figures
     assert "[report] figures not drawn, matplotlib is not installed (pip install 'kdlab[report]'): accuracy, rlvr-reward" in err
     assert "Figures not drawn, matplotlib is not installed (pip install 'kdlab[report]'): accuracy, rlvr-reward." in report
     assert "60.0" in report and (tmp_path / "report" / "runs.csv").is_file() and not list((tmp_path / "report").glob("*.png"))
+
+
+def test_fit_help_is_kept_once_rendered_and_then_printed_without_importing_torch(tmp_path):
+    """Rendering --help imports torch, transformers and Lightning (9 s on the issue's machine); the
+    second time it comes from the cache, word for word, and imports none of them. A changed source file
+    renders it again."""
+    import os
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    code = "import sys\nfrom kdlab.cli.main import entry\ntry:\n    entry(['fit', '--help'])\nexcept SystemExit:\n    pass\nprint('TORCH', 'torch' in sys.modules, file=sys.stderr)\n"
+    first, second = (subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env) for _ in range(2))
+    assert "TORCH True" in first.stderr and "TORCH False" in second.stderr, (first.stderr[-2000:], second.stderr[-2000:])
+    assert first.stdout == second.stdout and first.stdout.startswith("usage: kdlab fit ")
+    (cached,) = (tmp_path / "kdlab").glob("help-fit-*.txt")
+    assert cached.read_text() == first.stdout
+
+
+def test_the_help_cache_key_changes_with_the_packages_it_reads(monkeypatch, tmp_path):
+    from importlib import metadata
+
+    from kdlab.cli.main import help_cache_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    before = help_cache_path("fit")
+    assert before.parent == tmp_path / "kdlab" and before == help_cache_path("fit")
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "0.0.0" if name == "lightning" else real(name))
+    assert help_cache_path("fit") != before
