@@ -408,6 +408,12 @@ def test_cpu_threads_are_one_per_usable_cpu_whatever_the_load_average_and_the_ru
         monkeypatch.setattr(console, "_CHOSEN", [])
         monkeypatch.setattr(console, "cgroup_cpu_limit", lambda: 1.5)
         assert console.choose_cpu_threads().startswith("[kdlab] CPU threads: 1 (4 CPUs this process may use, capped by its CPU quota of 1.5")
+        monkeypatch.setattr(console, "cgroup_cpu_limit", lambda: None)
+        own = [0.0, 150.0]  # this process's own threads kept CPU 0 busy during the sample: not other work
+        monkeypatch.setattr(console, "_own_jiffies", lambda: own.pop(0))
+        samples[:] = [idle[0], {0: (250, 1200), 1: (110, 1200), 2: (110, 1200), 3: (110, 1200)}]
+        monkeypatch.setattr(console, "_CHOSEN", [])
+        assert console.choose_cpu_threads().startswith("[kdlab] CPU threads: 4 (4 CPUs this process may use, none of them busy now")
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
         assert console.choose_cpu_threads() is None  # the user's choice stands
     finally:
@@ -516,3 +522,41 @@ def test_the_end_summary_counts_optimiser_steps_for_every_metric_and_shows_the_h
     assert not [name for name in lines if name.endswith("_before")]
     steps = {int(part.split()[0]) for line in lines.values() for part in line.split("at step ")[1:]}
     assert steps <= {0, 5, 150}
+
+
+def test_a_run_shortened_below_its_validation_interval_validates_after_its_last_step_and_says_so(tmp_path, capsys):
+    """--trainer.max_steps=2 under smoke.yaml's val_check_interval of 6 batches (3 steps) ended with no
+    val/accuracy, no samples/ and no word; now a line at the start says validation comes after the last
+    step, and it does. A run that reaches its interval validates there only (no extra one at the end)."""
+    from kdlab.runlog import metrics_lines
+
+    main(["fit", f"--config={SMOKE}", "--trainer.max_steps=2", f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    run_dir = tmp_path / "tiny-smoke" / "version_0"
+    out = capsys.readouterr().out
+    assert "[kdlab] validation after the last step (2): val_check_interval (6 batches) is beyond max_steps=2 (4 batches)" in out
+    assert [step for step, name, _ in metrics_lines(run_dir / "metrics.jsonl", optimiser_steps=True) if name == "val/accuracy"] == [2]
+    assert sorted(path.name for path in (run_dir / "samples").iterdir()) == ["val-step000002.jsonl"]
+    main(["fit", f"--config={SMOKE}", "--trainer.max_steps=4", f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    run_dir = tmp_path / "tiny-smoke" / "version_1"
+    assert "validation after the last step" not in capsys.readouterr().out
+    assert [step for step, name, _ in metrics_lines(run_dir / "metrics.jsonl", optimiser_steps=True) if name == "val/accuracy"] == [3]
+
+
+def test_a_fit_that_stops_before_its_first_step_leaves_no_version_behind(tmp_path, monkeypatch, capsys):
+    """A crash at fit start used up a version number (version_0 holding only config.yaml); now the
+    directory goes, and the next run is version_0. A run that stopped after a step keeps its folder."""
+    from kdlab.stages import DistillModule
+
+    real = DistillModule.on_fit_start
+
+    def crash(self):
+        raise RuntimeError("boom at fit start")
+
+    monkeypatch.setattr(DistillModule, "on_fit_start", crash)
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(tmp_path)
+    assert not (tmp_path / "tiny-smoke" / "version_0").exists()
+    assert "[kdlab] removed " in capsys.readouterr().err
+    monkeypatch.setattr(DistillModule, "on_fit_start", real)
+    fit(tmp_path)
+    assert (tmp_path / "tiny-smoke" / "version_0" / "checkpoints" / "final.ckpt").is_file()

@@ -64,3 +64,25 @@ def test_every_test_a_page_cites_exists():
     missing = [(str(page), f"{file}::{name}") for page, file, name in sorted(cited)
                if not (ROOT / file).is_file() or not re.search(rf"^def {name}\(", (ROOT / file).read_text(encoding="utf-8"), re.M)]
     assert not missing, missing
+
+
+def test_the_readme_notebook_example_prints_no_noise_and_ends_with_the_summary_kdlab_fit_prints(tmp_path):
+    """Run as a notebook runs it (a fresh interpreter, the warnings Python shows by default): no Lightning
+    tip, no warning, no "Loading weights" bar, no ``Epoch 0/-2``; the run directory first and, at the end,
+    the summary kdlab fit prints (kdlab.runlog.Console, which the stage adds: named metrics at optimiser
+    steps, the validation after the last step included)."""
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text[text.index("## Writing your own component"):], re.S).group(1)
+    (tmp_path / "example.py").write_text(code)
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONWARNINGS", None)
+    result = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout + result.stderr
+    for noise in ("Tip:", "Warning", "warn", "Loading weights", "Epoch 0/-2"):
+        assert noise not in printed, (noise, printed[-3000:])
+    lines = result.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("[kdlab] fit finished at step 10 in "))
+    assert any(line.startswith("[kdlab] run directory: runs/notebook/version_0") for line in lines[:start])
+    summary = [line.split(":")[0].strip() for line in lines[start + 1 : start + 4]]
+    assert summary == ["train/loss", "val/accuracy", "val/pass@1"] and " at step 1 -> " in lines[start + 1] and "at step 10  (" in lines[start + 2]

@@ -62,3 +62,72 @@ def test_log_metrics_writes_its_line_at_once_and_attaches_one_file(tmp_path):
 def test_a_line_without_a_step_is_refused(tmp_path):
     with pytest.raises(ValueError, match="needs a step"):
         MetricsFile(tmp_path).log_metrics({"a": 1.0})
+
+
+# ---- one step convention ------------------------------------------------------------------------
+SMOKE = str(Path(__file__).parents[1] / "experiments" / "tiny" / "smoke.yaml")
+
+
+def test_tensorboard_metrics_jsonl_callbacks_and_the_summary_name_the_same_steps(tmp_path, monkeypatch, capsys):
+    """After N optimiser steps every source says step N: TensorBoard's scalars (Lightning's own and a
+    callback's), metrics.jsonl's lines as written, the samples file of the validation, and the end
+    summary. Lightning by itself records its self.log lines one lower (val/accuracy of step 2 at 1)."""
+    from kdlab.cli.main import main
+
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+    main(["fit", f"--config={SMOKE}", f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.max_steps=4",
+          "--trainer.val_check_interval=4", "--trainer.log_every_n_steps=2",  # 2 micro-batches a step: validation at steps 2 and 4
+          "--trainer.callbacks+=kdlab.callbacks.UpdateSparsity", "--trainer.callbacks.every_n_steps=2"])
+    run_dir = tmp_path / "tiny-smoke" / "version_0"
+    events = EventAccumulator(str(run_dir), size_guidance={SCALARS: 0})
+    events.Reload()
+    board = {tag: sorted({e.step for e in events.Scalars(tag)}) for tag in ("train/loss", "val/accuracy", "val/pass@1", "sparsity/1e-06")}
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    written = {tag: sorted({row["step"] for row in lines if tag in row}) for tag in board}
+    samples = sorted(path.name for path in (run_dir / "samples").glob("*.jsonl"))
+    out = capsys.readouterr().out
+    assert board == written == {"train/loss": [2, 4], "val/accuracy": [2, 4], "val/pass@1": [2, 4], "sparsity/1e-06": [2, 4]}
+    assert samples == ["val-step000002.jsonl", "val-step000004.jsonl"]
+    assert "  val/accuracy: 0.0% at step 2 -> 0.0% at step 4  (" in out and " at step 2 -> " in out.split("  train/loss: ")[1].splitlines()[0]
+    assert all(row.get("steps") == "optimiser" for row in lines if "epoch" in row)  # what tells them from an older run's
+
+
+def test_old_and_new_metrics_files_read_at_the_same_optimiser_steps(tmp_path):
+    """A run written before kdlab logged at optimiser steps (Lightning's lines one lower, unmarked) and one
+    written after (marked) read the same with optimiser_steps=True; as recorded, each keeps its own."""
+    from kdlab.runlog import metrics_lines
+
+    old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
+    old.write_text('{"step": 149, "val/accuracy": 0.4, "epoch": 0.0}\n{"step": 150, "ood/mean": 99.0}\n')
+    new.write_text('{"step": 150, "val/accuracy": 0.4, "epoch": 0.0, "steps": "optimiser"}\n{"step": 150, "ood/mean": 99.0}\n')
+    assert list(metrics_lines(old, optimiser_steps=True)) == list(metrics_lines(new, optimiser_steps=True)) == [
+        (150, "val/accuracy", 0.4), (150, "ood/mean", 99.0)]
+    assert [step for step, name, _ in metrics_lines(old) if name == "val/accuracy"] == [149]
+    assert [(step, name) for step, name, _ in metrics_lines(new)] == [(150, "val/accuracy"), (150, "epoch"), (150, "ood/mean")]
+
+
+def test_trimming_rewrites_metrics_jsonl_through_a_temporary_file(tmp_path, monkeypatch):
+    """Issue 41 item 6: a resume's rewrite of metrics.jsonl cannot leave half a file: it writes a
+    temporary file and renames it over the old one; interrupted before the rename, the old file stays."""
+    import time
+
+    from kdlab.cli.resume import trim_logs
+
+    run = tmp_path / "run"
+    run.mkdir()
+    head = '{"step": 2, "train/loss": 1.0, "epoch": 0.0, "steps": "optimiser"}\n'
+    tail = '{"step": 2, "val/accuracy": 0.5, "epoch": 0.0, "steps": "optimiser"}\n{"step": 3, "train/loss": 0.9, "epoch": 0.0, "steps": "optimiser"}\n'
+    (run / "metrics.jsonl").write_text(head + tail)
+    position = {"step": 2, "global_step": 2, "time": time.time() - 60, "metrics_bytes": len(head), "steps": "optimiser"}
+
+    def interrupted(self, target):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        trim_logs(run, position)
+    assert (run / "metrics.jsonl").read_text() == head + tail  # untouched
+    monkeypatch.undo()
+    assert trim_logs(run, position)["metrics_lines"] == 1  # step 3 is after the checkpoint; step 2's validation stays
+    assert (run / "metrics.jsonl").read_text() == head + tail.splitlines(keepends=True)[0]
+    assert sorted(path.name for path in run.iterdir()) == ["metrics.jsonl"]

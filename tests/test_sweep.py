@@ -24,6 +24,7 @@ TEACHER = {"class_path": "kdlab.rollouts.TeacherRollouts"}
 STUDENT = {"class_path": "kdlab.rollouts.StudentRollouts"}
 FAST = {  # one optimiser step of one micro-batch, no validation, a last.ckpt to resume from
     "trainer.max_steps": 1,
+    "trainer.limit_val_batches": 0,  # no validation (a run shorter than its interval would validate after its last step)
     "trainer.accumulate_grad_batches": 1,
     "trainer.enable_progress_bar": False,
     "trainer.enable_model_summary": False,
@@ -193,8 +194,9 @@ def test_sequential_sweep_runs_then_skips_then_recovers_interrupted_runs(tmp_pat
     shutil.rmtree(out / second / "checkpoints")
     (out / second / "leftover").write_text("from the interrupted attempt")
     main(["sweep", "--config", str(path)])
-    assert len(fits) == 4 and any(a.startswith("--ckpt_path=") and a.endswith("last.ckpt") for a in fits[2])
-    assert json.loads((out / first / "DONE").read_text())["resumed_from"].endswith("last.ckpt")
+    # its newest checkpoint: last.ckpt or the file of its last step it links to (same state, same time)
+    assert len(fits) == 4 and any(a.startswith("--ckpt_path=") and a.endswith(("last.ckpt", "step=1.ckpt")) for a in fits[2])
+    assert json.loads((out / first / "DONE").read_text())["resumed_from"].endswith(("last.ckpt", "step=1.ckpt"))
     assert json.loads((out / second / "DONE").read_text())["resumed_from"] is None
     assert not (out / second / "leftover").exists()
 

@@ -47,6 +47,29 @@ def _argument_candidates(class_path: str) -> list[str]:
         return []
 
 
+def _subclass_candidates(text: str) -> list[str]:
+    """The class names a short class name could have meant: every subclass (kdlab's packages imported) of
+    the types jsonargparse's message lists as accepted (``Subtypes: [<class 'kdlab.objectives.kl.KLObjective'>, ...]``)."""
+    for package in ("kdlab.objectives", "kdlab.rollouts", "kdlab.tasks", "kdlab.callbacks"):
+        try:
+            importlib.import_module(package)
+        except Exception:  # noqa: BLE001 - a package that cannot be imported offers no names
+            pass
+    names = []
+    for class_path in re.findall(r"<class '([\w.]+)'>", text):
+        module_name, _, name = class_path.rpartition(".")
+        try:
+            base = getattr(importlib.import_module(module_name), name)
+        except Exception:  # noqa: BLE001 - builtins (NoneType) and unknown paths offer none
+            continue
+        pending = [base]
+        while pending:
+            cls = pending.pop()
+            names.append(cls.__name__)
+            pending += cls.__subclasses__()
+    return [name for name in names if not name.startswith("_")]
+
+
 _NOISE = re.compile(r"^(Expected a <class 'NoneType'>|Expected a <class|Given value|Subtypes:|Errors:|Does not validate against|Not a valid subclass|Expected a path but|a class path \(str\)|a dict with|a dict without)")
 
 
@@ -93,6 +116,9 @@ def _jsonargparse_message(text: str) -> str:
     if unknown_class:
         name, candidates = _class_candidates(unknown_class.group(1))
         cause = f"no class {unknown_class.group(1)!r}{nearest(name, candidates)}"
+    short_name = re.fullmatch(r"Expected a dot import path string: (\w+)", cause)
+    if short_name:  # a class given by its name alone that no accepted class has
+        cause = f"no class {short_name.group(1)!r}{nearest(short_name.group(1), _subclass_candidates(text))}"
     unknown_option = re.search(r"Problem with given class_path '([\w.]+)':\s*(?:Key|Option) '([\w.]+)' is not accepted", cause)
     if unknown_option:
         option = unknown_option.group(2).rsplit(".", 1)[-1]

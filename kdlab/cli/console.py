@@ -1,43 +1,21 @@
-"""What ``kdlab fit`` prints: where the run goes, how it progresses, what it measured, and no noise.
+"""What ``kdlab fit`` prints that is the command's own: the CPU threads it chose.
 
-* :func:`quiet`: no "Loading weights" bars (transformers), no Lightning tips to install litlogger or
-  litmodels, no deprecation warning Lightning's own tree utilities raise under torch 2.13.
 * :func:`choose_cpu_threads`: on a machine without a GPU and without ``OMP_NUM_THREADS`` set, torch's
   intra-op threads are one per CPU this process may use that other work is not keeping busy at the
   start (half a second of ``/proc/stat``, not the load average, which also counts a run that has just
   ended): every usable CPU on an idle machine, every time. The line it prints names the rule.
-* :class:`Console`: prints the run directory and thread count when fit starts, a line every N steps
-  when the output is not a terminal (no progress bar reaches a log file), and at the end a summary of
-  each headline metric, named, before -> after where it was measured twice.
+
+What every run prints, from ``kdlab fit`` or a notebook's ``Trainer.fit`` alike (the run directory,
+progress, the end summary, no noise), is :mod:`kdlab.runlog`'s (``Console``, ``quiet``); imported here too.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 import time
-import warnings
 from pathlib import Path
 
-import lightning.pytorch as pl
-
-
-class _DropTips(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "💡 Tip:" not in record.getMessage()
-
-
-def quiet() -> None:
-    """Silence the noise a user cannot act on (see the module docstring)."""
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropTips())
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
-    try:
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()
-    except ImportError:
-        pass
+from kdlab.runlog import DESCRIPTIONS, Console, describe, quiet, step_progress_bar, summary  # noqa: F401  (their home is kdlab.runlog)
 
 
 _CHOSEN: list[str] = []  # the line of this process's choice: made once, so runs in one process match
@@ -91,21 +69,33 @@ def _cpu_times(cpus: list[int]) -> dict[int, tuple[int, int]] | None:
     return times or None
 
 
+def _own_jiffies() -> float:
+    """CPU time this process (all its threads) has used, in ``/proc/stat``'s clock ticks."""
+    times = os.times()
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return (times.user + times.system) * ticks
+
+
 def busy_cpus(cpus: list[int], seconds: float = BUSY_SAMPLE_S) -> int | None:
     """How many of ``cpus`` other work keeps busy now: those busier than :data:`BUSY_SHARE` over
-    ``seconds`` (``/proc/stat``; this process sleeps meanwhile), or None where that cannot be read.
-    Unlike the load average it does not count work that has just ended."""
-    before = _cpu_times(cpus)
+    ``seconds`` (``/proc/stat``), or None where that cannot be read. Unlike the load average it does not
+    count work that has just ended, and the time this process's own threads used meanwhile (its main
+    thread sleeps; a library's threads may not) is taken off the busiest CPUs first: it is not other work
+    (a first run on an idle machine said "1 of them busy now")."""
+    before, own = _cpu_times(cpus), _own_jiffies()
     if before is None:
         return None
     time.sleep(seconds)
-    after = _cpu_times(cpus) or {}
-    busy = 0
+    after, own = _cpu_times(cpus) or {}, _own_jiffies() - own
+    shares = []
     for cpu, (was_busy, was_total) in before.items():
         now_busy, now_total = after.get(cpu, (was_busy, was_total))
-        if now_total > was_total and (now_busy - was_busy) / (now_total - was_total) > BUSY_SHARE:
-            busy += 1
-    return busy
+        if now_total > was_total:
+            shares.append([now_busy - was_busy, now_total - was_total])
+    for share in sorted(shares, key=lambda share: -share[0]):
+        taken = min(own, share[0])
+        share[0], own = share[0] - taken, own - taken
+    return sum(busy / total > BUSY_SHARE for busy, total in shares)
 
 
 def choose_cpu_threads() -> str | None:
@@ -134,143 +124,3 @@ def choose_cpu_threads() -> str | None:
     torch.set_num_threads(threads)
     _CHOSEN.append(f"[kdlab] CPU threads: {threads} ({why}, {taken}; OMP_NUM_THREADS=N sets N)")
     return _CHOSEN[0]
-
-
-DESCRIPTIONS = {
-    "val/accuracy": "held-out accuracy: mean score of eval_samples completions per val_examples prompt",
-    "val/pass@": "held-out pass@k over eval_samples completions per prompt",
-    "coverage/": "Coverage callback: pass@k on its own task and draw",
-    "ood/mean_delta": "OODForgetting: mean change on the earlier skills, in points",
-    "ood/mean": "OODForgetting: mean accuracy on the earlier skills, in percent",
-    "sparsity/": "UpdateSparsity: share of parameters that moved less than tau",
-    "style/": "StyleTransfer: share of responses primarily in Spanish",
-    "rlvr/reward": "RLVR: mean reward of the step's rollouts",
-    "train/loss": "training loss of the last step",
-    "heldout_kl/forward_closed": "HeldOutKL: share of the starting forward-KL gap to the teacher closed (1 - after / before)",
-    "heldout_kl/forward": "HeldOutKL: KL(teacher || student) on held-out teacher text, nats per token",
-    "heldout_kl/reverse": "HeldOutKL: KL(student || teacher) on held-out teacher text, nats per token",
-}
-
-
-def describe(name: str) -> str | None:
-    """What a headline metric is, or None for the metrics the summary leaves out."""
-    if name.count("/") > 2 or name.endswith("_before") or (name.startswith("sparsity/") and name.count("/") > 1):
-        return None
-    for prefix, text in DESCRIPTIONS.items():
-        if name == prefix or (prefix.endswith(("/", "@")) and name.startswith(prefix)):
-            return text
-    return None
-
-
-def _value(name: str, value: float) -> str:
-    if name.startswith(("ood/", "rlvr/", "train/")) or (name.startswith("heldout_kl/") and not name.endswith("_closed")):
-        return f"{value:.4g}"
-    return f"{100 * value:.1f}%"
-
-
-def summary(log_dir: str | Path, final: dict[str, float], step: int) -> list[str]:
-    """Lines naming each headline metric with its first and last value (``metrics.jsonl``) or its final
-    value (``final``: the trainer's last logged values at ``step``, e.g. ``val/accuracy``). Every step is
-    the number of optimiser steps taken (:func:`kdlab.runlog.metrics_lines` with ``optimiser_steps``)."""
-    from kdlab.runlog import metrics_lines
-
-    series: dict[str, list[tuple[int, float]]] = {}
-    for at, name, value in metrics_lines(Path(log_dir, "metrics.jsonl"), optimiser_steps=True):
-        series.setdefault(name, []).append((at, value))
-    for name, value in final.items():
-        if name not in series:
-            series[name] = [(step, float(value))]
-    lines = []
-    for name in sorted(series):
-        text = describe(name)
-        if text is None:
-            continue
-        points = series.get(f"{name}_before", [])[:1] + series[name]  # OODForgetting logs its "before" apart
-        (first_step, first), (last_step, last) = points[0], points[-1]
-        if len(points) > 1 and first_step != last_step:
-            numbers = f"{_value(name, first)} at step {first_step} -> {_value(name, last)} at step {last_step}"
-        else:
-            numbers = f"{_value(name, last)} at step {last_step}"
-        lines.append(f"  {name}: {numbers}  ({text})")
-    return lines
-
-
-class Console(pl.Callback):
-    """Run directory at the start, progress lines without a terminal, a named summary at the end."""
-
-    def __init__(self, every_n_steps: int | None = None, stream=None) -> None:
-        self.every_n_steps = every_n_steps
-        self.stream = stream
-        self._start = 0.0
-        self._last_printed = -1
-
-    def _print(self, trainer: pl.Trainer, text: str) -> None:
-        if trainer.is_global_zero:
-            print(text, file=self.stream or sys.stdout, flush=True)
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start = time.monotonic()
-        log_dir = trainer.log_dir or trainer.default_root_dir  # on every rank: a collective call
-        resumed = f", resumed from {trainer.ckpt_path} at its step" if trainer.ckpt_path else ""
-        self._print(trainer, f"[kdlab] run directory: {log_dir} (TensorBoard: tensorboard --logdir {Path(log_dir).parent}){resumed}")
-
-    def _interval(self, trainer: pl.Trainer) -> int:
-        if self.every_n_steps:
-            return self.every_n_steps
-        return max(1, trainer.max_steps // 20) if trainer.max_steps and trainer.max_steps > 0 else 50
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        stream = self.stream or sys.stdout
-        step = trainer.global_step
-        if step == 0 or step == self._last_printed or step % self._interval(trainer) or (stream.isatty() and trainer.progress_bar_callback):
-            return
-        self._last_printed = step
-        loss = trainer.callback_metrics.get("train/loss")
-        total = f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else ""
-        elapsed = time.monotonic() - self._start
-        self._print(trainer, f"[kdlab] step {step}{total}" + (f" train/loss={float(loss):.4g}" if loss is not None else "") + f" ({elapsed:.0f} s)")
-
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        log_dir = trainer.log_dir or trainer.default_root_dir
-        final = {name: float(value) for name, value in trainer.callback_metrics.items() if name.startswith(("val/", "train/loss"))}
-        lines = summary(log_dir, final, trainer.global_step)
-        elapsed = time.monotonic() - self._start
-        self._print(trainer, "\n".join([f"[kdlab] fit finished at step {trainer.global_step} in {elapsed:.0f} s; results in {log_dir} (a step is an optimiser step: step N is after N of them)", *lines]))
-
-
-def step_progress_bar():
-    """A Rich progress bar counted in optimiser steps when the run is bounded by ``max_steps``:
-    ``Step 73/150`` (Lightning's reads ``Epoch 0/-2`` and, after a resume, ``150/78``), without the
-    logger's ``v_num``. The class is made on first use (Rich is imported only then)."""
-    from lightning.pytorch.callbacks import RichProgressBar
-
-    class StepProgressBar(RichProgressBar):
-        def _by_steps(self) -> bool:
-            return bool(self.trainer.max_steps and self.trainer.max_steps > 0)
-
-        @property
-        def total_train_batches(self):
-            return self.trainer.max_steps if self._by_steps() else super().total_train_batches
-
-        def _get_train_description(self, current_epoch: int) -> str:
-            if self._by_steps():
-                return f"{'Step':{len(self.validation_description)}}"
-            epochs = self.trainer.max_epochs
-            return f"Epoch {current_epoch}" + (f"/{epochs - 1}" if epochs and epochs > 0 else "")
-
-        def on_train_epoch_start(self, trainer, pl_module) -> None:
-            super().on_train_epoch_start(trainer, pl_module)
-            if self._by_steps():
-                self._update(self.train_progress_bar_id, trainer.global_step)
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-            if self._by_steps():
-                self._update(self.train_progress_bar_id, trainer.global_step)
-
-        def get_metrics(self, trainer, pl_module):
-            metrics = super().get_metrics(trainer, pl_module)
-            metrics.pop("v_num", None)
-            return metrics
-
-    return StepProgressBar

@@ -33,9 +33,26 @@ def lightning_cli_class():
         def add_arguments_to_parser(self, parser) -> None:
             parser.link_arguments("seed_everything", "model.init_args.seed" if self.subclass_mode_model else "model.seed")
 
+        only_subcommand: str | None = None  # set by run_lightning: the one subcommand parser to build
+
+        def _add_subcommands(self, parser, **kwargs) -> None:
+            """Only the parser of the subcommand given (``fit``): building all four (fit, validate, test,
+            predict) took most of the time ``kdlab fit --help`` and every run spend parsing."""
+            every = type(self).subcommands
+            if self.only_subcommand in every():
+                self.subcommands = lambda: {self.only_subcommand: every()[self.only_subcommand]}
+            try:
+                super()._add_subcommands(parser, **kwargs)
+            finally:
+                self.__dict__.pop("subcommands", None)
+
         def parse_arguments(self, parser, args) -> None:
             """An unknown key (``--model.lrr``, or ``lrr:`` in a config file) fails naming it and the
-            nearest key the command accepts."""
+            nearest key the command accepts. ``--help`` is plain text led by the model's arguments
+            (:func:`plain_help`)."""
+            if any(arg in ("-h", "--help") for arg in (args if args is not None else sys.argv[1:])):
+                for name, subparser in self._subcommand_parsers.items():
+                    plain_help(subparser, f"kdlab {name}")
             try:
                 super().parse_arguments(parser, teacher_overlays(list(sys.argv[1:] if args is None else args)))
             except Exception as error:
@@ -63,6 +80,9 @@ def lightning_cli_class():
             ``version_N`` (unless the config names a version), so a resumed run is one run directory."""
             config = self.config.get(self.subcommand) if self.subcommand else None
             if config is not None:
+                from kdlab.cli.extras import check_extras
+
+                check_extras(config)  # an optional package the config needs, named before anything loads
                 check_hub_paths(config)
             if config is not None and self.subcommand == "fit":  # before any weights are read (kdlab estimate's arithmetic)
                 from kdlab.study.estimate import warn_if_it_cannot_fit
@@ -81,18 +101,22 @@ def lightning_cli_class():
             if version is not None:
                 args["version"] = version
 
+        def _run_subcommand(self, subcommand: str) -> None:
+            """A fit that stops before its first optimiser step leaves no ``version_N`` behind
+            (:func:`remove_unstarted_run`): the next run takes its number."""
+            try:
+                super()._run_subcommand(subcommand)
+            except BaseException:
+                if subcommand == "fit" and not self.config_init[subcommand].get("ckpt_path"):
+                    remove_unstarted_run(self.trainer)
+                raise
+
         def before_fit(self) -> None:
             """Every fit ends with ``final.ckpt``, its final weights, and saves its full state on an exception
             (:mod:`kdlab.callbacks.checkpoints`); ``last.ckpt`` links to the periodic file of its step
             (:func:`link_last_checkpoints`); a resumed fit first removes what the interrupted run logged after
             its checkpoint (:mod:`kdlab.cli.resume`)."""
-            from lightning.pytorch.callbacks import RichProgressBar
-
-            from kdlab.cli.console import Console, step_progress_bar
-
-            bars = [index for index, callback in enumerate(self.trainer.callbacks) if type(callback) is RichProgressBar]
-            for index in bars:  # Lightning's default bar: counted in steps instead (Console's docstring)
-                self.trainer.callbacks[index] = step_progress_bar()()
+            from kdlab.runlog import Console
 
             if not any(isinstance(callback, FinalCheckpoint) for callback in self.trainer.callbacks):
                 self.trainer.callbacks.insert(0, FinalCheckpoint())  # first: its --ckpt_path check precedes other start-of-fit work
@@ -143,6 +167,23 @@ def teacher_overlays(args: list[str]) -> list[str]:
             previous = {"class_path": value} if re.fullmatch(r"[\w.]+\.[A-Z]\w*", value) else value
         out.append(arg)
     return out
+
+
+def remove_unstarted_run(trainer) -> None:
+    """After a fresh fit stopped before its first optimiser step: remove its run directory, a
+    ``version_N`` folder its logger opened, when it holds no checkpoint (there is nothing to resume, and
+    a crashed run used up a version number); say so. Rank 0 of one process only; a folder not named
+    ``version_N`` (a sweep's run directory) is left alone."""
+    import shutil
+
+    logger = trainer.logger
+    log_dir = getattr(logger, "log_dir", None) if logger is not None else None
+    if trainer.global_step != 0 or trainer.world_size != 1 or not log_dir or not re.fullmatch(r"version_\d+", Path(log_dir).name):
+        return
+    if not Path(log_dir).is_dir() or any(Path(log_dir).rglob("*.ckpt")):
+        return
+    shutil.rmtree(log_dir)
+    print(f"[kdlab] removed {log_dir}: the run stopped before its first optimiser step, nothing to resume", file=sys.stderr, flush=True)
 
 
 def link_last_checkpoints(trainer) -> None:
@@ -258,14 +299,16 @@ def names_model_class(argv: list[str]) -> bool:
 
 _RST = [
     # a role the help's line wrapping broke (``kdlab.rol\n    louts.X``) is joined again before its last name is kept
-    (re.compile(r":(?:class|func|meth|mod|attr|data|obj):`~?([\w.\s]+?)`"), lambda m: re.sub(r"\s+", "", m.group(1)).rsplit(".", 1)[-1]),
+    (re.compile(r":(?:class|func|meth|mod|attr|data|obj|paramref):`~?([\w.\s]+?)`"), lambda m: re.sub(r"\s+", "", m.group(1)).rsplit(".", 1)[-1]),
     (re.compile(r"``([^`]+)``"), lambda m: m.group(1)),
     (re.compile(r"`([^`<]+) <[^>]+>`_"), lambda m: m.group(1)),
+    (re.compile(r"`([^`\n]+)`"), lambda m: m.group(1)),  # `N`: interpreted text, shown as is
 ]
 
 
 def clean_help(text: str) -> str:
-    """Docstring markup out of ``--help`` text: ``:class:`~a.B``` -> B, ````x```` -> x, links -> their text."""
+    """Docstring markup out of ``--help`` text: ``:class:`~a.B``` -> B (also ``:paramref:``), ````x```` -> x,
+    links -> their text, ```x``` -> x."""
     for pattern, replacement in _RST:
         text = pattern.sub(replacement, text)
     return text
@@ -285,6 +328,32 @@ def clean_help_output(argv: list[str]):
         sys.stdout.write(clean_help(buffer.getvalue()))
 
 
+def plain_help(parser, prog: str) -> None:
+    """Prepare a subcommand parser's ``--help``: every help text without docstring markup
+    (:func:`clean_help`, before argparse wraps it, so no role is cut in two), the groups in reading
+    order (the model's arguments first, then the command's own and the config options, the trainer's
+    last) and a short usage line instead of one entry per option."""
+    for action in parser._actions:
+        if action.help:
+            action.help = clean_help(action.help)
+    for group in parser._action_groups:
+        group.description = clean_help(group.description) if group.description else group.description
+        group.title = clean_help(group.title) if group.title else group.title
+
+    def rank(group) -> int:
+        options = [option for action in group._group_actions for option in action.option_strings]
+        if any(option.startswith("--model") for option in options):
+            return 0
+        if any(option.startswith("--trainer") for option in options):
+            return 3
+        if any(option in ("--ckpt_path", "--config", "-c") for option in options):
+            return 1
+        return 2
+
+    parser._action_groups.sort(key=rank)  # stable: the rest keep their order
+    parser.usage = f"{prog} [--config FILE.yaml ...] [--model.KEY=VALUE ...] [--trainer.KEY=VALUE ...] [--print_config] (options below)"
+
+
 def run_lightning(argv: list[str], run: bool = True, raise_parse_errors: bool = False, from_sys_argv: bool = False):
     """``kdlab fit|validate|test ...`` (``argv`` starts with the subcommand): LightningCLI over
     :class:`~kdlab.stages.distill.DistillModule`, or over the LightningModule the config names.
@@ -293,7 +362,8 @@ def run_lightning(argv: list[str], run: bool = True, raise_parse_errors: bool = 
     stage_class = names_model_class(argv)
     import lightning.pytorch as pl
 
-    from kdlab.cli.console import choose_cpu_threads, quiet
+    from kdlab.cli.console import choose_cpu_threads
+    from kdlab.runlog import quiet
 
     quiet()
     # nothing but the config may reach stdout under --print_config (it is read back as YAML)
@@ -304,10 +374,13 @@ def run_lightning(argv: list[str], run: bool = True, raise_parse_errors: bool = 
 
     from kdlab.stages.distill import DistillModule
 
-    subcommand_kwargs = {"exit_on_error": not raise_parse_errors}
+    # allow_abbrev=False: --trainer.max_step=2 is an unknown key (with its nearest name), not max_steps
+    subcommand_kwargs = {"exit_on_error": not raise_parse_errors, "allow_abbrev": False}
     cli_args = argv[1:] if not run and argv[:1] in (["fit"], ["validate"], ["test"]) else (None if from_sys_argv else argv)
+    cli_class = lightning_cli_class()
+    cli_class.only_subcommand = argv[0]
     with clean_help_output(argv):
-        return lightning_cli_class()(
+        return cli_class(
             pl.LightningModule if stage_class else DistillModule,
             subclass_mode_model=stage_class,
             seed_everything_default=42,

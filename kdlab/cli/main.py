@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from kdlab import __version__
 from kdlab.cli.lightning import LIGHTNING_COMMANDS, overlay_hint, run_lightning
@@ -52,6 +53,59 @@ def top_help() -> str:
     return HELP.format(version=__version__, commands="\n".join(f"  {name.ljust(width)}  {text}" for name, text in COMMANDS.items()))
 
 
+HELP_CACHE_PACKAGES = ("lightning", "jsonargparse", "torch", "transformers", "docstring-parser")
+
+
+def help_cache_path(command: str) -> Path:
+    """Where ``kdlab <command> --help`` (no other option) is kept once rendered: a file in
+    ``$XDG_CACHE_HOME/kdlab`` (default ``~/.cache/kdlab``) named by a hash of every kdlab source file's
+    size and modification time and of the versions of the packages the parser reads signatures from, so
+    any change to them renders it again. Building it imports torch, transformers and Lightning (about 9 s
+    of CPU); reading it imports none of them."""
+    import hashlib
+    from importlib import metadata
+
+    digest = hashlib.sha256(f"{sys.version_info[:2]}{__version__}".encode())
+    package = Path(__file__).resolve().parents[1]
+    for path in sorted(package.rglob("*.py")):
+        stat = path.stat()
+        digest.update(f"{path.relative_to(package)}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    for name in HELP_CACHE_PACKAGES:
+        try:
+            digest.update(f"{name}={metadata.version(name)};".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{name}=none;".encode())
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kdlab"
+    return root / f"help-{command}-{digest.hexdigest()[:16]}.txt"
+
+
+def cached_help(argv: list[str], run) -> None:
+    """``kdlab fit|validate|test --help`` from :func:`help_cache_path`, rendered by ``run`` (which prints it
+    and exits) and stored the first time."""
+    import contextlib
+    import io
+
+    path = help_cache_path(argv[0])
+    if path.is_file():
+        sys.stdout.write(path.read_text(encoding="utf-8"))
+        raise SystemExit(0)
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            run()
+    except SystemExit as done:
+        sys.stdout.write(buffer.getvalue())
+        if not done.code:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = path.with_name(path.name + f".{os.getpid()}.partial")
+                partial.write_text(buffer.getvalue(), encoding="utf-8")
+                partial.replace(path)
+            except OSError:  # a read-only home: the help is still printed, just not kept
+                pass
+        raise
+
+
 def main(args: list[str] | None = None, run: bool = True, raise_parse_errors: bool = False):
     """``kdlab generate ...`` writes teacher data; every other subcommand is LightningCLI's
     (``run=False``: parse and instantiate the model and trainer, then return without running).
@@ -69,7 +123,7 @@ def main(args: list[str] | None = None, run: bool = True, raise_parse_errors: bo
 
         from kdlab.rollouts.teacher_data import generate_teacher_data
 
-        return auto_cli(generate_teacher_data, args=argv[1:])
+        return auto_cli(generate_teacher_data, args=argv[1:], allow_abbrev=False)
     if argv[:1] == ["sweep"]:
         from kdlab.study.sweep import main as sweep
 
@@ -87,7 +141,7 @@ def main(args: list[str] | None = None, run: bool = True, raise_parse_errors: bo
 
         from kdlab.cli.prune import prune_checkpoint
 
-        return auto_cli(prune_checkpoint, args=argv[1:])
+        return auto_cli(prune_checkpoint, args=argv[1:], allow_abbrev=False)
     if argv[:1] == ["report"]:
         from kdlab.study.report import main as report
 
@@ -96,6 +150,8 @@ def main(args: list[str] | None = None, run: bool = True, raise_parse_errors: bo
         from kdlab.cli.config_errors import ConfigError, nearest
 
         raise ConfigError(f"unknown command {argv[0]!r}{nearest(argv[0], list(COMMANDS))}; kdlab --help lists them")
+    if len(argv) == 2 and argv[0] in LIGHTNING_COMMANDS and argv[1] in ("-h", "--help"):
+        return cached_help(argv, lambda: run_lightning(argv, run=run, raise_parse_errors=raise_parse_errors, from_sys_argv=args is None))
     return run_lightning(argv, run=run, raise_parse_errors=raise_parse_errors, from_sys_argv=args is None)
 
 

@@ -3,7 +3,8 @@
 Resuming (``kdlab fit --config X.yaml --ckpt_path <run>/checkpoints/<file>.ckpt``) continues in the run
 directory the checkpoint came from (:func:`resume_version`), after :func:`trim_logs` removed what the
 interrupted run logged after the checkpoint was written, so the run's TensorBoard scalars,
-``metrics.jsonl`` and ``samples/`` end up as an uninterrupted run's, step for step."""
+``metrics.jsonl`` and ``samples/`` end up as an uninterrupted run's, step for step. ``metrics.jsonl`` and
+event files are rewritten through a temporary file and a rename (:func:`kdlab.runlog.rewrite_file`)."""
 
 from __future__ import annotations
 
@@ -43,17 +44,23 @@ def log_position(ckpt_path: str | Path) -> dict[str, Any] | None:
 
 def trim_logs(log_dir: str | Path, position: dict[str, Any]) -> dict[str, int]:
     """Remove from ``log_dir`` what a run logged after the checkpoint at ``position`` was written and a
-    run resumed from it logs again: TensorBoard events written after the save at a logger step >= the
-    next batch's (``position["step"]``); ``metrics.jsonl`` lines appended after the save at such a logger step
-    (Lightning's ``self.log`` lines, which carry ``epoch``) or at a global step beyond the checkpoint's
-    (kdlab's :func:`~kdlab.runlog.log_metrics` lines); ``samples/*-stepNNNNNN*.jsonl`` files written after the save for such a step.
-    Lines and events from before the save stay, so do values logged after it that the resumed run does
-    not repeat (the checkpoint batch's own scalars). Returns the counts removed."""
+    run resumed from it logs again: scalars written after the save for a step after the checkpoint's
+    (TensorBoard events, ``metrics.jsonl`` lines) and ``samples/*-stepNNNNNN*.jsonl`` files written after
+    the save for such a step. A step after the checkpoint's is one beyond ``position["global_step"]`` (the
+    optimiser steps it holds, every number's step since kdlab logs at optimiser steps:
+    :func:`kdlab.runlog.log_at_optimiser_steps`); for Lightning's lines of a run from before that (they
+    carry ``epoch`` and no ``"steps": "optimiser"``; events when ``position`` lacks ``"steps"``) one at or
+    beyond ``position["step"]``, the logger step of the next batch. Lines and events from before the save
+    stay, so do values logged after it that the resumed run does not repeat (the checkpoint batch's own
+    scalars). Returns the counts removed."""
+    from kdlab.runlog import STEPS_MARK, rewrite_file
+
     log_dir = Path(log_dir)
     saved, step, global_step = float(position["time"]), int(position["step"]), int(position["global_step"])
+    first_late_event = global_step + 1 if position.get(STEPS_MARK[0]) == STEPS_MARK[1] else step
     removed = {"events": 0, "metrics_lines": 0, "samples": 0}
     for events in sorted(log_dir.glob("events.out.tfevents.*")):
-        removed["events"] += _trim_event_file(events, saved, step)
+        removed["events"] += _trim_event_file(events, saved, first_late_event)
     metrics = log_dir / "metrics.jsonl"
     if metrics.is_file():
         data = metrics.read_bytes()
@@ -62,15 +69,15 @@ def trim_logs(log_dir: str | Path, position: dict[str, Any]) -> dict[str, int]:
         for line in tail.decode("utf-8", errors="replace").splitlines(keepends=True):
             try:
                 row = json.loads(line)
-                # Lightning's own lines (``self.log``; it adds ``epoch``) are at the logger step, kdlab's at the global step
-                late = int(row["step"]) >= step if "epoch" in row else int(row["step"]) > global_step
+                old_lightning_line = "epoch" in row and row.get(STEPS_MARK[0]) != STEPS_MARK[1]
+                late = int(row["step"]) >= step if old_lightning_line else int(row["step"]) > global_step
             except (ValueError, KeyError, TypeError):
                 late = False
             removed["metrics_lines"] += late
             if not late:
                 kept.append(line)
         if removed["metrics_lines"]:
-            metrics.write_bytes(head + "".join(kept).encode("utf-8"))
+            rewrite_file(metrics, head + "".join(kept).encode("utf-8"))
     for sample in sorted((log_dir / "samples").glob("*.jsonl")):
         match = re.search(r"-step(\d+)", sample.name)
         if match and int(match.group(1)) > global_step and sample.stat().st_mtime > saved:

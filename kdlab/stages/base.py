@@ -7,7 +7,9 @@ that starts from it), on a :class:`~kdlab.tasks.base.Task`. This base class give
   ``val``/``test`` use the first ``val_examples`` held-out examples;
 * seeded, resumable random streams per step (:meth:`TaskStage.step_seed`);
 * evaluation: ``<split>/accuracy`` (mean task score over ``eval_samples`` completions per prompt at
-  ``val_temperature``), ``<split>/pass@k`` and a per-example JSONL under ``<log_dir>/samples/``;
+  ``val_temperature``), ``<split>/pass@k`` and a per-example JSONL under ``<log_dir>/samples/``; a fit
+  that ``max_steps`` ends before its first ``val_check_interval`` validates after its last step
+  (:class:`ValidateLastStep`), so a shortened run keeps its evaluation;
 * ``run_info.json`` provenance at fit start and the data position in every checkpoint;
 * on a CUDA device, TF32 for fp32 matmuls from fit start (``torch.set_float32_matmul_precision("high")``
   unless already set otherwise; ``TaskStage.float32_matmul_precision = None`` keeps torch's setting).
@@ -31,7 +33,7 @@ from kdlab.evaluation.metrics import PassAtK
 from kdlab.evaluation.scoring import completion_texts
 from kdlab.provenance import write_run_info
 from kdlab.rollouts.decoding import stop_strings_check
-from kdlab.runlog import metrics_file, run_directory, write_samples
+from kdlab.runlog import STEPS_MARK, Console, log_at_optimiser_steps, metrics_file, quiet, run_directory, write_samples
 from kdlab.stages.loaders import EpochShuffle, ResumableLoader
 from kdlab.stages.optim import FiniteAdamW
 from kdlab.stages.sharding import fsdp1_root, global_grad_norm, require_gradient_sync, shard_fsdp2, wrap_fsdp1
@@ -43,6 +45,31 @@ def use_float32_matmul_precision(device: torch.device, precision: str | None = "
     torch's setting is still its default ("highest"); else nothing."""
     if precision is not None and torch.device(device).type == "cuda" and torch.get_float32_matmul_precision() == "highest":
         torch.set_float32_matmul_precision(precision)
+
+
+class ValidateLastStep(pl.Callback):
+    """Validation after the last optimiser step of a fit that ``max_steps`` ends before its first
+    ``val_check_interval``: ``--trainer.max_steps=20`` with ``val_check_interval: 150`` would otherwise
+    end without ``val/accuracy`` or ``samples/``, silently; a line at the start says that it validates at
+    the end instead. A run long enough to reach its interval validates where the interval says, as
+    before; validation the trainer disables (``limit_val_batches: 0``) stays off. It asks for the stop
+    Lightning makes anyway at ``max_steps`` (``trainer.should_stop``), which Lightning validates before."""
+
+    def __init__(self) -> None:
+        self.active = False
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        interval, steps = trainer.val_check_batch, trainer.max_steps  # batches between validations (set by now)
+        batches = (steps or 0) * max(1, int(trainer.accumulate_grad_batches or 1))
+        self.active = bool(steps and steps > 0 and interval is not None and interval != float("inf")
+                           and interval > batches and trainer.limit_val_batches != 0)
+        if self.active and trainer.is_global_zero:
+            print(f"[kdlab] validation after the last step ({steps}): val_check_interval ({interval:g} batches) "
+                  f"is beyond max_steps={steps} ({batches} batches)", flush=True)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if self.active and trainer.global_step >= trainer.max_steps:
+            trainer.should_stop = True
 
 
 class TaskStage(pl.LightningModule):
@@ -84,6 +111,7 @@ class TaskStage(pl.LightningModule):
         stop_strings: list[str] | None = None,
     ) -> None:
         super().__init__()
+        quiet()  # before the models load and the Trainer is made: a notebook's run prints what kdlab fit's does
         for name, value in (
             ("batch_size", batch_size),
             ("max_prompt_tokens", max_prompt_tokens),
@@ -231,10 +259,19 @@ class TaskStage(pl.LightningModule):
             raise ValueError(f"{type(self).__name__} can train on no train example of {type(self.task).__name__}{source}")
         return kept
 
+    def configure_callbacks(self) -> list[pl.Callback]:
+        """:class:`ValidateLastStep` (a fit shorter than its validation interval evaluates its final weights)
+        and, unless the trainer has one (``kdlab fit`` adds it), :class:`~kdlab.runlog.Console`: a notebook's
+        ``Trainer.fit`` prints the run directory and ends with the summary ``kdlab fit`` prints."""
+        console = [] if any(isinstance(callback, Console) for callback in self.trainer.callbacks) else [Console()]
+        return [ValidateLastStep(), *console]
+
     def setup(self, stage: str) -> None:
         """Attach the run's :class:`~kdlab.runlog.MetricsFile` (every ``self.log`` value and every
-        callback number lands in ``metrics.jsonl``) and, for a fit, check the training examples."""
+        callback number lands in ``metrics.jsonl``), log Lightning's lines at optimiser steps like every
+        other number (:func:`~kdlab.runlog.log_at_optimiser_steps`) and, for a fit, check the training examples."""
         metrics_file(self.trainer)
+        log_at_optimiser_steps(self.trainer)
         if stage == "fit":
             self.training_examples()
 
@@ -391,6 +428,7 @@ class TaskStage(pl.LightningModule):
                 "global_step": self.trainer.global_step,
                 "time": time.time(),
                 "metrics_bytes": metrics.stat().st_size if metrics.is_file() else 0,
+                STEPS_MARK[0]: STEPS_MARK[1],  # this run logs at optimiser steps (kdlab.cli.resume.trim_logs)
             }
 
     def _next_log_step(self) -> int:

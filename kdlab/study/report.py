@@ -46,7 +46,8 @@ TeacherDatasetRollouts, CachedTeacherRollouts, or MixtureRollouts at lam = -1) o
 or lam = 1), full-vocabulary ForwardKL or ReverseKL, and, for numbers the paper gives per learning rate, the "low" (paper: 1e-5) or "high"
 (5e-5) rate. The tiny world uses other rates, so ``--low_lr`` / ``--high_lr`` map them; by default, of
 exactly two learning rates the smaller is low, otherwise only 1e-5 and 5e-5 themselves are mapped.
-Figures need matplotlib: ``pip install 'kdlab[report]'``.
+Figures need matplotlib: ``pip install 'kdlab[report]'``; without it the tables are written and the report
+names the figures it skipped.
 """
 
 from __future__ import annotations
@@ -130,7 +131,11 @@ class _Report:
     """Collects the Markdown lines, CSV files and figures of one report, section by section."""
 
     def __init__(self, runs: list[RunResult], output: Path, levels: dict[float, str]) -> None:
-        self.new_figure = _figure_factory()  # fails before any work when matplotlib is missing
+        try:
+            self.new_figure = _figure_factory()
+        except ImportError:  # no matplotlib: the tables only, the figures named as skipped (skipped_figures)
+            self.new_figure = None
+        self.skipped_figures: list[str] = []
         self.runs, self.output, self.levels = runs, output, levels
         self.groups = group_runs(runs, levels)
         self.with_other = any(group.other for group in self.groups)
@@ -181,9 +186,17 @@ class _Report:
         self.csv(csv_name, shown, metrics)
         return shown
 
+    def drawing(self, name: str) -> bool:
+        """Whether figure ``name`` can be drawn (matplotlib is installed); else it is noted as skipped."""
+        if self.new_figure is None:
+            self.skipped_figures.append(name)
+        return self.new_figure is not None
+
     def lam_figure(self, name: str, lines: list[tuple[str, list[Group], str]], ylabel: str, title: str, text_size: tuple[int, int]) -> None:
         """A figure of percent metrics against ``lam``: one line per ``(label, configurations sorted by
         lam, metric)``, error bars from :func:`error_bars`; ``text_size`` is (title, legend) font size."""
+        if not self.drawing(name):
+            return
         fig = self.new_figure(figsize=(6, 4))
         ax = fig.add_subplot()
         plotted = []
@@ -251,7 +264,7 @@ class _Report:
                 ),
             ]
         shown = [g for g in self.groups if g.stats("val/accuracy")]
-        if shown:
+        if shown and self.drawing("accuracy"):
             self.figures["accuracy"] = self.accuracy_figure(shown)
 
     def spectrum(self) -> None:
@@ -317,17 +330,19 @@ class _Report:
         shown = self.metric_section("RLVR reward (last value; whole curves in rlvr_curves.csv and the figures)", metrics, "rlvr.csv")
         rows = []
         for metric in metrics:
-            fig = self.new_figure(figsize=(7, 4))
-            ax = fig.add_subplot()
+            fig = self.new_figure(figsize=(7, 4)) if self.drawing(metric.replace("/", "-")) else None
+            ax = fig.add_subplot() if fig is not None else None
             for index, g in enumerate(shown):
                 for number, run in enumerate(r for r in g.runs if metric in r.series):
                     steps, values = zip(*run.series[metric])
-                    ax.plot(steps, values, color=f"C{index % 10}", alpha=0.8, label=wrap(group_label(g), LABEL_WIDTH) if number == 0 else None)
+                    if ax is not None:
+                        ax.plot(steps, values, color=f"C{index % 10}", alpha=0.8, label=wrap(group_label(g), LABEL_WIDTH) if number == 0 else None)
                     lam = "" if g.lam is None else g.lam
                     rows += [[str(run.path), g.task, g.rollout, lam, g.objective, g.lr, run.seed, metric, s, v] for s, v in run.series[metric]]
-            ax.set(xlabel="step", ylabel=metric, title=metric)
-            ax.legend(fontsize=7)
-            self.figures[metric.replace("/", "-")] = fig
+            if fig is not None:
+                ax.set(xlabel="step", ylabel=metric, title=metric)
+                ax.legend(fontsize=7)
+                self.figures[metric.replace("/", "-")] = fig
         header = ["run", "task", "rollout", "lam", "objective", "lr", "seed", "metric", "step", "value"]
         write_csv(self.output / "rlvr_curves.csv", header, rows)
 
@@ -394,6 +409,10 @@ def write_report(
     report.every_run()
     if report.figures:
         report.md += ["", "## Figures", "", *(f"![{name}]({name}.png)" for name in report.figures)]
+    if report.skipped_figures:
+        skipped_figures = f"figures not drawn, matplotlib is not installed (pip install 'kdlab[report]'): {', '.join(report.skipped_figures)}"
+        report.md += ["", skipped_figures[0].upper() + skipped_figures[1:] + "."]
+        print(f"[report] {skipped_figures}", file=sys.stderr)
     text = "\n".join(report.md) + "\n"
     path = output / "report.md"
     path.write_text(text, encoding="utf-8")

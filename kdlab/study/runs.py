@@ -271,14 +271,16 @@ DONE_MARKERS = ("DONE", "checkpoints/final.ckpt")  # kdlab sweep's summary; the 
 def run_status(run_dir: Path, config: dict[str, Any], series: dict[str, list[tuple[int, float]]]) -> tuple[str, str]:
     """``(unfinished, flag)``: ``unfinished`` says why a run did not finish ("" when it did), ``flag`` a
     caveat. A run with a done marker (``DONE``, ``checkpoints/final.ckpt``) finished; one without, whose
-    last logged step is before ``trainer.max_steps - 1`` (Lightning logs step s's scalars at s - 1), did
-    not (interrupted, crashed or still running); one without a marker or ``max_steps`` is flagged."""
+    last logged step, in optimiser steps (:func:`kdlab.runlog.metrics_lines`; a run's TensorBoard-only
+    scalars are at Lightning's logger step, one lower), is before ``trainer.max_steps``, did not
+    (interrupted, crashed or still running); one without a marker or ``max_steps`` is flagged."""
     if any((run_dir / marker).is_file() for marker in DONE_MARKERS):
         return "", ""
     max_steps = (config.get("trainer") or {}).get("max_steps") if isinstance(config.get("trainer"), dict) else None
-    last = max((points[-1][0] for points in series.values() if points), default=None)
+    steps = [step for step, _, _ in metrics_lines(Path(run_dir, METRICS_FILE), optimiser_steps=True)]
+    last = max(steps, default=None) if steps else max((points[-1][0] + 1 for points in series.values() if points), default=None)
     if type(max_steps) is int and max_steps > 0:
-        if last is None or last < max_steps - 1:
+        if last is None or last < max_steps:
             logged = "nothing logged" if last is None else f"last logged step {last}"
             return f"unfinished: no done marker ({' or '.join(DONE_MARKERS)}) and {logged} of max_steps={max_steps}", ""
         return "", ""
