@@ -72,7 +72,7 @@ CLI_CASES = {
     "21": (RLVR + ["--model.init_args.policy.checkpoint={tmp}/missing.ckpt"], "policy.checkpoint"),
     "22": (RLVR + ["--model.init_args.group_size=1"], "GRPOModule.group_size must be >= 2"),
     "24": (FIT + CACHED + ["--model.rollout.teacher_cache={tmp}/missing.pt"], "CachedTeacherRollouts.teacher_cache: no such file"),
-    "25": (FIT + ["--model.rollout=kdlab.rollouts.VLLMRollouts"], "VLLMRollouts needs vLLM"),
+    "25": (FIT + ["--model.rollout=kdlab.rollouts.VLLMRollouts"], "model.rollout.class_path='kdlab.rollouts.VLLMRollouts' needs vllm, which is not installed: pip install 'kdlab[vllm]'"),
     "27": (FIT + ["--model.rollout=kdlab.rollouts.VLLMRollouts", "--model.rollout.model=student", "--model.rollout.tensor_parallel_size=2"],
            "VLLMRollouts"),
     "30": (RLVR + [CALLBACK + "kdlab.callbacks.StyleTransfer", "--trainer.callbacks.tasks=[{class_path: kdlab.tasks.Addition}]"],
