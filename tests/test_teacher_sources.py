@@ -372,3 +372,18 @@ def test_kdlab_estimate_reads_the_committed_several_teachers_overlay():
     config = fit_config([f"--config={ROOT / 'experiments/tiny/quickstart.yaml'}", f"--config={ROOT / 'experiments/tiny/multi_teacher.yaml'}"])
     specs, cached = teacher_models(config["model"])
     assert [spec.path for spec in specs] == ["kdlab://tiny/teacher", "kdlab://tiny/student"] and not cached
+
+
+def test_a_served_teacher_writes_the_evaluation_completions_an_in_process_one_writes(tmp_path):
+    """The evaluating callbacks' teacher samples (``TeacherSource.texts``) from a served teacher: greedy, they are the
+    in-process teacher's texts."""
+    from kdlab.rollouts.loopback import LoopbackServer
+    from kdlab.rollouts.served import ServedTeacher
+
+    examples = task().examples("val")[:3]
+    local = module(TEACHER, rollout=TeacherRollouts()).teacher_source
+    expected = local.texts(task(), examples, torch.device("cpu"), temperature=0.0, max_new_tokens=6, batch_size=4)
+    with LoopbackServer(TEACHER, name="tiny-teacher") as server:
+        source = module(Served(ServedTeacher(server.url, "tiny-teacher", TEACHER, timeout_s=10.0, retries=0)), rollout=TeacherRollouts()).teacher_source
+        served = source.texts(task(), examples, torch.device("cpu"), temperature=0.0, max_new_tokens=6, batch_size=4)
+    assert served == expected and all(isinstance(text, str) for text in served)
