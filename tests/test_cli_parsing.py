@@ -95,8 +95,9 @@ def test_fit_help_is_led_by_the_models_arguments_in_plain_text_with_a_short_usag
         assert markup not in out, markup
 
 
-def test_fit_builds_only_the_parser_of_its_subcommand():
-    """kdlab fit no longer builds validate's, test's and predict's parsers (most of --help's time)."""
+def test_fit_builds_only_the_parser_of_its_subcommand(tmp_path):
+    """kdlab fit no longer builds validate's, test's and predict's parsers (most of --help's time). An empty help cache
+    (XDG_CACHE_HOME), or --help prints a cached render and builds no parser at all."""
     code = (
         "import sys\nfrom kdlab.cli import lightning\nseen = []\n"
         "cls = lightning.lightning_cli_class()\nreal = cls._prepare_subcommand_parser\n"
@@ -105,7 +106,7 @@ def test_fit_builds_only_the_parser_of_its_subcommand():
         "try:\n    main(['fit', '--help'])\nexcept SystemExit:\n    pass\nprint('SEEN', seen, file=sys.stderr)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(tmp_path)})
     assert "SEEN ['fit']" in result.stderr, result.stderr[-2000:]
 
 
