@@ -201,7 +201,7 @@ def test_the_header_command_runs_two_steps_from_a_fresh_folder(name, tmp_path):
         args = [*args, *(f"--{key}={value}" for key, value in SHORT.items())]
     if server_command(path):
         server = LoopbackServer(server_command(path), folder)
-        args.append(f"--model.served_teacher.init_args.url={server.url}")
+        args.append(f"--model.teacher.init_args.server.init_args.url={server.url}")  # the server on its free port
     try:
         output = kdlab(args, folder)
     finally:
