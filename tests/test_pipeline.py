@@ -131,3 +131,16 @@ def test_rlvr_seeds_choose_the_distillation_runs_rlvr_starts_from(tmp_path):
         load_pipeline(smoke_file(tmp_path, rlvr_seeds="42"))
     main(["pipeline", "--config", str(smoke_file(tmp_path, rlvr_seeds=[]))])  # distillation only: no chain
     assert len([p for p in (tmp_path / "out" / "distill").iterdir() if p.is_dir()]) == 2 and not (tmp_path / "out" / "rlvr").exists()
+
+
+def test_rlvr_where_chooses_the_distillation_runs_by_their_grid_values(tmp_path):
+    teacher = {"class_path": "kdlab.rollouts.TeacherRollouts"}
+    pipeline = load_pipeline(smoke_file(tmp_path, rlvr_where={"model.rollout": teacher}))
+    chosen = [run.name for run in expand(pipeline.distill) if pipeline.chains_from(run)]
+    assert chosen == ["rollout=TeacherRollouts-seed=42"]
+    with pytest.raises(ValueError, match=r"rlvr_where.model.lr is not a key of distill.grid"):
+        load_pipeline(smoke_file(tmp_path, rlvr_where={"model.lr": 1.0e-4}))
+    with pytest.raises(ValueError, match=r"rlvr_where.model.rollout=.* is not one of distill.grid.model.rollout's values"):
+        load_pipeline(smoke_file(tmp_path, rlvr_where={"model.rollout": {"class_path": "kdlab.rollouts.Mixture"}}))
+    with pytest.raises(ValueError, match="'rlvr_where' must be a mapping"):
+        load_pipeline(smoke_file(tmp_path, rlvr_where=[1]))

@@ -17,6 +17,7 @@ A pipeline file is plain YAML::
     policy_key: model.policy.checkpoint # the RLVR config key that receives that path
     distill_dir: distill                # the folder under <output> of the distillation runs (e.g. hard)
     rlvr_seeds: [42, 43]                # RLVR only from the distillation runs of these seeds (default: all)
+    rlvr_where: {model.lr: 1.0e-4}      # ... and only from those whose grid values are these (default: all)
 
 Both stages keep the sweep's rules: finished runs (``DONE``) are skipped, interrupted ones resume from
 their newest checkpoint (``on_exception.ckpt`` or ``last.ckpt``), a failed run is recorded and the rest go on (exit status 1 at the end). An
@@ -44,7 +45,7 @@ from kdlab.study.grid import FILE_KEYS as SWEEP_KEYS
 from kdlab.study.grid import Sweep, expand, read_mapping_file
 from kdlab.study.sweep import run_sweep
 
-PIPELINE_KEYS = ("output", "distill", "rlvr", "checkpoint", "policy_key", "distill_dir", "rlvr_seeds")
+PIPELINE_KEYS = ("output", "distill", "rlvr", "checkpoint", "policy_key", "distill_dir", "rlvr_seeds", "rlvr_where")
 STAGE_KEYS = tuple(key for key in SWEEP_KEYS if key != "output")
 
 
@@ -57,10 +58,14 @@ class Pipeline:
     policy_key: str = "model.policy.checkpoint"
     distill_dir: str = "distill"
     rlvr_seeds: list[int] | None = None
+    rlvr_where: dict[str, Any] | None = None
 
     def chains_from(self, run: Any) -> bool:
-        """Whether an RLVR stage starts from distillation run ``run`` (a :class:`~kdlab.study.grid.Run`)."""
-        return self.rlvr_seeds is None or run.seed in self.rlvr_seeds
+        """Whether an RLVR stage starts from distillation run ``run`` (a :class:`~kdlab.study.grid.Run`): its seed
+        is one of ``rlvr_seeds`` and its grid values include ``rlvr_where``'s (each default: every run)."""
+        if self.rlvr_seeds is not None and run.seed not in self.rlvr_seeds:
+            return False
+        return all(run.settings.get(key) == value for key, value in (self.rlvr_where or {}).items())
 
     def rlvr_sweep(self, distilled: str) -> Sweep:
         """The RLVR sweep that starts from distillation run ``distilled``."""
@@ -97,6 +102,16 @@ def load_pipeline(path: str | Path) -> Pipeline:
     rlvr_seeds = data.get("rlvr_seeds")
     if rlvr_seeds is not None and (not isinstance(rlvr_seeds, list) or not all(type(seed) is int for seed in rlvr_seeds)):
         raise ValueError(f"{path}: 'rlvr_seeds' must be a list of integer seeds, got {rlvr_seeds!r}")
+    rlvr_where = data.get("rlvr_where")
+    grid = distill.get("grid") or {}
+    if rlvr_where is not None:
+        if not isinstance(rlvr_where, dict) or not rlvr_where:
+            raise ValueError(f"{path}: 'rlvr_where' must be a mapping of distill grid keys to one of their values, got {rlvr_where!r}")
+        for key, value in rlvr_where.items():
+            if key not in grid:
+                raise ValueError(f"{path}: rlvr_where.{key} is not a key of distill.grid ({', '.join(grid) or 'none'})")
+            if value not in grid[key]:
+                raise ValueError(f"{path}: rlvr_where.{key}={value!r} is not one of distill.grid.{key}'s values {grid[key]!r}")
     try:
         pipeline = Pipeline(
             output=data["output"],
@@ -106,6 +121,7 @@ def load_pipeline(path: str | Path) -> Pipeline:
             policy_key=policy_key,
             distill_dir=distill_dir,
             rlvr_seeds=rlvr_seeds,
+            rlvr_where=rlvr_where,
         )
         pipeline.rlvr_sweep("check")  # the RLVR stage's settings are checked before anything runs
         unknown = sorted(set(rlvr_seeds or ()) - {run.seed for run in expand(pipeline.distill)})
