@@ -210,6 +210,9 @@ DESCRIPTIONS = {
     "ood/mean_delta": "OODForgetting: mean change on the earlier skills, in points",
     "ood/mean": "OODForgetting: mean accuracy on the earlier skills, in percent",
     "sparsity/": "UpdateSparsity: share of parameters that moved less than tau",
+    "style/log_odds_spanish_share": "StyleLogOdds: share of prompts where the Spanish answer is likelier than the English",
+    "style/log_odds_delta": "StyleLogOdds: change of the log-odds since the start of fit, nats per token",
+    "style/log_odds": "StyleLogOdds: log-odds of a Spanish over an English correct answer, nats per token",
     "style/": "StyleTransfer: share of responses primarily in Spanish",
     "rlvr/reward": "RLVR: mean reward of the step's rollouts",
     "train/loss": "training loss of the last step",
@@ -230,7 +233,8 @@ def describe(name: str) -> str | None:
 
 
 def _value(name: str, value: float) -> str:
-    if name.startswith(("ood/", "rlvr/", "train/")) or (name.startswith("heldout_kl/") and not name.endswith("_closed")):
+    log_odds = name.startswith("style/log_odds") and not name.startswith("style/log_odds_spanish_share")
+    if name.startswith(("ood/", "rlvr/", "train/")) or log_odds or (name.startswith("heldout_kl/") and not name.endswith("_closed")):
         return f"{value:.4g}"
     return f"{100 * value:.1f}%"
 

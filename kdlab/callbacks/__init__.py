@@ -4,6 +4,7 @@
 * :mod:`kdlab.callbacks.sparsity`: ``UpdateSparsity``;
 * :mod:`kdlab.callbacks.evaluations`: ``OODForgetting``, ``StyleTransfer``, ``Coverage``;
 * :mod:`kdlab.callbacks.heldout_kl`: ``HeldOutKL``;
+* :mod:`kdlab.callbacks.style_log_odds`: ``StyleLogOdds``;
 * :mod:`kdlab.callbacks.monitors`: ``RolloutSensitivity``, ``RewardCollapse``;
 * :mod:`kdlab.callbacks.checkpoints`: ``FinalCheckpoint``, ``ExceptionCheckpoint`` (Lightning's ``OnExceptionCheckpoint``).
 """
@@ -13,8 +14,9 @@ from kdlab.callbacks.evaluations import Coverage, OODForgetting, StyleTransfer
 from kdlab.callbacks.heldout_kl import HeldOutKL
 from kdlab.callbacks.monitors import RewardCollapse, RolloutSensitivity
 from kdlab.callbacks.sparsity import UpdateSparsity
+from kdlab.callbacks.style_log_odds import StyleLogOdds
 
-__all__ = ["UpdateSparsity", "OODForgetting", "StyleTransfer", "Coverage", "HeldOutKL", "RolloutSensitivity", "RewardCollapse", "FinalCheckpoint", "ExceptionCheckpoint"]
+__all__ = ["UpdateSparsity", "OODForgetting", "StyleTransfer", "Coverage", "HeldOutKL", "StyleLogOdds", "RolloutSensitivity", "RewardCollapse", "FinalCheckpoint", "ExceptionCheckpoint"]
 
 
 def __getattr__(name: str):

@@ -74,3 +74,6 @@ class Addition(Task):
 
     def reference_completion(self, example: Example) -> str:
         return f"<answer>{example['a'] + example['b']}</answer>"
+
+    def gold_answer(self, example: Example) -> str:
+        return str(example["a"] + example["b"])

@@ -36,8 +36,11 @@ class Task(Component):
             (``None``: the same).
         teacher_instruction: text appended to the teacher's user message only, e.g. the paper's
             "reason only in Spanish" instruction (``None``: nothing).
-        teacher_demonstration: show the teacher a correct worked response (the task's
-            :meth:`reference_completion`) before the question, as the paper's style experiment did.
+        teacher_demonstration: show the teacher a correct worked response before the question, as the paper's
+            style experiment did: ``True`` shows the task's :meth:`reference_completion`; a string is a template
+            filled with the example's fields and ``{answer}`` (:meth:`gold_answer`), e.g. a worked answer in the
+            language the teacher should write (``"Ejemplo de respuesta correcta: {a} + {b} = {answer}."``),
+            shown as written.
     """
 
     default_system_prompt: str = ""
@@ -48,7 +51,7 @@ class Task(Component):
         chat_template: bool = True,
         teacher_system_prompt: str | None = None,
         teacher_instruction: str | None = None,
-        teacher_demonstration: bool = False,
+        teacher_demonstration: bool | str = False,
     ) -> None:
         super().__init__()
         self.system_prompt = self.default_system_prompt if system_prompt is None else system_prompt
@@ -78,6 +81,11 @@ class Task(Component):
 
     def reference_completion(self, example: Example) -> str | None:
         """A correct response for ``example`` if the task can write one (used to train tiny teachers)."""
+        return None
+
+    def gold_answer(self, example: Example) -> str | None:
+        """The correct answer of ``example`` as text (the number a numeric task wants), if the task knows it: what
+        a string ``teacher_demonstration`` and answer templates (:class:`~kdlab.callbacks.StyleLogOdds`) fill in."""
         return None
 
     # ---- shared behaviour --------------------------------------------------------------------
@@ -111,7 +119,9 @@ class Task(Component):
         """
         system = self.system_prompt if self.teacher_system_prompt is None else self.teacher_system_prompt
         user = self.user_prompt(example)
-        if self.teacher_demonstration:
+        if isinstance(self.teacher_demonstration, str):
+            user = f"{fill_answer_template(self, example, self.teacher_demonstration, 'teacher_demonstration')}\n\n{user}"
+        elif self.teacher_demonstration:
             demonstration = self.reference_completion(example)
             if demonstration is None:
                 raise ValueError(
@@ -134,6 +144,19 @@ class Task(Component):
                 )
             return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return "\n\n".join(message["content"] for message in messages) + "\n"
+
+
+def fill_answer_template(task: Task, example: Example, template: str, setting: str) -> str:
+    """``template`` filled with ``example``'s fields and ``answer`` (``task.gold_answer(example)``); a ``ValueError``
+    names ``setting`` when the task has no gold answer or the template names a field the example lacks."""
+    answer = task.gold_answer(example)
+    if answer is None:
+        raise ValueError(f"{type(task).__name__}.gold_answer gives nothing for example {example.get('id')!r}: {setting} needs the answer")
+    try:
+        return template.format(**{**example, "answer": answer})
+    except (KeyError, IndexError) as error:
+        fields = ", ".join(sorted({*example, "answer"}))
+        raise ValueError(f"{setting} {template!r} names {error} which {type(task).__name__} examples lack (fields: {fields})") from None
 
 
 def last_tagged(text: str, tag: str = "answer") -> str | None:

@@ -65,6 +65,9 @@ class _Skill(Task):
     def reference_completion(self, example: Example) -> str:
         return f"<answer>{self.answer(example)}</answer>"
 
+    def gold_answer(self, example: Example) -> str:
+        return self.answer(example)
+
 
 class Sorting(_Skill):
     """Sort a list of 3-6 (``lengths``) single-digit numbers in ascending order: ``3 1 2`` -> ``1 2 3``."""
