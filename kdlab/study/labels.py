@@ -28,6 +28,7 @@ OOD_MARGIN = 2.0  # equivalence margin of the OOD change (logged in points)
 COLLAPSED = "collapsed"
 COLLAPSE_ACCURACY = 0.05  # a style student below 5% held-out accuracy has not learned the task ...
 COLLAPSE_OOD = 50.0  # ... and one below 50 points of mean accuracy on its earlier skills has lost them
+COLLAPSE_DROP = 0.10  # where the student's own accuracy before training is known: a drop of more than 10 points
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,15 @@ def row_word(claims: list[Claim]) -> str:
     if len(by_label) <= 1:
         return next(iter(by_label), NOT_DISTINGUISHABLE)
     return "; ".join(f"{word}: {', '.join(names)}" for word, names in by_label.items())
+
+
+def collapse_by_drop(accuracy: float | None, before: float | None) -> str | None:
+    """Why a (style) student counts as collapsed when its accuracy before training is known, or None: its held-out
+    accuracy (a fraction) fell by more than :data:`COLLAPSE_DROP` from ``before`` (the same student, the same prompts,
+    before training). A task the student half-solves keeps its floor where the student started, not at 5%."""
+    if accuracy is None or before is None or before - accuracy <= COLLAPSE_DROP:
+        return None
+    return f"accuracy {100 * before:.1f}% -> {100 * accuracy:.1f}%, a drop of more than {100 * COLLAPSE_DROP:g} points"
 
 
 def collapse_reason(accuracy: float | None, ood_mean: float | None) -> str | None:
