@@ -629,3 +629,38 @@ def test_the_style_alone_design_tests_log_odds_paired_by_seed_and_judges_collaps
                               f"{COLLAPSED}: OnPD forward - OnPD reverse, low LR (log-odds)"
     assert "(collapsed: accuracy 70.0% -> 55.0%, a drop of more than 10 points)" in dropped.tiny
     assert collapse_by_drop(0.6, 0.7) is None and collapse_by_drop(None, 0.7) is None and collapse_by_drop(0.59, 0.7)
+
+
+def test_a_reasoning_study_reads_the_harder_set_and_rlvr_from_coverage_paired_on_seeds_and_chains(tmp_path):
+    """The reasoning world's layout: the main grid's runs log coverage/harder/pass@k, RLVR chains (from the low-LR
+    runs of seeds 42-44) log it before and after. OnPD's edge of 10 points at pass@32 before RLVR (the same in every
+    seed: the paired interval has no spread), gone after it; the difference in differences pairs each chain."""
+    from kdlab.study.findings import harder_pass_at_k
+    from kdlab.study.verdicts import rlvr_edge
+
+    shift = {42: 0.05, 43: -0.03, 44: 0.0}  # shared by the configurations of a seed
+    harder = lambda kind, seed: {f"coverage/harder/pass@{k}": (0.6 if kind == "OnPD" else 0.5) + shift[seed] for k in (1, 16, 32)}  # noqa: E731
+    (tmp_path / "distill").mkdir(parents=True)
+    for kind in ROLLOUTS:
+        for direction in OBJECTIVES:
+            for lr in (1e-4, 5e-4):
+                for seed in (42, 43, 44):
+                    source = make_run(tmp_path / "distill", kind, direction, lr, seed, 0.5, harder(kind, seed))
+                    if lr == 1e-4:
+                        before = harder(kind, seed)
+                        after = {f"coverage/harder/pass@{k}": 0.7 + shift[seed] for k in (1, 16, 32)}
+                        make_run(tmp_path / "rlvr" / source.name, "OffPD", "forward", 2e-5, 42, 0.5,
+                                 {**after, **{f"{m}_before": v for m, v in before.items()}})
+    s = study(tmp_path)
+    hard = harder_pass_at_k(s)
+    assert hard.primary_rule == "OnPD - OffPD pass@16 > 0" and hard.verdict == REPRODUCED
+    assert hard.primary[0].effect.value == pytest.approx(0.1) and hard.primary[0].effect.low == pytest.approx(0.1)
+    assert hard.departure.startswith("harder set: Countdown-3 with targets 1-20 (countdown3s) deduplicated")
+    rlvr = rlvr_edge(s)
+    assert "(3 chains per configuration)" in rlvr.tiny
+    assert "OnPD - OffPD pass@32: before RLVR +10.0" in rlvr.tiny and "(difference in differences, chains paired) -10.0" in rlvr.tiny
+    did = rlvr.claims[3].effect
+    assert did.value == pytest.approx(-0.1) and did.high == pytest.approx(-0.1)  # each chain paired with its own start
+    assert rlvr.verdict == (f"{REPRODUCED}: harder pass@32 after - before RLVR, OnPD - OffPD pass@32 before RLVR, "
+                            f"OnPD - OffPD pass@32 after - before RLVR; {EQUIVALENT}{MARGIN}: OnPD - OffPD pass@32 after RLVR")
+    assert rlvr.departure.startswith("RLVR on countdown3s") and "x the distillation's" not in rlvr.departure  # 2e-5 / 1e-4 = 0.2
