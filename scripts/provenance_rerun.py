@@ -1,0 +1,101 @@
+"""Rerun finished runs of a sweep at this checkout's commit and compare their per-sample files byte for byte with
+the archived ones (issue #44, item 5): does the code at this commit still give the runs a study reports?
+
+    python scripts/provenance_rerun.py --sweep experiments/reasoning/grid.yaml --runs runs/reasoning-study/distill \\
+        --one-per-cell --output experiments/reasoning/provenance.json
+
+For each chosen run (``--one-per-cell``: the lowest seed of every grid cell; or ``--name`` given once per run) the
+run's fit command is rebuilt from the sweep file with its output folder moved under ``--scratch``, run with one
+thread, and every file under the archived run's ``samples/`` is compared with the rerun's: ``identical`` or the
+files that differ, with the archived run's commit (``run_info.json``) beside this checkout's. The JSON lists each run.
+A run archived from another commit may differ where the code between the commits changed what it computes; the
+JSON says which runs differ so the page can say why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kdlab.study.grid import expand, fit_args, load_sweep
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def sample_files(run_dir: Path) -> dict[str, str]:
+    """``{relative path: sha256}`` of every file under the run's ``samples/``."""
+    folder = run_dir / "samples"
+    return {str(p.relative_to(folder)): digest(p) for p in sorted(folder.rglob("*")) if p.is_file()} if folder.is_dir() else {}
+
+
+def commit_of(run_dir: Path) -> str | None:
+    try:
+        info = json.loads((run_dir / "run_info.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return info.get("git_commit")
+
+
+def head() -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", required=True, help="the sweep file the runs came from")
+    parser.add_argument("--runs", required=True, type=Path, help="the folder holding the archived runs (the sweep's output)")
+    parser.add_argument("--name", action="append", default=[], help="a run to rerun (repeatable)")
+    parser.add_argument("--one-per-cell", action="store_true", help="rerun the lowest seed of every grid cell")
+    parser.add_argument("--scratch", type=Path, default=Path("runs/provenance"))
+    parser.add_argument("--output", type=Path, required=True)
+    args = parser.parse_args(argv)
+    sweep = load_sweep(args.sweep)
+    runs = expand(sweep)
+    if args.one_per_cell:
+        cells: dict[str, object] = {}
+        for run in sorted(runs, key=lambda r: r.seed):
+            cells.setdefault(json.dumps(run.settings, sort_keys=True), run)
+        chosen = list(cells.values())
+    else:
+        unknown = sorted(set(args.name) - {r.name for r in runs})
+        if unknown or not args.name:
+            parser.error(f"--name must name runs of {args.sweep} (unknown: {unknown or 'none given'})")
+        chosen = [r for r in runs if r.name in args.name]
+    rerun_sweep = dataclasses.replace(sweep, output=str(args.scratch))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    results, commit = [], head()
+    for run in chosen:
+        archived = args.runs / run.name
+        if not (archived / "DONE").is_file():
+            results.append({"run": run.name, "status": "not archived"})
+            continue
+        start = time.time()
+        log = args.scratch / f"{run.name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as handle:
+            code = subprocess.call([sys.executable, "-m", "kdlab.cli", *fit_args(rerun_sweep, run)], env=env, stdout=handle, stderr=subprocess.STDOUT)
+        before, after = sample_files(archived), sample_files(args.scratch / run.name)
+        differ = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+        results.append({"run": run.name, "status": "failed" if code else ("identical" if before and not differ else "differs"),
+                        "differing_files": differ, "files": len(before), "archived_commit": commit_of(archived),
+                        "seconds": round(time.time() - start, 1)})
+        print(json.dumps(results[-1]), flush=True)
+    record = {"command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]), "commit": commit, "threads": 1,
+              "sweep": args.sweep, "runs": results,
+              "identical": sum(r["status"] == "identical" for r in results), "checked": len(results)}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(record, indent=1) + "\n")
+    return 0 if all(r["status"] == "identical" for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
