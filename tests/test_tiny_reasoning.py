@@ -226,6 +226,37 @@ def test_the_page_says_which_world_each_page_uses_and_each_page_uses_it():
                 assert world in text, page
 
 
-def test_the_quickstart_is_the_worlds_only_experiment_as_the_page_says():
-    assert sorted(p.name for p in (ROOT / "experiments" / "reasoning").glob("*.yaml")) == ["quickstart.yaml"]
-    assert "No grid has been run on this world yet" in " ".join(PAGE.read_text(encoding="utf-8").split())
+def test_the_study_page_names_every_experiment_file_of_the_world_and_the_files_match_it():
+    """Each experiments/reasoning YAML is named on the page; the study's files hold what the page says (80 runs per
+    grid, 20 RLVR chains at 0.2x the low LR from the low-LR runs of seeds 42-46, every split excluded from the harder set)."""
+    from kdlab.study.grid import expand, load_sweep
+    from kdlab.study.pipeline import load_pipeline
+
+    text = " ".join(PAGE.read_text(encoding="utf-8").split())
+    for path in sorted((ROOT / "experiments" / "reasoning").glob("*.yaml")):
+        assert f"experiments/reasoning/{path.name}" in text or f"`{path.name}`" in text, path.name
+    import os
+
+    here = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        assert len(expand(load_sweep("experiments/reasoning/grid.yaml"))) == 80
+        assert len(expand(load_sweep("experiments/reasoning/bf16_grid.yaml"))) == 80
+        pipeline = load_pipeline("experiments/reasoning/rlvr_pipeline.yaml")
+        chains = [run for run in expand(pipeline.distill) if pipeline.chains_from(run)]
+        assert len(chains) == 20 and {run.seed for run in chains} == {42, 43, 44, 45, 46}
+        assert {run.settings["model.lr"] for run in chains} == {1.0e-4}
+        assert {run.name for run in expand(pipeline.distill)} == {run.name for run in expand(load_sweep("experiments/reasoning/grid.yaml"))}
+    finally:
+        os.chdir(here)
+    rlvr = yaml.safe_load((ROOT / "experiments/reasoning/rlvr.yaml").read_text())
+    assert rlvr["model"]["init_args"]["lr"] == pytest.approx(0.2 * 1.0e-4)
+    quickstart = yaml.safe_load((ROOT / "experiments/reasoning/quickstart.yaml").read_text())
+    harder = lambda callbacks: next(c for c in callbacks if c["init_args"].get("name") == "harder")["init_args"]  # noqa: E731
+    training = {(s["variant"], s["seed"], s["num_train"]) for s in harder(quickstart["trainer"]["callbacks"])["task"]["init_args"]["exclude"]}
+    from kdlab.tasks import Countdown
+
+    for settings in (quickstart["model"]["task"]["init_args"], rlvr["model"]["init_args"]["task"]["init_args"]):
+        task = Countdown(**settings)  # its training problems come from its own seed (not the run's seed_everything)
+        assert (task.variant, task.seed, task.sizes["train"]) in training
+    assert harder(quickstart["trainer"]["callbacks"]) == harder(rlvr["trainer"]["callbacks"])  # the same problems in both stages
