@@ -39,7 +39,7 @@ PART_COMMANDS = {  # each part's folder and the command of experiments/tiny/stud
     "style": "kdlab sweep --config experiments/tiny/style_grid_5x.yaml",
     "hard": "kdlab pipeline --config experiments/tiny/rlvr_harder_pipeline.yaml",
     "style_alone": "kdlab sweep --config experiments/smollm2/style_alone_grid.yaml",
-    "style_alone_control": "kdlab sweep --config experiments/smollm2/style_alone_control.yaml",
+    "style_alone_control": "kdlab sweep --config experiments/smollm2/style_alone_control_offpd_fkl.yaml; kdlab sweep --config experiments/smollm2/style_alone_control_onpd_rkl.yaml",
 }
 PARTS = tuple(PART_COMMANDS)
 PAPER_HIGH_LR_DROP = (-14.0, -11.2)  # the paper's OOD change at 5e-5 (points)

