@@ -73,6 +73,16 @@ def section() -> str:
         lines.append(f"| `{name}` | {setup.world} x {setup.gpu_memory / GiB:g} GiB | {setup.strategy} | {result.peak_phase} | "
                      f"{result.total / GiB:.2f} | {result.largest.key} | {'yes' if result.fits else '**no**'} | {time.step.seconds:.2f} | "
                      f"{time.seconds / 3600:.2f} | {sum(time.evaluations.values()) / 3600:.2f} |")
+    from kdlab.study import step_time
+
+    lines += ["", "The time model's constants (`kdlab.study.step_time`; `--gpu_kind` picks the GPU):", "",
+              "| GPU | constant | value | source |", "| --- | --- | ---: | --- |"]
+    for kind, hardware in step_time.HARDWARE.items():
+        for key, source in hardware.sources.items():
+            lines.append(f"| {kind} | `{key}` | {getattr(hardware, key):g} | {source} |")
+    counts = [name for name in dir(step_time) if name.startswith("OPS_")]
+    lines += ["", "Op counts (aten ops counted on Qwen2 by `tests/test_step_time.py`): "
+              + ", ".join(f"`{name}` {getattr(step_time, name)}" for name in counts) + "."]
     target = run_estimate(TARGET).time
     ood = sum(seconds for name, seconds in target.evaluations.items() if name.startswith("OODForgetting"))
     lines += ["", f"The target run (`kdlab estimate {' '.join(TARGET)}`, one H200): **{target.seconds / 3600:.2f} h**, of which "

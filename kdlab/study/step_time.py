@@ -42,7 +42,7 @@ OPS_BACKWARD_OUTSIDE = 31
 OPS_OBJECTIVE_CHUNK = 74  # one chunk of a closed-form KL, forward and gradient
 OPS_OPTIMISER_TENSOR = 15  # gradient clipping and FiniteAdamW's step, per parameter tensor (single-tensor loop)
 OBJECTIVE_PASSES = 12  # fp32 (rows, V) arrays read or written by a chunked objective (probabilities, scratch, gradient)
-TENSORS_PER_LAYER = {False: 10, True: 13}  # parameter tensors of a Llama / Qwen2 layer (q, k, v biases with qkv_bias)
+TENSORS_PER_LAYER = {False: 9, True: 12}  # parameter tensors of a Llama / Qwen2 layer: 4 attention, 3 MLP, 2 norms (+ q, k, v biases)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,185 @@
+"""``kdlab estimate``'s time model (issue #45, item 4; :mod:`kdlab.study.step_time`, :mod:`kdlab.study.run_time`) and
+its SFT / GRPO memory (:mod:`kdlab.study.setups`): the op counts recounted on Qwen2, the lm-eval costs read back
+from lm-eval's task files, the arithmetic against an independent computation, LoRA's parameter count against
+peft's, and the presets the estimate made change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kdlab.study import step_time
+from kdlab.study.run_time import LM_EVAL_COST
+from kdlab.study.setups import Setup, lora_params
+from kdlab.study.shapes import PUBLISHED, shape_of_config
+
+ROOT = Path(__file__).parents[1]
+
+
+class OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def counted(fn) -> int:
+    mode = OpCount()
+    with mode:
+        fn()
+    return mode.count
+
+
+def qwen2(layers: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                         vocab_size=300)
+    return Qwen2ForCausalLM(config), config
+
+
+def test_the_op_counts_are_those_pytorch_dispatches_for_qwen2():
+    """Each constant is the difference between 1- and 2-layer models (per layer) or what remains (outside)."""
+    from kdlab.objectives import ForwardKL
+    from kdlab.rollouts.decoding import IncrementalLM, sample_tokens
+    from kdlab.stages.optim import FiniteAdamW
+
+    per: dict[int, dict[str, float]] = {}
+    for layers in (1, 2):
+        model, _ = qwen2(layers)
+        model.eval()
+        ids, mask = torch.randint(0, 300, (4, 10)), torch.ones(4, 10, dtype=torch.bool)
+
+        def decode(tokens):
+            decoder = IncrementalLM(model, ids, mask, 300, 1.0)
+            return counted(lambda: sample_tokens(decoder, 4, tokens, [299], 0, torch.Generator().manual_seed(0)))
+
+        model.train()
+        x = torch.randint(0, 300, (2, 16))
+        holder = {}
+        forward = counted(lambda: holder.setdefault("out", model(x).logits.sum()))
+        backward = counted(lambda: holder["out"].backward())
+        optimiser = FiniteAdamW(model.parameters(), lr=1e-3)
+
+        def step():
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimiser.step()
+
+        step()  # the first step creates AdamW's state
+        tensors = len(list(model.parameters()))
+        per[layers] = {"decode": (decode(9) - decode(5)) / 4, "forward": forward, "backward": backward, "optimiser": counted(step), "tensors": tensors}
+    one, two = per[1], per[2]
+    assert two["decode"] - one["decode"] == step_time.OPS_DECODE_LAYER
+    assert one["decode"] - step_time.OPS_DECODE_LAYER == step_time.OPS_DECODE_OUTSIDE
+    assert two["forward"] - one["forward"] == step_time.OPS_FORWARD_LAYER and one["forward"] - step_time.OPS_FORWARD_LAYER == step_time.OPS_FORWARD_OUTSIDE
+    assert two["backward"] - one["backward"] == step_time.OPS_BACKWARD_LAYER
+    assert one["backward"] - step_time.OPS_BACKWARD_LAYER == step_time.OPS_BACKWARD_OUTSIDE
+    assert (two["optimiser"] - one["optimiser"]) / (two["tensors"] - one["tensors"]) == step_time.OPS_OPTIMISER_TENSOR
+    assert two["tensors"] - one["tensors"] == step_time.TENSORS_PER_LAYER[True]  # Qwen2: q, k, v biases
+    objective = ForwardKL()
+    chunks = []
+    for rows in (256, 512):
+        student, teacher = torch.randn(1, rows, 300, requires_grad=True), torch.randn(1, rows, 300)
+        chunks.append(counted(lambda: objective(student, teacher, torch.ones(1, rows, dtype=torch.bool)).backward()))
+    assert chunks[1] - chunks[0] == step_time.OPS_OBJECTIVE_CHUNK
+
+
+def _lm_eval_setting(folder: Path, name: str, key: str):
+    """``key`` of lm-eval task ``name``: from the YAML that declares ``task: name`` (or, for a group, its first
+    subject ``name_*``), else from the files it ``include``s."""
+    import re
+
+    files = sorted(folder.rglob("*.yaml"))
+    declared = [f for f in files if re.search(rf"^task: \"?{re.escape(name)}\"?\s*$", f.read_text(encoding="utf-8"), re.M)]
+    declared = declared or [f for f in files if re.search(rf"^task: \"?{re.escape(name)}_\w+\"?\s*$", f.read_text(encoding="utf-8"), re.M)]
+    path = sorted(declared, key=lambda f: f.parent != folder / name)[0]  # the task's own top-level folder first (tasks/mmlu_pro)
+    while True:
+        text = path.read_text(encoding="utf-8")
+        found = re.search(rf"^\s*{key}: *\"?([^\"\s]+)", text, re.M)
+        if found:
+            return found.group(1)
+        include = re.search(r"^include: *\"?([^\"\s]+)", text, re.M)
+        assert include, (name, key, path)
+        path = path.parent / include.group(1)
+
+
+def test_lm_eval_costs_are_lm_evals_own_task_settings():
+    """``output_type`` and ``max_gen_toks`` of every suite task as lm-eval's own task files set them."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from kdlab.evaluation.lm_eval_suite import PAPER_SUITE
+
+    assert set(LM_EVAL_COST) == set(PAPER_SUITE)
+    folder = Path(lm_eval.__file__).parent / "tasks"
+    for name, (_, kind, generated, _) in LM_EVAL_COST.items():
+        assert _lm_eval_setting(folder, PAPER_SUITE[name].task, "output_type") == kind, name
+        if kind == "generate_until":
+            assert int(_lm_eval_setting(folder, PAPER_SUITE[name].task, "max_gen_toks")) == generated, name
+
+
+def test_a_decoded_token_costs_the_larger_of_host_and_device_on_a_gpu_and_their_sum_on_a_cpu():
+    shape = PUBLISHED["Qwen/Qwen2.5-1.5B-Instruct"]
+    h200 = step_time.HARDWARE["H200"]
+    host = (28 * 72 + 49) * 10e-6
+    kv = 32 * 2304 * 2 * 28 * 256 * 2
+    device = max((shape.params * 2 + kv) / (4.8e12 * 0.94), 2 * shape.params * 32 / (989e12 * 0.40))
+    assert step_time.decode_token_seconds(shape, 2, 32, 2304, "kdlab", h200) == pytest.approx(max(host, device))
+    assert step_time.decode_token_seconds(shape, 2, 32, 2304, "vllm", h200) == pytest.approx(device)
+    cpu = step_time.Hardware("cpu", 1e11, 1e10, 5e-6, 1.0, 1.0, overlapped=False)
+    cpu_device = max((shape.params * 2 + kv) / 1e10, 2 * shape.params * 32 / 1e11)
+    assert step_time.decode_token_seconds(shape, 2, 32, 2304, "kdlab", cpu) == pytest.approx((28 * 72 + 49) * 5e-6 + cpu_device)
+    with pytest.raises(ValueError, match="decode back end must be kdlab, vllm or served, got 'hf'"):
+        step_time.decode_token_seconds(shape, 2, 32, 2304, "hf", h200)
+
+
+def test_lora_parameters_are_those_peft_trains():
+    pytest.importorskip("peft")
+    from kdlab.stages.lora import LoraSpec, apply_lora
+
+    model, config = qwen2(2)
+    adapted = apply_lora(model, LoraSpec(r=8, alpha=8))
+    trained = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    assert lora_params(shape_of_config(config, "tiny"), 8) == trained
+    assert all(p.dtype == torch.float32 for p in adapted.parameters() if p.requires_grad)
+
+
+@pytest.fixture
+def in_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+
+
+def test_the_target_run_is_its_steps_and_evaluations_and_its_step_the_sum_of_its_parts(in_root):
+    from kdlab.cli.estimate import run_estimate
+
+    target = ["--config", "experiments/paper/countdown3/base-qwen1.5b_from_qwen7b.yaml",
+              "--config", "experiments/paper/countdown3/onpd_fkl-qwen1.5b_from_qwen7b.yaml"]
+    result = run_estimate(target)
+    time = result.time
+    assert time.steps == 150 and time.seconds == pytest.approx(150 * sum(time.step.parts.values()) + sum(time.evaluations.values()))
+    shape, h200 = result.setup.student, step_time.HARDWARE["H200"]
+    decode = step_time.forward_seconds(shape, 32 * 2048, h200) + 512 * step_time.decode_token_seconds(shape, 2, 32, 2048 + 256, "kdlab", h200)
+    assert time.step.parts["decode (student, kdlab)"] == pytest.approx(decode)
+    assert set(time.evaluations) == {"validation", "OODForgetting 3", "Coverage 4", "Coverage 5"}
+    h100 = run_estimate([*target, "--gpu_kind", "H100"]).time
+    assert h100.step.parts["forward and backward"] == pytest.approx(time.step.parts["forward and backward"])  # the same peak FLOPs
+    assert h100.step.seconds >= time.step.seconds
+
+
+def test_the_sft_teacher_presets_fit_only_with_activation_checkpointing(in_root):
+    """The presets' 2 rows x 16 checkpointed fit an 80 GiB GPU; the earlier 8 rows x 4 unchecked did not."""
+    from kdlab.cli.estimate import run_estimate
+
+    preset = ["--config", "experiments/paper/teachers/sft-medreason-qwen7b.yaml"]
+    fixed = run_estimate(preset)
+    earlier = run_estimate([*preset, "--model.init_args.model.gradient_checkpointing=false", "--model.init_args.batch_size=8",
+                            "--trainer.accumulate_grad_batches=4"])
+    assert fixed.fits and not earlier.fits and earlier.largest.key == "activations"
+    assert fixed.work["prompts"] == earlier.work["prompts"] == 32  # the paper's batch
+    assert fixed.setup.lora_rank == 256 and fixed.setup.stage == "sft"
