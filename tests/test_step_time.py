@@ -128,11 +128,12 @@ def test_a_decoded_token_costs_the_larger_of_host_and_device_on_a_gpu_and_their_
     h200 = step_time.HARDWARE["H200"]
     host = (28 * 72 + 49) * 10e-6
     kv = 32 * 2304 * 2 * 28 * 256 * 2
-    device = max((shape.params * 2 + kv) / (4.8e12 * 0.94), 2 * shape.params * 32 / (989e12 * 0.40))
+    moved = shape.params * 2 + kv + 32 * 28 * ((32 * 1536 + 8 * 256 + 16 * 8960) + 8 * 12 * 2304) + 12 * 32 * 151936 * 4
+    device = max(moved / (4.8e12 * 0.94), 2 * shape.params * 32 / (989e12 * 0.40))
     assert step_time.decode_token_seconds(shape, 2, 32, 2304, "kdlab", h200) == pytest.approx(max(host, device))
     assert step_time.decode_token_seconds(shape, 2, 32, 2304, "vllm", h200) == pytest.approx(device)
     cpu = step_time.Hardware("cpu", 1e11, 1e10, 5e-6, 1.0, 1.0, overlapped=False)
-    cpu_device = max((shape.params * 2 + kv) / 1e10, 2 * shape.params * 32 / 1e11)
+    cpu_device = max(moved / 1e10, 2 * shape.params * 32 / 1e11)
     assert step_time.decode_token_seconds(shape, 2, 32, 2304, "kdlab", cpu) == pytest.approx((28 * 72 + 49) * 5e-6 + cpu_device)
     with pytest.raises(ValueError, match="decode back end must be kdlab, vllm or served, got 'hf'"):
         step_time.decode_token_seconds(shape, 2, 32, 2304, "hf", h200)
@@ -183,3 +184,30 @@ def test_the_sft_teacher_presets_fit_only_with_activation_checkpointing(in_root)
     assert fixed.fits and not earlier.fits and earlier.largest.key == "activations"
     assert fixed.work["prompts"] == earlier.work["prompts"] == 32  # the paper's batch
     assert fixed.setup.lora_rank == 256 and fixed.setup.stage == "sft"
+
+
+def test_the_estimate_check_times_a_real_tiny_fit_by_part_and_records_the_work_it_compares(tmp_path):
+    """``benchmarks/estimate_check.py --smoke``: 2 steps of the tiny quickstart with 8 validation prompts. The decodes
+    the clock recorded are the config's: Coverage 200 prompts x 1 sample before and after, OODForgetting 4 tasks x 100
+    before and after, validation 8; every comparison is its estimate over its measurement."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "check.json"
+    result = subprocess.run([sys.executable, "benchmarks/estimate_check.py", "--smoke", f"--out={out}"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=900, env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["smoke"] and record["threads"] == 1 and record["problems"] == []
+    calibration = record["calibration"]
+    assert calibration["op_seconds"] > 0 and calibration["flops"] > 0 and calibration["bandwidth"] > 0 and calibration["ops_counted"] > 0
+    tiny = record["pairs"]["tiny"]
+    assert tiny["steps"] == 2 and len(tiny["step_times_s"]) == 2
+    rows = tiny["comparisons"]
+    assert set(rows) == {"step", "validation", "Coverage 1", "OODForgetting 1"}
+    assert rows["Coverage 1"]["rows"] == 2 * 200 and rows["OODForgetting 1"]["rows"] == 2 * 4 * 100 and rows["validation"]["rows"] == 8
+    for row in rows.values():
+        assert row["ratio"] == pytest.approx(row["estimated_s"] / row["measured_s"])
+        assert row["within_30_percent"] == (abs(row["ratio"] - 1) <= 0.30)
+    assert record["all_within_30_percent"] == all(row["within_30_percent"] for row in rows.values())
