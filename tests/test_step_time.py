@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kdlab.study import step_time
 from kdlab.study.run_time import LM_EVAL_COST
-from kdlab.study.setups import Setup, lora_params
+from kdlab.study.setups import lora_params
 from kdlab.study.shapes import PUBLISHED, shape_of_config
 
 ROOT = Path(__file__).parents[1]

@@ -17,7 +17,7 @@ from typing import Any
 
 from kdlab.cli.config_errors import ConfigError, nearest
 from kdlab.cli.lightning import lightning_cli_class, names_model_class, teacher_overlays
-from kdlab.study.estimate import GiB, Estimate, estimate, setup_from_config
+from kdlab.study.estimate import Estimate, GiB, estimate, setup_from_config
 from kdlab.study.run_time import RunTime, run_time
 from kdlab.study.step_time import HARDWARE
 

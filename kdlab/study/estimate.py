@@ -23,10 +23,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kdlab.study.shapes import HUB_ID, PUBLISHED, Shape, model_shape, published_shape, shape_of_config  # noqa: F401 - their callers' names
-
-from kdlab.study.setups import LORA_TARGETS, BYTES, GiB, Setup, grpo_setup, lora_params, machine, name_of, sft_setup, spec_of  # noqa: F401
+from kdlab.study.setups import (  # noqa: F401
+    BYTES,
+    LORA_TARGETS,
+    GiB,
+    Setup,
+    grpo_setup,
+    lora_params,
+    machine,
+    name_of,
+    sft_setup,
+    spec_of,
+)
 from kdlab.study.setups import _lora_rank as _lora
+from kdlab.study.shapes import (  # noqa: F401 - their callers' names
+    HUB_ID,
+    PUBLISHED,
+    Shape,
+    model_shape,
+    published_shape,
+    shape_of_config,
+)
 
 CLOSED_FORM = ("ForwardKL", "ReverseKL", "TotalVariation")
 """Objectives whose loss and gradient come from the shared row statistics (no autograd on a chunk)."""

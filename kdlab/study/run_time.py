@@ -26,7 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kdlab.study.setups import BYTES, Setup, name_of
-from kdlab.study.step_time import Hardware, StepTime, decode_seconds, forward_seconds, step_time
+from kdlab.study.step_time import (
+    Hardware,
+    StepTime,
+    decode_seconds,
+    forward_seconds,
+    step_time,
+)
 
 LM_EVAL_COST: dict[str, tuple[int, str, int, int]] = {
     "mmlu_pro": (14 * 200, "generate_until", 2048, 1500),
