@@ -38,9 +38,10 @@ building both models on the GPU ~30 s. decode: a 1.5B/7B bf16 decode step is lau
 ~25-35 ms per token at these batches, so 2 models x 3 batches x 2 sides x (1 warm-up + 3 runs) x 128
 tokens x ~30 ms ~= 190 s. step: B x 512 = 512 or 4,096 tokens, ~0.2-1 s per step, 2 batches x 3 variants x
 4 steps ~= 25 s. fsdp: sharding + 4 steps ~= 15 s, plus one ``kdlab fit`` with start-up ~= 60 s. vllm: writing
-the 3 GB model ~15 s, engine start (eager) ~60 s, pushes and a generate ~10 s, the 5-step fit with its
-own engine ~90 s. Total ~= 30 + 190 + 25 + 75 + 175 ~= 495 s, under 10 minutes; ``--repeats 1`` cuts
-decode to about half.
+the 3 GB model ~15 s, engine start with CUDA graph capture ~90 s, pushes and a generate ~10 s, kdlab's decoder
+on the same work (1 warm-up + ``--repeats`` x 128 tokens x ~30 ms) ~15 s, the 5-step fit with its own engine
+~120 s. Total ~= 30 + 190 + 25 + 75 + 250 ~= 570 s, under 10 minutes; ``--repeats 1`` cuts decode to about
+half.
 
 On CUDA the run sets ``torch.set_float32_matmul_precision("high")`` (TF32) first, as ``kdlab fit`` does, and records
 it. The toy shapes of ``--smoke`` have head_dim 64, which every vLLM attention back end accepts.

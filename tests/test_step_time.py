@@ -211,3 +211,20 @@ def test_the_estimate_check_times_a_real_tiny_fit_by_part_and_records_the_work_i
         assert row["ratio"] == pytest.approx(row["estimated_s"] / row["measured_s"])
         assert row["within_30_percent"] == (abs(row["ratio"] - 1) <= 0.30)
     assert record["all_within_30_percent"] == all(row["within_30_percent"] for row in rows.values())
+
+
+def test_a_grpo_preset_decodes_its_prompts_times_group_size_and_trains_its_micro_batches(in_root):
+    """GRPO's memory: one decode of ``batch_size x group_size`` rows (the KV cache at the caps, recomputed here), training
+    ``micro_batch_size`` rows at a time; LoRA's gradients and moments are the adapters' in fp32."""
+    from kdlab.cli.estimate import run_estimate
+    from kdlab.study.setups import GiB
+
+    result = run_estimate(["--config", "experiments/paper/teachers/grpo-science-qwen7b.yaml"])
+    setup, shape = result.setup, result.setup.student
+    assert setup.stage == "grpo" and setup.rows_per_decode == 16 * 8 and setup.batch_size == 4 and setup.checkpointing
+    kv = next(term for term in result.terms if term.key == "KV cache (student)")
+    assert kv.bytes == 128 * (2048 + 1024) * shape.layers * 2 * shape.kv_dim * 2
+    adam = next(term for term in result.terms if term.key == "optimiser (AdamW)")
+    assert adam.bytes == 2 * lora_params(shape, 256) * 4
+    assert result.work["decodes"] == 1 and result.work["prompts"] == 128
+    assert result.fits and result.total <= 80 * GiB
