@@ -228,3 +228,19 @@ def test_a_grpo_preset_decodes_its_prompts_times_group_size_and_trains_its_micro
     assert adam.bytes == 2 * lora_params(shape, 256) * 4
     assert result.work["decodes"] == 1 and result.work["prompts"] == 128
     assert result.fits and result.total <= 80 * GiB
+
+
+def test_the_json_carries_the_time_and_an_unknown_gpu_kind_is_a_one_line_error(in_root, capsys):
+    import json
+
+    from kdlab.cli.config_errors import ConfigError
+    from kdlab.cli.main import main
+
+    preset = ["--config", "experiments/paper/teachers/sft-countdown3-qwen7b.yaml"]
+    main(["estimate", *preset, "--gpu_kind", "H100", "--json"])
+    record = json.loads(capsys.readouterr().out)["time"]
+    assert record["gpu_kind"] == "H100" and record["steps"] == 500 and record["evaluations_seconds"] == {}
+    assert record["run_seconds"] == pytest.approx(500 * record["step_seconds"]) and set(record["step_parts"]) == {
+        "forward and backward", "objective", "optimiser step"}
+    with pytest.raises(ConfigError, match=r"--gpu_kind: one of \['H100', 'H200'\], got 'A100'"):
+        main(["estimate", *preset, "--gpu_kind", "A100"])

@@ -1,6 +1,7 @@
 """``kdlab estimate --config A.yaml [--config B.yaml ...] [--gpus N] [--gpu_memory_gib M] [--json]``: before
-any GPU hour is spent, the per-GPU memory of a :class:`~kdlab.stages.distill.DistillModule` fit, term by
-term, and the work of one optimiser step (:mod:`kdlab.study.estimate`, which documents the arithmetic).
+any GPU hour is spent, the per-GPU memory of a DistillModule, SFTModule or GRPOModule fit, term by term, the
+work and seconds of one optimiser step and the whole run's wall time on ``--gpu_kind`` (:mod:`kdlab.study.estimate`,
+:mod:`kdlab.study.step_time` and :mod:`kdlab.study.run_time` document the arithmetic).
 
 It takes exactly what ``kdlab fit`` takes (the same LightningCLI parser: configs, overlays, ``--model.x=...``),
 reads the models' configs only (no weights), and exits 0 whether or not the run fits; ``--gpus`` (default
@@ -23,8 +24,9 @@ from kdlab.study.step_time import HARDWARE
 
 USAGE = """usage: kdlab estimate --config X.yaml [--config Y.yaml ...] [fit options] [--gpus N] [--gpu_memory_gib M] [--gpu_kind H200|H100] [--json]
 
-Per-GPU memory (weights, gradients, AdamW, teacher, activations, logits/fused workspace, KV caches, vLLM)
-and the work of one optimiser step of the DistillModule fit `kdlab fit` would run with the same arguments.
+Per-GPU memory (weights, gradients, AdamW, teacher, activations, logits/fused workspace, KV caches, vLLM),
+the work and time of one optimiser step and the whole run's wall time of the fit (DistillModule, SFTModule,
+GRPOModule) `kdlab fit` would run with the same arguments.
 No weights are read. --gpus: GPUs in all (default trainer.devices x trainer.num_nodes); --gpu_memory_gib:
 memory of one GPU (default 80); --gpu_kind: the GPU the time model assumes (default H200: one optimiser step's
 parts and the whole run's wall time with every evaluation, kdlab.study.step_time); --json: machine-readable output.

@@ -1,5 +1,9 @@
 """``kdlab estimate``'s arithmetic: the memory a :class:`~kdlab.stages.distill.DistillModule` fit needs on
-each GPU, and the work of one optimiser step, from the models' configs alone (no weights are read).
+each GPU, and the work of one optimiser step, from the models' configs alone (no weights are read); an
+:class:`~kdlab.stages.sft.SFTModule` or :class:`~kdlab.stages.grpo.GRPOModule` fit is read by
+:mod:`kdlab.study.setups` into the same terms (SFT: no decode, the loss on whole logits; GRPO: one decode of
+``batch_size x group_size`` rows; LoRA: fp32 adapters, their gradients and moments only). The time of a step and
+of a whole run: :mod:`kdlab.study.step_time`, :mod:`kdlab.study.run_time`.
 
 A step decodes (the rollout), then trains its micro-batches, then steps the optimiser, so::
 
