@@ -26,9 +26,10 @@ device (nothing downloaded); the shared vocabulary is the tokenizer's 151,665 to
    with ``--model.teacher_placement=shard`` on every visible GPU, ``bf16-mixed``: whether it finished,
    its wall time.
 4. ``vllm`` (when ``import vllm`` works and CUDA is present; otherwise recorded as skipped with the
-   reason): a vLLM engine (bf16, eager) on the 1.5B-shape model written to a temporary folder, built by
-   ``kdlab.rollouts.VLLMRollouts``; the seconds of a weight push of the student (``push_weights``,
-   median of 3) and the engine's tokens/s at batch 32 x 128 tokens; then 5 on-policy steps of the
+   reason): a vLLM engine (bf16, CUDA graphs: ``enforce_eager`` False) on the 1.5B-shape model written to a
+   temporary folder, built by ``kdlab.rollouts.VLLMRollouts``; the seconds of a weight push of the student
+   (``push_weights``, median of 3) and the engine's tokens/s at batch 32 x 128 tokens beside kdlab's decoder on
+   the same bf16 model, prompts, batch and length (``vllm_over_kdlab``); then 5 on-policy steps of the
    tiny-world quickstart with ``VLLMRollouts`` (push every step): whether it finished, and the mean
    ``train/importance_weight`` and ``train/engine_kl`` it logged (near 1 and 0 when pushes work).
 
@@ -37,9 +38,13 @@ building both models on the GPU ~30 s. decode: a 1.5B/7B bf16 decode step is lau
 ~25-35 ms per token at these batches, so 2 models x 3 batches x 2 sides x (1 warm-up + 3 runs) x 128
 tokens x ~30 ms ~= 190 s. step: B x 512 = 512 or 4,096 tokens, ~0.2-1 s per step, 2 batches x 3 variants x
 4 steps ~= 25 s. fsdp: sharding + 4 steps ~= 15 s, plus one ``kdlab fit`` with start-up ~= 60 s. vllm: writing
-the 3 GB model ~15 s, engine start (eager) ~60 s, pushes and a generate ~10 s, the 5-step fit with its
-own engine ~90 s. Total ~= 30 + 190 + 25 + 75 + 175 ~= 495 s, under 10 minutes; ``--repeats 1`` cuts
-decode to about half.
+the 3 GB model ~15 s, engine start with CUDA graph capture ~90 s, pushes and a generate ~10 s, kdlab's decoder
+on the same work (1 warm-up + ``--repeats`` x 128 tokens x ~30 ms) ~15 s, the 5-step fit with its own engine
+~120 s. Total ~= 30 + 190 + 25 + 75 + 250 ~= 570 s, under 10 minutes; ``--repeats 1`` cuts decode to about
+half.
+
+On CUDA the run sets ``torch.set_float32_matmul_precision("high")`` (TF32) first, as ``kdlab fit`` does, and records
+it. The toy shapes of ``--smoke`` have head_dim 64, which every vLLM attention back end accepts.
 
 Each section records its figures, or the error it met, and the script goes on, so one run on a lent GPU
 reports everything. Without CUDA (and without ``--smoke``) it says so and measures nothing. ``--smoke``
@@ -85,8 +90,9 @@ def qwen2_shape(name: str) -> dict[str, int]:
 QWEN_1_5B = qwen2_shape("Qwen/Qwen2.5-1.5B-Instruct")
 QWEN_7B = qwen2_shape("Qwen/Qwen2.5-7B-Instruct")
 VOCAB = 151665  # the shared tokenizer's size: logits beyond it are dropped, as kdlab does
-TOY_STUDENT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=1000)
-TOY_TEACHER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=1024)
+# head_dim 64 (hidden / heads), the smallest every vLLM attention back end builds (the toy shapes run on a GPU too)
+TOY_STUDENT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=1000)
+TOY_TEACHER = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024)
 TOY_VOCAB = 990
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("decode", "step", "fsdp", "vllm")
@@ -362,6 +368,28 @@ def vllm_unavailable(device: str) -> str | None:
     return None
 
 
+def kdlab_same_work(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, columns: int, repeats: int) -> dict:
+    """kdlab's decoder on the model vLLM serves, the same left-padded prompts and ``new_tokens`` (no end token):
+    median seconds of ``repeats`` after a warm-up, checked to return ``(B, new_tokens)``."""
+    from decode import kdlab_decode
+
+    model.eval()
+    times = []
+    for index in range(repeats + 1):
+        generator = torch.Generator(device=ids.device).manual_seed(index)
+        sync(str(ids.device.type))
+        start = time.perf_counter()
+        tokens = kdlab_decode(model, ids, mask, new_tokens, pad_token_id=0, token_columns=columns, generator=generator)
+        sync(str(ids.device.type))
+        if tuple(tokens.shape) != (ids.shape[0], new_tokens):
+            raise RuntimeError(f"kdlab's decoder returned {tuple(tokens.shape)}, not {(ids.shape[0], new_tokens)}")
+        if index:  # the first is the warm-up
+            times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    return {"batch": int(ids.shape[0]), "new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": ids.shape[0] * new_tokens / seconds,
+            "dtype": str(next(model.parameters()).dtype)}
+
+
 def vllm_section(s: Settings, fit: bool) -> dict:
     import vllm
 
@@ -374,7 +402,8 @@ def vllm_section(s: Settings, fit: bool) -> dict:
     batch, new_tokens = 32, s.new_tokens
     with tempfile.TemporaryDirectory() as folder:
         student.save_pretrained(folder)
-        policy = VLLMRollouts(gpu_memory_utilization=0.3, enforce_eager=True, max_model_len=s.prompt_tokens + new_tokens + 8)
+        # CUDA graphs (enforce_eager False), as the paper presets run the engine
+        policy = VLLMRollouts(gpu_memory_utilization=0.3, enforce_eager=False, max_model_len=s.prompt_tokens + new_tokens + 8)
         policy.engine_args["skip_tokenizer_init"] = True  # a random model has no tokenizer; prompts are token ids
         start = time.perf_counter()
         llm = policy.engine(ModelSpec(folder, dtype="bfloat16"), seed=0)
@@ -394,9 +423,15 @@ def vllm_section(s: Settings, fit: bool) -> dict:
         outputs = llm.generate(requests, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         lengths = sorted({len(o.outputs[0].token_ids) for o in outputs})
-        out["generate"] = {"batch": batch, "new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": batch * new_tokens / seconds, "lengths": lengths}
+        if lengths != [new_tokens] or len(outputs) != batch:
+            raise RuntimeError(f"vLLM returned {len(outputs)} rows of lengths {lengths}, not {batch} x {new_tokens}")
+        out["generate"] = {"batch": batch, "new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": batch * new_tokens / seconds, "lengths": lengths,
+                           "enforce_eager": False}
+        out["kdlab_same_work"] = kdlab_same_work(student, ids.to(s.device), mask.to(s.device), new_tokens, s.vocab, s.repeats)
+        out["vllm_over_kdlab"] = out["generate"]["tokens_per_s"] / out["kdlab_same_work"]["tokens_per_s"]
         print(f"  vllm: engine start {out['engine_start_s']:.1f} s, push {out['push_s']:.2f} s ({parameters(student) / 1e9:.2f}B parameters), "
-              f"generate B={batch} x {new_tokens}: {out['generate']['tokens_per_s']:.0f} tok/s", flush=True)
+              f"generate B={batch} x {new_tokens}: {out['generate']['tokens_per_s']:.0f} tok/s, kdlab's decoder on the same prompts "
+              f"{out['kdlab_same_work']['tokens_per_s']:.0f} tok/s (vLLM / kdlab {out['vllm_over_kdlab']:.2f})", flush=True)
     del llm, policy, student
     free(s.device)
     if not fit:
@@ -449,10 +484,13 @@ def main() -> None:
         print("no CUDA device: nothing measured (this script is for a GPU machine; --smoke runs it at toy sizes on the CPU)")
         return
     device = "cuda" if cuda else "cpu"
+    if cuda and torch.get_float32_matmul_precision() == "highest":
+        torch.set_float32_matmul_precision("high")  # TF32, as kdlab fit sets it on CUDA (the paper presets' fp32 student)
     s = Settings(args.smoke, args.repeats, device)
     fit = args.fit or not args.smoke
     started = time.perf_counter()
     record: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "smoke": args.smoke, "threads": torch.get_num_threads(),
+                    "float32_matmul_precision": torch.get_float32_matmul_precision(),
                     "repeats": args.repeats, "vocab": s.vocab, "sections": {}}
     for name in args.skip:
         record["sections"][name] = {"skipped": "--skip"}

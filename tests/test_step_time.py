@@ -1,0 +1,246 @@
+"""``kdlab estimate``'s time model (issue #45, item 4; :mod:`kdlab.study.step_time`, :mod:`kdlab.study.run_time`) and
+its SFT / GRPO memory (:mod:`kdlab.study.setups`): the op counts recounted on Qwen2, the lm-eval costs read back
+from lm-eval's task files, the arithmetic against an independent computation, LoRA's parameter count against
+peft's, and the presets the estimate made change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kdlab.study import step_time
+from kdlab.study.run_time import LM_EVAL_COST
+from kdlab.study.setups import lora_params
+from kdlab.study.shapes import PUBLISHED, shape_of_config
+
+ROOT = Path(__file__).parents[1]
+
+
+class OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def counted(fn) -> int:
+    mode = OpCount()
+    with mode:
+        fn()
+    return mode.count
+
+
+def qwen2(layers: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                         vocab_size=300)
+    return Qwen2ForCausalLM(config), config
+
+
+def test_the_op_counts_are_those_pytorch_dispatches_for_qwen2():
+    """Each constant is the difference between 1- and 2-layer models (per layer) or what remains (outside)."""
+    from kdlab.objectives import ForwardKL
+    from kdlab.rollouts.decoding import IncrementalLM, sample_tokens
+    from kdlab.stages.optim import FiniteAdamW
+
+    per: dict[int, dict[str, float]] = {}
+    for layers in (1, 2):
+        model, _ = qwen2(layers)
+        model.eval()
+        ids, mask = torch.randint(0, 300, (4, 10)), torch.ones(4, 10, dtype=torch.bool)
+
+        def decode(tokens):
+            decoder = IncrementalLM(model, ids, mask, 300, 1.0)
+            return counted(lambda: sample_tokens(decoder, 4, tokens, [299], 0, torch.Generator().manual_seed(0)))
+
+        model.train()
+        x = torch.randint(0, 300, (2, 16))
+        holder = {}
+        forward = counted(lambda: holder.setdefault("out", model(x).logits.sum()))
+        backward = counted(lambda: holder["out"].backward())
+        optimiser = FiniteAdamW(model.parameters(), lr=1e-3)
+
+        def step():
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimiser.step()
+
+        step()  # the first step creates AdamW's state
+        tensors = len(list(model.parameters()))
+        per[layers] = {"decode": (decode(9) - decode(5)) / 4, "forward": forward, "backward": backward, "optimiser": counted(step), "tensors": tensors}
+    one, two = per[1], per[2]
+    assert two["decode"] - one["decode"] == step_time.OPS_DECODE_LAYER
+    assert one["decode"] - step_time.OPS_DECODE_LAYER == step_time.OPS_DECODE_OUTSIDE
+    assert two["forward"] - one["forward"] == step_time.OPS_FORWARD_LAYER and one["forward"] - step_time.OPS_FORWARD_LAYER == step_time.OPS_FORWARD_OUTSIDE
+    assert two["backward"] - one["backward"] == step_time.OPS_BACKWARD_LAYER
+    assert one["backward"] - step_time.OPS_BACKWARD_LAYER == step_time.OPS_BACKWARD_OUTSIDE
+    assert (two["optimiser"] - one["optimiser"]) / (two["tensors"] - one["tensors"]) == step_time.OPS_OPTIMISER_TENSOR
+    assert two["tensors"] - one["tensors"] == step_time.TENSORS_PER_LAYER[True]  # Qwen2: q, k, v biases
+    objective = ForwardKL()
+    chunks = []
+    for rows in (256, 512):
+        student, teacher = torch.randn(1, rows, 300, requires_grad=True), torch.randn(1, rows, 300)
+        chunks.append(counted(lambda: objective(student, teacher, torch.ones(1, rows, dtype=torch.bool)).backward()))
+    assert chunks[1] - chunks[0] == step_time.OPS_OBJECTIVE_CHUNK
+
+
+def _lm_eval_setting(folder: Path, name: str, key: str):
+    """``key`` of lm-eval task ``name``: from the YAML that declares ``task: name`` (or, for a group, its first
+    subject ``name_*``), else from the files it ``include``s."""
+    import re
+
+    files = sorted(folder.rglob("*.yaml"))
+    declared = [f for f in files if re.search(rf"^task: \"?{re.escape(name)}\"?\s*$", f.read_text(encoding="utf-8"), re.M)]
+    declared = declared or [f for f in files if re.search(rf"^task: \"?{re.escape(name)}_\w+\"?\s*$", f.read_text(encoding="utf-8"), re.M)]
+    path = sorted(declared, key=lambda f: f.parent != folder / name)[0]  # the task's own top-level folder first (tasks/mmlu_pro)
+    while True:
+        text = path.read_text(encoding="utf-8")
+        found = re.search(rf"^\s*{key}: *\"?([^\"\s]+)", text, re.M)
+        if found:
+            return found.group(1)
+        include = re.search(r"^include: *\"?([^\"\s]+)", text, re.M)
+        assert include, (name, key, path)
+        path = path.parent / include.group(1)
+
+
+def test_lm_eval_costs_are_lm_evals_own_task_settings():
+    """``output_type`` and ``max_gen_toks`` of every suite task as lm-eval's own task files set them."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from kdlab.evaluation.lm_eval_suite import PAPER_SUITE
+
+    assert set(LM_EVAL_COST) == set(PAPER_SUITE)
+    folder = Path(lm_eval.__file__).parent / "tasks"
+    for name, (_, kind, generated, _) in LM_EVAL_COST.items():
+        assert _lm_eval_setting(folder, PAPER_SUITE[name].task, "output_type") == kind, name
+        if kind == "generate_until":
+            assert int(_lm_eval_setting(folder, PAPER_SUITE[name].task, "max_gen_toks")) == generated, name
+
+
+def test_a_decoded_token_costs_the_larger_of_host_and_device_on_a_gpu_and_their_sum_on_a_cpu():
+    shape = PUBLISHED["Qwen/Qwen2.5-1.5B-Instruct"]
+    h200 = step_time.HARDWARE["H200"]
+    host = (28 * 72 + 49) * 10e-6
+    kv = 32 * 2304 * 2 * 28 * 256 * 2
+    moved = shape.params * 2 + kv + 32 * 28 * ((32 * 1536 + 8 * 256 + 16 * 8960) + 8 * 12 * 2304) + 12 * 32 * 151936 * 4
+    device = max(moved / (4.8e12 * 0.94), 2 * shape.params * 32 / (989e12 * 0.40))
+    assert step_time.decode_token_seconds(shape, 2, 32, 2304, "kdlab", h200) == pytest.approx(max(host, device))
+    assert step_time.decode_token_seconds(shape, 2, 32, 2304, "vllm", h200) == pytest.approx(device)
+    cpu = step_time.Hardware("cpu", 1e11, 1e10, 5e-6, 1.0, 1.0, overlapped=False)
+    cpu_device = max(moved / 1e10, 2 * shape.params * 32 / 1e11)
+    assert step_time.decode_token_seconds(shape, 2, 32, 2304, "kdlab", cpu) == pytest.approx((28 * 72 + 49) * 5e-6 + cpu_device)
+    with pytest.raises(ValueError, match="decode back end must be kdlab, vllm or served, got 'hf'"):
+        step_time.decode_token_seconds(shape, 2, 32, 2304, "hf", h200)
+
+
+def test_lora_parameters_are_those_peft_trains():
+    pytest.importorskip("peft")
+    from kdlab.stages.lora import LoraSpec, apply_lora
+
+    model, config = qwen2(2)
+    adapted = apply_lora(model, LoraSpec(r=8, alpha=8))
+    trained = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    assert lora_params(shape_of_config(config, "tiny"), 8) == trained
+    assert all(p.dtype == torch.float32 for p in adapted.parameters() if p.requires_grad)
+
+
+@pytest.fixture
+def in_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+
+
+def test_the_target_run_is_its_steps_and_evaluations_and_its_step_the_sum_of_its_parts(in_root):
+    from kdlab.cli.estimate import run_estimate
+
+    target = ["--config", "experiments/paper/countdown3/base-qwen1.5b_from_qwen7b.yaml",
+              "--config", "experiments/paper/countdown3/onpd_fkl-qwen1.5b_from_qwen7b.yaml"]
+    result = run_estimate(target)
+    time = result.time
+    assert time.steps == 150 and time.seconds == pytest.approx(150 * sum(time.step.parts.values()) + sum(time.evaluations.values()))
+    shape, h200 = result.setup.student, step_time.HARDWARE["H200"]
+    decode = step_time.forward_seconds(shape, 32 * 2048, h200) + 512 * step_time.decode_token_seconds(shape, 2, 32, 2048 + 256, "kdlab", h200)
+    assert time.step.parts["decode (student, kdlab)"] == pytest.approx(decode)
+    assert set(time.evaluations) == {"validation", "OODForgetting 3", "Coverage 4", "Coverage 5"}
+    h100 = run_estimate([*target, "--gpu_kind", "H100"]).time
+    assert h100.step.parts["forward and backward"] == pytest.approx(time.step.parts["forward and backward"])  # the same peak FLOPs
+    assert h100.step.seconds >= time.step.seconds
+
+
+def test_the_sft_teacher_presets_fit_only_with_activation_checkpointing(in_root):
+    """The presets' 2 rows x 16 checkpointed fit an 80 GiB GPU; the earlier 8 rows x 4 unchecked did not."""
+    from kdlab.cli.estimate import run_estimate
+
+    preset = ["--config", "experiments/paper/teachers/sft-medreason-qwen7b.yaml"]
+    fixed = run_estimate(preset)
+    earlier = run_estimate([*preset, "--model.init_args.model.gradient_checkpointing=false", "--model.init_args.batch_size=8",
+                            "--trainer.accumulate_grad_batches=4"])
+    assert fixed.fits and not earlier.fits and earlier.largest.key == "activations"
+    assert fixed.work["prompts"] == earlier.work["prompts"] == 32  # the paper's batch
+    assert fixed.setup.lora_rank == 256 and fixed.setup.stage == "sft"
+
+
+def test_the_estimate_check_times_a_real_tiny_fit_by_part_and_records_the_work_it_compares(tmp_path):
+    """``benchmarks/estimate_check.py --smoke``: 2 steps of the tiny quickstart with 8 validation prompts. The decodes
+    the clock recorded are the config's: Coverage 200 prompts x 1 sample before and after, OODForgetting 4 tasks x 100
+    before and after, validation 8; every comparison is its estimate over its measurement."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "check.json"
+    result = subprocess.run([sys.executable, "benchmarks/estimate_check.py", "--smoke", f"--out={out}"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=900, env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["smoke"] and record["threads"] == 1 and record["problems"] == []
+    calibration = record["calibration"]
+    assert calibration["op_seconds"] > 0 and calibration["flops"] > 0 and calibration["bandwidth"] > 0 and calibration["ops_counted"] > 0
+    tiny = record["pairs"]["tiny"]
+    assert tiny["steps"] == 2 and len(tiny["step_times_s"]) == 2
+    rows = tiny["comparisons"]
+    assert set(rows) == {"step", "validation", "Coverage 1", "OODForgetting 1"}
+    assert rows["Coverage 1"]["rows"] == 2 * 200 and rows["OODForgetting 1"]["rows"] == 2 * 4 * 100 and rows["validation"]["rows"] == 8
+    for row in rows.values():
+        assert row["ratio"] == pytest.approx(row["estimated_s"] / row["measured_s"])
+        assert row["within_30_percent"] == (abs(row["ratio"] - 1) <= 0.30)
+    assert record["all_within_30_percent"] == all(row["within_30_percent"] for row in rows.values())
+
+
+def test_a_grpo_preset_decodes_its_prompts_times_group_size_and_trains_its_micro_batches(in_root):
+    """GRPO's memory: one decode of ``batch_size x group_size`` rows (the KV cache at the caps, recomputed here), training
+    ``micro_batch_size`` rows at a time; LoRA's gradients and moments are the adapters' in fp32."""
+    from kdlab.cli.estimate import run_estimate
+    from kdlab.study.setups import GiB
+
+    result = run_estimate(["--config", "experiments/paper/teachers/grpo-science-qwen7b.yaml"])
+    setup, shape = result.setup, result.setup.student
+    assert setup.stage == "grpo" and setup.rows_per_decode == 16 * 8 and setup.batch_size == 4 and setup.checkpointing
+    kv = next(term for term in result.terms if term.key == "KV cache (student)")
+    assert kv.bytes == 128 * (2048 + 1024) * shape.layers * 2 * shape.kv_dim * 2
+    adam = next(term for term in result.terms if term.key == "optimiser (AdamW)")
+    assert adam.bytes == 2 * lora_params(shape, 256) * 4
+    assert result.work["decodes"] == 1 and result.work["prompts"] == 128
+    assert result.fits and result.total <= 80 * GiB
+
+
+def test_the_json_carries_the_time_and_an_unknown_gpu_kind_is_a_one_line_error(in_root, capsys):
+    import json
+
+    from kdlab.cli.config_errors import ConfigError
+    from kdlab.cli.main import main
+
+    preset = ["--config", "experiments/paper/teachers/sft-countdown3-qwen7b.yaml"]
+    main(["estimate", *preset, "--gpu_kind", "H100", "--json"])
+    record = json.loads(capsys.readouterr().out)["time"]
+    assert record["gpu_kind"] == "H100" and record["steps"] == 500 and record["evaluations_seconds"] == {}
+    assert record["run_seconds"] == pytest.approx(500 * record["step_seconds"]) and set(record["step_parts"]) == {
+        "forward and backward", "objective", "optimiser step"}
+    with pytest.raises(ConfigError, match=r"--gpu_kind: one of \['H100', 'H200'\], got 'A100'"):
+        main(["estimate", *preset, "--gpu_kind", "A100"])
