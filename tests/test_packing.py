@@ -224,3 +224,32 @@ def test_across_tokenizers_each_model_packs_its_own_tokens_and_the_step_equals_t
     assert rollout.teacher_completion_ids is not None
     assert packed.layout.pack(rollout, "teacher").real_tokens() == int(rollout.model_inputs("teacher")["attention_mask"].sum())
     assert_same_step(step(padded, batch, rollout), step(packed, batch, rollout))
+
+
+def test_a_flash_attention_model_gets_one_flat_row_and_no_mask():
+    """Hugging Face's variable-length flash path reads restarting position ids of a single row only (a batch of
+    rows would attend across sequences), so a flash model's packed rows are laid end to end as one row, with no mask;
+    the flat row holds the same outputs at the same gather indices (checked here with the explicit mask on sdpa,
+    as flash attention needs a GPU)."""
+    from kdlab.models.loading import ModelSpec, load_causal_lm
+
+    ids, mask, width_c = ragged_batch()
+    packed = PackedBatch.build(ids, mask, width_c, Packed(9))
+    flash = torch.nn.Module()
+    flash.config = type("Config", (), {"_attn_implementation": "flash_attention_2"})()
+    flat = packed.flattened()
+    inputs = flat.model_inputs(flash)
+    assert inputs["attention_mask"] is None and inputs["input_ids"].shape == (1, packed.shape[0] * packed.shape[1])
+    starts = (flat.position_ids[0] == 0) & (flat.segments[0] >= 0)
+    assert int(starts.sum()) == ids.shape[0]  # each sequence starts at position 0
+    with pytest.raises(ValueError, match="one packed row"):
+        packed.model_inputs(flash)
+    # the flat row and the rows give the same outputs at the gather indices (sdpa, explicit mask)
+    model = load_causal_lm(ModelSpec(TINY[0]), "student")
+    ids = ids.clamp(max=300)
+    packed = PackedBatch.build(ids, mask, width_c, Packed(9))
+    with torch.no_grad():
+        rows = packed.unpack(model(**packed.model_inputs(model), use_cache=False).logits)
+        one = packed.flattened().unpack(model(**packed.flattened().model_inputs(model), use_cache=False).logits)
+    real = torch.arange(width_c)[None, :] < torch.tensor([5, 2, 0, 6])[:, None]
+    torch.testing.assert_close(one[real], rows[real], atol=1e-5, rtol=0)

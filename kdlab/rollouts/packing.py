@@ -6,8 +6,8 @@ A rollout of ``B`` completions is read by each model as ``[own prompt | completi
 longest prompt plus its longest completion. The packed layout lays the sequences' real tokens end to end in
 rows of at most ``max_tokens_per_row`` tokens (:class:`PackedBatch`, ``(R, L)``), each sequence attending only
 to itself: position ids restart at 0 on each sequence, and attention is block-diagonal (an explicit 4D mask,
-or, for a flash-attention model, the implementation's variable-length path, which reads the sequence
-boundaries from the restarting position ids). Either way the objective receives the same ``(B, C, ...)``
+or, for a flash-attention model, the implementation's variable-length path on the rows laid end to end as one row,
+which reads the sequence boundaries from the restarting position ids). Either way the objective receives the same ``(B, C, ...)``
 tensors at the completion positions (the packed outputs are gathered back), so every reduction, diagnostic
 and teacher signal (a cache's or a server's top-k, indexed by ``(B, C)``) lands on the same tokens.
 """
@@ -70,17 +70,20 @@ class Packed(RowLayout):
         if longest_sequence > self.max_tokens_per_row:
             raise ValueError(f"{self.setting}={self.max_tokens_per_row} is smaller than one sequence: {why} ({longest_sequence} tokens)")
 
-    def pack(self, rollout: Any, role: str, rows: torch.Tensor | None = None) -> PackedBatch:
-        """``role``'s sequences of ``rollout`` (of ``rows`` only, when given) as a :class:`PackedBatch`."""
+    def pack(self, rollout: Any, role: str, rows: torch.Tensor | None = None, model: torch.nn.Module | None = None) -> PackedBatch:
+        """``role``'s sequences of ``rollout`` (of ``rows`` only, when given) as a :class:`PackedBatch`; for a ``model``
+        whose attention is variable-length (flash attention), its rows laid end to end as one row (Hugging Face's
+        variable-length path reads the restarting position ids of a single row only)."""
         inputs = rollout.model_inputs(role)
         completion_mask = rollout.completion(role)[1]
         if rows is not None:
             inputs = {key: value[rows.to(value.device)] for key, value in inputs.items()}
             completion_mask = completion_mask[rows.to(completion_mask.device)]
-        return PackedBatch.build(inputs["input_ids"], inputs["attention_mask"].bool(), completion_mask.shape[1], self)
+        packed = PackedBatch.build(inputs["input_ids"], inputs["attention_mask"].bool(), completion_mask.shape[1], self)
+        return packed.flattened() if model is not None and variable_length(model) else packed
 
     def completion_logits(self, model, rollout, role, token_columns, rows=None):
-        packed = self.pack(rollout, role, rows)
+        packed = self.pack(rollout, role, rows, model)
         inputs = packed.model_inputs(model)
         if "logits_to_keep" in forward_parameters(model):
             # only the columns that predict some completion token (with one row: exactly those positions)
@@ -97,7 +100,7 @@ class Packed(RowLayout):
         reason = fused_head_unsupported(model)
         if reason:
             raise ValueError(f"fused_lm_head: {reason}; use the logits path (fused_lm_head: false)")
-        packed = self.pack(rollout, role)
+        packed = self.pack(rollout, role, model=model)
         keep = {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters(model) else {}
         outputs = model(**packed.model_inputs(model), use_cache=False, output_hidden_states=True, **keep)
         hidden = packed.unpack(outputs.hidden_states[-1])
@@ -158,6 +161,10 @@ class PackedBatch:
         gather = torch.where(real, last_prompt + completion_columns[None, :], last_prompt)
         return cls(ids, positions, segments, gather)
 
+    def flattened(self) -> PackedBatch:
+        """The same sequences as one row ``(1, R x L)`` (a flat index of ``gather`` is the same position in it)."""
+        return PackedBatch(*(tensor.reshape(1, -1) for tensor in (self.input_ids, self.position_ids, self.segments)), self.gather)
+
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.input_ids.shape)
@@ -183,10 +190,11 @@ class PackedBatch:
     def model_inputs(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """``input_ids``, ``position_ids`` and the attention mask for ``model``: none for a flash-attention
         implementation (its variable-length path reads the restarting position ids), the 4D mask otherwise."""
-        config = getattr(model, "config", None)
-        implementation = str(getattr(config, "_attn_implementation", None) or "sdpa")
+        implementation = attention_implementation(model)
         inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids}
-        if "flash" in implementation:
+        if variable_length(model):
+            if self.input_ids.shape[0] != 1:
+                raise ValueError("PackedBatch: a variable-length attention reads one packed row; use flattened()")
             inputs["attention_mask"] = None
         else:
             dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -213,6 +221,16 @@ class PackedBatch:
             index = self.gather
             flat = outputs.reshape(rows * width, *outputs.shape[2:])
         return flat[index]
+
+
+def attention_implementation(model: torch.nn.Module) -> str:
+    """The model's attention implementation (``config._attn_implementation``; ``sdpa`` when unset)."""
+    return str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa")
+
+
+def variable_length(model: torch.nn.Module) -> bool:
+    """Whether the model's attention takes packed sequences from restarting position ids alone (flash attention)."""
+    return "flash" in attention_implementation(model)
 
 
 def first_fit_decreasing(sizes: list[int], capacity: int) -> tuple[list[int], list[int], list[int]]:
