@@ -17,6 +17,7 @@ lm-eval that saves the model it was given to ``ood-model-<n>.pt``) and ``coverag
 ``-accum`` takes each step in 2 micro-batches (``accumulate_grad_batches=2``, the same global batch);
 ``-count`` writes ``reduce_scatters-rank<r>.json``, the gradient reduce-scatters that rank issued;
 ``-sync`` makes every FSDP2 backward reduce its gradients (``set_requires_gradient_sync`` forced true).
+``-packed`` trains on padding-free micro-batches (``max_tokens_per_row``: each rank's sequences packed into rows).
 """
 
 import json
@@ -196,6 +197,7 @@ def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, r
         rollout=TeacherDatasetRollouts(str(data)), batch_size=GLOBAL_BATCH // devices // accumulate, lr=1e-3, warmup_steps=0,
         teacher_placement="shard" if layout in ("fsdp2", "fsdp1") else "replicate", fused_lm_head=fused,
         lora=LoraSpec(r=4, alpha=8) if "lora" in flags else None,  # a LoRA student: adapters sharded with the rest
+        max_tokens_per_row=2560 if "packed" in flags else None,  # the smallest allowed (2048 + 512): one row per micro-batch here
     )
     strategy = {
         "single": "auto",

@@ -166,10 +166,33 @@ def test_each_benchmark_runs_at_toy_size_and_writes_json(script, extra, tmp_path
     assert record.get("problems", []) == []
 
 
+@pytest.mark.slow  # a subprocess run of the benchmark at toy size, about 30 s
+def test_the_packing_benchmark_smoke_records_what_it_measured(tmp_path):
+    """``benchmarks/packing.py --smoke``: padded and packed steps on the same micro-batches, their losses within 1e-5,
+    and a record whose figures follow from its own counts (padding ratio, the 0.8 x target, the packed shapes)."""
+    import json
+
+    out = tmp_path / "packing.json"
+    result = run_benchmark("benchmarks/packing.py", "--smoke", f"--out={out}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["smoke"] and record["threads"] == 1 and record["dtype"] == "float32" and record["problems"] == []
+    assert record["largest_loss_difference"] <= record["loss_tolerance"] == 1e-5
+    shapes = record["shapes"]
+    assert len(shapes) == record["micro_batches"] == 2 and all(s["padded"][0] == record["batch"] for s in shapes)
+    assert record["real_tokens"] == sum(s["real_tokens"] for s in shapes) < record["padded_tokens"] == sum(a * b for a, b in (s["padded"] for s in shapes))
+    assert record["padding_ratio"] == pytest.approx(record["padded_tokens"] / record["real_tokens"])
+    assert all(s["packed_student"][1] <= record["max_tokens_per_row"] for s in shapes)
+    speeds = record["tokens_per_s"]
+    assert record["target_tokens_per_s"] == pytest.approx(0.8 * record["padding_ratio"] * speeds["padded"])
+    assert record["meets_target"] == (speeds["packed"] >= record["target_tokens_per_s"])
+
+
 @pytest.mark.parametrize("args, message", [
     (["benchmarks/real_vocab_step.py", "--threads=0"], "--threads must be >= 1"),
     (["benchmarks/kl_memory.py", "--threads=0"], "--threads must be >= 1"),
     (["benchmarks/mixture_decoding.py", "--vocab=100"], "smaller than the base tokenizer"),
+    (["benchmarks/packing.py", "--threads=0"], "--threads must be >= 1"),
 ])
 def test_benchmarks_refuse_bad_settings_with_a_message(args, message):
     result = run_benchmark(*args, timeout=120)

@@ -63,6 +63,18 @@ def test_two_processes_train_the_same_student_as_one(single, layout, tmp_path):
     assert 0.0 < whole_sparsity["sparsity/0.001"] < 1.0
 
 
+def test_fsdp2_on_packed_micro_batches_trains_the_same_student_as_one_padded_process(single, tmp_path):
+    """Padding-free micro-batches (``max_tokens_per_row``) under FSDP2 over two gloo processes, student and teacher
+    sharded: the student ends where the padded single process ends (to 1e-5: fp32 sums in another order), and the
+    global gradient norm agrees."""
+    (sharded, _), (whole, _) = run("fsdp2-packed", tmp_path / "packed"), single
+    assert sharded.keys() == whole.keys()
+    for name, value in whole.items():
+        torch.testing.assert_close(sharded[name], value, atol=1e-5, rtol=0, msg=name)
+    norms = [json.loads((tmp_path / "packed" / f"rank{r}.json").read_text())["grad_norm"] for r in (0, 1)]
+    assert norms == pytest.approx([SINGLE_GRAD_NORM[0]] * 2, abs=1e-5)
+
+
 # about 75 s each: FSDP2 runs by default; FSDP1 and DDP (the same resume path, other wrappers) are slow,
 # which keeps the default run inside CI's 15 minutes (python -m pytest -m slow tests/test_distributed.py)
 @pytest.mark.parametrize("layout", ["fsdp2", pytest.param("fsdp1", marks=pytest.mark.slow), pytest.param("ddp", marks=pytest.mark.slow)])

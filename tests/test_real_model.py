@@ -234,3 +234,45 @@ def test_a_served_real_teacher_has_the_in_process_teachers_end_tokens_and_ends_i
     for rollout in (local, remote):
         last = [int(ids[mask][-1]) for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
         assert all(token in served.end_ids for token in last), last
+
+
+@needs_real
+@pytest.mark.parametrize("objective", ["forward", "reverse"])
+def test_a_packed_step_equals_the_padded_step_on_the_real_model(real, tmp_path, objective):
+    """Padding-free micro-batches (``max_tokens_per_row``) on SmolLM2: teacher-written completions of ragged
+    lengths, packed into several rows, give the padded step's loss, logged diagnostics and every student gradient
+    to 1e-5, absolute and relative (fp32 sums taken in another order; forward and reverse KL; the tiny pair's cases
+    are in tests/test_packing.py)."""
+    import json
+
+    from kdlab.objectives import ForwardKL, ReverseKL
+    from kdlab.rollouts import TeacherDatasetRollouts
+    from kdlab.rollouts.packing import Packed
+
+    task = Addition(num_train=4)
+    data = tmp_path / "teacher.jsonl"
+    data.write_text("".join(json.dumps({"id": ex["id"], "completion": f"The sum is {ex['a'] + ex['b']}." * (1 + i)}) + "\n"
+                            for i, ex in enumerate(task.examples("train"))))
+    results = []
+    for budget in (None, 160):
+        module = distill(real, TeacherDatasetRollouts(str(data)), task=task, max_prompt_tokens=96, max_completion_tokens=32,
+                         batch_size=4, objective=ForwardKL() if objective == "forward" else ReverseKL(), max_tokens_per_row=budget)
+        batch = task.examples("train")
+        rollout = module.make_rollout(batch, 0)
+        if budget is not None:
+            assert isinstance(module.layout, Packed) and module.layout.pack(rollout, "student").shape[0] > 1
+            assert len(set(rollout.completion_mask.sum(1).tolist())) >= 3  # ragged: padding in the padded rows
+        logged = {}
+        module.log = lambda name, value, **kwargs: logged.__setitem__(name, torch.as_tensor(value).detach())
+        module.make_rollout = lambda examples, seed, policy=None, rollout=rollout: rollout
+        loss = module.training_step(batch, 0)
+        loss.backward()
+        results.append((loss.detach(), logged, {name: p.grad for name, p in module.student.named_parameters() if p.grad is not None}))
+    (loss_a, logged_a, grads_a), (loss_b, logged_b, grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a, atol=1e-5, rtol=0)
+    assert logged_a.keys() == logged_b.keys()
+    for name in logged_a:
+        torch.testing.assert_close(logged_b[name], logged_a[name], atol=1e-5, rtol=0, msg=name)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 10
+    for name, value in grads_a.items():
+        torch.testing.assert_close(grads_b[name], value, atol=1e-5, rtol=1e-5, msg=name)

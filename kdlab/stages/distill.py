@@ -27,7 +27,8 @@ from kdlab.models.loading import ModelSpec, end_token_ids, load_causal_lm, load_
 from kdlab.objectives.aligned import CrossTokenizer
 from kdlab.objectives.pairing import SharedVocabulary
 from kdlab.objectives.kl import ForwardKL, KLObjective, sampled_logprobs
-from kdlab.objectives.logits import completion_head_logits, completion_logits, fused_head_unsupported
+from kdlab.objectives.logits import fused_head_unsupported
+from kdlab.rollouts.packing import Packed, Padded, RowLayout
 from kdlab.rollouts.policies import RolloutContext, RolloutPolicy, TeacherRollouts, TeacherTokens, importance_weights
 from kdlab.stages.base import TaskStage
 from kdlab.stages.lora import LoraSpec, apply_lora
@@ -88,6 +89,14 @@ class DistillModule(TaskStage):
             (:func:`~kdlab.objectives.logits.fused_head_unsupported` says why not: a head bias, soft-capped or
             scaled logits, FSDP1), the logits path otherwise. ``true`` insists (an error where invalid),
             ``false`` always takes the logits path.
+        max_tokens_per_row: padding-free micro-batches (:class:`~kdlab.rollouts.packing.Packed`): each micro-batch's
+            sequences (each model's own prompt + the completion, no padding) are packed end to end into rows of at most
+            this many tokens, each attending only to itself (restarting position ids; a block-diagonal mask, or a
+            flash-attention model's variable-length path), and the rows run in one forward, student and in-process
+            teacher alike. Every objective, reduction and diagnostic reads the same completion tokens as with padded
+            rows (same loss and gradients up to float rounding); cached and served teachers' top-k stay aligned.
+            It must hold the longest possible sequence (``max_prompt_tokens + max_completion_tokens``).
+            ``None`` (default): padded rows, ``(B, P + C)``.
         stop_strings: rollouts and evaluation also stop once a completion contains one of these.
         cross_tokenizer: distil across tokenizers (:class:`~kdlab.objectives.aligned.CrossTokenizer`): each
             model reads the completion in its own tokens, aligned by bytes, and ``objective`` is taken over
@@ -133,6 +142,7 @@ class DistillModule(TaskStage):
         stop_strings: list[str] | None = None,
         cross_tokenizer: CrossTokenizer | None = None,
         lora: LoraSpec | None = None,
+        max_tokens_per_row: int | None = None,
         **legacy: Any,
     ) -> None:
         if task is None:
@@ -160,6 +170,7 @@ class DistillModule(TaskStage):
             raise ValueError(f"DistillModule.teacher_placement must be 'replicate' or 'shard', got {teacher_placement!r}")
         self.teacher_placement = teacher_placement
         self.fused_lm_head = fused_lm_head
+        self.layout = self.row_layout(max_tokens_per_row, max_prompt_tokens + max_completion_tokens)
         self.cross_tokenizer = cross_tokenizer
         self.pairing = cross_tokenizer if cross_tokenizer is not None else SharedVocabulary()  # how the two models' tokens meet
         # the earlier spellings (served_teacher, teachers + teacher_choice, base_teacher) arrive in ``legacy``; jsonargparse
@@ -175,7 +186,7 @@ class DistillModule(TaskStage):
                          teacher_temperature=teacher_temperature, cross_tokenizer=cross_tokenizer is not None, placement=teacher_placement,
                          fused_lm_head=fused_lm_head, reduction=self.objective.reduction, chunk_size=self.objective.chunk_size,
                          stop_strings=tuple(self.stop_strings), max_completion_tokens=max_completion_tokens, held=self._frozen,
-                         student=(lambda: self.student) if lora is not None else None)
+                         student=(lambda: self.student) if lora is not None else None, layout=self.layout)
         check_needs(self.rollout.needs(), self.teacher_source.offers(run), type(self.rollout).__name__, type(self.teacher_source).__name__)
         self.teacher_source.bind(run)
         self.teacher_tokenizer, self.teacher_columns = self.teacher_source.tokenizer, self.teacher_source.token_columns
@@ -199,6 +210,15 @@ class DistillModule(TaskStage):
             self.end_ids = student_ends
             self.teacher_end_ids = teacher_ends or (int(self.teacher_tokenizer.eos_token_id),)
         self.pad_id = int(self.student_tokenizer.pad_token_id)
+
+    @staticmethod
+    def row_layout(max_tokens_per_row: int | None, longest_sequence: int) -> RowLayout:
+        """Padded rows, or packed rows of ``max_tokens_per_row`` tokens, which must hold ``longest_sequence``."""
+        if max_tokens_per_row is None:
+            return Padded()
+        layout = Packed(max_tokens_per_row, "DistillModule.max_tokens_per_row")
+        layout.check_fits(longest_sequence, "max_prompt_tokens + max_completion_tokens")
+        return layout
 
     # ---- parallelism ----------------------------------------------------------------------
     def sharded_models(self) -> list[torch.nn.Module]:
@@ -318,12 +338,11 @@ class DistillModule(TaskStage):
 
     def distillation_logits(self, rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """Tempered student and teacher logits ``(B, C, V)`` at the completion positions (as
-        :class:`~kdlab.objectives.kernels.HeadLogits` with ``fused_lm_head``)."""
-        length = rollout.completion_ids.shape[1]
+        :class:`~kdlab.objectives.kernels.HeadLogits` with ``fused_lm_head``), each model's forward in ``self.layout``."""
         if self.uses_fused_head(self.student):
-            student = completion_head_logits(self.student, rollout.model_inputs("student"), length, self.token_columns, self.student_temperature)
+            student = self.layout.completion_head_logits(self.student, rollout, "student", self.token_columns, self.student_temperature)
         else:
-            student = completion_logits(self.student, rollout.model_inputs("student"), length, self.token_columns)
+            student = self.layout.completion_logits(self.student, rollout, "student", self.token_columns)
             if self.student_temperature != 1.0:
                 student = student / self.student_temperature
         if rollout.teacher_logprobs is not None:  # scored already (a served teacher scores a decode group in one go)

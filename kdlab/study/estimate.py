@@ -19,7 +19,9 @@ no-grad forward, the objective's buffers (:func:`objective_workspace`), FSDP's g
 bf16 weight copies. optimiser step: AdamW's temporaries. validation: the student decoding
 ``val_batch_size x eval_samples`` prompts (callbacks are not counted). reserved: a vLLM engine's
 ``gpu_memory_utilization x GPU memory``. Lengths are the caps (``max_prompt_tokens``,
-``max_completion_tokens``): a bound. Checked against allocator-level peaks on the CPU (``tests/test_estimate.py``).
+``max_completion_tokens``): a bound. A micro-batch is ``batch_size`` rows of ``prompt + completion`` tokens, or,
+packed (``max_tokens_per_row``), its sequences at their caps packed into rows of that budget
+(:func:`training_rows`): the same tokens at the caps, in fewer, longer rows whose attention mask is ``R x L^2``. Checked against allocator-level peaks on the CPU (``tests/test_estimate.py``).
 """
 
 from __future__ import annotations
@@ -109,14 +111,25 @@ def layer_bytes(shape: Shape, mixed: bool, length: int) -> int:
     return (32 * h + 4 * kv + 8 * inter + 2 * length) if mixed else (32 * h + 8 * kv + 16 * inter + 4 * length)
 
 
+def training_rows(setup: Setup) -> tuple[int, int]:
+    """``(R, L)``: the rows and row length of one micro-batch's forward at the caps (``S = prompt + completion``):
+    ``(batch_size, S)`` padded; packed (``row_tokens``), ``max(1, row_tokens // S)`` sequences per row, so
+    ``R = ceil(batch_size / per_row)`` rows of ``L = min(batch_size, per_row) x S`` tokens (the last row padded to L)."""
+    length = setup.prompt_tokens + setup.completion_tokens
+    if not setup.row_tokens:
+        return setup.batch_size, length
+    per_row = max(1, setup.row_tokens // length)
+    return -(-setup.batch_size // per_row), min(setup.batch_size, per_row) * length
+
+
 def student_training_terms(setup: Setup, tokens: int, residual: int) -> list[Term]:
-    """The student's activations for one micro-batch, alive through all of training: without checkpointing
-    every layer's :func:`layer_bytes` (the backward frees them layer by layer as it makes the gradients); with
-    activation checkpointing each layer's input (``h x residual bytes``), and in the backward one layer
-    recomputed at a time. Outside the layers: ``16h`` bytes per token and the boolean ``B x T^2`` mask."""
-    s, length = setup.student, setup.prompt_tokens + setup.completion_tokens
+    """The student's activations for one micro-batch of ``R x L`` tokens (:func:`training_rows`), alive through all of
+    training: without checkpointing every layer's :func:`layer_bytes` (the backward frees them layer by layer as it
+    makes the gradients); with activation checkpointing each layer's input (``h x residual bytes``), and in the backward
+    one layer recomputed at a time. Outside the layers: ``16h`` bytes per token and the boolean ``R x L^2`` mask."""
+    s, (rows, length) = setup.student, training_rows(setup)
     per_layer = layer_bytes(s, setup.mixed, length)
-    outside = 16 * s.hidden * tokens + setup.batch_size * length**2
+    outside = 16 * s.hidden * tokens + rows * length**2
     if not setup.checkpointing:  # the backward frees each layer's activations as it makes its gradients
         return [Term("activations", "training", s.layers * per_layer * tokens + outside,
                      f"{tokens} tokens x ({s.layers} layers x {per_layer} B + {16 * s.hidden} B outside the layers) + mask")]
@@ -224,7 +237,8 @@ def estimate(setup: Setup) -> Estimate:
                               f"whole {role} for the decode: {shape.params / 1e9:.3f}B x {size} B" if whole else f"{role} root + 2 layers gathered"))
         if cast and "student" in setup.decoders:
             terms.append(Term("autocast weight copies", "decode", s.params * 2, casts))
-    tokens = setup.batch_size * (setup.prompt_tokens + setup.completion_tokens)
+    rows, length = training_rows(setup)
+    tokens = rows * length
     residual = 2 if (setup.strategy == "fsdp2" and setup.mixed) or sb == 2 else 4
     terms += student_training_terms(setup, tokens, residual)
     workspace, formula = objective_workspace(setup, setup.batch_size * setup.completion_tokens, tokens)
@@ -345,7 +359,7 @@ def setup_from_config(config: dict[str, Any], gpus: int | None = None, gpu_memor
         decoders=decoders, cached_teacher=cached, other_teachers=tuple(model_shape(spec, "teacher") for spec in teachers[1:]),
         objective=objective, chunk_size=int(objective_args.get("chunk_size") or 256), batch_size=int(model.get("batch_size") or 1),
         decode_group=int(group), prompt_tokens=int(model.get("max_prompt_tokens") or 2048),
-        completion_tokens=int(model.get("max_completion_tokens") or 512),
+        completion_tokens=int(model.get("max_completion_tokens") or 512), row_tokens=int(model.get("max_tokens_per_row") or 0),
         val_prompts=int(model.get("val_batch_size") or 8) * int(model.get("eval_samples") or 1),
         teacher_sharded=kind in ("fsdp2", "fsdp1") and model.get("teacher_placement") == "shard" and teacher is not None,
         student_fused=fused is not False and kind != "fsdp1", teacher_fused=fused is not False and kind != "fsdp1",

@@ -39,6 +39,7 @@ class Setup:
     decode_rows: int | None = None  # rows of one decode, when not batch_size x decode_group (GRPO: prompts x group size)
     prompt_tokens: int = 2048
     completion_tokens: int = 512
+    row_tokens: int = 0  # packed rows of at most this many tokens (max_tokens_per_row); 0: padded rows
     val_prompts: int = 8
     mixed: bool = False  # 16-bit autocast (bf16-mixed / 16-mixed)
     strategy: str = "single"  # single, ddp, fsdp2, fsdp1

@@ -65,6 +65,8 @@ class TeacherRun:
         reduction, chunk_size: the objective's, for diagnostics a source computes itself (several teachers).
         stop_strings: rollouts stop once a completion contains one of these.
         max_completion_tokens: the rollout length budget.
+        layout: how an in-process model reads a micro-batch (:class:`~kdlab.rollouts.packing.RowLayout`: padded rows
+            or packed ones), the student's layout, so the teacher's outputs sit on the same tokens; ``None``: padded.
     """
 
     student_tokenizer: Any
@@ -83,6 +85,7 @@ class TeacherRun:
     may replace an entry by its sharded wrapper."""
     student: Callable[[], torch.nn.Module] | None = None
     """The (loaded) student, for the source that is the student's own base."""
+    layout: Any = None
 
 
 def hold(run: TeacherRun, name: str, model: torch.nn.Module) -> torch.nn.Module:

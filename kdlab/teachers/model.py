@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from kdlab.models.loading import ModelSpec, end_token_ids, load_causal_lm, load_config, load_tokenizer, output_rows, shared_vocab_size
-from kdlab.objectives.logits import completion_head_logits, completion_logits, fused_head_unsupported
+from kdlab.objectives.logits import fused_head_unsupported
+from kdlab.rollouts.packing import Padded, RowLayout
 from kdlab.teachers.base import DECODES, SCORES, WEIGHTS, WRITES, TeacherRun, TeacherSource, hold
 
 
@@ -59,22 +60,25 @@ class InProcessTeacher(TeacherSource):
             return bool(self.run.fused_lm_head)
         return fused_head_unsupported(self.model) is None
 
+    @property
+    def layout(self) -> RowLayout:
+        """How its model reads a micro-batch: the student's layout (``TeacherRun.layout``), padded rows by default."""
+        return self.run.layout if self.run.layout is not None else Padded()
+
     @torch.no_grad()
     def completion_logprobs(self, rollout: Any, student: Any = None) -> Any:
         """Tempered logits ``(B, C, V)`` of its forward on ``[teacher prompt | completion]`` (a ``HeadLogits``
-        with the fused head)."""
-        length, temperature = rollout.completion("teacher")[0].shape[1], self.run.teacher_temperature
-        inputs = rollout.model_inputs("teacher")
+        with the fused head), read in the run's :attr:`layout`."""
+        temperature = self.run.teacher_temperature
         if self.fused():
-            return completion_head_logits(self.model, inputs, length, self.token_columns, temperature).detach()
-        logits = completion_logits(self.model, inputs, length, self.token_columns)
+            return self.layout.completion_head_logits(self.model, rollout, "teacher", self.token_columns, temperature).detach()
+        logits = self.layout.completion_logits(self.model, rollout, "teacher", self.token_columns)
         return logits.div_(temperature) if temperature != 1.0 else logits  # a fresh no-grad tensor: no second copy
 
     def rows_logprobs(self, rollout: Any, rows: torch.Tensor) -> torch.Tensor:
         """Tempered logits ``(len(rows), C, V)`` on rows ``rows`` of ``rollout`` (several teachers, routed)."""
-        inputs = {key: value[rows.to(value.device)] for key, value in rollout.model_inputs("teacher").items()}
         with torch.no_grad():
-            return completion_logits(self.model, inputs, rollout.completion_ids.shape[1], self.token_columns) / self.run.teacher_temperature
+            return self.layout.completion_logits(self.model, rollout, "teacher", self.token_columns, rows) / self.run.teacher_temperature
 
     def decoder(self, prompts: Any, temperature: float) -> Any:
         from kdlab.rollouts.decoding import IncrementalLM

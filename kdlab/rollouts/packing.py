@@ -1,0 +1,250 @@
+"""How a micro-batch's sequences meet a model's forward: padded rows (:class:`Padded`, kdlab's layout) or
+padding-free packed rows (:class:`Packed`).
+
+A rollout of ``B`` completions is read by each model as ``[own prompt | completion]``: the padded layout is
+``(B, P + C)`` with left-padded prompts and right-padded completions, so every row runs to the micro-batch's
+longest prompt plus its longest completion. The packed layout lays the sequences' real tokens end to end in
+rows of at most ``max_tokens_per_row`` tokens (:class:`PackedBatch`, ``(R, L)``), each sequence attending only
+to itself: position ids restart at 0 on each sequence, and attention is block-diagonal (an explicit 4D mask,
+or, for a flash-attention model, the implementation's variable-length path on the rows laid end to end as one row,
+which reads the sequence boundaries from the restarting position ids). Either way the objective receives the same ``(B, C, ...)``
+tensors at the completion positions (the packed outputs are gathered back), so every reduction, diagnostic
+and teacher signal (a cache's or a server's top-k, indexed by ``(B, C)``) lands on the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kdlab.objectives.logits import completion_head_logits, completion_logits, forward_parameters, full_head_weight, fused_head_unsupported
+
+SETTING = "DistillModule.max_tokens_per_row"
+
+
+class RowLayout:
+    """How a model reads a rollout: every layout returns the outputs that predict the completion tokens of
+    ``role`` (``"student"`` or ``"teacher"``: its own prompt and its own completion tokens) as ``(B, C, ...)``,
+    ``C`` the rollout's completion width in that model's tokens; ``rows`` (a 1-D index) reads only those rows."""
+
+    def completion_logits(self, model: torch.nn.Module, rollout: Any, role: str, token_columns: int,
+                          rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, C, token_columns)`` (untempered), as :func:`~kdlab.objectives.logits.completion_logits`."""
+        raise NotImplementedError
+
+    def completion_head_logits(self, model: torch.nn.Module, rollout: Any, role: str, token_columns: int,
+                               temperature: float = 1.0) -> Any:
+        """A :class:`~kdlab.objectives.kernels.HeadLogits` of hidden states ``(B, C, H)``, as
+        :func:`~kdlab.objectives.logits.completion_head_logits`."""
+        raise NotImplementedError
+
+
+class Padded(RowLayout):
+    """One row per sequence, padded to ``(B, P + C)``: kdlab's layout (:meth:`kdlab.data.Rollout.model_inputs`)."""
+
+    def completion_logits(self, model, rollout, role, token_columns, rows=None):
+        inputs = rollout.model_inputs(role)
+        if rows is not None:
+            inputs = {key: value[rows.to(value.device)] for key, value in inputs.items()}
+        return completion_logits(model, inputs, rollout.completion(role)[0].shape[1], token_columns)
+
+    def completion_head_logits(self, model, rollout, role, token_columns, temperature=1.0):
+        return completion_head_logits(model, rollout.model_inputs(role), rollout.completion(role)[0].shape[1], token_columns, temperature)
+
+
+class Packed(RowLayout):
+    """Sequences packed end to end into rows of at most ``max_tokens_per_row`` real tokens (longest first, each
+    into the first row it fits), all rows in one forward ``(R, L)``, ``L`` the longest row: the micro-batch
+    computes its real tokens plus the tail of its shorter rows instead of ``B x (P + C)``. A sequence longer
+    than the budget is an error naming ``setting``."""
+
+    def __init__(self, max_tokens_per_row: int, setting: str = SETTING) -> None:
+        if isinstance(max_tokens_per_row, bool) or not isinstance(max_tokens_per_row, int) or max_tokens_per_row < 1:
+            raise ValueError(f"{setting} must be a positive number of tokens (or null: padded rows), got {max_tokens_per_row!r}")
+        self.max_tokens_per_row, self.setting = max_tokens_per_row, setting
+
+    def check_fits(self, longest_sequence: int, why: str) -> None:
+        """An error naming the setting when a sequence of ``longest_sequence`` tokens (``why``) cannot fit one row."""
+        if longest_sequence > self.max_tokens_per_row:
+            raise ValueError(f"{self.setting}={self.max_tokens_per_row} is smaller than one sequence: {why} ({longest_sequence} tokens)")
+
+    def pack(self, rollout: Any, role: str, rows: torch.Tensor | None = None, model: torch.nn.Module | None = None) -> PackedBatch:
+        """``role``'s sequences of ``rollout`` (of ``rows`` only, when given) as a :class:`PackedBatch`; for a ``model``
+        whose attention is variable-length (flash attention), its rows laid end to end as one row (Hugging Face's
+        variable-length path reads the restarting position ids of a single row only)."""
+        inputs = rollout.model_inputs(role)
+        completion_mask = rollout.completion(role)[1]
+        if rows is not None:
+            inputs = {key: value[rows.to(value.device)] for key, value in inputs.items()}
+            completion_mask = completion_mask[rows.to(completion_mask.device)]
+        packed = PackedBatch.build(inputs["input_ids"], inputs["attention_mask"].bool(), completion_mask.shape[1], self)
+        return packed.flattened() if model is not None and variable_length(model) else packed
+
+    def completion_logits(self, model, rollout, role, token_columns, rows=None):
+        packed = self.pack(rollout, role, rows, model)
+        inputs = packed.model_inputs(model)
+        if "logits_to_keep" in forward_parameters(model):
+            # only the columns that predict some completion token (with one row: exactly those positions)
+            kept = packed.kept_columns()
+            logits = model(**inputs, use_cache=False, logits_to_keep=kept).logits
+            logits = packed.unpack(logits, kept)
+        else:
+            logits = packed.unpack(model(**inputs, use_cache=False).logits)
+        return logits if logits.shape[-1] == token_columns else logits[..., :token_columns]
+
+    def completion_head_logits(self, model, rollout, role, token_columns, temperature=1.0):
+        from kdlab.objectives.kernels import HeadLogits
+
+        reason = fused_head_unsupported(model)
+        if reason:
+            raise ValueError(f"fused_lm_head: {reason}; use the logits path (fused_lm_head: false)")
+        packed = self.pack(rollout, role, model=model)
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters(model) else {}
+        outputs = model(**packed.model_inputs(model), use_cache=False, output_hidden_states=True, **keep)
+        hidden = packed.unpack(outputs.hidden_states[-1])
+        return HeadLogits(hidden, full_head_weight(model.get_output_embeddings())[:token_columns], 1.0 / temperature)
+
+
+@dataclass
+class PackedBatch:
+    """``B`` sequences packed into ``R`` rows.
+
+    ``input_ids``: ``(R, L)`` long, each row's sequences end to end, then padding (id 0); ``position_ids``:
+    ``(R, L)``, 0 at each sequence's first token (padding: 0, each padding position its own sequence);
+    ``segments``: ``(R, L)`` long, which sequence (0..B-1) each position holds, -1 on padding; ``gather``:
+    ``(B, C)`` long, for completion token c of sequence b the flat index (``row * L + column``) of the
+    position whose output predicts it (masked-out completion positions point at the sequence's first
+    predicting position, so they hold a real output that the objective's mask then ignores).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    segments: torch.Tensor
+    gather: torch.Tensor
+
+    @classmethod
+    def build(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_length: int, packing: Packed) -> PackedBatch:
+        """From a padded ``[prompt | completion]`` micro-batch: ``input_ids`` / ``attention_mask`` ``(B, P + C)``
+        (real tokens: left-padded prompt, right-padded completion, each a contiguous run) and ``C``."""
+        device = input_ids.device
+        lengths = attention_mask.sum(1)
+        prompt_length = input_ids.shape[1] - completion_length
+        prompt_real = attention_mask[:, :prompt_length].sum(1)
+        completion_real = attention_mask[:, prompt_length:].sum(1)
+        completion_columns = torch.arange(completion_length, device=device)
+        prompt_columns = torch.arange(prompt_length, device=device)
+        if not torch.equal(attention_mask[:, prompt_length:], completion_columns[None, :] < completion_real[:, None]):
+            raise ValueError("PackedBatch: each completion must be one run of real tokens from its first column (right padding only)")
+        if not torch.equal(attention_mask[:, :prompt_length], prompt_columns[None, :] >= (prompt_length - prompt_real)[:, None]):
+            raise ValueError("PackedBatch: each prompt must be one run of real tokens ending at its last column (left padding only)")
+        sizes = lengths.tolist()
+        packing.check_fits(max(sizes, default=0), "the longest prompt + completion of this micro-batch")
+        row_of, offset_of, row_sizes = first_fit_decreasing(sizes, packing.max_tokens_per_row)
+        width = max(row_sizes, default=0)
+        rows = len(row_sizes)
+        ids = torch.zeros((rows, width), dtype=input_ids.dtype, device=device)
+        positions = torch.zeros((rows, width), dtype=torch.long, device=device)
+        segments = torch.full((rows, width), -1, dtype=torch.long, device=device)
+        starts = torch.tensor([row_of[b] * width + offset_of[b] for b in range(len(sizes))], dtype=torch.long, device=device)
+        # flat destinations of every real token: its sequence's start plus its rank among the sequence's real tokens
+        rank = attention_mask.long().cumsum(1) - 1
+        destination = (starts[:, None] + rank)[attention_mask]
+        ids.view(-1)[destination] = input_ids[attention_mask]
+        positions.view(-1)[destination] = rank[attention_mask]
+        segments.view(-1)[destination] = torch.arange(len(sizes), device=device)[:, None].expand_as(attention_mask)[attention_mask]
+        # completion token c of sequence b is predicted by the sequence's token prompt_real + c - 1; a masked-out c
+        # points at the sequence's first predicting position (a real output, ignored through the mask)
+        last_prompt = starts[:, None] + (prompt_real[:, None] - 1).clamp(min=0)
+        real = completion_columns[None, :] < completion_real[:, None]
+        gather = torch.where(real, last_prompt + completion_columns[None, :], last_prompt)
+        return cls(ids, positions, segments, gather)
+
+    def flattened(self) -> PackedBatch:
+        """The same sequences as one row ``(1, R x L)`` (a flat index of ``gather`` is the same position in it)."""
+        return PackedBatch(*(tensor.reshape(1, -1) for tensor in (self.input_ids, self.position_ids, self.segments)), self.gather)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)
+
+    def real_tokens(self) -> int:
+        return int((self.segments >= 0).sum())
+
+    def attention_mask(self, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+        """``(R, 1, L, L)`` block-diagonal causal mask: position i attends to j <= i of its own sequence (a
+        padding position to itself only, so no row of the softmax is empty). Boolean (True: attend) for
+        sdpa and other implementations; additive (0 / the dtype's minimum) for ``eager``, which adds it."""
+        length = self.segments.shape[1]
+        causal = torch.ones((length, length), dtype=torch.bool, device=self.segments.device).tril()
+        same = self.segments[:, :, None] == self.segments[:, None, :]
+        padding = self.segments < 0
+        eye = torch.eye(length, dtype=torch.bool, device=self.segments.device)
+        allowed = (same & causal & ~padding[:, None, :]) | (padding[:, :, None] & eye)
+        allowed = allowed[:, None]
+        if implementation == "eager":
+            return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        return allowed
+
+    def model_inputs(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """``input_ids``, ``position_ids`` and the attention mask for ``model``: none for a flash-attention
+        implementation (its variable-length path reads the restarting position ids), the 4D mask otherwise."""
+        implementation = attention_implementation(model)
+        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        if variable_length(model):
+            if self.input_ids.shape[0] != 1:
+                raise ValueError("PackedBatch: a variable-length attention reads one packed row; use flattened()")
+            inputs["attention_mask"] = None
+        else:
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+            if torch.is_autocast_enabled(self.input_ids.device.type):
+                dtype = torch.get_autocast_dtype(self.input_ids.device.type)
+            inputs["attention_mask"] = self.attention_mask(implementation, dtype)
+        return inputs
+
+    def kept_columns(self) -> torch.Tensor:
+        """The sorted columns ``(K,)`` holding some predicting position (one row: exactly those positions)."""
+        width = self.input_ids.shape[1]
+        return torch.unique(self.gather.reshape(-1) % width) if self.gather.numel() else self.gather.new_zeros(0)
+
+    def unpack(self, outputs: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
+        """``outputs`` ``(R, L, ...)`` (or ``(R, K, ...)`` at the ``kept`` columns) gathered to ``(B, C, ...)``; the
+        backward scatters the gradient back to the packed positions."""
+        rows, width = self.input_ids.shape
+        if kept is not None:
+            where = torch.full((width,), -1, dtype=torch.long, device=kept.device)
+            where[kept] = torch.arange(kept.numel(), device=kept.device)
+            index = (self.gather // width) * kept.numel() + where[self.gather % width]
+            flat = outputs.reshape(rows * kept.numel(), *outputs.shape[2:])
+        else:
+            index = self.gather
+            flat = outputs.reshape(rows * width, *outputs.shape[2:])
+        return flat[index]
+
+
+def attention_implementation(model: torch.nn.Module) -> str:
+    """The model's attention implementation (``config._attn_implementation``; ``sdpa`` when unset)."""
+    return str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa")
+
+
+def variable_length(model: torch.nn.Module) -> bool:
+    """Whether the model's attention takes packed sequences from restarting position ids alone (flash attention)."""
+    return "flash" in attention_implementation(model)
+
+
+def first_fit_decreasing(sizes: list[int], capacity: int) -> tuple[list[int], list[int], list[int]]:
+    """Bins of at most ``capacity`` for items of ``sizes``, longest first, each in the first bin it fits (ties
+    in input order): ``(row of each item, offset of each item in its row, each row's used size)``."""
+    order = sorted(range(len(sizes)), key=lambda item: -sizes[item])
+    row_of, offset_of, used = [0] * len(sizes), [0] * len(sizes), []
+    for item in order:
+        for row, filled in enumerate(used):
+            if filled + sizes[item] <= capacity:
+                break
+        else:
+            row = len(used)
+            used.append(0)
+        row_of[item], offset_of[item] = row, used[row]
+        used[row] += sizes[item]
+    return row_of, offset_of, used

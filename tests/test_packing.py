@@ -1,0 +1,255 @@
+"""Padding-free micro-batches (``DistillModule(max_tokens_per_row=...)``, :mod:`kdlab.rollouts.packing`): the packed
+layout puts every real token exactly once, restarts positions per sequence and keeps sequences apart; a training
+step on packed rows has the padded step's loss, diagnostics and gradients (tiny pair here, across tokenizers too; SmolLM2 in the real tier,
+FSDP2 in tests/test_distributed.py); a budget smaller than one sequence fails at construction naming the key."""
+
+import json
+
+import pytest
+import torch
+
+from kdlab.data import Rollout, encode_prompts, right_pad
+from kdlab.objectives import ForwardKL, ReverseKL
+from kdlab.rollouts import TeacherDatasetRollouts, TeacherRollouts
+from kdlab.rollouts.packing import Packed, PackedBatch, Padded, first_fit_decreasing
+from kdlab.stages import DistillModule
+from kdlab.tasks import Addition
+
+TINY = ("kdlab://tiny/student", "kdlab://tiny/teacher")
+OBJECTIVES = {"fkl": ForwardKL, "rkl": ReverseKL, "fkl-token": lambda: ForwardKL(reduction="token")}
+
+
+def ragged_batch(lengths=((3, 5), (1, 2), (4, 0), (2, 6)), pad=7):
+    """A padded ``[prompt | completion]`` micro-batch with the given (prompt, completion) real lengths."""
+    width_p, width_c = max(p for p, _ in lengths), max(c for _, c in lengths)
+    ids = torch.full((len(lengths), width_p + width_c), pad)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for b, (p, c) in enumerate(lengths):
+        ids[b, width_p - p:width_p] = torch.arange(100 * b + 1, 100 * b + 1 + p)
+        ids[b, width_p:width_p + c] = torch.arange(100 * b + 50, 100 * b + 50 + c)
+        mask[b, width_p - p:width_p + c] = True
+    return ids, mask, width_c
+
+
+def test_packing_puts_every_real_token_once_with_positions_restarting_per_sequence():
+    ids, mask, width_c = ragged_batch()
+    packed = PackedBatch.build(ids, mask, width_c, Packed(9))
+    rows, width = packed.shape
+    assert (rows, width) == (3, 8)  # sizes 8, 3, 4, 8 -> [8], [8], [4, 3] by first fit, longest first; L = the longest row
+    for b in range(ids.shape[0]):
+        real = ids[b][mask[b]]
+        where = (packed.segments == b).nonzero()
+        assert where[:, 0].unique().numel() == 1  # a sequence never straddles rows
+        assert torch.equal(packed.input_ids[packed.segments == b], real)
+        assert torch.equal(packed.position_ids[packed.segments == b], torch.arange(real.numel()))
+    assert int((packed.segments >= 0).sum()) == int(mask.sum()) == packed.real_tokens()
+    # the gather index points at the position just before each completion token
+    flat_ids = packed.input_ids.reshape(-1)
+    for b, (p, c) in enumerate(((3, 5), (1, 2), (4, 0), (2, 6))):
+        for t in range(c):
+            following = packed.gather[b, t] + 1
+            assert int(flat_ids[following]) == 100 * b + 50 + t
+    # (R, L, ...) outputs gather back to (B, C, ...)
+    outputs = torch.arange(rows * width).reshape(rows, width, 1).float()
+    assert packed.unpack(outputs).shape == (4, width_c, 1)
+
+
+def test_the_block_diagonal_mask_lets_a_position_see_only_its_own_sequence_causally():
+    ids, mask, width_c = ragged_batch()
+    packed = PackedBatch.build(ids, mask, width_c, Packed(9))
+    allowed = packed.attention_mask("sdpa", torch.float32)[:, 0]
+    rows, width = packed.shape
+    for r in range(rows):
+        for i in range(width):
+            for j in range(width):
+                si, sj = int(packed.segments[r, i]), int(packed.segments[r, j])
+                expected = (si >= 0 and si == sj and j <= i) or (si < 0 and i == j)
+                assert bool(allowed[r, i, j]) == expected, (r, i, j)
+    additive = packed.attention_mask("eager", torch.bfloat16)
+    assert additive.dtype == torch.bfloat16
+    assert torch.equal(additive[:, 0] == 0, allowed)
+
+
+def test_first_fit_decreasing_fills_rows_up_to_the_budget():
+    sizes = [5, 9, 2, 7, 3, 4]
+    row_of, offset_of, used = first_fit_decreasing(sizes, 10)
+    assert all(u <= 10 for u in used) and sum(used) == sum(sizes)
+    for row in range(len(used)):  # items of a row sit end to end
+        items = sorted((offset_of[i], sizes[i]) for i in range(len(sizes)) if row_of[i] == row)
+        assert [o for o, _ in items] == [sum(s for _, s in items[:k]) for k in range(len(items))]
+    assert len(used) == 4  # 9 | 7+3 | 5+4 | 2 (lower bound ceil(30/10) = 3 is not reachable with 9 and 7)
+
+
+@pytest.mark.parametrize("budget", [0, -3, 2.5, True])
+def test_a_budget_that_is_not_a_positive_count_names_the_key(budget):
+    with pytest.raises(ValueError, match="DistillModule.max_tokens_per_row"):
+        DistillModule(*TINY, Addition(num_train=2), max_tokens_per_row=budget)
+
+
+def test_a_budget_smaller_than_one_sequence_fails_at_construction_naming_the_key():
+    with pytest.raises(ValueError, match=r"DistillModule.max_tokens_per_row=70 is smaller than one sequence: max_prompt_tokens \+ max_completion_tokens \(72"):
+        DistillModule(*TINY, Addition(num_train=2), max_prompt_tokens=64, max_completion_tokens=8, max_tokens_per_row=70)
+    # and one sequence longer than the budget at run time (a layout used directly) names it too
+    ids, mask, width_c = ragged_batch()
+    with pytest.raises(ValueError, match="max_tokens_per_row=5 is smaller than one sequence"):
+        PackedBatch.build(ids, mask, width_c, Packed(5))
+
+
+def dataset_rollouts(tmp_path, task):
+    """Teacher-written completions of very different lengths (so the padded rows carry padding)."""
+    path = tmp_path / "teacher.jsonl"
+    path.write_text("".join(json.dumps({"id": ex["id"], "completion": f"<answer>{ex['a'] * 10 ** (3 * i)}</answer>" * (1 + i % 3)}) + "\n"
+                            for i, ex in enumerate(task.examples("train"))))
+    return TeacherDatasetRollouts(str(path))
+
+
+def step(module, batch, rollout):
+    """One training step on ``rollout``: the loss, the logged diagnostics and the student's gradients."""
+    logged = {}
+    module.log = lambda name, value, **kwargs: logged.__setitem__(name, value.detach() if torch.is_tensor(value) else value)
+    module.make_rollout = lambda examples, seed, policy=None: rollout
+    module.student.zero_grad(set_to_none=True)
+    loss = module.training_step(batch, 0)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in module.student.named_parameters() if p.grad is not None}
+    return loss.detach(), logged, grads
+
+
+def assert_same_step(padded, packed, atol=1e-5):
+    (loss_a, logged_a, grads_a), (loss_b, logged_b, grads_b) = padded, packed
+    torch.testing.assert_close(loss_b, loss_a, atol=atol, rtol=0)
+    assert logged_a.keys() == logged_b.keys()
+    for name, value in logged_a.items():
+        torch.testing.assert_close(torch.as_tensor(logged_b[name]), torch.as_tensor(value), atol=atol, rtol=0, msg=name)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name, value in grads_a.items():
+        torch.testing.assert_close(grads_b[name], value, atol=atol, rtol=atol, msg=name)  # + relative: fp32 sums in another order
+
+
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+@pytest.mark.parametrize("budget", [180, 4096], ids=["several-rows", "one-row"])
+def test_a_packed_step_has_the_padded_steps_loss_diagnostics_and_gradients(tmp_path, objective, fused, budget):
+    """The tiny pair on teacher-written completions of ragged lengths: packed rows (several, or one) give the padded
+    step's loss, every logged diagnostic and every student gradient to 1e-5."""
+    task = Addition(num_train=6)
+    rollouts = dataset_rollouts(tmp_path, task)
+    settings = dict(rollout=rollouts, objective=OBJECTIVES[objective](), max_prompt_tokens=80, max_completion_tokens=16,
+                    batch_size=6, fused_lm_head=fused)
+    padded = DistillModule(*TINY, task, **settings)
+    packed = DistillModule(*TINY, task, max_tokens_per_row=budget, **settings)
+    assert isinstance(padded.layout, Padded) and isinstance(packed.layout, Packed)
+    assert packed.teacher_source.layout is packed.layout  # the in-process teacher reads the same packing
+    batch = task.examples("train")
+    rollout = padded.make_rollout(batch, 0)
+    mask = rollout.completion_mask
+    assert bool((~mask).any()) and len(set(mask.sum(1).tolist())) > 2  # ragged: the padded rows hold padding
+    rows = packed.layout.pack(rollout, "student").shape[0]
+    assert (rows > 1) == (budget == 180)
+    assert_same_step(step(padded, batch, rollout), step(packed, batch, rollout))
+
+
+def test_packed_sampled_rollouts_and_a_cached_top_k_teacher_align_with_padded(tmp_path):
+    """Student-facing signals that are indexed by completion position (a top-k cache as the teacher) land on the
+    same tokens packed and padded; teacher-sampled completions (TeacherRollouts) train alike."""
+    task = Addition(num_train=4)
+    settings = dict(rollout=TeacherRollouts(), max_prompt_tokens=80, max_completion_tokens=12, batch_size=4)
+    padded = DistillModule(*TINY, task, **settings)
+    packed = DistillModule(*TINY, task, max_tokens_per_row=100, **settings)
+    batch = task.examples("train")
+    rollout = padded.make_rollout(batch, 3)
+    assert_same_step(step(padded, batch, rollout), step(packed, batch, rollout))
+    # a teacher signal already on the rollout (a cache or a server's top-k): read as given, packed or not
+    with torch.no_grad():
+        teacher = padded.teacher_source.completion_logprobs(rollout)
+    cached = Rollout(rollout.prompts, rollout.completion_ids, rollout.completion_mask, teacher_logprobs=teacher)
+    assert_same_step(step(padded, batch, cached), step(packed, batch, cached))
+
+
+def test_an_eager_attention_model_reads_the_additive_mask(tmp_path):
+    """Eager attention adds its mask: the packed layout hands it 0 / min, and its logits equal the padded ones."""
+    task = Addition(num_train=4)
+    module = DistillModule(*TINY, task, rollout=dataset_rollouts(tmp_path, task), max_prompt_tokens=80, max_completion_tokens=16,
+                           batch_size=4, fused_lm_head=False)
+    module.student.config._attn_implementation = "eager"
+    rollout = module.make_rollout(task.examples("train"), 0)
+    with torch.no_grad():
+        padded = Padded().completion_logits(module.student, rollout, "student", module.token_columns)
+        packed = Packed(200).completion_logits(module.student, rollout, "student", module.token_columns)
+    mask = rollout.completion_mask
+    torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
+
+
+def test_routed_rows_of_a_packed_teacher_equal_the_padded_ones(tmp_path):
+    """``rows_logprobs`` (several teachers routing rows) reads only the given rows, in the packed layout too."""
+    task = Addition(num_train=4)
+    module = DistillModule(*TINY, task, rollout=dataset_rollouts(tmp_path, task), max_prompt_tokens=80, max_completion_tokens=16,
+                           batch_size=4, max_tokens_per_row=128)
+    rollout = module.make_rollout(task.examples("train"), 0)
+    rows = torch.tensor([2, 0])
+    packed = module.teacher_source.rows_logprobs(rollout, rows)
+    module.teacher_source.run.layout = Padded()
+    padded = module.teacher_source.rows_logprobs(rollout, rows)
+    mask = rollout.completion_mask[rows]
+    torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
+
+
+def test_prompts_encode_as_the_layout_expects():
+    """The packed layout needs left-padded prompts and right-padded completions (what kdlab.data builds)."""
+    from kdlab.models.loading import ModelSpec, load_tokenizer
+
+    tokenizer = load_tokenizer(ModelSpec(TINY[0]), "student")
+    task = Addition(num_train=3)
+    prompts = encode_prompts(task, task.examples("train"), tokenizer, tokenizer, 64, int(tokenizer.pad_token_id))
+    ids, mask = right_pad([[5, 6, 7], [5], [5, 6]], int(tokenizer.pad_token_id))
+    rollout = Rollout(prompts, ids, mask)
+    packed = Packed(256).pack(rollout, "student")
+    assert packed.real_tokens() == int(prompts.student_mask.sum()) + int(mask.sum())
+    bad = Rollout(prompts, ids, torch.tensor([[True, False, True], [True, False, False], [True, True, False]]))
+    with pytest.raises(ValueError, match="one run of real tokens"):
+        Packed(256).pack(bad, "student")
+
+
+def test_across_tokenizers_each_model_packs_its_own_tokens_and_the_step_equals_the_padded_one(tmp_path):
+    """With ``cross_tokenizer`` the teacher reads the completion in its own tokens (``teacher_completion_ids``): packed,
+    each model packs its own prompt and completion, and the aligned loss, diagnostics and gradients are the padded ones."""
+    from kdlab.objectives import CrossTokenizer
+
+    task = Addition(max_digits=2, system_prompt="", num_train=4, num_val=0, num_test=0, seed=0)
+    settings = dict(rollout=TeacherRollouts(), max_prompt_tokens=80, max_completion_tokens=12, batch_size=4)
+    padded = DistillModule(TINY[0], "kdlab://tiny-random/teacher", task, cross_tokenizer=CrossTokenizer(), **settings)
+    packed = DistillModule(TINY[0], "kdlab://tiny-random/teacher", task, cross_tokenizer=CrossTokenizer(), max_tokens_per_row=120, **settings)
+    batch = task.examples("train")
+    rollout = padded.make_rollout(batch, 5)
+    assert rollout.teacher_completion_ids is not None
+    assert packed.layout.pack(rollout, "teacher").real_tokens() == int(rollout.model_inputs("teacher")["attention_mask"].sum())
+    assert_same_step(step(padded, batch, rollout), step(packed, batch, rollout))
+
+
+def test_a_flash_attention_model_gets_one_flat_row_and_no_mask():
+    """Hugging Face's variable-length flash path reads restarting position ids of a single row only (a batch of
+    rows would attend across sequences), so a flash model's packed rows are laid end to end as one row, with no mask;
+    the flat row holds the same outputs at the same gather indices (checked here with the explicit mask on sdpa,
+    as flash attention needs a GPU)."""
+    from kdlab.models.loading import ModelSpec, load_causal_lm
+
+    ids, mask, width_c = ragged_batch()
+    packed = PackedBatch.build(ids, mask, width_c, Packed(9))
+    flash = torch.nn.Module()
+    flash.config = type("Config", (), {"_attn_implementation": "flash_attention_2"})()
+    flat = packed.flattened()
+    inputs = flat.model_inputs(flash)
+    assert inputs["attention_mask"] is None and inputs["input_ids"].shape == (1, packed.shape[0] * packed.shape[1])
+    starts = (flat.position_ids[0] == 0) & (flat.segments[0] >= 0)
+    assert int(starts.sum()) == ids.shape[0]  # each sequence starts at position 0
+    with pytest.raises(ValueError, match="one packed row"):
+        packed.model_inputs(flash)
+    # the flat row and the rows give the same outputs at the gather indices (sdpa, explicit mask)
+    model = load_causal_lm(ModelSpec(TINY[0]), "student")
+    ids = ids.clamp(max=300)
+    packed = PackedBatch.build(ids, mask, width_c, Packed(9))
+    with torch.no_grad():
+        rows = packed.unpack(model(**packed.model_inputs(model), use_cache=False).logits)
+        one = packed.flattened().unpack(model(**packed.flattened().model_inputs(model), use_cache=False).logits)
+    real = torch.arange(width_c)[None, :] < torch.tensor([5, 2, 0, 6])[:, None]
+    torch.testing.assert_close(one[real], rows[real], atol=1e-5, rtol=0)
