@@ -79,11 +79,13 @@ def test_lag_0_is_synchronous_sampling_bit_for_bit(server, tmp_path, monkeypatch
     assert len(prefetched) == 4 * accumulate  # one job per decode group, each through the thread
 
 
-def test_lag_1_trains_on_the_previous_steps_weights(server, tmp_path, monkeypatch):
+@pytest.mark.parametrize("max_lag, writers", [(1, [0, 0, 1, 2]), (2, [0, 0, 0, 1])])
+def test_lag_1_trains_on_the_previous_steps_weights(server, tmp_path, monkeypatch, max_lag, writers):
     """max_lag 1: step k (k >= 1) trains on completions written by the weights of step k - 1 while step k - 1
     trained (the logged weights step and lag), and they are exactly what the loopback model loaded with a
     snapshot of those weights samples from the same prompts and seeds; the importance weights then differ from 1
-    and the engine's KL from 0, while step 0 (written now) has lag 0."""
+    and the engine's KL from 0, while step 0 (written now) has lag 0. max_lag 2: steps 1 and 2 are written by
+    step 0's weights, step 3 by step 1's."""
     trained = []
     original = OverlappedRollouts.sample
 
@@ -94,16 +96,18 @@ def test_lag_1_trains_on_the_previous_steps_weights(server, tmp_path, monkeypatc
         return rollout
 
     monkeypatch.setattr(OverlappedRollouts, "sample", spy)
-    module, steps = fit(OverlappedRollouts(engine(server, tmp_path), max_lag=1), tmp_path)
-    assert [row["train/rollout_weights_step"] for row in steps.rows] == [0.0, 0.0, 1.0, 2.0]
-    assert [row["train/policy_lag"] for row in steps.rows] == [0.0, 1.0, 1.0, 1.0]
+    pushed = len(server.weights.loaded)
+    module, steps = fit(OverlappedRollouts(engine(server, tmp_path), max_lag=max_lag), tmp_path)
+    pushed = server.weights.loaded[pushed:]
+    assert [row["train/rollout_weights_step"] for row in steps.rows] == [float(step) for step in writers]
+    assert [row["train/policy_lag"] for row in steps.rows] == [float(step - writer) for step, writer in enumerate(writers)]
     assert abs(steps.rows[0]["train/importance_weight"] - 1.0) < 1e-5
     assert all(abs(row["train/engine_kl"]) > 1e-4 and row["train/importance_weight"] != 1.0 for row in steps.rows[1:])
     reference = LoopbackServer(STUDENT)  # not started: its model and sampler, read in this process
     stops, temperature = [*module.end_ids, reference.tokenizer.eos_token_id], module.student_temperature
     assert [step for step, _, _ in trained] == [0, 1, 2, 3]
     for step, seed, rows in trained:
-        reference.model.load_state_dict(steps.weights[max(step - 1, 0)])  # the weights of the step before (step 0: its own)
+        reference.model.load_state_dict(steps.weights[writers[step]])  # the weights of the step before (step 0: its own)
         for row, (prompt, completion, behaviour) in enumerate(rows):
             drawn: list[list[float]] = []
             (tokens, _), = reference.sample_many([(prompt, 8, seed + row)], temperature, stops, drawn)
@@ -115,7 +119,8 @@ def test_lag_1_trains_on_the_previous_steps_weights(server, tmp_path, monkeypatc
                     logits = reference.model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1, : reference.columns]
                 now = torch.log_softmax(logits.float() / temperature, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
                 assert (now - torch.tensor(behaviour)).abs().max() > 1e-4
-    assert len(server.weights.loaded) >= 3 and not list(tmp_path.glob("*.safetensors"))  # each push loaded, its file deleted
+    assert [int(path.rsplit("step", 1)[1].split(".")[0]) for path in pushed] == sorted(set(writers))  # one push per weights used, in order
+    assert not list(tmp_path.glob("*.safetensors"))  # each file deleted once loaded
 
 
 @pytest.mark.parametrize("settings, message", [
