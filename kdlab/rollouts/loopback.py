@@ -102,6 +102,7 @@ class LoopbackServer:
         self.faults: set[str] = set()
         self.fault_after = 0
         self.completions = 0
+        self.flight, self.in_flight, self.most_in_flight = threading.Lock(), 0, 0  # completions requests being answered at once (most: since reset)
         self.batches: list[int] = []  # prompts per forward batch the worker ran (scoring or sampling)
         self.weights = WeightPushes(self.model, self.jobs)  # /collective_rpc: a student's weights pushed by its trainer
         server = self
@@ -250,8 +251,15 @@ class LoopbackServer:
         """The JSON reply to one completions request (called by the request's thread; the worker computes),
         with the reply ``faults`` of :data:`FAULTS` injected."""
         job = _Job(payload)
-        self.jobs.put(job)
-        job.done.wait()
+        with self.flight:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            self.jobs.put(job)
+            job.done.wait()
+        finally:
+            with self.flight:
+                self.in_flight -= 1
         if job.error is not None:
             raise job.error
         return self.reply(job, model_name, faults)
