@@ -7,6 +7,7 @@ sampling from a snapshot of those weights confirms."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -172,3 +173,22 @@ def test_the_sampler_reply_holds_each_tokens_tempered_logprob(server, tmp_path):
     expected = torch.log_softmax(logits / 0.7, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(values), expected, atol=1e-5)
     assert json.loads(json.dumps(values)) == values
+
+
+def test_the_benchmark_smoke_path_checks_what_it_measures(tmp_path):
+    """``benchmarks/overlap.py --smoke``: the loopback sampler in its own process, both variants through every
+    check (rows, threads, dtype, each step's logged lag) and a ratio of the two step times, written to ``--out``."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "overlap.json"
+    done = subprocess.run([sys.executable, "benchmarks/overlap.py", "--smoke", f"--out={out}"], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["smoke"] and record["problems"] == [] and record["threads"] == 1 and record["batch"] == 2
+    synchronous, overlapped = record["variants"]["synchronous"], record["variants"]["overlapped"]
+    assert synchronous["fits"][0]["policy_lag"] == [0.0, 0.0, 0.0] and overlapped["fits"][0]["policy_lag"] == [0.0, 1.0, 1.0]
+    assert overlapped["fits"][0]["rollout_weights_step"] == [0.0, 0.0, 1.0]
+    assert record["ratio"] == overlapped["step_s"] / synchronous["step_s"]
