@@ -192,3 +192,42 @@ def test_the_benchmark_smoke_path_checks_what_it_measures(tmp_path):
     assert synchronous["fits"][0]["policy_lag"] == [0.0, 0.0, 0.0] and overlapped["fits"][0]["policy_lag"] == [0.0, 1.0, 1.0]
     assert overlapped["fits"][0]["rollout_weights_step"] == [0.0, 0.0, 1.0]
     assert record["ratio"] == overlapped["step_s"] / synchronous["step_s"]
+
+
+def test_a_vllm_worker_loads_a_pushed_file_as_it_loads_a_stream(tmp_path):
+    """``vllm serve --worker-extension-cls kdlab.rollouts.vllm.WeightLoaderExtension``: the file a push names over
+    ``/collective_rpc`` reaches the worker model's own ``load_weights`` whole (every name, the same values)."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from kdlab.rollouts.vllm import WeightLoaderExtension
+
+    weights = {"model.embed_tokens.weight": torch.randn(4, 3), "lm_head.weight": torch.randn(4, 3)}
+    save_file(weights, str(tmp_path / "push.safetensors"))
+    received = {}
+    model = torch.nn.Linear(1, 1)
+    model.load_weights = lambda stream: received.update(stream)
+    worker = type("Worker", (WeightLoaderExtension,), {})()
+    worker.model_runner = SimpleNamespace(model=model)
+    worker.kdlab_load_weights_file(str(tmp_path / "push.safetensors"))
+    assert sorted(received) == sorted(weights) and all(torch.equal(received[name], weights[name]) for name in weights)
+
+
+def test_the_documented_setting_parses(capsys, monkeypatch):
+    """docs/scaling.md's ``rollout:`` value for an overlapped served sampler (its ``...`` filled in) is what
+    ``kdlab fit`` reads: OverlappedRollouts over ServedRollouts, max_lag 1."""
+    import re
+
+    import yaml
+
+    text = (Path(__file__).parents[1] / "docs" / "scaling.md").read_text(encoding="utf-8")
+    (snippet,) = re.findall(r"`rollout: (\{class_path: kdlab\.rollouts\.OverlappedRollouts,.*?max_lag: \d+\}\})`", text, re.S)
+    value = " ".join(snippet.split()).replace("url: ...", "url: 'http://127.0.0.1:8000'").replace("model: ...", "model: student")
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+    with pytest.raises(SystemExit) as stopped:
+        entry(["fit", f"--config={SMOKE}", f"--model.rollout={value}", "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)["model"]["rollout"]
+    assert stopped.value.code in (0, None)
+    assert printed["class_path"] == "kdlab.rollouts.OverlappedRollouts" and printed["init_args"]["max_lag"] == 1
+    assert printed["init_args"]["policy"]["class_path"] == "kdlab.rollouts.ServedRollouts"
