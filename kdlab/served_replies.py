@@ -84,3 +84,18 @@ def sampled_tokens(reply: dict[str, Any], model: str, max_tokens: int, vocabular
     if tokens and (min(tokens) < 0 or (vocabulary is not None and max(tokens) >= vocabulary)):
         raise ValueError(f"token_ids: token id {min(tokens) if min(tokens) < 0 else max(tokens)} outside the vocabulary [0, {vocabulary})")
     return tokens
+
+
+def sampled_logprobs(reply: dict[str, Any], count: int) -> list[float]:
+    """The log-prob of each of the ``count`` tokens a sampling reply's one choice holds (asked for with
+    ``logprobs: 0``: ``choices[0].logprobs.token_logprobs``, vLLM's ``CompletionLogProbs``), checked: ``count`` of
+    them, each finite and at most ``LOGPROB_TOLERANCE``."""
+    (choice,) = ordered_choices(reply, 1)
+    logprobs = choice.get("logprobs")
+    values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+    if not isinstance(values, list) or len(values) != count:
+        have = f"{len(values)} values" if isinstance(values, list) else repr(values)[:40]
+        raise ValueError(f"logprobs.token_logprobs: {have} for {count} sampled tokens (is the server asked with logprobs: 0?)")
+    if any(type(value) not in (int, float) or not np.isfinite(value) or value > LOGPROB_TOLERANCE for value in values):
+        raise ValueError("logprobs.token_logprobs: a value is not a finite log-prob at most 0")
+    return [float(value) for value in values]

@@ -281,3 +281,31 @@ def test_waiting_sampling_requests_share_their_forwards_and_each_keeps_its_seeds
     queued.jobs.put(None)
     queued._serve_jobs()
     assert queued.batches == [2, 4, 1]  # the two samples at T = 1 together, then both scoring requests, then T = 0.5
+
+
+@pytest.mark.parametrize("workers", [1, 2, 0])
+def test_scoring_requests_are_in_flight_up_to_concurrency(server, monkeypatch, workers):
+    """Issue #45: with decode_workers helper processes (1, the default; 2) each took one scoring request at a
+    time, so ``concurrency`` had no effect. Eight requests of one completion each, the server holding each reply
+    until four requests are in (at most 3 s): ``concurrency`` (4) of them are at the server at once, and the
+    scores are those of one request at a time."""
+    import time
+
+    server.max_batch = 1
+    prompts, completions = [[1, 2, 3 + i] for i in range(8)], [[4, 5, 6 + i] for i in range(8)]
+    alone = served(server, concurrency=1, request_prompts=1, decode_workers=0).score(prompts, completions, 0.5, 353)
+    slow = server.reply  # (within the server's count of the requests it is answering)
+
+    def held(*args):
+        deadline = time.monotonic() + 3.0
+        while server.in_flight < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return slow(*args)
+
+    monkeypatch.setattr(server, "reply", held)
+    teacher = served(server, concurrency=4, request_prompts=1, decode_workers=workers)
+    teacher.score(prompts, completions, 0.5, 353)  # its decoding processes started
+    server.most_in_flight = 0
+    scores = teacher.score(prompts, completions, 0.5, 353)
+    assert server.most_in_flight == 4
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(scores, alone))

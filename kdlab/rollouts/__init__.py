@@ -6,6 +6,9 @@
   token-level mixture), and importance weights for off-policy samples;
 * :mod:`kdlab.rollouts.decoding`: the Hugging Face decoding engine (KV-cached sampling, stop strings);
 * :mod:`kdlab.rollouts.vllm`: ``VLLMRollouts``, the same policies sampled by vLLM (imported on use);
+* :mod:`kdlab.rollouts.served_sampler`: ``ServedRollouts``, the student sampled by a vLLM-compatible server from
+  pushed weights (:mod:`kdlab.rollouts.engines`); :mod:`kdlab.rollouts.overlap`: ``OverlappedRollouts``, such an
+  engine writing the next steps' completions while this one trains;
 * :mod:`kdlab.rollouts.teacher_data`: ``kdlab generate`` (teacher completions written once) and the
   top-k teacher cache builder; :mod:`kdlab.rollouts.teacher_cache`: the cache reader and writer;
   :mod:`kdlab.rollouts.cache_codec`: its compact format.
@@ -21,11 +24,13 @@ from kdlab.rollouts.policies import (
     TeacherRollouts,
     mixture_logprobs,
 )
+from kdlab.rollouts.overlap import OverlappedRollouts
+from kdlab.rollouts.served_sampler import ServedRollouts
 from kdlab.rollouts.vllm import VLLMRollouts
 
 __all__ = [
     "RolloutPolicy", "RolloutContext", "TeacherRollouts", "TeacherDatasetRollouts", "CachedTeacherRollouts",
-    "StudentRollouts", "MixtureRollouts", "VLLMRollouts", "mixture_logprobs",
+    "StudentRollouts", "MixtureRollouts", "VLLMRollouts", "ServedRollouts", "OverlappedRollouts", "mixture_logprobs",
 ]
 
 

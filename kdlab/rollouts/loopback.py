@@ -28,6 +28,14 @@ longer than ``MAX_REQUEST_BYTES``, a prompt longer than ``max_model_len`` or a `
 answered 400, as vLLM answers.
 
 ``faults`` makes it misbehave for tests, for the completions requests from ``fault_after`` on (:data:`FAULTS`).
+
+**As a student's sampler** (:class:`~kdlab.rollouts.served_sampler.ServedRollouts`): a sampling request with
+``logprobs: 0`` gets ``choices[i].logprobs.token_logprobs``, each sampled token's log-prob under the distribution
+it was drawn from (tempered, as ``vllm serve --logprobs-mode processed_logprobs`` gives); ``POST /collective_rpc``
+``{"method": "kdlab_load_weights_file", "args": [path]}`` loads a safetensors file of Hugging Face names into the
+model between two forwards, as ``VLLM_SERVER_DEV_MODE=1 vllm serve --worker-extension-cls
+kdlab.rollouts.vllm.WeightLoaderExtension`` does (:mod:`kdlab.rollouts.loopback_weights`); ``POST /reset_prefix_cache``
+answers 200 (there is no cache).
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from typing import Any
 import torch
 
 from kdlab.rollouts.loopback_faults import FAULTS, faulty_reply  # noqa: F401 - FAULTS: the switches, by their old path too
+from kdlab.rollouts.loopback_weights import WeightCall, WeightPushes
 
 try:  # writes the replies about seven times faster than json
     from orjson import dumps as json_dumps
@@ -93,7 +102,9 @@ class LoopbackServer:
         self.faults: set[str] = set()
         self.fault_after = 0
         self.completions = 0
+        self.flight, self.in_flight, self.most_in_flight = threading.Lock(), 0, 0  # completions requests being answered at once (most: since reset)
         self.batches: list[int] = []  # prompts per forward batch the worker ran (scoring or sampling)
+        self.weights = WeightPushes(self.model, self.jobs)  # /collective_rpc: a student's weights pushed by its trainer
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -145,6 +156,14 @@ class LoopbackServer:
                     server.check_request(self.path, payload)
                 except (ValueError, TypeError, KeyError) as error:
                     self._send(400, json.dumps({"error": f"{type(error).__name__}: {error}"}).encode())
+                    return
+                if self.path in ("/collective_rpc", "/reset_prefix_cache"):
+                    try:
+                        server.weights.answer(self.path, payload)
+                    except (ValueError, KeyError, TypeError) as error:
+                        self._send(400, json.dumps({"error": f"{type(error).__name__}: {error}"}).encode())
+                        return
+                    self._send(200, b'{"results": [null]}' if self.path == "/collective_rpc" else b"")
                     return
                 if self.path == "/tokenize":
                     tokens = server.tokenizer(payload["prompt"], add_special_tokens=payload.get("add_special_tokens", True))["input_ids"]
@@ -232,8 +251,15 @@ class LoopbackServer:
         """The JSON reply to one completions request (called by the request's thread; the worker computes),
         with the reply ``faults`` of :data:`FAULTS` injected."""
         job = _Job(payload)
-        self.jobs.put(job)
-        job.done.wait()
+        with self.flight:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            self.jobs.put(job)
+            job.done.wait()
+        finally:
+            with self.flight:
+                self.in_flight -= 1
         if job.error is not None:
             raise job.error
         return self.reply(job, model_name, faults)
@@ -244,6 +270,9 @@ class LoopbackServer:
             job = pending.popleft() if pending else self.jobs.get()
             if job is None:
                 return
+            if isinstance(job, WeightCall):
+                job.run()
+                continue
             batch, passed = [job], deque()
             while len(batch) < max(self.max_batch, 1):  # whatever else waits and can share the forwards joins
                 if pending:
@@ -266,6 +295,8 @@ class LoopbackServer:
     def _shares(job: _Job, other: _Job) -> bool:
         """Whether ``other`` can join ``job``'s batch: both scoring, or both sampling (without prompt
         log-probs) at one temperature with the same stop tokens."""
+        if isinstance(other, WeightCall):
+            return False
         if job.scores_only or other.scores_only:
             return job.scores_only and other.scores_only
         return job.k is None and other.k is None and job.sampling_key == other.sampling_key
@@ -282,9 +313,12 @@ class LoopbackServer:
                     temperature, stops = jobs[0].sampling_key
                     stops = (*stops, self.tokenizer.eos_token_id)
                     rows = [(prompt, int(job.payload.get("max_tokens", 16)), job.payload.get("seed")) for job in jobs for prompt in job.prompts]
-                    results = iter(self.sample_many(rows, temperature, list(stops)))
+                    drawn: list[list[float]] = []
+                    results = iter(zip(self.sample_many(rows, temperature, list(stops), drawn), drawn))
                     for job in jobs:
-                        job.results = [dict(zip(("new", "ended"), next(results))) for _ in job.prompts]
+                        asked = job.payload.get("logprobs") is not None  # (batch-mates' log-probs may differ in the last bits)
+                        job.results = [{"new": new, "ended": ended, **({"token_logprobs": values} if asked else {})}
+                                       for (new, ended), values in (next(results) for _ in job.prompts)]
                 else:
                     (job,) = jobs
                     job.results = [self.complete(job, prompt) for prompt in job.prompts]
@@ -348,12 +382,14 @@ class LoopbackServer:
         """One completion of ``prompt`` (:meth:`sample_many` of one row)."""
         return self.sample_many([(prompt, max_tokens, seed)], temperature, stops)[0]
 
-    def sample_many(self, rows: list[tuple[list[int], int, int | None]], temperature: float, stops: list[int]) -> list[tuple[list[int], bool]]:
+    def sample_many(self, rows: list[tuple[list[int], int, int | None]], temperature: float, stops: list[int],
+                    drawn_logprobs: list[list[float]] | None = None) -> list[tuple[list[int], bool]]:
         """A completion of each ``(prompt, max_tokens, seed)`` of ``rows``, decoded together (left-padded, one
         forward per token for the whole batch, as vLLM batches concurrent requests); each row draws from its
         own generator seeded by its ``seed`` (a random one without), so a row's tokens depend on its seed
         alone, up to the last bits padding changes (``max_batch=1``: each request alone). Returns each row's
-        tokens (its end token included) and whether it ended."""
+        tokens (its end token included) and whether it ended; ``drawn_logprobs`` (a list) receives each row's
+        log-probs of its tokens under the tempered distribution they were drawn from (greedy: the untempered one)."""
         from kdlab.rollouts.decoding import IncrementalLM, sample_tokens
 
         width = max(len(prompt) for prompt, _, _ in rows)
@@ -373,18 +409,25 @@ class LoopbackServer:
             at log-prob 0, the others at -inf (so the shared draw below takes it)."""
             logprobs = decoder(previous)
             if temperature == 0.0:
+                history.append(torch.log_softmax(logprobs, -1).gather(1, logprobs.argmax(-1, keepdim=True))[:, 0])
                 return logprobs
             tokens = torch.stack([torch.multinomial(logprobs[row : row + 1].exp(), 1, generator=generator)[0, 0]
                                   for row, generator in enumerate(generators)])
+            history.append(logprobs.gather(1, tokens[:, None])[:, 0])
             return torch.full_like(logprobs, -math.inf).scatter_(1, tokens[:, None], 0.0)
+
+        history: list[torch.Tensor] = []  # per decoding step, each row's log-prob of the token it takes
 
         limits = torch.tensor([max_tokens for _, max_tokens, _ in rows])
         out, kept, _ = sample_tokens(drawn, len(rows), limits, tuple(stops), int(self.tokenizer.pad_token_id or 0), torch.Generator().manual_seed(0),
                                      greedy=temperature == 0.0)
         results = []
+        steps = torch.stack(history, 1) if history else torch.zeros(len(rows), 0)
         for row in range(len(rows)):
             tokens = out[row][kept[row]].tolist()
             results.append((tokens, bool(tokens) and tokens[-1] in stops))
+            if drawn_logprobs is not None:
+                drawn_logprobs.append(steps[row, : len(tokens)].tolist())
         return results
 
     # ---- the reply: vLLM's JSON -------------------------------------------------------------------
@@ -411,6 +454,10 @@ class LoopbackServer:
                                       "prompt_logprobs": None if job.k is None else self.prompt_logprobs(prompt, result), "prompt_token_ids": None}
             if payload.get("return_token_ids"):
                 choice["token_ids"], choice["prompt_token_ids"] = new, prompt
+            if payload.get("logprobs") is not None and "token_logprobs" in result:  # vLLM's CompletionLogProbs
+                pieces = [self.pieces[t] for t in new]
+                choice["logprobs"] = {"text_offset": [sum(map(len, pieces[:i])) for i in range(len(pieces))], "token_logprobs": result["token_logprobs"],
+                                      "tokens": pieces, "top_logprobs": [{piece: value} for piece, value in zip(pieces, result["token_logprobs"])]}
             choices.append(choice)
         prompt_tokens, completion_tokens = sum(map(len, job.prompts)), sum(len(result["new"]) for result in job.results)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}

@@ -187,6 +187,11 @@ class RolloutPolicy(Component):
         """Whether this policy can write a completion for ``example`` (training skips prompts it cannot)."""
         return True
 
+    def prefetch(self, upcoming: Any) -> None:
+        """Offered, after each decode group's rollout, the groups that follow it (an iterable of
+        :class:`~kdlab.rollouts.overlap.Upcoming`, drawn as it is walked): a policy may start writing them now
+        (:class:`~kdlab.rollouts.overlap.OverlappedRollouts`). No-op by default."""
+
     def next_token_logprobs(self, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
         """The policy's next-token log-probs ``(..., V)`` given the two models' tempered ones at the same
         prefix; used by diagnostics (e.g. total variation to each model along a rollout)."""

@@ -97,8 +97,8 @@ class ServedTeacher:
             schedules as one batch); a sampling request carries one prompt (each has its own seed).
         decode_workers: helper processes that send the scoring requests and decode their replies
             (:class:`kdlab.served_wire.DecodeWorkers`), so the training process's interpreter lock stays free
-            for its training loop; at most this many scoring requests are in flight. 0: the request threads of
-            this process do it.
+            for its training loop; each takes up to ``concurrency / decode_workers`` (rounded up) scoring requests at
+            once, so ``concurrency`` are in flight. 0: the request threads of this process do it.
         prefetch: while a micro-batch trains, ask the server for the next decode group's teacher work
             (its scores, and its samples for ``TeacherRollouts``) when that work does not depend on the student
             (teacher-written completions); the results are the same with and without it.
@@ -134,7 +134,8 @@ class ServedTeacher:
         self._wire = Wire(self.url, self.timeout_s, self.retries, self.backoff_s, self.api_key_env)
         self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="served-teacher")
         self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="served-teacher-prefetch")
-        self._workers = DecodeWorkers(self.decode_workers, self._wire, self.model, self.top_k) if self.decode_workers else None
+        self._workers = (DecodeWorkers(self.decode_workers, self._wire, self.model, self.top_k, in_flight=self.concurrency)
+                         if self.decode_workers else None)
         if self._workers is not None:
             weakref.finalize(self, self._workers.close)
 

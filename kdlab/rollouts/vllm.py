@@ -291,6 +291,14 @@ class WeightLoaderExtension:
         for _ in stream:  # whatever load_weights left unread is still gathered: collectives stay in step across ranks
             pass
 
+    def kdlab_load_weights_file(self, path: str) -> None:
+        """What a served sampler's push asks for over ``vllm serve``'s ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``;
+        :class:`~kdlab.rollouts.served_sampler.ServedRollouts`): the safetensors file ``path`` (Hugging Face names),
+        which this worker's machine reads, loaded as :meth:`kdlab_load_weights` loads a stream."""
+        from safetensors.torch import load_file
+
+        self.kdlab_load_weights(load_file(str(path)).items())
+
 
 class VLLMRollouts(RolloutPolicy):
     """Completions sampled by a vLLM engine from the student (on-policy) or the teacher.

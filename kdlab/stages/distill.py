@@ -333,8 +333,22 @@ class DistillModule(TaskStage):
                 examples, seed = group.following.examples, self.step_seed("train", batch_idx - index + len(group.batches))
                 self.teacher_source.prefetch(self.rollout, lambda: self._prompts(examples), seed,
                                              lambda: self.rollout_context(self._generator(seed), seed))
+            self.rollout.prefetch(self.upcoming_groups(group, batch_idx - index))
         taken, group.rollouts[index] = group.rollouts[index], None  # each micro-batch's tensors freed after its step
         return taken
+
+    def upcoming_groups(self, group: Any, first: int):
+        """The decode groups after ``group`` (whose first micro-batch is ``first``), drawn as they are walked, as
+        :class:`~kdlab.rollouts.overlap.Upcoming` items: optimiser steps ahead, examples, seed, prompts and context."""
+        from kdlab.rollouts.overlap import Upcoming
+
+        accumulate = int(getattr(self._trainer, "accumulate_grad_batches", 1) or 1) if self._trainer is not None else 1
+        start, ahead = first + len(group.batches), group.following
+        while ahead is not None:
+            seed, examples = self.step_seed("train", start), ahead.examples
+            yield Upcoming(start // accumulate - first // accumulate, examples, seed, lambda examples=examples: self._prompts(examples),
+                           lambda seed=seed: self.rollout_context(self._generator(seed), seed))
+            start, ahead = start + len(ahead.batches), ahead.following
 
     def distillation_logits(self, rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """Tempered student and teacher logits ``(B, C, V)`` at the completion positions (as

@@ -4,6 +4,7 @@ every checkpoint)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler
@@ -39,14 +40,25 @@ class DecodeGroup:
     their examples, and once the first of them is trained, each one's rollout (see
     :meth:`kdlab.stages.distill.DistillModule.micro_batch_rollout`).
 
-    ``following`` is the epoch's next group (``None`` after its last), drawn before this group's first
-    micro-batch is yielded, so work that does not depend on this group's training (a served teacher's
-    scores of teacher-written completions) can start early."""
+    ``following`` is the epoch's next group (``None`` after its last), drawn from the loader when first asked
+    for (at the latest once this group's micro-batches are all yielded), so work that does not wait for this
+    group's training (a served teacher's scores of teacher-written completions, completions written ahead by an
+    engine outside the training process) can start early, as many groups ahead as it walks."""
 
-    def __init__(self, batches: list[list[Any]]) -> None:
+    def __init__(self, batches: list[list[Any]], draw: Callable[[], DecodeGroup | None] | None = None) -> None:
         self.batches = batches
         self.rollouts: list[Any] | None = None
-        self.following: DecodeGroup | None = None
+        self._draw, self._following = draw, None
+
+    @property
+    def following(self) -> DecodeGroup | None:
+        if self._draw is not None:
+            self._following, self._draw = self._draw(), None
+        return self._following
+
+    @following.setter
+    def following(self, group: DecodeGroup | None) -> None:
+        self._following, self._draw = group, None
 
     @property
     def examples(self) -> list[Any]:
@@ -70,8 +82,8 @@ class ResumableLoader(DataLoader):
     grouped ``decode_group`` at a time (set after construction; 1 by default). Groups start at every
     multiple of ``decode_group`` micro-batches from the epoch's start, so they line up with Lightning's
     accumulation groups when ``decode_group`` divides ``accumulate_grad_batches``; a run resumed
-    ``batches_done`` micro-batches into an epoch (``resumed_batches``) first completes its group. It draws one
-    group ahead (:attr:`DecodeGroup.following`)."""
+    ``batches_done`` micro-batches into an epoch (``resumed_batches``) first completes its group. It draws
+    groups ahead as they are asked for (:attr:`DecodeGroup.following`)."""
 
     decode_group = 1
     resumed_batches = 0
@@ -83,11 +95,10 @@ class ResumableLoader(DataLoader):
 
         def draw(size: int) -> DecodeGroup | None:
             chunk = [batch for _, batch in zip(range(size), batches)]
-            return DecodeGroup(chunk) if chunk else None
+            return DecodeGroup(chunk, lambda: draw(self.decode_group)) if chunk else None
 
         group = draw(first)
         while group is not None:
-            group.following = draw(self.decode_group)
             for index, batch in enumerate(group.batches):
                 item = MicroBatch(batch)
                 item.group, item.index = group, index

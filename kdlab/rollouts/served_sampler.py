@@ -1,0 +1,176 @@
+"""The student sampled by a server that speaks vLLM's OpenAI-compatible API (:class:`ServedRollouts`), on other
+GPUs or another machine: on-policy rollouts written outside the training process, with the student's weights
+pushed to the server every ``sync_every`` optimiser steps (:mod:`kdlab.rollouts.engines`).
+
+What is sent (vLLM's names; the server runs ``VLLM_SERVER_DEV_MODE=1 vllm serve STUDENT --worker-extension-cls
+kdlab.rollouts.vllm.WeightLoaderExtension --logprobs-mode processed_logprobs``, or kdlab's loopback server):
+
+* ``GET /v1/models`` -> ``data[].id``: the served model must be there (checked before the first push);
+* a push: the weights written to ``weights_dir`` as one safetensors file of Hugging Face names (in the
+  engine's ``dtype``), then ``POST /collective_rpc`` ``{"method": "kdlab_load_weights_file", "args": [path]}``
+  and ``POST /reset_prefix_cache`` (cached prompt blocks were computed with the old weights); the file is deleted
+  once loaded. ``weights_dir`` must be a folder the server reads at the same path (a shared file system when the
+  server runs on another machine);
+* one ``POST /v1/completions`` per prompt ``{model, prompt: [ids], max_tokens, temperature, top_p, top_k: -1,
+  seed: <rollout seed + row>, stop_token_ids, return_token_ids: true, skip_special_tokens: false, logprobs: 0}``
+  (``concurrency`` at once) -> ``choices[0].token_ids`` and ``choices[0].logprobs.token_logprobs``: the log-prob of
+  each sampled token under the distribution it was drawn from, the behaviour log-probs of the importance weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from kdlab.data import PromptBatch, Rollout, right_pad
+from kdlab.rollouts.engines import StagedWeights, SyncedEngine
+from kdlab.rollouts.policies import RolloutContext
+from kdlab.served_replies import sampled_logprobs, sampled_tokens
+from kdlab.served_wire import BYTES_PER_ENTRY, BYTES_PER_REPLY, ServedTeacherError, Wire, check_url
+
+ENGINE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class ServedRollouts(SyncedEngine):
+    """On-policy completions sampled by a vLLM-compatible server from the student's pushed weights.
+
+    Args:
+        url: the server's base URL (``http://host:8000``); model: the served model's name (``--served-model-name``).
+        weights_dir: where pushes are written for the server to read (default: a new folder under the system's
+            temporary folder, which only a server on this machine can read).
+        sync_every: optimiser steps between weight pushes (1: every step).
+        importance_cap: the per-token ratio cap of the importance weights ``w = mean_t min(cap, p_theta / q)``.
+        dtype: the pushed weights' dtype (the server's own: vLLM's ``--dtype``), one of ``bfloat16``, ``float16``,
+            ``float32``.
+        timeout_s, retries, backoff_s, concurrency, api_key_env: as :class:`~kdlab.rollouts.served.ServedTeacher`'s.
+
+    One training process only (a push from each rank would race for one server). Stop strings are refused.
+    """
+
+    def __init__(self, url: str, model: str, weights_dir: str | None = None, sync_every: int = 1, importance_cap: float = 2.0,
+                 dtype: str = "bfloat16", timeout_s: float = 60.0, retries: int = 3, backoff_s: float = 1.0, concurrency: int = 8,
+                 api_key_env: str | None = None) -> None:
+        super().__init__()
+        url = check_url(url, "ServedRollouts.url")
+        if sync_every < 1:
+            raise ValueError(f"ServedRollouts.sync_every must be >= 1, got {sync_every}")
+        if not importance_cap > 0:
+            raise ValueError(f"ServedRollouts.importance_cap must be > 0, got {importance_cap}")
+        if dtype not in ENGINE_DTYPES:
+            raise ValueError(f"ServedRollouts.dtype must be one of {sorted(ENGINE_DTYPES)}, got {dtype!r}")
+        for name, value in (("timeout_s", timeout_s), ("concurrency", concurrency)):
+            if not value > 0:
+                raise ValueError(f"ServedRollouts.{name} must be > 0, got {value}")
+        if retries < 0 or backoff_s < 0:
+            raise ValueError(f"ServedRollouts.retries and backoff_s must be >= 0, got {retries}, {backoff_s}")
+        if weights_dir is not None and not os.path.isdir(weights_dir):
+            raise ValueError(f"ServedRollouts.weights_dir {weights_dir!r} is not a folder")
+        self.url, self.served_model, self.weights_dir = url.rstrip("/"), model, weights_dir
+        self.sync_every, self.importance_cap, self.engine_dtype = sync_every, importance_cap, dtype
+        self.timeout_s, self.retries, self.backoff_s, self.concurrency, self.api_key_env = timeout_s, retries, backoff_s, concurrency, api_key_env
+        self._checked = False
+        self._start_threads()
+
+    def _start_threads(self) -> None:
+        self._wire = Wire(self.url, self.timeout_s, self.retries, self.backoff_s, self.api_key_env)
+        self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="served-sampler")
+
+    def __getstate__(self) -> dict[str, Any]:  # threads and connections do not pickle
+        state = super().__getstate__()
+        return {key: value for key, value in state.items() if key not in ("_wire", "_pool")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._start_threads()
+
+    def needs(self) -> frozenset[str]:
+        return frozenset({"one_vocabulary", "teacher_scores"})  # the student's ids, which no cache holds
+
+    def next_token_logprobs(self, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+        return student_logprobs
+
+    # ---- the push --------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Once, before the first push: one training process, and the server serves ``model``."""
+        if self._checked:
+            return
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            raise ValueError("ServedRollouts runs in one training process: every rank would push its weights to one server")
+        models = self._wire.request("/v1/models", max_bytes=1 << 20)
+        served = [card.get("id") for card in models.get("data", []) if isinstance(card, dict)]
+        if self.served_model not in served:
+            raise ServedTeacherError(f"served sampler {self._wire.where}/v1/models serves {served[:8]}, not ServedRollouts.model={self.served_model!r}")
+        if self.weights_dir is None:
+            self.weights_dir = tempfile.mkdtemp(prefix="kdlab-pushed-weights-")
+        self._checked = True
+
+    def snapshot(self, context: RolloutContext) -> str:
+        """The student's weights written to a safetensors file under ``weights_dir`` (Hugging Face names, LoRA
+        merged, in ``dtype``): its path."""
+        from safetensors.torch import save_file
+
+        from kdlab.rollouts.vllm import streamed_weights
+
+        self.check()
+        dtype = ENGINE_DTYPES[self.engine_dtype]
+        # cloned: tied weights share storage, which safetensors refuses; the file is the snapshot
+        tensors = {name: tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype).contiguous().clone()
+                   for name, tensor in streamed_weights(context.student, dtype)}
+        path = os.path.join(str(self.weights_dir), f"student-{os.getpid()}-{id(self):x}-step{context.step}.safetensors")
+        save_file(tensors, path)
+        return path
+
+    def load_weights(self, staged: StagedWeights) -> None:
+        """The server loads the file ``staged.payload`` and drops its prefix cache; the file is then deleted."""
+        try:
+            for path, payload in (("/collective_rpc", {"method": "kdlab_load_weights_file", "args": [staged.payload]}), ("/reset_prefix_cache", None)):
+                status, body = self._wire.exchange(path, b"{}" if payload is None else json.dumps(payload).encode(), 1 << 20)
+                if status != 200:
+                    raise ServedTeacherError(f"served sampler {self._wire.where}{path}: HTTP {status} {body[:200]!r} (is the server run with "
+                                             "VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls kdlab.rollouts.vllm.WeightLoaderExtension?)")
+        except OSError as error:
+            raise ServedTeacherError(f"served sampler {self._wire.where}: a weight push failed ({error!r})") from None
+        finally:
+            if os.path.exists(staged.payload):
+                os.remove(staged.payload)
+        self.weights_step = staged.step
+
+    # ---- sampling --------------------------------------------------------------------------------
+    def generate(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
+        """One request per prompt, seeded ``context.seed + row``: the completions (end token included when they
+        ended) and each token's log-prob under the distribution it was drawn from."""
+        from kdlab.rollouts.vllm import VLLM_TEMPERATURES
+
+        if context.stop_strings:
+            raise ValueError("ServedRollouts does not send stop strings yet: remove DistillModule.stop_strings or use StudentRollouts")
+        temperature = context.student_temperature
+        if temperature != 0 and not VLLM_TEMPERATURES[0] <= temperature <= VLLM_TEMPERATURES[1]:
+            raise ValueError(f"ServedRollouts: vLLM samples at temperature 0 or in {list(VLLM_TEMPERATURES)}, got student_temperature={temperature}")
+        self.check()
+        seed, length, ends = context.seed if context.seed is not None else 0, context.max_new_tokens, [int(t) for t in context.eos_token_ids]
+        rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.student_ids, prompts.student_mask)]
+
+        def one(item: tuple[int, list[int]]) -> tuple[list[int], list[float]]:
+            row, prompt = item
+            payload = {"model": self.served_model, "prompt": prompt, "max_tokens": length, "temperature": temperature, "seed": seed + row,
+                       "top_p": context.top_p, "top_k": -1, "stop_token_ids": ends, "return_token_ids": True, "skip_special_tokens": False,
+                       "logprobs": 0}
+
+            def read(reply: dict[str, Any]) -> tuple[list[int], list[float]]:
+                tokens = sampled_tokens(reply, self.served_model, length, context.token_columns)
+                return tokens, sampled_logprobs(reply, len(tokens))
+
+            return self._wire.request("/v1/completions", payload, read, max_bytes=BYTES_PER_REPLY + (length + len(prompt)) * 4 * BYTES_PER_ENTRY)
+
+        written = list(self._pool.map(one, enumerate(rows))) if len(rows) > 1 else [one(item) for item in enumerate(rows)]
+        ids, mask = right_pad([tokens for tokens, _ in written], context.pad_token_id)
+        behaviour = torch.zeros(ids.shape, dtype=torch.float32)
+        for row, (_, values) in enumerate(written):
+            behaviour[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        device = prompts.student_ids.device
+        return Rollout(prompts, ids.to(device), mask.to(device), None, behaviour_logprobs=behaviour.to(device), importance_cap=self.importance_cap)
