@@ -1,0 +1,228 @@
+"""The lm-eval forgetting suite off the training loop (kdlab.evaluation.forgetting, kdlab forgetting): the
+same numbers and names as the in-loop OODForgetting on a real tiny fit, the before cache, the back ends.
+A local task over a local file, lm-eval's Hugging Face back end, nothing downloaded."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+import kdlab.evaluation.forgetting as forgetting  # noqa: E402
+from kdlab.cli.main import main  # noqa: E402
+from kdlab.evaluation.forgetting import BeforeCache, SuiteSettings, weights_digest  # noqa: E402
+from kdlab.evaluation.forgetting_run import measure_run  # noqa: E402
+from kdlab.runlog import metrics_lines  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "lm_eval"
+SMOKE = str(ROOT / "experiments" / "tiny" / "smoke.yaml")
+TOY = {"toy": {"task": "kdlab_toy_mc", "limit": 8, "metric": "acc,none"}, "toy_first4": {"task": "kdlab_toy_mc", "limit": 4, "metric": "acc,none"}}
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    """lm-eval resolves the YAML's relative data_files against the working directory: the tests run in a copy."""
+    return Path(shutil.copytree(FIXTURES, tmp_path_factory.mktemp("lm_eval") / "tasks"))
+
+
+@pytest.fixture(autouse=True)
+def offline(task_dir, monkeypatch):
+    import datasets
+    import huggingface_hub.constants
+
+    for variable in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(variable, "1")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(task_dir)
+
+
+def fit(output: Path, name: str, task_dir: Path, in_loop: bool, *extra: str) -> Path:
+    """A real two-step `kdlab fit` of the tiny pair; with ``in_loop`` the lm-eval OODForgetting callback measures in it."""
+    logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(output), "name": name, "version": ""}}
+    args = ["fit", f"--config={SMOKE}", "--trainer.max_steps=2", "--trainer.accumulate_grad_batches=1", "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false", f"--trainer.logger={json.dumps(logger)}", *extra]
+    if in_loop:
+        callback = {"class_path": "kdlab.callbacks.OODForgetting",
+                    "init_args": {"lm_eval_tasks": TOY, "lm_eval_include_path": str(task_dir), "lm_eval_batch_size": 4}}
+        args.append(f"--trainer.callbacks={json.dumps([callback])}")
+    main(args)
+    return output / name
+
+
+@pytest.fixture(scope="module")
+def in_loop_run(tmp_path_factory, task_dir):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(task_dir)
+        return fit(tmp_path_factory.mktemp("runs"), "in-loop", task_dir, in_loop=True)
+
+
+def ood_lines(run_dir: Path) -> dict[int, dict[str, float]]:
+    lines: dict[int, dict[str, float]] = {}
+    for step, name, value in metrics_lines(run_dir / "metrics.jsonl"):
+        if name.startswith("ood/"):
+            lines.setdefault(step, {})[name] = value
+    return lines
+
+
+def off_loop_copy(run_dir: Path, target: Path) -> Path:
+    """The run as the off-loop suite meets it: its config and final weights, no in-loop ood/ lines."""
+    (target / "checkpoints").mkdir(parents=True)
+    shutil.copy(run_dir / "config.yaml", target / "config.yaml")
+    shutil.copy(run_dir / "checkpoints" / "final.ckpt", target / "checkpoints" / "final.ckpt")
+    return target
+
+
+def suite(task_dir: Path, batch_size: int = 4) -> SuiteSettings:
+    return SuiteSettings(tasks=TOY, include_path=str(task_dir), batch_size=batch_size)
+
+
+def test_off_loop_scores_and_names_equal_the_in_loop_callbacks(in_loop_run, task_dir, tmp_path):
+    in_loop = ood_lines(in_loop_run)
+    assert sorted(in_loop) == [0, 2]  # before at step 0, after at the last step
+    run = off_loop_copy(in_loop_run, tmp_path / "run")
+    record = measure_run(run, suite(task_dir), backend="hf", dtype="float32")
+    assert record["backend"] == "hf" and record["devices"] == 1 and record["step"] == 2
+    assert ood_lines(run) == in_loop  # the same names, steps and numbers, to the last bit
+    # the run's final weights differ from the start: the two measurements are of different models
+    assert record["weights"] != weights_digest(torch.nn.Linear(1, 1))
+    assert json.loads((run / "forgetting.json").read_text())["after"] == {name: in_loop[2][f"ood/{name}"] for name in TOY}
+
+
+def test_the_suite_defaults_to_the_runs_own_callback_and_a_second_call_scores_nothing(in_loop_run, task_dir, tmp_path, monkeypatch):
+    run = off_loop_copy(in_loop_run, tmp_path / "run")
+    first = measure_run(run, backend="hf", dtype="float32")  # the suite of the run's OODForgetting
+    assert first["settings"] == suite(task_dir).as_mapping()
+    monkeypatch.setattr(forgetting, "score_folder", lambda *a, **k: pytest.fail("scored again"))
+    assert measure_run(run, backend="hf", dtype="float32") == first
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2  # logged once
+
+
+def test_the_before_score_is_cached_by_weights_and_settings(in_loop_run, task_dir, tmp_path, monkeypatch):
+    scored = []
+    real = forgetting.score_folder
+    monkeypatch.setattr(forgetting, "score_folder", lambda *a, **k: scored.append(a[0]) or real(*a, **k))
+    cache = tmp_path / "cache"
+    first = measure_run(off_loop_copy(in_loop_run, tmp_path / "a"), suite(task_dir), cache_dir=cache, backend="hf", dtype="float32")
+    assert not first["before_from_cache"] and len(scored) == 2 and len(list(cache.glob("before-*.json"))) == 1
+    second = measure_run(off_loop_copy(in_loop_run, tmp_path / "b"), suite(task_dir), cache_dir=cache, backend="hf", dtype="float32")
+    assert second["before_from_cache"] and len(scored) == 3  # the "after" only
+    assert second["before"] == first["before"] and second["weights"] == first["weights"]
+    # other settings (batch size) and other weights (a student that starts from the first run's final weights) miss
+    third = measure_run(off_loop_copy(in_loop_run, tmp_path / "c"), suite(task_dir, batch_size=2), cache_dir=cache, backend="hf", dtype="float32")
+    assert not third["before_from_cache"] and len(scored) == 5
+    other = off_loop_copy(in_loop_run, tmp_path / "d")
+    config = (other / "config.yaml").read_text()
+    assert "checkpoint: null" in config
+    (other / "config.yaml").write_text(config.replace("checkpoint: null", f"checkpoint: {in_loop_run / 'checkpoints' / 'final.ckpt'}", 1))
+    fourth = measure_run(other, suite(task_dir), cache_dir=cache, backend="hf", dtype="float32")
+    assert not fourth["before_from_cache"] and fourth["weights"] != first["weights"] and len(scored) == 7
+    assert fourth["before"] == second["after"]  # its start is the first run's end, scored the same way
+
+
+def test_weights_digest_and_settings_key_follow_what_a_score_depends_on(task_dir):
+    model = torch.nn.Linear(3, 2)
+    copy = torch.nn.Linear(3, 2)
+    copy.load_state_dict(model.state_dict())
+    assert weights_digest(copy) == weights_digest(model)
+    with torch.no_grad():
+        copy.bias[0] += 1e-6
+    assert weights_digest(copy) != weights_digest(model)
+    assert weights_digest(model.to(torch.bfloat16)) != weights_digest(copy.to(torch.float32))
+    key = suite(task_dir).key("hf", "float32")
+    assert suite(task_dir).key("hf", "float32") == key
+    assert len({key, suite(task_dir, 2).key("hf", "float32"), suite(task_dir).key("vllm", "float32"), suite(task_dir).key("hf", "bfloat16")}) == 4
+
+
+def test_a_changed_task_file_changes_the_key(task_dir, tmp_path):
+    other = Path(shutil.copytree(task_dir, tmp_path / "tasks"))
+    assert suite(other).key("hf", "float32") == suite(task_dir).key("hf", "float32")  # where the files are does not count
+    with (other / "kdlab_toy_mc.jsonl").open("a") as file:
+        file.write('{"question": "2 + 2?", "choices": ["3", "4"], "answer": 1}\n')
+    assert suite(other).key("hf", "float32") != suite(task_dir).key("hf", "float32")
+
+
+def test_before_cache_ignores_a_file_of_other_keys(tmp_path):
+    cache = BeforeCache(tmp_path)
+    path = cache.put("a" * 64, "b" * 64, {"toy": 50.0})
+    assert cache.get("a" * 64, "b" * 64) == {"toy": 50.0}
+    assert cache.get("a" * 64, "c" * 64) is None
+    assert cache.get("a" * 24 + "d" * 40, "b" * 64) is None and path.is_file()  # same file name, other full digest
+
+
+def test_the_vllm_back_end_gets_the_folder_bf16_and_data_parallel_engines(task_dir, monkeypatch, tiny_pair):
+    """vLLM cannot run here: lm-eval's VLLM class is stood in for by its Hugging Face one, recording its arguments."""
+    import sys
+    import types
+
+    import lm_eval.models.huggingface as hf
+
+    from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer
+
+    made = []
+
+    class StandIn(hf.HFLM):
+        def __init__(self, pretrained, dtype, batch_size, data_parallel_size, tensor_parallel_size):
+            made.append({"files": sorted(p.name for p in Path(pretrained).iterdir()), "dtype": dtype, "batch_size": batch_size,
+                         "data_parallel_size": data_parallel_size, "tensor_parallel_size": tensor_parallel_size})
+            super().__init__(pretrained=pretrained, dtype="float32", batch_size=4, device="cpu")
+
+    stand_in = types.ModuleType("lm_eval.models.vllm_causallms")  # the real one imports vllm
+    stand_in.VLLM = StandIn
+    monkeypatch.setitem(sys.modules, "lm_eval.models.vllm_causallms", stand_in)
+    spec = ModelSpec(tiny_pair[0])
+    model, tokenizer = load_causal_lm(spec).eval(), load_tokenizer(spec)
+    expected = forgetting.score_model(load_causal_lm(spec).eval(), tokenizer, suite(task_dir), "hf", "float32")
+    scores = forgetting.score_model(model, tokenizer, suite(task_dir), "vllm", "bfloat16", devices=4)
+    (call,) = made
+    assert call["dtype"] == "bfloat16" and call["data_parallel_size"] == 4 and call["tensor_parallel_size"] == 1 and call["batch_size"] == "auto"
+    assert "config.json" in call["files"] and "model.safetensors" in call["files"] and "tokenizer_config.json" in call["files"]
+    assert set(scores) == set(expected) == set(TOY)
+
+
+def test_backend_and_dtype_choice(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert forgetting.choose_backend("auto") == "hf" and forgetting.choose_dtype("auto") == "float32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert forgetting.choose_dtype("auto") == "bfloat16"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    assert forgetting.choose_backend("auto") == "vllm"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    assert forgetting.choose_backend("auto") == "hf"
+    with pytest.raises(ImportError, match=r"backend 'vllm' needs vLLM"):
+        forgetting.choose_backend("vllm")
+    with pytest.raises(ValueError, match=r"forgetting\.backend must be one of"):
+        forgetting.choose_backend("tgi")
+
+
+def test_bad_input_names_the_key_or_file(in_loop_run, task_dir, tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"forgetting: unknown key 'batch'"):
+        SuiteSettings.from_mapping({"tasks": TOY, "batch": 2})
+    with pytest.raises(ValueError, match=r"forgetting\.batch_size"):
+        SuiteSettings(tasks=TOY, batch_size=0)
+    with pytest.raises(FileNotFoundError, match=r"final\.ckpt does not exist"):
+        measure_run(tmp_path, suite(task_dir))
+    with pytest.raises(ValueError, match=r"already holds ood/mean measured in the training loop"):
+        measure_run(in_loop_run, suite(task_dir), backend="hf")
+    with pytest.raises(SystemExit) as stopped:
+        main(["forgetting", "--run", str(tmp_path / "missing"), "--suite", str(tmp_path / "none.yaml")])
+    assert stopped.value.code == 2 and "--suite: no such file" in capsys.readouterr().err
+
+
+def test_the_command_line_measures_a_run_and_prints_its_scores(in_loop_run, task_dir, tmp_path, capsys):
+    run = off_loop_copy(in_loop_run, tmp_path / "run")
+    suite_file = tmp_path / "suite.yaml"
+    suite_file.write_text(json.dumps({"tasks": TOY, "include_path": str(task_dir), "batch_size": 4}))
+    main(["forgetting", "--run", str(run), "--suite", str(suite_file), "--backend", "hf", "--dtype", "float32", "--cache_dir", str(tmp_path / "c")])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    in_loop = ood_lines(in_loop_run)
+    assert printed["after"] == {name: in_loop[2][f"ood/{name}"] for name in TOY}
+    assert printed["before"] == {name: in_loop[0][f"ood/{name}_before"] for name in TOY} and not printed["before_from_cache"]
