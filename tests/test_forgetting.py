@@ -226,3 +226,63 @@ def test_the_command_line_measures_a_run_and_prints_its_scores(in_loop_run, task
     in_loop = ood_lines(in_loop_run)
     assert printed["after"] == {name: in_loop[2][f"ood/{name}"] for name in TOY}
     assert printed["before"] == {name: in_loop[0][f"ood/{name}_before"] for name in TOY} and not printed["before_from_cache"]
+
+
+# ---- kdlab sweep schedules it ----------------------------------------------------------------------------
+def sweep_file(path: Path, output: Path, task_dir: Path, forgetting: bool, base: str = SMOKE) -> Path:
+    data = {"base": base, "output": str(output), "seeds": [1, 2], "mode": "sequential",
+            "overrides": {"trainer.max_steps": 1, "trainer.accumulate_grad_batches": 1, "trainer.limit_val_batches": 0,
+                          "trainer.enable_progress_bar": False}}
+    if forgetting:
+        data["forgetting"] = {"tasks": TOY, "include_path": str(task_dir), "batch_size": 4, "backend": "hf", "dtype": "float32",
+                              "cache_dir": str(output / "before-cache")}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_sweep_measures_each_finished_run_off_the_loop_reusing_the_before_score(task_dir, tmp_path, monkeypatch, capsys):
+    import kdlab.cli.lightning
+
+    fits, real = [], kdlab.cli.lightning.run_lightning
+    monkeypatch.setattr(kdlab.cli.lightning, "run_lightning", lambda args, **kw: fits.append(args) or real(args, **kw))
+    output = tmp_path / "sweep"
+    main(["sweep", "--config", str(sweep_file(tmp_path / "plain.yaml", output, task_dir, forgetting=False))])
+    assert len(fits) == 2 and not list(output.glob("*/forgetting.json"))
+    # forgetting added afterwards: print mode lists the two fitted, unmeasured runs; a run measures them without fitting again
+    with_forgetting = sweep_file(tmp_path / "forgetting.yaml", output, task_dir, forgetting=True)
+    main(["sweep", "--config", str(with_forgetting), "--mode", "print"])
+    lines = (output / "commands.sh").read_text().splitlines()
+    assert [line.split("--run ")[1] for line in lines] == ["seed=1", "seed=2"]
+    main(["sweep", "--config", str(with_forgetting)])
+    assert len(fits) == 2
+    records = [json.loads((output / name / "forgetting.json").read_text()) for name in ("seed=1", "seed=2")]
+    assert [r["before_from_cache"] for r in records] == [False, True]  # both runs start from the same student
+    assert records[0]["before"] == records[1]["before"] and records[0]["weights"] == records[1]["weights"]
+    for name, record in zip(("seed=1", "seed=2"), records):
+        lines = ood_lines(output / name)
+        assert lines[1] == {**{f"ood/{k}": v for k, v in record["after"].items()}, "ood/mean": sum(record["after"].values()) / 2,
+                            "ood/mean_delta": sum(record["after"].values()) / 2 - sum(record["before"].values()) / 2}
+    assert json.loads((output / "sweep.json").read_text())["runs"][0]["status"] == "done"
+    capsys.readouterr()
+    main(["sweep", "--config", str(with_forgetting)])  # everything done and measured: nothing runs
+    assert len(fits) == 2 and "0 done now, 2 already done" in capsys.readouterr().out
+
+
+def test_a_sweep_refuses_forgetting_measured_in_the_loop_as_well(task_dir, tmp_path):
+    from kdlab.study.grid import load_sweep
+
+    base = tmp_path / "in_loop.yaml"
+    callback = {"class_path": "kdlab.callbacks.OODForgetting", "init_args": {"lm_eval_tasks": TOY}}
+    base.write_text(json.dumps({"trainer": {"callbacks": [callback]}}))
+    with pytest.raises(ValueError, match=rf"{base.name} also measures it in the training loop"):
+        load_sweep(sweep_file(tmp_path / "s.yaml", tmp_path / "out", task_dir, forgetting=True, base=str(base)))
+    path = sweep_file(tmp_path / "s.yaml", tmp_path / "out", task_dir, forgetting=True)
+    data = json.loads(path.read_text())
+    data["forgetting"]["devices"] = 0
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"sweep\.forgetting\.devices"):
+        load_sweep(path)
+    data["forgetting"] = {"tasks": TOY, "batchsize": 4}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"sweep\.forgetting: unknown key 'batchsize'"):
+        load_sweep(path)
