@@ -286,3 +286,22 @@ def test_a_sweep_refuses_forgetting_measured_in_the_loop_as_well(task_dir, tmp_p
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"sweep\.forgetting: unknown key 'batchsize'"):
         load_sweep(path)
+
+
+@pytest.mark.slow  # two processes each index lm-eval's 15,000 task files: minutes on a shared CPU
+def test_hf_processes_that_lm_eval_does_not_join_fail_rather_than_each_score_everything(task_dir, tiny_pair):
+    """lm-eval's HFLM shards over Accelerate's processes only where it sees several GPUs; on this CPU the
+    two processes each score alone, which the worker's report (lm-eval's world size) shows."""
+    from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer
+
+    spec = ModelSpec(tiny_pair[0])
+    with pytest.raises(RuntimeError, match=r"lm-eval saw 1 processes of the 2 started"):
+        forgetting.score_model(load_causal_lm(spec).eval(), load_tokenizer(spec), suite(task_dir), "hf", "float32", devices=2)
+
+
+@pytest.mark.parametrize(("devices", "expected"), [(4, 4), ("2", 2), ("auto", 1), ([0, 1], 1), (None, 1)])
+def test_the_default_processes_are_the_runs_devices(tmp_path, devices, expected):
+    from kdlab.evaluation.forgetting_run import run_devices
+
+    (tmp_path / "config.yaml").write_text(json.dumps({"trainer": {} if devices is None else {"devices": devices, "num_nodes": 2}}))
+    assert run_devices(tmp_path) == expected

@@ -14,11 +14,13 @@ How it runs:
   in ``dtype``: ``bfloat16`` where CUDA is available, else the weights' own ``float32``) and scored
   through lm-eval's vLLM back end where vLLM is installed and CUDA is available, its Hugging Face
   back end otherwise (``backend``: ``auto``, ``hf`` or ``vllm``);
-* data-parallel over ``devices`` GPUs (default: the run's ``trainer.devices`` x ``trainer.num_nodes``
-  when they are numbers, else 1): vLLM through lm-eval's ``data_parallel_size`` (one engine per GPU,
+* data-parallel over ``devices`` GPUs of one machine (default: the run's ``trainer.devices`` when it is
+  a number, else 1): vLLM through lm-eval's ``data_parallel_size`` (one engine per GPU,
   dispatched by lm-eval through Ray, which must be installed); the Hugging Face back end by starting
-  ``devices`` processes with ``torch.distributed.run`` (lm-eval's ``HFLM`` splits each task's requests
-  over them through Accelerate and assembles the results on rank 0, which writes them);
+  ``devices`` processes with ``torch.distributed.run``, one GPU each (lm-eval's ``HFLM`` splits each
+  task's requests over them through Accelerate and assembles the results on rank 0, which writes them;
+  it does so only where it sees more than one GPU, and a run in which lm-eval saw fewer processes than
+  were started fails rather than score everything on each);
 * the "before" score depends only on the student's weights and the suite's settings, so it is kept
   in a :class:`BeforeCache` (``cache_dir``) keyed by a hash of the student's state dict
   (:func:`weights_digest`) and of the settings (:meth:`SuiteSettings.key`: entries, batch size,
@@ -220,7 +222,9 @@ def score_folder(folder: str | Path, settings: SuiteSettings, backend: str, dtyp
 
 
 def _score_in_processes(folder: str | Path, settings: SuiteSettings, dtype: str, devices: int) -> dict[str, float]:
-    """The Hugging Face back end over ``devices`` processes (``torch.distributed.run``; :func:`_worker`)."""
+    """The Hugging Face back end over ``devices`` processes (``torch.distributed.run``; :func:`_worker`), one
+    GPU each: lm-eval's ``HFLM`` splits requests over Accelerate's processes only where it sees more than one
+    GPU, so on a CPU the processes would each score everything, and this raises instead."""
     with tempfile.TemporaryDirectory(prefix="kdlab-forgetting-") as scratch:
         job = Path(scratch) / "job.json"
         out = Path(scratch) / "scores.json"
@@ -229,16 +233,22 @@ def _score_in_processes(folder: str | Path, settings: SuiteSettings, dtype: str,
         completed = subprocess.run(command, check=False)
         if completed.returncode != 0 or not out.is_file():
             raise RuntimeError(f"forgetting: the {devices}-process lm-eval run failed (exit status {completed.returncode}; command {' '.join(command)})")
-        return json.loads(out.read_text(encoding="utf-8"))
+        result = json.loads(out.read_text(encoding="utf-8"))
+        if result["world_size"] != devices:  # each process would have scored everything alone
+            raise RuntimeError(f"forgetting: lm-eval saw {result['world_size']} processes of the {devices} started (Accelerate did not join them)")
+        return result["scores"]
 
 
 def _worker(job_file: str) -> None:
-    """One rank of :func:`_score_in_processes`: rank 0 writes the scores."""
+    """One rank of :func:`_score_in_processes`: lm-eval splits each task's requests over the ranks; rank 0
+    writes the scores and the number of processes lm-eval saw."""
     job = json.loads(Path(job_file).read_text(encoding="utf-8"))
     settings = SuiteSettings.from_mapping(job["settings"])
-    scores = score_folder(job["folder"], settings, "hf", job["dtype"], devices=1)
+    manager = settings.validate()
+    lm = lm_for_folder(job["folder"], settings, "hf", job["dtype"])
+    scores = score_suite(lm, settings.tasks, manager, settings.allow_code_execution, settings.apply_chat_template)
     if int(os.environ.get("RANK", "0")) == 0:
-        Path(job["out"]).write_text(json.dumps(scores), encoding="utf-8")
+        Path(job["out"]).write_text(json.dumps({"scores": scores, "world_size": lm.world_size}), encoding="utf-8")
 
 
 def score_model(model: torch.nn.Module, tokenizer: Any, settings: SuiteSettings, backend: str, dtype: str, devices: int = 1,

@@ -88,12 +88,11 @@ def suite_of_run(run_dir: str | Path) -> SuiteSettings:
 
 
 def run_devices(run_dir: str | Path) -> int:
-    """``trainer.devices`` x ``trainer.num_nodes`` of the run where both are numbers, else 1."""
-    trainer = _config(Path(run_dir)).get("trainer") or {}
-    devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
+    """The run's ``trainer.devices`` where it is a number (the GPUs of one machine), else 1."""
+    devices = (_config(Path(run_dir)).get("trainer") or {}).get("devices", 1)
     if isinstance(devices, str) and devices.isdigit():
         devices = int(devices)
-    return devices * nodes if type(devices) is int and type(nodes) is int and devices > 0 else 1
+    return devices if type(devices) is int and devices > 0 else 1
 
 
 def metrics(before: dict[str, float], after: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
@@ -208,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache_dir", help="where the students' before scores are kept and reused (default: not kept)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="lm-eval back end (auto: vllm where installed with CUDA, else hf)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="weights' dtype while scoring (auto: bfloat16 on GPU, else float32)")
-    parser.add_argument("--devices", type=int, help="data-parallel processes or engines (default: the run's devices x num_nodes)")
+    parser.add_argument("--devices", type=int, help="data-parallel processes or engines, one GPU each (default: the run's trainer.devices)")
     parser.add_argument("--force", action="store_true", help="score again although forgetting.json holds this suite's scores")
     options = parser.parse_args(argv)
     try:
