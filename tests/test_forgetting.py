@@ -3,6 +3,7 @@ same numbers and names as the in-loop OODForgetting on a real tiny fit, the befo
 A local task over a local file, lm-eval's Hugging Face back end, nothing downloaded."""
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -253,7 +254,9 @@ def test_a_sweep_measures_each_finished_run_off_the_loop_reusing_the_before_scor
     main(["sweep", "--config", str(with_forgetting), "--mode", "print"])
     lines = (output / "commands.sh").read_text().splitlines()
     assert [line.split("--run ")[1] for line in lines] == ["seed=1", "seed=2"]
-    main(["sweep", "--config", str(with_forgetting)])
+    main(shlex.split(lines[0])[3:])  # print mode's first line: `python -m kdlab.cli sweep --config F --run seed=1` measures it
+    assert len(fits) == 2 and (output / "seed=1" / "forgetting.json").is_file() and not (output / "seed=2" / "forgetting.json").is_file()
+    main(["sweep", "--config", str(with_forgetting)])  # measures the other one
     assert len(fits) == 2
     records = [json.loads((output / name / "forgetting.json").read_text()) for name in ("seed=1", "seed=2")]
     assert [r["before_from_cache"] for r in records] == [False, True]  # both runs start from the same student
@@ -262,7 +265,7 @@ def test_a_sweep_measures_each_finished_run_off_the_loop_reusing_the_before_scor
         lines = ood_lines(output / name)
         assert lines[1] == {**{f"ood/{k}": v for k, v in record["after"].items()}, "ood/mean": sum(record["after"].values()) / 2,
                             "ood/mean_delta": sum(record["after"].values()) / 2 - sum(record["before"].values()) / 2}
-    assert json.loads((output / "sweep.json").read_text())["runs"][0]["status"] == "done"
+    assert [run["status"] for run in json.loads((output / "sweep.json").read_text())["runs"]] == ["skipped", "done"]
     capsys.readouterr()
     main(["sweep", "--config", str(with_forgetting)])  # everything done and measured: nothing runs
     assert len(fits) == 2 and "0 done now, 2 already done" in capsys.readouterr().out
@@ -305,3 +308,18 @@ def test_the_default_processes_are_the_runs_devices(tmp_path, devices, expected)
 
     (tmp_path / "config.yaml").write_text(json.dumps({"trainer": {} if devices is None else {"devices": devices, "num_nodes": 2}}))
     assert run_devices(tmp_path) == expected
+
+
+def test_a_pipelines_stages_take_the_forgetting_key(task_dir, tmp_path):
+    from kdlab.study.pipeline import load_pipeline
+
+    forgetting_key = {"tasks": TOY, "include_path": str(task_dir), "cache_dir": str(tmp_path / "cache")}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(json.dumps({"output": str(tmp_path / "out"), "distill": {"base": SMOKE, "forgetting": forgetting_key},
+                                "rlvr": {"base": str(ROOT / "experiments" / "tiny" / "rlvr.yaml"), "forgetting": forgetting_key}}))
+    pipeline = load_pipeline(path)
+    for sweep, run_dir in ((pipeline.distill, "out/distill/seed=42"), (pipeline.rlvr_sweep("seed=42"), "out/rlvr/seed=42/seed=42")):
+        command = sweep.forgetting_command(tmp_path / run_dir)
+        assert command[1:5] == ["-m", "kdlab.cli", "forgetting", "--run"] and command[5] == str(tmp_path / run_dir)
+        assert json.loads(command[command.index("--suite_json") + 1]) == SuiteSettings(tasks=TOY, include_path=str(task_dir)).as_mapping()
+        assert command[command.index("--cache_dir") + 1] == str(tmp_path / "cache")
