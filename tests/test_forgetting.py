@@ -60,7 +60,8 @@ def fit(output: Path, name: str, task_dir: Path, in_loop: bool, *extra: str) -> 
 def in_loop_run(tmp_path_factory, task_dir):
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(task_dir)
-        return fit(tmp_path_factory.mktemp("runs"), "in-loop", task_dir, in_loop=True)
+        # a high learning rate, so that the scores after training differ from those before
+        return fit(tmp_path_factory.mktemp("runs"), "in-loop", task_dir, True, "--model.lr=0.05", "--model.warmup_steps=0")
 
 
 def ood_lines(run_dir: Path) -> dict[int, dict[str, float]]:
@@ -86,12 +87,11 @@ def suite(task_dir: Path, batch_size: int = 4) -> SuiteSettings:
 def test_off_loop_scores_and_names_equal_the_in_loop_callbacks(in_loop_run, task_dir, tmp_path):
     in_loop = ood_lines(in_loop_run)
     assert sorted(in_loop) == [0, 2]  # before at step 0, after at the last step
+    assert [in_loop[0][f"ood/{name}_before"] for name in TOY] != [in_loop[2][f"ood/{name}"] for name in TOY]  # two models told apart
     run = off_loop_copy(in_loop_run, tmp_path / "run")
     record = measure_run(run, suite(task_dir), backend="hf", dtype="float32")
     assert record["backend"] == "hf" and record["devices"] == 1 and record["step"] == 2
     assert ood_lines(run) == in_loop  # the same names, steps and numbers, to the last bit
-    # the run's final weights differ from the start: the two measurements are of different models
-    assert record["weights"] != weights_digest(torch.nn.Linear(1, 1))
     assert json.loads((run / "forgetting.json").read_text())["after"] == {name: in_loop[2][f"ood/{name}"] for name in TOY}
 
 
@@ -123,7 +123,7 @@ def test_the_before_score_is_cached_by_weights_and_settings(in_loop_run, task_di
     (other / "config.yaml").write_text(config.replace("checkpoint: null", f"checkpoint: {in_loop_run / 'checkpoints' / 'final.ckpt'}", 1))
     fourth = measure_run(other, suite(task_dir), cache_dir=cache, backend="hf", dtype="float32")
     assert not fourth["before_from_cache"] and fourth["weights"] != first["weights"] and len(scored) == 7
-    assert fourth["before"] == second["after"]  # its start is the first run's end, scored the same way
+    assert fourth["before"] == second["after"] != second["before"]  # its start is the first run's end, scored the same way
 
 
 def test_weights_digest_and_settings_key_follow_what_a_score_depends_on(task_dir):
@@ -323,3 +323,16 @@ def test_a_pipelines_stages_take_the_forgetting_key(task_dir, tmp_path):
         assert command[1:5] == ["-m", "kdlab.cli", "forgetting", "--run"] and command[5] == str(tmp_path / run_dir)
         assert json.loads(command[command.index("--suite_json") + 1]) == SuiteSettings(tasks=TOY, include_path=str(task_dir)).as_mapping()
         assert command[command.index("--cache_dir") + 1] == str(tmp_path / "cache")
+
+
+def test_a_lora_student_is_refused_naming_the_setting(tmp_path, task_dir):
+    from kdlab.evaluation.forgetting_run import start_spec
+
+    (tmp_path / "config.yaml").write_text(json.dumps({"model": {"student": {"path": "kdlab://tiny-random/student"}, "lora": {"r": 8}}}))
+    with pytest.raises(NotImplementedError, match=r"trains LoRA adapters \(model\.lora\)"):
+        start_spec(tmp_path)
+    (tmp_path / "config.yaml").write_text(json.dumps({"model": {"class_path": "kdlab.stages.GRPOModule", "init_args": {"policy": "kdlab://x"}}}))
+    assert start_spec(tmp_path)[1] == "policy" and start_spec(tmp_path)[0].path == "kdlab://x"
+    (tmp_path / "config.yaml").write_text(json.dumps({"model": {"class_path": "kdlab.stages.SFTModule", "init_args": {"model": "kdlab://x"}}}))
+    with pytest.raises(ValueError, match=r"names no trained model \(model\.student or model\.policy\)"):
+        start_spec(tmp_path)

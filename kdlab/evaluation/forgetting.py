@@ -36,6 +36,7 @@ logged twice.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import importlib.util
 import json
@@ -218,7 +219,13 @@ def score_folder(folder: str | Path, settings: SuiteSettings, backend: str, dtyp
     if backend == "hf" and devices > 1:
         return _score_in_processes(folder, settings, dtype, devices)
     lm = lm_for_folder(folder, settings, backend, dtype, devices)
-    return score_suite(lm, settings.tasks, manager, settings.allow_code_execution, settings.apply_chat_template)
+    try:
+        return score_suite(lm, settings.tasks, manager, settings.allow_code_execution, settings.apply_chat_template)
+    finally:  # the "after" model gets a fresh engine or copy in the same process: free this one first
+        del lm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def _score_in_processes(folder: str | Path, settings: SuiteSettings, dtype: str, devices: int) -> dict[str, float]:
