@@ -12,11 +12,11 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-import kdlab.evaluation.forgetting as forgetting  # noqa: E402
-from kdlab.cli.main import main  # noqa: E402
-from kdlab.evaluation.forgetting import BeforeCache, SuiteSettings, weights_digest  # noqa: E402
-from kdlab.evaluation.forgetting_run import measure_run  # noqa: E402
-from kdlab.runlog import metrics_lines  # noqa: E402
+from kdlab.cli.main import main
+from kdlab.evaluation import forgetting
+from kdlab.evaluation.forgetting import BeforeCache, SuiteSettings, weights_digest
+from kdlab.evaluation.forgetting_run import measure_run
+from kdlab.runlog import metrics_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "lm_eval"

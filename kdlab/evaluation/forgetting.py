@@ -50,9 +50,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
-from kdlab.evaluation.lm_eval_suite import LMEvalTask, import_lm_eval, resolve_suite, score_suite, validate_suite
+from kdlab.evaluation.lm_eval_suite import (
+    import_lm_eval,
+    resolve_suite,
+    score_suite,
+    validate_suite,
+)
 
 BACKENDS = ("auto", "hf", "vllm")
 DTYPES = ("auto", "bfloat16", "float16", "float32")

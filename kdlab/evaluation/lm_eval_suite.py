@@ -290,7 +290,7 @@ def evaluate_suite(
     broadcasts the scores. A process whose ``LOCAL_RANK`` is not 0 gets NaN, since lm-eval builds its
     results only on local rank 0.
     """
-    lm_eval = import_lm_eval("evaluate_suite")  # a missing install is the first thing to say
+    import_lm_eval("evaluate_suite")  # a missing install is the first thing to say
     suite = resolve_suite(tasks, "evaluate_suite.tasks")
     manager = validate_suite(suite, include_path, allow_code_execution, "evaluate_suite.tasks")
     was_training = model.training
