@@ -5,6 +5,7 @@ teacher training) when a config names one with ``model: {class_path: ..., init_a
 ``kdlab sweep --config S.yaml``: a grid of fit runs (:mod:`kdlab.study.sweep`);
 ``kdlab pipeline --config P.yaml``: distillation runs, then RLVR from each (:mod:`kdlab.study.pipeline`);
 ``kdlab prune --model M --layers every_other --output DIR``: a depth-pruned student (:mod:`kdlab.models.pruning`);
+``kdlab forgetting --run RUN_DIR``: the lm-eval forgetting suite on a finished run (:mod:`kdlab.evaluation.forgetting_run`);
 ``kdlab report RUN_DIR...``: the paper's tables and figures from finished runs (:mod:`kdlab.study.report`).
 
 Components (``task``, ``rollout``, ``objective``) are chosen with ``class_path``/``init_args``;
@@ -28,6 +29,7 @@ COMMANDS = {
     "generate": "write teacher data for off-policy runs: kdlab generate --config gen.yaml",
     "sweep": "run a grid of fits: kdlab sweep --config S.yaml",
     "pipeline": "distillation runs, then RLVR from each: kdlab pipeline --config P.yaml",
+    "forgetting": "the lm-eval forgetting suite on a finished run, off the training loop: kdlab forgetting --run runs/<name>",
     "report": "tables and figures from finished runs: kdlab report runs/<name>...",
     "prune": "a depth-pruned copy of a model: kdlab prune --help",
     "estimate": "per-GPU memory, step work, step time and wall time of a fit, before running it: kdlab estimate --config X.yaml",
@@ -142,6 +144,10 @@ def main(args: list[str] | None = None, run: bool = True, raise_parse_errors: bo
         from kdlab.cli.prune import prune_checkpoint
 
         return auto_cli(prune_checkpoint, args=argv[1:], allow_abbrev=False)
+    if argv[:1] == ["forgetting"]:  # the lm-eval suite on a finished run, off the training loop
+        from kdlab.evaluation.forgetting_run import main as forgetting
+
+        return forgetting(argv[1:])
     if argv[:1] == ["report"]:
         from kdlab.study.report import main as report
 

@@ -290,35 +290,55 @@ def evaluate_suite(
     broadcasts the scores. A process whose ``LOCAL_RANK`` is not 0 gets NaN, since lm-eval builds its
     results only on local rank 0.
     """
-    lm_eval = import_lm_eval("evaluate_suite")  # a missing install is the first thing to say
+    import_lm_eval("evaluate_suite")  # a missing install is the first thing to say
     suite = resolve_suite(tasks, "evaluate_suite.tasks")
     manager = validate_suite(suite, include_path, allow_code_execution, "evaluate_suite.tasks")
-    if allow_code_execution and any(entry.executes_code for entry in suite.values()):
-        os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # Hugging Face evaluate's code_eval checks this at import
     was_training = model.training
-    scores: dict[str, float] = {}
     try:
         lm = wrap_model(model, tokenizer, batch_size)
-        with _preserved_rng(lm.device), torch.no_grad():
-            for name, entry in suite.items():
-                output = lm_eval.simple_evaluate(
-                    model=lm,
-                    tasks=[entry.task],
-                    limit=entry.limit,
-                    task_manager=manager,
-                    log_samples=False,
-                    bootstrap_iters=0,  # no standard errors: only the point estimate is reported
-                    apply_chat_template=apply_chat_template,
-                    confirm_run_unsafe_code=allow_code_execution,
-                )
-                if output is None:  # lm-eval assembles results only where LOCAL_RANK is 0; other ranks report nothing
-                    scores[name] = float("nan")
-                    continue
-                row = output["results"][entry.task]
-                if entry.metric not in row:
-                    metrics = sorted(key for key in row if "," in key and "_stderr" not in key)
-                    raise KeyError(f"lm-eval task {entry.task!r} (entry {name!r}) has no metric {entry.metric!r}; it reports {metrics}")
-                scores[name] = entry.scale * float(row[entry.metric])
+        return score_suite(lm, suite, manager, allow_code_execution, apply_chat_template)
     finally:
         model.train(was_training)
+
+
+def score_suite(
+    lm: Any,
+    suite: Mapping[str, LMEvalTask],
+    manager: Any,
+    allow_code_execution: bool = False,
+    apply_chat_template: bool = False,
+) -> dict[str, float]:
+    """Score an lm-eval model object ``lm`` (``HFLM`` around a model in memory or a folder, lm-eval's
+    ``VLLM``) on each entry of a resolved ``suite`` (:func:`resolve_suite`, checked by
+    :func:`validate_suite`, which returns ``manager``); ``{entry name: score in points}``.
+
+    The one implementation of the suite: :func:`evaluate_suite` (the in-loop callback) and
+    :mod:`kdlab.evaluation.forgetting` (off the training loop) both call it. Each entry is one
+    ``simple_evaluate`` call with its own ``limit``; the global random generators are as they were
+    afterwards. A process whose results lm-eval does not assemble (not its rank 0) gets NaN."""
+    lm_eval = import_lm_eval("score_suite")
+    if allow_code_execution and any(entry.executes_code for entry in suite.values()):
+        os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # Hugging Face evaluate's code_eval checks this at import
+    scores: dict[str, float] = {}
+    device = torch.device(getattr(lm, "device", None) or "cpu")
+    with _preserved_rng(device), torch.no_grad():
+        for name, entry in suite.items():
+            output = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=[entry.task],
+                limit=entry.limit,
+                task_manager=manager,
+                log_samples=False,
+                bootstrap_iters=0,  # no standard errors: only the point estimate is reported
+                apply_chat_template=apply_chat_template,
+                confirm_run_unsafe_code=allow_code_execution,
+            )
+            if output is None:  # lm-eval assembles results only on its rank 0; other ranks report nothing
+                scores[name] = float("nan")
+                continue
+            row = output["results"][entry.task]
+            if entry.metric not in row:
+                metrics = sorted(key for key in row if "," in key and "_stderr" not in key)
+                raise KeyError(f"lm-eval task {entry.task!r} (entry {name!r}) has no metric {entry.metric!r}; it reports {metrics}")
+            scores[name] = entry.scale * float(row[entry.metric])
     return scores

@@ -13,6 +13,9 @@ A sweep file is plain YAML::
     mode: sequential                    # sequential | processes | print | slurm
     max_parallel: 1                     # runs at a time in ``processes`` and ``slurm`` modes
     slurm: {slurm_partition: gpu, timeout_min: 240, gpus_per_node: 1}   # submitit's settings (slurm mode)
+    forgetting:                         # the lm-eval forgetting suite off the training loop, after each run
+      tasks: paper                      # (kdlab.evaluation.forgetting.SuiteSettings' keys, and
+      cache_dir: runs/before-cache      #  cache_dir, backend, dtype, devices: kdlab forgetting's options)
 
 ``base`` and ``output`` are relative to the current directory, like every path inside a fit config
 (``save_dir: runs``, datasets), so run a sweep from where its fit configs expect to be run: the
@@ -43,7 +46,8 @@ from typing import Any
 import yaml
 
 MODES = ("sequential", "processes", "print", "slurm")
-FILE_KEYS = ("base", "output", "grid", "seeds", "overrides", "mode", "max_parallel", "slurm")
+FILE_KEYS = ("base", "output", "grid", "seeds", "overrides", "mode", "max_parallel", "slurm", "forgetting")
+FORGETTING_RUN_KEYS = ("cache_dir", "backend", "dtype", "devices")  # a sweep's forgetting keys besides the suite's
 # Set by the sweep for every run; a grid or override may not touch them (or anything below them).
 RESERVED = ("seed_everything", "model.seed", "model.init_args.seed", "trainer.logger", "trainer.default_root_dir", "ckpt_path", "config")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -72,6 +76,7 @@ class Sweep:
     mode: str = "sequential"
     max_parallel: int = 1
     slurm: dict[str, Any] = field(default_factory=dict)
+    forgetting: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.base, str):
@@ -108,6 +113,45 @@ class Sweep:
             raise ValueError(f"sweep.max_parallel must be an int >= 1, got {self.max_parallel!r}")
         if not isinstance(self.slurm, dict) or not all(isinstance(k, str) for k in self.slurm):
             raise ValueError(f"sweep.slurm must map submitit executor settings (partition, timeout_min, ...) to values, got {self.slurm!r}")
+        if self.forgetting is not None:
+            _check_forgetting(self.forgetting, self.base, self.overrides, self.grid)
+
+    def forgetting_command(self, run_dir: str | Path) -> list[str] | None:
+        """``python -m kdlab.cli forgetting --run <run_dir> ...`` when the sweep measures forgetting off the loop."""
+        if self.forgetting is None:
+            return None
+        from kdlab.evaluation.forgetting import SuiteSettings
+        from kdlab.evaluation.forgetting_run import command
+
+        suite = SuiteSettings.from_mapping({k: v for k, v in self.forgetting.items() if k not in FORGETTING_RUN_KEYS}, "sweep.forgetting")
+        options = {k: v for k, v in self.forgetting.items() if k in FORGETTING_RUN_KEYS}
+        return command(run_dir, suite.as_mapping(), **options)
+
+
+def _check_forgetting(forgetting: Any, base: list[str], overrides: dict[str, Any], grid: dict[str, Any]) -> None:
+    """``sweep.forgetting``'s keys and values, and no in-loop lm-eval ``OODForgetting`` in the runs' configs."""
+    from kdlab.evaluation.forgetting import BACKENDS, DTYPES, SuiteSettings
+
+    if not isinstance(forgetting, dict):
+        raise ValueError(f"sweep.forgetting must be a mapping (tasks, include_path, batch_size, ..., cache_dir, backend, dtype, devices), got {forgetting!r}")
+    SuiteSettings.from_mapping({k: v for k, v in forgetting.items() if k not in FORGETTING_RUN_KEYS}, "sweep.forgetting")
+    if forgetting.get("backend", "auto") not in BACKENDS:
+        raise ValueError(f"sweep.forgetting.backend must be one of {', '.join(BACKENDS)}, got {forgetting['backend']!r}")
+    if forgetting.get("dtype", "auto") not in DTYPES:
+        raise ValueError(f"sweep.forgetting.dtype must be one of {', '.join(DTYPES)}, got {forgetting['dtype']!r}")
+    devices = forgetting.get("devices")
+    if devices is not None and (type(devices) is not int or devices < 1):
+        raise ValueError(f"sweep.forgetting.devices must be an int >= 1 (default: each run's devices), got {devices!r}")
+    sources = [(path, (yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_Loader) or {}).get("trainer") or {}) for path in base]
+    sources += [(f"sweep.overrides[{key!r}]", {"callbacks": value}) for key, value in overrides.items() if key == "trainer.callbacks"]
+    sources += [(f"sweep.grid[{key!r}]", {"callbacks": value}) for key, values in grid.items() if key == "trainer.callbacks" for value in values]
+    for where, trainer in sources:
+        callbacks = trainer.get("callbacks") if isinstance(trainer, dict) else None
+        for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+            if (isinstance(callback, dict) and str(callback.get("class_path", "")).endswith("OODForgetting")
+                    and (callback.get("init_args") or {}).get("lm_eval_tasks") is not None):
+                raise ValueError(f"sweep.forgetting measures forgetting after each run, but {where} also measures it in the training loop "
+                                 "(OODForgetting with lm_eval_tasks): remove that callback, or the forgetting key")
 
 
 def _check_key(where: str, key: Any) -> None:

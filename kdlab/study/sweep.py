@@ -19,6 +19,13 @@ for them and records each job's id and outcome in ``sweep.json``; ``sequential``
 (which runs that one run with the same skip/resume rules), to stdout and to ``<output>/commands.sh``,
 one line per run and nothing else, so a SLURM array can pick line ``$SLURM_ARRAY_TASK_ID``:
 ``sed -n "${SLURM_ARRAY_TASK_ID}p" runs/sweep-smoke/commands.sh | bash``.
+
+Forgetting off the training loop: with a ``forgetting`` key (:mod:`kdlab.study.grid`) each run, once its
+fit is done, is measured by ``python -m kdlab.cli forgetting --run <output>/<name> ...``
+(:mod:`kdlab.evaluation.forgetting_run`) in a process of its own, from the sweep's working directory, in
+every mode (``print`` and ``slurm`` through ``--run``, which does the same). A run counts as done when it
+has ``DONE`` and ``forgetting.json``; a run done but not yet measured is measured without fitting again.
+A failed measurement marks the run failed (its ``DONE`` stays: the next sweep measures it again).
 """
 
 from __future__ import annotations
@@ -139,11 +146,32 @@ class _Sweeper:
                 "name": run.name,
                 "seed": run.seed,
                 "settings": run.settings,
-                "status": "skipped" if (self.output / run.name / "DONE").is_file() else "pending",
+                "status": "skipped" if self.complete(run) else "pending",
                 "command": shlex.join(["python", "-m", "kdlab.cli", *fit_args(sweep, run)]),
             }
             for run in self.runs
         ]
+
+    def complete(self, run: Run) -> bool:
+        """``DONE``, and ``forgetting.json`` when the sweep measures forgetting off the loop."""
+        run_dir = self.output / run.name
+        return (run_dir / "DONE").is_file() and (self.sweep.forgetting is None or (run_dir / "forgetting.json").is_file())
+
+    def measure_forgetting(self, run: Run, record: dict[str, Any]) -> None:
+        """``kdlab forgetting`` on the finished run, in its own process; a failure marks the record failed."""
+        command = self.sweep.forgetting_command(self.output / run.name)
+        if command is None:
+            return
+        print(f"[sweep] {run.name}: forgetting ({shlex.join(command[1:])})", flush=True)
+        completed = subprocess.run(command, check=False)
+        if completed.returncode == 0:
+            record["status"] = "done"
+            return
+        if completed.returncode in (130, -signal.SIGINT):
+            record["status"] = "interrupted"
+            raise KeyboardInterrupt
+        record.update(status="failed", error=f"forgetting: exit status {completed.returncode} ({shlex.join(command[1:])})")
+        print(f"[sweep] {run.name}: FAILED: {record['error']}", file=sys.stderr, flush=True)
 
     def write_index(self) -> None:
         self.output.mkdir(parents=True, exist_ok=True)
@@ -179,6 +207,9 @@ class _Sweeper:
 
     def run_in_process(self, run: Run, record: dict[str, Any], position: str = "") -> None:
         run_dir = self.output / run.name
+        if (run_dir / "DONE").is_file():  # fitted; forgetting not measured yet
+            self.measure_forgetting(run, record)
+            return
         resume = _prepare(run_dir)
         record.update(status="running", resumed_from=resume)
         record.pop("error", None)
@@ -197,6 +228,7 @@ class _Sweeper:
         _mark_done(run_dir, run, started, resume, global_step=step)
         record["status"] = "done"
         print(f"[sweep] {run.name}: done in {time.time() - started:.1f}s", flush=True)
+        self.measure_forgetting(run, record)
 
     def run_sequential(self) -> None:
         pending = self.pending()
@@ -214,6 +246,10 @@ class _Sweeper:
                 while queue and len(active) < max_parallel:
                     run, record = queue.pop(0)
                     run_dir = self.output / run.name
+                    if (run_dir / "DONE").is_file():  # fitted; forgetting not measured yet
+                        self.measure_forgetting(run, record)
+                        self.write_index()
+                        continue
                     resume = _prepare(run_dir)
                     run_dir.mkdir(parents=True, exist_ok=True)
                     log = (run_dir / "fit.log").open("a", encoding="utf-8")
@@ -285,6 +321,7 @@ class _Sweeper:
             _mark_done(run_dir, run, started, record.get("resumed_from"))
             record["status"] = "done"
             print(f"[sweep] {run.name}: done in {time.time() - started:.1f}s", flush=True)
+            self.measure_forgetting(run, record)  # waits: lm-eval takes the GPUs a next fit would
             return
         record.update(status="failed", error=f"exit status {returncode}; see {run_dir / 'fit.log'}")
         tail = (run_dir / "fit.log").read_text(encoding="utf-8", errors="replace").splitlines()[-15:]
@@ -394,7 +431,7 @@ def _run_one(parser: argparse.ArgumentParser, sweep: Sweep, sweep_file: str, nam
         parser.error(f"--run {name!r} is not a run of {sweep_file} (see {sweep.output}/sweep.json for the names)")
     run, record = found
     if record["status"] == "skipped":
-        print(f"[sweep] {name}: already done ({Path(sweep.output, name, 'DONE')})")
+        print(f"[sweep] {name}: already done ({Path(sweep.output, name, 'DONE')}" + (", forgetting.json)" if sweep.forgetting else ")"))
         return
     try:
         sweeper.run_in_process(run, record)
