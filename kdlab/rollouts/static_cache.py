@@ -104,6 +104,7 @@ class StaticCacheLM:
         # far, ``blocked`` on padding and on positions not written yet; one column opens per step, in place
         self.step_mask = torch.full((batch, 1, 1, length), self.blocked, dtype=self.dtype, device=input_ids.device)
         self.step_mask[:, 0, 0, :prompt].masked_fill_(attention_mask.bool(), 0.0)
+        _static(self.step_mask)
         self.last_position: torch.Tensor | None = None
         use_compiled = compile == "always" or (compile == "cuda" and input_ids.device.type == "cuda")
         self.step = _compiled_step(input_ids.device.type) if use_compiled else _step
@@ -148,12 +149,19 @@ class StaticCacheLM:
         the mask and the positions of every other row are dropped."""
         for layer in self.cache.layers:
             if getattr(layer, "is_initialized", True) and getattr(layer, "keys", None) is not None:
-                layer.keys = layer.keys.index_select(0, rows)
-                layer.values = layer.values.index_select(0, rows)
+                layer.keys = _static(layer.keys.index_select(0, rows))
+                layer.values = _static(layer.values.index_select(0, rows))
                 if hasattr(layer, "max_batch_size"):
                     layer.max_batch_size = len(rows)
-        self.step_mask = self.step_mask.index_select(0, rows)
+        self.step_mask = _static(self.step_mask.index_select(0, rows))
         self.last_position = self.last_position.index_select(0, rows)
+
+
+def _static(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, marked as living at one address for as long as it is used (as ``StaticCache`` marks its own):
+    a captured step reads it in place instead of copying it into the graph every step."""
+    torch._dynamo.mark_static_address(tensor)
+    return tensor
 
 
 def _step(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any,
