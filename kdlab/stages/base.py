@@ -11,8 +11,10 @@ that starts from it), on a :class:`~kdlab.tasks.base.Task`. This base class give
   that ``max_steps`` ends before its first ``val_check_interval`` validates after its last step
   (:class:`ValidateLastStep`), so a shortened run keeps its evaluation;
 * ``run_info.json`` provenance at fit start and the data position in every checkpoint;
-* on a CUDA device, TF32 for fp32 matmuls from fit start (``torch.set_float32_matmul_precision("high")``
-  unless already set otherwise; ``TaskStage.float32_matmul_precision = None`` keeps torch's setting).
+* on a CUDA device, TF32 for fp32 matmuls from ``setup`` on (``torch.set_float32_matmul_precision("high")``
+  unless already set otherwise; ``TaskStage.float32_matmul_precision = None`` keeps torch's setting): before
+  any callback's ``on_fit_start``, so a callback's "before" evaluation runs at the precision of its "after";
+  the exact KLs' dot products stay full fp32 (:func:`~kdlab.objectives.kernels.ieee_fp32`).
 
 Subclasses set ``student``, ``student_tokenizer``, ``token_columns``, ``end_ids`` and ``pad_id`` and
 implement ``training_step``. Callbacks of :mod:`kdlab.callbacks` work on any ``TaskStage``.
@@ -269,7 +271,11 @@ class TaskStage(pl.LightningModule):
     def setup(self, stage: str) -> None:
         """Attach the run's :class:`~kdlab.runlog.MetricsFile` (every ``self.log`` value and every
         callback number lands in ``metrics.jsonl``), log Lightning's lines at optimiser steps like every
-        other number (:func:`~kdlab.runlog.log_at_optimiser_steps`) and, for a fit, check the training examples."""
+        other number (:func:`~kdlab.runlog.log_at_optimiser_steps`), set the fp32 matmul precision on CUDA
+        (:attr:`float32_matmul_precision`) and, for a fit, check the training examples."""
+        # Lightning calls every callback's on_fit_start before the module's: set here, the callbacks' first
+        # evaluations run at the precision of every later one
+        use_float32_matmul_precision(self.trainer.strategy.root_device, self.float32_matmul_precision)
         metrics_file(self.trainer)
         log_at_optimiser_steps(self.trainer)
         if stage == "fit":
@@ -397,13 +403,12 @@ class TaskStage(pl.LightningModule):
             write_samples(self._trainer, split, records)
 
     float32_matmul_precision: str | None = "high"
-    """What :meth:`on_fit_start` sets ``torch.set_float32_matmul_precision`` to on a CUDA device ("high": TF32
+    """What :meth:`setup` sets ``torch.set_float32_matmul_precision`` to on a CUDA device ("high": TF32
     for fp32 matmuls) when it is still torch's default ("highest"); ``None`` leaves torch's setting alone.
     A precision the user set before fit ("high", "medium") is kept."""
 
     def on_fit_start(self) -> None:
-        """Set the fp32 matmul precision on CUDA (:attr:`float32_matmul_precision`) and write ``run_info.json``."""
-        use_float32_matmul_precision(self.device, self.float32_matmul_precision)
+        """Write ``run_info.json``."""
         log_dir = run_directory(self.trainer)  # on every rank: it is a collective call
         if self.trainer.is_global_zero:
             write_run_info(log_dir)
