@@ -11,7 +11,12 @@ import torch
 
 from kdlab.data import left_pad
 from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
-from kdlab.rollouts.decoding import IncrementalLM, exponential_draw, incremental_decoder, sample_tokens
+from kdlab.rollouts.decoding import (
+    IncrementalLM,
+    exponential_draw,
+    incremental_decoder,
+    sample_tokens,
+)
 from kdlab.rollouts.static_cache import CACHE_BUCKET, StaticCacheLM
 
 ROLES = ("student", "teacher")

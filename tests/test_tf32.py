@@ -29,7 +29,7 @@ def precision():
 def test_tf32_is_on_when_the_callbacks_measure_before_training(tiny_pair, tmp_path, monkeypatch, precision):
     real = stage_base.use_float32_matmul_precision
     monkeypatch.setattr(stage_base, "use_float32_matmul_precision", lambda device, value="high": real(torch.device("cuda", 0), value))
-    import kdlab.callbacks.periodic as periodic
+    from kdlab.callbacks import periodic
 
     seen, decode = [], periodic.completion_texts
     monkeypatch.setattr(periodic, "completion_texts", lambda *a, **k: seen.append(torch.get_float32_matmul_precision()) or decode(*a, **k))

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kdlab.objectives.precision import ieee_fp32
+
 LOG_FLOOR = -1e30
 """Stands for ``-inf`` in the recomputation of rows whose dot products were not finite."""
 
@@ -68,23 +70,6 @@ def block_rows(columns: int, chunk_size: int, device: torch.device) -> int:
     if device.type != "cpu":
         return chunk_size
     return max(1, min(chunk_size, CPU_BLOCK_ELEMENTS // max(columns, 1)))
-
-
-@contextlib.contextmanager
-def ieee_fp32() -> Iterator[None]:
-    """A context in which fp32 matrix products are full fp32 (``torch.get_float32_matmul_precision() ==
-    "highest"``), restoring the caller's setting after. The stage turns TF32 on for a CUDA fit ("high"), where
-    a batched product of fp32 rows keeps about 10 mantissa bits: the exact KLs, differences of cross-entropies
-    of ``max|logit|`` size, would lose about ``1e-3 * max|logit|`` nats."""
-    kept = torch.get_float32_matmul_precision()
-    if kept == "highest":
-        yield
-        return
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(kept)
 
 
 def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ that starts from it), on a :class:`~kdlab.tasks.base.Task`. This base class give
 * on a CUDA device, TF32 for fp32 matmuls from ``setup`` on (``torch.set_float32_matmul_precision("high")``
   unless already set otherwise; ``TaskStage.float32_matmul_precision = None`` keeps torch's setting): before
   any callback's ``on_fit_start``, so a callback's "before" evaluation runs at the precision of its "after";
-  the exact KLs' dot products stay full fp32 (:func:`~kdlab.objectives.kernels.ieee_fp32`).
+  the exact KLs' dot products stay full fp32 (:func:`~kdlab.objectives.precision.ieee_fp32`).
 
 Subclasses set ``student``, ``student_tokenizer``, ``token_columns``, ``end_ids`` and ``pad_id`` and
 implement ``training_step``. Callbacks of :mod:`kdlab.callbacks` work on any ``TaskStage``.
@@ -38,7 +38,7 @@ from kdlab.rollouts.decoding import stop_strings_check
 from kdlab.runlog import STEPS_MARK, Console, log_at_optimiser_steps, metrics_file, quiet, run_directory, write_samples
 from kdlab.stages.loaders import EpochShuffle, ResumableLoader
 from kdlab.stages.optim import FiniteAdamW
-from kdlab.stages.sharding import fsdp1_root, global_grad_norm, require_gradient_sync, shard_fsdp2, wrap_fsdp1
+from kdlab.stages.sharding import fsdp1_root, gathered_for_decoding, global_grad_norm, require_gradient_sync, shard_fsdp2, wrap_fsdp1
 from kdlab.tasks.base import Example, Task
 
 
@@ -174,6 +174,12 @@ class TaskStage(pl.LightningModule):
     def sharded_models(self) -> list[torch.nn.Module]:
         """The models ``fully_shard`` under ``ModelParallelStrategy`` (default: the trained one)."""
         return [self.student]
+
+    def decoding_gathered(self):
+        """A block in which every sharded model of the stage (:meth:`sharded_models`, its frozen models) stays
+        gathered for the whole decode, FSDP2 and FSDP1 alike (:func:`~kdlab.stages.sharding.gathered_for_decoding`):
+        every decode of a stage or a callback runs inside one, so a decoded token all-gathers nothing."""
+        return gathered_for_decoding([*self.sharded_models(), *getattr(self, "_frozen", {}).values()])
 
     def configure_model(self) -> None:
         """Shard :meth:`sharded_models` under an FSDP strategy (:mod:`kdlab.stages.sharding`): FSDP2
@@ -343,22 +349,24 @@ class TaskStage(pl.LightningModule):
 
     # ---- evaluation -----------------------------------------------------------------------
     def eval_completions(self, examples: list[Example], temperature: float, seed: int) -> list[str]:
-        """Student completions (text) for ``examples``; ``temperature`` 0 decodes greedily."""
-        return completion_texts(
-            self.student,
-            self.student_tokenizer,
-            self.task,
-            examples,
-            temperature=temperature,
-            max_new_tokens=self.max_completion_tokens,
-            max_prompt_tokens=self.max_prompt_tokens,
-            batch_size=len(examples),
-            generator=self._generator(seed),
-            token_columns=self.token_columns,
-            all_done=self.all_done_hook(),
-            end_ids=self.end_ids,
-            stop_strings=self.stop_strings,
-        )
+        """Student completions (text) for ``examples``; ``temperature`` 0 decodes greedily (sharded models kept
+        gathered for the decode, :meth:`decoding_gathered`)."""
+        with self.decoding_gathered():
+            return completion_texts(
+                self.student,
+                self.student_tokenizer,
+                self.task,
+                examples,
+                temperature=temperature,
+                max_new_tokens=self.max_completion_tokens,
+                max_prompt_tokens=self.max_prompt_tokens,
+                batch_size=len(examples),
+                generator=self._generator(seed),
+                token_columns=self.token_columns,
+                all_done=self.all_done_hook(),
+                end_ids=self.end_ids,
+                stop_strings=self.stop_strings,
+            )
 
     def stop_check(self):
         """The rollout engine's stop-string check for this stage (``None`` without stop strings)."""
