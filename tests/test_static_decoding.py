@@ -168,3 +168,15 @@ def test_the_compiled_decode_step_decodes_what_the_eager_one_does(tiny):
     eager = sample_tokens(StaticCacheLM(model, ids, mask, len(tokenizer), 0.0, 12, compile="never"), ids.shape[0], 12, (-1,), 0, None, greedy=True)
     compiled = sample_tokens(StaticCacheLM(model, ids, mask, len(tokenizer), 0.0, 12, compile="always"), ids.shape[0], 12, (-1,), 0, None, greedy=True)
     assert torch.equal(eager[0], compiled[0])
+
+
+def test_eager_attention_takes_an_additive_mask_and_decodes_what_sdpa_does(tiny):
+    model, tokenizer, ids, mask = tiny
+    want = sample_tokens(StaticCacheLM(model, ids, mask, len(tokenizer), 0.0, 10, compile="never"), ids.shape[0], 10, (-1,), 0, None, greedy=True)[0]
+    model.config._attn_implementation = "eager"
+    try:
+        decoder = StaticCacheLM(model, ids, mask, len(tokenizer), 0.0, 10, compile="never")
+        assert decoder.step_mask.dtype == torch.float32
+        assert torch.equal(sample_tokens(decoder, ids.shape[0], 10, (-1,), 0, None, greedy=True)[0], want)
+    finally:
+        model.config._attn_implementation = "sdpa"

@@ -43,7 +43,8 @@ def _config(model: torch.nn.Module) -> Any:
 
 def static_cache_supported(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot decode with :class:`StaticCacheLM` (``None`` when it can): it needs a Hugging Face
-    causal LM whose every layer is full attention and whose forward takes ``logits_to_keep``."""
+    causal LM whose every layer is full attention, whose forward takes ``logits_to_keep`` and whose attention is
+    ``sdpa`` or ``eager`` (they take the ``(B, 1, Q, L)`` mask it builds)."""
     config = _config(model)
     if config is None:
         return "the model has no Hugging Face config"
@@ -52,6 +53,9 @@ def static_cache_supported(model: torch.nn.Module) -> str | None:
         return f"layers of kinds {sorted(set(layer_types))}, not only full attention"
     if "logits_to_keep" not in forward_parameters(model):
         return "its forward takes no logits_to_keep"
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
+    if attention not in ("sdpa", "eager"):
+        return f"attention {attention!r} takes no (B, 1, Q, L) mask (sdpa and eager do)"
     return None
 
 
@@ -97,20 +101,21 @@ class StaticCacheLM:
         self.cache = StaticCache(config=_config(model), max_cache_len=length)
         self.prompt_length = prompt
         self.written = prompt  # cache positions filled so far
-        dtype = next(model.parameters()).dtype if any(True for _ in model.parameters()) else torch.float32
-        self.blocked = torch.finfo(dtype).min if dtype.is_floating_point else torch.finfo(torch.float32).min
-        self.dtype = dtype if dtype.is_floating_point else torch.float32
-        # (B, 1, 1, L) additive mask of the decode steps: 0 on the prompt's tokens and the tokens decoded so
-        # far, ``blocked`` on padding and on positions not written yet; one column opens per step, in place
-        self.step_mask = torch.full((batch, 1, 1, length), self.blocked, dtype=self.dtype, device=input_ids.device)
-        self.step_mask[:, 0, 0, :prompt].masked_fill_(attention_mask.bool(), 0.0)
+        # (B, 1, 1, L) mask of the decode steps, True where a step may attend: the prompt's tokens and the tokens
+        # decoded so far; one column opens per step, in place. Boolean (SDPA takes it in any compute dtype: bf16
+        # under autocast or FSDP mixed precision) unless the model runs eager attention, which adds its mask
+        self.additive = getattr(_config(model), "_attn_implementation", "sdpa") == "eager"
+        self.step_mask = torch.zeros((batch, 1, 1, length), dtype=torch.bool, device=input_ids.device)
+        self.step_mask[:, 0, 0, :prompt] = attention_mask.bool()
+        if self.additive:
+            self.step_mask = self._additive(self.step_mask)
         _static(self.step_mask)
         self.last_position: torch.Tensor | None = None
         use_compiled = compile == "always" or (compile == "cuda" and input_ids.device.type == "cuda")
         self.step = _compiled_step(input_ids.device.type) if use_compiled else _step
 
     def _prompt_mask(self) -> torch.Tensor:
-        """``(B, 1, P, L)`` additive mask of the prompt forward: causal, padding blocked."""
+        """``(B, 1, P, L)`` mask of the prompt forward: causal, padding blocked."""
         batch, prompt = self.input_ids.shape
         length = self.step_mask.shape[-1]
         keys = torch.arange(length, device=self.input_ids.device)
@@ -118,7 +123,14 @@ class StaticCacheLM:
         padded = torch.zeros(batch, length, dtype=torch.bool, device=self.input_ids.device)
         padded[:, :prompt] = self.attention_mask.bool()
         allowed = causal[None, None] & padded[:, None, None, :]
-        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill_(~allowed, self.blocked)
+        # a padding position attends to itself, so that no row is all masked (its output is never read)
+        allowed[:, 0, :, :prompt] |= torch.eye(prompt, dtype=torch.bool, device=allowed.device)
+        return self._additive(allowed) if self.additive else allowed
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """``allowed`` as an additive mask in the model's parameter dtype: 0 where True, its lowest value elsewhere."""
+        dtype = next(self.model.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
     def _logprobs(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits[:, -1, : self.token_columns].float()
@@ -138,7 +150,7 @@ class StaticCacheLM:
             return self._logprobs(outputs.logits)
         if self.written >= self.step_mask.shape[-1]:
             raise RuntimeError(f"StaticCacheLM: decoded past its cache of {self.step_mask.shape[-1]} positions")
-        self.step_mask[:, :, :, self.written] = 0.0
+        self.step_mask[:, :, :, self.written] = 0.0 if self.additive else True
         self.written += 1
         self.last_position = self.last_position + 1
         logits = self.step(self.model, previous[:, None], self.last_position, self.step_mask, self.cache, self.cache_argument)

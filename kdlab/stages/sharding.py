@@ -93,7 +93,8 @@ def gathered_for_decoding(models: list[torch.nn.Module]):
 
             for unit, strategy in held:
                 unit._handle._sharding_strategy = strategy
-                if not unit._is_root and not unit._handle.needs_unshard():  # gathered in the block: free it
+                initialised = hasattr(unit._handle.flat_param, "_full_param_padded")  # a unit never run has nothing to free
+                if initialised and not unit._is_root and not unit._handle.needs_unshard():  # gathered in the block: free it
                     _reshard(unit, unit._handle, True)
 
 
