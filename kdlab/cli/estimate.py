@@ -62,7 +62,7 @@ def fit_config(argv: list[str]) -> dict[str, Any]:
     stage_class = names_model_class(argv)
     try:
         ParseOnly(pl.LightningModule if stage_class else DistillModule, subclass_mode_model=stage_class, seed_everything_default=42,
-                  args=argv, run=False, parser_kwargs={"exit_on_error": False})
+                  args=argv, run=False, parser_kwargs={"exit_on_error": False, "allow_abbrev": False})  # as kdlab fit: no prefixes of keys
     except _Parsed as parsed:
         return parsed.config.as_dict()
     raise RuntimeError("the fit parser returned without a configuration")  # pragma: no cover

@@ -377,7 +377,8 @@ def default_output(paths: list[str | Path]) -> Path:
 def main(argv: list[str] | None = None) -> None:
     """``kdlab report RUN_DIR... [--output DIR] [--low_lr LR...] [--high_lr LR...]``."""
     parser = argparse.ArgumentParser(
-        prog="kdlab report", description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="kdlab report", description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # --out DIR is an unknown option, not --output (issue #43)
     )
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
                         help="run directories, folders holding them (runs/<name> with its version_N) or a sweep's output directory")
