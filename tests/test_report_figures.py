@@ -143,7 +143,7 @@ def test_every_figure_of_a_study_is_grouped_by_its_factors_with_short_labels(stu
     assert (low, high) == pytest.approx((100 * float(row["val/accuracy ci_low"]), 100 * float(row["val/accuracy ci_high"])))
 
     spectrum = figures["spectrum-countdown3"]
-    ticks, entries = check_figure("spectrum-countdown3", spectrum, out)
+    _, entries = check_figure("spectrum-countdown3", spectrum, out)
     assert entries == ["FKL", "RKL"] and "1e-4" in spectrum._suptitle.get_text()  # lam on the x axis, the shared LR in the caption
     _, passes = check_figure("pass_at_k-countdown3", figures["pass_at_k-countdown3"], out)
     assert passes == ["pass@1 FKL", "pass@1 RKL", "pass@2 FKL", "pass@2 RKL"]
