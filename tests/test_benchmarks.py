@@ -3,6 +3,7 @@ results render to. Without CUDA, ``benchmarks/gpu.py --smoke`` takes every secti
 on the CPU (decode, the bf16-mixed step, FSDP2 with a sharded teacher, vLLM's skip), so the script a lent GPU
 runs once is known to work before it gets there."""
 
+import json
 import os
 import subprocess
 import sys
@@ -309,3 +310,21 @@ def test_gpu_benchmark_times_kdlabs_decoder_on_the_work_it_gives_vllm():
     row = gpu.kdlab_same_work(model, ids, mask, 5, gpu.TOY_VOCAB, repeats=2)
     assert row["batch"] == 3 and row["new_tokens"] == 5
     assert row["tokens_per_s"] == pytest.approx(3 * 5 / row["seconds"])
+
+
+def test_the_served_quickstart_benchmark_smoke_path_times_both_kdlab_fits(tmp_path):
+    """``benchmarks/served_quickstart_step.py --smoke`` (issue #43): both variants are ``kdlab fit`` of the committed
+    quickstart configs, the served one against the loopback server; its JSON holds each variant's teacher source,
+    B and step time, the ratio is served over in-process, and a smoke record is one the docs refuse to quote."""
+    out = tmp_path / "quickstart.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "benchmarks/served_quickstart_step.py", "--smoke", f"--out={out}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    record = json.loads(out.read_text())
+    results = record["results"]
+    assert record["smoke"] and record["problems"] == [] and record["threads"] == 1 and record["steps"] == 3
+    assert {v: (r["teacher"], r["batch"], r["steps_timed"]) for v, r in results.items()} == {"in_process": ("ModelTeacher", 2, 1), "served": ("Served", 2, 1)}
+    assert record["ratio"] == pytest.approx(results["served"]["step_s"] / results["in_process"]["step_s"])
+    assert not (ROOT / "benchmarks" / "results" / "served_quickstart_step-tiny.json").exists() or not json.loads(
+        (ROOT / "benchmarks" / "results" / "served_quickstart_step-tiny.json").read_text())["smoke"]
