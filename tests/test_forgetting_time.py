@@ -77,3 +77,59 @@ def test_an_unknown_task_or_back_end_names_the_key():
         suite_pass_seconds(qwen_1_5b(), ["gsm8k"], H200)
     with pytest.raises(ValueError, match="forgetting.backend: kdlab estimate models vllm"):
         suite_pass_seconds(qwen_1_5b(), "paper", H200, "tgi")
+
+
+@pytest.fixture
+def in_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+
+
+TARGET = ["--config", "experiments/paper/countdown3/base-qwen1.5b_from_qwen7b.yaml",
+          "--config", "experiments/paper/countdown3/onpd_fkl-qwen1.5b_from_qwen7b.yaml"]
+GRID = "experiments/paper/countdown3/grid-qwen1.5b_from_qwen7b.yaml"
+
+
+def test_the_target_run_with_its_grids_forgetting_key_adds_a_24th_of_the_before_pass_and_the_after_pass(in_root):
+    from kdlab.cli.estimate import run_estimate
+
+    plain, result = run_estimate(TARGET).time, run_estimate([*TARGET, "--forgetting", GRID])
+    one = suite_pass_seconds(result.setup, "paper", H200, "vllm", "bfloat16", 1)  # the grid: 2 x 2 x 2 cells x 3 seeds, one student
+    assert result.time.evaluations == {**plain.evaluations, "forgetting before (off the loop, 1/24)": pytest.approx(one / 24),
+                                       "forgetting after (off the loop)": pytest.approx(one)}
+    assert result.time.seconds == pytest.approx(plain.seconds + one * (1 + 1 / 24))
+
+
+def test_a_sweep_without_the_key_or_a_config_that_also_measures_in_the_loop_is_refused(in_root, tmp_path):
+    import yaml
+
+    from kdlab.cli.config_errors import ConfigError
+    from kdlab.cli.estimate import run_estimate
+
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(yaml.safe_dump({"base": TARGET[1], "output": str(tmp_path / "runs")}))
+    with pytest.raises(ConfigError, match=f"--forgetting {bare}: the sweep file has no forgetting key"):
+        run_estimate([*TARGET, "--forgetting", str(bare)])
+    callback = '{"class_path": "kdlab.callbacks.OODForgetting", "init_args": {"lm_eval_tasks": "paper"}}'
+    with pytest.raises(ConfigError, match=r"trainer.callbacks\[0\] \(OODForgetting with lm_eval_tasks\) also measures forgetting in the training loop"):
+        run_estimate([*TARGET, f"--trainer.callbacks=[{callback}]", "--forgetting", GRID])
+    with pytest.raises(ConfigError, match="--forgetting: needs a sweep file"):
+        run_estimate([*TARGET, "--forgetting"])
+
+
+def test_the_paper_presets_measure_forgetting_off_the_loop_through_their_sweeps_and_pipelines(in_root):
+    import yaml
+
+    from kdlab.study.grid import load_sweep
+    from kdlab.study.pipeline import load_pipeline
+
+    paper = ROOT / "experiments" / "paper"
+    for path in sorted(paper.glob("*/*.yaml")):
+        text = path.read_text(encoding="utf-8")
+        assert "lm_eval_tasks" not in text, f"{path}: measures forgetting in the training loop"
+        data = yaml.safe_load(text) or {}
+        if "base" in data:  # a sweep: its forgetting key is the paper suite, checked as kdlab sweep reads it
+            assert load_sweep(path.relative_to(ROOT)).forgetting["tasks"] == "paper", path
+        elif "distill" in data:
+            assert load_pipeline(path.relative_to(ROOT)).distill.forgetting["tasks"] == "paper", path
+    assert sum(1 for path in paper.glob("*/*.yaml") if "base" in (yaml.safe_load(path.read_text(encoding="utf-8")) or {})) == 16
