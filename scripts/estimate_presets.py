@@ -44,7 +44,7 @@ def forgetting_sweep(args: list[str]) -> list[str]:
     for arg in args:
         match = re.fullmatch(r"(experiments/paper/\w+)/base-([\w.]+)\.yaml", arg)
         grid = ROOT / f"{match.group(1)}/grid-{match.group(2)}.yaml" if match else None
-        if grid is not None and grid.is_file() and re.search(r"^forgetting:", grid.read_text(encoding="utf-8"), re.M):
+        if grid is not None and grid.is_file() and re.search(r"^forgetting:", grid.read_text(encoding="utf-8"), re.MULTILINE):
             return ["--forgetting", str(grid.relative_to(ROOT))]
     return []
 
@@ -98,8 +98,7 @@ def section() -> str:
     counts = [name for name in dir(step_time) if name.startswith("OPS_")]
     lines += ["", "Op counts (aten ops counted on Qwen2 by `tests/test_step_time.py`): "
               + ", ".join(f"`{name}` {getattr(step_time, name)}" for name in counts) + "."]
-    from kdlab.cli.estimate import forgetting_off_loop, split_arguments
-    from kdlab.cli.estimate import fit_config
+    from kdlab.cli.estimate import fit_config, forgetting_off_loop, split_arguments
     from kdlab.study.forgetting_time import VLLM_MAX_NUM_SEQS, VLLM_SOURCE
     from kdlab.study.run_time import lm_eval_seconds
 

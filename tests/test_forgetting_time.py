@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from kdlab.study import step_time
-from kdlab.study.forgetting_time import VLLM_MAX_NUM_SEQS, off_loop, runs_per_student, suite_pass_seconds
+from kdlab.study.forgetting_time import (
+    VLLM_MAX_NUM_SEQS,
+    off_loop,
+    runs_per_student,
+    suite_pass_seconds,
+)
 from kdlab.study.run_time import CHOICES, LM_EVAL_COST
 from kdlab.study.setups import Setup
 from kdlab.study.shapes import PUBLISHED
