@@ -15,11 +15,10 @@ from __future__ import annotations
 import json
 import re
 import sys
-import warnings
 from typing import Any
 
 from kdlab.cli.config_errors import ConfigError, nearest
-from kdlab.cli.lightning import lightning_cli_class, names_model_class, teacher_overlays
+from kdlab.cli.lightning import lightning_cli_class, names_model_class, parse_overlaid
 from kdlab.study.estimate import Estimate, GiB, estimate, setup_from_config
 from kdlab.study.run_time import RunTime, run_time
 from kdlab.study.step_time import HARDWARE
@@ -49,14 +48,13 @@ def fit_config(argv: list[str]) -> dict[str, Any]:
     """The configuration ``kdlab fit <argv>`` would run, parsed by its own parser, before any class is
     instantiated (no model is built, no weights read), as a plain dict."""
     import lightning.pytorch as pl
-    from lightning.pytorch.cli import LightningCLI
 
     from kdlab.stages.distill import DistillModule
 
     class ParseOnly(lightning_cli_class()):
         def parse_arguments(self, parser, args) -> None:
             try:
-                LightningCLI.parse_arguments(self, parser, teacher_overlays(list(sys.argv[1:] if args is None else args)))
+                parse_overlaid(self, parser, args)
             except Exception as error:
                 unknown = UNKNOWN.search(str(error))
                 if unknown is None:
@@ -73,10 +71,8 @@ def fit_config(argv: list[str]) -> dict[str, Any]:
 
     stage_class = names_model_class(argv)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")  # args are ours, not sys.argv
-            ParseOnly(pl.LightningModule if stage_class else DistillModule, subclass_mode_model=stage_class, seed_everything_default=42,
-                      args=argv, run=False, parser_kwargs={"exit_on_error": False})
+        ParseOnly(pl.LightningModule if stage_class else DistillModule, subclass_mode_model=stage_class, seed_everything_default=42,
+                  args=argv, run=False, parser_kwargs={"exit_on_error": False, "allow_abbrev": False})  # as kdlab fit: no prefixes of keys
     except _Parsed as parsed:
         return parsed.config.as_dict()
     raise RuntimeError("the fit parser returned without a configuration")  # pragma: no cover
