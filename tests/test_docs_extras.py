@@ -54,9 +54,12 @@ def test_each_page_names_the_extras_its_configs_need():
 
 
 def test_the_check_sees_the_needs_it_checks():
-    """Not vacuous: the LoRA + style overlay needs peft and py3langid through its header command, the paper's
-    configs lm-eval, the SmolLM2 configs gguf; and a page without the extra's name would fail."""
+    """Not vacuous: the LoRA + style overlay needs peft and py3langid through its header command, the SmolLM2
+    configs gguf, an in-loop lm-eval suite lm-eval (the paper's configs measure forgetting off the loop, so their
+    fits do not); and a page without the extra's name would fail."""
     assert needs(ROOT / "docs" / "teachers.md")["py3langid"] == {"experiments/tiny/lora_self_distill.yaml"}
     assert "experiments/tiny/lora_self_distill.yaml" in needs(ROOT / "docs" / "teachers.md")["peft"]
-    assert "lm-eval" in needs(ROOT / "docs" / "scaling.md") and "gguf" in needs(ROOT / "docs" / "real_model.md")
+    assert "gguf" in needs(ROOT / "docs" / "real_model.md") and "lm-eval" not in needs(ROOT / "docs" / "scaling.md")
+    in_loop = {"trainer": {"callbacks": [{"class_path": "kdlab.callbacks.OODForgetting", "init_args": {"lm_eval_tasks": "paper"}}]}}
+    assert [need.package for _, _, need in missing_extras(in_loop, lambda module: False)] == ["lm-eval"]
     assert installs("pip install 'kdlab[lora,eval]'") >= {"peft", "py3langid", "lm-eval"} and "peft" not in installs("kdlab[eval]")
