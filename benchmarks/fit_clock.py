@@ -1,7 +1,7 @@
 """A Lightning callback that times a real fit by part, for ``benchmarks/estimate_check.py``: each optimiser step
 (``on_train_batch_start`` to ``on_train_batch_end``), each validation, and each evaluating callback's work
 (its ``on_fit_start``, ``measure`` and ``on_train_end``, wrapped when the fit sets up); and every decode kdlab's
-decoder makes (:class:`~kdlab.rollouts.decoding.IncrementalLM`: the model's config, rows, prompt length and
+decoder makes (:class:`~kdlab.rollouts.decoding.IncrementalLM` or :class:`~kdlab.rollouts.static_cache.StaticCacheLM`: the model's config, rows, prompt length and
 forwards), each under the part it belongs to. Appended to a fit with
 ``--trainer.callbacks+={"class_path": "fit_clock.Clock"}`` (``benchmarks/`` on the path); its records are
 :data:`RECORDS`, one per fit."""
@@ -27,9 +27,13 @@ class Clock(pl.Callback):
 
     # ---- decodes ------------------------------------------------------------------------------
     def _patch_decoder(self) -> None:
-        from kdlab.rollouts import decoding
+        from kdlab.rollouts import decoding, static_cache
 
-        clock, cls = self, decoding.IncrementalLM
+        for cls in (decoding.IncrementalLM, static_cache.StaticCacheLM):  # whichever incremental_decoder picks
+            self._patch(cls)
+
+    def _patch(self, cls: Any) -> None:
+        clock = self
         init, call = cls.__init__, cls.__call__
 
         def traced_init(decoder, model, input_ids, attention_mask, *args, **kwargs):
