@@ -32,8 +32,9 @@ def gpu_smoke(tmp_path, *extra: str) -> dict:
 def test_gpu_benchmark_script_runs_every_section_at_toy_sizes_on_the_cpu(tmp_path):
     """Every section of the GPU script runs at toy size on the CPU and records what the GPU run would: decode
     tokens/s of kdlab and HF generate at batch 1/8/32 for both models (each side returned (B, N), which
-    ``compare`` checks), the bf16-mixed step (fp32 student under bf16 autocast, bf16 teacher) with the fused
-    head, the logits path and the floor, FSDP2 with the teacher sharded, and vLLM skipped with its reason."""
+    ``compare`` checks), the paper preset's step through Lightning (bf16-mixed over an fp32 student) with the fused
+    head and the logits path on the same micro-batches, FSDP2 (world 1) with the teacher sharded, and vLLM skipped
+    with its reason."""
     sys.path.insert(0, str(BENCHMARKS))
     import gpu
 
@@ -50,23 +51,29 @@ def test_gpu_benchmark_script_runs_every_section_at_toy_sizes_on_the_cpu(tmp_pat
         for row in rows:
             assert row["kdlab"]["tokens_per_s"] > 0 and row["hf"]["tokens_per_s"] > 0 and row["ratio"] > 0
     step = sections["step"]
-    assert (step["autocast"], step["student_dtype"], step["teacher_dtype"]) == ("bfloat16", "float32", "bfloat16")
-    assert set(step["results"]) == {"1", "2"} and step["completion_tokens"] == 16 and step["vocab"] == gpu.TOY_VOCAB
-    for rows in step["results"].values():
-        assert set(rows) == {"fused", "logits", "floor"}
-        assert all(row["time_s"] > 0 and row["first_loss"] == row["first_loss"] for row in rows.values())  # finite, not NaN
-        assert {"kl_forward", "kl_reverse"} <= set(rows["fused"]["diagnostics"])
+    assert step["settings"]["precision"] == "bf16-mixed" and step["settings"]["student_dtype"] == "float32"
+    assert set(step["results"]) == {"2"} and step["completion_tokens"] == 16 and step["vocab"] == gpu.TOY_VOCAB
+    rows = step["results"]["2"]
+    for variant, fused in (("fused", True), ("logits", False)):
+        row = rows[variant]
+        assert (row["fused_lm_head"], row["layout"], row["precision"], row["strategy"]) == (fused, "padded", "bf16-mixed", "SingleDeviceStrategy")
+        assert row["student_dtypes"] == ["float32"] and row["batch_per_rank"] == 2 and len(row["step_s"]) == row["micro_batches"] == 2
+        assert row["padded_tokens_per_rank"] == sum(rows_ * length for rows_, length in row["student_shapes"]) > row["real_tokens_per_rank"]
+        assert row["tokens_per_s"] == pytest.approx(row["real_tokens_per_rank"] / row["seconds"])
+    assert rows["fused"]["real_tokens_per_rank"] == rows["logits"]["real_tokens_per_rank"]
     fsdp = sections["fsdp"]["in_process"]
-    assert fsdp["world_size"] == 1 and fsdp["sharded"] == ["FSDPQwen2ForCausalLM", "FSDPQwen2ForCausalLM"] and fsdp["time_s"] > 0
-    assert "skipped" in sections["fsdp"]["fit"]
+    assert (fsdp["strategy"], fsdp["world_size"], fsdp["teacher_placement"]) == ("ModelParallelStrategy", 1, "shard") and fsdp["seconds"] > 0
+    assert fsdp["real_tokens_per_rank"] == rows["fused"]["real_tokens_per_rank"]  # the same micro-batches
+    assert "skipped" in sections["fsdp"]["two_processes"]
     assert "vllm" in sections["vllm"]["skipped"]  # no vLLM (or no CUDA) here: the section says why
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, --smoke measures on the GPU (run it by hand)")
 def test_gpu_benchmark_fit_runs_fsdp2_with_a_sharded_teacher_over_two_cpu_processes(tmp_path):
-    fit = gpu_smoke(tmp_path, "--fit", "--skip", "decode", "step", "vllm")["sections"]["fsdp"]["fit"]
-    assert fit["finished"] and fit["devices"] == 2 and fit["accelerator"] == "cpu" and fit["teacher_placement"] == "shard"
+    two = gpu_smoke(tmp_path, "--fit", "--skip", "decode", "step", "vllm")["sections"]["fsdp"]["two_processes"]
+    assert two["finished"] and (two["strategy"], two["world_size"], two["teacher_placement"]) == ("ModelParallelStrategy", 2, "shard")
+    assert two["precision"] == "bf16-mixed" and two["student_dtypes"] == ["float32"] and two["tokens_per_s"] > 0
 
 
 def test_decode_comparison_checks_both_sides_return_b_by_n_tokens():
