@@ -1,6 +1,6 @@
 """GPU figures for issue #26 ("Scale"), one run of under 10 minutes on one CUDA GPU, written as JSON:
 
-    python benchmarks/gpu.py [--repeats 3] [--skip decode step fsdp vllm] [--out FILE]
+    python benchmarks/gpu.py [--repeats 1] [--skip decode step fsdp vllm overlap] [--out FILE]
     python benchmarks/gpu.py --smoke [--fit]  # every section at toy sizes on whatever device is present (CPU in CI)
 
 Models: random-initialised Qwen2 models with the shapes of Qwen2.5-1.5B-Instruct (student) and
@@ -18,9 +18,12 @@ device (nothing downloaded); the shared vocabulary is the tokenizer's 151,665 to
    preset's temperatures, learning rate, warm-up, ``TeacherRollouts`` and ``ForwardKL``, scaled to these models:
    B = 4 completions a micro-batch (the preset's), Countdown-3 prompts (up to 64 tokens) and completions of
    ``benchmarks/packing.py``'s realistic spread up to 512 tokens (fixed: no decoding), 4 micro-batches, one
-   optimiser step each, after one untimed warm-up step. Variants: ``fused`` (the fused head) and ``logits``;
+   optimiser step each, after one untimed warm-up step. Variants: ``fused`` (the fused head), ``logits``, and
+   ``packed`` (the fused head on padding-free rows, ``max_tokens_per_row`` = P + C as the presets set it);
    real tokens per second, each micro-batch's median seconds, peak CUDA memory; checked before the ratio: the
-   precision, fp32 master weights, B rows, ``B x (P + C)`` padded shapes, the same real tokens both ways.
+   precision, fp32 master weights, B rows, ``B x (P + C)`` padded shapes, packed rows within the budget holding
+   exactly the real tokens, the same real tokens every way. ``packing``: issue #42's padded vs packed figures
+   (padding ratio, speed-up, its target 0.8 x padding ratio).
 3. ``fsdp``: the ``fused`` step under FSDP2 (Lightning's ``ModelParallelStrategy``, ``teacher_placement: shard``
    as the ``8gpu_fsdp2`` presets): (a) in this process over a world of one (nothing is split: FSDP2's own
    overhead against section 2); (b) 2 processes (``lightning_step.py``, Lightning starts the second rank) when 2
@@ -32,24 +35,31 @@ device (nothing downloaded); the shared vocabulary is the tokenizer's 151,665 to
    the same bf16 model, prompts, batch and length (``vllm_over_kdlab``); then 5 on-policy steps of the
    tiny-world quickstart with ``VLLMRollouts`` (push every step): whether it finished, and the mean
    ``train/importance_weight`` and ``train/engine_kl`` it logged (near 1 and 0 when pushes work).
+5. ``overlap``: issue #42's wall time per on-policy step, synchronous against overlapped
+   (``OverlappedRollouts(ServedRollouts, max_lag=1)``), ``benchmarks/overlap.py``'s :func:`measure`: the packaged
+   tiny pair through ``Trainer.fit`` on 4 CPU threads, the loopback sampler in its own process (B = 8, 64
+   tokens, 6 steps, ``--repeats`` fits per variant): on the GPU machine's cores the sampler and the trainer do
+   not share two cores as they do on the CPU machine. Its checks (B rows, threads, fp32 weights, logged lags)
+   must pass before the ratio is kept.
 
 Time on an H200 at ``--repeats 1`` (estimates; the run prints each section's wall time and writes it to the JSON):
 building both models on the GPU ~30 s. decode: 2 models x 3 batches x 2 sides x (1 warm-up + 1 run) x 128
 tokens x ~30 ms (HF generate's eager steps; kdlab's captured decoder is faster) ~= 90 s. Writing both models
 (6 GB fp32 + 15 GB bf16) and a 151,665-token tokenizer to a temporary folder ~40 s. step: each variant loads
 both models from that folder and the tokenizer twice (~25 s) and runs 1 + 4 steps of B x <= 576 tokens
-(~0.5-1 s each): 2 x ~30 s = 60 s. fsdp: (a) the same, ~30 s; (b) on one GPU skipped (with 2: ~60 s more).
+(~0.5-1 s each): 3 x ~30 s = 90 s. fsdp: (a) the same, ~30 s; (b) on one GPU skipped (with 2: ~60 s more).
 vllm: engine start with CUDA graph capture ~90 s, pushes and generates ~15 s, kdlab's decoder on the same work
-~10 s, the 5-step fit with its own engine ~120 s: ~235 s. Total ~= 30 + 90 + 40 + 60 + 30 + 235 ~= 485 s, under
-10 minutes; ``--repeats 3`` adds ~100 s of decode and ~20 s of steps.
+~10 s, the 5-step fit with its own engine ~120 s: ~235 s. overlap: the sampler's start ~10 s, 2 fits of 6 tiny
+steps (~1 s each with 64 tokens) ~15 s: ~25 s. Total ~= 30 + 90 + 40 + 90 + 30 + 235 + 25 ~= 540 s, under 10
+minutes; ``--repeats 3`` adds ~100 s of decode, ~30 s of steps and ~30 s of overlap fits (over 10 minutes).
 
 On CUDA the run sets ``torch.set_float32_matmul_precision("high")`` (TF32) first, as ``kdlab fit`` does, and records
 it. The toy shapes of ``--smoke`` have head_dim 64, which every vLLM attention back end accepts.
 
 Each section records its figures, or the error it met, and the script goes on, so one run on a lent GPU
 reports everything. Without CUDA (and without ``--smoke``) it says so and measures nothing. ``--smoke``
-runs every section at toy sizes (2-layer models, 4 new tokens, 16 completion tokens) on the device that is
-present (11 s on one CPU thread of a quiet 2-core machine, 50 s under a load of 4), without the ``kdlab fit``
+runs every section at toy sizes (2-layer models, 4 new tokens, 16 completion tokens; overlap at B = 2, 8
+tokens, 3 steps) on the device that is present (about 40 s on one CPU thread of a busy 2-core machine), without the ``kdlab fit``
 subprocesses of sections 3 and 4 unless ``--fit`` is given (on the CPU section 3's then runs FSDP2 over 2 CPU
 processes with gloo, about 30 s more). Results go to ``benchmarks/results/gpu-<device>.json``
 (``gpu-cpu-smoke.json`` for a CPU smoke run) unless ``--out``; the script exits 1 when a section failed.
@@ -77,6 +87,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import write_result  # noqa: E402
 from decode import compare  # noqa: E402
 from lightning_step import PRESET, preset_settings, time_fit, write_pair  # noqa: E402
+from packing import TARGET_SHARE as PACKING_TARGET  # noqa: E402
 
 from kdlab.study.estimate import PUBLISHED  # noqa: E402  (the paper models' published config numbers)
 
@@ -96,7 +107,7 @@ TOY_STUDENT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, 
 TOY_TEACHER = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024)
 TOY_VOCAB = 990
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("decode", "step", "fsdp", "vllm")
+SECTIONS = ("decode", "step", "fsdp", "vllm", "overlap")
 SMOKE_FIT = "--smoke without --fit: no kdlab fit subprocess (tests/test_distributed.py runs FSDP2 with a sharded teacher over 2 gloo processes)"
 
 
@@ -184,7 +195,7 @@ def decode_section(s: Settings, models: dict[str, tuple[torch.nn.Module, dict]])
 
 
 # ---- 2. step (and 3. fsdp): through Lightning ----------------------------------------------------
-STEP_VARIANTS = {"fused": (True, False), "logits": (False, False)}  # name: (fused_lm_head, packed)
+STEP_VARIANTS = {"fused": (True, False), "logits": (False, False), "packed": (True, True)}  # name: (fused_lm_head, packed)
 
 
 def lightning_fit(s: Settings, paths: tuple[str, str], root: str, batch: int, fused: bool, packed: bool, **strategy) -> dict:
@@ -204,6 +215,20 @@ def check_step(s: Settings, row: dict, batch: int) -> None:
         raise RuntimeError(f"padded micro-batches of shapes {row['student_shapes']} are longer than P + C")
 
 
+def packing_comparison(padded: dict, packed: dict) -> dict:
+    """Issue #42's figures from the ``fused`` (padded) and ``packed`` rows of one batch: the padding ratio (padded
+    tokens / real tokens of the student's forward), the speed-up, and the target (packed tokens/s >= 0.8 x padding
+    ratio x padded tokens/s); refused unless both trained the same real tokens, packed rows within the budget."""
+    if padded["real_tokens_per_rank"] != packed["real_tokens_per_rank"] or padded["completion_tokens"] != packed["completion_tokens"]:
+        raise RuntimeError("the padded and packed variants trained different tokens")
+    if (padded["layout"], packed["layout"]) != ("padded", "packed"):
+        raise RuntimeError(f"compared {padded['layout']} with {packed['layout']}, not padded with packed")
+    ratio = padded["padded_tokens_per_rank"] / padded["real_tokens_per_rank"]
+    speedup = packed["tokens_per_s"] / padded["tokens_per_s"]
+    return {"padding_ratio": ratio, "speedup": speedup, "target_share": PACKING_TARGET, "target_speedup": PACKING_TARGET * ratio,
+            "meets_target": speedup >= PACKING_TARGET * ratio, "packed_rows": [shape[0] for shape in packed["student_shapes"]]}
+
+
 def step_section(s: Settings, paths: tuple[str, str], root: str) -> dict:
     out = {"preset": str(PRESET.relative_to(ROOT)), "settings": preset_settings(), "vocab": s.vocab, "prompt_tokens": s.step_prompt_tokens,
            "completion_tokens": s.completion_tokens, "lengths": s.lengths, "results": {}}
@@ -219,16 +244,23 @@ def step_section(s: Settings, paths: tuple[str, str], root: str) -> dict:
         if rows["fused"]["real_tokens_per_rank"] != rows["logits"]["real_tokens_per_rank"]:
             raise RuntimeError("the fused and logits variants trained different tokens")
         rows["logits_over_fused"] = rows["logits"]["seconds"] / rows["fused"]["seconds"]
+        rows["packing"] = packing_comparison(rows["fused"], rows["packed"])
+        print(f"  step B={batch}: padding ratio {rows['packing']['padding_ratio']:.2f}, packed / padded tokens/s "
+              f"{rows['packing']['speedup']:.2f} (issue #42's target {rows['packing']['target_speedup']:.2f})", flush=True)
         out["results"][str(batch)] = rows
     return out
 
 
 # ---- 3. fsdp --------------------------------------------------------------------------------------
 def destroy_process_group() -> None:
+    """Undo what an in-process ``ModelParallelStrategy`` run leaves: its process group (the vllm section's engine
+    builds its own) and its rendezvous variables in ``os.environ`` (a later ``Trainer`` or child would read them)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()  # Lightning leaves it: the vllm section's engine builds its own
+        dist.destroy_process_group()
+    for name in DISTRIBUTED_ENV:
+        os.environ.pop(name, None)
 
 
 def fsdp_two_processes(s: Settings, paths: tuple[str, str], root: str) -> dict:
@@ -397,6 +429,28 @@ def vllm_section(s: Settings, fit: bool) -> dict:
     return out
 
 
+# ---- 5. overlap ------------------------------------------------------------------------------------
+def overlap_section(s: Settings) -> dict:
+    """``benchmarks/overlap.py``'s :func:`measure`: wall time per on-policy step, synchronous against overlapped
+    (``OverlappedRollouts(ServedRollouts, max_lag=1)``), the loopback sampler in its own process; its checks (B rows
+    a step, threads, fp32 student, the logged lags 0 / 0 then 1) must pass before its ratio is kept."""
+    import overlap
+
+    args = argparse.Namespace(batch=2 if s.smoke else 8, tokens=8 if s.smoke else 64, steps=3 if s.smoke else 6, repeats=s.repeats,
+                              threads=1 if s.smoke else 4, smoke=s.smoke)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        payload = overlap.measure(args)
+    finally:
+        torch.set_num_threads(threads)
+    if payload["problems"]:
+        raise RuntimeError("overlap measured something other than it claims: " + "; ".join(payload["problems"]))
+    print(f"  overlap (tiny pair on {args.threads} CPU threads, loopback sampler in its own process, B={args.batch} x {args.tokens} tokens): "
+          f"overlapped / synchronous step time {payload['ratio']:.3f}", flush=True)
+    return payload
+
+
 # ---- main -----------------------------------------------------------------------------------------
 def device_name(device: str, smoke: bool) -> str:
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -470,6 +524,8 @@ def main() -> None:
             print(f"vllm: skipped ({reason})", flush=True)
         else:
             run_section(record, "vllm", lambda: vllm_section(s, fit))
+    if "overlap" not in args.skip:
+        run_section(record, "overlap", lambda: overlap_section(s))
     record["total_s"] = time.perf_counter() - started
     failed = [name for name, section in record["sections"].items()
               if "failed" in section or any(part.get("finished") is False for part in section.values() if isinstance(part, dict))]

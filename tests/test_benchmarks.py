@@ -34,14 +34,14 @@ def test_gpu_benchmark_script_runs_every_section_at_toy_sizes_on_the_cpu(tmp_pat
     tokens/s of kdlab and HF generate at batch 1/8/32 for both models (each side returned (B, N), which
     ``compare`` checks), the paper preset's step through Lightning (bf16-mixed over an fp32 student) with the fused
     head and the logits path on the same micro-batches, FSDP2 (world 1) with the teacher sharded, and vLLM skipped
-    with its reason."""
+    with its reason, and issue #42's comparisons: padded vs packed steps, synchronous vs overlapped rollouts."""
     sys.path.insert(0, str(BENCHMARKS))
     import gpu
 
     record = gpu_smoke(tmp_path)
     assert record["smoke"] and record["device"] == "cpu" and record["threads"] == 1 and record["failed"] == []
     sections = record["sections"]
-    assert set(sections) == {"decode", "step", "fsdp", "vllm"}
+    assert set(sections) == {"decode", "step", "fsdp", "vllm", "overlap"}
     decode = sections["decode"]
     assert decode["dtype"] == "bfloat16" and decode["new_tokens"] == 4
     for role, shape in (("student", gpu.TOY_STUDENT), ("teacher", gpu.TOY_TEACHER)):
@@ -60,18 +60,28 @@ def test_gpu_benchmark_script_runs_every_section_at_toy_sizes_on_the_cpu(tmp_pat
         assert row["student_dtypes"] == ["float32"] and row["batch_per_rank"] == 2 and len(row["step_s"]) == row["micro_batches"] == 2
         assert row["padded_tokens_per_rank"] == sum(rows_ * length for rows_, length in row["student_shapes"]) > row["real_tokens_per_rank"]
         assert row["tokens_per_s"] == pytest.approx(row["real_tokens_per_rank"] / row["seconds"])
-    assert rows["fused"]["real_tokens_per_rank"] == rows["logits"]["real_tokens_per_rank"]
+    assert rows["fused"]["real_tokens_per_rank"] == rows["logits"]["real_tokens_per_rank"] == rows["packed"]["real_tokens_per_rank"]
+    packed, packing = rows["packed"], rows["packing"]
+    assert packed["layout"] == "packed" and all(length <= 64 + 16 for _, length in packed["student_shapes"])
+    assert packing["padding_ratio"] == pytest.approx(rows["fused"]["padded_tokens_per_rank"] / rows["fused"]["real_tokens_per_rank"])
+    assert packing["speedup"] == pytest.approx(packed["tokens_per_s"] / rows["fused"]["tokens_per_s"])
+    assert packing["target_speedup"] == pytest.approx(0.8 * packing["padding_ratio"])
     fsdp = sections["fsdp"]["in_process"]
     assert (fsdp["strategy"], fsdp["world_size"], fsdp["teacher_placement"]) == ("ModelParallelStrategy", 1, "shard") and fsdp["seconds"] > 0
     assert fsdp["real_tokens_per_rank"] == rows["fused"]["real_tokens_per_rank"]  # the same micro-batches
     assert "skipped" in sections["fsdp"]["two_processes"]
     assert "vllm" in sections["vllm"]["skipped"]  # no vLLM (or no CUDA) here: the section says why
+    overlap = sections["overlap"]
+    assert overlap["problems"] == [] and overlap["batch"] == 2 and overlap["steps"] == 3
+    assert overlap["variants"]["overlapped"]["fits"][0]["policy_lag"] == [0.0, 1.0, 1.0]
+    assert overlap["variants"]["synchronous"]["fits"][0]["policy_lag"] == [0.0, 0.0, 0.0]
+    assert overlap["ratio"] == pytest.approx(overlap["variants"]["overlapped"]["step_s"] / overlap["variants"]["synchronous"]["step_s"])
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, --smoke measures on the GPU (run it by hand)")
 def test_gpu_benchmark_fit_runs_fsdp2_with_a_sharded_teacher_over_two_cpu_processes(tmp_path):
-    two = gpu_smoke(tmp_path, "--fit", "--skip", "decode", "step", "vllm")["sections"]["fsdp"]["two_processes"]
+    two = gpu_smoke(tmp_path, "--fit", "--skip", "decode", "step", "vllm", "overlap")["sections"]["fsdp"]["two_processes"]
     assert two["finished"] and (two["strategy"], two["world_size"], two["teacher_placement"]) == ("ModelParallelStrategy", 2, "shard")
     assert two["precision"] == "bf16-mixed" and two["student_dtypes"] == ["float32"] and two["tokens_per_s"] > 0
 
