@@ -86,8 +86,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_result  # noqa: E402
 from decode import compare  # noqa: E402
-from lightning_step import PRESET, preset_settings, time_fit, write_pair  # noqa: E402
-from packing import TARGET_SHARE as PACKING_TARGET  # noqa: E402
+from lightning_step import PRESET, check_step, packing_comparison, preset_settings, time_fit, write_pair  # noqa: E402
 
 from kdlab.study.estimate import PUBLISHED  # noqa: E402  (the paper models' published config numbers)
 
@@ -183,6 +182,9 @@ def random_prompts(batch: int, length: int, vocab: int, device: str, seed: int) 
 def decode_section(s: Settings, models: dict[str, tuple[torch.nn.Module, dict]]) -> dict:
     out = {"dtype": "bfloat16", "new_tokens": s.new_tokens, "prompt_tokens": s.prompt_tokens, "repeats": s.repeats}
     for role, (model, shape) in models.items():
+        dtypes = {p.dtype for p in model.parameters()}
+        if dtypes != {torch.bfloat16}:
+            raise RuntimeError(f"the {role} decodes in {sorted(map(str, dtypes))}, not bfloat16 as this section records")
         rows = []
         for batch in s.decode_batches:
             ids, mask = random_prompts(batch, s.prompt_tokens, s.vocab, s.device, seed=batch)
@@ -205,30 +207,6 @@ def lightning_fit(s: Settings, paths: tuple[str, str], root: str, batch: int, fu
                     accelerator="gpu" if s.device == "cuda" else "cpu", **strategy)
 
 
-def check_step(s: Settings, row: dict, batch: int) -> None:
-    """What every step row claims, checked before a ratio is taken from it."""
-    if row["precision"] != "bf16-mixed" or row["student_dtypes"] != ["float32"]:
-        raise RuntimeError(f"the step ran {row['precision']} with student weights {row['student_dtypes']}, not bf16-mixed over fp32")
-    if row["batch_per_rank"] != batch or row["real_tokens_per_rank"] <= 0:
-        raise RuntimeError(f"the step ran {row['batch_per_rank']} rows a micro-batch ({row['real_tokens_per_rank']} real tokens), not {batch}")
-    if row["layout"] == "padded" and any(shape[1] > s.step_prompt_tokens + s.completion_tokens for shape in row["student_shapes"]):
-        raise RuntimeError(f"padded micro-batches of shapes {row['student_shapes']} are longer than P + C")
-
-
-def packing_comparison(padded: dict, packed: dict) -> dict:
-    """Issue #42's figures from the ``fused`` (padded) and ``packed`` rows of one batch: the padding ratio (padded
-    tokens / real tokens of the student's forward), the speed-up, and the target (packed tokens/s >= 0.8 x padding
-    ratio x padded tokens/s); refused unless both trained the same real tokens, packed rows within the budget."""
-    if padded["real_tokens_per_rank"] != packed["real_tokens_per_rank"] or padded["completion_tokens"] != packed["completion_tokens"]:
-        raise RuntimeError("the padded and packed variants trained different tokens")
-    if (padded["layout"], packed["layout"]) != ("padded", "packed"):
-        raise RuntimeError(f"compared {padded['layout']} with {packed['layout']}, not padded with packed")
-    ratio = padded["padded_tokens_per_rank"] / padded["real_tokens_per_rank"]
-    speedup = packed["tokens_per_s"] / padded["tokens_per_s"]
-    return {"padding_ratio": ratio, "speedup": speedup, "target_share": PACKING_TARGET, "target_speedup": PACKING_TARGET * ratio,
-            "meets_target": speedup >= PACKING_TARGET * ratio, "packed_rows": [shape[0] for shape in packed["student_shapes"]]}
-
-
 def step_section(s: Settings, paths: tuple[str, str], root: str) -> dict:
     out = {"preset": str(PRESET.relative_to(ROOT)), "settings": preset_settings(), "vocab": s.vocab, "prompt_tokens": s.step_prompt_tokens,
            "completion_tokens": s.completion_tokens, "lengths": s.lengths, "results": {}}
@@ -236,7 +214,7 @@ def step_section(s: Settings, paths: tuple[str, str], root: str) -> dict:
         rows = {}
         for variant, (fused, packed) in STEP_VARIANTS.items():
             rows[variant] = lightning_fit(s, paths, root, batch, fused, packed)
-            check_step(s, rows[variant], batch)
+            check_step(rows[variant], batch, s.vocab, s.step_prompt_tokens + s.completion_tokens)
             peak = rows[variant]["peak_gib"]
             print(f"  step B={batch} x P+C<={s.step_prompt_tokens}+{s.completion_tokens} {variant} (Lightning, bf16-mixed): "
                   f"{rows[variant]['tokens_per_s']:.0f} real tok/s" + (f", peak {peak:.1f} GiB" if peak is not None else ""), flush=True)
@@ -280,7 +258,7 @@ def fsdp_two_processes(s: Settings, paths: tuple[str, str], root: str) -> dict:
         record = {**json.loads(out.read_text()), "wall_s": record["seconds"], "finished": True}
         if record["world_size"] != 2 or record["strategy"] != "ModelParallelStrategy":
             raise RuntimeError(f"ran {record['strategy']} over {record['world_size']} processes, not FSDP2 over 2")
-        check_step(s, record, s.step_batches[-1])
+        check_step(record, s.step_batches[-1], s.vocab, s.step_prompt_tokens + s.completion_tokens)
     return record
 
 
@@ -320,7 +298,7 @@ def fsdp_section(s: Settings, paths: tuple[str, str], root: str, fit: bool) -> d
         row = lightning_fit(s, paths, root, batch, True, False, devices=1, strategy="fsdp2", teacher_placement="shard")
     finally:
         destroy_process_group()
-    check_step(s, row, batch)
+    check_step(row, batch, s.vocab, s.step_prompt_tokens + s.completion_tokens)
     if row["strategy"] != "ModelParallelStrategy" or row["world_size"] != 1:
         raise RuntimeError(f"ran {row['strategy']} over {row['world_size']} processes, not FSDP2 over 1")
     out = {"in_process": row}
@@ -405,7 +383,10 @@ def vllm_section(s: Settings, fit: bool) -> dict:
         out["generate"] = {"batch": batch, "new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": batch * new_tokens / seconds, "lengths": lengths,
                            "enforce_eager": False}
         out["kdlab_same_work"] = kdlab_same_work(student, ids.to(s.device), mask.to(s.device), new_tokens, s.vocab, s.repeats)
-        out["vllm_over_kdlab"] = out["generate"]["tokens_per_s"] / out["kdlab_same_work"]["tokens_per_s"]
+        same = out["kdlab_same_work"]
+        if (same["batch"], same["new_tokens"], same["dtype"]) != (batch, new_tokens, "torch.bfloat16"):
+            raise RuntimeError(f"kdlab's side ran {same['batch']} x {same['new_tokens']} in {same['dtype']}, not vLLM's {batch} x {new_tokens} bf16")
+        out["vllm_over_kdlab"] = out["generate"]["tokens_per_s"] / same["tokens_per_s"]
         print(f"  vllm: engine start {out['engine_start_s']:.1f} s, push {out['push_s']:.2f} s ({parameters(student) / 1e9:.2f}B parameters), "
               f"generate B={batch} x {new_tokens}: {out['generate']['tokens_per_s']:.0f} tok/s, kdlab's decoder on the same prompts "
               f"{out['kdlab_same_work']['tokens_per_s']:.0f} tok/s (vLLM / kdlab {out['vllm_over_kdlab']:.2f})", flush=True)

@@ -35,7 +35,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import vocab_tokenizer  # noqa: E402
-from packing import micro_batches  # noqa: E402
+from packing import TARGET_SHARE, micro_batches  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = ROOT / "experiments/paper/countdown3/base-qwen1.5b_from_qwen7b.yaml"
@@ -170,9 +170,37 @@ def time_fit(student: str, teacher: str, *, batch: int, prompt_tokens: int, comp
               "padded_tokens_per_rank": sum(r.model_inputs("student")["input_ids"].numel() for r in rollouts),
               "completion_tokens": sum(int(r.completion_mask.sum()) for r in rollouts), "step_s": per_batch, "seconds": seconds,
               "tokens_per_s": world * sum(real) / seconds, "student_dtypes": sorted(timer.dtypes),
+              "token_columns": module.token_columns, "teacher_columns": module.teacher_columns,
               "float32_matmul_precision": torch.get_float32_matmul_precision(),
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if accelerator == "gpu" else None}
     return record
+
+
+def check_step(row: dict, batch: int, vocab: int, longest: int) -> None:
+    """What a :func:`time_fit` row claims, checked before a ratio is taken from it: bf16-mixed over fp32 master
+    weights, ``vocab`` columns on both sides, ``batch`` rows, padded rows of at most ``longest`` (P + C) tokens."""
+    if row["precision"] != "bf16-mixed" or row["student_dtypes"] != ["float32"]:
+        raise RuntimeError(f"the step ran {row['precision']} with student weights {row['student_dtypes']}, not bf16-mixed over fp32")
+    if (row["token_columns"], row["teacher_columns"]) != (vocab, vocab):
+        raise RuntimeError(f"the objective got {row['token_columns']} / {row['teacher_columns']} columns, not the shared vocabulary's {vocab}")
+    if row["batch_per_rank"] != batch or row["real_tokens_per_rank"] <= 0:
+        raise RuntimeError(f"the step ran {row['batch_per_rank']} rows a micro-batch ({row['real_tokens_per_rank']} real tokens), not {batch}")
+    if row["layout"] == "padded" and any(shape[1] > longest for shape in row["student_shapes"]):
+        raise RuntimeError(f"padded micro-batches of shapes {row['student_shapes']} are longer than P + C")
+
+
+def packing_comparison(padded: dict, packed: dict) -> dict:
+    """Issue #42's figures from the ``fused`` (padded) and ``packed`` rows of one batch: the padding ratio (padded
+    tokens / real tokens of the student's forward), the speed-up, and the target (packed tokens/s >= 0.8 x padding
+    ratio x padded tokens/s); refused unless both trained the same real tokens, packed rows within the budget."""
+    if padded["real_tokens_per_rank"] != packed["real_tokens_per_rank"] or padded["completion_tokens"] != packed["completion_tokens"]:
+        raise RuntimeError("the padded and packed variants trained different tokens")
+    if (padded["layout"], packed["layout"]) != ("padded", "packed"):
+        raise RuntimeError(f"compared {padded['layout']} with {packed['layout']}, not padded with packed")
+    ratio = padded["padded_tokens_per_rank"] / padded["real_tokens_per_rank"]
+    speedup = packed["tokens_per_s"] / padded["tokens_per_s"]
+    return {"padding_ratio": ratio, "speedup": speedup, "target_share": TARGET_SHARE, "target_speedup": TARGET_SHARE * ratio,
+            "meets_target": speedup >= TARGET_SHARE * ratio, "packed_rows": [shape[0] for shape in packed["student_shapes"]]}
 
 
 def main() -> None:

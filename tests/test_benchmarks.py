@@ -58,6 +58,7 @@ def test_gpu_benchmark_script_runs_every_section_at_toy_sizes_on_the_cpu(tmp_pat
         row = rows[variant]
         assert (row["fused_lm_head"], row["layout"], row["precision"], row["strategy"]) == (fused, "padded", "bf16-mixed", "SingleDeviceStrategy")
         assert row["student_dtypes"] == ["float32"] and row["batch_per_rank"] == 2 and len(row["step_s"]) == row["micro_batches"] == 2
+        assert row["token_columns"] == row["teacher_columns"] == gpu.TOY_VOCAB  # the tokenizer write_pair built, not the heads' rows
         assert row["padded_tokens_per_rank"] == sum(rows_ * length for rows_, length in row["student_shapes"]) > row["real_tokens_per_rank"]
         assert row["tokens_per_s"] == pytest.approx(row["real_tokens_per_rank"] / row["seconds"])
     assert rows["fused"]["real_tokens_per_rank"] == rows["logits"]["real_tokens_per_rank"] == rows["packed"]["real_tokens_per_rank"]
@@ -301,3 +302,31 @@ def test_gpu_benchmark_times_kdlabs_decoder_on_the_work_it_gives_vllm():
     row = gpu.kdlab_same_work(model, ids, mask, 5, gpu.TOY_VOCAB, repeats=2)
     assert row["batch"] == 3 and row["new_tokens"] == 5
     assert row["tokens_per_s"] == pytest.approx(3 * 5 / row["seconds"])
+
+
+def test_gpu_benchmark_refuses_a_ratio_of_steps_that_trained_different_things():
+    """``benchmarks/gpu.py``'s checks before a step ratio (``benchmarks/lightning_step.py``'s): the packing comparison refuses rows of different real
+    tokens or the wrong layouts and computes issue #42's figures from the rows' own counts; a step row that ran
+    other columns, another precision or bf16 master weights is refused."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import gpu
+    from lightning_step import check_step, packing_comparison
+
+    padded = {"layout": "padded", "real_tokens_per_rank": 300, "completion_tokens": 200, "padded_tokens_per_rank": 450,
+              "tokens_per_s": 100.0, "student_shapes": [[2, 75], [2, 75]]}
+    packed = {**padded, "layout": "packed", "tokens_per_s": 130.0, "student_shapes": [[1, 80], [1, 70], [1, 60], [1, 40]]}
+    figures = packing_comparison(padded, packed)
+    assert figures["padding_ratio"] == 1.5 and figures["speedup"] == pytest.approx(1.3)
+    assert figures["target_speedup"] == pytest.approx(1.2) and figures["meets_target"] and figures["packed_rows"] == [1, 1, 1, 1]
+    with pytest.raises(RuntimeError, match="different tokens"):
+        packing_comparison(padded, {**packed, "real_tokens_per_rank": 299})
+    with pytest.raises(RuntimeError, match="not padded with packed"):
+        packing_comparison(padded, padded)
+    row = {"precision": "bf16-mixed", "student_dtypes": ["float32"], "token_columns": gpu.TOY_VOCAB, "teacher_columns": gpu.TOY_VOCAB,
+           "batch_per_rank": 2, "real_tokens_per_rank": 300, "layout": "padded", "student_shapes": [[2, 75]]}
+    check_step(row, 2, gpu.TOY_VOCAB, 64 + 16)
+    for bad, match in (({"token_columns": 1000}, "columns"), ({"precision": "32-true"}, "bf16-mixed"),
+                       ({"student_dtypes": ["bfloat16"]}, "fp32"), ({"batch_per_rank": 1}, "rows"),
+                       ({"student_shapes": [[2, 64 + 16 + 1]]}, "longer than P")):
+        with pytest.raises(RuntimeError, match=match):
+            check_step({**row, **bad}, 2, gpu.TOY_VOCAB, 64 + 16)
