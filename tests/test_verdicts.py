@@ -614,7 +614,9 @@ def test_the_style_alone_design_tests_log_odds_paired_by_seed_and_judges_collaps
     make_style_alone(tmp_path / "s", spanish, lambda *a: 0.65)  # a 5-point drop: healthy
     make_style_alone(tmp_path / "s", lambda kind, direction, seed: -2.5 + seed_noise[seed], lambda *a: 0.7,
                      part="style_alone_control", cells=[("OffPD", "forward"), ("OnPD", "reverse")])
-    verdict = style_transfer(study(tmp_path / "s"))
+    from kdlab.study.verdicts import style_row
+
+    verdict = style_row(study(tmp_path / "s"))
     assert verdict.verdict == REPRODUCED and COLLAPSED not in verdict.tiny
     assert verdict.primary_rule == "OffPD forward - OnPD reverse, low LR (log-odds) > 0"
     (primary,) = verdict.primary
@@ -624,7 +626,7 @@ def test_the_style_alone_design_tests_log_odds_paired_by_seed_and_judges_collaps
     assert verdict.evidence == "20 runs in s/style_alone/; 10 runs in s/style_alone_control/"
     # a 15-point drop from the student's own 70% collapses OnPD forward, although it is far above 5%
     make_style_alone(tmp_path / "d", spanish, lambda kind, direction: 0.55 if (kind, direction) == ("OnPD", "forward") else 0.7)
-    dropped = style_transfer(study(tmp_path / "d"))
+    dropped = style_row(study(tmp_path / "d"))
     assert dropped.verdict == f"{REPRODUCED}: OffPD forward - OnPD reverse, low LR (log-odds), OffPD reverse - OnPD reverse, low LR (log-odds); " \
                               f"{COLLAPSED}: OnPD forward - OnPD reverse, low LR (log-odds)"
     assert "(collapsed: accuracy 70.0% -> 55.0%, a drop of more than 10 points)" in dropped.tiny
@@ -635,8 +637,7 @@ def test_a_reasoning_study_reads_the_harder_set_and_rlvr_from_coverage_paired_on
     """The reasoning world's layout: the main grid's runs log coverage/harder/pass@k, RLVR chains (from the low-LR
     runs of seeds 42-44) log it before and after. OnPD's edge of 10 points at pass@32 before RLVR (the same in every
     seed: the paired interval has no spread), gone after it; the difference in differences pairs each chain."""
-    from kdlab.study.findings import harder_pass_at_k
-    from kdlab.study.verdicts import rlvr_edge
+    from kdlab.study.verdicts import harder_set, rlvr_row
 
     shift = {42: 0.05, 43: -0.03, 44: 0.0}  # shared by the configurations of a seed
     harder = lambda kind, seed: {f"coverage/harder/pass@{k}": (0.6 if kind == "OnPD" else 0.5) + shift[seed] for k in (1, 16, 32)}  # noqa: E731
@@ -652,11 +653,11 @@ def test_a_reasoning_study_reads_the_harder_set_and_rlvr_from_coverage_paired_on
                         make_run(tmp_path / "rlvr" / source.name, "OffPD", "forward", 2e-5, 42, 0.5,
                                  {**after, **{f"{m}_before": v for m, v in before.items()}})
     s = study(tmp_path)
-    hard = harder_pass_at_k(s)
+    hard = harder_set(s)
     assert hard.primary_rule == "OnPD - OffPD pass@16 > 0" and hard.verdict == REPRODUCED
     assert hard.primary[0].effect.value == pytest.approx(0.1) and hard.primary[0].effect.low == pytest.approx(0.1)
     assert hard.departure.startswith("harder set: Countdown-3 with targets 1-20 (countdown3s) deduplicated")
-    rlvr = rlvr_edge(s)
+    rlvr = rlvr_row(s)
     assert "(3 chains per configuration)" in rlvr.tiny
     assert "OnPD - OffPD pass@32: before RLVR +10.0" in rlvr.tiny and "(difference in differences, chains paired) -10.0" in rlvr.tiny
     did = rlvr.claims[3].effect

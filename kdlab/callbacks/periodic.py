@@ -8,6 +8,7 @@ measure on the module stops ``fit`` at setup, before any work, naming the settin
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import lightning.pytorch as pl
@@ -98,6 +99,11 @@ class EvaluationCallback(PeriodicCallback):
     def sample(self, pl_module, task: Task, examples, role: str = "student", repeat: int = 1, model: Any = None) -> list[str]:
         """Completions of ``examples`` (each ``repeat`` times) prompted as ``role``, from the module's
         student or teacher, or from ``model = (network, tokenizer)`` (its own vocabulary) when given."""
+        gathered = pl_module.decoding_gathered() if hasattr(pl_module, "decoding_gathered") else contextlib.nullcontext()
+        with gathered:  # sharded models stay gathered for the whole decode
+            return self._sample(pl_module, task, examples, role, repeat, model)
+
+    def _sample(self, pl_module, task: Task, examples, role: str, repeat: int, model: Any) -> list[str]:
         generator = torch.Generator(device=pl_module.device).manual_seed(self.seed)
         repeated = [ex for ex in examples for _ in range(repeat)]
         settings = dict(temperature=self.temperature, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size, generator=generator,

@@ -5,7 +5,9 @@ work and seconds of one optimiser step and the whole run's wall time on ``--gpu_
 
 It takes exactly what ``kdlab fit`` takes (the same LightningCLI parser: configs, overlays, ``--model.x=...``),
 reads the models' configs only (no weights), and exits 0 whether or not the run fits; ``--gpus`` (default
-``trainer.devices x trainer.num_nodes``) and ``--gpu_memory_gib`` (default 80) name the machine.
+``trainer.devices x trainer.num_nodes``) and ``--gpu_memory_gib`` (default 80) name the machine. ``--forgetting
+SWEEP.yaml`` adds the lm-eval suite the sweep's ``forgetting:`` key measures off the training loop
+(:mod:`kdlab.study.forgetting_time`).
 """
 
 from __future__ import annotations
@@ -13,23 +15,25 @@ from __future__ import annotations
 import json
 import re
 import sys
-import warnings
 from typing import Any
 
 from kdlab.cli.config_errors import ConfigError, nearest
-from kdlab.cli.lightning import lightning_cli_class, names_model_class, teacher_overlays
+from kdlab.cli.lightning import lightning_cli_class, names_model_class, parse_overlaid
 from kdlab.study.estimate import Estimate, GiB, estimate, setup_from_config
 from kdlab.study.run_time import RunTime, run_time
 from kdlab.study.step_time import HARDWARE
 
-USAGE = """usage: kdlab estimate --config X.yaml [--config Y.yaml ...] [fit options] [--gpus N] [--gpu_memory_gib M] [--gpu_kind H200|H100] [--json]
+USAGE = """usage: kdlab estimate --config X.yaml [--config Y.yaml ...] [fit options] [--gpus N] [--gpu_memory_gib M] [--gpu_kind H200|H100]
+                      [--forgetting SWEEP.yaml] [--json]
 
 Per-GPU memory (weights, gradients, AdamW, teacher, activations, logits/fused workspace, KV caches, vLLM),
 the work and time of one optimiser step and the whole run's wall time of the fit (DistillModule, SFTModule,
 GRPOModule) `kdlab fit` would run with the same arguments.
 No weights are read. --gpus: GPUs in all (default trainer.devices x trainer.num_nodes); --gpu_memory_gib:
 memory of one GPU (default 80); --gpu_kind: the GPU the time model assumes (default H200: one optimiser step's
-parts and the whole run's wall time with every evaluation, kdlab.study.step_time); --json: machine-readable output.
+parts and the whole run's wall time with every evaluation, kdlab.study.step_time); --forgetting: a sweep file whose
+`forgetting:` key measures the lm-eval suite off the training loop: its before pass (shared by the grid's runs
+of one student) and after pass are added (kdlab.study.forgetting_time); --json: machine-readable output.
 """
 UNKNOWN = re.compile(r"unrecognized arguments: --?([\w.]+)|does not accept option '([\w.]+)'|Key '([\w.]+)' is not expected|Option '([\w.]+)' is not accepted")
 
@@ -44,14 +48,13 @@ def fit_config(argv: list[str]) -> dict[str, Any]:
     """The configuration ``kdlab fit <argv>`` would run, parsed by its own parser, before any class is
     instantiated (no model is built, no weights read), as a plain dict."""
     import lightning.pytorch as pl
-    from lightning.pytorch.cli import LightningCLI
 
     from kdlab.stages.distill import DistillModule
 
     class ParseOnly(lightning_cli_class()):
         def parse_arguments(self, parser, args) -> None:
             try:
-                LightningCLI.parse_arguments(self, parser, teacher_overlays(list(sys.argv[1:] if args is None else args)))
+                parse_overlaid(self, parser, args)
             except Exception as error:
                 unknown = UNKNOWN.search(str(error))
                 if unknown is None:
@@ -68,18 +71,16 @@ def fit_config(argv: list[str]) -> dict[str, Any]:
 
     stage_class = names_model_class(argv)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")  # args are ours, not sys.argv
-            ParseOnly(pl.LightningModule if stage_class else DistillModule, subclass_mode_model=stage_class, seed_everything_default=42,
-                      args=argv, run=False, parser_kwargs={"exit_on_error": False})
+        ParseOnly(pl.LightningModule if stage_class else DistillModule, subclass_mode_model=stage_class, seed_everything_default=42,
+                  args=argv, run=False, parser_kwargs={"exit_on_error": False, "allow_abbrev": False})  # as kdlab fit: no prefixes of keys
     except _Parsed as parsed:
         return parsed.config.as_dict()
     raise RuntimeError("the fit parser returned without a configuration")  # pragma: no cover
 
 
 def split_arguments(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
-    """``argv`` without ``--gpus``, ``--gpu_memory_gib``, ``--gpu_kind`` and ``--json`` (each ``--x V`` or ``--x=V``), and their values."""
-    rest, options, index = [], {"gpus": None, "gpu_memory_gib": None, "json": False, "gpu_kind": "H200"}, 0
+    """``argv`` without ``--gpus``, ``--gpu_memory_gib``, ``--gpu_kind``, ``--forgetting`` and ``--json`` (each ``--x V`` or ``--x=V``), and their values."""
+    rest, options, index = [], {"gpus": None, "gpu_memory_gib": None, "json": False, "gpu_kind": "H200", "forgetting": None}, 0
     while index < len(argv):
         arg = argv[index]
         name, _, value = arg.partition("=")
@@ -93,6 +94,12 @@ def split_arguments(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
             if value not in HARDWARE:
                 raise ConfigError(f"--gpu_kind: one of {sorted(HARDWARE)}, got {value!r}")
             options["gpu_kind"] = value
+        elif name == "--forgetting":
+            if not value:
+                if index + 1 >= len(argv):
+                    raise ConfigError(f"{name}: needs a sweep file")
+                index, value = index + 1, argv[index + 1]
+            options["forgetting"] = value
         elif name in ("--gpus", "--gpu_memory_gib"):
             if not value:
                 if index + 1 >= len(argv):
@@ -120,9 +127,29 @@ def run_estimate(argv: list[str]) -> Estimate:
         result = estimate(setup)
         if int((config.get("trainer") or {}).get("max_steps") or 0) > 0:
             result.time = run_time(setup, result.work, config, HARDWARE[options["gpu_kind"]])
+            if options["forgetting"]:
+                result.time.evaluations.update(forgetting_off_loop(setup, config, options["forgetting"], HARDWARE[options["gpu_kind"]]).evaluations())
     except ValueError as error:
         raise ConfigError(str(error)) from error
     return result
+
+
+def forgetting_off_loop(setup: Any, config: dict[str, Any], path: str, hardware: Any) -> Any:
+    """The off-loop suite of the sweep file ``path`` (its ``forgetting`` key, its grid and seeds) for the fit ``config``,
+    which must not also measure it in the loop (:mod:`kdlab.study.forgetting_time`)."""
+    from kdlab.study.forgetting_time import off_loop
+    from kdlab.study.grid import load_sweep
+    from kdlab.study.setups import name_of
+
+    sweep = load_sweep(path)
+    if sweep.forgetting is None:
+        raise ValueError(f"--forgetting {path}: the sweep file has no forgetting key")
+    for index, callback in enumerate((config.get("trainer") or {}).get("callbacks") or []):
+        name, args = name_of(callback)
+        if name == "OODForgetting" and args.get("lm_eval_tasks") is not None:
+            raise ValueError(f"--forgetting {path}: trainer.callbacks[{index}] (OODForgetting with lm_eval_tasks) also measures forgetting "
+                             "in the training loop: remove that callback, or the option")
+    return off_loop(setup, sweep.forgetting, sweep.grid, sweep.seeds, hardware)
 
 
 def render(result: Estimate, title: str = "") -> str:

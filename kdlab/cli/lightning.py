@@ -13,6 +13,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -54,7 +55,7 @@ def lightning_cli_class():
                 for name, subparser in self._subcommand_parsers.items():
                     plain_help(subparser, f"kdlab {name}")
             try:
-                super().parse_arguments(parser, teacher_overlays(list(sys.argv[1:] if args is None else args)))
+                parse_overlaid(self, parser, args)
             except Exception as error:
                 from kdlab.cli.config_errors import ConfigError, nearest
 
@@ -139,6 +140,19 @@ def lightning_cli_class():
                     trim_logs(self.trainer.log_dir, position)
 
     return KDLabCLI
+
+
+def parse_overlaid(cli: Any, parser: Any, args: Any) -> None:
+    """``LightningCLI.parse_arguments`` on :func:`teacher_overlays` of the command line (``args``, or
+    ``sys.argv[1:]`` when None) into ``cli.config``. Parsed here rather than by handing the rewritten list to
+    Lightning's own method: given a list while ``sys.argv`` holds the command too, that warns on every run that
+    "args" and command-line arguments were both given (they are one command line, rewritten)."""
+    from jsonargparse import Namespace
+
+    if isinstance(args, (dict, Namespace)):
+        cli.config = parser.parse_object(args)
+    else:
+        cli.config = parser.parse_args(teacher_overlays(list(sys.argv[1:] if args is None else args)))
 
 
 def teacher_overlays(args: list[str]) -> list[str]:

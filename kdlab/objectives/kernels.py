@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kdlab.objectives.precision import ieee_fp32
+
 LOG_FLOOR = -1e30
 """Stands for ``-inf`` in the recomputation of rows whose dot products were not finite."""
 
@@ -71,12 +73,14 @@ def block_rows(columns: int, chunk_size: int, device: torch.device) -> int:
 
 
 def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Row-wise dot products ``(k,)`` of ``a``, ``b`` ``(k, V)``. A batched matrix product (no ``(k, V)``
-    product tensor) for one row or on an accelerator; ``vecdot`` for several rows on the CPU, where
-    the batched product takes a slow path (about 3x at k = 5, V = 49,152)."""
-    if a.shape[0] > 1 and a.device.type == "cpu":
-        return torch.linalg.vecdot(a, b)
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(a.shape[0])
+    """Row-wise dot products ``(k,)`` of ``a``, ``b`` ``(k, V)``, in full fp32 whatever the TF32 setting
+    (:func:`ieee_fp32`). A batched matrix product (no ``(k, V)`` product tensor) for one row or on an
+    accelerator; ``vecdot`` for several rows on the CPU, where the batched product takes a slow path (about
+    3x at k = 5, V = 49,152)."""
+    with ieee_fp32():
+        if a.shape[0] > 1 and a.device.type == "cpu":
+            return torch.linalg.vecdot(a, b)
+        return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(a.shape[0])
 
 
 class Workspace:

@@ -15,6 +15,7 @@ import torch
 from kdlab.data import decode_completions, left_pad, prompt_token_ids
 from kdlab.models.loading import end_token_ids
 from kdlab.objectives.logits import cache_argument, forward_parameters
+from kdlab.rollouts.static_cache import StaticCacheLM, static_cache_supported
 from kdlab.tasks.base import Example, Task
 
 NextLogprobs = Callable[[torch.Tensor | None], torch.Tensor]
@@ -86,6 +87,16 @@ class IncrementalLM:
         return self._logprobs(outputs)
 
 
+def incremental_decoder(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_columns: int,
+                        temperature: float, max_new_tokens: int, compile: str = "cuda") -> NextLogprobs:
+    """The decoder of ``model`` for a ``(B, P)`` prompt batch decoding at most ``max_new_tokens``:
+    :class:`~kdlab.rollouts.static_cache.StaticCacheLM` where the model allows it
+    (:func:`~kdlab.rollouts.static_cache.static_cache_supported`), :class:`IncrementalLM` otherwise."""
+    if static_cache_supported(model) is None:
+        return StaticCacheLM(model, input_ids, attention_mask, token_columns, temperature, max_new_tokens, compile)
+    return IncrementalLM(model, input_ids, attention_mask, token_columns, temperature)
+
+
 def top_p_logprobs(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Nucleus filtering of normalised log-probs ``(B, V)``: keep the smallest set of most likely tokens
     whose probabilities sum to at least ``top_p`` (the most likely token always stays), renormalise,
@@ -120,6 +131,30 @@ def stop_strings_check(tokenizer: Any, stop_strings: Sequence[str], window: int 
     return check
 
 
+CHECK_EVERY = 8
+""":func:`sample_tokens` reads back whether every row has finished once every this many tokens (one host sync)."""
+
+
+def exponential_draw(probs: torch.Tensor, generator: torch.Generator | None, rows: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """One token per row of ``probs`` ``(b, V)``, the rows ``rows`` ``(b,)`` of a ``(batch_size, V)`` batch, drawn
+    exactly as ``torch.multinomial(full_probs, 1, generator)`` draws the full batch: ``argmax(p / q)`` with
+    ``q ~ Exp(1)`` drawn for all ``batch_size`` rows (torch's own one-sample path), so a row's token does not
+    depend on which other rows are still in the batch, and the generator advances as it always did."""
+    q = torch.empty((batch_size, probs.shape[-1]), dtype=probs.dtype, device=probs.device).exponential_(1, generator=generator)
+    if probs.shape[0] != batch_size:
+        q = q.index_select(0, rows)
+    return (probs / q).argmax(dim=-1)
+
+
+def _generator_of(generator: torch.Generator | None, device: torch.device | str) -> torch.Generator:
+    if generator is not None:
+        return generator
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
 @torch.no_grad()
 def sample_tokens(
     next_logprobs: NextLogprobs,
@@ -132,6 +167,7 @@ def sample_tokens(
     device: torch.device | str = "cpu",
     all_done: Callable[[bool], bool] | None = None,
     stop: StopCheck | None = None,
+    check_every: int = CHECK_EVERY,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw completions token by token until every row has produced an end token (or completed a stop
     string, see :func:`stop_strings_check`) or used its budget.
@@ -141,40 +177,73 @@ def sample_tokens(
     row's tokens, end token included) and ``entropy (B, C)`` of the distribution each token was
     drawn from (0 where masked). ``C <= max(max_new_tokens)``.
 
+    No host sync per token: whether every row has finished is read back once every ``check_every`` tokens
+    (and by ``stop``, which reads text); the steps decoded past the end are dropped, and the generator is put
+    back where it stood after the last token that mattered, so ids, mask, entropy and the generator's state
+    after the call are what a check after every token gives. When ``next_logprobs`` has ``keep_rows(rows)``
+    (:class:`~kdlab.rollouts.static_cache.StaticCacheLM`), finished rows leave its batch once at most half
+    of it is still decoding; tokens are drawn by :func:`exponential_draw`, so a row's draws do not change.
+
     ``all_done(local_done) -> bool`` makes the stopping decision collective: with sharded models every
     forward is a collective operation, so all ranks must take the same number of steps (a rank whose
-    rows have all ended keeps feeding padding until every rank is done).
+    rows have all ended keeps feeding padding until every rank is done). It is asked at the checks only, and
+    then ``C`` is the steps every rank took (a multiple of ``check_every`` or the budget), its last columns
+    padding where this rank ended earlier, and the generator stays where those steps left it.
     """
+    if check_every < 1:
+        raise ValueError(f"sample_tokens: check_every must be >= 1, got {check_every}")
     eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
     limits = torch.as_tensor(max_new_tokens, device=device).expand(batch_size)
-    finished = limits <= 0
-    tokens, masks, entropies = [], [], []
-    previous = None
-    for step in range(int(limits.max()) if batch_size else 0):
-        logprobs = next_logprobs(previous)
-        probs = logprobs.exp()
-        if greedy:
-            token = logprobs.argmax(dim=-1)
-        else:
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        alive = ~finished
-        token = torch.where(alive, token, torch.full_like(token, pad_token_id))
-        tokens.append(token)
-        masks.append(alive)
-        entropies.append(torch.where(alive, -(probs * logprobs.clamp(min=-1e30)).sum(-1), 0.0))
-        finished = finished | torch.isin(token, eos) | (limits <= step + 1)
-        if stop is not None:
-            finished = finished | stop(torch.stack(tokens, 1), alive & ~finished)
-        done = bool(finished.all())
-        if all_done is not None:
-            done = all_done(done)
-        if done:
-            break
-        previous = token
-    if not tokens:
+    steps = int(limits.max()) if batch_size else 0
+    if steps <= 0:
         empty = torch.zeros(batch_size, 0, device=device)
         return empty.long(), empty.bool(), empty
-    return torch.stack(tokens, 1), torch.stack(masks, 1), torch.stack(entropies, 1)
+    ids = torch.full((batch_size, steps), pad_token_id, dtype=torch.long, device=device)
+    masks = torch.zeros(batch_size, steps, dtype=torch.bool, device=device)
+    entropies = torch.zeros(batch_size, steps, device=device)
+    finished = limits <= 0
+    ended_by = torch.zeros(steps, dtype=torch.bool, device=device)  # [t]: every row had finished after step t
+    rows = torch.arange(batch_size, device=device)  # the rows in the decoder's batch, in its order
+    keep_rows = getattr(next_logprobs, "keep_rows", None)
+    draws = None if greedy else _generator_of(generator, device)
+    states: list[torch.Tensor] = []  # the generator's state after each step since the last check
+    previous, taken = None, 0
+    for step in range(steps):
+        logprobs = next_logprobs(previous)
+        probs = logprobs.exp()
+        token = logprobs.argmax(dim=-1) if greedy else exponential_draw(probs, draws, rows, batch_size)
+        if draws is not None:
+            states.append(draws.get_state())
+        alive = ~finished[rows]
+        token = torch.where(alive, token, torch.full_like(token, pad_token_id))
+        ids[rows, step] = token
+        masks[rows, step] = alive
+        entropies[rows, step] = torch.where(alive, -(probs * logprobs.clamp(min=-1e30)).sum(-1), 0.0)
+        now = finished[rows] | torch.isin(token, eos) | (limits[rows] <= step + 1)
+        if stop is not None:
+            now = now | stop(ids[rows, : step + 1], alive & ~now)
+        finished = finished.index_put((rows,), now)
+        ended_by[step] = finished.all()
+        taken = step + 1
+        previous = token
+        if taken % check_every and taken < steps:
+            continue
+        local = ended_by[:taken].nonzero()  # the one host sync of these check_every steps
+        done = local.numel() > 0
+        if all_done is not None:
+            done = all_done(done)
+        elif done:
+            taken = int(local[0]) + 1
+            if draws is not None:
+                draws.set_state(states[taken - 1 - (step + 1 - len(states))])
+        if done:
+            break
+        states.clear()
+        live = (~now).nonzero().flatten()
+        if keep_rows is not None and 0 < live.numel() <= len(rows) // 2:
+            keep_rows(live)
+            rows, previous = rows[live], previous[live]
+    return ids[:, :taken], masks[:, :taken], entropies[:, :taken]
 
 
 @torch.no_grad()
@@ -223,11 +292,12 @@ def sample_completions(
             batch = examples[start : start + batch_size]
             rows = [prompt_token_ids(task, tokenizer, ex, role, max_prompt_tokens) for ex in batch]
             ids, mask = left_pad(rows, tokenizer.pad_token_id)
-            decoder = IncrementalLM(model, ids.to(device), mask.to(device), vocab, temperature)
+            limits = budgets[start : start + batch_size]
+            decoder = incremental_decoder(model, ids.to(device), mask.to(device), vocab, temperature, max(limits, default=0))
             out_ids, out_mask, _ = sample_tokens(
                 decoder,
                 batch_size=len(batch),
-                max_new_tokens=torch.tensor(budgets[start : start + batch_size], device=device),
+                max_new_tokens=torch.tensor(limits, device=device),
                 eos_token_ids=end_ids,
                 pad_token_id=tokenizer.pad_token_id,
                 generator=generator,

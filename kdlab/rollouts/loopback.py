@@ -390,7 +390,7 @@ class LoopbackServer:
         alone, up to the last bits padding changes (``max_batch=1``: each request alone). Returns each row's
         tokens (its end token included) and whether it ended; ``drawn_logprobs`` (a list) receives each row's
         log-probs of its tokens under the tempered distribution they were drawn from (greedy: the untempered one)."""
-        from kdlab.rollouts.decoding import IncrementalLM, sample_tokens
+        from kdlab.rollouts.decoding import incremental_decoder, sample_tokens
 
         width = max(len(prompt) for prompt, _, _ in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -402,7 +402,7 @@ class LoopbackServer:
         for (_, _, seed), generator in zip(rows, generators):
             if seed is None:
                 generator.seed()
-        decoder = IncrementalLM(self.model, ids, mask, self.columns, temperature)
+        decoder = incremental_decoder(self.model, ids, mask, self.columns, temperature, max(max_tokens for _, max_tokens, _ in rows))
 
         def drawn(previous: torch.Tensor | None) -> torch.Tensor:
             """The decoder's next-token log-probs with each row's token drawn by its own generator: that token

@@ -26,9 +26,9 @@ import torch
 from kdlab.components import Component
 from kdlab.data import PromptBatch, Rollout, read_jsonl, right_pad
 from kdlab.rollouts.decoding import (
-    IncrementalLM,
     NextLogprobs,
     StopCheck,
+    incremental_decoder,
     sample_tokens,
     top_p_logprobs,
 )
@@ -100,7 +100,7 @@ class RolloutContext:
         ids = getattr(prompts, f"{model}_ids")
         mask = getattr(prompts, f"{model}_mask")
         columns = self.teacher_tokens.token_columns if model == "teacher" and self.teacher_tokens is not None else self.token_columns
-        return IncrementalLM(getattr(self, model), ids, mask, columns, getattr(self, f"{model}_temperature"))
+        return incremental_decoder(getattr(self, model), ids, mask, columns, getattr(self, f"{model}_temperature"), self.max_new_tokens)
 
     def teacher_writes(self, prompts: PromptBatch) -> Rollout:
         """Teacher-written completions of ``prompts``: the teacher source writes them (token by token here, or sampled
@@ -115,6 +115,8 @@ class RolloutContext:
         if self.top_p < 1.0:
             policy, top_p = next_logprobs, self.top_p
             next_logprobs = lambda previous: top_p_logprobs(policy(previous), top_p)  # noqa: E731
+            if hasattr(policy, "keep_rows"):
+                next_logprobs.keep_rows = policy.keep_rows  # finished rows still leave the policy's batch
         teacher_writes = writer == "teacher" and self.teacher_tokens is not None
         ids, mask, entropy = sample_tokens(
             next_logprobs,

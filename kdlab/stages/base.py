@@ -11,8 +11,10 @@ that starts from it), on a :class:`~kdlab.tasks.base.Task`. This base class give
   that ``max_steps`` ends before its first ``val_check_interval`` validates after its last step
   (:class:`ValidateLastStep`), so a shortened run keeps its evaluation;
 * ``run_info.json`` provenance at fit start and the data position in every checkpoint;
-* on a CUDA device, TF32 for fp32 matmuls from fit start (``torch.set_float32_matmul_precision("high")``
-  unless already set otherwise; ``TaskStage.float32_matmul_precision = None`` keeps torch's setting).
+* on a CUDA device, TF32 for fp32 matmuls from ``setup`` on (``torch.set_float32_matmul_precision("high")``
+  unless already set otherwise; ``TaskStage.float32_matmul_precision = None`` keeps torch's setting): before
+  any callback's ``on_fit_start``, so a callback's "before" evaluation runs at the precision of its "after";
+  the exact KLs' dot products stay full fp32 (:func:`~kdlab.objectives.precision.ieee_fp32`).
 
 Subclasses set ``student``, ``student_tokenizer``, ``token_columns``, ``end_ids`` and ``pad_id`` and
 implement ``training_step``. Callbacks of :mod:`kdlab.callbacks` work on any ``TaskStage``.
@@ -36,7 +38,7 @@ from kdlab.rollouts.decoding import stop_strings_check
 from kdlab.runlog import STEPS_MARK, Console, log_at_optimiser_steps, metrics_file, quiet, run_directory, write_samples
 from kdlab.stages.loaders import EpochShuffle, ResumableLoader
 from kdlab.stages.optim import FiniteAdamW
-from kdlab.stages.sharding import fsdp1_root, global_grad_norm, require_gradient_sync, shard_fsdp2, wrap_fsdp1
+from kdlab.stages.sharding import fsdp1_root, gathered_for_decoding, global_grad_norm, require_gradient_sync, shard_fsdp2, wrap_fsdp1
 from kdlab.tasks.base import Example, Task
 
 
@@ -173,6 +175,12 @@ class TaskStage(pl.LightningModule):
         """The models ``fully_shard`` under ``ModelParallelStrategy`` (default: the trained one)."""
         return [self.student]
 
+    def decoding_gathered(self):
+        """A block in which every sharded model of the stage (:meth:`sharded_models`, its frozen models) stays
+        gathered for the whole decode, FSDP2 and FSDP1 alike (:func:`~kdlab.stages.sharding.gathered_for_decoding`):
+        every decode of a stage or a callback runs inside one, so a decoded token all-gathers nothing."""
+        return gathered_for_decoding([*self.sharded_models(), *getattr(self, "_frozen", {}).values()])
+
     def configure_model(self) -> None:
         """Shard :meth:`sharded_models` under an FSDP strategy (:mod:`kdlab.stages.sharding`): FSDP2
         (``ModelParallelStrategy``, over its data-parallel mesh, bf16 gathers with
@@ -269,7 +277,11 @@ class TaskStage(pl.LightningModule):
     def setup(self, stage: str) -> None:
         """Attach the run's :class:`~kdlab.runlog.MetricsFile` (every ``self.log`` value and every
         callback number lands in ``metrics.jsonl``), log Lightning's lines at optimiser steps like every
-        other number (:func:`~kdlab.runlog.log_at_optimiser_steps`) and, for a fit, check the training examples."""
+        other number (:func:`~kdlab.runlog.log_at_optimiser_steps`), set the fp32 matmul precision on CUDA
+        (:attr:`float32_matmul_precision`) and, for a fit, check the training examples."""
+        # Lightning calls every callback's on_fit_start before the module's: set here, the callbacks' first
+        # evaluations run at the precision of every later one
+        use_float32_matmul_precision(self.trainer.strategy.root_device, self.float32_matmul_precision)
         metrics_file(self.trainer)
         log_at_optimiser_steps(self.trainer)
         if stage == "fit":
@@ -337,22 +349,24 @@ class TaskStage(pl.LightningModule):
 
     # ---- evaluation -----------------------------------------------------------------------
     def eval_completions(self, examples: list[Example], temperature: float, seed: int) -> list[str]:
-        """Student completions (text) for ``examples``; ``temperature`` 0 decodes greedily."""
-        return completion_texts(
-            self.student,
-            self.student_tokenizer,
-            self.task,
-            examples,
-            temperature=temperature,
-            max_new_tokens=self.max_completion_tokens,
-            max_prompt_tokens=self.max_prompt_tokens,
-            batch_size=len(examples),
-            generator=self._generator(seed),
-            token_columns=self.token_columns,
-            all_done=self.all_done_hook(),
-            end_ids=self.end_ids,
-            stop_strings=self.stop_strings,
-        )
+        """Student completions (text) for ``examples``; ``temperature`` 0 decodes greedily (sharded models kept
+        gathered for the decode, :meth:`decoding_gathered`)."""
+        with self.decoding_gathered():
+            return completion_texts(
+                self.student,
+                self.student_tokenizer,
+                self.task,
+                examples,
+                temperature=temperature,
+                max_new_tokens=self.max_completion_tokens,
+                max_prompt_tokens=self.max_prompt_tokens,
+                batch_size=len(examples),
+                generator=self._generator(seed),
+                token_columns=self.token_columns,
+                all_done=self.all_done_hook(),
+                end_ids=self.end_ids,
+                stop_strings=self.stop_strings,
+            )
 
     def stop_check(self):
         """The rollout engine's stop-string check for this stage (``None`` without stop strings)."""
@@ -397,13 +411,12 @@ class TaskStage(pl.LightningModule):
             write_samples(self._trainer, split, records)
 
     float32_matmul_precision: str | None = "high"
-    """What :meth:`on_fit_start` sets ``torch.set_float32_matmul_precision`` to on a CUDA device ("high": TF32
+    """What :meth:`setup` sets ``torch.set_float32_matmul_precision`` to on a CUDA device ("high": TF32
     for fp32 matmuls) when it is still torch's default ("highest"); ``None`` leaves torch's setting alone.
     A precision the user set before fit ("high", "medium") is kept."""
 
     def on_fit_start(self) -> None:
-        """Set the fp32 matmul precision on CUDA (:attr:`float32_matmul_precision`) and write ``run_info.json``."""
-        use_float32_matmul_precision(self.device, self.float32_matmul_precision)
+        """Write ``run_info.json``."""
         log_dir = run_directory(self.trainer)  # on every rank: it is a collective call
         if self.trainer.is_global_zero:
             write_run_info(log_dir)

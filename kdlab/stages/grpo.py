@@ -307,7 +307,7 @@ class GRPOModule(TaskStage):
         was_training = self.student.training
         self.student.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.decoding_gathered():
                 rollout = self.rollout.sample(prompts, context)
         finally:
             self.student.train(was_training)

@@ -5,6 +5,7 @@ exports and vLLM pushes merge the adapters (:mod:`kdlab.models.export`). :class:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,10 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
     except ImportError as error:
         raise ImportError("lora needs peft: pip install 'kdlab[lora]'") from error
     config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=spec.target_modules)
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft (0.21) asks the model for transformers' deprecated ``is_gradient_checkpointing`` alias, which warns
+        # (FutureWarning) on every LoRA run; the answer is the same, the warning is peft's to fix, not the user's
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)
 
 

@@ -57,21 +57,29 @@ def require_gradient_sync(models: list[torch.nn.Module], sync: bool) -> None:
 
 @contextlib.contextmanager
 def gathered_for_decoding(models: list[torch.nn.Module]):
-    """Inside the block, each FSDP2-sharded model in ``models`` keeps its parameters gathered between
-    forwards: decoding calls a model once per token, and resharding after each call would all-gather every
-    layer again for the next token (for a 7B teacher, ~15 GB moved per token per rank). The gather
-    happens once, at the first forward. On leaving, every FSDP unit is resharded and gets back
-    :func:`shard_fsdp2`'s settings: the layers reshard after their forward, the model's root unit does
-    not (FSDP2's own default for a root, which the fused LM head relies on: it reads the root's gathered
-    head after the forward). The block's peak memory is each model's full weights in their gathered
-    dtype, as a replicated model would hold. Models that are not FSDP2 modules are left alone."""
+    """Inside the block, each FSDP-sharded model in ``models`` (FSDP2 or FSDP1) keeps its parameters gathered
+    between forwards: decoding calls a model once per token, and resharding after each call would all-gather
+    every layer again for the next token (for a 7B teacher, ~15 GB moved per token per rank). The gather
+    happens once per unit, at the first forward. On leaving, every unit is resharded and gets back its
+    settings: under FSDP2 :func:`shard_fsdp2`'s (the layers reshard after their forward, the model's root unit
+    does not: FSDP2's own default for a root, which the fused LM head relies on: it reads the root's gathered
+    head after the forward); under FSDP1 each unit's own sharding strategy (its units are told not to free
+    their gathered weights after a forward, as ``SHARD_GRAD_OP`` does, and freed on leaving; the root, which
+    FSDP1 never frees after a forward, is left as it is). The block's peak memory is each model's full weights
+    in their gathered dtype, as a replicated model would hold. Models that are not FSDP modules are left alone."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2
         FSDPModule = ()  # noqa: N806
     roots = [model for model in models if isinstance(model, FSDPModule)]
+    held = _fsdp1_units(models)
     for root in roots:
         root.set_reshard_after_forward(False)
+    if held:
+        from torch.distributed.fsdp._flat_param import HandleShardingStrategy
+
+        for unit, _ in held:
+            unit._handle._sharding_strategy = HandleShardingStrategy.SHARD_GRAD_OP  # no free after forward
     try:
         yield
     finally:
@@ -80,6 +88,29 @@ def gathered_for_decoding(models: list[torch.nn.Module]):
                 if isinstance(unit, FSDPModule):
                     unit.set_reshard_after_forward(unit is not root, recurse=False)
                     unit.reshard()
+        if held:
+            from torch.distributed.fsdp._runtime_utils import _reshard
+
+            for unit, strategy in held:
+                unit._handle._sharding_strategy = strategy
+                initialised = hasattr(unit._handle.flat_param, "_full_param_padded")  # a unit never run has nothing to free
+                if initialised and not unit._is_root and not unit._handle.needs_unshard():  # gathered in the block: free it
+                    _reshard(unit, unit._handle, True)
+
+
+def _fsdp1_units(models: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, Any]]:
+    """``(unit, its handle's sharding strategy)`` of every FSDP1 unit with parameters inside ``models``."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return []
+    units, seen = [], set()
+    for model in models:
+        for unit in model.modules():
+            if isinstance(unit, FullyShardedDataParallel) and unit._handle is not None and id(unit) not in seen:
+                seen.add(id(unit))
+                units.append((unit, unit._handle._sharding_strategy))
+    return units
 
 
 def wrap_fsdp1(stage: Any) -> None:

@@ -280,12 +280,8 @@ def spectrum(study: Study) -> Verdict:
 def harder_pass_at_k(study: Study) -> Verdict:
     """OnPD - OffPD pass@k on the harder held-out set, the claim (> 0: the paper's on-policy edge is "consistent")
     tested at every k the runs log. The paper distils on Countdown-3 and measures Countdown-4E; the runs' task
-    says what they did instead. A study whose main-grid runs measure the harder set themselves (a ``Coverage``
-    named ``harder``) and that has no ``hard`` part: :func:`kdlab.study.coverage_findings.harder_from_coverage`."""
-    from kdlab.study.coverage_findings import harder_from_coverage, measures_harder
-
-    if not study.parts["hard"] and measures_harder(study.parts["distill"]):
-        return harder_from_coverage(study)
+    says what they did instead. (A study whose main-grid runs measure the harder set themselves:
+    :func:`kdlab.study.coverage_findings.harder_from_coverage`; :func:`kdlab.study.verdicts.harder_set` picks.)"""
     groups = study.groups("hard")
     ks = sorted({int(m.rsplit("@", 1)[1]) for g in groups for m in g.runs[0].last if m.startswith("val/pass@")})
     on = [g for g in groups if g.kind == "OnPD" and g.lam is None]
@@ -316,12 +312,8 @@ def rlvr_edge(study: Study) -> Verdict:
     grouped by their source, not by their seed). "Before" takes every seed of the source configurations; the
     difference in differences and RLVR's effect take the chains that have both stages, each chain's after and
     before paired by its seed. The paper's claim needs an edge to lose: without an OnPD - OffPD edge before RLVR
-    (its claim not "reproduced") the row is "untestable". RLVR runs that measure the harder set themselves, before
-    and after (a ``Coverage`` named ``harder``), from the main grid: :func:`kdlab.study.coverage_findings.rlvr_from_coverage`."""
-    from kdlab.study.coverage_findings import measures_harder, rlvr_from_coverage
-
-    if not study.parts["hard"] and measures_harder(study.parts["rlvr"]):
-        return rlvr_from_coverage(study)
+    (its claim not "reproduced") the row is "untestable". (RLVR runs that measure the harder set themselves, before
+    and after: :func:`kdlab.study.coverage_findings.rlvr_from_coverage`; :func:`kdlab.study.verdicts.rlvr_row` picks.)"""
     source_part = "hard" if any((study.root / "hard" / Path(run.path).resolve().parent.name).is_dir() for run in study.parts["rlvr"]) else "distill"
     level = None if source_part == "hard" else "low"
     sources = [g for g in study.groups(source_part) if g.lam is None and level in (None, g.level)]
@@ -385,12 +377,8 @@ def rlvr_edge(study: Study) -> Verdict:
 def style_transfer(study: Study) -> Verdict:
     """OnPD reverse KL against each other setting's Spanish share, at each LR; a claim that compares a collapsed
     configuration (:func:`~kdlab.study.labels.collapse_reason` of its mean accuracy and earlier skills) is
-    labelled "collapsed", not transferred. A study with the style-alone design (its ``style_alone`` part) is judged by
-    :func:`kdlab.study.style_findings.style_alone` instead."""
-    if study.parts["style_alone"]:
-        from kdlab.study.style_findings import style_alone
-
-        return style_alone(study)
+    labelled "collapsed", not transferred. (A study with the style-alone design: :func:`kdlab.study.style_findings.style_alone`;
+    :func:`kdlab.study.verdicts.style_row` picks.)"""
     metric = "style/spanish_share"
     rows, claims, primary = [], [], []
 

@@ -55,6 +55,7 @@ class Group:
     runs: list[RunResult]
     other: str = ""
     level: str | None = None  # "low" / "high" learning rate, for the paper's numbers
+    other_parts: list[tuple[str, str]] = field(default_factory=list)  # ``other`` before it is joined and cut
     _intervals: dict = field(default_factory=dict, repr=False)
     frame: pd.DataFrame = field(init=False, repr=False)
 
@@ -250,6 +251,12 @@ def other_labels(settings: list[dict[str, str]]) -> list[str]:
     columns: ``name=value`` joined by ``, ``, names as short as they stay distinct, class names without
     their module; a class in a list (a callback) by its name (``callbacks.HeldOutKL.every_n_steps=50``,
     ``callbacks.Coverage=off`` for one without it); each cell at most :data:`OTHER_WIDTH` characters."""
+    return [_fit(parts) for parts in other_parts(settings)]
+
+
+def other_parts(settings: list[dict[str, str]]) -> list[list[tuple[str, str]]]:
+    """:func:`other_labels` before it is joined and cut: for each configuration, its ``(name, value)`` pairs
+    (``("callbacks.Coverage", "off")``, ``("precision", "bf16-true")``), whole."""
     shown = [shown_settings(s) for s in settings]
     columns = set(COLUMN_KEYS)
     keys = sorted({key for entries in shown for key, entry in entries.items() if entry.base not in columns})
@@ -272,7 +279,7 @@ def other_labels(settings: list[dict[str, str]]) -> list[str]:
                 parts.append((name(key), value_label(json.loads(entries[key].value))))
             elif (default := _class_default(key, entries)) is not None:  # left at its class's default (read as absent)
                 parts.append((name(key), value_label(default)))
-        labels.append(_fit(parts))
+        labels.append(parts)
     return labels
 
 
@@ -302,8 +309,8 @@ def group_runs(runs: list[RunResult], levels: dict[float, str]) -> list[Group]:
     for group in groups:
         stages.setdefault(group.runs[0].settings.get("model.class_path"), []).append(group)
     for same_stage in stages.values():
-        for group, label in zip(same_stage, other_labels([g.runs[0].settings for g in same_stage])):
-            group.other = label
+        for group, parts in zip(same_stage, other_parts([g.runs[0].settings for g in same_stage])):
+            group.other, group.other_parts = _fit(parts), parts
     for group in groups:
         group.level = levels.get(group.lr)
     return sorted(groups, key=lambda g: (g.task, ROLLOUT_ORDER.get(g.rollout, 3), g.rollout, g.lam or 0.0, g.objective, g.lr, g.other))

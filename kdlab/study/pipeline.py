@@ -224,7 +224,8 @@ def run_pipeline(pipeline: Pipeline, pipeline_file: str) -> list[dict[str, Any]]
 
 def main(argv: list[str] | None = None) -> None:
     """``kdlab pipeline --config FILE``; exits 1 if a run failed."""
-    parser = argparse.ArgumentParser(prog="kdlab pipeline", description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="kdlab pipeline", description=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)  # no prefixes of options (issue #43)
     parser.add_argument("--config", required=True, help="the pipeline file (YAML)")
     options = parser.parse_args(argv)
     try:

@@ -35,9 +35,11 @@ required (:func:`default_output`):
 - CSV files in the units the runs logged: ``runs.csv`` (every run, every metric's last value, and the
   fit's wall time from ``kdlab sweep``'s ``DONE`` summary),
   ``summary.csv``, ``spectrum.csv``, ``pass_at_k.csv``, ``style.csv``, ``rlvr_curves.csv`` (whole curves).
-- PNG figures (each titled with its metric, error bars the 95% interval or else +- std over seeds, a
-  note on the figure when every plotted value is equal), also embedded with the Markdown in
-  TensorBoard under ``<output>/tensorboard``.
+- PNG figures in the study's factors (:mod:`kdlab.study.figures`: a panel per task, short labels such as
+  ``OffPD FKL`` and ``1e-4``, the legend below the axes, a caption naming the metric and, once, what its error
+  bars are, and saying when every plotted value is equal): ``accuracy``, ``train-loss`` (every run's curve,
+  when its configurations need at most 10 colours), ``spectrum-<task>``, ``pass_at_k-<task>`` and the RLVR
+  rewards; also embedded with the Markdown in TensorBoard under ``<output>/tensorboard``.
 
 The paper's numbers sit beside a row when the setting matches: the paper's task (its headline numbers are
 Countdown-3, Science and MedReason; a row of another task, e.g. SmolLM2 on Counting, gets none, and a report
@@ -73,7 +75,7 @@ from kdlab.study.runs import MAIN_METRICS, PASS_AT_K, STYLE_METRICS, RunResult, 
 
 STYLE_GUARDS = ("val/accuracy", "ood/mean_delta", "heldout_kl/forward", "heldout_kl/student_prefixes/forward")
 """Shown beside the Spanish share, on the configurations that logged it."""
-from kdlab.study.figures import LABEL_WIDTH, TITLE_WIDTH, _figure_factory, error_bars, note_if_equal, wrap  # noqa: F401 - old names here too
+from kdlab.study.figures import CURVE_COLOURS, LABEL_WIDTH, TITLE_WIDTH, _figure_factory, accuracy_figure, curves_figure, error_bars, lam_figure, lam_lines, note_if_equal, wrap  # noqa: F401 - old names here too
 from kdlab.study.tables import markdown_table, write_csv
 
 
@@ -143,42 +145,20 @@ class _Report:
             self.skipped_figures.append(name)
         return self.new_figure is not None
 
-    def lam_figure(self, name: str, lines: list[tuple[str, list[Group], str]], ylabel: str, title: str, text_size: tuple[int, int]) -> None:
-        """A figure of percent metrics against ``lam``: one line per ``(label, configurations sorted by
-        lam, metric)``, error bars from :func:`error_bars`; ``text_size`` is (title, legend) font size."""
-        if not self.drawing(name):
-            return
-        fig = self.new_figure(figsize=(6, 4))
-        ax = fig.add_subplot()
-        plotted = []
-        for label, members, metric in lines:
-            means, errors = error_bars(members, metric)
-            ax.errorbar([g.lam for g in members], means, yerr=errors, marker="o", capsize=3, label=wrap(label, LABEL_WIDTH))
-            plotted += means
-        ax.set(xlabel="lam (-1 teacher, 1 student)", ylabel=ylabel, ylim=(0, 100), title=wrap(title, TITLE_WIDTH))
-        ax.title.set_fontsize(text_size[0])
-        note_if_equal(ax, plotted, ylabel)
-        ax.legend(fontsize=text_size[1])
-        self.figures[name] = fig
+    def lam_figure(self, name: str, lines: list[tuple[list[Group], str]], ylabel: str, title: str) -> None:
+        """:func:`kdlab.study.figures.lam_figure` as figure ``name`` (when matplotlib is there)."""
+        if self.drawing(name):
+            self.figures[name] = lam_figure(self.new_figure, lines, ylabel, title)
 
-    def accuracy_figure(self, shown: list[Group]) -> Any:
-        """Horizontal bars of val/accuracy, one per configuration, labelled with :func:`group_label`
-        wrapped to :data:`LABEL_WIDTH` characters a line (the figure grows with the lines)."""
-        labels = [wrap(group_label(g), LABEL_WIDTH) for g in shown]
-        lines = sum(label.count("\n") + 1 for label in labels)
-        fig = self.new_figure(figsize=(7, 0.3 * lines + 0.15 * len(shown) + 1.8))
-        ax = fig.add_subplot()
-        means, errors = error_bars(shown, "val/accuracy")
-        ax.barh(range(len(shown)), means, xerr=errors, capsize=3, alpha=0.8)
-        ax.plot(means, range(len(shown)), "k|", markersize=12)  # a zero-length bar still shows its value
-        ax.set_yticks(range(len(shown)), labels, fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xlim(0, 100)
-        title = "val/accuracy (held-out, last evaluation): mean over seeds, bar = 95% interval or ± std"
-        ax.set(xlabel="val/accuracy (%)", title=wrap(title, TITLE_WIDTH - LABEL_WIDTH // 2))  # beside the labels
-        ax.title.set_fontsize(9)
-        note_if_equal(ax, means, "val/accuracy (%)")
-        return fig
+    def curves(self, name: str, groups: list[Group], metric: str, title: str) -> None:
+        """:func:`kdlab.study.figures.curves_figure` as figure ``name``, when it can be drawn."""
+        if not any(metric in run.series for g in groups for run in g.runs) or not self.drawing(name):
+            return
+        fig = curves_figure(self.new_figure, groups, metric, title)
+        if fig is not None:
+            self.figures[name] = fig
+        else:
+            self.md += ["", f"Figure {name} not drawn: its configurations need more than {CURVE_COLOURS} colours ({metric} is in runs.csv)."]
 
     # -- sections
     def results(self) -> None:
@@ -216,7 +196,8 @@ class _Report:
             ]
         shown = [g for g in self.groups if g.stats("val/accuracy")]
         if shown and self.drawing("accuracy"):
-            self.figures["accuracy"] = self.accuracy_figure(shown)
+            self.figures["accuracy"] = accuracy_figure(self.new_figure, shown)
+        self.curves("train-loss", self.groups, "train/loss", "train/loss (the training objective) against the step")
 
     def spectrum(self) -> None:
         """MixtureRollouts: val/accuracy against lam, one curve per objective (and learning rate)."""
@@ -238,9 +219,8 @@ class _Report:
                     row.append(f"{cell(match[0], 'val/accuracy')} (n={match[0].seeds})" if match else "")
                 table.append(row)
             self.md += [f"{task}: val/accuracy (%) by lam", "", markdown_table(["lam", *curves], table), ""]
-            lines = [(label, members, "val/accuracy") for label, members in curves.items()]
-            title = f"Rollout spectrum, {task}: val/accuracy (bars: 95% interval or ± std)"
-            self.lam_figure(f"spectrum-{task}", lines, "val/accuracy (%)", title, text_size=(9, 8))
+            lines = lam_lines(here, ["val/accuracy"])
+            self.lam_figure(f"spectrum-{task}", lines, "val/accuracy (%)", f"Rollout spectrum, {task}: val/accuracy (%) at the last evaluation, mean over seeds")
             for g in here:
                 mean, std, n = g.stats("val/accuracy")
                 interval = g.interval("val/accuracy")
@@ -256,13 +236,8 @@ class _Report:
         shown = self.metric_section("pass@k", metrics, "pass_at_k.csv", "pass@k")
         for task in sorted({g.task for g in shown if g.lam is not None}):
             here = [g for g in shown if g.task == task and g.lam is not None]
-            lines = []
-            for metric in metrics:
-                for objective, lr in sorted({(g.objective, g.lr) for g in here}):
-                    members = sorted((g for g in here if (g.objective, g.lr) == (objective, lr) and g.stats(metric)), key=lambda g: g.lam)
-                    if members:
-                        lines.append((f"{metric} {objective} lr={lr:g}", members, metric))
-            self.lam_figure(f"pass_at_k-{task}", lines, "pass@k (%)", f"pass@k vs lam, {task}: {', '.join(metrics)}", text_size=(8, 7))
+            lines = lam_lines(here, metrics)
+            self.lam_figure(f"pass_at_k-{task}", lines, "pass@k (%)", f"pass@k against lam, {task}, mean over seeds")
 
     def style(self) -> None:
         """The Spanish share with what tells a transferred style from a broken student beside it: held-out
@@ -281,19 +256,11 @@ class _Report:
         shown = self.metric_section("RLVR reward (last value; whole curves in rlvr_curves.csv and the figures)", metrics, "rlvr.csv")
         rows = []
         for metric in metrics:
-            fig = self.new_figure(figsize=(7, 4)) if self.drawing(metric.replace("/", "-")) else None
-            ax = fig.add_subplot() if fig is not None else None
-            for index, g in enumerate(shown):
-                for number, run in enumerate(r for r in g.runs if metric in r.series):
-                    steps, values = zip(*run.series[metric])
-                    if ax is not None:
-                        ax.plot(steps, values, color=f"C{index % 10}", alpha=0.8, label=wrap(group_label(g), LABEL_WIDTH) if number == 0 else None)
+            self.curves(metric.replace("/", "-"), shown, metric, f"{metric} against the step")
+            for g in shown:
+                for run in (r for r in g.runs if metric in r.series):
                     lam = "" if g.lam is None else g.lam
                     rows += [[str(run.path), g.task, g.rollout, lam, g.objective, g.lr, run.seed, metric, s, v] for s, v in run.series[metric]]
-            if fig is not None:
-                ax.set(xlabel="step", ylabel=metric, title=metric)
-                ax.legend(fontsize=7)
-                self.figures[metric.replace("/", "-")] = fig
         header = ["run", "task", "rollout", "lam", "objective", "lr", "seed", "metric", "step", "value"]
         write_csv(self.output / "rlvr_curves.csv", header, rows)
 
@@ -410,7 +377,8 @@ def default_output(paths: list[str | Path]) -> Path:
 def main(argv: list[str] | None = None) -> None:
     """``kdlab report RUN_DIR... [--output DIR] [--low_lr LR...] [--high_lr LR...]``."""
     parser = argparse.ArgumentParser(
-        prog="kdlab report", description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="kdlab report", description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # --out DIR is an unknown option, not --output (issue #43)
     )
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
                         help="run directories, folders holding them (runs/<name> with its version_N) or a sweep's output directory")

@@ -83,12 +83,18 @@ def _times(every: int | None, steps: int, at_start: bool) -> int:
     return int(at_start) + periodic + (0 if every and steps % every == 0 else 1)
 
 
+def suite_names(suite: Any, setting: str = "OODForgetting.lm_eval_tasks") -> list[str]:
+    """The :data:`LM_EVAL_COST` names of a suite (``paper``, a name, a list of names, or a mapping keyed by them)."""
+    names = list(LM_EVAL_COST) if suite == "paper" else [suite] if isinstance(suite, str) else list(suite or [])
+    unknown = [name for name in names if name not in LM_EVAL_COST]
+    if unknown or not names:
+        raise ValueError(f"{setting} {unknown or suite!r}: kdlab estimate knows the cost of {sorted(LM_EVAL_COST)} only")
+    return names
+
+
 def lm_eval_seconds(setup: Setup, suite: Any, batch: int, hardware: Hardware) -> float:
     """One pass of an lm-eval suite (``paper``, a list of :data:`LM_EVAL_COST` names) on the student as held."""
-    names = list(LM_EVAL_COST) if suite == "paper" else [suite] if isinstance(suite, str) else list(suite)
-    unknown = [name for name in names if name not in LM_EVAL_COST]
-    if unknown:
-        raise ValueError(f"OODForgetting.lm_eval_tasks {unknown}: kdlab estimate knows the cost of {sorted(LM_EVAL_COST)} only")
+    names = suite_names(suite)
     size, total = BYTES[setup.student_dtype], 0.0  # in-loop lm-eval: outside autocast, the weights as held
     for name in names:
         requests, kind, generated, prompt = LM_EVAL_COST[name]

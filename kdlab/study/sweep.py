@@ -384,6 +384,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="kdlab sweep",
         description=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # --max_par 2 is an unknown option, not --max_parallel (issue #43)
     )
     parser.add_argument("--config", required=True, help="the sweep file (YAML)")
     parser.add_argument("--mode", choices=MODES, help="overrides the sweep file's mode")

@@ -44,6 +44,8 @@ from kdlab.study.findings import (  # noqa: F401  (the findings, importable from
     spectrum,
     style_transfer,
 )
+from kdlab.study.coverage_findings import harder_from_coverage, measures_harder, rlvr_from_coverage
+from kdlab.study.style_findings import style_alone
 from kdlab.study.labels import ACCURACY_MARGIN, ALPHA, COLLAPSE_ACCURACY, COLLAPSE_OOD, NOT_RUN, OOD_MARGIN, holm
 from kdlab.study.labels import REPRODUCED as _REPRODUCED  # kdlab.verdicts.REPRODUCED is the legacy name of labels'
 from kdlab.study.labels import Effect  # noqa: F401  (kdlab 0.1 imported it from here)
@@ -122,8 +124,30 @@ WORLD_DEPARTURES = (
     "Each row's own departures (its verdict says \"design differs\"):"
 )
 
+def harder_set(study: Study) -> Verdict:
+    """The harder-set row: measured by the main grid's own runs (a ``Coverage`` named ``harder``, no ``hard`` part:
+    :func:`~kdlab.study.coverage_findings.harder_from_coverage`) or by the ``hard`` part (:func:`harder_pass_at_k`)."""
+    if not study.parts["hard"] and measures_harder(study.parts["distill"]):
+        return harder_from_coverage(study)
+    return harder_pass_at_k(study)
+
+
+def rlvr_row(study: Study) -> Verdict:
+    """The RLVR row: chains that measure the harder set before and after themselves
+    (:func:`~kdlab.study.coverage_findings.rlvr_from_coverage`), else :func:`rlvr_edge`."""
+    if not study.parts["hard"] and measures_harder(study.parts["rlvr"]):
+        return rlvr_from_coverage(study)
+    return rlvr_edge(study)
+
+
+def style_row(study: Study) -> Verdict:
+    """The style row: the style-alone design when the study has its part (:func:`~kdlab.study.style_findings.style_alone`),
+    else :func:`style_transfer`."""
+    return style_alone(study) if study.parts["style_alone"] else style_transfer(study)
+
+
 FINDINGS: tuple[Callable[[Study], Verdict], ...] = (
-    on_policy_advantage, kl_direction_sensitivity, forgetting, sparsity, spectrum, harder_pass_at_k, rlvr_edge, style_transfer,
+    on_policy_advantage, kl_direction_sensitivity, forgetting, sparsity, spectrum, harder_set, rlvr_row, style_row,
 )
 
 

@@ -81,9 +81,12 @@ class InProcessTeacher(TeacherSource):
             return self.layout.completion_logits(self.model, rollout, "teacher", self.token_columns, rows) / self.run.teacher_temperature
 
     def decoder(self, prompts: Any, temperature: float) -> Any:
-        from kdlab.rollouts.decoding import IncrementalLM
+        from kdlab.rollouts.decoding import IncrementalLM, incremental_decoder
 
-        return IncrementalLM(self.model, prompts.teacher_ids, prompts.teacher_mask, self.token_columns, temperature)
+        budget = getattr(self.run, "max_completion_tokens", None)
+        if budget is None:
+            return IncrementalLM(self.model, prompts.teacher_ids, prompts.teacher_mask, self.token_columns, temperature)
+        return incremental_decoder(self.model, prompts.teacher_ids, prompts.teacher_mask, self.token_columns, temperature, budget)
 
     def texts(self, task: Any, examples: list[Any], device: torch.device, **settings: Any) -> list[str]:
         from kdlab.evaluation.scoring import completion_texts

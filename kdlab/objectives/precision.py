@@ -1,0 +1,31 @@
+"""The fp32 matrix-product precision of the exact computations: TF32 off where a result must be full fp32.
+
+A CUDA fit runs with TF32 on (``torch.set_float32_matmul_precision("high")``, set by
+:class:`~kdlab.stages.base.TaskStage`), which is right for the models' own products; the KL kernels' row-wise
+dot products (:func:`~kdlab.objectives.kernels.rowdot`) are differences of cross-entropies and run under
+:func:`ieee_fp32` instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+@contextlib.contextmanager
+def ieee_fp32() -> Iterator[None]:
+    """A context in which fp32 matrix products are full fp32 (``torch.get_float32_matmul_precision() ==
+    "highest"``), restoring the caller's setting after. The stage turns TF32 on for a CUDA fit ("high"), where
+    a batched product of fp32 rows keeps about 10 mantissa bits: the exact KLs, differences of cross-entropies
+    of ``max|logit|`` size, would lose about ``1e-3 * max|logit|`` nats."""
+    kept = torch.get_float32_matmul_precision()
+    if kept == "highest":
+        yield
+        return
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(kept)

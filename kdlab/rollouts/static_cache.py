@@ -1,0 +1,194 @@
+"""A decoder that is not launch-bound: a preallocated KV cache, a decode step that can be captured, and rows
+that leave the batch when they finish.
+
+:class:`StaticCacheLM` is a :data:`~kdlab.rollouts.decoding.NextLogprobs` like
+:class:`~kdlab.rollouts.decoding.IncrementalLM` (same prompts, same log-probs) with three differences that
+matter on a GPU, where a small model's decode step is a few hundred kernel launches and a host sync:
+
+* the KV cache is Hugging Face's ``StaticCache``, allocated once for ``prompt + max_new_tokens`` positions
+  (rounded up to :data:`CACHE_BUCKET` so that decodes of different prompt lengths share one captured step),
+  and the attention mask is one ``(B, 1, 1, L)`` buffer updated in place: nothing is concatenated or
+  rebuilt per token, so every step has the same shapes and addresses;
+* the decode step can be compiled (``compile``): ``"cuda"`` (the default) compiles it with
+  ``mode="reduce-overhead"`` (CUDA graphs) on a CUDA device and runs it eagerly elsewhere, ``"always"``
+  compiles it on any device (inductor's C++ kernels on a CPU), ``"never"`` runs it eagerly. On a CPU the
+  eager step is the default because compiling did not pay there (``benchmarks/decode.py`` measures both);
+* :meth:`StaticCacheLM.keep_rows` drops finished rows (their cache rows go with them), which
+  :func:`~kdlab.rollouts.decoding.sample_tokens` calls when half a batch has ended.
+
+The log-probs equal :class:`~kdlab.rollouts.decoding.IncrementalLM`'s: the same prompt forward, the same
+position ids, and masked cache positions contribute exactly nothing to attention (tests compare greedy
+decodes token for token with it and with Hugging Face ``generate``, on the tiny pair and SmolLM2).
+Models whose layers are not all full attention (sliding windows) fall back to :class:`IncrementalLM` in
+:func:`~kdlab.rollouts.decoding.incremental_decoder`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kdlab.objectives.logits import cache_argument, forward_parameters, innermost_model
+
+CACHE_BUCKET = 64
+"""Cache lengths are rounded up to a multiple of this, so prompts of different lengths share one compiled step."""
+
+COMPILE_CHOICES = ("cuda", "always", "never")
+
+
+def _config(model: torch.nn.Module) -> Any:
+    return getattr(innermost_model(model), "config", None) or getattr(model, "config", None)
+
+
+def static_cache_supported(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot decode with :class:`StaticCacheLM` (``None`` when it can): it needs a Hugging Face
+    causal LM whose every layer is full attention, whose forward takes ``logits_to_keep`` and whose attention is
+    ``sdpa`` or ``eager`` (they take the ``(B, 1, Q, L)`` mask it builds)."""
+    config = _config(model)
+    if config is None:
+        return "the model has no Hugging Face config"
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    if any(kind != "full_attention" for kind in layer_types):
+        return f"layers of kinds {sorted(set(layer_types))}, not only full attention"
+    if "logits_to_keep" not in forward_parameters(model):
+        return "its forward takes no logits_to_keep"
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
+    if attention not in ("sdpa", "eager"):
+        return f"attention {attention!r} takes no (B, 1, Q, L) mask (sdpa and eager do)"
+    return None
+
+
+class StaticCacheLM:
+    """One model decoding a left-padded prompt batch step by step with a preallocated KV cache.
+
+    Args:
+        model: a causal LM (put in eval mode by the caller); see :func:`static_cache_supported`.
+        input_ids, attention_mask: ``(B, P)`` left-padded prompt.
+        token_columns: logits beyond this index (padded embedding rows) are dropped.
+        temperature: next-token log-probs are ``log_softmax(logits / temperature)``; 0 gives the untempered
+            ``log_softmax(logits)`` (for greedy decoding).
+        max_new_tokens: the most tokens any row decodes (the cache holds ``P + max_new_tokens`` positions,
+            rounded up to :data:`CACHE_BUCKET`).
+        compile: ``"cuda"`` (compile the decode step with CUDA graphs on a CUDA device, eager elsewhere),
+            ``"always"`` or ``"never"``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_columns: int,
+        temperature: float,
+        max_new_tokens: int,
+        compile: str = "cuda",
+    ) -> None:
+        if compile not in COMPILE_CHOICES:
+            raise ValueError(f"decoder compile must be one of {COMPILE_CHOICES}, got {compile!r}")
+        if (why := static_cache_supported(model)) is not None:
+            raise ValueError(f"StaticCacheLM cannot decode this model: {why}")
+        from transformers import StaticCache
+
+        self.model = model
+        self.input_ids = input_ids
+        self.attention_mask = attention_mask
+        self.token_columns = token_columns
+        self.temperature = temperature
+        self.cache_argument = cache_argument(model)
+        batch, prompt = input_ids.shape
+        length = -(-(prompt + max(int(max_new_tokens), 1)) // CACHE_BUCKET) * CACHE_BUCKET
+        self.cache = StaticCache(config=_config(model), max_cache_len=length)
+        self.prompt_length = prompt
+        self.written = prompt  # cache positions filled so far
+        # (B, 1, 1, L) mask of the decode steps, True where a step may attend: the prompt's tokens and the tokens
+        # decoded so far; one column opens per step, in place. Boolean (SDPA takes it in any compute dtype: bf16
+        # under autocast or FSDP mixed precision) unless the model runs eager attention, which adds its mask
+        self.additive = getattr(_config(model), "_attn_implementation", "sdpa") == "eager"
+        self.step_mask = torch.zeros((batch, 1, 1, length), dtype=torch.bool, device=input_ids.device)
+        self.step_mask[:, 0, 0, :prompt] = attention_mask.bool()
+        if self.additive:
+            self.step_mask = self._additive(self.step_mask)
+        _static(self.step_mask)
+        self.last_position: torch.Tensor | None = None
+        use_compiled = compile == "always" or (compile == "cuda" and input_ids.device.type == "cuda")
+        self.step = _compiled_step(input_ids.device.type) if use_compiled else _step
+
+    def _prompt_mask(self) -> torch.Tensor:
+        """``(B, 1, P, L)`` mask of the prompt forward: causal, padding blocked."""
+        batch, prompt = self.input_ids.shape
+        length = self.step_mask.shape[-1]
+        keys = torch.arange(length, device=self.input_ids.device)
+        causal = keys[None, :] <= torch.arange(prompt, device=self.input_ids.device)[:, None]  # (P, L)
+        padded = torch.zeros(batch, length, dtype=torch.bool, device=self.input_ids.device)
+        padded[:, :prompt] = self.attention_mask.bool()
+        allowed = causal[None, None] & padded[:, None, None, :]
+        # a padding position attends to itself, so that no row is all masked (its output is never read)
+        allowed[:, 0, :, :prompt] |= torch.eye(prompt, dtype=torch.bool, device=allowed.device)
+        return self._additive(allowed) if self.additive else allowed
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """``allowed`` as an additive mask in the model's parameter dtype: 0 where True, its lowest value elsewhere."""
+        dtype = next(self.model.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+    def _logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits[:, -1, : self.token_columns].float()
+        if self.temperature > 0:
+            logits = logits / self.temperature
+        return torch.log_softmax(logits, dim=-1)
+
+    @torch.no_grad()
+    def __call__(self, previous: torch.Tensor | None) -> torch.Tensor:
+        """Next-token log-probs ``(b, V)`` after feeding ``previous`` ``(b,)`` (None on the first call); ``b`` is
+        the rows still in the batch (see :meth:`keep_rows`)."""
+        if previous is None:
+            positions = (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+            self.last_position = positions[:, -1:]
+            outputs = self.model(input_ids=self.input_ids, attention_mask=self._prompt_mask(),
+                                 position_ids=positions, use_cache=True, logits_to_keep=1, **{self.cache_argument: self.cache})
+            return self._logprobs(outputs.logits)
+        if self.written >= self.step_mask.shape[-1]:
+            raise RuntimeError(f"StaticCacheLM: decoded past its cache of {self.step_mask.shape[-1]} positions")
+        self.step_mask[:, :, :, self.written] = 0.0 if self.additive else True
+        self.written += 1
+        self.last_position = self.last_position + 1
+        logits = self.step(self.model, previous[:, None], self.last_position, self.step_mask, self.cache, self.cache_argument)
+        return self._logprobs(logits)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only rows ``rows`` (indices into the current batch, in the order given) from now on: the cache,
+        the mask and the positions of every other row are dropped."""
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", True) and getattr(layer, "keys", None) is not None:
+                layer.keys = _static(layer.keys.index_select(0, rows))
+                layer.values = _static(layer.values.index_select(0, rows))
+                if hasattr(layer, "max_batch_size"):
+                    layer.max_batch_size = len(rows)
+        self.step_mask = _static(self.step_mask.index_select(0, rows))
+        self.last_position = self.last_position.index_select(0, rows)
+
+
+def _static(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, marked as living at one address for as long as it is used (as ``StaticCache`` marks its own):
+    a captured step reads it in place instead of copying it into the graph every step."""
+    torch._dynamo.mark_static_address(tensor)
+    return tensor
+
+
+def _step(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any,
+          cache_arg: str) -> torch.Tensor:
+    """One decode step: logits ``(b, 1, V)`` of tokens ``(b, 1)`` at positions ``(b, 1)`` under ``mask``."""
+    return model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
+                 logits_to_keep=1, **{cache_arg: cache}).logits
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _compiled_step(device_type: str) -> Any:
+    """:func:`_step` compiled once per device type (CUDA graphs on CUDA: ``mode="reduce-overhead"``)."""
+    if device_type not in _COMPILED:
+        mode = "reduce-overhead" if device_type == "cuda" else None
+        _COMPILED[device_type] = torch.compile(_step, mode=mode, dynamic=False)
+    return _COMPILED[device_type]

@@ -1,0 +1,182 @@
+"""The decoder that is not launch-bound (``kdlab.rollouts.static_cache``) against today's: greedy decodes are
+identical token for token to :class:`IncrementalLM` with a check after every token and to Hugging Face
+``generate``; sampled decodes draw the same tokens from the same seeded generator and leave it in the same
+state, while finished rows leave the batch and the finished check runs once every ``check_every`` tokens.
+The real-model tier (SmolLM2) repeats the greedy comparison in ``tests/test_real_model.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdlab.data import left_pad
+from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
+from kdlab.rollouts.decoding import (
+    IncrementalLM,
+    exponential_draw,
+    incremental_decoder,
+    sample_tokens,
+)
+from kdlab.rollouts.static_cache import CACHE_BUCKET, StaticCacheLM
+
+ROLES = ("student", "teacher")
+
+
+@pytest.fixture(scope="module", params=ROLES)
+def tiny(request):
+    spec = ModelSpec(f"kdlab://tiny-random/{request.param}")
+    tokenizer, model = load_tokenizer(spec, request.param), load_causal_lm(spec, request.param).eval()
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.randint(5, 300, (n,), generator=generator).tolist() for n in (5, 9, 3, 12, 7, 7, 2, 10)]
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+    return model, tokenizer, ids, mask
+
+
+def reference_decode(model, ids, mask, columns, temperature, steps, eos, pad, generator, greedy):
+    """Today's loop, written out: IncrementalLM, every row in the batch to the end, a check after every token,
+    ``torch.multinomial`` on the whole batch. Returns ids, mask, entropy ``(B, C)``."""
+    decoder = IncrementalLM(model, ids, mask, columns, temperature)
+    finished = torch.zeros(ids.shape[0], dtype=torch.bool)
+    tokens, masks, entropies, previous = [], [], [], None
+    for step in range(steps):
+        logprobs = decoder(previous)
+        probs = logprobs.exp()
+        token = logprobs.argmax(-1) if greedy else torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        token = torch.where(~finished, token, torch.full_like(token, pad))
+        tokens.append(token), masks.append(~finished)
+        entropies.append(torch.where(~finished, -(probs * logprobs.clamp(min=-1e30)).sum(-1), 0.0))
+        finished = finished | torch.isin(token, torch.tensor(eos)) | (step + 1 >= steps)
+        if bool(finished.all()):
+            break
+        previous = token
+    return torch.stack(tokens, 1), torch.stack(masks, 1), torch.stack(entropies, 1)
+
+
+class Recorded:
+    """A decoder whose ``keep_rows`` calls and batch sizes are recorded."""
+
+    def __init__(self, decoder):
+        self.decoder, self.batches, self.kept = decoder, [], []
+
+    def __call__(self, previous):
+        out = self.decoder(previous)
+        self.batches.append(out.shape[0])
+        return out
+
+    def keep_rows(self, rows):
+        self.kept.append(len(rows))
+        self.decoder.keep_rows(rows)
+
+
+def spread_end_tokens(reference_ids: torch.Tensor) -> tuple[int, ...]:
+    """End tokens that end the rows of a greedy decode at spread lengths: the tokens rows 0-3 write at steps 2-5."""
+    return tuple(sorted({int(reference_ids[row, 2 + row]) for row in range(4)}))
+
+
+def test_a_static_cache_greedy_decode_equals_todays_and_generate(tiny):
+    from transformers import GenerationConfig
+
+    model, tokenizer, ids, mask = tiny
+    columns, steps, pad = len(tokenizer), 24, tokenizer.pad_token_id
+    free, _, _ = reference_decode(model, ids, mask, columns, 0.0, steps, (-1,), pad, None, True)
+    eos = spread_end_tokens(free)
+    want_ids, want_mask, want_entropy = reference_decode(model, ids, mask, columns, 0.0, steps, eos, pad, None, True)
+    lengths = want_mask.sum(1)
+    assert lengths.min() < steps // 2 < lengths.max(), "the end tokens must end rows at spread lengths"
+    decoder = Recorded(StaticCacheLM(model, ids, mask, columns, 0.0, steps, compile="never"))
+    got_ids, got_mask, got_entropy = sample_tokens(decoder, ids.shape[0], steps, eos, pad, None, greedy=True, check_every=4)
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_mask, want_mask)
+    torch.testing.assert_close(got_entropy, want_entropy)
+    assert decoder.kept and min(decoder.batches) < ids.shape[0]  # finished rows left the batch
+    assert decoder.batches[-1] == decoder.kept[-1]
+    # Hugging Face generate, restricted to the tokenizer's columns as kdlab's decoders are
+    config = GenerationConfig(do_sample=False, max_new_tokens=steps, eos_token_id=list(eos), pad_token_id=pad,
+                              suppress_tokens=list(range(columns, model.config.vocab_size)))
+    with torch.no_grad():
+        theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+    assert torch.equal(theirs, got_ids)
+
+
+def test_a_static_cache_sampled_decode_draws_todays_tokens_and_leaves_the_generator_where_today_does(tiny):
+    model, tokenizer, ids, mask = tiny
+    columns, steps, pad = len(tokenizer), 24, tokenizer.pad_token_id
+    free, _, _ = reference_decode(model, ids, mask, columns, 0.0, steps, (-1,), pad, None, True)
+    eos = spread_end_tokens(free)
+    want_gen, got_gen = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    want = reference_decode(model, ids, mask, columns, 1.0, steps, eos, pad, want_gen, False)
+    decoder = Recorded(StaticCacheLM(model, ids, mask, columns, 1.0, steps, compile="never"))
+    got = sample_tokens(decoder, ids.shape[0], steps, eos, pad, got_gen, check_every=5)
+    assert want[1].sum(1).min() < want[1].shape[1], "some row must end early"
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2])
+    assert torch.equal(got_gen.get_state(), want_gen.get_state())  # steps decoded past the end drew nothing kept
+    assert len(decoder.batches) >= want[0].shape[1]
+
+
+def test_the_exponential_draw_is_torch_multinomials_one_sample_draw():
+    probs = torch.softmax(torch.randn(6, 500), -1)
+    mine, theirs = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    for _ in range(20):
+        assert torch.equal(exponential_draw(probs, mine, torch.arange(6), 6), torch.multinomial(probs, 1, generator=theirs).squeeze(-1))
+    rows = torch.tensor([1, 4])
+    drawn = exponential_draw(probs[rows], mine, rows, 6)
+    assert torch.equal(drawn, torch.multinomial(probs, 1, generator=theirs).squeeze(-1)[rows])
+    assert torch.equal(mine.get_state(), theirs.get_state())
+
+
+def test_the_finished_check_and_the_collective_decision_run_once_every_check_every_tokens(tiny):
+    model, tokenizer, ids, mask = tiny
+    asked = []
+
+    def all_done(local: bool) -> bool:
+        asked.append(local)
+        return local
+
+    decoder = StaticCacheLM(model, ids, mask, len(tokenizer), 0.0, 20, compile="never")
+    out, kept, _ = sample_tokens(decoder, ids.shape[0], 20, (-1,), tokenizer.pad_token_id, None, greedy=True, all_done=all_done, check_every=8)
+    assert asked == [False, False, True] and out.shape == kept.shape == (ids.shape[0], 20)  # after 8, 16 and 20 tokens
+
+
+def test_the_static_cache_is_rounded_up_and_refuses_to_decode_past_it(tiny):
+    model, tokenizer, ids, mask = tiny
+    decoder = StaticCacheLM(model, ids, mask, len(tokenizer), 0.0, 3, compile="never")
+    length = decoder.step_mask.shape[-1]
+    assert length % CACHE_BUCKET == 0 and length >= ids.shape[1] + 3
+    previous = decoder(None).argmax(-1)
+    for _ in range(length - ids.shape[1]):
+        previous = decoder(previous).argmax(-1)
+    with pytest.raises(RuntimeError, match="past its cache"):
+        decoder(previous)
+    with pytest.raises(ValueError, match="compile must be one of"):
+        StaticCacheLM(model, ids, mask, len(tokenizer), 0.0, 3, compile="sometimes")
+
+
+def test_models_with_sliding_window_layers_keep_the_dynamic_cache(tiny):
+    model, tokenizer, ids, mask = tiny
+    assert isinstance(incremental_decoder(model, ids, mask, len(tokenizer), 0.0, 4), StaticCacheLM)
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    try:
+        assert isinstance(incremental_decoder(model, ids, mask, len(tokenizer), 0.0, 4), IncrementalLM)
+    finally:
+        model.config.layer_types = ["full_attention", "full_attention"]
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_step_decodes_what_the_eager_one_does(tiny):
+    """``compile="always"`` (inductor on a CPU; CUDA graphs on a GPU take the same path with ``reduce-overhead``)."""
+    model, tokenizer, ids, mask = tiny
+    eager = sample_tokens(StaticCacheLM(model, ids, mask, len(tokenizer), 0.0, 12, compile="never"), ids.shape[0], 12, (-1,), 0, None, greedy=True)
+    compiled = sample_tokens(StaticCacheLM(model, ids, mask, len(tokenizer), 0.0, 12, compile="always"), ids.shape[0], 12, (-1,), 0, None, greedy=True)
+    assert torch.equal(eager[0], compiled[0])
+
+
+def test_eager_attention_takes_an_additive_mask_and_decodes_what_sdpa_does(tiny):
+    model, tokenizer, ids, mask = tiny
+    want = sample_tokens(StaticCacheLM(model, ids, mask, len(tokenizer), 0.0, 10, compile="never"), ids.shape[0], 10, (-1,), 0, None, greedy=True)[0]
+    model.config._attn_implementation = "eager"
+    try:
+        decoder = StaticCacheLM(model, ids, mask, len(tokenizer), 0.0, 10, compile="never")
+        assert decoder.step_mask.dtype == torch.float32
+        assert torch.equal(sample_tokens(decoder, ids.shape[0], 10, (-1,), 0, None, greedy=True)[0], want)
+    finally:
+        model.config._attn_implementation = "sdpa"
