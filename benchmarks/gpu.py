@@ -1,6 +1,6 @@
 """GPU figures for issue #26 ("Scale"), one run of under 10 minutes on one CUDA GPU, written as JSON:
 
-    python benchmarks/gpu.py [--repeats 3] [--skip decode step fsdp vllm] [--out FILE]
+    python benchmarks/gpu.py [--repeats 1] [--skip decode step fsdp vllm overlap] [--out FILE]
     python benchmarks/gpu.py --smoke [--fit]  # every section at toy sizes on whatever device is present (CPU in CI)
 
 Models: random-initialised Qwen2 models with the shapes of Qwen2.5-1.5B-Instruct (student) and
@@ -12,19 +12,22 @@ device (nothing downloaded); the shared vocabulary is the tokenizer's 151,665 to
    left-padded random prompts (lengths 64 to 128), at batch 1, 8 and 32, 128 new tokens each (no end token:
    both sides must return ``(B, 128)``), for the 1.5B and the 7B model; interleaved, median of
    ``--repeats`` (``benchmarks/decode.py``'s :func:`compare`, which the CPU run on SmolLM2 also uses).
-2. ``step``: the paper pair's ``bf16-mixed`` distillation step as Lightning runs it: fp32 student master
-   weights (activation checkpointing) under ``torch.autocast(bfloat16)``, the teacher held in bf16,
-   teacher temperature 0.5, ForwardKL, AdamW (``FiniteAdamW``), B = 1 and 8 completions x 512 tokens after a
-   64-token prompt. Variants: ``fused`` (the fused head: hidden states + LM head, ``[B, T, V]`` never built),
-   ``logits`` (kdlab's logits path) and ``floor`` (teacher forward + student cross-entropy forward/backward
-   + AdamW, the same positions). Median seconds, tokens/s, and peak CUDA memory of each.
-3. ``fsdp``: FSDP2 with a sharded teacher: (a) in this process, a process group of world size 1 on one
-   device, ``kdlab.stages.sharding.shard_fsdp2`` on student *and* teacher (``teacher_placement: shard``)
-   with the ``bf16-mixed`` policy, then the fused step of section 2 at B = 8: seconds and peak memory
-   (with one device nothing is split: this measures FSDP2's own overhead against section 2); (b)
-   ``kdlab fit`` of the tiny-world quickstart, 20 steps, under Lightning's ``ModelParallelStrategy``
-   with ``--model.teacher_placement=shard`` on every visible GPU, ``bf16-mixed``: whether it finished,
-   its wall time.
+2. ``step``: the paper preset's distillation step through Lightning (``benchmarks/lightning_step.py``): a
+   ``Trainer`` with the preset's ``precision`` (``bf16-mixed``: fp32 student master weights with activation
+   checkpointing under bf16 autocast, the teacher in bf16) and clipping, TF32 on, a ``DistillModule`` with the
+   preset's temperatures, learning rate, warm-up, ``TeacherRollouts`` and ``ForwardKL``, scaled to these models:
+   B = 4 completions a micro-batch (the preset's), Countdown-3 prompts (up to 64 tokens) and completions of
+   ``benchmarks/packing.py``'s realistic spread up to 512 tokens (fixed: no decoding), 4 micro-batches, one
+   optimiser step each, after one untimed warm-up step. Variants: ``fused`` (the fused head), ``logits``, and
+   ``packed`` (the fused head on padding-free rows, ``max_tokens_per_row`` = P + C as the presets set it);
+   real tokens per second, each micro-batch's median seconds, peak CUDA memory; checked before the ratio: the
+   precision, fp32 master weights, B rows, ``B x (P + C)`` padded shapes, packed rows within the budget holding
+   exactly the real tokens, the same real tokens every way. ``packing``: issue #42's padded vs packed figures
+   (padding ratio, speed-up, its target 0.8 x padding ratio).
+3. ``fsdp``: the ``fused`` step under FSDP2 (Lightning's ``ModelParallelStrategy``, ``teacher_placement: shard``
+   as the ``8gpu_fsdp2`` presets): (a) in this process over a world of one (nothing is split: FSDP2's own
+   overhead against section 2); (b) 2 processes (``lightning_step.py``, Lightning starts the second rank) when 2
+   GPUs exist, else recorded as skipped: real tokens/s over both ranks, checked to be a world of 2.
 4. ``vllm`` (when ``import vllm`` works and CUDA is present; otherwise recorded as skipped with the
    reason): a vLLM engine (bf16, CUDA graphs: ``enforce_eager`` False) on the 1.5B-shape model written to a
    temporary folder, built by ``kdlab.rollouts.VLLMRollouts``; the seconds of a weight push of the student
@@ -32,37 +35,44 @@ device (nothing downloaded); the shared vocabulary is the tokenizer's 151,665 to
    the same bf16 model, prompts, batch and length (``vllm_over_kdlab``); then 5 on-policy steps of the
    tiny-world quickstart with ``VLLMRollouts`` (push every step): whether it finished, and the mean
    ``train/importance_weight`` and ``train/engine_kl`` it logged (near 1 and 0 when pushes work).
+5. ``overlap``: issue #42's wall time per on-policy step, synchronous against overlapped
+   (``OverlappedRollouts(ServedRollouts, max_lag=1)``), ``benchmarks/overlap.py``'s :func:`measure`: the packaged
+   tiny pair through ``Trainer.fit`` on 4 CPU threads, the loopback sampler in its own process (B = 8, 64
+   tokens, 6 steps, ``--repeats`` fits per variant): on the GPU machine's cores the sampler and the trainer do
+   not share two cores as they do on the CPU machine. Its checks (B rows, threads, fp32 weights, logged lags)
+   must pass before the ratio is kept.
 
-Time on an H200 (estimates; the run prints each section's wall time and writes it to the JSON):
-building both models on the GPU ~30 s. decode: a 1.5B/7B bf16 decode step is launch-bound eager PyTorch,
-~25-35 ms per token at these batches, so 2 models x 3 batches x 2 sides x (1 warm-up + 3 runs) x 128
-tokens x ~30 ms ~= 190 s. step: B x 512 = 512 or 4,096 tokens, ~0.2-1 s per step, 2 batches x 3 variants x
-4 steps ~= 25 s. fsdp: sharding + 4 steps ~= 15 s, plus one ``kdlab fit`` with start-up ~= 60 s. vllm: writing
-the 3 GB model ~15 s, engine start with CUDA graph capture ~90 s, pushes and a generate ~10 s, kdlab's decoder
-on the same work (1 warm-up + ``--repeats`` x 128 tokens x ~30 ms) ~15 s, the 5-step fit with its own engine
-~120 s. Total ~= 30 + 190 + 25 + 75 + 250 ~= 570 s, under 10 minutes; ``--repeats 1`` cuts decode to about
-half.
+Time on an H200 at ``--repeats 1`` (estimates; the run prints each section's wall time and writes it to the JSON):
+building both models on the GPU ~30 s. decode: 2 models x 3 batches x 2 sides x (1 warm-up + 1 run) x 128
+tokens x ~30 ms (HF generate's eager steps; kdlab's captured decoder is faster) ~= 90 s. Writing both models
+(6 GB fp32 + 15 GB bf16) and a 151,665-token tokenizer to a temporary folder ~40 s. step: each variant loads
+both models from that folder and the tokenizer twice (~25 s) and runs 1 + 4 steps of B x <= 576 tokens
+(~0.5-1 s each): 3 x ~30 s = 90 s. fsdp: (a) the same, ~30 s; (b) on one GPU skipped (with 2: ~60 s more).
+vllm: engine start with CUDA graph capture ~90 s, pushes and generates ~15 s, kdlab's decoder on the same work
+~10 s, the 5-step fit with its own engine ~120 s: ~235 s. overlap: the sampler's start ~10 s, 2 fits of 6 tiny
+steps (~1 s each with 64 tokens) ~15 s: ~25 s. Total ~= 30 + 90 + 40 + 90 + 30 + 235 + 25 ~= 540 s, under 10
+minutes; ``--repeats 3`` adds ~100 s of decode, ~30 s of steps and ~30 s of overlap fits (over 10 minutes).
 
 On CUDA the run sets ``torch.set_float32_matmul_precision("high")`` (TF32) first, as ``kdlab fit`` does, and records
 it. The toy shapes of ``--smoke`` have head_dim 64, which every vLLM attention back end accepts.
 
 Each section records its figures, or the error it met, and the script goes on, so one run on a lent GPU
 reports everything. Without CUDA (and without ``--smoke``) it says so and measures nothing. ``--smoke``
-runs every section at toy sizes (2-layer models, 4 new tokens, 16 completion tokens) on the device that is
-present (11 s on one CPU thread of a quiet 2-core machine, 50 s under a load of 4), without the ``kdlab fit``
-subprocesses of sections 3 and 4 unless ``--fit`` is given (on the CPU that fit runs FSDP2 over 2 CPU
-processes with gloo, about a minute more). Results go to ``benchmarks/results/gpu-<device>.json``
+runs every section at toy sizes (2-layer models, 4 new tokens, 16 completion tokens; overlap at B = 2, 8
+tokens, 3 steps) on the device that is present (about 40 s on one CPU thread of a busy 2-core machine), without the ``kdlab fit``
+subprocesses of sections 3 and 4 unless ``--fit`` is given (on the CPU section 3's then runs FSDP2 over 2 CPU
+processes with gloo, about 30 s more). Results go to ``benchmarks/results/gpu-<device>.json``
 (``gpu-cpu-smoke.json`` for a CPU smoke run) unless ``--out``; the script exits 1 when a section failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import gc
+import json
+import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -76,6 +86,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_result  # noqa: E402
 from decode import compare  # noqa: E402
+from lightning_step import PRESET, check_step, packing_comparison, preset_settings, time_fit, write_pair  # noqa: E402
 
 from kdlab.study.estimate import PUBLISHED  # noqa: E402  (the paper models' published config numbers)
 
@@ -95,7 +106,7 @@ TOY_STUDENT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, 
 TOY_TEACHER = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024)
 TOY_VOCAB = 990
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("decode", "step", "fsdp", "vllm")
+SECTIONS = ("decode", "step", "fsdp", "vllm", "overlap")
 SMOKE_FIT = "--smoke without --fit: no kdlab fit subprocess (tests/test_distributed.py runs FSDP2 with a sharded teacher over 2 gloo processes)"
 
 
@@ -110,9 +121,11 @@ class Settings:
         self.decode_batches = (1, 8, 32)
         self.new_tokens = 4 if smoke else 128
         self.prompt_tokens = 8 if smoke else 128
-        self.step_batches = (1, 8) if not smoke else (1, 2)
+        self.step_batches = (4,) if not smoke else (2,)  # the paper presets' micro-batch: 4 completions
+        self.step_micro_batches = 2 if smoke else 4
         self.completion_tokens = 16 if smoke else 512
-        self.step_prompt_tokens = 8 if smoke else 64
+        self.step_prompt_tokens = 64  # Countdown-3 prompts fit in 64 tokens
+        self.lengths = "smoke" if smoke else "smollm2"  # benchmarks/packing.py's completion lengths
         self.fit_steps = 3 if smoke else 20
 
 
@@ -169,6 +182,9 @@ def random_prompts(batch: int, length: int, vocab: int, device: str, seed: int) 
 def decode_section(s: Settings, models: dict[str, tuple[torch.nn.Module, dict]]) -> dict:
     out = {"dtype": "bfloat16", "new_tokens": s.new_tokens, "prompt_tokens": s.prompt_tokens, "repeats": s.repeats}
     for role, (model, shape) in models.items():
+        dtypes = {p.dtype for p in model.parameters()}
+        if dtypes != {torch.bfloat16}:
+            raise RuntimeError(f"the {role} decodes in {sorted(map(str, dtypes))}, not bfloat16 as this section records")
         rows = []
         for batch in s.decode_batches:
             ids, mask = random_prompts(batch, s.prompt_tokens, s.vocab, s.device, seed=batch)
@@ -180,138 +196,70 @@ def decode_section(s: Settings, models: dict[str, tuple[torch.nn.Module, dict]])
     return out
 
 
-# ---- 2. step --------------------------------------------------------------------------------------
-def step_functions(s: Settings, student, teacher, optimizer, batch: int):
-    """``{variant: one training step}`` at ``batch`` x ``completion_tokens`` under bf16 autocast."""
-    from kdlab.objectives import ForwardKL
-    from kdlab.objectives.logits import completion_head_logits, completion_logits
-
-    generator = torch.Generator().manual_seed(batch)
-    length = s.step_prompt_tokens + s.completion_tokens
-    ids = torch.randint(0, s.vocab, (batch, length), generator=generator).to(s.device)
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    mask = torch.ones(batch, s.completion_tokens, dtype=torch.bool, device=s.device)
-    targets = ids[:, -s.completion_tokens:]
-    objective = ForwardKL()
-    tokens, vocab = s.completion_tokens, s.vocab
-    autocast = lambda: torch.autocast(s.device, dtype=torch.bfloat16)  # noqa: E731
-
-    def finish_step(loss):
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        optimizer.step()
-
-    def fused():
-        optimizer.zero_grad(set_to_none=True)
-        with autocast():
-            with torch.no_grad():
-                t = completion_head_logits(teacher, inputs, tokens, vocab, 0.5).detach()
-            loss = objective(completion_head_logits(student, inputs, tokens, vocab), t, mask)
-        finish_step(loss)
-        return loss, objective.take_diagnostics()
-
-    def logits():
-        optimizer.zero_grad(set_to_none=True)
-        with autocast():
-            with torch.no_grad():
-                t = completion_logits(teacher, inputs, tokens, vocab).div_(0.5)
-            loss = objective(completion_logits(student, inputs, tokens, vocab), t, mask, consume=True)
-        finish_step(loss)
-        return loss, objective.take_diagnostics()
-
-    def floor():
-        optimizer.zero_grad(set_to_none=True)
-        with autocast():
-            with torch.no_grad():
-                completion_logits(teacher, inputs, tokens, vocab)
-            student_logits = completion_logits(student, inputs, tokens, vocab)
-            loss = torch.nn.functional.cross_entropy(student_logits.reshape(-1, vocab).float(), targets.reshape(-1))
-        finish_step(loss)
-        return loss, {}
-
-    return {"fused": fused, "logits": logits, "floor": floor}
+# ---- 2. step (and 3. fsdp): through Lightning ----------------------------------------------------
+STEP_VARIANTS = {"fused": (True, False), "logits": (False, False), "packed": (True, True)}  # name: (fused_lm_head, packed)
 
 
-def timed_steps(s: Settings, step, repeats: int) -> dict:
-    """Median seconds of ``repeats`` steps after a warm-up; peak memory of those steps; the first loss."""
-    loss, diagnostics = step()
-    sync(s.device)
-    reset_peak(s.device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        sync(s.device)
-        times.append(time.perf_counter() - start)
-    return {"time_s": statistics.median(times), "times_s": times, "peak_gib": peak_gib(s.device), "first_loss": float(loss.detach()),
-            "diagnostics": sorted(diagnostics)}
+def lightning_fit(s: Settings, paths: tuple[str, str], root: str, batch: int, fused: bool, packed: bool, **strategy) -> dict:
+    """:func:`lightning_step.time_fit` at this run's sizes, on this run's device."""
+    return time_fit(*paths, batch=batch, prompt_tokens=s.step_prompt_tokens, completion_tokens=s.completion_tokens, lengths=s.lengths,
+                    count=s.step_micro_batches, repeats=s.repeats, fused=fused, packed=packed, root=root,
+                    accelerator="gpu" if s.device == "cuda" else "cpu", **strategy)
 
 
-def step_section(s: Settings, student, teacher) -> dict:
-    from kdlab.stages.optim import FiniteAdamW
-
-    optimizer = FiniteAdamW(student.parameters(), lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    out = {"autocast": "bfloat16", "student_dtype": str(next(student.parameters()).dtype).removeprefix("torch."),
-           "teacher_dtype": str(next(teacher.parameters()).dtype).removeprefix("torch."), "objective": "ForwardKL",
-           "teacher_temperature": 0.5, "completion_tokens": s.completion_tokens, "prompt_tokens": s.step_prompt_tokens,
-           "activation_checkpointing": "student", "optimizer": "FiniteAdamW", "vocab": s.vocab, "results": {}}
+def step_section(s: Settings, paths: tuple[str, str], root: str) -> dict:
+    out = {"preset": str(PRESET.relative_to(ROOT)), "settings": preset_settings(), "vocab": s.vocab, "prompt_tokens": s.step_prompt_tokens,
+           "completion_tokens": s.completion_tokens, "lengths": s.lengths, "results": {}}
     for batch in s.step_batches:
         rows = {}
-        for variant, step in step_functions(s, student, teacher, optimizer, batch).items():
-            rows[variant] = timed_steps(s, step, s.repeats)
-            rows[variant]["tokens_per_s"] = batch * s.completion_tokens / rows[variant]["time_s"]
+        for variant, (fused, packed) in STEP_VARIANTS.items():
+            rows[variant] = lightning_fit(s, paths, root, batch, fused, packed)
+            check_step(rows[variant], batch, s.vocab, s.step_prompt_tokens + s.completion_tokens)
             peak = rows[variant]["peak_gib"]
-            print(f"  step B={batch} x T={s.completion_tokens} {variant}: {rows[variant]['time_s']:.3f} s"
-                  + (f", peak {peak:.1f} GiB" if peak is not None else ""), flush=True)
+            print(f"  step B={batch} x P+C<={s.step_prompt_tokens}+{s.completion_tokens} {variant} (Lightning, bf16-mixed): "
+                  f"{rows[variant]['tokens_per_s']:.0f} real tok/s" + (f", peak {peak:.1f} GiB" if peak is not None else ""), flush=True)
             free(s.device)
-        for variant in ("fused", "logits"):
-            rows[variant]["floor_ratio"] = rows[variant]["time_s"] / rows["floor"]["time_s"]
+        if rows["fused"]["real_tokens_per_rank"] != rows["logits"]["real_tokens_per_rank"]:
+            raise RuntimeError("the fused and logits variants trained different tokens")
+        rows["logits_over_fused"] = rows["logits"]["seconds"] / rows["fused"]["seconds"]
+        rows["packing"] = packing_comparison(rows["fused"], rows["packed"])
+        print(f"  step B={batch}: padding ratio {rows['packing']['padding_ratio']:.2f}, packed / padded tokens/s "
+              f"{rows['packing']['speedup']:.2f} (issue #42's target {rows['packing']['target_speedup']:.2f})", flush=True)
         out["results"][str(batch)] = rows
-    del optimizer
-    student.zero_grad(set_to_none=True)
-    free(s.device)
     return out
 
 
 # ---- 3. fsdp --------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def single_process_group(device: str):
+def destroy_process_group() -> None:
+    """Undo what an in-process ``ModelParallelStrategy`` run leaves: its process group (the vllm section's engine
+    builds its own) and its rendezvous variables in ``os.environ`` (a later ``Trainer`` or child would read them)."""
     import torch.distributed as dist
 
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    for name in DISTRIBUTED_ENV:
+        os.environ.pop(name, None)
 
 
-def fsdp_in_process(s: Settings, student, teacher) -> dict:
-    """Student and teacher ``fully_shard``-ed (FSDP2, ``bf16-mixed`` policy) over a world of one; the fused step."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from kdlab.stages.optim import FiniteAdamW
-    from kdlab.stages.sharding import shard_fsdp2
-
-    batch = s.step_batches[-1]
-    with single_process_group(s.device):
-        mesh = init_device_mesh(s.device, (1,))
-        shard_fsdp2([student, teacher], mesh, "bf16-mixed")
-        sharded = [type(m).__name__ for m in (student, teacher)]
-        optimizer = FiniteAdamW(student.parameters(), lr=1e-6)
-        step = step_functions(s, student, teacher, optimizer, batch)["fused"]
-        row = timed_steps(s, step, s.repeats)
-        del optimizer
-    row.update({"world_size": 1, "devices_visible": torch.cuda.device_count() if s.device == "cuda" else 0, "batch": batch,
-                "completion_tokens": s.completion_tokens, "tokens_per_s": batch * s.completion_tokens / row["time_s"],
-                "sharded": sharded, "policy": "bf16-mixed (bf16 gathers, fp32 gradient reduction)", "autocast": "bfloat16"})
-    print(f"  fsdp2 in-process (world 1, student + teacher sharded) B={batch}: {row['time_s']:.3f} s", flush=True)
-    return row
+def fsdp_two_processes(s: Settings, paths: tuple[str, str], root: str) -> dict:
+    """The fused step under FSDP2 (``ModelParallelStrategy``, teacher sharded) over 2 processes, each a
+    ``lightning_step.py`` rank (Lightning starts the second); skipped unless 2 GPUs exist (2 gloo CPU processes
+    in ``--smoke --fit``)."""
+    cuda = s.device == "cuda"
+    if cuda and torch.cuda.device_count() < 2:
+        return {"skipped": f"{torch.cuda.device_count()} GPU visible: FSDP2 over 2 processes needs 2"}
+    out = Path(root) / "fsdp2-2.json"
+    command = [sys.executable, str(ROOT / "benchmarks/lightning_step.py"), "--student", paths[0], "--teacher", paths[1],
+               "--accelerator", "gpu" if cuda else "cpu", "--devices", "2", "--strategy", "fsdp2", "--batch", str(s.step_batches[-1]),
+               "--prompt-tokens", str(s.step_prompt_tokens), "--completion-tokens", str(s.completion_tokens), "--micro-batches",
+               str(s.step_micro_batches), "--repeats", str(s.repeats), "--lengths", s.lengths, "--out", str(out)]
+    record = run_fit(command)
+    if record["finished"]:
+        record = {**json.loads(out.read_text()), "wall_s": record["seconds"], "finished": True}
+        if record["world_size"] != 2 or record["strategy"] != "ModelParallelStrategy":
+            raise RuntimeError(f"ran {record['strategy']} over {record['world_size']} processes, not FSDP2 over 2")
+        check_step(record, s.step_batches[-1], s.vocab, s.step_prompt_tokens + s.completion_tokens)
+    return record
 
 
 def quickstart_command(devices: int, accelerator: str, precision: str, extra: list[str], steps: int, root: str) -> list[str]:
@@ -325,36 +273,43 @@ def quickstart_command(devices: int, accelerator: str, precision: str, extra: li
     ]
 
 
-def run_fit(command: list[str]) -> dict:
-    """Run one ``kdlab fit``; its wall time, whether it finished, and its stderr's tail if it did not."""
+# an in-process Lightning run under ModelParallelStrategy leaves these in os.environ; a child that inherits LOCAL_RANK
+# takes itself for an externally launched rank and never starts the others (it waits for them forever)
+DISTRIBUTED_ENV = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_fit(command: list[str], timeout_s: float = 600.0) -> dict:
+    """Run one ``kdlab fit`` (or ``lightning_step.py``) without this process's distributed environment; its wall
+    time, whether it finished, and its stderr's tail if it did not."""
     start = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    env = {name: value for name, value in os.environ.items() if name not in DISTRIBUTED_ENV}
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout_s)
     record = {"seconds": time.perf_counter() - start, "finished": result.returncode == 0}
     if result.returncode:
         record["error"] = result.stderr[-2000:]
     return record
 
 
-def fsdp_section(s: Settings, student, teacher, fit: bool) -> dict:
-    cuda = s.device == "cuda"
-    out = {"in_process": fsdp_in_process(s, student, teacher)}
+def fsdp_section(s: Settings, paths: tuple[str, str], root: str, fit: bool) -> dict:
+    """(a) FSDP2 in this process over a world of one (student and teacher sharded: FSDP2's own overhead against the
+    step section's ``fused``); (b) :func:`fsdp_two_processes`."""
+    batch = s.step_batches[-1]
+    try:
+        row = lightning_fit(s, paths, root, batch, True, False, devices=1, strategy="fsdp2", teacher_placement="shard")
+    finally:
+        destroy_process_group()
+    check_step(row, batch, s.vocab, s.step_prompt_tokens + s.completion_tokens)
+    if row["strategy"] != "ModelParallelStrategy" or row["world_size"] != 1:
+        raise RuntimeError(f"ran {row['strategy']} over {row['world_size']} processes, not FSDP2 over 1")
+    out = {"in_process": row}
+    print(f"  fsdp2 in-process (world 1, student + teacher sharded) B={batch}: {row['tokens_per_s']:.0f} real tok/s", flush=True)
     if not fit:
-        out["fit"] = {"skipped": SMOKE_FIT}
-        print(f"  fsdp2 kdlab fit: skipped ({SMOKE_FIT})", flush=True)
-        return out
-    devices = torch.cuda.device_count() if cuda else 2
-    accelerator, precision = ("gpu", "bf16-mixed") if cuda else ("cpu", "32-true")
-    fsdp2 = ["--trainer.strategy=lightning.pytorch.strategies.ModelParallelStrategy",
-             f"--trainer.strategy.data_parallel_size={devices}", "--trainer.strategy.tensor_parallel_size=1",
-             "--model.teacher_placement=shard"]
-    with tempfile.TemporaryDirectory() as root:
-        fit = run_fit(quickstart_command(devices, accelerator, precision, fsdp2, s.fit_steps, root))
-    fit.update({"devices": devices, "accelerator": accelerator, "precision": precision, "steps": s.fit_steps, "teacher_placement": "shard",
-                "strategy": "ModelParallelStrategy (FSDP2)"})
-    out["fit"] = fit
-    print(f"  fsdp2 kdlab fit ({s.fit_steps} steps, {devices} {accelerator} device(s), {precision}, teacher sharded): "
-          f"{fit['seconds']:.1f} s, {'ok' if fit['finished'] else 'FAILED'}", flush=True)
-    return out  # a fit that did not finish is counted as a failed section by main()
+        out["two_processes"] = {"skipped": SMOKE_FIT}
+    else:
+        out["two_processes"] = fsdp_two_processes(s, paths, root)
+    two = out["two_processes"]
+    print(f"  fsdp2 over 2 processes: {two.get('skipped') or ('%.0f real tok/s' % two['tokens_per_s'] if two['finished'] else 'FAILED')}", flush=True)
+    return out  # a run that did not finish is counted as a failed section by main()
 
 
 # ---- 4. vllm --------------------------------------------------------------------------------------
@@ -428,7 +383,10 @@ def vllm_section(s: Settings, fit: bool) -> dict:
         out["generate"] = {"batch": batch, "new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": batch * new_tokens / seconds, "lengths": lengths,
                            "enforce_eager": False}
         out["kdlab_same_work"] = kdlab_same_work(student, ids.to(s.device), mask.to(s.device), new_tokens, s.vocab, s.repeats)
-        out["vllm_over_kdlab"] = out["generate"]["tokens_per_s"] / out["kdlab_same_work"]["tokens_per_s"]
+        same = out["kdlab_same_work"]
+        if (same["batch"], same["new_tokens"], same["dtype"]) != (batch, new_tokens, "torch.bfloat16"):
+            raise RuntimeError(f"kdlab's side ran {same['batch']} x {same['new_tokens']} in {same['dtype']}, not vLLM's {batch} x {new_tokens} bf16")
+        out["vllm_over_kdlab"] = out["generate"]["tokens_per_s"] / same["tokens_per_s"]
         print(f"  vllm: engine start {out['engine_start_s']:.1f} s, push {out['push_s']:.2f} s ({parameters(student) / 1e9:.2f}B parameters), "
               f"generate B={batch} x {new_tokens}: {out['generate']['tokens_per_s']:.0f} tok/s, kdlab's decoder on the same prompts "
               f"{out['kdlab_same_work']['tokens_per_s']:.0f} tok/s (vLLM / kdlab {out['vllm_over_kdlab']:.2f})", flush=True)
@@ -450,6 +408,28 @@ def vllm_section(s: Settings, fit: bool) -> dict:
     print(f"  vllm: 5 on-policy quickstart steps with VLLMRollouts: {'ok' if fit['finished'] else 'FAILED'}, "
           f"importance weight {fit['train/importance_weight']}, engine KL {fit['train/engine_kl']}", flush=True)
     return out
+
+
+# ---- 5. overlap ------------------------------------------------------------------------------------
+def overlap_section(s: Settings) -> dict:
+    """``benchmarks/overlap.py``'s :func:`measure`: wall time per on-policy step, synchronous against overlapped
+    (``OverlappedRollouts(ServedRollouts, max_lag=1)``), the loopback sampler in its own process; its checks (B rows
+    a step, threads, fp32 student, the logged lags 0 / 0 then 1) must pass before its ratio is kept."""
+    import overlap
+
+    args = argparse.Namespace(batch=2 if s.smoke else 8, tokens=8 if s.smoke else 64, steps=3 if s.smoke else 6, repeats=s.repeats,
+                              threads=1 if s.smoke else 4, smoke=s.smoke)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        payload = overlap.measure(args)
+    finally:
+        torch.set_num_threads(threads)
+    if payload["problems"]:
+        raise RuntimeError("overlap measured something other than it claims: " + "; ".join(payload["problems"]))
+    print(f"  overlap (tiny pair on {args.threads} CPU threads, loopback sampler in its own process, B={args.batch} x {args.tokens} tokens): "
+          f"overlapped / synchronous step time {payload['ratio']:.3f}", flush=True)
+    return payload
 
 
 # ---- main -----------------------------------------------------------------------------------------
@@ -507,12 +487,17 @@ def main() -> None:
                 del copy_
                 free(device)
         run_section(record, "decode", decode)
-    if "step" not in args.skip:
-        run_section(record, "step", lambda: step_section(s, student, teacher))
-    if "fsdp" not in args.skip:
-        run_section(record, "fsdp", lambda: fsdp_section(s, student, teacher, fit))  # shards the models: the last to use them
-    del student, teacher
-    free(device)
+    with tempfile.TemporaryDirectory() as root:
+        if {"step", "fsdp"} - set(args.skip):
+            start = time.perf_counter()
+            paths = write_pair(student, teacher, s.vocab, Path(root) / "models")
+            record["write_models_s"] = time.perf_counter() - start
+        del student, teacher
+        free(device)
+        if "step" not in args.skip:
+            run_section(record, "step", lambda: step_section(s, paths, root))
+        if "fsdp" not in args.skip:
+            run_section(record, "fsdp", lambda: fsdp_section(s, paths, root, fit))
     if "vllm" not in args.skip:
         reason = vllm_unavailable(device)
         if reason:
@@ -520,9 +505,11 @@ def main() -> None:
             print(f"vllm: skipped ({reason})", flush=True)
         else:
             run_section(record, "vllm", lambda: vllm_section(s, fit))
+    if "overlap" not in args.skip:
+        run_section(record, "overlap", lambda: overlap_section(s))
     record["total_s"] = time.perf_counter() - started
     failed = [name for name, section in record["sections"].items()
-              if "failed" in section or section.get("fit", {}).get("finished") is False]
+              if "failed" in section or any(part.get("finished") is False for part in section.values() if isinstance(part, dict))]
     record["failed"] = failed
     path = write_result(f"gpu-{device_name(device, args.smoke)}", record, ("vllm",), args.out)
     print(f"wrote {path} in {record['total_s']:.0f} s")

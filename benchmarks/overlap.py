@@ -93,6 +93,13 @@ def main() -> None:
     if args.steps < 3 or args.repeats < 1 or args.batch < 1:
         raise SystemExit("--steps must be >= 3 (the first two are warm-up), --repeats >= 1, --batch >= 1")
     torch.set_num_threads(args.threads)
+    finish("overlap-tiny", measure(args), out=args.out)
+
+
+def measure(args) -> dict:
+    """Both variants' fits against one loopback server started here (``args``: ``batch``, ``tokens``, ``steps``,
+    ``repeats``, ``threads``, ``smoke``); the payload :func:`main` writes, ``problems`` listing any shape that is
+    not what it claims (``benchmarks/gpu.py`` runs this too)."""
     from kdlab.tasks import Countdown
 
     task = Countdown(variant="countdown3", instruction=False, system_prompt="", num_train=args.batch * args.steps, num_val=0, num_test=0, seed=0)
@@ -128,9 +135,9 @@ def main() -> None:
         results[variant] = {"step_s": sum(f["wall_per_step"] for f in fits) / len(fits), "fits": fits}
     ratio = results["overlapped"]["step_s"] / results["synchronous"]["step_s"]
     print(f"overlapped / synchronous step time: {ratio:.3f}" + (" (smoke: sizes too small to mean anything)" if args.smoke else ""))
-    finish("overlap-tiny", {"smoke": args.smoke, "threads": args.threads, "batch": args.batch, "max_completion_tokens": args.tokens,
-                            "steps": args.steps, "repeats": args.repeats, "timed_steps": "third to last", "cores": os.cpu_count(),
-                            "variants": results, "ratio": ratio, "problems": problems}, out=args.out)
+    return {"smoke": args.smoke, "threads": args.threads, "batch": args.batch, "max_completion_tokens": args.tokens, "steps": args.steps,
+            "repeats": args.repeats, "timed_steps": "third to last", "cores": os.cpu_count(), "variants": results, "ratio": ratio,
+            "problems": problems}
 
 
 if __name__ == "__main__":

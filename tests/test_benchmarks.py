@@ -33,15 +33,16 @@ def gpu_smoke(tmp_path, *extra: str) -> dict:
 def test_gpu_benchmark_script_runs_every_section_at_toy_sizes_on_the_cpu(tmp_path):
     """Every section of the GPU script runs at toy size on the CPU and records what the GPU run would: decode
     tokens/s of kdlab and HF generate at batch 1/8/32 for both models (each side returned (B, N), which
-    ``compare`` checks), the bf16-mixed step (fp32 student under bf16 autocast, bf16 teacher) with the fused
-    head, the logits path and the floor, FSDP2 with the teacher sharded, and vLLM skipped with its reason."""
+    ``compare`` checks), the paper preset's step through Lightning (bf16-mixed over an fp32 student) with the fused
+    head and the logits path on the same micro-batches, FSDP2 (world 1) with the teacher sharded, and vLLM skipped
+    with its reason, and issue #42's comparisons: padded vs packed steps, synchronous vs overlapped rollouts."""
     sys.path.insert(0, str(BENCHMARKS))
     import gpu
 
     record = gpu_smoke(tmp_path)
     assert record["smoke"] and record["device"] == "cpu" and record["threads"] == 1 and record["failed"] == []
     sections = record["sections"]
-    assert set(sections) == {"decode", "step", "fsdp", "vllm"}
+    assert set(sections) == {"decode", "step", "fsdp", "vllm", "overlap"}
     decode = sections["decode"]
     assert decode["dtype"] == "bfloat16" and decode["new_tokens"] == 4
     for role, shape in (("student", gpu.TOY_STUDENT), ("teacher", gpu.TOY_TEACHER)):
@@ -51,23 +52,40 @@ def test_gpu_benchmark_script_runs_every_section_at_toy_sizes_on_the_cpu(tmp_pat
         for row in rows:
             assert row["kdlab"]["tokens_per_s"] > 0 and row["hf"]["tokens_per_s"] > 0 and row["ratio"] > 0
     step = sections["step"]
-    assert (step["autocast"], step["student_dtype"], step["teacher_dtype"]) == ("bfloat16", "float32", "bfloat16")
-    assert set(step["results"]) == {"1", "2"} and step["completion_tokens"] == 16 and step["vocab"] == gpu.TOY_VOCAB
-    for rows in step["results"].values():
-        assert set(rows) == {"fused", "logits", "floor"}
-        assert all(row["time_s"] > 0 and row["first_loss"] == row["first_loss"] for row in rows.values())  # finite, not NaN
-        assert {"kl_forward", "kl_reverse"} <= set(rows["fused"]["diagnostics"])
+    assert step["settings"]["precision"] == "bf16-mixed" and step["settings"]["student_dtype"] == "float32"
+    assert set(step["results"]) == {"2"} and step["completion_tokens"] == 16 and step["vocab"] == gpu.TOY_VOCAB
+    rows = step["results"]["2"]
+    for variant, fused in (("fused", True), ("logits", False)):
+        row = rows[variant]
+        assert (row["fused_lm_head"], row["layout"], row["precision"], row["strategy"]) == (fused, "padded", "bf16-mixed", "SingleDeviceStrategy")
+        assert row["student_dtypes"] == ["float32"] and row["batch_per_rank"] == 2 and len(row["step_s"]) == row["micro_batches"] == 2
+        assert row["token_columns"] == row["teacher_columns"] == gpu.TOY_VOCAB  # the tokenizer write_pair built, not the heads' rows
+        assert row["padded_tokens_per_rank"] == sum(rows_ * length for rows_, length in row["student_shapes"]) > row["real_tokens_per_rank"]
+        assert row["tokens_per_s"] == pytest.approx(row["real_tokens_per_rank"] / row["seconds"])
+    assert rows["fused"]["real_tokens_per_rank"] == rows["logits"]["real_tokens_per_rank"] == rows["packed"]["real_tokens_per_rank"]
+    packed, packing = rows["packed"], rows["packing"]
+    assert packed["layout"] == "packed" and all(length <= 64 + 16 for _, length in packed["student_shapes"])
+    assert packing["padding_ratio"] == pytest.approx(rows["fused"]["padded_tokens_per_rank"] / rows["fused"]["real_tokens_per_rank"])
+    assert packing["speedup"] == pytest.approx(packed["tokens_per_s"] / rows["fused"]["tokens_per_s"])
+    assert packing["target_speedup"] == pytest.approx(0.8 * packing["padding_ratio"])
     fsdp = sections["fsdp"]["in_process"]
-    assert fsdp["world_size"] == 1 and fsdp["sharded"] == ["FSDPQwen2ForCausalLM", "FSDPQwen2ForCausalLM"] and fsdp["time_s"] > 0
-    assert "skipped" in sections["fsdp"]["fit"]
+    assert (fsdp["strategy"], fsdp["world_size"], fsdp["teacher_placement"]) == ("ModelParallelStrategy", 1, "shard") and fsdp["seconds"] > 0
+    assert fsdp["real_tokens_per_rank"] == rows["fused"]["real_tokens_per_rank"]  # the same micro-batches
+    assert "skipped" in sections["fsdp"]["two_processes"]
     assert "vllm" in sections["vllm"]["skipped"]  # no vLLM (or no CUDA) here: the section says why
+    overlap = sections["overlap"]
+    assert overlap["problems"] == [] and overlap["batch"] == 2 and overlap["steps"] == 3
+    assert overlap["variants"]["overlapped"]["fits"][0]["policy_lag"] == [0.0, 1.0, 1.0]
+    assert overlap["variants"]["synchronous"]["fits"][0]["policy_lag"] == [0.0, 0.0, 0.0]
+    assert overlap["ratio"] == pytest.approx(overlap["variants"]["overlapped"]["step_s"] / overlap["variants"]["synchronous"]["step_s"])
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, --smoke measures on the GPU (run it by hand)")
 def test_gpu_benchmark_fit_runs_fsdp2_with_a_sharded_teacher_over_two_cpu_processes(tmp_path):
-    fit = gpu_smoke(tmp_path, "--fit", "--skip", "decode", "step", "vllm")["sections"]["fsdp"]["fit"]
-    assert fit["finished"] and fit["devices"] == 2 and fit["accelerator"] == "cpu" and fit["teacher_placement"] == "shard"
+    two = gpu_smoke(tmp_path, "--fit", "--skip", "decode", "step", "vllm", "overlap")["sections"]["fsdp"]["two_processes"]
+    assert two["finished"] and (two["strategy"], two["world_size"], two["teacher_placement"]) == ("ModelParallelStrategy", 2, "shard")
+    assert two["precision"] == "bf16-mixed" and two["student_dtypes"] == ["float32"] and two["tokens_per_s"] > 0
 
 
 def test_decode_comparison_checks_both_sides_return_b_by_n_tokens():
@@ -310,6 +328,34 @@ def test_gpu_benchmark_times_kdlabs_decoder_on_the_work_it_gives_vllm():
     row = gpu.kdlab_same_work(model, ids, mask, 5, gpu.TOY_VOCAB, repeats=2)
     assert row["batch"] == 3 and row["new_tokens"] == 5
     assert row["tokens_per_s"] == pytest.approx(3 * 5 / row["seconds"])
+
+
+def test_gpu_benchmark_refuses_a_ratio_of_steps_that_trained_different_things():
+    """``benchmarks/gpu.py``'s checks before a step ratio (``benchmarks/lightning_step.py``'s): the packing comparison refuses rows of different real
+    tokens or the wrong layouts and computes issue #42's figures from the rows' own counts; a step row that ran
+    other columns, another precision or bf16 master weights is refused."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import gpu
+    from lightning_step import check_step, packing_comparison
+
+    padded = {"layout": "padded", "real_tokens_per_rank": 300, "completion_tokens": 200, "padded_tokens_per_rank": 450,
+              "tokens_per_s": 100.0, "student_shapes": [[2, 75], [2, 75]]}
+    packed = {**padded, "layout": "packed", "tokens_per_s": 130.0, "student_shapes": [[1, 80], [1, 70], [1, 60], [1, 40]]}
+    figures = packing_comparison(padded, packed)
+    assert figures["padding_ratio"] == 1.5 and figures["speedup"] == pytest.approx(1.3)
+    assert figures["target_speedup"] == pytest.approx(1.2) and figures["meets_target"] and figures["packed_rows"] == [1, 1, 1, 1]
+    with pytest.raises(RuntimeError, match="different tokens"):
+        packing_comparison(padded, {**packed, "real_tokens_per_rank": 299})
+    with pytest.raises(RuntimeError, match="not padded with packed"):
+        packing_comparison(padded, padded)
+    row = {"precision": "bf16-mixed", "student_dtypes": ["float32"], "token_columns": gpu.TOY_VOCAB, "teacher_columns": gpu.TOY_VOCAB,
+           "batch_per_rank": 2, "real_tokens_per_rank": 300, "layout": "padded", "student_shapes": [[2, 75]]}
+    check_step(row, 2, gpu.TOY_VOCAB, 64 + 16)
+    for bad, match in (({"token_columns": 1000}, "columns"), ({"precision": "32-true"}, "bf16-mixed"),
+                       ({"student_dtypes": ["bfloat16"]}, "fp32"), ({"batch_per_rank": 1}, "rows"),
+                       ({"student_shapes": [[2, 64 + 16 + 1]]}, "longer than P")):
+        with pytest.raises(RuntimeError, match=match):
+            check_step({**row, **bad}, 2, gpu.TOY_VOCAB, 64 + 16)
 
 
 def test_the_served_quickstart_benchmark_smoke_path_times_both_kdlab_fits(tmp_path):
