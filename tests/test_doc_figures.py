@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -418,3 +419,26 @@ def test_the_real_model_style_study_script_runs_the_sweeps_the_page_counts():
                     "kdlab report runs/smollm2-study --output experiments/smollm2/style_report --low_lr 1e-5 --high_lr 5e-5",
                     "python scripts/real_model_style_results.py"):
         assert command in page and command.replace("runs/smollm2-study", "$root") in script, command
+
+
+def test_the_style_alone_configs_use_the_gates_temperature_and_teachers():
+    """style_alone.yaml's teacher temperature is the gate's study temperature (the highest that passed), its teacher
+    prompt settings are the gate's Spanish teacher's, the control's are the gate's English teacher's; the study
+    script refuses to run the grid when the gate failed."""
+    import importlib.util
+
+    gate = json.loads((ROOT / "experiments/smollm2/style_alone_gate.json").read_text(encoding="utf-8"))
+    spec = importlib.util.spec_from_file_location("style_alone_gate", ROOT / "experiments/smollm2/style_alone_gate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    base = yaml.safe_load((ROOT / "experiments/smollm2/style_alone.yaml").read_text(encoding="utf-8"))
+    passing = [float(t) for t, g in gate["gate"]["by_temperature"].items() if g["passed"]]
+    assert gate["gate"]["passed"] and base["model"]["teacher_temperature"] == gate["gate"]["study_temperature"] == max(passing)
+    task = base["model"]["task"]["init_args"]
+    assert {k: task[k] for k in script.TEACHERS["spanish"]} == script.TEACHERS["spanish"] == gate["spanish_teacher"]["settings"]
+    assert {k: task[k] for k in ("max_digits", "answer_from")} == {k: gate["task"][k] for k in ("max_digits", "answer_from")}
+    for cell in ("offpd_fkl", "onpd_rkl"):
+        control = yaml.safe_load((ROOT / f"experiments/smollm2/style_alone_control_{cell}.yaml").read_text(encoding="utf-8"))["overrides"]
+        told = {k.rsplit(".", 1)[1]: v for k, v in control.items() if k.startswith("model.task.init_args.teacher_")}
+        assert {k: v for k, v in told.items() if v is not None} == script.TEACHERS["english"] == gate["english_teacher"]["settings"]
+    assert "style_alone_gate.json'))['gate']['passed']" in (ROOT / "experiments/smollm2/style_alone_study.sh").read_text(encoding="utf-8")
