@@ -260,3 +260,16 @@ def test_the_study_page_names_every_experiment_file_of_the_world_and_the_files_m
         task = Countdown(**settings)  # its training problems come from its own seed (not the run's seed_everything)
         assert (task.variant, task.seed, task.sizes["train"]) in training
     assert harder(quickstart["trainer"]["callbacks"]) == harder(rlvr["trainer"]["callbacks"])  # the same problems in both stages
+
+
+def test_the_experiments_harder_set_shares_19_of_100_problems_with_the_cards_as_the_page_says():
+    """The model card's harder set excludes the build's chains and the quickstart's prompts; the experiment files also
+    exclude RLVR's training problems: the page says 81 of the experiments' 100 problems are not the card's."""
+    from kdlab.tiny.reasoning import UnseenCountdown, _problem
+
+    quickstart = yaml.safe_load((ROOT / "experiments/reasoning/quickstart.yaml").read_text())
+    settings = next(c for c in quickstart["trainer"]["callbacks"] if c["init_args"].get("name") == "harder")["init_args"]["task"]["init_args"]
+    card = dict(settings, exclude=[s for s in settings["exclude"] if s["variant"] == "countdown3"])
+    problems = [{_problem(e) for e in UnseenCountdown(**kw).examples("val")} for kw in (settings, card)]
+    assert settings["num_val"] == 100 and len(problems[0] - problems[1]) == 81
+    assert "so 81 of their 100 problems are not the card's" in " ".join(PAGE.read_text(encoding="utf-8").split())
