@@ -13,7 +13,7 @@ import pytest
 from kdlab.provenance import commit_mix
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ["experiments/tiny/study.sh", "experiments/smollm2/style_study.sh"]
+SCRIPTS = ["experiments/tiny/study.sh", "experiments/smollm2/style_study.sh", "experiments/reasoning/study.sh"]
 
 
 def info(run: Path, commit: str, dirty: bool) -> None:

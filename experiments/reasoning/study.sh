@@ -7,12 +7,8 @@
 # Parts: the fp32 main grid and RLVR from its low-LR runs (rlvr_pipeline.yaml, which runs grid.yaml's runs
 # first), then the grid in bf16 (bf16_grid.yaml).
 set -u
-if [ "${KDLAB_ALLOW_DIRTY:-0}" != 1 ] && [ -n "$(git status --porcelain 2>/dev/null)" ]; then
-  echo "$0: the working tree has uncommitted changes (git status --porcelain); commit them, or set KDLAB_ALLOW_DIRTY=1 to run anyway" >&2
-  exit 2
-fi
 root=runs/reasoning-study
-source experiments/steps.sh
+source experiments/steps.sh  # refuses a tree with uncommitted changes unless KDLAB_ALLOW_DIRTY=1
 step grid_rlvr kdlab pipeline --config experiments/reasoning/rlvr_pipeline.yaml
 step bf16 kdlab sweep --config experiments/reasoning/bf16_grid.yaml
 exit $status

@@ -8,12 +8,8 @@
 # (style_alone_control_*.yaml: 10 runs), two runs at a time with one CPU thread each, then the report. Each step's wall
 # time goes to runs/smollm2-study/wall_times.jsonl; finished runs are skipped on a rerun.
 set -u
-if [ "${KDLAB_ALLOW_DIRTY:-0}" != 1 ] && [ -n "$(git status --porcelain 2>/dev/null)" ]; then
-  echo "$0: the working tree has uncommitted changes (git status --porcelain); commit them, or set KDLAB_ALLOW_DIRTY=1 to run anyway" >&2
-  exit 2
-fi
 root=runs/smollm2-study
-source experiments/steps.sh
+source experiments/steps.sh  # refuses a tree with uncommitted changes unless KDLAB_ALLOW_DIRTY=1
 if ! python -c "import json, sys; sys.exit(0 if json.load(open('experiments/smollm2/style_alone_gate.json'))['gate']['passed'] else 1)"; then
   echo "$0: the gate failed (experiments/smollm2/style_alone_gate.json): the teacher does not carry the design; no grid run" >&2
   exit 1

@@ -9,14 +9,8 @@
 # runs/smollm2-study/wall_times.jsonl. Finished runs are kept in experiments/smollm2/study_runs/*.tar.gz
 # (scripts/archive_runs.py); `tar xzf <archive>` from the repository root restores them before a rerun.
 set -u
-# A study records the commit its runs come from (run_info.json); from a dirty tree that commit is not the code that ran.
-# Refuse to start from one unless KDLAB_ALLOW_DIRTY=1 says so (kdlab report then names the dirty runs).
-if [ "${KDLAB_ALLOW_DIRTY:-0}" != 1 ] && [ -n "$(git status --porcelain 2>/dev/null)" ]; then
-  echo "$0: the working tree has uncommitted changes (git status --porcelain); commit them, or set KDLAB_ALLOW_DIRTY=1 to run anyway" >&2
-  exit 2
-fi
 root=runs/smollm2-study
-source experiments/steps.sh
+source experiments/steps.sh  # refuses a tree with uncommitted changes unless KDLAB_ALLOW_DIRTY=1
 step bf16 kdlab sweep --config experiments/smollm2/style_bf16.yaml
 step bf16_prediction python experiments/smollm2/bf16_sparsity.py --runs runs/smollm2-style-bf16
 step style_low kdlab sweep --config experiments/smollm2/style_grid.yaml

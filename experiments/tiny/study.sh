@@ -7,14 +7,8 @@
 # runs/tiny-study-5x/wall_times.jsonl (experiments/steps.sh); the report sums it per step. The last step copies
 # the report's verdicts, departures, wall time and part links into docs/tiny_reproduction.md.
 set -u
-# A study records the commit its runs come from (run_info.json); from a dirty tree that commit is not the code that ran.
-# Refuse to start from one unless KDLAB_ALLOW_DIRTY=1 says so (kdlab report then names the dirty runs).
-if [ "${KDLAB_ALLOW_DIRTY:-0}" != 1 ] && [ -n "$(git status --porcelain 2>/dev/null)" ]; then
-  echo "$0: the working tree has uncommitted changes (git status --porcelain); commit them, or set KDLAB_ALLOW_DIRTY=1 to run anyway" >&2
-  exit 2
-fi
 root=runs/tiny-study-5x
-source experiments/steps.sh
+source experiments/steps.sh  # refuses a tree with uncommitted changes unless KDLAB_ALLOW_DIRTY=1
 step grid kdlab sweep --config experiments/tiny/grid_5x.yaml
 step hard_rlvr kdlab pipeline --config experiments/tiny/rlvr_harder_pipeline.yaml
 step bf16 kdlab sweep --config experiments/tiny/bf16_grid_5x.yaml

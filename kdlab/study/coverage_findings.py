@@ -7,14 +7,12 @@ chain pairs its own before and after."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from kdlab.study.effects import seed_values_effect
-from kdlab.study.findings import PAPER_K, Study, Verdict, _rule
+from kdlab.study.findings import PAPER_K, Study, Verdict, _rule, rlvr_chains
 from kdlab.study.groups import Group
 from kdlab.study.labels import ACCURACY_MARGIN, NO_DIFFERENCE, REPRODUCED, UNTESTABLE, Claim, Effect, row_word
-from kdlab.study.runs import TEACHER_ROLLOUTS, read_run
 
 NAME = "harder"
 PREFIX = f"coverage/{NAME}/pass@"
@@ -70,16 +68,7 @@ def rlvr_from_coverage(study: Study) -> Verdict:
     seed) logs the harder set's pass@k before RLVR (its distilled start) and after: OnPD - OffPD before and after,
     the difference in differences (each chain's after - before, then OnPD - OffPD, paired by seed), and RLVR's own
     effect (after - before over every chain), all at the largest logged k (the paper reads pass@k at its largest)."""
-    chains: dict[tuple[str, str], dict[Any, Any]] = {}  # (kind, objective) -> {source seed: RLVR run}
-    ratios = set()
-    for run in study.parts["rlvr"]:
-        source = study.root / "distill" / Path(run.path).resolve().parent.name
-        if (source / "config.yaml").is_file():
-            source_run = read_run(source)
-            ratios.add(round(run.lr / source_run.lr, 6))
-            kind = "OffPD" if source_run.rollout in TEACHER_ROLLOUTS else {"StudentRollouts": "OnPD"}.get(source_run.rollout)
-            if kind:
-                chains.setdefault((kind, str(source_run.objective)), {})[source_run.seed] = run
+    chains, ratios = rlvr_chains(study, "distill")  # (kind, objective) -> {source seed: RLVR run}
     ks = logged_ks([run for by_seed in chains.values() for run in by_seed.values()])
     k = max(ks) if ks else None
 

@@ -304,6 +304,23 @@ def harder_pass_at_k(study: Study) -> Verdict:
                    [c for c in claims if c.name == f"OnPD - OffPD pass@{primary}"][:1] or claims[:1])
 
 
+def rlvr_chains(study: Study, source_part: str) -> tuple[dict[tuple[str, str], dict], set[float]]:
+    """The RLVR runs as chains: ``{(rollout kind, objective): {source seed: RLVR run}}``, each RLVR run under the
+    configuration and seed of the ``source_part`` run it started from (its folder's name), and the set of RLVR LR /
+    distillation LR ratios."""
+    chains: dict[tuple[str, str], dict] = {}
+    ratios = set()
+    for run in study.parts["rlvr"]:
+        source = study.root / source_part / Path(run.path).resolve().parent.name
+        if (source / "config.yaml").is_file():
+            source_run = read_run(source)
+            ratios.add(round(run.lr / source_run.lr, 6))
+            kind = "OffPD" if source_run.rollout in TEACHER_ROLLOUTS else {"StudentRollouts": "OnPD"}.get(source_run.rollout)
+            if kind:
+                chains.setdefault((kind, str(source_run.objective)), {})[source_run.seed] = run
+    return chains, ratios
+
+
 def rlvr_edge(study: Study) -> Verdict:
     """OnPD - OffPD before RLVR (the distilled runs the RLVR runs started from: the harder-set part ``hard`` when
     the RLVR runs start from it, else the main grid's low LR) and after it, their difference in differences,
@@ -317,16 +334,7 @@ def rlvr_edge(study: Study) -> Verdict:
     source_part = "hard" if any((study.root / "hard" / Path(run.path).resolve().parent.name).is_dir() for run in study.parts["rlvr"]) else "distill"
     level = None if source_part == "hard" else "low"
     sources = [g for g in study.groups(source_part) if g.lam is None and level in (None, g.level)]
-    after: dict[tuple[str, str], dict] = {}  # (kind, objective) -> {source seed: last RLVR run}
-    ratios = set()  # RLVR LR / the distillation's
-    for run in study.parts["rlvr"]:
-        source = study.root / source_part / Path(run.path).resolve().parent.name
-        if (source / "config.yaml").is_file():
-            source_run = read_run(source)
-            ratios.add(round(run.lr / source_run.lr, 6))
-            kind = "OffPD" if source_run.rollout in TEACHER_ROLLOUTS else {"StudentRollouts": "OnPD"}.get(source_run.rollout)
-            if kind:
-                after.setdefault((kind, str(source_run.objective)), {})[source_run.seed] = run
+    after, ratios = rlvr_chains(study, source_part)
     before_tables, after_tables, chain_before = {}, {}, {}  # (kind, objective) -> {seed: table}
     for group in sources:
         key = (group.kind, str(group.runs[0].objective))
