@@ -77,12 +77,15 @@ def test_unseen_countdown_names_a_malformed_exclusion():
         UnseenCountdown(exclude=[{"variant": "countdown3", "seed": 1, "num_train": 5}, {"variant": "countdown3", "seed": 2}])
 
 
-def test_the_quickstarts_harder_set_is_the_worlds():
+def test_the_quickstarts_harder_set_is_the_worlds_without_rlvrs_training_problems():
+    """The world's harder set (the build's exclusions), less RLVR's training split (experiments/reasoning/rlvr.yaml)."""
     config = yaml.safe_load(QUICKSTART.read_text(encoding="utf-8"))
     coverage = [c["init_args"] for c in config["trainer"]["callbacks"] if c["class_path"] == "kdlab.callbacks.Coverage"]
     harder = next(c["task"]["init_args"] for c in coverage if c.get("name") == "harder")
     task = harder_task(RECIPE)
-    assert harder["exclude"] == task.exclude and harder["variant"] == task.variant and harder["num_val"] == RECIPE["harder_problems"]
+    rlvr = yaml.safe_load((ROOT / "experiments/reasoning/rlvr.yaml").read_text(encoding="utf-8"))["model"]["init_args"]["task"]["init_args"]
+    assert harder["exclude"] == task.exclude + [{"variant": rlvr["variant"], "seed": 42, "num_train": rlvr["num_train"]}]
+    assert harder["variant"] == task.variant and harder["num_val"] == RECIPE["harder_problems"]
     distill = config["model"]["task"]["init_args"]
     assert {"variant": distill["variant"], "seed": config["seed_everything"], "num_train": distill["num_train"]} in task.exclude
     assert config["model"]["student"]["path"] == "kdlab://tiny-reasoning/student"
