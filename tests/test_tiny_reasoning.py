@@ -276,3 +276,16 @@ def test_the_experiments_harder_set_shares_19_of_100_problems_with_the_cards_as_
     problems = [{_problem(e) for e in UnseenCountdown(**kw).examples("val")} for kw in (settings, card)]
     assert settings["num_val"] == 100 and len(problems[0] - problems[1]) == 81
     assert "so 81 of their 100 problems are not the card's" in " ".join(PAGE.read_text(encoding="utf-8").split())
+
+
+def test_the_archived_study_runs_come_from_the_one_clean_commit_the_page_names():
+    import re
+    import tarfile
+
+    text = " ".join(PAGE.read_text(encoding="utf-8").split())
+    (commit,) = re.findall(r"every one of them comes from commit `([0-9a-f]{7})` with a clean tree", text)
+    with tarfile.open(ROOT / "experiments/reasoning/study_runs/grid.tar.gz") as archive:
+        infos = [json.load(archive.extractfile(m)) for m in archive.getmembers() if m.name.endswith("/run_info.json")]
+        done = [m for m in archive.getmembers() if m.name.endswith("/DONE")]
+    assert infos and len(infos) == len(done)
+    assert {info["git_commit"][:7] for info in infos} == {commit} and not any(info.get("git_dirty") for info in infos)
