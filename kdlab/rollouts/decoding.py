@@ -200,7 +200,7 @@ def sample_tokens(
         return empty.long(), empty.bool(), empty
     ids = torch.full((batch_size, steps), pad_token_id, dtype=torch.long, device=device)
     masks = torch.zeros(batch_size, steps, dtype=torch.bool, device=device)
-    entropies = torch.zeros(batch_size, steps, device=device)
+    entropies = torch.zeros(batch_size, steps, device=device, dtype=torch.float32)  # fp32 whatever the default dtype (bf16-true sets it)
     finished = limits <= 0
     ended_by = torch.zeros(steps, dtype=torch.bool, device=device)  # [t]: every row had finished after step t
     rows = torch.arange(batch_size, device=device)  # the rows in the decoder's batch, in its order
@@ -218,7 +218,7 @@ def sample_tokens(
         token = torch.where(alive, token, torch.full_like(token, pad_token_id))
         ids[rows, step] = token
         masks[rows, step] = alive
-        entropies[rows, step] = torch.where(alive, -(probs * logprobs.clamp(min=-1e30)).sum(-1), 0.0)
+        entropies[rows, step] = torch.where(alive, -(probs * logprobs.clamp(min=-1e30)).sum(-1), 0.0).float()
         now = finished[rows] | torch.isin(token, eos) | (limits[rows] <= step + 1)
         if stop is not None:
             now = now | stop(ids[rows, : step + 1], alive & ~now)
