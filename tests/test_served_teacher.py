@@ -287,8 +287,8 @@ def test_waiting_sampling_requests_share_their_forwards_and_each_keeps_its_seeds
 def test_scoring_requests_are_in_flight_up_to_concurrency(server, monkeypatch, workers):
     """Issue #45: with decode_workers helper processes (1, the default; 2) each took one scoring request at a
     time, so ``concurrency`` had no effect. Eight requests of one completion each, the server holding each reply
-    until four requests are in (at most 3 s): ``concurrency`` (4) of them are at the server at once, and the
-    scores are those of one request at a time."""
+    until four requests are in (at most 30 s; a loaded CI machine starts the decoding processes slowly):
+    ``concurrency`` (4) of them are at the server at once, and the scores are those of one request at a time."""
     import time
 
     server.max_batch = 1
@@ -297,7 +297,7 @@ def test_scoring_requests_are_in_flight_up_to_concurrency(server, monkeypatch, w
     slow = server.reply  # (within the server's count of the requests it is answering)
 
     def held(*args):
-        deadline = time.monotonic() + 3.0
+        deadline = time.monotonic() + 30.0
         while server.in_flight < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
         return slow(*args)
