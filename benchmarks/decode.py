@@ -18,8 +18,8 @@ left-padded (different lengths in one batch).
   CPU; on a GPU the default compiles it with CUDA graphs). Its first run (the warm-up) includes compiling, recorded
   as ``first_run_s``; left out with ``--no-compiled``. The file shows whether compiling pays on a CPU.
 * ``hf``: ``model.generate(do_sample=True, temperature=1, top_k=0, top_p=1, max_new_tokens=N,
-  min_new_tokens=N, use_cache=True)`` with a fresh ``GenerationConfig`` (nothing from the checkpoint's
-  defaults), seeded through ``torch.manual_seed``.
+  use_cache=True)`` with a fresh ``GenerationConfig`` and no end token (an id past the vocabulary, so nothing is
+  filled in from the checkpoint's defaults and no end token is suppressed), seeded through ``torch.manual_seed``.
 
 Both sides get the same ``(B, P)`` prompt tensors in the same dtype on the same thread count (checked), and each
 must return ``(B, N)`` new tokens (checked: a run that decoded fewer tokens is not a result). The sides are
@@ -85,8 +85,10 @@ def hf_decode(model, input_ids, attention_mask, new_tokens: int, pad_token_id: i
     vocab = model.config.vocab_size
     if greedy and token_columns is not None and token_columns < vocab:
         sampling["suppress_tokens"] = list(range(token_columns, vocab))
-    config = GenerationConfig(do_sample=not greedy, max_new_tokens=new_tokens, min_new_tokens=new_tokens, use_cache=True,
-                              pad_token_id=pad_token_id, eos_token_id=None, **sampling)
+    # no end token, as on kdlab's side: an id past the vocabulary (None would be filled in from the checkpoint's
+    # generation config, and min_new_tokens would then suppress that end token: not the same argmax as kdlab's)
+    config = GenerationConfig(do_sample=not greedy, max_new_tokens=new_tokens, use_cache=True, pad_token_id=pad_token_id,
+                              eos_token_id=vocab, **sampling)
     torch.manual_seed(seed)
     with torch.no_grad():
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)

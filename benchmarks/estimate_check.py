@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     payload = {"smoke": args.smoke, "threads": torch.get_num_threads(), "tolerance": TOLERANCE, "calibration": calibration,
                "pairs": results, "problems": problems,
                "all_within_30_percent": all(row["within_30_percent"] for result in results.values() for row in result["comparisons"].values())}
-    out = args.out or (Path(__file__).parent / "results" / ("estimate_check-smoke.json" if args.smoke else "estimate_check.json"))
+    out = args.out or (Path(__file__).parent / "results" / ("estimate_check-smoke.json" if args.smoke else "estimate_check-cpu.json"))
     finish("estimate_check", json.loads(json.dumps(payload, default=str)), out=out)
 
 

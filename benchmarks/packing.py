@@ -1,13 +1,13 @@
 """Training tokens/s with padded rows against padding-free packed rows (``DistillModule(max_tokens_per_row=...)``).
 
-    python benchmarks/packing.py --lengths tiny [--batch 32] [--micro-batches 8] [--budget N] [--repeats 3] [--threads 1] [--out FILE]
+    python benchmarks/packing.py --lengths tiny [--batch 32] [--micro-batches 8] [--budgets N ...] [--repeats 3] [--threads 1] [--out FILE]
     python benchmarks/packing.py --lengths smollm2 [--batch 8] ...
     python benchmarks/packing.py --smoke --out FILE      # toy size: the random tiny pair, 2 micro-batches, 1 repeat
 
 What is timed: one micro-batch's training work, ``DistillModule.training_step`` (teacher forward, student forward,
 objective, logging) plus ``loss.backward()``, on fixed completions (no decoding: the variants differ only in the
-layout), forward KL, fp32. The same micro-batches run padded (``(B, P + C)``) and packed (rows of at most
-``--budget`` tokens); each repeat alternates which goes first; a micro-batch's time is its median over repeats.
+layout), forward KL, fp32. The same micro-batches run padded (``(B, P + C)``) and packed at each budget (rows of at
+most ``N`` tokens); each repeat rotates which goes first; a micro-batch's time is its median over repeats.
 
 Lengths. ``tiny``: the tiny quickstart's completions, read from the archived study runs
 (``experiments/tiny/study_runs/grid_5x.tar.gz``: the teacher-rollout forward-KL run at seed 42, its held-out
@@ -16,16 +16,20 @@ prompts, on the packaged tiny pair. ``smollm2``: SmolLM2-135M-Instruct (GGUF fro
 every-other-layer copy as the student, Countdown-3 prompts and completions of random tokens whose lengths are
 drawn (seeded) from a normal of mean 140 and s.d. 60 tokens clipped to [16, 256]: a realistic spread up to 256.
 
-Recorded (``benchmarks/results/packing-<lengths>.json``): the shapes (padded ``B x (P + C)`` and packed ``R x L``
-of each model per micro-batch), real tokens (student's prompt + completion), the padding ratio (padded tokens /
-real tokens, the student's forward), tokens/s both ways (real tokens per second of timed work), the speed-up, the
-target of issue #42 (packed tokens/s >= 0.8 x padding ratio x padded tokens/s) and whether it is met, the threads,
-and the largest loss difference between the layouts (it must be <= 1e-5, else the script exits 1 after writing).
+Recorded (``benchmarks/results/packing-<lengths>.json``): the shapes (padded ``B x (P + C)`` and, per budget, packed
+``R x L`` of each model per micro-batch), real tokens (student's prompt + completion), the padding ratio (padded
+tokens / real tokens, the student's forward), tokens/s padded and at each budget (real tokens per second of timed
+work), how many micro-batches each budget actually packed (fewer rows than sequences), the speed-up, the gain
+share (``(speed-up - 1) / (padding ratio - 1)``: the part of what removing the padding allows that packing gained),
+issue #42's target (packed tokens/s >= 0.8 x padding ratio x padded tokens/s) for each budget, the best budget,
+the threads, and the largest loss difference between the layouts (it must be <= 1e-5, else the script exits 1
+after writing).
 
-Budget: ``--budget`` defaults to ``max_prompt_tokens + max_completion_tokens`` (the smallest allowed). With an
-explicit block-diagonal mask (CPU sdpa/eager) attention costs ``L^2`` per row whatever the sequences inside it,
-so short rows keep that cost near the padded one; a flash-attention model's variable-length path has no such
-cost and can take long rows.
+Budgets: ``--budgets`` defaults to 1, 1.5 and 2 x ``max_prompt_tokens + max_completion_tokens`` (the smallest
+allowed is 1 x). With an explicit block-diagonal mask (CPU sdpa/eager) attention costs ``L^2`` per row whatever the
+sequences inside it, so a longer row packs more sequences but pays more attention per token; sequences longer
+than half the smallest budget cannot share a row at all. A flash-attention model's variable-length path has no
+such cost and can take long rows.
 """
 
 from __future__ import annotations
@@ -104,13 +108,21 @@ def timed_step(module, rollout) -> tuple[float, float]:
     return time.perf_counter() - start, float(loss.detach())
 
 
+def gain_share(speedup: float, padding_ratio: float) -> float | None:
+    """The share of what removing the padding could gain that packing gained: ``(speedup - 1) / (ratio - 1)``
+    (1 when packed rows run at the padded rows' speed per token, 0 when packing gained nothing); None when there
+    is no padding to remove."""
+    return (speedup - 1.0) / (padding_ratio - 1.0) if padding_ratio > 1.0 else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", choices=("tiny", "smollm2"), default="tiny")
     parser.add_argument("--smoke", action="store_true", help="toy size: the random tiny pair, 2 micro-batches of 6, 1 repeat")
     parser.add_argument("--batch", type=int, help="rows per micro-batch (default: tiny 32, smollm2 8)")
     parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--budget", type=int, help="max_tokens_per_row (default: max prompt + max completion tokens)")
+    parser.add_argument("--budgets", type=int, nargs="+",
+                        help="max_tokens_per_row values (default: 1, 1.5 and 2 x (max prompt + max completion tokens))")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path)
@@ -122,6 +134,10 @@ def main() -> None:
     repeats = 1 if args.smoke else args.repeats
     if batch < 1 or count < 1 or repeats < 1:
         raise SystemExit("--batch, --micro-batches and --repeats must be >= 1")
+    longest = setting["prompt"] + setting["completion"]
+    budgets = args.budgets or [longest, longest * 3 // 2, 2 * longest]
+    if min(budgets) < longest:
+        raise SystemExit(f"--budgets: every budget must hold the longest sequence, {longest} tokens")
     torch.set_num_threads(args.threads)
 
     from kdlab.models.loading import ModelSpec
@@ -130,25 +146,26 @@ def main() -> None:
     from kdlab.stages.distill import DistillModule
     from kdlab.tasks import Countdown
 
-    budget = args.budget or setting["prompt"] + setting["completion"]
     task = Countdown(variant="countdown3", instruction=False, system_prompt="", num_train=5000, num_val=200, num_test=200)  # the quickstart's
     student = ModelSpec(**setting["student"]) if isinstance(setting["student"], dict) else setting["student"]
     common = dict(rollout=TeacherRollouts(), objective=ForwardKL(), max_prompt_tokens=setting["prompt"],
                   max_completion_tokens=setting["completion"], batch_size=batch, warmup_steps=0, seed=0)
-    padded = DistillModule(student, setting["teacher"], task, **common)
-    packed = DistillModule(student, setting["teacher"], task, max_tokens_per_row=budget, **common)
-    packed.student.load_state_dict(padded.student.state_dict())  # one student, whatever a loader might randomise
-    for module in (padded, packed):
+    modules = {"padded": DistillModule(student, setting["teacher"], task, **common)}
+    for budget in budgets:
+        modules[f"packed-{budget}"] = DistillModule(student, setting["teacher"], task, max_tokens_per_row=budget, **common)
+        modules[f"packed-{budget}"].student.load_state_dict(modules["padded"].student.state_dict())  # one student
+    for module in modules.values():
         module.log = lambda *args, **kwargs: None
-    rollouts = micro_batches(padded, task, lengths, batch, count, setting["completion"])
+    rollouts = micro_batches(modules["padded"], task, lengths, batch, count, setting["completion"])
 
-    times = {"padded": [[] for _ in rollouts], "packed": [[] for _ in rollouts]}
-    losses = {"padded": [], "packed": []}
+    times = {name: [[] for _ in rollouts] for name in modules}
+    losses = {name: [] for name in modules}
+    names = list(modules)
     for repeat in range(repeats):
-        order = ("padded", "packed") if repeat % 2 == 0 else ("packed", "padded")
+        order = names[repeat % len(names):] + names[:repeat % len(names)]  # who goes first rotates
         for index, rollout in enumerate(rollouts):
             for name in order:
-                seconds, loss = timed_step(padded if name == "padded" else packed, rollout)
+                seconds, loss = timed_step(modules[name], rollout)
                 times[name][index].append(seconds)
                 if repeat == 0:
                     losses[name].append(loss)
@@ -158,23 +175,25 @@ def main() -> None:
     for rollout in rollouts:
         inputs = rollout.model_inputs("student")
         real = int(inputs["attention_mask"].sum())
-        rows = {role: packed.layout.pack(rollout, role).shape for role in ("student", "teacher")}
-        if rows["student"][1] > budget:
-            problems.append(f"a packed row of {rows['student'][1]} tokens exceeds the budget {budget}")
-        if packed.layout.pack(rollout, "student").real_tokens() != real:
-            problems.append("the packed rows do not hold exactly the real tokens")
+        shape = {"padded": list(inputs["input_ids"].shape), "real_tokens": real, "completion_tokens": int(rollout.completion_mask.sum())}
+        for budget in budgets:
+            layout = modules[f"packed-{budget}"].layout
+            rows = {role: layout.pack(rollout, role).shape for role in ("student", "teacher")}
+            if rows["student"][1] > budget:
+                problems.append(f"a packed row of {rows['student'][1]} tokens exceeds the budget {budget}")
+            if layout.pack(rollout, "student").real_tokens() != real:
+                problems.append("the packed rows do not hold exactly the real tokens")
+            shape[f"packed_student-{budget}"], shape[f"packed_teacher-{budget}"] = list(rows["student"]), list(rows["teacher"])
         real_tokens += real
         padded_tokens += inputs["input_ids"].numel()
-        shapes.append({"padded": list(inputs["input_ids"].shape), "packed_student": list(rows["student"]),
-                       "packed_teacher": list(rows["teacher"]), "real_tokens": real,
-                       "completion_tokens": int(rollout.completion_mask.sum())})
+        shapes.append(shape)
         if inputs["input_ids"].shape[0] != batch:
             problems.append(f"a micro-batch of {inputs['input_ids'].shape[0]} rows, not {batch}")
     if torch.get_num_threads() != args.threads:
         problems.append(f"ran on {torch.get_num_threads()} threads, not {args.threads}")
-    if padded.student.dtype != torch.float32:
-        problems.append(f"the student is {padded.student.dtype}, not float32")
-    loss_gap = max(abs(a - b) for a, b in zip(losses["padded"], losses["packed"]))
+    if modules["padded"].student.dtype != torch.float32:
+        problems.append(f"the student is {modules['padded'].student.dtype}, not float32")
+    loss_gap = max(abs(a - b) for name in names[1:] for a, b in zip(losses["padded"], losses[name]))
     if loss_gap > TOLERANCE:
         problems.append(f"packed and padded losses differ by {loss_gap:.3g} > {TOLERANCE}")
 
@@ -182,15 +201,30 @@ def main() -> None:
     tokens_per_s = {name: real_tokens / value for name, value in seconds.items()}
     padding_ratio = padded_tokens / real_tokens
     target = TARGET_SHARE * padding_ratio * tokens_per_s["padded"]
-    print(f"{lengths}: padding ratio {padding_ratio:.3f}; tokens/s padded {tokens_per_s['padded']:.0f}, packed {tokens_per_s['packed']:.0f} "
-          f"(target {target:.0f}); largest loss difference {loss_gap:.2e}")
+    packed = []
+    for budget in budgets:
+        name = f"packed-{budget}"
+        rows = [s[f"packed_student-{budget}"] for s in shapes]
+        speedup = tokens_per_s[name] / tokens_per_s["padded"]
+        packed.append({"max_tokens_per_row": budget, "tokens_per_s": tokens_per_s[name], "speedup": speedup,
+                       "row_tokens": sum(r * width for r, width in rows), "rows": sum(r for r, _ in rows),
+                       "micro_batches_packed": sum(r < batch for r, _ in rows),
+                       "gain_share": gain_share(speedup, padding_ratio), "meets_target": tokens_per_s[name] >= target})
+        print(f"{lengths}, budget {budget}: {packed[-1]['rows']} rows for {batch * count} sequences "
+              f"({packed[-1]['micro_batches_packed']} of {count} micro-batches packed); tokens/s {tokens_per_s[name]:.0f} "
+              f"(padded {tokens_per_s['padded']:.0f}, target {target:.0f}); speed-up {speedup:.3f}, "
+              f"gain share {packed[-1]['gain_share'] if packed[-1]['gain_share'] is None else round(packed[-1]['gain_share'], 3)}")
+    best = max(packed, key=lambda row: row["tokens_per_s"])
+    print(f"{lengths}: padding ratio {padding_ratio:.3f}; best budget {best['max_tokens_per_row']}; largest loss difference {loss_gap:.2e}")
     payload = {
         "lengths": lengths, "smoke": args.smoke, "threads": args.threads, "dtype": "float32", "batch": batch, "micro_batches": count,
-        "repeats": repeats, "max_tokens_per_row": budget, "max_prompt_tokens": setting["prompt"],
-        "max_completion_tokens": setting["completion"], "real_tokens": real_tokens, "padded_tokens": padded_tokens,
+        "repeats": repeats, "max_prompt_tokens": setting["prompt"], "max_completion_tokens": setting["completion"],
+        "real_tokens": real_tokens, "padded_tokens": padded_tokens,
         "mean_completion_tokens": sum(s["completion_tokens"] for s in shapes) / (batch * count),
-        "padding_ratio": padding_ratio, "tokens_per_s": tokens_per_s, "speedup": tokens_per_s["packed"] / tokens_per_s["padded"],
-        "target_share": TARGET_SHARE, "target_tokens_per_s": target, "meets_target": tokens_per_s["packed"] >= target,
+        "padding_ratio": padding_ratio, "padded_tokens_per_s": tokens_per_s["padded"], "packed": packed,
+        "best": best, "speedup": best["speedup"], "gain_share": best["gain_share"],
+        "target_share": TARGET_SHARE, "target_tokens_per_s": target, "meets_target": best["meets_target"],
+        "meets_gain_share": best["gain_share"] is not None and best["gain_share"] >= TARGET_SHARE,
         "largest_loss_difference": loss_gap, "loss_tolerance": TOLERANCE, "shapes": shapes, "problems": problems,
     }
     finish(f"packing-{lengths}", payload, out=args.out)

@@ -277,8 +277,93 @@ def _cache_size(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _packing(record: dict) -> str:
+    lines = [f"## Padding-free micro-batches, {record['lengths']} lengths, B = {record['batch']} x {record['micro_batches']} micro-batches, "
+             f"prompts up to {record['max_prompt_tokens']} + completions up to {record['max_completion_tokens']} tokens, {record['dtype']}\n",
+             _setting(record),
+             "One micro-batch's training work (teacher forward, student forward, forward KL, backward) on fixed completions, "
+             f"padded rows against packed rows of at most N tokens; median of {record['repeats']} runs per micro-batch. "
+             f"Completions average {record['mean_completion_tokens']:.1f} tokens; the padded rows hold {record['padded_tokens']:,} "
+             f"tokens for {record['real_tokens']:,} real ones (padding ratio {record['padding_ratio']:.3f}). Tokens/s counts real "
+             "tokens. Gain share: (speed-up - 1) / (padding ratio - 1), the part of what removing the padding allows that packing "
+             "gained.\n",
+             "| layout | rows (all micro-batches) | row tokens | micro-batches packed | real tokens/s | speed-up | gain share | issue #42 target |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+             f"| padded | {record['batch'] * record['micro_batches']} | {record['padded_tokens']:,} | - | {record['padded_tokens_per_s']:.0f} | 1.000 | - | - |"]
+    for row in record["packed"]:
+        share = "-" if row["gain_share"] is None else f"{row['gain_share']:.2f}"
+        lines.append(f"| packed, N = {row['max_tokens_per_row']} | {row['rows']} | {row['row_tokens']:,} | {row['micro_batches_packed']} of "
+                     f"{record['micro_batches']} | {row['tokens_per_s']:.0f} | {row['speedup']:.3f} | {share} | {'met' if row['meets_target'] else 'not met'} |")
+    best = record["best"]
+    lines.append(f"\nTarget (issue #42): packed tokens/s >= 0.8 x padding ratio x padded tokens/s = {record['target_tokens_per_s']:.0f}: "
+                 f"{'met' if record['meets_target'] else 'not met'} at the best budget (N = {best['max_tokens_per_row']}). "
+                 f"Share of the possible gain at that budget: {'-' if best['gain_share'] is None else format(best['gain_share'], '.2f')} "
+                 f"({'at least' if record['meets_gain_share'] else 'below'} 0.8). Largest loss difference between the layouts: "
+                 f"{record['largest_loss_difference']:.1e} (tolerance {record['loss_tolerance']:.0e}).")
+    if record["problems"]:
+        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
+    return "\n".join(lines) + "\n"
+
+
+def _overlap(record: dict) -> str:
+    variants = record["variants"]
+    lines = [f"## Generation overlapped with training, tiny pair, B = {record['batch']}, completions of {record['max_completion_tokens']} tokens\n",
+             _setting(record),
+             "On-policy forward-KL steps through `Trainer.fit`; the student's completions written by kdlab's loopback server "
+             "in its own process from pushed weights. `synchronous`: each step pushes, waits for its completions, trains. "
+             "`overlapped` (`OverlappedRollouts(max_lag=1)`): the server writes step k + 1's completions while step k trains. "
+             f"Wall time per step from the third step to the last of {record['steps']}, mean over {record['repeats']} fits per "
+             f"variant (order alternating), on a machine of {record['cores']} cores shared by the server and the trainer.\n",
+             "| variant | s per step | each fit's s per step | logged policy lag per step |", "| --- | ---: | --- | --- |"]
+    for name, row in variants.items():
+        lags = sorted({tuple(f["policy_lag"]) for f in row["fits"]})
+        lag_text = "; ".join(", ".join(f"{x:g}" for x in lag) for lag in lags)
+        per_fit = ", ".join(format(f["wall_per_step"], ".3f") for f in row["fits"])
+        lines.append(f"| {name} | {row['step_s']:.3f} | {per_fit} | {lag_text} |")
+    lines.append(f"\nOverlapped / synchronous: {record['ratio']:.3f} (below 1: the overlap pays on this machine).")
+    if record["problems"]:
+        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
+    return "\n".join(lines) + "\n"
+
+
+def _served_quickstart(record: dict) -> str:
+    results = record["results"]
+    lines = ["## A served teacher in the quickstart's own step, tiny pair\n", _setting(record),
+             f"`{record['setting']}`: the same fit with its teacher in the training process and behind kdlab's loopback server "
+             f"({record['server']}); {record['steps']} steps per fit, {record['repeats']} fits each, order alternating; "
+             "s per step is the mean of each fit's wall time per step.\n",
+             "| teacher | B | s per step | median step s (steps timed) | each fit's s per step |", "| --- | ---: | ---: | ---: | --- |"]
+    for name, row in results.items():
+        lines.append(f"| {name} ({row['teacher']}) | {row['batch']} | {row['step_s']:.3f} | {row['median_step_s']:.3f} ({row['steps_timed']}) | "
+                     f"{', '.join(format(x, '.3f') for x in row['fits_step_s'])} |")
+    lines.append(f"\nServed / in-process: {record['ratio']:.2f}x. Target (issue #43): at most {record['target']}x: "
+                 f"{'met' if record['ratio'] <= record['target'] else 'not met'}.")
+    if record["problems"]:
+        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
+    return "\n".join(lines) + "\n"
+
+
+def _estimate_check(record: dict) -> str:
+    lines = ["## `kdlab estimate`'s time model against real CPU fits\n", _setting(record),
+             "Each pair's short fit timed by part (the training step, each evaluation), against the time model at the lengths "
+             "the fit decoded, on the CPU constants the script's calibration measured. Ratio: estimated / measured; "
+             f"within {record['tolerance']:.0%} when |ratio - 1| <= {record['tolerance']}.\n",
+             "| pair | part | measured s | estimated s | ratio | within |", "| --- | --- | ---: | ---: | ---: | --- |"]
+    for pair, result in record["pairs"].items():
+        for part, row in result["comparisons"].items():
+            ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
+            lines.append(f"| {pair} | {part} | {row['measured_s']:.3f} | {row['estimated_s']:.3f} | {ratio} | {'yes' if row['within_30_percent'] else 'no'} |")
+        for part, seconds in result.get("not_modelled_s", {}).items():
+            lines.append(f"| {pair} | {part} (not modelled) | {seconds:.3f} | - | - | - |")
+    lines.append(f"\nEvery modelled part within {record['tolerance']:.0%}: {'yes' if record['all_within_30_percent'] else 'no'}.")
+    if record["problems"]:
+        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS = {"real_vocab_step": _step, "cache_size": _cache_size, "cross_tokenizer_step": _cross, "lora_memory": _lora, "served_teacher_step": _served, "kl_memory": _memory, "fused_head_memory": _fused, "mixture_decoding": _decoding,
-             "decode": _decode, "gpu": _gpu}
+             "decode": _decode, "gpu": _gpu, "packing": _packing,
+             "overlap": _overlap, "served_quickstart_step": _served_quickstart, "estimate_check": _estimate_check}
 
 
 def render(results: Path = RESULTS) -> str:

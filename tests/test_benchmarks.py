@@ -201,10 +201,22 @@ def test_the_packing_benchmark_smoke_records_what_it_measured(tmp_path):
     assert len(shapes) == record["micro_batches"] == 2 and all(s["padded"][0] == record["batch"] for s in shapes)
     assert record["real_tokens"] == sum(s["real_tokens"] for s in shapes) < record["padded_tokens"] == sum(a * b for a, b in (s["padded"] for s in shapes))
     assert record["padding_ratio"] == pytest.approx(record["padded_tokens"] / record["real_tokens"])
-    assert all(s["packed_student"][1] <= record["max_tokens_per_row"] for s in shapes)
-    speeds = record["tokens_per_s"]
-    assert record["target_tokens_per_s"] == pytest.approx(0.8 * record["padding_ratio"] * speeds["padded"])
-    assert record["meets_target"] == (speeds["packed"] >= record["target_tokens_per_s"])
+    budgets = [row["max_tokens_per_row"] for row in record["packed"]]
+    longest = record["max_prompt_tokens"] + record["max_completion_tokens"]
+    assert budgets == [longest, longest * 3 // 2, 2 * longest]
+    for row in record["packed"]:
+        budget = row["max_tokens_per_row"]
+        rows = [s[f"packed_student-{budget}"] for s in shapes]
+        assert all(width <= budget for _, width in rows)
+        assert row["rows"] == sum(r for r, _ in rows) and row["row_tokens"] == sum(r * w for r, w in rows)
+        assert row["micro_batches_packed"] == sum(r < record["batch"] for r, _ in rows)
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / record["padded_tokens_per_s"])
+        assert row["gain_share"] == pytest.approx((row["speedup"] - 1) / (record["padding_ratio"] - 1))
+        assert row["meets_target"] == (row["tokens_per_s"] >= record["target_tokens_per_s"])
+    assert record["packed"][-1]["micro_batches_packed"] >= 1, "the smoke's short sequences share rows at 2 x the longest"
+    assert record["target_tokens_per_s"] == pytest.approx(0.8 * record["padding_ratio"] * record["padded_tokens_per_s"])
+    assert record["best"] == max(record["packed"], key=lambda row: row["tokens_per_s"])
+    assert record["meets_gain_share"] == (record["best"]["gain_share"] >= 0.8)
 
 
 @pytest.mark.parametrize("args, message", [

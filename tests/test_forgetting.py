@@ -14,7 +14,8 @@ pytest.importorskip("lm_eval")
 
 from kdlab.cli.main import main
 from kdlab.evaluation import forgetting
-from kdlab.evaluation.forgetting import BeforeCache, SuiteSettings, weights_digest
+from kdlab.evaluation.before_cache import BeforeCache, weights_digest
+from kdlab.evaluation.forgetting import SuiteSettings
 from kdlab.evaluation.forgetting_run import measure_run
 from kdlab.runlog import metrics_lines
 

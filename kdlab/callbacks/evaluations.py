@@ -186,7 +186,8 @@ class OODForgetting(EvaluationCallback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.before is None:  # a resumed run keeps the scores measured at the real start
-            self.before = self.scores(pl_module)
+            chosen = [task.examples("val")[: self.examples] for task in self.tasks]
+            self.before = self.before_scores(trainer, pl_module, self.tasks, chosen, lambda: self.scores(pl_module))
             metrics = {f"ood/{name}_before": value for name, value in self.before.items()}
             metrics["ood/mean_before"] = sum(self.before.values()) / len(self.before)
             log_metrics(trainer, metrics)
@@ -337,19 +338,18 @@ class Coverage(EvaluationCallback):
         finally:
             self.seed = kept
 
-    def measure(self, trainer, pl_module, suffix: str = "") -> None:
+    def scores(self, trainer, pl_module) -> dict[str, float]:
+        """``coverage/<name>/pass@k`` for each k, now."""
         examples = self.task.examples("val")[: self.examples]
         correct = self.correct_counts(trainer, pl_module, examples)
-        metrics = {}
-        for k in self.ks:
-            total = 0.0
-            for count in correct:
-                total += pass_at_k(self.samples, count, k)
-            metrics[f"coverage/{self.name}/pass@{k}"] = total / len(examples)
-        # the first measurement is also kept under its own name, so that a run's last values (kdlab report) hold both
-        metrics.update({f"{name}{suffix}": value for name, value in metrics.items()} if suffix else {})
-        log_metrics(trainer, metrics)
+        return {f"coverage/{self.name}/pass@{k}": sum(pass_at_k(self.samples, count, k) for count in correct) / len(examples) for k in self.ks}
+
+    def measure(self, trainer, pl_module) -> None:
+        log_metrics(trainer, self.scores(trainer, pl_module))
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.at_start and trainer.global_step == 0 and not trainer.ckpt_path:  # a resumed run's "before" was logged by the first run
-            self.measure(trainer, pl_module, suffix="_before")
+            examples = [self.task.examples("val")[: self.examples]]
+            metrics = self.before_scores(trainer, pl_module, [self.task], examples, lambda: self.scores(trainer, pl_module))
+            # the first measurement is also kept under its own name, so that a run's last values (kdlab report) hold both
+            log_metrics(trainer, {**metrics, **{f"{name}_before": value for name, value in metrics.items()}})

@@ -77,7 +77,12 @@ def task_name(task: Task) -> str:
 
 
 class EvaluationCallback(PeriodicCallback):
-    """Shared settings of callbacks that sample from the student."""
+    """Shared settings of callbacks that sample from the student.
+
+    ``before_cache``: a folder where the scores before training (``OODForgetting`` on the tiny back end,
+    ``Coverage``) are kept and reused by every later run that starts from the same student weights with the same
+    evaluation (:meth:`before_scores`); every run of a grid then measures "before" once instead of once per run.
+    """
 
     def __init__(
         self,
@@ -87,6 +92,7 @@ class EvaluationCallback(PeriodicCallback):
         batch_size: int = 32,
         every_n_steps: int | None = None,
         seed: int = 0,
+        before_cache: str | None = None,
     ) -> None:
         super().__init__(every_n_steps)
         if examples < 1:
@@ -95,6 +101,28 @@ class EvaluationCallback(PeriodicCallback):
             raise ValueError(f"{type(self).__name__}.temperature must be >= 0, got {temperature}")
         self.examples, self.temperature = examples, temperature
         self.max_new_tokens, self.batch_size, self.seed = max_new_tokens, batch_size, seed
+        self.before_cache = before_cache
+
+    def before_scores(self, trainer, pl_module, tasks: list[Task], examples: list[list[dict]], measure) -> dict[str, float]:
+        """``measure()``, the scores before training; with ``before_cache`` (a folder) read from it when a run has
+        already measured them on the same student weights with the same settings, tasks and examples, tokenizer,
+        precision and kdlab source (:func:`kdlab.evaluation.before_cache.evaluation_key`), and written to it
+        otherwise. One process only: under several the key would need every rank's shard of the weights."""
+        if self.before_cache is None:
+            return measure()
+        from kdlab.evaluation.before_cache import BeforeCache, evaluation_key, weights_digest
+
+        if trainer is not None and trainer.world_size > 1:
+            raise ValueError(f"{type(self).__name__}.before_cache works on one process; this run has {trainer.world_size}")
+        cache = BeforeCache(self.before_cache)
+        weights = weights_digest(pl_module.student)
+        precision = getattr(trainer, "precision", None) if trainer is not None else None
+        key = evaluation_key(self, tasks, examples, pl_module.student_tokenizer, (1, 0), str(precision))
+        scores = cache.get(weights, key)
+        if scores is None:
+            scores = measure()
+            cache.put(weights, key, scores, callback=type(self).__name__)
+        return scores
 
     def sample(self, pl_module, task: Task, examples, role: str = "student", repeat: int = 1, model: Any = None) -> list[str]:
         """Completions of ``examples`` (each ``repeat`` times) prompted as ``role``, from the module's

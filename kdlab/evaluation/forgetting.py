@@ -22,9 +22,9 @@ How it runs:
   it does so only where it sees more than one GPU, and a run in which lm-eval saw fewer processes than
   were started fails rather than score everything on each);
 * the "before" score depends only on the student's weights and the suite's settings, so it is kept
-  in a :class:`BeforeCache` (``cache_dir``) keyed by a hash of the student's state dict
-  (:func:`weights_digest`) and of the settings (:meth:`SuiteSettings.key`: entries, batch size,
-  chat template, the include path's file contents, back end, dtype and lm-eval's version): every run
+  in a :class:`~kdlab.evaluation.before_cache.BeforeCache` (``cache_dir``) keyed by a hash of the student's
+  state dict (:func:`~kdlab.evaluation.before_cache.weights_digest`) and of the settings
+  (:meth:`SuiteSettings.key`: entries, batch size, chat template, the include path's file contents, back end, dtype and lm-eval's version): every run
   of a grid that starts from the same student reuses one measurement.
 
 A run is measured once: ``<run>/forgetting.json`` records the scores and the keys, and a second call
@@ -141,46 +141,6 @@ def _folder_digest(folder: str | None) -> dict[str, str]:
         return {}
     root = Path(folder)
     return {str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(root.rglob("*")) if path.is_file()}
-
-
-def weights_digest(model: torch.nn.Module) -> str:
-    """SHA-256 of ``model``'s state dict: every entry's name, dtype, shape and bytes, in name order."""
-    digest = hashlib.sha256()
-    with torch.no_grad():
-        for name, tensor in sorted(model.state_dict().items()):
-            tensor = tensor.detach().to("cpu").contiguous()
-            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)};".encode())
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
-
-
-class BeforeCache:
-    """Scores of a student before training, one JSON file per (weights digest, settings key) in ``directory``."""
-
-    def __init__(self, directory: str | Path) -> None:
-        self.directory = Path(directory)
-
-    def path(self, weights: str, settings_key: str) -> Path:
-        return self.directory / f"before-{weights[:24]}-{settings_key[:24]}.json"
-
-    def get(self, weights: str, settings_key: str) -> dict[str, float] | None:
-        """The cached scores, or None (nothing cached, or a file for other full keys)."""
-        path = self.path(weights, settings_key)
-        if not path.is_file():
-            return None
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("weights") != weights or data.get("settings_key") != settings_key:
-            return None
-        return {name: float(value) for name, value in data["scores"].items()}
-
-    def put(self, weights: str, settings_key: str, scores: Mapping[str, float], **about: Any) -> Path:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.path(weights, settings_key)
-        record = {"weights": weights, "settings_key": settings_key, "scores": dict(scores), **about}
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # several runs of a grid may write at once
-        partial.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
-        partial.replace(path)
-        return path
 
 
 def choose_backend(requested: str = "auto") -> str:

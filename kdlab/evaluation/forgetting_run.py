@@ -21,17 +21,16 @@ from typing import Any
 import torch
 import yaml
 
+from kdlab.evaluation.before_cache import BeforeCache, weights_digest
 from kdlab.evaluation.forgetting import (
     BACKENDS,
     DTYPES,
     RESULT_FILE,
     TRAINED_ROLES,
-    BeforeCache,
     SuiteSettings,
     choose_backend,
     choose_dtype,
     score_model,
-    weights_digest,
 )
 from kdlab.runlog import METRICS_FILE, metrics_lines
 

@@ -16,7 +16,7 @@ the run's GPUs): each GPU scores ``ceil(requests / devices)`` of every task. Per
   host cost (as the in-loop suite, :func:`~kdlab.study.run_time.lm_eval_seconds`, but in ``dtype``).
 
 The before score is measured once per student and suite and reused by every run of the grid that starts from it
-(:class:`~kdlab.evaluation.forgetting.BeforeCache`): a run's share is ``before / runs per student``, where the
+(:class:`~kdlab.evaluation.before_cache.BeforeCache`): a run's share is ``before / runs per student``, where the
 grid's runs per student are its runs (grid product x seeds) over its distinct students (the product of the
 grid keys under ``model.student`` or ``model.policy``; 1 when the grid does not vary the student). The after score
 is one pass per run. Not counted: exporting the weights to a Hugging Face folder, starting the engine (loading the
