@@ -8,7 +8,9 @@ matter on a GPU, where a small model's decode step is a few hundred kernel launc
 * the KV cache is Hugging Face's ``StaticCache``, allocated once for ``prompt + max_new_tokens`` positions
   (rounded up to :data:`CACHE_BUCKET` so that decodes of different prompt lengths share one captured step),
   and the attention mask is one ``(B, 1, 1, L)`` buffer updated in place: nothing is concatenated or
-  rebuilt per token, so every step has the same shapes and addresses;
+  rebuilt per token, so every step has the same shapes and addresses; an eager step (not captured) attends
+  over the filled positions only (the cache and the mask as views of their first ``written`` positions,
+  :func:`filled_prefix_cache`), so it reads no more of the cache than a growing one and copies nothing;
 * the decode step can be compiled (``compile``): ``"cuda"`` (the default) compiles it with
   ``mode="reduce-overhead"`` (CUDA graphs) on a CUDA device and runs it eagerly elsewhere, ``"always"``
   compiles it on any device (inductor's C++ kernels on a CPU), ``"never"`` runs it eagerly. On a CPU the
@@ -25,6 +27,7 @@ Models whose layers are not all full attention (sliding windows) fall back to :c
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -98,7 +101,9 @@ class StaticCacheLM:
         self.cache_argument = cache_argument(model)
         batch, prompt = input_ids.shape
         length = -(-(prompt + max(int(max_new_tokens), 1)) // CACHE_BUCKET) * CACHE_BUCKET
-        self.cache = StaticCache(config=_config(model), max_cache_len=length)
+        use_compiled = compile == "always" or (compile == "cuda" and input_ids.device.type == "cuda")
+        # eager: the cache hands attention only its filled positions (a captured step needs one shape throughout)
+        self.cache = (StaticCache if use_compiled else filled_prefix_cache())(config=_config(model), max_cache_len=length)
         self.prompt_length = prompt
         self.written = prompt  # cache positions filled so far
         # (B, 1, 1, L) mask of the decode steps, True where a step may attend: the prompt's tokens and the tokens
@@ -111,8 +116,8 @@ class StaticCacheLM:
             self.step_mask = self._additive(self.step_mask)
         _static(self.step_mask)
         self.last_position: torch.Tensor | None = None
-        use_compiled = compile == "always" or (compile == "cuda" and input_ids.device.type == "cuda")
         self.step = _compiled_step(input_ids.device.type) if use_compiled else _step
+        self.prefix_only = not use_compiled
 
     def _prompt_mask(self) -> torch.Tensor:
         """``(B, 1, P, L)`` mask of the prompt forward: causal, padding blocked."""
@@ -145,7 +150,11 @@ class StaticCacheLM:
         if previous is None:
             positions = (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
             self.last_position = positions[:, -1:]
-            outputs = self.model(input_ids=self.input_ids, attention_mask=self._prompt_mask(),
+            mask = self._prompt_mask()
+            if self.prefix_only:
+                self.cache.filled = self.written
+                mask = mask[..., : self.written]
+            outputs = self.model(input_ids=self.input_ids, attention_mask=mask,
                                  position_ids=positions, use_cache=True, logits_to_keep=1, **{self.cache_argument: self.cache})
             return self._logprobs(outputs.logits)
         if self.written >= self.step_mask.shape[-1]:
@@ -153,7 +162,11 @@ class StaticCacheLM:
         self.step_mask[:, :, :, self.written] = 0.0 if self.additive else True
         self.written += 1
         self.last_position = self.last_position + 1
-        logits = self.step(self.model, previous[:, None], self.last_position, self.step_mask, self.cache, self.cache_argument)
+        mask = self.step_mask
+        if self.prefix_only:
+            self.cache.filled = self.written
+            mask = mask[..., : self.written]
+        logits = self.step(self.model, previous[:, None], self.last_position, mask, self.cache, self.cache_argument)
         return self._logprobs(logits)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
@@ -167,6 +180,26 @@ class StaticCacheLM:
                     layer.max_batch_size = len(rows)
         self.step_mask = _static(self.step_mask.index_select(0, rows))
         self.last_position = self.last_position.index_select(0, rows)
+
+
+@functools.cache
+def filled_prefix_cache() -> type:
+    """``StaticCache`` whose ``update`` returns only the first ``filled`` positions of each layer's keys and values
+    (views, no copy), so an eager decode step attends over the tokens so far rather than the whole preallocated
+    length, while still writing in place (no concatenation per token, as a growing cache does). Built on first use:
+    transformers is imported lazily."""
+    from transformers import StaticCache
+
+    class FilledPrefixCache(StaticCache):
+        filled: int | None = None
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            if self.filled is None:
+                return keys, values
+            return keys[:, :, : self.filled], values[:, :, : self.filled]
+
+    return FilledPrefixCache
 
 
 def _static(tensor: torch.Tensor) -> torch.Tensor:
