@@ -6,8 +6,8 @@
 
 What is timed: one micro-batch's training work, ``DistillModule.training_step`` (teacher forward, student forward,
 objective, logging) plus ``loss.backward()``, on fixed completions (no decoding: the variants differ only in the
-layout), forward KL, fp32. The same micro-batches run padded (``(B, P + C)``) and packed at each budget (rows of at
-most ``N`` tokens); each repeat rotates which goes first; a micro-batch's time is its median over repeats.
+layout), forward KL, fp32. The same micro-batches run padded (``(B, P + C)``) and packed in each variant (below);
+each repeat rotates which goes first; a micro-batch's time is its median over repeats.
 
 Lengths. ``tiny``: the tiny quickstart's completions, read from the archived study runs
 (``experiments/tiny/study_runs/grid_5x.tar.gz``: the teacher-rollout forward-KL run at seed 42, its held-out
@@ -16,20 +16,21 @@ prompts, on the packaged tiny pair. ``smollm2``: SmolLM2-135M-Instruct (GGUF fro
 every-other-layer copy as the student, Countdown-3 prompts and completions of random tokens whose lengths are
 drawn (seeded) from a normal of mean 140 and s.d. 60 tokens clipped to [16, 256]: a realistic spread up to 256.
 
-Recorded (``benchmarks/results/packing-<lengths>.json``): the shapes (padded ``B x (P + C)`` and, per budget, packed
-``R x L`` of each model per micro-batch), real tokens (student's prompt + completion), the padding ratio (padded
-tokens / real tokens, the student's forward), tokens/s padded and at each budget (real tokens per second of timed
-work), how many micro-batches each budget actually packed (fewer rows than sequences), the speed-up, the gain
+Recorded (``benchmarks/results/packing-<lengths>.json``): the shapes (padded ``B x (P + C)`` and packed ``R x L`` of
+each model per micro-batch and variant), real tokens (student's prompt + completion), the padding ratio (padded
+tokens / real tokens, the student's forward), tokens/s padded and for each variant (real tokens per second of timed
+work), how many micro-batches each variant actually packed (fewer rows than sequences), the speed-up, the gain
 share (``(speed-up - 1) / (padding ratio - 1)``: the part of what removing the padding allows that packing gained),
-issue #42's target (packed tokens/s >= 0.8 x padding ratio x padded tokens/s) for each budget, the best budget,
+issue #42's target (packed tokens/s >= 0.8 x padding ratio x padded tokens/s) for each variant, the best one,
 the threads, and the largest loss difference between the layouts (it must be <= 1e-5, else the script exits 1
 after writing).
 
-Budgets: ``--budgets`` defaults to 1, 1.5 and 2 x ``max_prompt_tokens + max_completion_tokens`` (the smallest
-allowed is 1 x). With an explicit block-diagonal mask (CPU sdpa/eager) attention costs ``L^2`` per row whatever the
-sequences inside it, so a longer row packs more sequences but pays more attention per token; sequences longer
-than half the smallest budget cannot share a row at all. A flash-attention model's variable-length path has no
-such cost and can take long rows.
+Variants: ``segments``, the default for these (sdpa) models: every sequence of a micro-batch in one row with no
+padding, each sequence's attention computed on its own (:mod:`kdlab.rollouts.segment_attention`); and
+``mask-N`` for each of ``--budgets`` (default 1, 1.5 and 2 x ``max_prompt_tokens + max_completion_tokens``, the
+smallest allowed being 1 x): rows of at most ``N`` tokens under an explicit block-diagonal mask (the path of a
+model that recomputes activations in the backward), whose attention costs ``L^2`` per row whatever the sequences
+inside it, and in which sequences longer than half the budget cannot share a row.
 """
 
 from __future__ import annotations
@@ -151,9 +152,11 @@ def main() -> None:
     common = dict(rollout=TeacherRollouts(), objective=ForwardKL(), max_prompt_tokens=setting["prompt"],
                   max_completion_tokens=setting["completion"], batch_size=batch, warmup_steps=0, seed=0)
     modules = {"padded": DistillModule(student, setting["teacher"], task, **common)}
-    for budget in budgets:
-        modules[f"packed-{budget}"] = DistillModule(student, setting["teacher"], task, max_tokens_per_row=budget, **common)
-        modules[f"packed-{budget}"].student.load_state_dict(modules["padded"].student.state_dict())  # one student
+    variants = [("segments", longest, True)] + [(f"mask-{budget}", budget, False) for budget in budgets]
+    for name, budget, segments in variants:
+        modules[f"packed-{name}"] = DistillModule(student, setting["teacher"], task, max_tokens_per_row=budget, **common)
+        modules[f"packed-{name}"].student.load_state_dict(modules["padded"].student.state_dict())  # one student
+        modules[f"packed-{name}"].layout.segment_attention = segments  # the teacher reads the same layout object
     for module in modules.values():
         module.log = lambda *args, **kwargs: None
     rollouts = micro_batches(modules["padded"], task, lengths, batch, count, setting["completion"])
@@ -176,14 +179,17 @@ def main() -> None:
         inputs = rollout.model_inputs("student")
         real = int(inputs["attention_mask"].sum())
         shape = {"padded": list(inputs["input_ids"].shape), "real_tokens": real, "completion_tokens": int(rollout.completion_mask.sum())}
-        for budget in budgets:
-            layout = modules[f"packed-{budget}"].layout
-            rows = {role: layout.pack(rollout, role).shape for role in ("student", "teacher")}
-            if rows["student"][1] > budget:
+        for name, budget, segments in variants:
+            module = modules[f"packed-{name}"]
+            models = {"student": module.student, "teacher": module.teacher}
+            rows = {role: module.layout.pack(rollout, role, model=models[role]).shape for role in ("student", "teacher")}
+            if not segments and rows["student"][1] > budget:
                 problems.append(f"a packed row of {rows['student'][1]} tokens exceeds the budget {budget}")
-            if layout.pack(rollout, "student").real_tokens() != real:
+            if segments and rows["student"] != (1, real):
+                problems.append(f"segment attention packed {rows['student']}, not one row of the {real} real tokens")
+            if module.layout.pack(rollout, "student", model=module.student).real_tokens() != real:
                 problems.append("the packed rows do not hold exactly the real tokens")
-            shape[f"packed_student-{budget}"], shape[f"packed_teacher-{budget}"] = list(rows["student"]), list(rows["teacher"])
+            shape[f"packed_student-{name}"], shape[f"packed_teacher-{name}"] = list(rows["student"]), list(rows["teacher"])
         real_tokens += real
         padded_tokens += inputs["input_ids"].numel()
         shapes.append(shape)
@@ -202,20 +208,21 @@ def main() -> None:
     padding_ratio = padded_tokens / real_tokens
     target = TARGET_SHARE * padding_ratio * tokens_per_s["padded"]
     packed = []
-    for budget in budgets:
-        name = f"packed-{budget}"
-        rows = [s[f"packed_student-{budget}"] for s in shapes]
+    for variant, budget, segments in variants:
+        name = f"packed-{variant}"
+        rows = [s[f"packed_student-{variant}"] for s in shapes]
         speedup = tokens_per_s[name] / tokens_per_s["padded"]
-        packed.append({"max_tokens_per_row": budget, "tokens_per_s": tokens_per_s[name], "speedup": speedup,
+        packed.append({"variant": variant, "attention": "segments" if segments else "block-diagonal mask",
+                       "max_tokens_per_row": budget, "tokens_per_s": tokens_per_s[name], "speedup": speedup,
                        "row_tokens": sum(r * width for r, width in rows), "rows": sum(r for r, _ in rows),
                        "micro_batches_packed": sum(r < batch for r, _ in rows),
                        "gain_share": gain_share(speedup, padding_ratio), "meets_target": tokens_per_s[name] >= target})
-        print(f"{lengths}, budget {budget}: {packed[-1]['rows']} rows for {batch * count} sequences "
+        print(f"{lengths}, {variant}: {packed[-1]['rows']} rows for {batch * count} sequences "
               f"({packed[-1]['micro_batches_packed']} of {count} micro-batches packed); tokens/s {tokens_per_s[name]:.0f} "
               f"(padded {tokens_per_s['padded']:.0f}, target {target:.0f}); speed-up {speedup:.3f}, "
               f"gain share {packed[-1]['gain_share'] if packed[-1]['gain_share'] is None else round(packed[-1]['gain_share'], 3)}")
     best = max(packed, key=lambda row: row["tokens_per_s"])
-    print(f"{lengths}: padding ratio {padding_ratio:.3f}; best budget {best['max_tokens_per_row']}; largest loss difference {loss_gap:.2e}")
+    print(f"{lengths}: padding ratio {padding_ratio:.3f}; best {best['variant']}; largest loss difference {loss_gap:.2e}")
     payload = {
         "lengths": lengths, "smoke": args.smoke, "threads": args.threads, "dtype": "float32", "batch": batch, "micro_batches": count,
         "repeats": repeats, "max_prompt_tokens": setting["prompt"], "max_completion_tokens": setting["completion"],

@@ -282,7 +282,9 @@ def _packing(record: dict) -> str:
              f"prompts up to {record['max_prompt_tokens']} + completions up to {record['max_completion_tokens']} tokens, {record['dtype']}\n",
              _setting(record),
              "One micro-batch's training work (teacher forward, student forward, forward KL, backward) on fixed completions, "
-             f"padded rows against packed rows of at most N tokens; median of {record['repeats']} runs per micro-batch. "
+             "padded rows against packed sequences: `segments`, every sequence in one row with no padding and each "
+             "sequence's attention on its own (kdlab's segment attention, the default for sdpa and eager models), and "
+             f"`mask, N`, rows of at most N tokens under a block-diagonal mask; median of {record['repeats']} runs per micro-batch. "
              f"Completions average {record['mean_completion_tokens']:.1f} tokens; the padded rows hold {record['padded_tokens']:,} "
              f"tokens for {record['real_tokens']:,} real ones (padding ratio {record['padding_ratio']:.3f}). Tokens/s counts real "
              "tokens. Gain share: (speed-up - 1) / (padding ratio - 1), the part of what removing the padding allows that packing "
@@ -292,12 +294,13 @@ def _packing(record: dict) -> str:
              f"| padded | {record['batch'] * record['micro_batches']} | {record['padded_tokens']:,} | - | {record['padded_tokens_per_s']:.0f} | 1.000 | - | - |"]
     for row in record["packed"]:
         share = "-" if row["gain_share"] is None else f"{row['gain_share']:.2f}"
-        lines.append(f"| packed, N = {row['max_tokens_per_row']} | {row['rows']} | {row['row_tokens']:,} | {row['micro_batches_packed']} of "
+        label = "packed, segments" if row["attention"] == "segments" else f"packed, mask, N = {row['max_tokens_per_row']}"
+        lines.append(f"| {label} | {row['rows']} | {row['row_tokens']:,} | {row['micro_batches_packed']} of "
                      f"{record['micro_batches']} | {row['tokens_per_s']:.0f} | {row['speedup']:.3f} | {share} | {'met' if row['meets_target'] else 'not met'} |")
     best = record["best"]
     lines.append(f"\nTarget (issue #42): packed tokens/s >= 0.8 x padding ratio x padded tokens/s = {record['target_tokens_per_s']:.0f}: "
-                 f"{'met' if record['meets_target'] else 'not met'} at the best budget (N = {best['max_tokens_per_row']}). "
-                 f"Share of the possible gain at that budget: {'-' if best['gain_share'] is None else format(best['gain_share'], '.2f')} "
+                 f"{'met' if record['meets_target'] else 'not met'} by the best variant ({best['variant']}). "
+                 f"Share of the possible gain there: {'-' if best['gain_share'] is None else format(best['gain_share'], '.2f')} "
                  f"({'at least' if record['meets_gain_share'] else 'below'} 0.8). Largest loss difference between the layouts: "
                  f"{record['largest_loss_difference']:.1e} (tolerance {record['loss_tolerance']:.0e}).")
     if record["problems"]:

@@ -201,13 +201,14 @@ def test_the_packing_benchmark_smoke_records_what_it_measured(tmp_path):
     assert len(shapes) == record["micro_batches"] == 2 and all(s["padded"][0] == record["batch"] for s in shapes)
     assert record["real_tokens"] == sum(s["real_tokens"] for s in shapes) < record["padded_tokens"] == sum(a * b for a, b in (s["padded"] for s in shapes))
     assert record["padding_ratio"] == pytest.approx(record["padded_tokens"] / record["real_tokens"])
-    budgets = [row["max_tokens_per_row"] for row in record["packed"]]
     longest = record["max_prompt_tokens"] + record["max_completion_tokens"]
-    assert budgets == [longest, longest * 3 // 2, 2 * longest]
+    assert [row["variant"] for row in record["packed"]] == ["segments", f"mask-{longest}", f"mask-{longest * 3 // 2}", f"mask-{2 * longest}"]
     for row in record["packed"]:
-        budget = row["max_tokens_per_row"]
-        rows = [s[f"packed_student-{budget}"] for s in shapes]
-        assert all(width <= budget for _, width in rows)
+        rows = [s[f"packed_student-{row['variant']}"] for s in shapes]
+        if row["variant"] == "segments":  # one row of exactly the real tokens per micro-batch
+            assert rows == [[1, s["real_tokens"]] for s in shapes] and row["attention"] == "segments"
+        else:
+            assert all(width <= row["max_tokens_per_row"] for _, width in rows) and row["attention"] == "block-diagonal mask"
         assert row["rows"] == sum(r for r, _ in rows) and row["row_tokens"] == sum(r * w for r, w in rows)
         assert row["micro_batches_packed"] == sum(r < record["batch"] for r, _ in rows)
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / record["padded_tokens_per_s"])
@@ -386,3 +387,13 @@ def test_the_served_quickstart_benchmark_smoke_path_times_both_kdlab_fits(tmp_pa
     assert record["ratio"] == pytest.approx(results["served"]["step_s"] / results["in_process"]["step_s"])
     assert not (ROOT / "benchmarks" / "results" / "served_quickstart_step-tiny.json").exists() or not json.loads(
         (ROOT / "benchmarks" / "results" / "served_quickstart_step-tiny.json").read_text())["smoke"]
+
+
+def test_the_scaling_pages_overlap_figure_is_the_benchmarks():
+    """docs/scaling.md quotes benchmarks/results/overlap-tiny.json's overlapped / synchronous step time."""
+    import json
+
+    record = json.loads((ROOT / "benchmarks" / "results" / "overlap-tiny.json").read_text())
+    assert not record["smoke"] and record["problems"] == []
+    page = " ".join((ROOT / "docs" / "scaling.md").read_text(encoding="utf-8").split())
+    assert f"the overlapped step took {record['ratio']:.2f} of the synchronous step's wall time" in page

@@ -10,7 +10,7 @@ import torch
 
 from kdlab.data import Rollout, encode_prompts, right_pad
 from kdlab.objectives import ForwardKL, ReverseKL
-from kdlab.rollouts import TeacherDatasetRollouts, TeacherRollouts
+from kdlab.rollouts import TeacherDatasetRollouts, TeacherRollouts, packing
 from kdlab.rollouts.packing import Packed, PackedBatch, Padded, first_fit_decreasing
 from kdlab.stages import DistillModule
 from kdlab.tasks import Addition
@@ -128,10 +128,14 @@ def assert_same_step(padded, packed, atol=1e-5):
 
 @pytest.mark.parametrize("objective", sorted(OBJECTIVES))
 @pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
-@pytest.mark.parametrize("budget", [180, 4096], ids=["several-rows", "one-row"])
-def test_a_packed_step_has_the_padded_steps_loss_diagnostics_and_gradients(tmp_path, objective, fused, budget):
-    """The tiny pair on teacher-written completions of ragged lengths: packed rows (several, or one) give the padded
-    step's loss, every logged diagnostic and every student gradient to 1e-5."""
+@pytest.mark.parametrize("budget, attention", [(180, "segments"), (180, "mask"), (4096, "mask")],
+                         ids=["segment-attention", "mask-several-rows", "mask-one-row"])
+def test_a_packed_step_has_the_padded_steps_loss_diagnostics_and_gradients(tmp_path, monkeypatch, objective, fused, budget, attention):
+    """The tiny pair on teacher-written completions of ragged lengths: packed sequences (one row with kdlab's segment
+    attention, the sdpa model's default; or rows of the budget, several or one, with the block-diagonal mask) give the
+    padded step's loss, every logged diagnostic and every student gradient to 1e-5."""
+    if attention == "mask":
+        monkeypatch.setattr(packing, "segments_apply", lambda model: False)
     task = Addition(num_train=6)
     rollouts = dataset_rollouts(tmp_path, task)
     settings = dict(rollout=rollouts, objective=OBJECTIVES[objective](), max_prompt_tokens=80, max_completion_tokens=16,
@@ -144,8 +148,8 @@ def test_a_packed_step_has_the_padded_steps_loss_diagnostics_and_gradients(tmp_p
     rollout = padded.make_rollout(batch, 0)
     mask = rollout.completion_mask
     assert bool((~mask).any()) and len(set(mask.sum(1).tolist())) > 2  # ragged: the padded rows hold padding
-    rows = packed.layout.pack(rollout, "student").shape[0]
-    assert (rows > 1) == (budget == 180)
+    rows = packed.layout.pack(rollout, "student", model=packed.student).shape[0]
+    assert (rows > 1) == (budget == 180 and attention == "mask")
     assert_same_step(step(padded, batch, rollout), step(packed, batch, rollout))
 
 
@@ -253,3 +257,67 @@ def test_a_flash_attention_model_gets_one_flat_row_and_no_mask():
         one = packed.flattened().unpack(model(**packed.flattened().model_inputs(model), use_cache=False).logits)
     real = torch.arange(width_c)[None, :] < torch.tensor([5, 2, 0, 6])[:, None]
     torch.testing.assert_close(one[real], rows[real], atol=1e-5, rtol=0)
+
+
+def test_an_sdpa_model_reads_one_row_of_exactly_the_real_tokens_through_segment_attention(tmp_path):
+    """An sdpa model without activation checkpointing: every sequence in one row with no padding, each sequence's
+    attention on its own (``kdlab_segments`` while the forward runs, the model's own implementation after), and the
+    logits equal the padded ones; a checkpointed model keeps rows of the budget and the mask."""
+    from kdlab.rollouts.segment_attention import NAME, segment_lengths
+
+    task = Addition(num_train=4)
+    module = DistillModule(*TINY, task, rollout=dataset_rollouts(tmp_path, task), max_prompt_tokens=80, max_completion_tokens=16,
+                           batch_size=4, fused_lm_head=False)
+    rollout = module.make_rollout(task.examples("train"), 0)
+    lengths = rollout.model_inputs("student")["attention_mask"].sum(1)
+    layout, seen = Packed(100), []
+    row = layout.pack(rollout, "student", model=module.student)
+    assert row.shape == (1, int(lengths.sum())) and bool((row.segments >= 0).all())
+    assert segment_lengths(row.position_ids) == sorted(lengths.tolist(), reverse=True)
+    attention = type(module.student.model.layers[0].self_attn)
+    forward = attention.forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.config._attn_implementation)
+        return forward(self, *args, **kwargs)
+
+    attention.forward = spy
+    try:
+        with torch.no_grad():
+            packed = layout.completion_logits(module.student, rollout, "student", module.token_columns)
+            padded = Padded().completion_logits(module.student, rollout, "student", module.token_columns)
+    finally:
+        attention.forward = forward
+    assert seen[: len(module.student.model.layers)] == [NAME] * len(module.student.model.layers)
+    assert set(seen[len(module.student.model.layers):]) == {"sdpa"} and module.student.config._attn_implementation == "sdpa"
+    mask = rollout.completion_mask
+    torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
+    module.student.gradient_checkpointing_enable()
+    assert not packing.segments_apply(module.student)
+    assert layout.pack(rollout, "student", model=module.student).shape[0] > 1
+
+
+def test_segment_attention_is_sdpa_under_the_block_diagonal_mask_with_its_gradients():
+    """Three sequences of one row, grouped heads (4 query heads over 2 key/value heads): the outputs and the
+    gradients of query, key and value equal causal sdpa under the block-diagonal mask."""
+    from kdlab.rollouts.segment_attention import segment_attention
+
+    generator = torch.Generator().manual_seed(0)
+    lengths, heads, kv_heads, dim = [5, 3, 7], 4, 2, 8
+    total = sum(lengths)
+    q = torch.randn(1, heads, total, dim, generator=generator, requires_grad=True)
+    k = torch.randn(1, kv_heads, total, dim, generator=generator, requires_grad=True)
+    v = torch.randn(1, kv_heads, total, dim, generator=generator, requires_grad=True)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    out, weights = segment_attention(torch.nn.Module(), q, k, v, None, scaling=dim**-0.5, position_ids=positions)
+    assert weights is None and out.shape == (1, total, heads, dim)
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    allowed = (segment[:, None] == segment[None, :]) & (torch.arange(total)[:, None] >= torch.arange(total)[None, :])
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                                 attn_mask=allowed, scale=dim**-0.5).transpose(1, 2)
+    torch.testing.assert_close(out, reference, atol=1e-6, rtol=1e-6)
+    weights_out = torch.randn(out.shape, generator=generator)
+    grads = torch.autograd.grad((out * weights_out).sum(), (q, k, v))
+    expected = torch.autograd.grad((reference * weights_out).sum(), (q, k, v))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

@@ -5,21 +5,28 @@ A rollout of ``B`` completions is read by each model as ``[own prompt | completi
 ``(B, P + C)`` with left-padded prompts and right-padded completions, so every row runs to the micro-batch's
 longest prompt plus its longest completion. The packed layout lays the sequences' real tokens end to end in
 rows of at most ``max_tokens_per_row`` tokens (:class:`PackedBatch`, ``(R, L)``), each sequence attending only
-to itself: position ids restart at 0 on each sequence, and attention is block-diagonal (an explicit 4D mask,
-or, for a flash-attention model, the implementation's variable-length path on the rows laid end to end as one row,
-which reads the sequence boundaries from the restarting position ids). Either way the objective receives the same ``(B, C, ...)``
+to itself: position ids restart at 0 on each sequence, and attention is block-diagonal. How depends on the model's
+attention: a flash-attention model reads its rows laid end to end as one row through its variable-length path (the
+sequence boundaries from the restarting position ids); an ``sdpa`` or ``eager`` model gets every sequence in one
+row with no padding and kdlab's segment attention, each sequence's causal attention computed on its own
+(:mod:`kdlab.rollouts.segment_attention`: ``sum(l_i^2)`` instead of ``L^2`` per row); a model that recomputes its
+activations in the backward (gradient checkpointing) or another attention gets rows of the budget and an explicit
+4D block-diagonal mask. Either way the objective receives the same ``(B, C, ...)``
 tensors at the completion positions (the packed outputs are gathered back), so every reduction, diagnostic
 and teacher signal (a cache's or a server's top-k, indexed by ``(B, C)``) lands on the same tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kdlab.objectives.logits import completion_head_logits, completion_logits, forward_parameters, full_head_weight, fused_head_unsupported
+from kdlab.rollouts.segment_attention import NAME as SEGMENTS
+from kdlab.rollouts.segment_attention import segment_attention_for
 
 SETTING = "DistillModule.max_tokens_per_row"
 
@@ -57,13 +64,19 @@ class Padded(RowLayout):
 class Packed(RowLayout):
     """Sequences packed end to end into rows of at most ``max_tokens_per_row`` real tokens (longest first, each
     into the first row it fits), all rows in one forward ``(R, L)``, ``L`` the longest row: the micro-batch
-    computes its real tokens plus the tail of its shorter rows instead of ``B x (P + C)``. A sequence longer
-    than the budget is an error naming ``setting``."""
+    computes its real tokens plus the tail of its shorter rows instead of ``B x (P + C)``; with kdlab's segment
+    attention (:func:`segments_apply`) one row of exactly the real tokens. A sequence longer than the budget is an
+    error naming ``setting``."""
 
-    def __init__(self, max_tokens_per_row: int, setting: str = SETTING) -> None:
+    def __init__(self, max_tokens_per_row: int, setting: str = SETTING, segment_attention: bool = True) -> None:
         if isinstance(max_tokens_per_row, bool) or not isinstance(max_tokens_per_row, int) or max_tokens_per_row < 1:
             raise ValueError(f"{setting} must be a positive number of tokens (or null: padded rows), got {max_tokens_per_row!r}")
         self.max_tokens_per_row, self.setting = max_tokens_per_row, setting
+        self.segment_attention = segment_attention  # False: rows of the budget and the mask even where segments apply
+
+    def segments(self, model: torch.nn.Module | None) -> bool:
+        """Whether ``model``'s packed forward runs kdlab's segment attention (:func:`segments_apply`)."""
+        return model is not None and self.segment_attention and segments_apply(model)
 
     def check_fits(self, longest_sequence: int, why: str) -> None:
         """An error naming the setting when a sequence of ``longest_sequence`` tokens (``why``) cannot fit one row."""
@@ -73,25 +86,32 @@ class Packed(RowLayout):
     def pack(self, rollout: Any, role: str, rows: torch.Tensor | None = None, model: torch.nn.Module | None = None) -> PackedBatch:
         """``role``'s sequences of ``rollout`` (of ``rows`` only, when given) as a :class:`PackedBatch`; for a ``model``
         whose attention is variable-length (flash attention), its rows laid end to end as one row (Hugging Face's
-        variable-length path reads the restarting position ids of a single row only)."""
+        variable-length path reads the restarting position ids of a single row only); for one that attends with
+        kdlab's segment attention (:func:`segments_apply`), every sequence in one row with no padding at all."""
         inputs = rollout.model_inputs(role)
         completion_mask = rollout.completion(role)[1]
         if rows is not None:
             inputs = {key: value[rows.to(value.device)] for key, value in inputs.items()}
             completion_mask = completion_mask[rows.to(completion_mask.device)]
-        packed = PackedBatch.build(inputs["input_ids"], inputs["attention_mask"].bool(), completion_mask.shape[1], self)
+        one_row = self.segments(model)
+        packed = PackedBatch.build(inputs["input_ids"], inputs["attention_mask"].bool(), completion_mask.shape[1], self, one_row=one_row)
         return packed.flattened() if model is not None and variable_length(model) else packed
+
+    def attention(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """The block a packed forward of ``model`` runs in: kdlab's segment attention where it applies."""
+        return segment_attention_for(model) if self.segments(model) else contextlib.nullcontext()
 
     def completion_logits(self, model, rollout, role, token_columns, rows=None):
         packed = self.pack(rollout, role, rows, model)
-        inputs = packed.model_inputs(model)
-        if "logits_to_keep" in forward_parameters(model):
-            # only the columns that predict some completion token (with one row: exactly those positions)
-            kept = packed.kept_columns()
-            logits = model(**inputs, use_cache=False, logits_to_keep=kept).logits
-            logits = packed.unpack(logits, kept)
-        else:
-            logits = packed.unpack(model(**inputs, use_cache=False).logits)
+        with self.attention(model):
+            inputs = packed.model_inputs(model)
+            if "logits_to_keep" in forward_parameters(model):
+                # only the columns that predict some completion token (with one row: exactly those positions)
+                kept = packed.kept_columns()
+                logits = model(**inputs, use_cache=False, logits_to_keep=kept).logits
+                logits = packed.unpack(logits, kept)
+            else:
+                logits = packed.unpack(model(**inputs, use_cache=False).logits)
         return logits if logits.shape[-1] == token_columns else logits[..., :token_columns]
 
     def completion_head_logits(self, model, rollout, role, token_columns, temperature=1.0):
@@ -102,7 +122,8 @@ class Packed(RowLayout):
             raise ValueError(f"fused_lm_head: {reason}; use the logits path (fused_lm_head: false)")
         packed = self.pack(rollout, role, model=model)
         keep = {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters(model) else {}
-        outputs = model(**packed.model_inputs(model), use_cache=False, output_hidden_states=True, **keep)
+        with self.attention(model):
+            outputs = model(**packed.model_inputs(model), use_cache=False, output_hidden_states=True, **keep)
         hidden = packed.unpack(outputs.hidden_states[-1])
         return HeadLogits(hidden, full_head_weight(model.get_output_embeddings())[:token_columns], 1.0 / temperature)
 
@@ -125,9 +146,11 @@ class PackedBatch:
     gather: torch.Tensor
 
     @classmethod
-    def build(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_length: int, packing: Packed) -> PackedBatch:
+    def build(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_length: int, packing: Packed,
+              one_row: bool = False) -> PackedBatch:
         """From a padded ``[prompt | completion]`` micro-batch: ``input_ids`` / ``attention_mask`` ``(B, P + C)``
-        (real tokens: left-padded prompt, right-padded completion, each a contiguous run) and ``C``."""
+        (real tokens: left-padded prompt, right-padded completion, each a contiguous run) and ``C``; rows of at most
+        ``packing.max_tokens_per_row`` tokens, or with ``one_row`` all sequences in one row ``(1, real tokens)``."""
         device = input_ids.device
         lengths = attention_mask.sum(1)
         prompt_length = input_ids.shape[1] - completion_length
@@ -141,7 +164,7 @@ class PackedBatch:
             raise ValueError("PackedBatch: each prompt must be one run of real tokens ending at its last column (left padding only)")
         sizes = lengths.tolist()
         packing.check_fits(max(sizes, default=0), "the longest prompt + completion of this micro-batch")
-        row_of, offset_of, row_sizes = first_fit_decreasing(sizes, packing.max_tokens_per_row)
+        row_of, offset_of, row_sizes = first_fit_decreasing(sizes, sum(sizes) if one_row else packing.max_tokens_per_row)
         width = max(row_sizes, default=0)
         rows = len(row_sizes)
         ids = torch.zeros((rows, width), dtype=input_ids.dtype, device=device)
@@ -229,8 +252,20 @@ def attention_implementation(model: torch.nn.Module) -> str:
 
 
 def variable_length(model: torch.nn.Module) -> bool:
-    """Whether the model's attention takes packed sequences from restarting position ids alone (flash attention)."""
-    return "flash" in attention_implementation(model)
+    """Whether the model's attention takes packed sequences from restarting position ids alone (flash attention, or
+    kdlab's segment attention while :func:`~kdlab.rollouts.segment_attention.segment_attention_for` holds)."""
+    implementation = attention_implementation(model)
+    return "flash" in implementation or implementation == SEGMENTS
+
+
+def segments_apply(model: torch.nn.Module) -> bool:
+    """Whether a packed forward of ``model`` runs kdlab's segment attention (one row, each sequence's attention on its
+    own): an ``sdpa`` or ``eager`` model that does not recompute its activations in the backward (a recompute would
+    run after the forward's attention switch has ended; those models keep the block-diagonal mask)."""
+    if attention_implementation(model) not in ("sdpa", "eager"):
+        return False
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return not getattr(model, name, False)
 
 
 def first_fit_decreasing(sizes: list[int], capacity: int) -> tuple[list[int], list[int], list[int]]:
