@@ -37,14 +37,19 @@ class Clock(pl.Callback):
         init, call = cls.__init__, cls.__call__
 
         def traced_init(decoder, model, input_ids, attention_mask, *args, **kwargs):
+            start = time.perf_counter()
             init(decoder, model, input_ids, attention_mask, *args, **kwargs)
             decoder._clock = {"part": clock.label, "config": model.config, "dtype": str(next(model.parameters()).dtype).split(".")[-1],
-                              "rows": int(input_ids.shape[0]), "prompt": int(input_ids.shape[1]), "forwards": 0}
+                              "rows": int(input_ids.shape[0]), "prompt": int(input_ids.shape[1]), "forwards": 0,
+                              "start": start, "seconds": time.perf_counter() - start}
             clock.record["decodes"].append(decoder._clock)
 
         def traced_call(decoder, previous):
             decoder._clock["forwards"] += 1
-            return call(decoder, previous)
+            try:
+                return call(decoder, previous)
+            finally:  # from the decoder's construction to its last forward: prefill, token steps and the sampling between
+                decoder._clock["seconds"] = time.perf_counter() - decoder._clock["start"]
 
         cls.__init__, cls.__call__ = traced_init, traced_call
         self._restore += [(cls, "__init__", init), (cls, "__call__", call)]
