@@ -9,7 +9,7 @@ to itself: position ids restart at 0 on each sequence, and attention is block-di
 attention: a flash-attention model reads its rows laid end to end as one row through its variable-length path (the
 sequence boundaries from the restarting position ids); an ``sdpa`` or ``eager`` model gets every sequence in one
 row with no padding and kdlab's segment attention, each sequence's causal attention computed on its own
-(:mod:`kdlab.rollouts.segment_attention`: ``sum(l_i^2)`` instead of ``L^2`` per row); a model that recomputes its
+(:mod:`kdlab.rollouts.segment_attention`: the padded layout's attention cost, not ``L^2`` per row); a model that recomputes its
 activations in the backward (gradient checkpointing) or another attention gets rows of the budget and an explicit
 4D block-diagonal mask. Either way the objective receives the same ``(B, C, ...)``
 tensors at the completion positions (the packed outputs are gathered back), so every reduction, diagnostic

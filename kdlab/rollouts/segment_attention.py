@@ -1,12 +1,17 @@
-"""A variable-length attention for models without flash attention: packed sequences laid end to end in one row,
-each sequence's attention computed on its own (per-sequence causal SDPA), so a packed forward pays attention
-for ``sum(l_i^2)`` instead of the ``L^2`` of a block-diagonal mask over the whole row, and the row holds no padding.
+"""A variable-length attention for models without flash attention: packed sequences laid end to end in one row
+with no padding, each sequence attending only to itself.
+
+Everything but attention (projections, MLPs, norms, the head: nearly all of a forward's FLOPs) then runs on the
+real tokens only. For attention the sequences are gathered into one ``(S, H, M, D)`` batch (``S`` sequences, ``M``
+the longest), attend in one call under a causal mask over each one's real keys, and are scattered back: attention
+costs what it costs in the padded layout (``S x M^2``), never the ``L^2`` of a block-diagonal mask over a long row.
 
 :func:`segment_attention` is registered with Hugging Face's attention interfaces as ``"kdlab_segments"`` (and a mask
 function that builds no mask); :func:`segment_attention_for` switches a model to it for the duration of a forward
-(and its backward: the autograd graph keeps the functions it ran). Sequence boundaries come from the row's
-position ids, which restart at 0 on each sequence (:class:`~kdlab.rollouts.packing.PackedBatch`), as Hugging Face's
-flash-attention path reads them.
+(the backward replays the recorded graph, so it needs no switch; a recompute under activation checkpointing would,
+which is why :func:`~kdlab.rollouts.packing.segments_apply` leaves such models on the mask). Sequence boundaries come
+from the row's position ids, which restart at 0 on each sequence (:class:`~kdlab.rollouts.packing.PackedBatch`), as
+Hugging Face's flash-attention path reads them.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import contextlib
 import contextvars
 import functools
 import weakref
+from dataclasses import dataclass
 from collections.abc import Iterator
 
 import torch
@@ -24,12 +30,25 @@ _WRAPPED: contextvars.ContextVar[str] = contextvars.ContextVar("kdlab_segments_w
 """The implementation the model had (``sdpa`` or ``eager``): each sequence's attention is computed as it computes it."""
 
 
-_LAST: list = [None, None, None]  # (weak reference, version, lengths) of the last row read: a forward's layers share it
+_LAST: list = [None, None, None]  # (weak reference, version, layout) of the last row read: a forward's layers share it
 
 
-def segment_lengths(position_ids: torch.Tensor) -> list[int]:
-    """The lengths of the sequences laid end to end in a ``(1, T)`` row of position ids (each restarts at 0). Read
-    from the device once per row (the layers of one forward get the same tensor), so a GPU syncs once a forward."""
+@dataclass(frozen=True)
+class Segments:
+    """Where the sequences of one packed row ``(1, T)`` sit in a ``(S, M)`` batch of them (``S`` sequences, ``M`` the
+    longest): ``lengths``; ``index`` ``(S, M)``, the row position of each slot (padding slots repeat the sequence's
+    last position); ``slots`` ``(T,)``, the flat slot of each row position; ``mask`` ``(S, 1, M, M)``, True where a
+    slot may attend (causal, real keys only: a padding slot still sees its sequence, so no softmax row is empty)."""
+
+    lengths: list[int]
+    index: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+def segments(position_ids: torch.Tensor) -> Segments:
+    """The :class:`Segments` of a ``(1, T)`` row of position ids (each sequence restarts at 0), read from the device
+    once per row (the layers of one forward get the same tensor, so a GPU syncs once a forward)."""
     if position_ids.dim() != 2 or position_ids.shape[0] != 1:
         raise ValueError(f"segment attention reads one packed row of position ids (1, T), got {tuple(position_ids.shape)}")
     if _LAST[0] is not None and _LAST[0]() is position_ids and _LAST[1] == position_ids._version:
@@ -38,8 +57,22 @@ def segment_lengths(position_ids: torch.Tensor) -> list[int]:
     if not starts or starts[0] != 0:
         raise ValueError("segment attention: a packed row must start with a sequence (position id 0)")
     lengths = [end - start for start, end in zip(starts, [*starts[1:], position_ids.shape[1]])]
-    _LAST[:] = [weakref.ref(position_ids), position_ids._version, lengths]
-    return lengths
+    device, longest = position_ids.device, max(lengths)
+    start = torch.tensor(starts, device=device)[:, None]
+    size = torch.tensor(lengths, device=device)[:, None]
+    column = torch.arange(longest, device=device)[None, :]
+    index = start + torch.minimum(column, size - 1)
+    real = column < size
+    slots = (torch.arange(len(lengths), device=device)[:, None] * longest + column)[real]
+    mask = (column[:, :, None] >= column[:, None, :]) & real[:, None, :]
+    layout = Segments(lengths, index, slots, mask[:, None])
+    _LAST[:] = [weakref.ref(position_ids), position_ids._version, layout]
+    return layout
+
+
+def segment_lengths(position_ids: torch.Tensor) -> list[int]:
+    """The lengths of the sequences laid end to end in a ``(1, T)`` row of position ids (each restarts at 0)."""
+    return segments(position_ids).lengths
 
 
 def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -47,32 +80,30 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       position_ids: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Causal attention of each sequence of one packed row on its own: ``query`` ``(1, H, T, D)``, ``key`` and
     ``value`` ``(1, H_kv, T, D)`` (grouped heads repeated), ``position_ids`` ``(1, T)``; returns ``(1, T, H, D)`` as
-    Hugging Face's attention functions do (and no weights). Each sequence's attention is computed as the model's own
-    implementation computes it: causal SDPA for an ``sdpa`` model, scores + causal mask + fp32 softmax for ``eager``."""
+    Hugging Face's attention functions do (and no weights). The sequences are gathered into one ``(S, H, M, D)``
+    batch and attend in one call under :attr:`Segments.mask`, computed as the model's own implementation computes
+    it (SDPA for an ``sdpa`` model; scores, an additive mask and an fp32 softmax for ``eager``), then scattered
+    back: the projections around it ran on the real tokens only."""
     if position_ids is None:
         raise ValueError("segment attention needs the packed row's position ids")
     if attention_mask is not None:
         raise ValueError("segment attention takes no attention mask: the sequences' boundaries are its mask")
+    layout = segments(position_ids)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    eager = _WRAPPED.get() == "eager"
-    outputs, start = [], 0
-    for length in segment_lengths(position_ids):
-        span = slice(start, start + length)
-        if eager:  # as Hugging Face's eager attention computes it: scores, a causal additive mask, fp32 softmax
-            scores = query[:, :, span] @ key[:, :, span].transpose(2, 3) * scale
-            causal = torch.ones(length, length, dtype=torch.bool, device=query.device).triu(1)
-            scores = scores.masked_fill(causal, torch.finfo(scores.dtype).min)
-            weights = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-            weights = torch.nn.functional.dropout(weights, p=dropout, training=dropout > 0)
-            outputs.append(weights @ value[:, :, span])
-        else:
-            outputs.append(torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, span], key[:, :, span], value[:, :, span], dropout_p=dropout, is_causal=True, scale=scale))
-        start += length
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+    q, k, v = (tensor[0][:, layout.index].transpose(0, 1) for tensor in (query, key, value))  # (S, H, M, D)
+    if _WRAPPED.get() == "eager":  # as Hugging Face's eager attention computes it
+        scores = (q @ k.transpose(2, 3)) * scale
+        scores = scores.masked_fill(~layout.mask, torch.finfo(scores.dtype).min)
+        weights = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.nn.functional.dropout(weights, p=dropout, training=dropout > 0) @ v
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, dropout_p=dropout, scale=scale)
+    heads, dim = out.shape[1], out.shape[3]
+    out = out.transpose(1, 2).reshape(-1, heads, dim)[layout.slots]  # (T, H, D), the row's order
+    return out[None], None
 
 
 def _no_mask(*args, **kwargs) -> None:
