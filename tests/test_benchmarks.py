@@ -397,3 +397,32 @@ def test_the_scaling_pages_overlap_figure_is_the_benchmarks():
     assert not record["smoke"] and record["problems"] == []
     page = " ".join((ROOT / "docs" / "scaling.md").read_text(encoding="utf-8").split())
     assert f"the overlapped step took {record['ratio']:.2f} of the synchronous step's wall time" in page
+
+
+def packing_sentence() -> str:
+    """docs/scaling.md's sentence on the packing benchmark, from benchmarks/results/packing-{smollm2,tiny}.json."""
+    import json
+
+    tiny, real = (json.loads((ROOT / "benchmarks" / "results" / f"packing-{name}.json").read_text()) for name in ("tiny", "smollm2"))
+    for record in (tiny, real):
+        assert not record["smoke"] and record["problems"] == [] and record["threads"] == 1 and record["dtype"] == "float32"
+
+    def segments(record):
+        return next(row for row in record["packed"] if row["variant"] == "segments")
+
+    def masks(record):
+        return [row for row in record["packed"] if row["variant"] != "segments"]
+
+    return (f"Measured on this project's CPU (`benchmarks/packing.py`, one thread, fp32; docs/benchmarks.md): on SmolLM2 "
+            f"completions spread up to 256 tokens (padding ratio {real['padding_ratio']:.2f}) segment attention ran at "
+            f"{segments(real)['speedup']:.2f}x the padded tokens/s, {segments(real)['gain_share']:.0%} of what removing the padding "
+            f"allows, and rows of {masks(real)[0]['max_tokens_per_row']} tokens under the mask at {masks(real)[0]['speedup']:.2f}x; "
+            f"on the tiny quickstart's lengths (padding ratio {tiny['padding_ratio']:.2f}) segment attention ran at "
+            f"{segments(tiny)['speedup']:.2f}x ({segments(tiny)['gain_share']:.0%} of what the padding allows) and the mask's rows at "
+            + ", ".join(f"{row['speedup']:.2f}x" for row in masks(tiny)) + " (budgets "
+            + ", ".join(str(row["max_tokens_per_row"]) for row in masks(tiny)) + ").")
+
+
+def test_the_scaling_pages_packing_figures_are_the_benchmarks():
+    page = " ".join((ROOT / "docs" / "scaling.md").read_text(encoding="utf-8").split())
+    assert packing_sentence() in page
