@@ -7,13 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_callbacks import bare_trainer, metrics_file
 
 from kdlab.callbacks import Coverage, OODForgetting
 from kdlab.evaluation import before_cache as before_cache_module
 from kdlab.stages import DistillModule
 from kdlab.tasks import Addition
 from kdlab.tasks.skills import Sorting
-from test_callbacks import bare_trainer, metrics_file
 
 
 @pytest.fixture

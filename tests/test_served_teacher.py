@@ -303,7 +303,7 @@ def test_scoring_requests_are_in_flight_up_to_concurrency(server, monkeypatch, w
         return slow(*args)
 
     monkeypatch.setattr(server, "reply", held)
-    teacher = served(server, concurrency=4, request_prompts=1, decode_workers=workers)
+    teacher = served(server, concurrency=4, request_prompts=1, decode_workers=workers, timeout_s=60.0)  # longer than the hold
     teacher.score(prompts, completions, 0.5, 353)  # its decoding processes started
     server.most_in_flight = 0
     scores = teacher.score(prompts, completions, 0.5, 353)

@@ -110,7 +110,11 @@ class EvaluationCallback(PeriodicCallback):
         otherwise. One process only: under several the key would need every rank's shard of the weights."""
         if self.before_cache is None:
             return measure()
-        from kdlab.evaluation.before_cache import BeforeCache, evaluation_key, weights_digest
+        from kdlab.evaluation.before_cache import (
+            BeforeCache,
+            evaluation_key,
+            weights_digest,
+        )
 
         if trainer is not None and trainer.world_size > 1:
             raise ValueError(f"{type(self).__name__}.before_cache works on one process; this run has {trainer.world_size}")

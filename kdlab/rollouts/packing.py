@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from kdlab.objectives.logits import completion_head_logits, completion_logits, forward_parameters, full_head_weight, fused_head_unsupported
+from kdlab.objectives.logits import (
+    completion_head_logits,
+    completion_logits,
+    forward_parameters,
+    full_head_weight,
+    fused_head_unsupported,
+)
 from kdlab.rollouts.segment_attention import NAME as SEGMENTS
 from kdlab.rollouts.segment_attention import segment_attention_for
 

@@ -20,8 +20,8 @@ import contextlib
 import contextvars
 import functools
 import weakref
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
