@@ -7,7 +7,7 @@ The CPU constants are measured here first, in a calibration micro-benchmark that
 * ``op_seconds``: a loop of small eager ops as a decoder layer issues them (``nn.Linear`` on ``(4, 64)``, RMS
   norm's pow/mean/rsqrt/mul, SiLU, add), its time divided by the aten ops a ``TorchDispatchMode`` counts;
 * ``flops``: an fp32 ``(1024 x 1024) @ (1024 x 1024)`` matmul, best of 5 (the size of a prefill's or a training
-  step's matmuls; a 512^3 one reached about half of it);
+  step's matmuls);
 * ``bandwidth``: a 64 MiB fp32 copy (read and written), best of 5: the rate of the elementwise passes (objective,
   optimiser);
 * ``decode_bandwidth_efficiency``: the rate at which a matmul of 8 rows reads a 64 MiB fp32 weight matrix (what a

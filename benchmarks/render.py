@@ -35,6 +35,13 @@ def _setting(record: dict) -> str:
     return (f"`{record['command']}`\n\nMachine: {machine['cpu']}, {machine['cores']} cores, {record['threads']} thread(s); {versions}.{load}\n")
 
 
+def _finish(lines: list[str], record: dict) -> str:
+    """A section's lines, with what the run's own checks found, as Markdown."""
+    if record["problems"]:
+        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
+    return "\n".join(lines) + "\n"
+
+
 def _step(record: dict) -> str:
     shapes = record["shapes"]
     lines = [f"## Distillation step, {record['pair']} pair, V = {shapes['vocab']:,}, B = {shapes['batch']}, T = {shapes['tokens']}\n",
@@ -58,9 +65,7 @@ def _step(record: dict) -> str:
                          f"({fused / logits:.2f}x its step time), at {rows['kdlab-fused']['extra_peak_mib']:.0f} vs "
                          f"{rows['kdlab']['extra_peak_mib']:.0f} MiB extra peak memory.")
     lines += ["\nHow each peer ran:\n"] + [f"- {note}" for note in record.get("notes", [])]
-    if record["problems"]:
-        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
-    return "\n".join(lines) + "\n"
+    return _finish(lines, record)
 
 
 def _memory(record: dict) -> str:
@@ -203,9 +208,7 @@ def _cross(record: dict) -> str:
     for variant, row in record["results"].items():
         lines.append(f"| {variant} | {row['median_step_s']:.3f} | {row['ratio_to_same']:.2f} | {row['student_columns']:,} | {row['teacher_columns']:,} "
                      f"| {row['student_completion_tokens']} | {row['teacher_completion_tokens']} | {row['one_to_one_share']:.3f} |")
-    if record["problems"]:
-        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
-    return "\n".join(lines) + "\n"
+    return _finish(lines, record)
 
 
 def _lora(record: dict) -> str:
@@ -218,9 +221,7 @@ def _lora(record: dict) -> str:
     for name, row in (("full", full), (f"LoRA r={record['rank']}", lora)):
         lines.append(f"| {name} | {row['parameters']:,} | {row['trainable_parameters']:,} | {mib(row['gradient_bytes'])} | {mib(row['optimizer_state_bytes'])} |")
     lines.append(f"\nOptimiser state ratio (LoRA / full): {record['optimizer_state_ratio']:.4f}; with gradients: {record['state_and_gradient_ratio']:.4f}.")
-    if record["problems"]:
-        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
-    return "\n".join(lines) + "\n"
+    return _finish(lines, record)
 
 
 def _served(record: dict) -> str:
@@ -243,9 +244,7 @@ def _served(record: dict) -> str:
     verdict = "met" if record["ratio"] <= record["target"] else "not met"
     lines.append(f"\n`served` / `cached`: {record['ratio']:.2f}x (target {verdict})"
                  + (f"; without prefetch {record['ratio_no_prefetch']:.2f}x." if "ratio_no_prefetch" in record else "."))
-    if record["problems"]:
-        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
-    return "\n".join(lines) + "\n"
+    return _finish(lines, record)
 
 
 def _cache_size(record: dict) -> str:
@@ -272,9 +271,7 @@ def _cache_size(record: dict) -> str:
                   "| bits | u0 | U | bytes per token | forward KL difference | reverse KL difference |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
         lines += [f"| {row['logprob_bits']} | {row['u0']:g} | {row['clip']:g} | {row['tensor_bytes_per_token']:.1f} | "
                   f"{row['forward_difference']:+.2e} | {row['reverse_difference']:+.2e} |" for row in record["sweep"]]
-    if record["problems"]:
-        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
-    return "\n".join(lines) + "\n"
+    return _finish(lines, record)
 
 
 def _packing(record: dict) -> str:
@@ -303,9 +300,7 @@ def _packing(record: dict) -> str:
                  f"Share of the possible gain there: {'-' if best['gain_share'] is None else format(best['gain_share'], '.2f')} "
                  f"({'at least' if record['meets_gain_share'] else 'below'} 0.8). Largest loss difference between the layouts: "
                  f"{record['largest_loss_difference']:.1e} (tolerance {record['loss_tolerance']:.0e}).")
-    if record["problems"]:
-        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
-    return "\n".join(lines) + "\n"
+    return _finish(lines, record)
 
 
 def _overlap(record: dict) -> str:
@@ -324,9 +319,7 @@ def _overlap(record: dict) -> str:
         per_fit = ", ".join(format(f["wall_per_step"], ".3f") for f in row["fits"])
         lines.append(f"| {name} | {row['step_s']:.3f} | {per_fit} | {lag_text} |")
     lines.append(f"\nOverlapped / synchronous: {record['ratio']:.3f} (below 1: the overlap pays on this machine).")
-    if record["problems"]:
-        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
-    return "\n".join(lines) + "\n"
+    return _finish(lines, record)
 
 
 def _served_quickstart(record: dict) -> str:
@@ -341,9 +334,7 @@ def _served_quickstart(record: dict) -> str:
                      f"{', '.join(format(x, '.3f') for x in row['fits_step_s'])} |")
     lines.append(f"\nServed / in-process: {record['ratio']:.2f}x. Target (issue #43): at most {record['target']}x: "
                  f"{'met' if record['ratio'] <= record['target'] else 'not met'}.")
-    if record["problems"]:
-        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
-    return "\n".join(lines) + "\n"
+    return _finish(lines, record)
 
 
 def _estimate_check(record: dict) -> str:
@@ -366,9 +357,7 @@ def _estimate_check(record: dict) -> str:
         for part, seconds in result.get("not_modelled_s", {}).items():
             lines.append(f"| {pair} | {part} (not modelled) | {seconds:.3f} | - | - | - | - | - |")
     lines.append(f"\nEvery modelled part within {record['tolerance']:.0%}: {'yes' if record['all_within_30_percent'] else 'no'}.")
-    if record["problems"]:
-        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
-    return "\n".join(lines) + "\n"
+    return _finish(lines, record)
 
 
 RENDERERS = {"real_vocab_step": _step, "cache_size": _cache_size, "cross_tokenizer_step": _cross, "lora_memory": _lora, "served_teacher_step": _served, "kl_memory": _memory, "fused_head_memory": _fused, "mixture_decoding": _decoding,
