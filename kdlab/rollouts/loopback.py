@@ -254,15 +254,15 @@ class LoopbackServer:
         with self.flight:
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        try:
+        try:  # counted until its reply is written, so a request held in ``reply`` stays in flight
             self.jobs.put(job)
             job.done.wait()
+            if job.error is not None:
+                raise job.error
+            return self.reply(job, model_name, faults)
         finally:
             with self.flight:
                 self.in_flight -= 1
-        if job.error is not None:
-            raise job.error
-        return self.reply(job, model_name, faults)
 
     def _serve_jobs(self) -> None:
         pending: deque[_Job | None] = deque()  # taken from the queue, not yet run: first in line next time
