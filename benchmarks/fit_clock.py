@@ -1,6 +1,7 @@
 """A Lightning callback that times a real fit by part, for ``benchmarks/estimate_check.py``: each optimiser step
 (``on_train_batch_start`` to ``on_train_batch_end``), each validation, and each evaluating callback's work
-(its ``on_fit_start``, ``measure`` and ``on_train_end``, wrapped when the fit sets up); and every decode kdlab's
+(its ``on_fit_start``, ``measure`` and ``on_train_end``, wrapped when the fit sets up; a hook called from another
+of the same callback, as ``on_train_end`` calls ``measure``, counted once); and every decode kdlab's
 decoder makes (:class:`~kdlab.rollouts.decoding.IncrementalLM` or :class:`~kdlab.rollouts.static_cache.StaticCacheLM`: the model's config, rows, prompt length and
 forwards), each under the part it belongs to. Appended to a fit with
 ``--trainer.callbacks+={"class_path": "fit_clock.Clock"}`` (``benchmarks/`` on the path); its records are
@@ -58,6 +59,8 @@ class Clock(pl.Callback):
     def _timed(self, label: str, method: Any) -> Any:
         @functools.wraps(method)
         def run(*args, **kwargs):
+            if self.label == label:  # a wrapped hook inside another of the same callback (on_train_end -> measure): timed once
+                return method(*args, **kwargs)
             outer, self.label = self.label, label
             start = time.perf_counter()
             try:

@@ -426,3 +426,21 @@ def packing_sentence() -> str:
 def test_the_scaling_pages_packing_figures_are_the_benchmarks():
     page = " ".join((ROOT / "docs" / "scaling.md").read_text(encoding="utf-8").split())
     assert packing_sentence() in page
+
+
+def test_the_fit_clock_times_a_hook_called_from_another_hook_of_its_callback_once():
+    """benchmarks/fit_clock.py wraps on_fit_start, measure and on_train_end; an evaluating callback's on_train_end
+    calls its measure, so the end measurement was added twice to the callback's time (estimate_check then read
+    the second copy as 'outside the decodes'). A nested hook of the same callback now counts once."""
+    import time
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from fit_clock import Clock
+
+    clock = Clock()
+    measure = clock._timed("Coverage 1", lambda: time.sleep(0.2))
+    on_train_end = clock._timed("Coverage 1", lambda: measure())
+    on_train_end()
+    measure()  # a periodic measurement on its own: counted as well
+    assert 0.4 <= clock.record["parts"]["Coverage 1"] < 0.55
+    assert clock.label == "train"
