@@ -24,8 +24,12 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def check_threads(threads: int) -> int:
+    """``threads`` (>= 1), also put in ``OMP_NUM_THREADS`` so that a ``kdlab fit`` the benchmark runs, in this process
+    or a child, keeps it (without it kdlab's CLI takes one thread per idle CPU: a fit on 2 threads beside a
+    calibration on 1)."""
     if threads < 1:
         raise SystemExit(f"--threads must be >= 1, got {threads}")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     return threads
 
 

@@ -129,12 +129,13 @@ def test_a_decoded_token_costs_the_larger_of_host_and_device_on_a_gpu_and_their_
     h200 = step_time.HARDWARE["H200"]
     host = (28 * step_time.OPS_DECODE_LAYER + step_time.OPS_DECODE_OUTSIDE) * 10e-6
     kv = 32 * 2304 * 2 * 28 * 256 * 2
-    moved = shape.params * 2 + kv + 32 * 28 * ((32 * 1536 + 8 * 256 + 16 * 8960) + 8 * 12 * 2304) + 12 * 32 * 151936 * 4
-    device = max(moved / (4.8e12 * 0.94), 2 * shape.params * 32 / (989e12 * 0.40))
+    streamed = shape.params * 2 + kv  # at the weight-streaming rate
+    between = 32 * 28 * step_time.OPS_DECODE_LAYER * 1536 * 2 + 32 * 28 * 8 * 12 * 2304 + 12 * 32 * 151936 * 4  # ops' arrays, scores, sampling
+    device = max(streamed / (4.8e12 * 0.94) + between / 4.8e12, 2 * shape.params * 32 / (989e12 * 0.40))
     assert step_time.decode_token_seconds(shape, 2, 32, 2304, "kdlab", h200) == pytest.approx(max(host, device))
     assert step_time.decode_token_seconds(shape, 2, 32, 2304, "vllm", h200) == pytest.approx(device)
     cpu = step_time.Hardware("cpu", 1e11, 1e10, 5e-6, 1.0, 1.0, overlapped=False)
-    cpu_device = max(moved / 1e10, 2 * shape.params * 32 / 1e11)
+    cpu_device = max((streamed + between) / 1e10, 2 * shape.params * 32 / 1e11)
     assert step_time.decode_token_seconds(shape, 2, 32, 2304, "kdlab", cpu) == pytest.approx((28 * step_time.OPS_DECODE_LAYER + step_time.OPS_DECODE_OUTSIDE) * 5e-6 + cpu_device)
     with pytest.raises(ValueError, match="decode back end must be kdlab, vllm or served, got 'hf'"):
         step_time.decode_token_seconds(shape, 2, 32, 2304, "hf", h200)

@@ -10,9 +10,12 @@ issues work ahead of the device, so a piece takes the larger of the two, on a CP
 sum. Per decoded token (each decoding model, batch ``b`` rows, the mean context ``P + C/2``):
 
 * ``kdlab`` (kdlab's decoder, also lm-eval's Hugging Face back end: eager, a host sync every token): host
-  ``(layers x OPS_DECODE_LAYER + OPS_DECODE_OUTSIDE) x op_seconds``; device: the memory it moves (the weights and
-  the rows' KV cache read once, each row's layer activations and attention scores, the sampling's fp32 ``(b, V)``
-  arrays; ``bytes / bandwidth``) or ``2 x params x b`` FLOPs, whichever is longer;
+  ``(layers x OPS_DECODE_LAYER + OPS_DECODE_OUTSIDE) x op_seconds``; device: the memory it moves or ``2 x params x
+  b`` FLOPs, whichever is longer. The memory: the weights and the rows' KV cache, read once at the rate a matmul
+  streams weights (``bandwidth x decode_bandwidth_efficiency``), and at ``bandwidth`` the arrays between the ops:
+  one ``(b, hidden)`` array per op of a layer, each row's fp32 attention scores, the sampling's fp32 ``(b, V)``
+  arrays (``benchmarks/estimate_check.py`` showed a CPU's decode at 32-100 rows twice the cost of its weight reads
+  and per-op host time: the traffic of a layer's ops grows with the rows);
 * ``vllm`` (CUDA graphs: one launch per step, so no per-op host time; its scheduler's own time is not counted):
   the same device time;
 * ``served`` (a vLLM server on the same kind of GPU): as ``vllm``.
@@ -44,12 +47,6 @@ OPS_OBJECTIVE_CHUNK = 74  # one chunk of a closed-form KL, forward and gradient
 OPS_OPTIMISER_TENSOR = 15  # gradient clipping and FiniteAdamW's step, per parameter tensor (single-tensor loop)
 OBJECTIVE_PASSES = 12  # fp32 (rows, V) arrays read or written by a chunked objective (probabilities, scratch, gradient)
 SAMPLING_PASSES = 12  # fp32 (rows, V) arrays a token's sampling writes and reads: log-softmax, exp, entropy, draw (6 each, as the memory model)
-
-
-def ACTIVATION_BYTES_PER_TOKEN(shape: Shape) -> int:  # noqa: N802 - a constant of the shape
-    """Bytes one decoder layer's activations take per token in fp32: ``32h + 8kv + 16I`` (the saved-tensor count of
-    :func:`kdlab.study.estimate.layer_bytes`), each written and read once by a decode step."""
-    return 32 * shape.hidden + 8 * shape.kv_dim + 16 * shape.intermediate
 
 
 TENSORS_PER_LAYER = {False: 9, True: 12}  # parameter tensors of a Llama / Qwen2 layer: 4 attention, 3 MLP, 2 norms (+ q, k, v biases)
@@ -105,9 +102,11 @@ def decode_token_seconds(shape: Shape, dtype_bytes: int, rows: int, context: flo
     if backend not in ("kdlab", "vllm", "served"):
         raise ValueError(f"decode back end must be kdlab, vllm or served, got {backend!r}")
     kv = rows * context * 2 * shape.layers * shape.kv_dim * dtype_bytes
-    activations = rows * shape.layers * (ACTIVATION_BYTES_PER_TOKEN(shape) + 2 * 4 * shape.heads * context)  # + attention scores, fp32
+    streamed = (weight_bytes(shape, dtype_bytes) + kv) / (hardware.bandwidth * hardware.decode_bandwidth_efficiency)
+    ops = rows * shape.layers * OPS_DECODE_LAYER * shape.hidden * dtype_bytes  # each op of a layer moves one (rows, hidden) array
+    scores = rows * shape.layers * 2 * 4 * shape.heads * context  # attention scores, fp32, written and read
     sampling = SAMPLING_PASSES * rows * shape.vocab * 4
-    memory = (weight_bytes(shape, dtype_bytes) + kv + activations + sampling) / (hardware.bandwidth * hardware.decode_bandwidth_efficiency)
+    memory = streamed + (ops + scores + sampling) / hardware.bandwidth
     device = max(memory, 2 * shape.params * rows / (hardware.flops * hardware.train_efficiency))
     host = (shape.layers * OPS_DECODE_LAYER + OPS_DECODE_OUTSIDE) * hardware.op_seconds if backend == "kdlab" else 0.0
     return combine(hardware, host, device)
