@@ -29,6 +29,7 @@ def gpu_smoke(tmp_path, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # minutes on 2 cores: the slow tier (CI runs it)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, --smoke measures on the GPU (run it by hand)")
 def test_gpu_benchmark_script_runs_every_section_at_toy_sizes_on_the_cpu(tmp_path):
     """Every section of the GPU script runs at toy size on the CPU and records what the GPU run would: decode
@@ -231,6 +232,7 @@ def test_benchmarks_refuse_bad_settings_with_a_message(args, message):
     assert result.returncode != 0 and message in (result.stdout + result.stderr)
 
 
+@pytest.mark.slow  # minutes on 2 cores: the slow tier (CI runs it)
 def test_the_cache_size_benchmark_runs_at_toy_size_and_its_results_hold_what_the_docs_say(tmp_path):
     """``benchmarks/cache_size.py`` end to end on random ids and on the tiny world (few examples): shapes, both
     formats, the KL of both files and the parameter sweep; the committed results use the target the writer aims at
@@ -270,6 +272,7 @@ def test_the_real_pair_refuses_a_vocabulary_its_tokenizer_does_not_have():
     assert result.returncode != 0 and "the SmolLM2 tokenizer has 49152 tokens" in result.stdout + result.stderr
 
 
+@pytest.mark.slow  # minutes on 2 cores: the slow tier (CI runs it)
 def test_the_decode_benchmark_smoke_path_compares_with_generate_on_the_tiny_pair_and_renders(tmp_path):
     """``benchmarks/decode.py --smoke``: the tiny pair on one thread, (B, N) on both sides at B = 1 and 2, greedy
     decodes identical to ``generate`` token for token; the file renders as a docs section."""
@@ -371,6 +374,7 @@ def test_gpu_benchmark_refuses_a_ratio_of_steps_that_trained_different_things():
             check_step({**row, **bad}, 2, gpu.TOY_VOCAB, 64 + 16)
 
 
+@pytest.mark.slow  # minutes on 2 cores: the slow tier (CI runs it)
 def test_the_served_quickstart_benchmark_smoke_path_times_both_kdlab_fits(tmp_path):
     """``benchmarks/served_quickstart_step.py --smoke`` (issue #43): both variants are ``kdlab fit`` of the committed
     quickstart configs, the served one against the loopback server; its JSON holds each variant's teacher source,

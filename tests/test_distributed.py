@@ -36,7 +36,7 @@ def single(tmp_path_factory):
     return result
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "fsdp2-fused", "fsdp1", "ddp"])
+@pytest.mark.parametrize("layout", ["fsdp2", *(pytest.param(layout, marks=pytest.mark.slow) for layout in ("fsdp2-fused", "fsdp1", "ddp"))])
 def test_two_processes_train_the_same_student_as_one(single, layout, tmp_path):
     (sharded, sharded_sparsity), (whole, whole_sparsity) = run(layout, tmp_path / layout), single
     assert sharded.keys() == whole.keys()
@@ -63,6 +63,7 @@ def test_two_processes_train_the_same_student_as_one(single, layout, tmp_path):
     assert 0.0 < whole_sparsity["sparsity/0.001"] < 1.0
 
 
+@pytest.mark.slow  # minutes on 2 cores: the slow tier (CI runs it)
 def test_fsdp2_on_packed_micro_batches_trains_the_same_student_as_one_padded_process(single, tmp_path):
     """Padding-free micro-batches (``max_tokens_per_row``) under FSDP2 over two gloo processes, student and teacher
     sharded: the student ends where the padded single process ends (to 1e-5: fp32 sums in another order), and the
@@ -77,7 +78,8 @@ def test_fsdp2_on_packed_micro_batches_trains_the_same_student_as_one_padded_pro
 
 # about 75 s each: FSDP2 runs by default; FSDP1 and DDP (the same resume path, other wrappers) are slow,
 # which keeps the default run inside CI's 15 minutes (python -m pytest -m slow tests/test_distributed.py)
-@pytest.mark.parametrize("layout", ["fsdp2", pytest.param("fsdp1", marks=pytest.mark.slow), pytest.param("ddp", marks=pytest.mark.slow)])
+@pytest.mark.slow  # minutes on 2 cores: the slow tier (CI runs it)
+@pytest.mark.parametrize("layout", ["fsdp2", "fsdp1", "ddp"])
 def test_two_processes_resumed_mid_epoch_end_where_an_uninterrupted_run_ends(layout, tmp_path):
     """24 prompts, 8 per step: 3 steps an epoch. Stopped after step 4 (one batch into epoch 2) and resumed
     from that checkpoint (sharded for FSDP2 and FSDP1), the run ends at step 5 exactly where an uninterrupted run
@@ -93,6 +95,7 @@ def test_two_processes_resumed_mid_epoch_end_where_an_uninterrupted_run_ends(lay
         assert resumed_sparsity[key] == pytest.approx(whole_sparsity[key], abs=1e-6), key
 
 
+@pytest.mark.slow  # minutes on 2 cores: the slow tier (CI runs it)
 def test_fsdp2_with_bf16_mixed_precision_trains_close_to_fp32(single, tmp_path):
     """bf16-mixed under FSDP2 is a MixedPrecisionPolicy (bf16 compute, fp32 reduction and master
     weights): the student stays fp32 and ends within bf16 rounding of the fp32 run."""

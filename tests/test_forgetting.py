@@ -85,6 +85,7 @@ def suite(task_dir: Path, batch_size: int = 4) -> SuiteSettings:
     return SuiteSettings(tasks=TOY, include_path=str(task_dir), batch_size=batch_size)
 
 
+@pytest.mark.slow  # minutes on 2 cores: the slow tier (CI runs it)
 def test_off_loop_scores_and_names_equal_the_in_loop_callbacks(in_loop_run, task_dir, tmp_path):
     in_loop = ood_lines(in_loop_run)
     assert sorted(in_loop) == [0, 2]  # before at step 0, after at the last step
@@ -105,6 +106,7 @@ def test_the_suite_defaults_to_the_runs_own_callback_and_a_second_call_scores_no
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2  # logged once
 
 
+@pytest.mark.slow  # minutes on 2 cores: the slow tier (CI runs it)
 def test_the_before_score_is_cached_by_weights_and_settings(in_loop_run, task_dir, tmp_path, monkeypatch):
     scored = []
     real = forgetting.score_folder
@@ -242,6 +244,7 @@ def sweep_file(path: Path, output: Path, task_dir: Path, forgetting: bool, base:
     return path
 
 
+@pytest.mark.slow  # minutes on 2 cores: the slow tier (CI runs it)
 def test_a_sweep_measures_each_finished_run_off_the_loop_reusing_the_before_score(task_dir, tmp_path, monkeypatch, capsys):
     import kdlab.cli.lightning
 

@@ -23,6 +23,7 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
+@pytest.mark.slow  # minutes on 2 cores: the slow tier (CI runs it)
 @pytest.mark.parametrize("layout", ["fsdp1", "fsdp2"])
 def test_a_decode_inside_the_block_gathers_each_unit_once(layout, tmp_path):
     port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -233,6 +233,7 @@ def test_bad_stage_checkpoints_name_the_setting_and_file(tiny_pair, tmp_path):
         GRPOModule(ModelSpec(tiny_pair[0], checkpoint=str(other)), Addition(num_train=2))
 
 
+@pytest.mark.slow  # minutes on 2 cores: the slow tier (CI runs it)
 def test_tiny_world_rlvr_raises_reward_on_countdown3_from_a_weak_start(tmp_path):
     """The packaged student answers Countdown-3 in its own expression habit, which the task's verifier
     rejects: it starts near zero reward. GRPO (no teacher) finds and reinforces the rewarded chain answers."""

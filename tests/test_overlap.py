@@ -175,6 +175,7 @@ def test_the_sampler_reply_holds_each_tokens_tempered_logprob(server, tmp_path):
     assert json.loads(json.dumps(values)) == values
 
 
+@pytest.mark.slow  # minutes on 2 cores: the slow tier (CI runs it)
 def test_the_benchmark_smoke_path_checks_what_it_measures(tmp_path):
     """``benchmarks/overlap.py --smoke``: the loopback sampler in its own process, both variants through every
     check (rows, threads, dtype, each step's logged lag) and a ratio of the two step times, written to ``--out``."""

@@ -68,6 +68,8 @@ def test_the_tiers_hold_what_the_readme_says():
     slow, real = marked("slow"), marked("real")
     assert any(name.startswith("test_distributed::") and "resume" in name for name in slow)
     assert "test_hostile_inputs::test_verifiers_never_raise_10k" in slow
+    assert "test_distributed::test_two_processes_resumed_mid_epoch_end_where_an_uninterrupted_run_ends" in slow
+    assert "test_forgetting::test_a_sweep_measures_each_finished_run_off_the_loop_reusing_the_before_score" in slow
     assert any(name.startswith("test_vllm_engine::") for name in slow)
     assert "test_benchmarks::test_each_benchmark_runs_at_toy_size_and_writes_json" in slow
     assert {name for name in real if name.startswith("test_real_model::")} and not slow & real
