@@ -14,8 +14,8 @@ sum. Per decoded token (each decoding model, batch ``b`` rows, the mean context 
   b`` FLOPs, whichever is longer. The memory: the weights and the rows' KV cache, read once at the rate a matmul
   streams weights (``bandwidth x decode_bandwidth_efficiency``), and at ``bandwidth`` the arrays between the ops:
   one ``(b, hidden)`` array per op of a layer, each row's fp32 attention scores, the sampling's fp32 ``(b, V)``
-  arrays (``benchmarks/estimate_check.py`` showed a CPU's decode at 32-100 rows twice the cost of its weight reads
-  and per-op host time: the traffic of a layer's ops grows with the rows);
+  arrays (the ops' traffic grows with the rows; ``benchmarks/estimate_check.py`` compares the whole with real CPU
+  fits);
 * ``vllm`` (CUDA graphs: one launch per step, so no per-op host time; its scheduler's own time is not counted):
   the same device time;
 * ``served`` (a vLLM server on the same kind of GPU): as ``vllm``.
