@@ -2,13 +2,12 @@
 item 4): the tiny quickstart and the SmolLM2 pair, each for a few optimiser steps, timed by part
 (``benchmarks/fit_clock.py``), beside the model's seconds for the same work on this CPU's constants.
 
-The CPU constants are measured here first, in a calibration micro-benchmark that runs no model:
+The CPU constants are measured here first, in calibration micro-benchmarks that run neither checked model:
 
 * ``op_seconds``: kdlab's decoder (the eager step every CPU decode runs) sampling 64 tokens of one row from a
   random 2-layer Qwen2 of width 64 (its arithmetic negligible: what is left is the host's cost of issuing ops,
   Python modules and Hugging Face's attention and cache code included), its time divided by the aten ops a
-  ``TorchDispatchMode`` counts in it (a loop of bare ops, as an earlier calibration used, gave a third of it:
-  it leaves out the Python around each op);
+  ``TorchDispatchMode`` counts in it;
 * ``flops``: an fp32 ``(1024 x 1024) @ (1024 x 1024)`` matmul, best of 10 (the size of a prefill's or a training
   step's matmuls);
 * ``bandwidth``: a 64 MiB fp32 copy (read and written), best of 10: the rate of the elementwise passes (objective,
@@ -74,7 +73,7 @@ def calibrate() -> tuple[object, dict]:
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from kdlab.rollouts.decoding import incremental_decoder, sample_tokens
+    from decode import kdlab_decode
 
     torch.manual_seed(0)
     config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -83,8 +82,7 @@ def calibrate() -> tuple[object, dict]:
     prompt, mask = torch.randint(0, 128, (1, 16)), torch.ones(1, 16, dtype=torch.long)
 
     def decode():
-        decoder = incremental_decoder(small, prompt, mask, 128, 1.0, 64)
-        tokens, _, _ = sample_tokens(decoder, 1, 64, (-1,), 0, torch.Generator().manual_seed(0))
+        tokens = kdlab_decode(small, prompt, mask, 64, 0, 128, torch.Generator().manual_seed(0))
         if tokens.shape != (1, 64):
             raise SystemExit(f"calibration decode gave {tuple(tokens.shape)} tokens, wanted (1, 64)")
 

@@ -76,8 +76,7 @@ def test_fsdp2_on_packed_micro_batches_trains_the_same_student_as_one_padded_pro
     assert norms == pytest.approx([SINGLE_GRAD_NORM[0]] * 2, abs=1e-5)
 
 
-# about 75 s each: FSDP2 runs by default; FSDP1 and DDP (the same resume path, other wrappers) are slow,
-# which keeps the default run inside CI's 15 minutes (python -m pytest -m slow tests/test_distributed.py)
+# about 75 s each, all three in the slow tier (python -m pytest -m slow tests/test_distributed.py)
 @pytest.mark.slow  # minutes on 2 cores: the slow tier (CI runs it)
 @pytest.mark.parametrize("layout", ["fsdp2", "fsdp1", "ddp"])
 def test_two_processes_resumed_mid_epoch_end_where_an_uninterrupted_run_ends(layout, tmp_path):
