@@ -16,7 +16,8 @@ import pytest
 
 from kdlab.rollouts.loopback import FAULTS, LoopbackServer
 from kdlab.rollouts.served import ServedTeacher, ServedTeacherError
-from kdlab.served_wire import DecodeWorkers, Wire, ranked_topk
+from kdlab.served_wire import Wire, ranked_topk
+from kdlab.served_workers import DecodeWorkers
 
 TEACHER = "kdlab://tiny-random/teacher"
 KEY = "kdlab-test-key-7f3a9c1e5b"

@@ -55,15 +55,26 @@ from __future__ import annotations
 
 import http.client
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from kdlab.served_replies import sampled_tokens
-from kdlab.served_wire import (BYTES_PER_ENTRY, BYTES_PER_REPLY, DecodeWorkers, ServedTeacherError, Wire, check_url, collection_paused,
-                               json_loads, prompt_logprobs_many, redact)
+from kdlab.served_wire import (
+    BYTES_PER_ENTRY,
+    BYTES_PER_REPLY,
+    ServedTeacherError,
+    Wire,
+    check_url,
+    collection_paused,
+    json_loads,
+    prompt_logprobs_many,
+    redact,
+)
 from kdlab.served_wire import ranked_topk as ranked_topk_arrays
+from kdlab.served_workers import DecodeWorkers
 
 __all__ = ["ServedTeacher", "ServedTeacherError", "collection_paused", "json_loads", "ranked_topk", "tempered_topk"]
 
@@ -96,7 +107,7 @@ class ServedTeacher:
         request_prompts: completions scored per request (``prompt`` as a list of token lists, which vLLM
             schedules as one batch); a sampling request carries one prompt (each has its own seed).
         decode_workers: helper processes that send the scoring requests and decode their replies
-            (:class:`kdlab.served_wire.DecodeWorkers`), so the training process's interpreter lock stays free
+            (:class:`kdlab.served_workers.DecodeWorkers`), so the training process's interpreter lock stays free
             for its training loop; each takes up to ``concurrency / decode_workers`` (rounded up) scoring requests at
             once, so ``concurrency`` are in flight. 0: the request threads of this process do it.
         prefetch: while a micro-batch trains, ask the server for the next decode group's teacher work
