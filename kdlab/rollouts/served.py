@@ -43,7 +43,7 @@ it is read at each request and sent as a bearer token, never stored. A URL with 
 fragment is refused.
 
 **Cost.** Connections are kept open (HTTP/1.1, one per request thread). Scoring replies are received and
-decoded by a helper process (``decode_workers``, :mod:`kdlab.served_wire`): by ``orjson`` when it is installed
+decoded by a helper process (``decode_workers``, :mod:`kdlab.served_workers`): by ``orjson`` when it is installed
 (``json`` otherwise; ``pip install 'kdlab[served]'``: about three times faster), their log-probs ranked and
 cut to K for every position at once (numpy, :func:`ranked_topk`); the training process receives the arrays and
 tempers them once per micro-batch. With ``prefetch``
