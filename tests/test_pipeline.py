@@ -66,6 +66,7 @@ def test_bad_pipeline_files_name_the_key(tmp_path):
         load_pipeline(tmp_path / "p3.yaml")
 
 
+@pytest.mark.slow
 def test_rlvr_chains_run_side_by_side_with_max_parallel(tmp_path):
     """rlvr.mode processes with max_parallel 2: the two chains' RLVR runs overlap in time."""
     import json

@@ -49,7 +49,7 @@ def test_resume_is_bit_exact(tiny_pair, tmp_path, policy, stop):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", [pytest.param(name, marks=() if name == "offpolicy" else pytest.mark.slow) for name in POLICIES])
 def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path, policy):
     import os
     import signal

@@ -72,6 +72,7 @@ def test_the_tiers_hold_what_the_readme_says():
     assert "test_forgetting::test_a_sweep_measures_each_finished_run_off_the_loop_reusing_the_before_score" in slow
     assert any(name.startswith("test_vllm_engine::") for name in slow)
     assert "test_benchmarks::test_each_benchmark_runs_at_toy_size_and_writes_json" in slow
+    assert "test_pipeline::test_rlvr_chains_run_side_by_side_with_max_parallel" in slow
     assert {name for name in real if name.startswith("test_real_model::")} and not slow & real
 
 
