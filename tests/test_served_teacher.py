@@ -112,11 +112,19 @@ def test_the_server_sample_is_seeded(server):
 @pytest.mark.parametrize("fault, message", [("timeout", "timed out"), ("malformed", "not JSON"), ("error", "500"),
                                             ("wrong_model", "answered for model 'another-model'"), ("id_out_of_range", "token id 353 outside"),
                                             ("mass_over_one", "probabilities sum to"), ("trickle", "timed out"), ("hang_up", "Remote end closed")])
-def test_a_failing_server_stops_the_run_naming_the_endpoint_after_its_retries_with_the_last_checkpoint_intact(server, tmp_path, fault, message):
+def test_a_failing_server_stops_the_run_naming_the_endpoint_after_its_retries_with_the_last_checkpoint_intact(tmp_path, fault, message):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    # a server of its own: a request still on its way from another test's client (a prefetch) would count towards fault_after
+    with LoopbackServer(TEACHER, name="tiny-teacher") as server:
+        failing_run(server, tmp_path, fault, message, ModelCheckpoint)
+
+
+def failing_run(server, tmp_path, fault, message, ModelCheckpoint):
     server.faults, server.fault_after = {fault}, 2  # two steps are scored (one request of two completions each), then it fails
-    teacher = served(server, timeout_s=1.0, retries=1)
+    # a short timeout only where the fault is a timeout: elsewhere a loaded machine's slow reply would be retried,
+    # counted by the server as one more request, and the fault would start a step early
+    teacher = served(server, timeout_s=1.0 if fault in ("timeout", "trickle") else 10.0, retries=1)
     m = module(teacher, rollout=TeacherDatasetRollouts(dataset(tmp_path)))
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=1)
     trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -281,6 +289,26 @@ def test_waiting_sampling_requests_share_their_forwards_and_each_keeps_its_seeds
     queued.jobs.put(None)
     queued._serve_jobs()
     assert queued.batches == [2, 4, 1]  # the two samples at T = 1 together, then both scoring requests, then T = 0.5
+
+
+def test_a_burst_of_one_sampling_request_per_prompt_decodes_as_one_batch(server):
+    """Issue #43 item 3: ServedTeacher samples one prompt per request (each its own seed); sent together (concurrency
+    16), they reach the worker a little apart. Without gathering, the first one or few decoded alone and the rest
+    after them (two waves); the worker now keeps taking arrivals while they come less than ``gather_s`` apart, so
+    all 16 share one decode, and each row still gets the tokens its seed gives alone."""
+    client = served(server, concurrency=16)
+    gather = server.gather_s
+    server.gather_s = 0.2  # a loaded CI machine sends and parses requests slowly; the mechanism is what is tested
+    try:
+        server.batches.clear()
+        together = client.concurrently(lambda i: client.sample([1, 2, 3 + i % 5], 6, 1.0, 100 + i, [0]), list(range(16)))
+        assert server.batches == [16]
+    finally:
+        server.gather_s = gather
+    server.max_batch = 1
+    assert together == [client.sample([1, 2, 3 + i % 5], 6, 1.0, 100 + i, [0]) for i in range(16)]
+    with pytest.raises(ValueError, match="gather_s"):
+        LoopbackServer(TEACHER, gather_s=-1)
 
 
 @pytest.mark.parametrize("workers", [1, 2, 0])

@@ -1,7 +1,7 @@
 """A minimal server that answers the requests :class:`~kdlab.rollouts.served.ServedTeacher` sends the way
 ``vllm serve`` does, from a Hugging Face model in this process: for tests, benchmarks and laptops without vLLM.
 
-    python -m kdlab.rollouts.loopback kdlab://tiny/teacher [--port 8000] [--name tiny-teacher] [--max-batch 64]
+    python -m kdlab.rollouts.loopback kdlab://tiny/teacher [--port 8000] [--name tiny-teacher] [--max-batch 64] [--gather-ms 5]
 
 Endpoints and fields are vLLM's (``GET /v1/models``; ``POST /tokenize``; ``POST /v1/completions`` with
 ``prompt`` as token ids or a list of them (one ``choices[i]`` each), ``prompt_logprobs`` (K or -1), ``max_tokens``,
@@ -15,7 +15,13 @@ keeps its connections open, as with vLLM's server.
 (``max_tokens: 1``) that are waiting when it becomes free, up to ``max_batch`` requests, go through one
 right-padded forward, as vLLM's scheduler batches a request's prompts and concurrent requests; so do the
 sampling requests waiting together at one temperature with the same stop tokens (left-padded, one forward per
-token for all, each prompt drawing from its own seeded generator: :meth:`LoopbackServer.sample_many`). A prompt's
+token for all, each prompt drawing from its own seeded generator: :meth:`LoopbackServer.sample_many`). Requests
+sent together reach the worker a little apart (each is parsed by its own thread), so the worker, having taken
+one, keeps taking arrivals while they come less than ``gather_s`` apart or a request is still being read (at most
+``10 * gather_s`` in all): a
+burst of one request per prompt (``ServedTeacher`` samples one prompt per request, each with its own seed)
+decodes as one batch instead of a lone first request followed by the rest, which vLLM's continuous batching
+would have merged. A lone request waits ``gather_s`` at most; ``gather_s=0`` takes only what already waits. A prompt's
 log-probs may then differ in the last bits with the batch it shared (padding and batch size change the
 kernels' summation order, in vLLM too); ``max_batch=1`` answers each request alone, deterministically. The
 replies are written (JSON, by orjson when it is installed) by the requests' own threads while the worker
@@ -51,6 +57,7 @@ import threading
 import time
 from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -85,15 +92,19 @@ class _Job:
 
 class LoopbackServer:
     """Serves ``model`` (a ModelSpec path) under ``name`` on ``127.0.0.1:port`` (0: a free port) in a thread;
-    up to ``max_batch`` waiting scoring requests share one forward."""
+    up to ``max_batch`` waiting scoring requests share one forward, gathered while they arrive less than
+    ``gather_s`` apart."""
 
     def __init__(self, model: str, name: str = "teacher", port: int = 0, max_model_len: int = 512, max_batch: int = 64,
-                 api_key: str | None = None, host: str = "127.0.0.1") -> None:
+                 api_key: str | None = None, host: str = "127.0.0.1", gather_s: float = 0.005) -> None:
         from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer
 
         spec = ModelSpec(model)
         self.model, self.tokenizer = load_causal_lm(spec).eval(), load_tokenizer(spec)
         self.name, self.max_model_len, self.max_batch, self.api_key = name, max_model_len, max_batch, api_key
+        if not gather_s >= 0:
+            raise ValueError(f"LoopbackServer.gather_s must be >= 0, got {gather_s!r}")
+        self.gather_s = float(gather_s)
         self.columns = len(self.tokenizer)
         self.pieces = [self.tokenizer.decode([t]) for t in range(self.columns)]  # each token's text, once
         self.names = [str(t) for t in range(self.columns)]  # each token's JSON key
@@ -102,6 +113,7 @@ class LoopbackServer:
         self.faults: set[str] = set()
         self.fault_after = 0
         self.completions = 0
+        self.arriving = 0  # completions requests being read, not yet queued: a batch being gathered waits for them
         self.flight, self.in_flight, self.most_in_flight = threading.Lock(), 0, 0  # completions requests being answered at once (most: since reset)
         self.batches: list[int] = []  # prompts per forward batch the worker ran (scoring or sampling)
         self.weights = WeightPushes(self.model, self.jobs)  # /collective_rpc: a student's weights pushed by its trainer
@@ -143,6 +155,21 @@ class LoopbackServer:
                     self._send(404, b'{"error": "not found"}')
 
             def do_POST(self) -> None:  # noqa: N802
+                counted = self.path == "/v1/completions"  # arriving until its job is queued (or it is answered without one)
+                self.queued = False
+                if counted:
+                    server.arrival(+1)
+                try:
+                    self._post()
+                finally:
+                    if counted and not self.queued:
+                        server.arrival(-1)
+
+            def _queued(self) -> None:
+                self.queued = True
+                server.arrival(-1)
+
+            def _post(self) -> None:
                 length = self.headers.get("Content-Length", "0")
                 if not length.isdigit() or int(length) > MAX_REQUEST_BYTES:
                     self.close_connection = True
@@ -191,7 +218,7 @@ class LoopbackServer:
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
                 try:
-                    body = server.answer(payload, "another-model" if "wrong_model" in fault else server.name, fault)
+                    body = server.answer(payload, "another-model" if "wrong_model" in fault else server.name, fault, self._queued)
                 except Exception as error:  # noqa: BLE001 - the client sees a 500, as from vLLM
                     self._send(500, json.dumps({"error": f"{type(error).__name__}: {error}"}).encode())
                     return
@@ -247,15 +274,23 @@ class LoopbackServer:
         return settings
 
     # ---- the worker: batched forwards -------------------------------------------------------------
-    def answer(self, payload: dict[str, Any], model_name: str, faults: set[str] = frozenset()) -> bytes:
+    def arrival(self, change: int) -> None:
+        """A completions request starts being read (+1) or is queued for the worker or answered without it (-1)."""
+        with self.flight:
+            self.arriving += change
+
+    def answer(self, payload: dict[str, Any], model_name: str, faults: set[str] = frozenset(),
+               queued: Callable[[], None] | None = None) -> bytes:
         """The JSON reply to one completions request (called by the request's thread; the worker computes),
-        with the reply ``faults`` of :data:`FAULTS` injected."""
+        with the reply ``faults`` of :data:`FAULTS` injected; ``queued`` is called once the job waits for the worker."""
         job = _Job(payload)
         with self.flight:
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:  # counted until its reply is written, so a request held in ``reply`` stays in flight
             self.jobs.put(job)
+            if queued is not None:
+                queued()
             job.done.wait()
             if job.error is not None:
                 raise job.error
@@ -274,13 +309,17 @@ class LoopbackServer:
                 job.run()
                 continue
             batch, passed = [job], deque()
-            while len(batch) < max(self.max_batch, 1):  # whatever else waits and can share the forwards joins
+            deadline = time.monotonic() + 10 * self.gather_s
+            while len(batch) < max(self.max_batch, 1):  # whatever else waits, or arrives in the burst, and can share the forwards joins
                 if pending:
                     waiting = pending.popleft()
                 else:
                     try:
-                        waiting = self.jobs.get_nowait()
+                        wait = min(self.gather_s, deadline - time.monotonic())
+                        waiting = self.jobs.get(timeout=wait) if wait > 0 else self.jobs.get_nowait()
                     except queue.Empty:
+                        if self.arriving > 0 and time.monotonic() < deadline:  # a request is being read: it may join
+                            continue
                         break
                 if waiting is not None and self._shares(job, waiting):
                     batch.append(waiting)
@@ -402,7 +441,11 @@ class LoopbackServer:
         for (_, _, seed), generator in zip(rows, generators):
             if seed is None:
                 generator.seed()
-        decoder = incremental_decoder(self.model, ids, mask, self.columns, temperature, max(max_tokens for _, max_tokens, _ in rows))
+        longest = max(max_tokens for _, max_tokens, _ in rows)
+        decoder = incremental_decoder(self.model, ids, mask, self.columns, temperature, longest)
+        # each row's uniforms for every step, from its own generator: the t-th token of a row is its distribution's
+        # inverse CDF at the t-th number of its seed's stream, whatever else shares the batch
+        uniforms = torch.stack([torch.rand(longest, generator=generator, dtype=torch.float64) for generator in generators]) if temperature else None
 
         def drawn(previous: torch.Tensor | None) -> torch.Tensor:
             """The decoder's next-token log-probs with each row's token drawn by its own generator: that token
@@ -411,8 +454,9 @@ class LoopbackServer:
             if temperature == 0.0:
                 history.append(torch.log_softmax(logprobs, -1).gather(1, logprobs.argmax(-1, keepdim=True))[:, 0])
                 return logprobs
-            tokens = torch.stack([torch.multinomial(logprobs[row : row + 1].exp(), 1, generator=generator)[0, 0]
-                                  for row, generator in enumerate(generators)])
+            cdf = logprobs.double().exp().cumsum(-1)  # (B, V); a token of probability 0 has no interval of its own
+            point = uniforms[:, len(history), None] * cdf[:, -1:]
+            tokens = torch.searchsorted(cdf, point, right=True)[:, 0].clamp_(max=logprobs.shape[1] - 1)
             history.append(logprobs.gather(1, tokens[:, None])[:, 0])
             return torch.full_like(logprobs, -math.inf).scatter_(1, tokens[:, None], 0.0)
 
@@ -474,11 +518,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--name", default="teacher")
     parser.add_argument("--max-batch", type=int, default=64, help="scoring requests one forward answers (1: each alone)")
+    parser.add_argument("--gather-ms", type=float, default=5.0, help="keep gathering a batch while requests arrive less than this apart (0: only what waits)")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: this machine only)")
     parser.add_argument("--api-key", default=None, help="answer 401 without 'Authorization: Bearer <key>' (default: $VLLM_API_KEY)")
     args = parser.parse_args()
     server = LoopbackServer(args.model, args.name, args.port, max_batch=args.max_batch, api_key=args.api_key or os.environ.get("VLLM_API_KEY"),
-                            host=args.host)
+                            host=args.host, gather_s=args.gather_ms / 1000)
     gc.freeze()  # what is loaded stays: the collector scans only what the requests allocate (no pauses of whole-process scans)
     server.worker.start()
     print(f"serving {args.model} as {args.name!r} at {server.url}", flush=True)
