@@ -18,13 +18,12 @@ sampling requests waiting together at one temperature with the same stop tokens 
 token for all, each prompt drawing from its own seeded generator: :meth:`LoopbackServer.sample_many`). Requests
 sent together reach the worker a little apart (each is parsed by its own thread), so the worker, having taken
 one, keeps taking arrivals while they come less than ``gather_s`` apart or a request is still being read (at most
-``10 * gather_s`` in all): a
-burst of one request per prompt (``ServedTeacher`` samples one prompt per request, each with its own seed)
+``10 * gather_s`` in all): a burst of one request per prompt (``ServedTeacher`` samples one prompt per request, each with its own seed)
 decodes as one batch instead of a lone first request followed by the rest, which vLLM's continuous batching
 would have merged. A lone request waits ``gather_s`` at most; ``gather_s=0`` takes only what already waits. A prompt's
 log-probs may then differ in the last bits with the batch it shared (padding and batch size change the
 kernels' summation order, in vLLM too); ``max_batch=1`` answers each request alone, deterministically. The
-replies are written (JSON, by orjson when it is installed) by the requests' own threads while the worker
+replies are written (JSON, by orjson when it is installed: :mod:`kdlab.rollouts.loopback_reply`) by the requests' own threads while the worker
 runs the next forward.
 
 ``api_key`` (``--api-key``, or the environment variable ``VLLM_API_KEY``, as vLLM's) answers 401 to a request
@@ -62,15 +61,9 @@ from typing import Any
 
 import torch
 
-from kdlab.rollouts.loopback_faults import FAULTS, faulty_reply  # noqa: F401 - FAULTS: the switches, by their old path too
+from kdlab.rollouts.loopback_faults import FAULTS  # noqa: F401 - the switches, by their old path too
+from kdlab.rollouts.loopback_reply import completion_reply
 from kdlab.rollouts.loopback_weights import WeightCall, WeightPushes
-
-try:  # writes the replies about seven times faster than json
-    from orjson import dumps as json_dumps
-except ImportError:  # pragma: no cover - orjson is optional
-
-    def json_dumps(value: Any) -> bytes:
-        return json.dumps(value).encode()
 
 MAX_REQUEST_BYTES = 64 << 20
 
@@ -299,6 +292,10 @@ class LoopbackServer:
             with self.flight:
                 self.in_flight -= 1
 
+    def reply(self, job: _Job, model_name: str, faults: set[str] = frozenset()) -> bytes:
+        """The JSON reply to ``job``, done (:func:`~kdlab.rollouts.loopback_reply.completion_reply`)."""
+        return completion_reply(job.payload, job.prompts, job.results, model_name, self.tokenizer, self.pieces, self.names, faults)
+
     def _serve_jobs(self) -> None:
         pending: deque[_Job | None] = deque()  # taken from the queue, not yet run: first in line next time
         while True:
@@ -473,43 +470,6 @@ class LoopbackServer:
             if drawn_logprobs is not None:
                 drawn_logprobs.append(steps[row, : len(tokens)].tolist())
         return results
-
-    # ---- the reply: vLLM's JSON -------------------------------------------------------------------
-    def prompt_logprobs(self, prompt: list[int], result: dict[str, Any]) -> list[Any]:
-        """``choices[i].prompt_logprobs`` as vLLM gives it: ``None``, then per position ``{id: {logprob, rank,
-        decoded_token}}``, the prompt's own token first when it is not among the top K (as vLLM's dict holds it)."""
-        names, pieces = self.names, self.pieces
-        rows: list[Any] = [None]
-        for token, ids, values, own, rank in zip(prompt[1:], result["ids"], result["values"], result["own"], result["ranks"]):
-            row = {} if token in ids else {names[token]: {"logprob": own, "rank": rank, "decoded_token": pieces[token]}}
-            row.update({names[t]: {"logprob": v, "rank": r, "decoded_token": pieces[t]} for r, t, v in zip(range(1, len(ids) + 1), ids, values)})
-            rows.append(row)
-        return rows
-
-    def reply(self, job: _Job, model_name: str, faults: set[str] = frozenset()) -> bytes:
-        """vLLM's ``CompletionResponse``, one choice per prompt (written by orjson when installed), with the
-        reply ``faults`` injected."""
-        payload, choices = job.payload, []
-        for index, (prompt, result) in enumerate(zip(job.prompts, job.results)):
-            new = result["new"]
-            text = self.tokenizer.decode(new, skip_special_tokens=payload.get("skip_special_tokens", True) is not False)
-            choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": "stop" if result["ended"] else "length",
-                                      "stop_reason": None, "token_ids": None,
-                                      "prompt_logprobs": None if job.k is None else self.prompt_logprobs(prompt, result), "prompt_token_ids": None}
-            if payload.get("return_token_ids"):
-                choice["token_ids"], choice["prompt_token_ids"] = new, prompt
-            if payload.get("logprobs") is not None and "token_logprobs" in result:  # vLLM's CompletionLogProbs
-                pieces = [self.pieces[t] for t in new]
-                choice["logprobs"] = {"text_offset": [sum(map(len, pieces[:i])) for i in range(len(pieces))], "token_logprobs": result["token_logprobs"],
-                                      "tokens": pieces, "top_logprobs": [{piece: value} for piece, value in zip(pieces, result["token_logprobs"])]}
-            choices.append(choice)
-        prompt_tokens, completion_tokens = sum(map(len, job.prompts)), sum(len(result["new"]) for result in job.results)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
-        if faults:
-            return faulty_reply(faults, self.columns, {"id": "cmpl-fault", "object": "text_completion", "created": int(time.time()), "model": model_name,
-                                        "choices": choices, "usage": usage}, int(payload.get("max_tokens", 16)))
-        return json_dumps({"id": f"cmpl-{time.time_ns()}", "object": "text_completion", "created": int(time.time()), "model": model_name,
-                           "choices": choices, "usage": usage})
 
 
 def main() -> None:
