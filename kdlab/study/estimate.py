@@ -21,7 +21,8 @@ bf16 weight copies. optimiser step: AdamW's temporaries. validation: the student
 ``gpu_memory_utilization x GPU memory``. Lengths are the caps (``max_prompt_tokens``,
 ``max_completion_tokens``): a bound. A micro-batch is ``batch_size`` rows of ``prompt + completion`` tokens, or,
 packed (``max_tokens_per_row``), its sequences at their caps packed into rows of that budget
-(:func:`training_rows`): the same tokens at the caps, in fewer, longer rows whose attention mask is ``R x L^2``. Checked against allocator-level peaks on the CPU (``tests/test_estimate.py``).
+(:func:`training_rows`): the same tokens at the caps, in fewer, longer rows whose attention mask is ``R x L^2`` under
+activation checkpointing, and each sequence's own ``S^2`` without it (segment attention, :func:`attention_span`). Checked against allocator-level peaks on the CPU (``tests/test_estimate.py``).
 """
 
 from __future__ import annotations
@@ -122,14 +123,27 @@ def training_rows(setup: Setup) -> tuple[int, int]:
     return -(-setup.batch_size // per_row), min(setup.batch_size, per_row) * length
 
 
+def attention_span(setup: Setup) -> tuple[int, int]:
+    """``(keys per query the attention's saved bias holds, bytes of the boolean mask)`` for one micro-batch: padded,
+    ``(S, B x S^2)``; packed with activation checkpointing (the block-diagonal mask over each row,
+    :func:`~kdlab.rollouts.packing.segments_apply`), ``(L, R x L^2)``; packed without it, kdlab's segment attention,
+    which attends each sequence within its own slot of an ``(B, S)`` batch: ``(S, B x S^2)``, as padded."""
+    rows, length = training_rows(setup)
+    if setup.row_tokens and not setup.checkpointing:
+        length = setup.prompt_tokens + setup.completion_tokens
+        return length, setup.batch_size * length**2
+    return length, rows * length**2
+
+
 def student_training_terms(setup: Setup, tokens: int, residual: int) -> list[Term]:
     """The student's activations for one micro-batch of ``R x L`` tokens (:func:`training_rows`), alive through all of
     training: without checkpointing every layer's :func:`layer_bytes` (the backward frees them layer by layer as it
     makes the gradients); with activation checkpointing each layer's input (``h x residual bytes``), and in the backward
-    one layer recomputed at a time. Outside the layers: ``16h`` bytes per token and the boolean ``R x L^2`` mask."""
+    one layer recomputed at a time. Outside the layers: ``16h`` bytes per token and the boolean mask (:func:`attention_span`)."""
     s, (rows, length) = setup.student, training_rows(setup)
-    per_layer = layer_bytes(s, setup.mixed, length)
-    outside = 16 * s.hidden * tokens + rows * length**2
+    span, mask = attention_span(setup)
+    per_layer = layer_bytes(s, setup.mixed, span)
+    outside = 16 * s.hidden * tokens + mask
     if not setup.checkpointing:  # the backward frees each layer's activations as it makes its gradients
         return [Term("activations", "training", s.layers * per_layer * tokens + outside,
                      f"{tokens} tokens x ({s.layers} layers x {per_layer} B + {16 * s.hidden} B outside the layers) + mask")]
