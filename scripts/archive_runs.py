@@ -1,6 +1,7 @@
 """Keep a sweep's finished runs in the repository: the files `kdlab report` and the sweep's skip rule read (the
-sweep's sweep.json; each finished run's config.yaml, metrics.jsonl, run_info.json, samples/*.jsonl and DONE),
-without checkpoints or event files, in one .tar.gz. Unfinished runs (no DONE) are left out.
+sweep's sweep.json; each finished run's config.yaml, metrics.jsonl, run_info.json, samples/*.jsonl and DONE; the
+study's wall_times.jsonl beside the sweep, which the verdicts' wall-time table reads), without checkpoints or event
+files, in one .tar.gz. Unfinished runs (no DONE) are left out.
 
     python scripts/archive_runs.py runs/tiny-study-5x/distill experiments/tiny/study_runs/grid_5x.tar.gz
     python scripts/archive_runs.py runs/tiny-study-5x/rlvr/* experiments/tiny/study_runs/rlvr_harder.tar.gz  # several sweeps
@@ -25,6 +26,9 @@ def archive(sweeps: list[Path], output: Path) -> int:
     with tarfile.open(output, "w:gz") as tar:
         for sweep in sweeps:
             kept += _add(tar, sweep)
+        for times in dict.fromkeys(sweep.parent / "wall_times.jsonl" for sweep in sweeps):  # each study's, once
+            if times.is_file():
+                tar.add(times)
     return kept
 
 

@@ -1,13 +1,16 @@
-"""The generated blocks of docs/tiny_reproduction.md, copied from the study's report:
+"""The generated blocks of a study's page, copied from the study's report:
 
     python scripts/tiny_reproduction_page.py [--check]
+    python scripts/tiny_reproduction_page.py --page docs/tiny_reasoning.md --report docs/tiny_reasoning [--check]
 
-Every block comes from ``docs/tiny_reproduction/verdicts.md``, which ``bash experiments/tiny/study.sh`` ends by
-writing (``kdlab report runs/tiny-study-5x --output docs/tiny_reproduction --low_lr 1e-4 --high_lr 5e-4``):
-``verdicts`` (the verdict table and the Monte Carlo error of its bootstrap intervals), ``provenance`` (the parts
-whose runs come from several commits or a dirty tree), ``departures`` (the departures from the paper's design),
-``wall_time`` (the study's wall time by step and the runs' fit times) and ``parts`` (each part's report, its links
-made relative to docs/). ``--check``: exit 1 if the page differs.
+Every block comes from ``<report>/verdicts.md`` (default ``docs/tiny_reproduction/verdicts.md``, which ``bash
+experiments/tiny/study.sh`` ends by writing: ``kdlab report runs/tiny-study-5x --output docs/tiny_reproduction
+--low_lr 1e-4 --high_lr 5e-4``; the reasoning world's, ``docs/tiny_reasoning/verdicts.md``, is written by the command
+in ``experiments/reasoning/design.yaml``): ``verdicts`` (the verdict table and the Monte Carlo error of its bootstrap
+intervals), ``provenance`` (the parts whose runs come from several commits or a dirty tree), ``departures`` (the
+departures from the paper's design), ``wall_time`` (the study's wall time by step and the runs' fit times) and
+``parts`` (each part's report, its links made relative to the page). A page takes the blocks it has markers for.
+``--check``: exit 1 if the page differs.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ def sections(text: str) -> dict[str, str]:
     return found
 
 
-def blocks(text: str) -> dict[str, str]:
+def blocks(text: str, folder: str = "tiny_reproduction") -> dict[str, str]:
+    """The page's blocks from ``verdicts.md``'s ``text``; ``folder``: the report's folder relative to the page."""
     found = sections(text)
     table = "\n".join(line for line in found[""].splitlines() if line.startswith("|"))
     monte_carlo = [line for line in found[""].splitlines() if line.startswith("Monte Carlo error:")]
-    wall = found.get("Wall time", "No wall time recorded: `runs/tiny-study-5x/wall_times.jsonl` is written by `experiments/tiny/study.sh`.")
-    parts = found["Each part's tables"].replace("](", "](tiny_reproduction/")
+    wall = found.get("Wall time", "No wall time recorded: the study's script writes `wall_times.jsonl` beside its runs.")
+    parts = found["Each part's tables"].replace("](", f"]({folder}/")
     provenance = found.get("Provenance", "Every part's runs come from one commit and a clean tree (each run's run_info.json).")
     return {"verdicts": "\n\n".join([table, *monte_carlo]) + "\n", "provenance": provenance + "\n", "departures": found["Departures from the paper's design"] + "\n", "wall_time": wall + "\n", "parts": parts + "\n"}
 
@@ -51,8 +55,13 @@ def blocks(text: str) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the page's generated blocks differ")
+    parser.add_argument("--page", default=str(PAGE.relative_to(ROOT)), help="the page (default: docs/tiny_reproduction.md)")
+    parser.add_argument("--report", default=str(VERDICTS.parent.relative_to(ROOT)), help="the study's report folder, beside the page")
     args = parser.parse_args()
-    update_page(PAGE, blocks(VERDICTS.read_text(encoding="utf-8")), args.check, "scripts/tiny_reproduction_page.py")
+    page, report = ROOT / args.page, ROOT / args.report
+    found = blocks((report / "verdicts.md").read_text(encoding="utf-8"), report.relative_to(page.parent).as_posix())
+    text = page.read_text(encoding="utf-8")
+    update_page(page, {name: body for name, body in found.items() if f"<!-- {name}: start -->" in text}, args.check, "scripts/tiny_reproduction_page.py")
 
 
 if __name__ == "__main__":

@@ -126,6 +126,11 @@ def test_header_command_runs_with_the_real_cli(path, monkeypatch, tiny_models):
         with pytest.raises(SystemExit) as exit_info:
             main([*args, "--print_config"])
         assert exit_info.value.code in (0, None)
+    elif args[0] == "report":  # a study's design (kdlab report --design): the command names this file, which loads
+        from kdlab.study.findings import StudyDesign
+
+        assert args[args.index("--design") + 1] == str(path)
+        assert StudyDesign.load(ROOT / path).commands
     else:
         pytest.fail(f"{path}: unknown command {args[0]!r}")
 
@@ -147,7 +152,7 @@ def test_the_committed_study_runs_are_finished_runs_a_report_reads(tmp_path):
             assert runs
             for name in names:
                 path = Path(name)
-                assert path.name in ("config.yaml", "metrics.jsonl", "DONE", "run_info.json", "sweep.json") or (
+                assert path.name in ("config.yaml", "metrics.jsonl", "DONE", "run_info.json", "sweep.json", "wall_times.jsonl") or (
                     path.parent.name == "samples" and path.suffix == ".jsonl"), name
             for run in runs:
                 assert {str(run / "config.yaml"), str(run / "metrics.jsonl")} <= set(names), run

@@ -292,3 +292,38 @@ def test_the_archived_study_runs_come_from_the_one_clean_commit_the_page_names()
         done = [m for m in archive.getmembers() if m.name.endswith("/DONE")]
     assert infos and len(infos) == len(done)
     assert {info["git_commit"][:7] for info in infos} == {commit} and not any(info.get("git_dirty") for info in infos)
+
+
+def test_the_pages_verdict_blocks_are_the_study_reports():
+    """docs/tiny_reasoning.md's generated blocks are what scripts/tiny_reproduction_page.py copies from
+    docs/tiny_reasoning/verdicts.md, and the rows this study's design leaves to another study say so."""
+    import csv
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "tiny_reproduction_page.py"), "--page", "docs/tiny_reasoning.md",
+                           "--report", "docs/tiny_reasoning", "--check"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with (ROOT / "docs" / "tiny_reasoning" / "verdicts.csv").open(encoding="utf-8") as handle:
+        verdicts = {row["finding"]: row for row in csv.DictReader(handle)}
+    assert len(verdicts) == 8
+    assert {f for f, row in verdicts.items() if row["verdict"] == "not tested here"} == {
+        f for f in verdicts if f.startswith("Spectrum") or "Spanish" in f}
+
+
+@pytest.mark.slow
+def test_the_committed_verdicts_are_what_kdlab_report_writes_from_the_archived_runs(tmp_path, monkeypatch):
+    """Every archived run of experiments/reasoning/study_runs/ restored, the report command the page names gives
+    docs/tiny_reasoning/verdicts.md byte for byte."""
+    import tarfile
+
+    from kdlab.study.report import main as report
+
+    for archive in sorted((ROOT / "experiments" / "reasoning" / "study_runs").glob("*.tar.gz")):
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp_path, filter="data")
+    monkeypatch.chdir(tmp_path)
+    report(["runs/reasoning-study", "--low_lr", "1e-4", "--high_lr", "5e-4", "--design", str(ROOT / "experiments/reasoning/design.yaml"),
+            "--output", str(tmp_path / "out")])
+    committed = (ROOT / "docs" / "tiny_reasoning" / "verdicts.md").read_text(encoding="utf-8")
+    assert (tmp_path / "out" / "verdicts.md").read_text(encoding="utf-8") == committed

@@ -2,6 +2,7 @@
 verdict's effect, interval and word are known in advance."""
 
 import csv
+import re
 import json
 import os
 import math
@@ -382,6 +383,50 @@ def test_verdicts_without_their_runs_say_not_run(tmp_path):
     assert hard.verdict == NOT_RUN and hard.evidence.startswith("no runs in")
     sparsity = next(v for f, v in by_finding.items() if f.startswith("Updates are sparse"))
     assert sparsity.verdict == NOT_RUN  # its bf16 runs are missing, though the fp32 grid is there
+
+
+def test_a_studys_design_says_which_findings_it_leaves_to_another_study_and_holm_counts_only_the_tested(tmp_path):
+    """``kdlab report --design FILE``: a part the design leaves ``elsewhere`` gets "not tested here" with the
+    design's reason as its evidence and no command; a part it runs without runs yet stays "not run" with the
+    design's command (not the tiny study's); Holm's family holds only the findings tested."""
+    from kdlab.study.findings import StudyDesign
+    from kdlab.study.labels import NOT_HERE
+    from kdlab.study.report import main as report
+
+    make_grid(tmp_path, lambda *a: 0.5, lambda *a: 0.0)
+    design = tmp_path / "design.yaml"
+    design.write_text("commands:\n  bf16: kdlab sweep --config my/bf16.yaml\nelsewhere:\n  spectrum: not here, see page A\n"
+                      "  spectrum_high: not here, see page A\n  style: tested on model B\n")
+    runs, _ = collect([tmp_path])
+    plain = {v.finding: v for v in write_verdicts(tmp_path, runs, tmp_path / "plain")}
+    by_finding = {v.finding: v for v in write_verdicts(tmp_path, runs, tmp_path / "out", StudyDesign.load(design))}
+    spectrum = next(v for f, v in by_finding.items() if f.startswith("Spectrum"))
+    style = next(v for f, v in by_finding.items() if "Spanish" in f)
+    sparsity = next(v for f, v in by_finding.items() if f.startswith("Updates are sparse"))
+    assert spectrum.verdict == style.verdict == NOT_HERE and spectrum.holm_p is None
+    assert spectrum.evidence.startswith("not in this study's design (spectrum/): not here, see page A") and "tested on model B" in style.evidence
+    assert spectrum.command == "none: not in this study's design"
+    assert sparsity.verdict == NOT_RUN and sparsity.command == "kdlab sweep --config my/bf16.yaml"
+    assert next(v for f, v in plain.items() if f.startswith("Spectrum")).verdict == NOT_RUN
+    page = (tmp_path / "out" / "verdicts.md").read_text()
+    assert "**not tested here**" in page and '"not tested here": the study\'s design' in page
+    tested = [v for v in by_finding.values() if v.holm_p is not None]
+    assert tested and all(v.verdict not in (NOT_RUN, NOT_HERE) for v in tested)
+    report([str(tmp_path), "--output", str(tmp_path / "cli"), "--design", str(design)])
+    assert "**not tested here**" in (tmp_path / "cli" / "verdicts.md").read_text()
+
+
+@pytest.mark.parametrize("text, named", [("commands:\n  nonsense: x\n", "commands.nonsense is no part"),
+                                          ("elsewhere:\n  style: ''\n", "elsewhere maps a part to a line of text"),
+                                          ("runs: {}\n", "the keys are 'commands' and 'elsewhere'"),
+                                          ("commands:\n  style: a\nelsewhere:\n  style: b\n", "part style is both run")])
+def test_a_bad_study_design_is_refused_naming_the_key_and_the_file(tmp_path, text, named):
+    from kdlab.study.findings import StudyDesign
+
+    design = tmp_path / "design.yaml"
+    design.write_text(text)
+    with pytest.raises(ValueError, match=rf"study design {re.escape(str(design))}: .*{re.escape(named)}"):
+        StudyDesign.load(design)
 
 
 STYLE_CALLBACK = {"class_path": "kdlab.callbacks.StyleTransfer", "init_args": {"examples": 100, "tasks": ["countdown3", "addition"]}}

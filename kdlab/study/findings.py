@@ -42,6 +42,7 @@ PART_COMMANDS = {  # each part's folder and the command of experiments/tiny/stud
     "style_alone_control": "kdlab sweep --config experiments/smollm2/style_alone_control_offpd_fkl.yaml; kdlab sweep --config experiments/smollm2/style_alone_control_onpd_rkl.yaml",
 }
 PARTS = tuple(PART_COMMANDS)
+NOT_IN_DESIGN = "not in this study's design"  # the evidence of a part StudyDesign.elsewhere names
 PAPER_HIGH_LR_DROP = (-14.0, -11.2)  # the paper's OOD change at 5e-5 (points)
 PAPER_K = 10  # the paper's pass@k (k = 1, 10); the harder-set row's primary claim is at the logged k nearest it
 PARALLEL_RUNS = 2  # the study scripts' sweeps run two processes at a time (max_parallel), one thread each
@@ -71,11 +72,45 @@ class Verdict:
         return max((claim.p_value for claim in self.primary), default=1.0)
 
 
-class Study:
-    """The study's runs by part, and its configurations by (rollout kind, KL direction, LR level)."""
+@dataclass(frozen=True)
+class StudyDesign:
+    """What a study runs and what it leaves to another (``kdlab report --design FILE``, a YAML file of both keys):
+    ``commands``, the command that fills each part it runs (in place of :data:`PART_COMMANDS`, the tiny study's);
+    ``elsewhere``, each part it does not run, with why and where the finding is tested instead (its verdict:
+    "not tested here")."""
 
-    def __init__(self, root: Path, runs: list[RunResult]) -> None:
+    commands: dict[str, str] = field(default_factory=dict)
+    elsewhere: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: str | Path) -> StudyDesign:
+        """The design in the YAML file ``path``; an unknown key or part is refused, naming it and the file."""
+        try:
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as error:
+            raise ValueError(f"study design {path}: {error}") from None
+        if not isinstance(data, dict) or set(data) - {"commands", "elsewhere"}:
+            raise ValueError(f"study design {path}: the keys are 'commands' and 'elsewhere', got {sorted(data) if isinstance(data, dict) else data!r}")
+        for key in ("commands", "elsewhere"):
+            given = data.get(key) or {}
+            if not isinstance(given, dict) or not all(isinstance(text, str) and text for text in given.values()):
+                raise ValueError(f"study design {path}: {key} maps a part to a line of text")
+            unknown = sorted(set(given) - set(PARTS))
+            if unknown:
+                raise ValueError(f"study design {path}: {key}.{unknown[0]} is no part of a study (the parts: {', '.join(PARTS)})")
+        both = sorted(set(data.get("commands") or {}) & set(data.get("elsewhere") or {}))
+        if both:
+            raise ValueError(f"study design {path}: part {both[0]} is both run (commands) and left elsewhere")
+        return cls(dict(data.get("commands") or {}), dict(data.get("elsewhere") or {}))
+
+
+class Study:
+    """The study's runs by part, and its configurations by (rollout kind, KL direction, LR level); ``design`` says
+    which parts the study runs (:class:`StudyDesign`; by default the tiny study's, every part)."""
+
+    def __init__(self, root: Path, runs: list[RunResult], design: StudyDesign | None = None) -> None:
         self.root = root
+        self.design = design or StudyDesign()
         self._groups: dict[str, list[Group]] = {}
         self.parts: dict[str, list[RunResult]] = {part: [] for part in PARTS}
         for run in runs:
@@ -84,7 +119,9 @@ class Study:
                 self.parts[relative.parts[0]].append(run)
         students = sorted({json.loads(r.settings.get("model.student.path") or r.settings.get("model.init_args.student.path") or '""') for r in runs} - {""})
         self.tiny = all(path.startswith("kdlab://") for path in students)  # the packaged tiny models (docs/tiny_world.md)
-        self.world = "the tiny world" if self.tiny else ", ".join(students)
+        reasoning = bool(students) and all(path.startswith("kdlab://tiny-reasoning/") for path in students)  # docs/tiny_reasoning.md
+        self.world = "the tiny reasoning world" if reasoning else "the tiny world" if self.tiny else ", ".join(students)
+        self.world_page = "docs/tiny_reasoning.md" if reasoning else "docs/tiny_world.md"
 
     def groups(self, part: str) -> list[Group]:
         """The part's configurations (grouped once: each group keeps its computed intervals)."""
@@ -103,13 +140,17 @@ class Study:
     def command(self, part: str) -> str:
         """The commands that filled the part: the file each ``sweep.json`` names (the part's own, else those of
         its subfolders; ``kdlab pipeline`` for a pipeline file, which has a ``distill`` stage, else ``kdlab
-        sweep``), else :data:`PART_COMMANDS`'s."""
+        sweep``), else the design's, else :data:`PART_COMMANDS`'s; none for a part the design leaves elsewhere."""
+        if part in self.design.elsewhere:
+            return "none: not in this study's design"
         folder = self.root / part
         found = [folder / "sweep.json"] if (folder / "sweep.json").is_file() else sorted(folder.glob("*/sweep.json"))
         commands = [command for command in map(_sweep_command, found) if command]
-        return "; ".join(dict.fromkeys(commands)) or PART_COMMANDS[part]
+        return "; ".join(dict.fromkeys(commands)) or self.design.commands.get(part) or PART_COMMANDS[part]
 
     def evidence(self, part: str) -> str:
+        if part in self.design.elsewhere:
+            return f"{NOT_IN_DESIGN} ({part}/): {self.design.elsewhere[part]}"
         runs = self.parts[part]
         return f"{len(runs)} runs in {self.root.name}/{part}/" if runs else f"no runs in {self.root.name}/{part}/"
 
@@ -274,7 +315,7 @@ def spectrum(study: Study) -> Verdict:
     return Verdict("Spectrum: forward KL stays high across lambda; reverse KL favours lambda > 0",
                    "forward KL > 80% across lambda (5.2-point spread); reverse KL favours lambda > 0, unstable at the high LR",
                    tiny, row_word(claims), study.evidence("spectrum") + "; " + study.evidence("spectrum_high"),
-                   study.command("spectrum") + "; " + study.command("spectrum_high"), _rule(claims), "", claims, claims[:2])
+                   "; ".join(dict.fromkeys([study.command("spectrum"), study.command("spectrum_high")])), _rule(claims), "", claims, claims[:2])
 
 
 def harder_pass_at_k(study: Study) -> Verdict:

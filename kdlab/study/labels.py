@@ -16,6 +16,7 @@ REPRODUCED, OPPOSITE, NOT_DISTINGUISHABLE = "reproduced", "opposite", "not disti
 EQUIVALENT, DIFFERENT = "equivalent", "different"
 NOT_REPRODUCED = OPPOSITE  # the former name of "opposite"
 NOT_RUN = "not run"
+NOT_HERE = "not tested here"  # the study's design (StudyDesign.elsewhere) leaves the finding's part to another study
 NO_DIFFERENCE = 0  # the claim of no difference (a TOST), beside the signs +1 / -1 of a claimed difference
 NOT_SUPERIOR = 2  # the one-sided claim "not better by more than the margin" (non-superiority)
 MAGNITUDE = 3  # the paper's magnitude: does the interval meet the paper's range (descriptive, no test)

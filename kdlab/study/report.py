@@ -375,7 +375,7 @@ def default_output(paths: list[str | Path]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``kdlab report RUN_DIR... [--output DIR] [--low_lr LR...] [--high_lr LR...]``."""
+    """``kdlab report RUN_DIR... [--output DIR] [--low_lr LR...] [--high_lr LR...] [--design FILE]``."""
     parser = argparse.ArgumentParser(
         prog="kdlab report", description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # --out DIR is an unknown option, not --output (issue #43)
@@ -386,7 +386,17 @@ def main(argv: list[str] | None = None) -> None:
                         "the folder holding them all when it lies below the working directory, else --output is required)")
     parser.add_argument("--low_lr", type=float, nargs="+", help="learning rates compared with the paper's 1e-5")
     parser.add_argument("--high_lr", type=float, nargs="+", help="learning rates compared with the paper's 5e-5")
+    parser.add_argument("--design", help="a study's design (YAML: 'commands', the command of each part it runs; 'elsewhere', each part it "
+                        "leaves to another study and why): its verdicts say 'not tested here' for those (default: every part, the tiny study's)")
     options = parser.parse_args(argv)
+    from kdlab.study.verdicts import PARTS, Study, StudyDesign, is_study, write_verdicts
+
+    try:
+        design = StudyDesign.load(options.design) if options.design else None
+    except ValueError as error:
+        parser.error(str(error))
+    if design is not None and not (len(options.runs) == 1 and is_study(Path(options.runs[0]))):
+        parser.error("--design is for one study's folder (a part such as distill/ holding a sweep), not " + " ".join(options.runs))
     if options.output:
         output = Path(options.output)
     else:
@@ -406,10 +416,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("no finished run directory with a config.yaml among " + " ".join(options.runs))
     path = write_report(runs, skipped, output, options.low_lr, options.high_lr)
     print(f"[report] {len(runs)} runs -> {path} (CSV, PNG and tensorboard/ beside it)")
-    from kdlab.study.verdicts import PARTS, Study, is_study, write_verdicts
-
     if len(options.runs) == 1 and is_study(Path(options.runs[0])):
-        write_verdicts(Path(options.runs[0]), runs, output)
+        write_verdicts(Path(options.runs[0]), runs, output, design)
         parts = Study(Path(options.runs[0]), runs).parts
         for part in PARTS:  # each part's own tables, without the other parts' settings in their columns
             if parts[part]:

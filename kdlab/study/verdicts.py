@@ -29,10 +29,12 @@ from pathlib import Path
 from kdlab.provenance import commit_mix
 from kdlab.study.effects import accuracy_effect, difference, scalar_effect, table_effect  # noqa: F401  (kdlab 0.1 imported them from here)
 from kdlab.study.findings import (  # noqa: F401  (the findings, importable from here as before)
+    NOT_IN_DESIGN,
     PARALLEL_RUNS,
     PART_COMMANDS,
     PARTS,
     Study,
+    StudyDesign,
     Verdict,
     forgetting,
     harder_pass_at_k,
@@ -46,7 +48,7 @@ from kdlab.study.findings import (  # noqa: F401  (the findings, importable from
 )
 from kdlab.study.coverage_findings import harder_from_coverage, measures_harder, rlvr_from_coverage
 from kdlab.study.style_findings import style_alone
-from kdlab.study.labels import ACCURACY_MARGIN, ALPHA, COLLAPSE_ACCURACY, COLLAPSE_OOD, NOT_RUN, OOD_MARGIN, holm
+from kdlab.study.labels import ACCURACY_MARGIN, ALPHA, COLLAPSE_ACCURACY, COLLAPSE_OOD, NOT_HERE, NOT_RUN, OOD_MARGIN, holm
 from kdlab.study.labels import REPRODUCED as _REPRODUCED  # kdlab.verdicts.REPRODUCED is the legacy name of labels'
 from kdlab.study.labels import Effect  # noqa: F401  (kdlab 0.1 imported it from here)
 from kdlab.study.runs import RunResult
@@ -111,18 +113,20 @@ METHOD = (
     "\"untestable\" when there is no OnPD edge before RLVR to lose. A style claim comparing a student below "
     f"{100 * COLLAPSE_ACCURACY:g}% held-out accuracy or {COLLAPSE_OOD:g} points on its earlier skills is \"collapsed\", whatever "
     "its interval (a broken model's Spanish share is no transferred style). A row whose claims get different labels lists each "
-    "label with its claims. \"not run\": the finding's own runs are missing. Changed from kdlab 0.1 (issue #40): same-seed "
+    "label with its claims. \"not run\": the finding's own runs are missing; \"not tested here\": the study's design "
+    "(`kdlab report --design`) leaves the finding to another study, named in its evidence. Changed from kdlab 0.1 (issue #40): same-seed "
     "contrasts were unpaired and redrew the samples in every seed slot (noise counted twice), 2000 draws let labels move with the "
     "bootstrap's random numbers, equivalence needed the 95% interval (2.5% per side), directional claims were read from the 95% "
     "interval, row 1 was tested as equivalence, row 2 as reverse minus forward KL, and no correction covered the findings."
 )
 
 WORLD_DEPARTURES = (
-    "Every row: the tiny world's packaged teacher and student (docs/tiny_world.md) in place of 1.5-8B models; "
-    "Countdown-3 the one reasoning task distilled (the paper also distils Science and MedReason); the tiny world's "
+    "Every row: {world}'s packaged teacher and student ({page}) in place of 1.5-8B models; "
+    "Countdown-3 the one reasoning task distilled (the paper also distils Science and MedReason); {world}'s "
     "earlier skills (the OODForgetting callback's tasks) in place of seven lm-eval-harness tasks. "
     "Each row's own departures (its verdict says \"design differs\"):"
 )
+"""The departures every row of a tiny-world study shares, for the study's ``world`` and its ``page``."""
 
 def harder_set(study: Study) -> Verdict:
     """The harder-set row: measured by the main grid's own runs (a ``Coverage`` named ``harder``, no ``hard`` part:
@@ -174,16 +178,20 @@ def is_study(root: Path) -> bool:
     return any((root / part / "sweep.json").is_file() or any((root / part).glob("*/sweep.json")) for part in PARTS)
 
 
-def write_verdicts(root: Path, runs: list[RunResult], output: Path) -> list[Verdict]:
+def write_verdicts(root: Path, runs: list[RunResult], output: Path, design: StudyDesign | None = None) -> list[Verdict]:
     """``verdicts.md`` and ``verdicts.csv`` in ``output``: one row per finding, and the study's wall time
     (``<root>/wall_times.jsonl``, written by ``experiments/tiny/study.sh``). Each part's own report, which
-    ``verdicts.md`` links to (``<output>/<part>/report.md``), is ``kdlab report``'s to write."""
-    study = Study(root, runs)
+    ``verdicts.md`` links to (``<output>/<part>/report.md``), is ``kdlab report``'s to write. ``design``: the parts
+    the study runs and those it leaves to another study (:class:`~kdlab.study.findings.StudyDesign`)."""
+    study = Study(root, runs, design)
     verdicts = [with_bf16(finding, study) if finding in PRECISION_FINDINGS else finding(study) for finding in FINDINGS]
     for verdict in verdicts:  # a finding whose own runs (its first evidence) are missing was not tested
-        if verdict.evidence.split("; ")[0].startswith("no runs"):
+        first = verdict.evidence.split("; ")[0]
+        if first.startswith(NOT_IN_DESIGN):
+            verdict.verdict = NOT_HERE
+        elif first.startswith("no runs"):
             verdict.verdict = NOT_RUN
-    tested = [v for v in verdicts if v.verdict != NOT_RUN and v.primary]
+    tested = [v for v in verdicts if v.verdict not in (NOT_RUN, NOT_HERE) and v.primary]
     for verdict, adjusted in zip(tested, holm([v.primary_p for v in tested])):
         verdict.holm_p = adjusted
     header = ["finding (paper)", "paper", f"{study.world.removeprefix('the ')}: effect [95% interval, problems] / seeds [95% interval, seeds]", "verdict",
@@ -196,7 +204,7 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path) -> list[Verd
     if provenance:
         lines += ["", "## Provenance", "", provenance]
     departures = [[v.finding, v.departure] for v in verdicts if v.departure]  # the page of a real-model study states its own
-    lines += ["", "## Departures from the paper's design", "", WORLD_DEPARTURES, "", markdown_table(["finding", "design here"], departures)
+    lines += ["", "## Departures from the paper's design", "", WORLD_DEPARTURES.format(world=study.world, page=study.world_page), "", markdown_table(["finding", "design here"], departures)
               if departures else "No row departs further from the paper's design."] if study.tiny else []
     times = root / "wall_times.jsonl"
     if times.is_file():
