@@ -14,7 +14,11 @@ The CPU constants are measured here first, in calibration micro-benchmarks that 
   optimiser);
 * ``decode_bandwidth_efficiency``: the rate at which a matmul of 8 rows reads a 64 MiB fp32 weight matrix (what a
   decode step does with every weight), best of 10, over ``bandwidth``;
-* ``train_efficiency`` 1 (the constants are this machine's achieved rates), host and device one after the other.
+* ``train_efficiency`` 1 (the constants are this machine's achieved rates), host and device one after the other;
+* ``row_seconds``: an evaluated row's host work outside its decode, timed on 200 held-out Countdown-3 problems
+  with the packaged tiny tokenizer (no model): each prompt rendered and tokenized, left-padded, 64 random tokens per
+  row turned into text (:func:`~kdlab.rollouts.decoding.completion_records`) and scored by the task's verifier,
+  best of 5, per row.
 
 The model is evaluated at the lengths the fit decoded (each decode's rows, prompt length and forwards, recorded
 by the clock): the estimate's caps are a bound, and this checks the per-token and per-step arithmetic, not the
@@ -23,7 +27,7 @@ data's lengths. Compared: the median optimiser step (after the first) and each e
 (``not_modelled``). Each comparison is ``estimate / measured``; within 30% passes. Beside each, the clock's
 ``decoding_s`` (each decode from its decoder's construction to its last forward) and, for an evaluation, the
 rest of its time (``outside_decodes_s``: prompts' tokenization, the completions' text, scoring), which the
-model does not count.
+model counts as ``rows x row_seconds`` (``estimated_rows_s``).
 
     python benchmarks/estimate_check.py                 # both pairs, 6 steps each (the lead runs this alone)
     python benchmarks/estimate_check.py --smoke         # the tiny pair, 2 steps, small evaluations (tests)
@@ -103,13 +107,44 @@ def calibrate() -> tuple[object, dict]:
     bandwidth = 2 * big.numel() * 4 / best(lambda: big.clone())
     weights, rows = torch.randn(4096, 4096), torch.randn(8, 4096)
     streaming = weights.numel() * 4 / best(lambda: rows @ weights.T)
+    row_seconds = best(row_work(), 5) / ROW_PROBLEMS
     sources = {"op_seconds": f"kdlab's decoder, 64 tokens of a random 2-layer width-64 Qwen2: {Count.ops} aten ops, best of 10", "flops": "fp32 1024^3 matmul, best of 10",
                "bandwidth": "64 MiB fp32 clone (read + write), best of 10",
                "decode_bandwidth_efficiency": "a 64 MiB fp32 weight matrix read by an (8, 4096) matmul (a decode step's "
-                                              "weight reads), best of 10, over the clone's rate"}
-    hardware = Hardware("cpu (measured)", flops, bandwidth, op_seconds, 1.0, streaming / bandwidth, overlapped=False, sources=sources)
+                                              "weight reads), best of 10, over the clone's rate",
+               "row_seconds": f"{ROW_PROBLEMS} Countdown-3 prompts tokenized, {ROW_TOKENS} random tokens each made text and verified "
+                              "(the packaged tiny tokenizer, no model), best of 5, per row"}
+    hardware = Hardware("cpu (measured)", flops, bandwidth, op_seconds, 1.0, streaming / bandwidth, overlapped=False, sources=sources,
+                        row_seconds=row_seconds)
     return hardware, {"op_seconds": op_seconds, "flops": flops, "bandwidth": bandwidth, "weight_streaming_bandwidth": streaming,
-                      "ops_counted": Count.ops, "sources": sources}
+                      "row_seconds": row_seconds, "ops_counted": Count.ops, "sources": sources}
+
+
+ROW_PROBLEMS, ROW_TOKENS = 200, 64
+
+
+def row_work():
+    """The host work of :data:`ROW_PROBLEMS` evaluated rows outside their decode (the ``row_seconds`` calibration)."""
+    from kdlab.data import left_pad, prompt_token_ids
+    from kdlab.models.loading import ModelSpec, load_tokenizer
+    from kdlab.rollouts.decoding import completion_records
+    from kdlab.tasks import Countdown
+
+    tokenizer = load_tokenizer(ModelSpec("kdlab://tiny/student"))
+    task = Countdown(variant="countdown3", instruction=False, system_prompt="", num_train=0, num_val=ROW_PROBLEMS, num_test=0)
+    examples = task.examples("val")
+    completions = torch.randint(0, len(tokenizer), (len(examples), ROW_TOKENS), generator=torch.Generator().manual_seed(0))
+    completion_mask = torch.ones_like(completions, dtype=torch.bool)
+    ends = (tokenizer.eos_token_id,)
+
+    def work() -> None:
+        rows = [prompt_token_ids(task, tokenizer, example, "student", 512) for example in examples]
+        left_pad(rows, tokenizer.pad_token_id)
+        records = completion_records(tokenizer, completions, completion_mask, ends)
+        if len(records) != ROW_PROBLEMS or sum(float(task.score(ex, text)) for ex, (text, _) in zip(examples, records)) < 0:
+            raise SystemExit("the row calibration scored the wrong number of rows")
+
+    return work
 
 
 def fit(args: list[str], root: Path) -> dict:
@@ -167,10 +202,12 @@ def compare(name: str, args: list[str], steps: int, hardware, root: Path) -> dic
         if part.split()[0] in ("HeldOutKL", "StyleTransfer"):
             not_modelled[part] = seconds
             continue
-        decoding = sum(d["seconds"] for d in decodes)
-        rows[part] = {"measured_s": seconds, "estimated_s": sum(decode_estimate(d, hardware) for d in decodes), "decodes": len(decodes),
-                      "rows": sum(d["rows"] for d in decodes), "forwards": sum(d["forwards"] for d in decodes),
-                      "decoding_s": decoding, "outside_decodes_s": seconds - decoding}
+        decoding, decoded_rows = sum(d["seconds"] for d in decodes), sum(d["rows"] for d in decodes)
+        estimated_decodes = sum(decode_estimate(d, hardware) for d in decodes)
+        rows[part] = {"measured_s": seconds, "estimated_s": estimated_decodes + decoded_rows * hardware.row_seconds, "decodes": len(decodes),
+                      "rows": decoded_rows, "forwards": sum(d["forwards"] for d in decodes), "decoding_s": decoding,
+                      "estimated_decodes_s": estimated_decodes, "outside_decodes_s": seconds - decoding,
+                      "estimated_rows_s": decoded_rows * hardware.row_seconds}
     rows["step"]["decoding_s"] = sum(d["seconds"] for d in train) / steps  # the training decodes, per step
     for row in rows.values():
         row["ratio"] = row["estimated_s"] / row["measured_s"] if row["measured_s"] > 0 else None

@@ -344,18 +344,20 @@ def _estimate_check(record: dict) -> str:
              f"within {record['tolerance']:.0%} when |ratio - 1| <= {record['tolerance']}.\n",
              "Decoding s: the clock's time inside the part's decodes (each from its decoder's construction to its last "
              "forward); outside s: the rest of an evaluation (tokenizing prompts, the completions' text, scoring), which the "
-             "model does not count.\n",
-             "| pair | part | measured s | decoding s | outside s | estimated s | ratio | within |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+             + ("model counts as rows x row_seconds (rows s; row_seconds from the calibration)" if "row_seconds" in record["calibration"]
+                else "model does not count") + ".\n",
+             "| pair | part | measured s | decoding s | outside s | estimated s | of which rows s | ratio | within |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for pair, result in record["pairs"].items():
         for part, row in result["comparisons"].items():
             ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
             outside = f"{row['outside_decodes_s']:.3f}" if "outside_decodes_s" in row else "-"
             decoding = f"{row['decoding_s']:.3f}" if "decoding_s" in row else "-"
-            lines.append(f"| {pair} | {part} | {row['measured_s']:.3f} | {decoding} | {outside} | {row['estimated_s']:.3f} | {ratio} | "
+            rows_s = f"{row['estimated_rows_s']:.3f}" if "estimated_rows_s" in row else "-"
+            lines.append(f"| {pair} | {part} | {row['measured_s']:.3f} | {decoding} | {outside} | {row['estimated_s']:.3f} | {rows_s} | {ratio} | "
                          f"{'yes' if row['within_30_percent'] else 'no'} |")
         for part, seconds in result.get("not_modelled_s", {}).items():
-            lines.append(f"| {pair} | {part} (not modelled) | {seconds:.3f} | - | - | - | - | - |")
+            lines.append(f"| {pair} | {part} (not modelled) | {seconds:.3f} | - | - | - | - | - | - |")
     lines.append(f"\nEvery modelled part within {record['tolerance']:.0%}: {'yes' if record['all_within_30_percent'] else 'no'}.")
     return _finish(lines, record)
 

@@ -141,6 +141,28 @@ def test_a_decoded_token_costs_the_larger_of_host_and_device_on_a_gpu_and_their_
         step_time.decode_token_seconds(shape, 2, 32, 2304, "hf", h200)
 
 
+def test_each_evaluated_row_adds_its_host_work_to_its_evaluation():
+    """``Hardware.row_seconds``: every row an evaluation scores (validation's prompts x samples, Coverage's, each
+    kdlab OOD task's examples) costs that much outside its decode, once per time the evaluation runs."""
+    from dataclasses import replace
+
+    from kdlab.study.estimate import Setup
+    from kdlab.study.run_time import evaluation_seconds
+
+    shape = PUBLISHED["Qwen/Qwen2.5-1.5B-Instruct"]
+    setup = Setup(student=shape, teacher=None, batch_size=4, prompt_tokens=256, completion_tokens=64, mixed=True)
+    config = {"model": {"val_examples": 100, "eval_samples": 2, "val_batch_size": 10},
+              "trainer": {"val_check_interval": 10, "callbacks": [
+                  {"class_path": "kdlab.callbacks.Coverage", "init_args": {"examples": 50, "samples": 4, "batch_size": 25, "max_new_tokens": 32}},
+                  {"class_path": "kdlab.callbacks.OODForgetting", "init_args": {"tasks": ["addition", "sorting"], "examples": 30, "max_new_tokens": 16}}]}}
+    h200 = step_time.HARDWARE["H200"]
+    without = evaluation_seconds(setup, config, 20, replace(h200, row_seconds=0.0))
+    with_rows = evaluation_seconds(setup, config, 20, replace(h200, row_seconds=1.0))
+    added = {name: with_rows[name] - without[name] for name in without}
+    # validation twice (steps 10 and 20) x 100 x 2 rows; Coverage at start and end x 50 x 4; OOD before and after x 2 x 30
+    assert added == pytest.approx({"validation": 2 * 200, "Coverage 1": 2 * 200, "OODForgetting 2": 2 * 60})
+
+
 def test_lora_parameters_are_those_peft_trains():
     pytest.importorskip("peft")
     from kdlab.stages.lora import LoraSpec, apply_lora
@@ -209,9 +231,14 @@ def test_the_estimate_check_times_a_real_tiny_fit_by_part_and_records_the_work_i
     rows = tiny["comparisons"]
     assert set(rows) == {"step", "validation", "Coverage 1", "OODForgetting 1"}
     assert rows["Coverage 1"]["rows"] == 2 * 200 and rows["OODForgetting 1"]["rows"] == 2 * 4 * 100 and rows["validation"]["rows"] == 8
+    assert calibration["row_seconds"] > 0
     for row in rows.values():
         assert row["ratio"] == pytest.approx(row["estimated_s"] / row["measured_s"])
         assert row["within_30_percent"] == (abs(row["ratio"] - 1) <= 0.30)
+    for name in ("validation", "Coverage 1", "OODForgetting 1"):  # each evaluated row's host work outside its decode, counted
+        row = rows[name]
+        assert row["estimated_rows_s"] == pytest.approx(row["rows"] * calibration["row_seconds"])
+        assert row["estimated_s"] == pytest.approx(row["estimated_decodes_s"] + row["estimated_rows_s"])
     assert record["all_within_30_percent"] == all(row["within_30_percent"] for row in rows.values())
 
 

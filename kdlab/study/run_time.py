@@ -4,7 +4,7 @@ every evaluation the run makes (the stage's validation and each evaluating callb
 as the memory arithmetic counts lengths, so the figures are bounds for decoding that stops early.
 
 Per evaluation, on rank 0's share (the ranks split ``Coverage`` and validation prompts; the lm-eval suite runs
-on rank 0 alone while the others wait):
+on rank 0 alone while the others wait), each kdlab-evaluated row also costing ``Hardware.row_seconds`` of host work:
 
 * validation: ``val_examples x eval_samples`` rows in decodes of ``val_batch_size x eval_samples`` rows, every
   ``trainer.val_check_interval`` micro-batches (and at the end when ``max_steps`` is a multiple);
@@ -69,13 +69,15 @@ class RunTime:
 
 
 def _decodes(setup: Setup, rows: int, batch: int, tokens: int, hardware: Hardware, role: str = "student", replicas: int = 1) -> float:
-    """``rows`` rows (this rank's share of ``replicas``) in decodes of ``batch`` rows, ``tokens`` tokens each."""
+    """``rows`` rows (this rank's share of ``replicas``) in decodes of ``batch`` rows, ``tokens`` tokens each, and
+    each row's host work outside the decode (``Hardware.row_seconds``)."""
     shape = setup.teacher if role == "teacher" and setup.teacher is not None else setup.student
     size = 2 if setup.mixed or BYTES[setup.student_dtype if role == "student" else setup.teacher_dtype] == 2 else 4
     share = -(-rows // max(replicas, 1))
     full, rest = divmod(share, max(batch, 1))
     one = decode_seconds(shape, size, batch, setup.prompt_tokens, tokens, "kdlab", hardware)
-    return full * one + (decode_seconds(shape, size, rest, setup.prompt_tokens, tokens, "kdlab", hardware) if rest else 0.0)
+    rest_seconds = decode_seconds(shape, size, rest, setup.prompt_tokens, tokens, "kdlab", hardware) if rest else 0.0
+    return full * one + rest_seconds + share * hardware.row_seconds
 
 
 def _times(every: int | None, steps: int, at_start: bool) -> int:

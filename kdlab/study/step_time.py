@@ -25,8 +25,10 @@ A prefill is ``2 x params x b x P`` FLOPs and one forward's ops. Training a micr
 OPS_BACKWARD_LAYER (+ OPS_FORWARD_LAYER recomputed with activation checkpointing))``; the objective's chunks
 ``OPS_OBJECTIVE_CHUNK`` ops each and 12 passes over an fp32 ``(rows, V)`` in memory; the optimiser step (with
 clipping) ``OPS_OPTIMISER_TENSOR`` ops per parameter tensor and its weights, gradients and two moments read and
-written once. Not counted: Lightning's own per-step work, logging, checkpoint writes, data loading, the time a
-vLLM engine takes to receive new weights, and communication between GPUs.
+written once. An evaluation's rows also cost ``row_seconds`` each on the host, outside their decodes (the prompt
+rendered and tokenized, the completion's text, the task's verifier). Not counted: Lightning's own per-step work,
+logging, checkpoint writes, data loading, the time a vLLM engine takes to receive new weights, and communication
+between GPUs.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class Hardware:
     decode_bandwidth_efficiency: float  # share of ``bandwidth`` a decode step's weight reads reach
     overlapped: bool = True  # the host issues work ahead of the device (GPU): a piece takes max(host, device)
     sources: dict[str, str] = field(default_factory=dict)
+    row_seconds: float = 0.0  # host seconds per evaluated row outside its decode: prompt tokenized, completion's text, verifier
 
 
 NVIDIA_H200 = "https://www.nvidia.com/en-us/data-center/h200/"
@@ -76,14 +79,18 @@ _COMMON = {
     "train_efficiency": f"MFU of well-optimised large models 0.40-0.60, small ones lower ({MFU}); 0.40 taken",
     "decode_bandwidth_efficiency": f"Llama 3.1 8B decode step under a CUDA graph on an H100 SXM, 5.1 ms ({GRAPHS}): "
                                    "8.03e9 x 2 B / 3.35 TB/s = 4.79 ms of weight reads, 4.79 / 5.1 = 0.94",
+    "row_seconds": "host work, the same on a GPU machine as on a CPU: kdlab's tokenizing, detokenizing and verifying "
+                   "measured 0.3-1.5 ms per row on this project's CPU (benchmarks/results/estimate_check-cpu.json, "
+                   "outside_decodes_s / rows); 1 ms taken",
 }
+GPU_ROW_SECONDS = 1e-3
 HARDWARE = {
     "H200": Hardware("H200", 989e12, 4.8e12, 10e-6, 0.40, 0.94, True,
                      {"flops": f"H200 SXM BF16 tensor core 1,979 TFLOPS with sparsity, half dense ({NVIDIA_H200})",
-                      "bandwidth": f"H200 SXM HBM3e 4.8 TB/s ({NVIDIA_H200})", **_COMMON}),
+                      "bandwidth": f"H200 SXM HBM3e 4.8 TB/s ({NVIDIA_H200})", **_COMMON}, GPU_ROW_SECONDS),
     "H100": Hardware("H100", 989e12, 3.35e12, 10e-6, 0.40, 0.94, True,
                      {"flops": f"H100 SXM BF16 tensor core 1,979 TFLOPS with sparsity, half dense ({NVIDIA_H100})",
-                      "bandwidth": f"H100 SXM HBM3 3.35 TB/s ({NVIDIA_H100})", **_COMMON}),
+                      "bandwidth": f"H100 SXM HBM3 3.35 TB/s ({NVIDIA_H100})", **_COMMON}, GPU_ROW_SECONDS),
 }
 """The GPUs ``kdlab estimate --gpu_kind`` knows. A CPU's constants are measured (``benchmarks/estimate_check.py``)."""
 
