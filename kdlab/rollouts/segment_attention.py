@@ -37,8 +37,10 @@ _LAST: list = [None, None, None]  # (weak reference, version, layout) of the las
 class Segments:
     """Where the sequences of one packed row ``(1, T)`` sit in a ``(S, M)`` batch of them (``S`` sequences, ``M`` the
     longest): ``lengths``; ``index`` ``(S, M)``, the row position of each slot (padding slots repeat the sequence's
-    last position); ``slots`` ``(T,)``, the flat slot of each row position; ``mask`` ``(S, 1, M, M)``, True where a
-    slot may attend (causal, real keys only: a padding slot still sees its sequence, so no softmax row is empty)."""
+    last position); ``slots`` ``(T,)``, the flat slot of each row position; ``mask`` ``(1, 1, M, M)``, causal, True
+    where a slot may attend. Each sequence fills its first slots and its padding slots come after them, so a real
+    slot's causal keys are all real: causal alone is each sequence's own mask (the padding slots' outputs are
+    dropped, so what they see, their sequence and the padding before them, never reaches the row)."""
 
     lengths: list[int]
     index: torch.Tensor
@@ -64,8 +66,8 @@ def segments(position_ids: torch.Tensor) -> Segments:
     index = start + torch.minimum(column, size - 1)
     real = column < size
     slots = (torch.arange(len(lengths), device=device)[:, None] * longest + column)[real]
-    mask = (column[:, :, None] >= column[:, None, :]) & real[:, None, :]
-    layout = Segments(lengths, index, slots, mask[:, None])
+    mask = column[0, :, None] >= column[0, None, :]
+    layout = Segments(lengths, index, slots, mask[None, None])
     _LAST[:] = [weakref.ref(position_ids), position_ids._version, layout]
     return layout
 
@@ -81,8 +83,8 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """Causal attention of each sequence of one packed row on its own: ``query`` ``(1, H, T, D)``, ``key`` and
     ``value`` ``(1, H_kv, T, D)`` (grouped heads repeated), ``position_ids`` ``(1, T)``; returns ``(1, T, H, D)`` as
     Hugging Face's attention functions do (and no weights). The sequences are gathered into one ``(S, H, M, D)``
-    batch and attend in one call under :attr:`Segments.mask`, computed as the model's own implementation computes
-    it (SDPA for an ``sdpa`` model; scores, an additive mask and an fp32 softmax for ``eager``), then scattered
+    batch and attend in one call, causally (:attr:`Segments.mask`), computed as the model's own implementation computes
+    it (SDPA with ``is_causal`` for an ``sdpa`` model; scores, an additive mask and an fp32 softmax for ``eager``), then scattered
     back: the projections around it ran on the real tokens only."""
     if position_ids is None:
         raise ValueError("segment attention needs the packed row's position ids")
@@ -100,7 +102,8 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         weights = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.nn.functional.dropout(weights, p=dropout, training=dropout > 0) @ v
     else:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, dropout_p=dropout, scale=scale)
+        # is_causal: no (S, 1, M, M) mask built or read (Segments: causal is each sequence's mask)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale, is_causal=True)
     heads, dim = out.shape[1], out.shape[3]
     out = out.transpose(1, 2).reshape(-1, heads, dim)[layout.slots]  # (T, H, D), the row's order
     return out[None], None
