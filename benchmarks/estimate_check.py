@@ -14,11 +14,14 @@ The CPU constants are measured here first, in calibration micro-benchmarks that 
   optimiser);
 * ``decode_bandwidth_efficiency``: the rate at which a matmul of 8 rows reads a 64 MiB fp32 weight matrix (what a
   decode step does with every weight), best of 10, over ``bandwidth``;
-* ``train_efficiency`` 1 (the constants are this machine's achieved rates), host and device one after the other;
 * ``row_seconds``: an evaluated row's host work outside its decode, timed on 200 held-out Countdown-3 problems
   with the packaged tiny tokenizer (no model): each prompt rendered and tokenized, left-padded, 64 random tokens per
   row turned into text (:func:`~kdlab.rollouts.decoding.completion_records`) and scored by the task's verifier,
-  best of 5, per row.
+  best of 5, per row;
+* ``train_efficiency`` 1 (the constants are this machine's achieved rates), host and device one after the other.
+
+The calibration runs before the fits and again after them (a shared machine's rates drift between runs); the
+model uses each constant's mean, and the JSON keeps both calibrations and their ratio (``drift``, after / before).
 
 The model is evaluated at the lengths the fit decoded (each decode's rows, prompt length and forwards, recorded
 by the clock): the estimate's caps are a bound, and this checks the per-token and per-step arithmetic, not the
@@ -121,6 +124,14 @@ def calibrate() -> tuple[object, dict]:
 
 
 ROW_PROBLEMS, ROW_TOKENS = 200, 64
+CALIBRATED = ("op_seconds", "flops", "bandwidth", "decode_bandwidth_efficiency", "row_seconds")
+
+
+def mean_hardware(before, after):
+    """The calibrations before and after the fits, each constant their mean."""
+    from dataclasses import replace
+
+    return replace(before, **{key: (getattr(before, key) + getattr(after, key)) / 2 for key in CALIBRATED})
 
 
 def row_work():
@@ -175,17 +186,24 @@ def decode_estimate(decode: dict, hardware) -> float:
             + steps * decode_token_seconds(shape, size, decode["rows"], decode["prompt"] + steps / 2, "kdlab", hardware))
 
 
-def compare(name: str, args: list[str], steps: int, hardware, root: Path) -> dict:
+def run_fit(name: str, args: list[str], steps: int, root: Path) -> tuple[list[str], dict]:
+    """The fit's arguments and its clock's record."""
+    argv = [*args, f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={steps}"]
+    record = fit(argv, root)
+    if len(record["steps"]) != steps:
+        raise SystemExit(f"{name}: {len(record['steps'])} steps timed, wanted {steps}")
+    return argv, record
+
+
+def compare(argv: list[str], record: dict, hardware) -> dict:
+    """Each timed part of a fit's ``record`` beside the model's seconds on ``hardware``."""
     from dataclasses import replace
 
     from kdlab.cli.estimate import fit_config
     from kdlab.study.estimate import setup_from_config, step_work
     from kdlab.study.step_time import step_time
 
-    argv = [*args, f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={steps}"]
-    record = fit(argv, root)
-    if len(record["steps"]) != steps:
-        raise SystemExit(f"{name}: {len(record['steps'])} steps timed, wanted {steps}")
+    steps = len(record["steps"])
     train = [d for d in record["decodes"] if d["part"] == "train"]
     setup = setup_from_config(fit_config(argv))
     setup.gpu = False
@@ -230,11 +248,17 @@ def main(argv: list[str] | None = None) -> None:
     steps = 2 if args.smoke else args.steps
     if steps < 2:
         raise SystemExit(f"--steps must be >= 2 (the first step is not the steady state), got {steps}")
-    hardware, calibration = calibrate()
-    results, problems = {}, []
+    before, calibration_before = calibrate()
+    fits = {}
     with tempfile.TemporaryDirectory() as folder:
         for name in pairs:
-            results[name] = compare(name, [*PAIRS[name], *(SMOKE if args.smoke else [])], steps, hardware, Path(folder) / name)
+            fits[name] = run_fit(name, [*PAIRS[name], *(SMOKE if args.smoke else [])], steps, Path(folder) / name)
+    after, calibration_after = calibrate()  # the machine's rates drift: measured on both sides of the fits, their mean used
+    hardware, calibration = mean_hardware(before, after), {"before": calibration_before, "after": calibration_after}
+    calibration.update({key: getattr(hardware, key) for key in CALIBRATED})
+    calibration["drift"] = {key: getattr(after, key) / getattr(before, key) for key in CALIBRATED}
+    calibration["sources"] = calibration_before["sources"]
+    results, problems = {name: compare(*fits[name], hardware) for name in pairs}, []
     for name, result in results.items():
         for part, row in result["comparisons"].items():
             if row["measured_s"] <= 0 or row["estimated_s"] <= 0:

@@ -225,7 +225,10 @@ def test_the_estimate_check_times_a_real_tiny_fit_by_part_and_records_the_work_i
     record = json.loads(out.read_text())
     assert record["smoke"] and record["threads"] == 1 and record["problems"] == []
     calibration = record["calibration"]
-    assert calibration["op_seconds"] > 0 and calibration["flops"] > 0 and calibration["bandwidth"] > 0 and calibration["ops_counted"] > 0
+    assert calibration["op_seconds"] > 0 and calibration["flops"] > 0 and calibration["bandwidth"] > 0 and calibration["before"]["ops_counted"] > 0
+    for key in ("op_seconds", "flops", "bandwidth", "row_seconds"):  # measured before and after the fits; the model takes their mean
+        assert calibration[key] == pytest.approx((calibration["before"][key] + calibration["after"][key]) / 2)
+        assert calibration["drift"][key] == pytest.approx(calibration["after"][key] / calibration["before"][key])
     tiny = record["pairs"]["tiny"]
     assert tiny["steps"] == 2 and len(tiny["step_times_s"]) == 2
     rows = tiny["comparisons"]
