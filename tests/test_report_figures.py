@@ -199,3 +199,29 @@ def test_settings_that_tell_configurations_apart_make_the_label_and_only_those()
     ]
     assert variant_labels(groups) == ["", "StyleTransfer", "precision=bf16-true", "", "checkpoint=OnPD", "checkpoint=OffPD"]
     assert [lr_label(x) for x in (1e-4, 5e-5, 2.5e-4, 0.001, 1.0)] == ["1e-4", "5e-5", "2.5e-4", "1e-3", "1e0"]
+
+
+def test_an_in_process_and_a_served_teacher_are_told_apart_by_the_source_class(tmp_path, monkeypatch):
+    """The quickstart spells its teacher as a model (``teacher: {path: ..., dtype: ...}``), the served overlay as
+    a source class: the labels name the two sources (``teacher=ModelTeacher`` / ``teacher=Served``), not a field
+    only one of them has (``dtype=float32``), and the explicit spelling of the same in-process teacher is the
+    same configuration as the shorthand."""
+    runs = tmp_path / "runs"
+    teachers = {
+        "in-process": {"path": "kdlab://tiny/teacher", "dtype": "float32"},
+        "served": {"class_path": "kdlab.teachers.Served",
+                   "init_args": {"server": {"class_path": "kdlab.rollouts.served.ServedTeacher", "init_args": {"url": "http://127.0.0.1:8000"}}}},
+        "explicit": {"class_path": "kdlab.teachers.ModelTeacher", "init_args": {"model": {"path": "kdlab://tiny/teacher", "dtype": "float32"}}},
+    }
+    for name, teacher in teachers.items():
+        run = make_run(runs, name, "TeacherRollouts", "ForwardKL", 1e-4, 42 if name != "explicit" else 43)
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        config["model"]["teacher"] = teacher
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+    figures = report([runs / "in-process", runs / "served"], tmp_path / "two", monkeypatch)
+    (ax,) = figures["accuracy"].axes
+    assert sorted(t.get_text() for t in ax.get_yticklabels()) == ["teacher=ModelTeacher", "teacher=Served"]
+    report([runs / "in-process", runs / "explicit"], tmp_path / "same", monkeypatch)
+    with (tmp_path / "same" / "summary.csv").open() as handle:
+        (row,) = csv.DictReader(handle)  # one configuration, two seeds
+    assert row["n"] == "2"

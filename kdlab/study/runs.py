@@ -147,8 +147,24 @@ def _settings_config(config: dict[str, Any]) -> dict[str, Any]:
     normal = without_defaults(config)
     model = normal.get("model")
     if isinstance(model, dict) and "class_path" not in model:
-        normal["model"] = without_defaults(model, "kdlab.stages.distill.DistillModule")
+        normal["model"] = model = without_defaults(model, "kdlab.stages.distill.DistillModule")
+    arguments = model.get("init_args") if isinstance(model, dict) and "class_path" in model else model
+    if isinstance(arguments, dict) and "teacher" in arguments:
+        arguments["teacher"] = _teacher_source(arguments["teacher"])
     return normal
+
+
+MODEL_TEACHER = "kdlab.teachers.ModelTeacher"
+
+
+def _teacher_source(teacher: Any) -> Any:
+    """``teacher`` as the source it builds: a model given by its path or its fields (``{path: ..., dtype: ...}``)
+    is ``ModelTeacher(model=...)``, so a run spelling it that way and one naming ``class_path`` read as one
+    setting, and an in-process run differs from a served one in the source's class (``teacher=ModelTeacher``
+    against ``teacher=Served``), not in fields only one of them has."""
+    if isinstance(teacher, str) or (isinstance(teacher, dict) and teacher and "class_path" not in teacher):
+        return {"class_path": MODEL_TEACHER, "init_args": {"model": teacher}}
+    return teacher
 
 
 def _class_name(value: Any, default: str) -> str:
