@@ -10,6 +10,10 @@ thread, and every file under the archived run's ``samples/`` is compared with th
 files that differ, with the archived run's commit (``run_info.json``) beside this checkout's. The JSON lists each run.
 A run archived from another commit may differ where the code between the commits changed what it computes; the
 JSON says which runs differ so the page can say why.
+
+``--reruns DIR`` names a folder where some chosen runs have already been run again at this commit (a pipeline that
+reran archived runs to write their checkpoints): a finished run there (``DONE`` or its final checkpoint) whose ``run_info.json`` names this commit on a
+clean tree is compared as it is, not run a third time.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import time
 from pathlib import Path
 
 from kdlab.study.grid import expand, fit_args, load_sweep
+from kdlab.study.runs import DONE_MARKERS
 
 
 def digest(path: Path) -> str:
@@ -45,6 +50,15 @@ def commit_of(run_dir: Path) -> str | None:
     return info.get("git_commit")
 
 
+def rerun_at(run_dir: Path) -> str | None:
+    """The commit a run was made at, if its tree was clean (``run_info.json``); None otherwise."""
+    try:
+        info = json.loads((run_dir / "run_info.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if info.get("git_dirty", True) else info.get("git_commit")
+
+
 def head() -> str:
     return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
 
@@ -56,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", action="append", default=[], help="a run to rerun (repeatable)")
     parser.add_argument("--one-per-cell", action="store_true", help="rerun the lowest seed of every grid cell")
     parser.add_argument("--scratch", type=Path, default=Path("runs/provenance"))
+    parser.add_argument("--reruns", type=Path, help="a folder of runs already rerun at this commit (compared, not run again)")
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
     sweep = load_sweep(args.sweep)
@@ -79,15 +94,20 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"run": run.name, "status": "not archived"})
             continue
         start = time.time()
-        log = args.scratch / f"{run.name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("w") as handle:
-            code = subprocess.call([sys.executable, "-m", "kdlab.cli", *fit_args(rerun_sweep, run)], env=env, stdout=handle, stderr=subprocess.STDOUT)
-        before, after = sample_files(archived), sample_files(args.scratch / run.name)
+        done = args.reruns / run.name if args.reruns else None
+        if done is not None and any((done / marker).is_file() for marker in DONE_MARKERS) and rerun_at(done) == commit:
+            code, rerun, seconds = 0, done, None  # already rerun at this commit
+        else:
+            log = args.scratch / f"{run.name}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with log.open("w") as handle:
+                code = subprocess.call([sys.executable, "-m", "kdlab.cli", *fit_args(rerun_sweep, run)], env=env, stdout=handle, stderr=subprocess.STDOUT)
+            rerun, seconds = args.scratch / run.name, round(time.time() - start, 1)
+        before, after = sample_files(archived), sample_files(rerun)
         differ = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
         results.append({"run": run.name, "status": "failed" if code else ("identical" if before and not differ else "differs"),
                         "differing_files": differ, "files": len(before), "archived_commit": commit_of(archived),
-                        "seconds": round(time.time() - start, 1)})
+                        "rerun": str(rerun), "seconds": seconds})
         print(json.dumps(results[-1]), flush=True)
     record = {"command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]), "commit": commit, "threads": 1,
               "sweep": args.sweep, "runs": results,
