@@ -298,7 +298,7 @@ def test_a_burst_of_one_sampling_request_per_prompt_decodes_as_one_batch(server)
     all 16 share one decode, and each row still gets the tokens its seed gives alone."""
     client = served(server, concurrency=16)
     gather = server.gather_s
-    server.gather_s = 1.0  # a loaded CI machine sends and parses requests slowly (0.2 s gaps seen); the mechanism is what is tested
+    server.gather_s = 2.0  # a loaded machine sends and parses requests slowly (0.2 s gaps seen on CI; more beside 3 busy processes on 2 cores); the mechanism is what is tested
     try:
         server.batches.clear()
         together = client.concurrently(lambda i: client.sample([1, 2, 3 + i % 5], 6, 1.0, 100 + i, [0]), list(range(16)))
