@@ -713,3 +713,20 @@ def test_a_reasoning_study_reads_the_harder_set_and_rlvr_from_coverage_paired_on
     assert rlvr.verdict == (f"{REPRODUCED}: harder pass@32 after - before RLVR, OnPD - OffPD pass@32 before RLVR, "
                             f"OnPD - OffPD pass@32 after - before RLVR; {EQUIVALENT}{MARGIN}: OnPD - OffPD pass@32 after RLVR")
     assert rlvr.departure.startswith("RLVR on countdown3s") and "x the distillation's" not in rlvr.departure  # 2e-5 / 1e-4 = 0.2
+
+
+def test_a_folder_laid_out_as_a_study_without_a_findings_runs_gets_its_report_and_no_verdicts(tmp_path, monkeypatch, capsys):
+    """The tiny world's runs (docs/tiny_world_runs/runs.tar.gz: an LR sweep and an RLVR sweep in runs/tiny-world) look
+    like a study to ``kdlab report`` but hold no finding's runs: the report is written, and no verdicts page whose
+    every row would say "not run"."""
+    import tarfile
+
+    from kdlab.study.report import main
+
+    with tarfile.open(Path(__file__).parents[1] / "docs" / "tiny_world_runs" / "runs.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    monkeypatch.chdir(tmp_path)
+    assert is_study(Path("runs/tiny-world"))
+    main(["runs/tiny-world", "--output", "out", "--low_lr", "1e-4", "--high_lr", "2e-3"])
+    assert (tmp_path / "out" / "report.md").is_file() and not (tmp_path / "out" / "verdicts.md").exists()
+    assert not (tmp_path / "out" / "rlvr").exists() and "holds no finding's runs: no verdicts written" in capsys.readouterr().err

@@ -104,4 +104,4 @@ def rlvr_from_coverage(study: Study) -> Verdict:
     if ratios and ratios != {0.2}:
         departure += f"; RLVR LR {'/'.join(f'{r:g}' for r in sorted(ratios))}x the distillation's (the paper's 0.2x)"
     return Verdict("The on-policy edge does not survive RLVR", "after GRPO on Countdown-4 the OnPD/OffPD difference is gone",
-                   tiny, word, study.evidence("rlvr"), study.command("rlvr"), _rule(claims), departure, claims, [claims[1], claims[3]])
+                   tiny, word, study.chain_evidence(chains, "distill"), study.command("rlvr"), _rule(claims), departure, claims, [claims[1], claims[3]])

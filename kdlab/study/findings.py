@@ -148,6 +148,15 @@ class Study:
         commands = [command for command in map(_sweep_command, found) if command]
         return "; ".join(dict.fromkeys(commands)) or self.design.commands.get(part) or PART_COMMANDS[part]
 
+    def chain_evidence(self, chains: dict, source_part: str) -> str:
+        """:meth:`evidence` of the RLVR part, led by "no runs" (the row is "not run") when none of its runs starts
+        from a run of ``source_part`` (``chains``: :func:`rlvr_chains`'s), as an RLVR sweep beside an unrelated
+        LR sweep."""
+        evidence = self.evidence("rlvr")
+        if self.parts["rlvr"] and "rlvr" not in self.design.elsewhere and not any(chains.values()):
+            return f"no runs of {self.root.name}/rlvr/ start from a run of {self.root.name}/{source_part}/ (0 chains); {evidence}"
+        return evidence
+
     def evidence(self, part: str) -> str:
         if part in self.design.elsewhere:
             return f"{NOT_IN_DESIGN} ({part}/): {self.design.elsewhere[part]}"
@@ -420,7 +429,7 @@ def rlvr_edge(study: Study) -> Verdict:
     if departure and ratios and ratios != {0.2}:
         departure += f"; RLVR LR {'/'.join(f'{r:g}' for r in sorted(ratios))}x the distillation's (the paper's 0.2x)"
     return Verdict("The on-policy edge does not survive RLVR", "after GRPO on Countdown-4 the OnPD/OffPD difference is gone",
-                   tiny, word, study.evidence("rlvr"), study.command("rlvr"), _rule(claims), departure, claims, [claims[1], claims[3]])
+                   tiny, word, study.chain_evidence(after, source_part), study.command("rlvr"), _rule(claims), departure, claims, [claims[1], claims[3]])
 
 
 def style_transfer(study: Study) -> Verdict:

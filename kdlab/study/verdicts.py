@@ -182,7 +182,9 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path, design: Stud
     """``verdicts.md`` and ``verdicts.csv`` in ``output``: one row per finding, and the study's wall time
     (``<root>/wall_times.jsonl``, written by ``experiments/tiny/study.sh``). Each part's own report, which
     ``verdicts.md`` links to (``<output>/<part>/report.md``), is ``kdlab report``'s to write. ``design``: the parts
-    the study runs and those it leaves to another study (:class:`~kdlab.study.findings.StudyDesign`)."""
+    the study runs and those it leaves to another study (:class:`~kdlab.study.findings.StudyDesign`). Writes nothing
+    and returns ``[]`` when no finding has its runs in ``root`` (a folder of runs laid out like a study, such as the
+    tiny world's ``runs/tiny-world`` with its RLVR sweep)."""
     study = Study(root, runs, design)
     verdicts = [with_bf16(finding, study) if finding in PRECISION_FINDINGS else finding(study) for finding in FINDINGS]
     for verdict in verdicts:  # a finding whose own runs (its first evidence) are missing was not tested
@@ -191,6 +193,8 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path, design: Stud
             verdict.verdict = NOT_HERE
         elif first.startswith("no runs"):
             verdict.verdict = NOT_RUN
+    if all(v.verdict in (NOT_RUN, NOT_HERE) for v in verdicts):  # a folder laid out as a study without a finding's runs
+        return []
     tested = [v for v in verdicts if v.verdict not in (NOT_RUN, NOT_HERE) and v.primary]
     for verdict, adjusted in zip(tested, holm([v.primary_p for v in tested])):
         verdict.holm_p = adjusted
