@@ -14,6 +14,10 @@ left-padded (different lengths in one batch).
   what every rollout policy and evaluation runs: sampling at temperature 1 from a seeded ``torch.Generator``,
   the entropy of every sampled distribution computed (it is logged in training), no end token (an id that cannot
   occur), so every row decodes exactly ``--new-tokens`` tokens.
+  Prompts that begin alike are prefilled once (``StaticCacheLM(share_prefix=True)``, the default everywhere in
+  kdlab): each row records ``shared_prompt_tokens``, the leading tokens every prompt of the batch shares.
+* ``kdlab_whole_prefill``: the same decoder prefilling every prompt whole (``share_prefix=False``), as HF
+  ``generate`` does: what the shared prefill is worth, apart from the rest of the decoder.
 * ``kdlab_compiled``: the same with the decode step compiled (``compile="always"``: inductor's C++ kernels on a
   CPU; on a GPU the default compiles it with CUDA graphs). Its first run (the warm-up) includes compiling, recorded
   as ``first_run_s``; left out with ``--no-compiled``. The file shows whether compiling pays on a CPU.
@@ -64,12 +68,14 @@ TARGET_BATCH = 8
 
 
 def kdlab_decode(model, input_ids, attention_mask, new_tokens: int, pad_token_id: int, token_columns: int,
-                 generator: torch.Generator | None, greedy: bool = False, compile: str = "cuda") -> torch.Tensor:
-    """``(B, new_tokens)`` tokens from kdlab's decoder (the path of every rollout policy); ``compile`` is
-    :class:`~kdlab.rollouts.static_cache.StaticCacheLM`'s."""
+                 generator: torch.Generator | None, greedy: bool = False, compile: str = "cuda", share_prefix: bool = True) -> torch.Tensor:
+    """``(B, new_tokens)`` tokens from kdlab's decoder (the path of every rollout policy); ``compile`` and
+    ``share_prefix`` are :class:`~kdlab.rollouts.static_cache.StaticCacheLM`'s."""
     from kdlab.rollouts.decoding import incremental_decoder, sample_tokens
 
     decoder = incremental_decoder(model, input_ids, attention_mask, token_columns, 0.0 if greedy else 1.0, new_tokens, compile=compile)
+    if not share_prefix and hasattr(decoder, "shared"):
+        decoder.shared = 0  # prefill every prompt whole
     tokens, _, _ = sample_tokens(decoder, input_ids.shape[0], new_tokens, (NEVER,), pad_token_id, generator,
                                  greedy=greedy, device=input_ids.device)
     return tokens
@@ -105,7 +111,7 @@ def compare(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_to
     device = input_ids.device
     batch = input_ids.shape[0]
     cuda = device.type == "cuda"
-    sides = {"kdlab": "cuda", "hf": None} | ({"kdlab_compiled": "always"} if compiled else {})
+    sides = {"kdlab": "cuda", "kdlab_whole_prefill": "cuda", "hf": None} | ({"kdlab_compiled": "always"} if compiled else {})
 
     def sync():
         if cuda:
@@ -118,7 +124,8 @@ def compare(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_to
             out = hf_decode(model, input_ids, attention_mask, new_tokens, pad_token_id, seed + rep)
         else:
             generator = torch.Generator(device=device).manual_seed(seed + rep)
-            out = kdlab_decode(model, input_ids, attention_mask, new_tokens, pad_token_id, token_columns, generator, compile=sides[side])
+            out = kdlab_decode(model, input_ids, attention_mask, new_tokens, pad_token_id, token_columns, generator, compile=sides[side],
+                               share_prefix=side != "kdlab_whole_prefill")
         sync()
         elapsed = time.perf_counter() - start
         if tuple(out.shape) != (batch, new_tokens):
@@ -132,7 +139,10 @@ def compare(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_to
     for rep in range(repeats):
         for side in order[rep % len(order):] + order[: rep % len(order)]:
             times[side].append(run(side, rep))
-    result = {"batch": batch, "prompt_tokens": input_ids.shape[1], "new_tokens": new_tokens}
+    from kdlab.rollouts.static_cache import shared_prefix
+
+    result = {"batch": batch, "prompt_tokens": input_ids.shape[1], "new_tokens": new_tokens,
+              "shared_prompt_tokens": shared_prefix(input_ids, attention_mask)}
     for side, values in times.items():
         result[side] = {"times_s": values, "time_s": statistics.median(values), "tokens_per_s": batch * new_tokens / statistics.median(values),
                         "first_run_s": first[side]}
@@ -140,6 +150,7 @@ def compare(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_to
     # each repetition's runs are back to back: their ratio sees the same load from other processes
     result["paired_ratios"] = [hf / own for own, hf in zip(times["kdlab"], times["hf"])]
     result["paired_ratio_median"] = statistics.median(result["paired_ratios"])
+    result["whole_prefill_ratio"] = result["kdlab_whole_prefill"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
     if compiled:
         result["compiled_ratio"] = result["kdlab_compiled"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
         result["compiled_paired_ratio_median"] = statistics.median(hf / own for own, hf in zip(times["kdlab_compiled"], times["hf"]))
@@ -148,7 +159,8 @@ def compare(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_to
         identical = {}
         for side, how in sides.items():
             if how is not None:
-                own = kdlab_decode(model, input_ids, attention_mask, greedy_tokens, pad_token_id, token_columns, None, greedy=True, compile=how)
+                own = kdlab_decode(model, input_ids, attention_mask, greedy_tokens, pad_token_id, token_columns, None, greedy=True, compile=how,
+                                   share_prefix=side != "kdlab_whole_prefill")
                 if own.shape != theirs.shape:
                     raise RuntimeError(f"greedy {side} decoded {tuple(own.shape)}, HF {tuple(theirs.shape)}")
                 identical[side] = int((own == theirs).all(1).sum())

@@ -116,6 +116,7 @@ def _decode(record: dict) -> str:
         raise SystemExit("a decode result file from before issue #45: rerun python benchmarks/decode.py")
     targets = record["targets"]
     dtypes = sorted({row["dtype"] for rows in record["results"].values() for row in rows})
+    whole = all("whole_prefill_ratio" in row for rows in record["results"].values() for row in rows)
     lines = [f"## Decoding: kdlab's decoder against HF `generate`, {', '.join(record['results'])}, {', '.join(dtypes)}, "
              f"{record['new_tokens']} new tokens\n", _setting(record),
              "Sampling at temperature 1, no end token (every row decodes exactly N tokens on every side, checked), the same "
@@ -123,17 +124,22 @@ def _decode(record: dict) -> str:
              f"{record['repeats']} runs each. `kdlab` is the static-cache decoder with its eager step"
              + (", `compiled` its compiled step (compiling happens in the warm-up run, left out)" if record["compiled"] else "")
              + ". `paired` is the median over repetitions of back-to-back runs' ratio. Greedy rows identical: kdlab's greedy "
-             "decode against `generate(do_sample=False)` over all N tokens, token for token.\n"]
+             "decode against `generate(do_sample=False)` over all N tokens, token for token."
+             + (" `shared`: the leading prompt tokens every row shares, which kdlab prefills once; `whole prefill / HF`: kdlab's "
+                "decoder prefilling every prompt whole, as `generate` does." if whole else "") + "\n"]
     compiled = record["compiled"]
-    lines += ["| model | batch | padded prompt width | kdlab tok/s | HF generate tok/s | kdlab / HF | paired |"
-              + (" compiled tok/s | compiled / HF | compile s |" if compiled else "") + " greedy rows identical |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: | ---: |" if compiled else "") + " ---: |"]
+    lines += ["| model | batch | padded prompt width |" + (" shared |" if whole else "") + " kdlab tok/s | HF generate tok/s | kdlab / HF | paired |"
+              + (" whole prefill / HF |" if whole else "") + (" compiled tok/s | compiled / HF | compile s |" if compiled else "") + " greedy rows identical |",
+              "| --- | ---: | ---: |" + (" ---: |" if whole else "") + " ---: | ---: | ---: | ---: |" + (" ---: |" if whole else "")
+              + (" ---: | ---: | ---: |" if compiled else "") + " ---: |"]
     for model, rows in record["results"].items():
         for row in rows:
             extra = (f" {row['kdlab_compiled']['tokens_per_s']:.1f} | {row['compiled_ratio']:.3f} | "
                      f"{row['kdlab_compiled']['first_run_s'] - row['kdlab_compiled']['time_s']:.0f} |") if compiled else ""
-            lines.append(f"| {model} | {row['batch']} | {row['prompt_tokens']} | {row['kdlab']['tokens_per_s']:.1f} | "
-                         f"{row['hf']['tokens_per_s']:.1f} | {row['ratio']:.3f} | {row['paired_ratio_median']:.3f} |{extra} "
+            shared = f" {row['shared_prompt_tokens']} |" if whole else ""
+            prefill = f" {row['whole_prefill_ratio']:.3f} |" if whole else ""
+            lines.append(f"| {model} | {row['batch']} | {row['prompt_tokens']} |{shared} {row['kdlab']['tokens_per_s']:.1f} | "
+                         f"{row['hf']['tokens_per_s']:.1f} | {row['ratio']:.3f} | {row['paired_ratio_median']:.3f} |{prefill}{extra} "
                          f"{row['greedy_rows_identical']} |")
     for model, target in record["target_met"].items():
         lines.append(f"\nTarget (issue #45), {model}: kdlab >= {target['ratio_at_least']}x HF `generate` tokens/s at batch "

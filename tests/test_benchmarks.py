@@ -289,11 +289,14 @@ def test_the_decode_benchmark_smoke_path_compares_with_generate_on_the_tiny_pair
         for row in rows:
             assert row["dtype"] == "float32" and row["greedy_tokens"] == 4 and row["greedy_rows_identical"] == f"{row['batch']}/{row['batch']}"
             assert len(row["kdlab"]["times_s"]) == len(row["hf"]["times_s"]) == 1 and "kdlab_compiled" not in row
+            assert row["greedy_rows_identical_by_side"]["kdlab_whole_prefill"] == row["greedy_rows_identical"]
+            # the Countdown prompts share their instruction: prefilled once at B = 2, not at B = 1
+            assert (row["shared_prompt_tokens"] > 300) == (row["batch"] == 2)
     sys.path.insert(0, str(BENCHMARKS))
     from render import _decode
 
     page = _decode(record)
-    assert page.count("| tiny-") == 4 and "--smoke" in page
+    assert page.count("| tiny-") == 4 and "--smoke" in page and "| shared |" in page and "whole prefill / HF" in page
     assert run_benchmark("benchmarks/decode.py", "--smoke", timeout=120).returncode != 0  # a smoke run names its own file
 
 

@@ -281,12 +281,13 @@ def test_a_packed_step_equals_the_padded_step_on_the_real_model(real, tmp_path, 
 @needs_real
 def test_the_static_cache_decoder_decodes_greedily_what_generate_and_the_dynamic_cache_decode(real):
     """SmolLM2, four chat prompts of different lengths, 24 tokens, ending at <|im_end|>: the static-cache decoder
-    (rows leaving the batch, a check every 4 tokens) gives Hugging Face ``generate``'s and today's tokens."""
+    (rows leaving the batch, a check every 4 tokens, the shared system turn prefilled once) gives Hugging Face
+    ``generate``'s and today's tokens, and those of its own whole prefill."""
     from transformers import GenerationConfig
 
     from kdlab.data import left_pad, prompt_token_ids
     from kdlab.rollouts.decoding import IncrementalLM, sample_tokens
-    from kdlab.rollouts.static_cache import StaticCacheLM
+    from kdlab.rollouts.static_cache import SHARED_PREFIX_MIN, StaticCacheLM
 
     model, tokenizer = real["model"].eval(), real["tokenizer"]
     task = Addition(num_train=4)
@@ -299,5 +300,8 @@ def test_the_static_cache_decoder_decodes_greedily_what_generate_and_the_dynamic
     with torch.no_grad():
         theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
     assert len(set(mask.sum(1).tolist())) > 1  # left padding in play
-    assert torch.equal(got, dynamic) and torch.equal(got, theirs)
+    assert static.shared >= SHARED_PREFIX_MIN  # the chat template's system turn, prefilled once
+    whole, _, _ = sample_tokens(StaticCacheLM(model, ids, mask, len(tokenizer), 0.0, steps, compile="never", share_prefix=False),
+                                4, steps, end, pad, None, greedy=True, check_every=4)
+    assert torch.equal(got, dynamic) and torch.equal(got, theirs) and torch.equal(got, whole)
     assert got_mask.sum(1).min() < steps  # rows ended (at <|im_end|>) before the budget

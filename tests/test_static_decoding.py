@@ -17,7 +17,7 @@ from kdlab.rollouts.decoding import (
     incremental_decoder,
     sample_tokens,
 )
-from kdlab.rollouts.static_cache import CACHE_BUCKET, StaticCacheLM
+from kdlab.rollouts.static_cache import CACHE_BUCKET, SHARED_PREFIX_MIN, StaticCacheLM, shared_prefix
 
 ROLES = ("student", "teacher")
 
@@ -180,3 +180,53 @@ def test_eager_attention_takes_an_additive_mask_and_decodes_what_sdpa_does(tiny)
         assert torch.equal(sample_tokens(decoder, ids.shape[0], 10, (-1,), 0, None, greedy=True)[0], want)
     finally:
         model.config._attn_implementation = "sdpa"
+
+
+def shared_prompts(tokenizer, prefix: int = 20, generator_seed: int = 1):
+    """Eight left-padded prompts that begin with the same ``prefix`` tokens (a task's instruction), then 1-9
+    tokens of their own."""
+    generator = torch.Generator().manual_seed(generator_seed)
+    head = torch.randint(5, 300, (prefix,), generator=generator).tolist()
+    rows = [head + torch.randint(5, 300, (n,), generator=generator).tolist() for n in (3, 1, 9, 5, 2, 7, 4, 6)]
+    return left_pad(rows, tokenizer.pad_token_id)
+
+
+def test_prompts_that_begin_alike_are_prefilled_once_and_decode_as_the_whole_prefill_and_generate(tiny):
+    """The shared leading tokens run as one row and are copied into each row's cache at its offset; the batch's
+    prompt forward runs only over the columns after them. Greedy decodes equal the whole prefill's and
+    ``generate``'s token for token, first-step log-probs agree to rounding, sampled decodes draw the same tokens."""
+    from transformers import GenerationConfig
+
+    model, tokenizer, _, _ = tiny
+    ids, mask = shared_prompts(tokenizer)
+    columns, steps, pad = len(tokenizer), 16, tokenizer.pad_token_id
+    shared = StaticCacheLM(model, ids, mask, columns, 0.0, steps, compile="never")
+    whole = StaticCacheLM(model, ids, mask, columns, 0.0, steps, compile="never", share_prefix=False)
+    assert shared.shared == 20 and whole.shared == 0
+    torch.testing.assert_close(shared(None), whole(None), atol=1e-5, rtol=0)
+    got, _, _ = sample_tokens(StaticCacheLM(model, ids, mask, columns, 0.0, steps, compile="never"), 8, steps, (-1,), pad, None, greedy=True)
+    want, _, _ = sample_tokens(StaticCacheLM(model, ids, mask, columns, 0.0, steps, compile="never", share_prefix=False), 8, steps, (-1,), pad, None, greedy=True)
+    config = GenerationConfig(do_sample=False, max_new_tokens=steps, eos_token_id=None, pad_token_id=pad,
+                              suppress_tokens=list(range(columns, model.config.vocab_size)))
+    config.eos_token_id = model.config.vocab_size  # no end token, as on kdlab's side
+    with torch.no_grad():
+        theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+    assert torch.equal(got, want) and torch.equal(got, theirs)
+    drawn = [sample_tokens(StaticCacheLM(model, ids, mask, columns, 1.0, steps, compile="never", share_prefix=share), 8, steps, (-1,), pad,
+                           torch.Generator().manual_seed(3))[0] for share in (True, False)]
+    assert torch.equal(*drawn)
+
+
+def test_the_shared_prefix_is_the_common_start_of_the_real_tokens_and_leaves_each_row_a_token():
+    pad = 0
+    head = list(range(10, 10 + SHARED_PREFIX_MIN + 4))
+    ids, mask = left_pad([head + [1, 2], head + [3], head[:-1]], pad)
+    assert shared_prefix(ids, mask) == len(head) - 2  # the shortest row keeps its last token to prefill itself
+    ids, mask = left_pad([head + [1], head + [2]], pad)
+    assert shared_prefix(ids, mask) == len(head)
+    assert shared_prefix(ids[:1], mask[:1]) == 0  # one row: nothing to share
+    short = head[: SHARED_PREFIX_MIN - 1]
+    ids, mask = left_pad([short + [1], short + [2]], pad)
+    assert shared_prefix(ids, mask) == 0  # below the floor
+    ids, mask = left_pad([head + [1, 2], head + [3]], pad)
+    assert shared_prefix(ids, mask) == len(head) and shared_prefix(ids, mask.flip(1)) == 0  # right padding: not the decoder's layout

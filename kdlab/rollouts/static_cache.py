@@ -16,7 +16,13 @@ matter on a GPU, where a small model's decode step is a few hundred kernel launc
   compiles it on any device (inductor's C++ kernels on a CPU), ``"never"`` runs it eagerly. On a CPU the
   eager step is the default because compiling did not pay there (``benchmarks/decode.py`` measures both);
 * :meth:`StaticCacheLM.keep_rows` drops finished rows (their cache rows go with them), which
-  :func:`~kdlab.rollouts.decoding.sample_tokens` calls when half a batch has ended.
+  :func:`~kdlab.rollouts.decoding.sample_tokens` calls when half a batch has ended;
+* prompts that begin alike (a task's instruction, a chat template's system turn) are prefilled once: the
+  leading tokens every row shares (:func:`shared_prefix`, at least :data:`SHARED_PREFIX_MIN`) run as one row,
+  their keys and values are copied into every row's cache at that row's offset, and the batch's prompt forward
+  runs only over the columns after them (``share_prefix``). On the Countdown prompts of
+  ``benchmarks/decode.py`` the rows share 126 of their 145-150 SmolLM2 tokens, so a batch of 8 prefills
+  126 + 8 x 24 positions instead of 8 x 150.
 
 The log-probs equal :class:`~kdlab.rollouts.decoding.IncrementalLM`'s: the same prompt forward, the same
 position ids, and masked cache positions contribute exactly nothing to attention (tests compare greedy
@@ -33,6 +39,9 @@ from typing import Any
 import torch
 
 from kdlab.objectives.logits import cache_argument, forward_parameters, innermost_model
+
+SHARED_PREFIX_MIN = 16
+"""Prompts that share fewer leading tokens than this are prefilled whole (the copy is not worth it)."""
 
 CACHE_BUCKET = 64
 """Cache lengths are rounded up to a multiple of this, so prompts of different lengths share one compiled step."""
@@ -75,6 +84,9 @@ class StaticCacheLM:
             rounded up to :data:`CACHE_BUCKET`).
         compile: ``"cuda"`` (compile the decode step with CUDA graphs on a CUDA device, eager elsewhere),
             ``"always"`` or ``"never"``.
+        share_prefix: prefill the leading tokens every prompt shares once (:func:`shared_prefix`); the
+            log-probs are those of the whole prefill up to floating-point rounding (the shared rows' matrix
+            products run at another size), greedy decodes identical in the tests.
     """
 
     def __init__(
@@ -86,6 +98,7 @@ class StaticCacheLM:
         temperature: float,
         max_new_tokens: int,
         compile: str = "cuda",
+        share_prefix: bool = True,
     ) -> None:
         if compile not in COMPILE_CHOICES:
             raise ValueError(f"decoder compile must be one of {COMPILE_CHOICES}, got {compile!r}")
@@ -118,6 +131,8 @@ class StaticCacheLM:
         self.last_position: torch.Tensor | None = None
         self.step = _compiled_step(input_ids.device.type) if use_compiled else _step
         self.prefix_only = not use_compiled
+        self.shared = shared_prefix(input_ids, attention_mask) if share_prefix and _writable(self.cache) else 0
+        """Leading prompt tokens prefilled once for every row (0: the whole prompt batch is prefilled)."""
 
     def _prompt_mask(self) -> torch.Tensor:
         """``(B, 1, P, L)`` mask of the prompt forward: causal, padding blocked."""
@@ -150,12 +165,13 @@ class StaticCacheLM:
         if previous is None:
             positions = (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
             self.last_position = positions[:, -1:]
-            mask = self._prompt_mask()
+            start = self._prefill_shared() if self.shared else 0  # prompt columns before it are in the cache
+            mask = self._prompt_mask()[:, :, start:]
             if self.prefix_only:
                 self.cache.filled = self.written
                 mask = mask[..., : self.written]
-            outputs = self.model(input_ids=self.input_ids, attention_mask=mask,
-                                 position_ids=positions, use_cache=True, logits_to_keep=1, **{self.cache_argument: self.cache})
+            outputs = self.model(input_ids=self.input_ids[:, start:], attention_mask=mask, position_ids=positions[:, start:],
+                                 use_cache=True, logits_to_keep=1, **{self.cache_argument: self.cache})
             return self._logprobs(outputs.logits)
         if self.written >= self.step_mask.shape[-1]:
             raise RuntimeError(f"StaticCacheLM: decoded past its cache of {self.step_mask.shape[-1]} positions")
@@ -169,6 +185,32 @@ class StaticCacheLM:
         logits = self.step(self.model, previous[:, None], self.last_position, mask, self.cache, self.cache_argument)
         return self._logprobs(logits)
 
+    def _prefill_shared(self) -> int:
+        """Run the :attr:`shared` leading tokens as one row, copy their keys and values into every row's cache
+        positions (row ``r``'s real tokens start at its padding ``p_r``: positions ``p_r .. p_r + shared - 1``)
+        and point every cache layer at the first column the batch's prompt forward still has to run: ``P - (the
+        longest prompt - shared)``. Columns of that window that hold shared tokens of a shorter row are computed
+        again (and written again); its padding columns attend only to themselves, as in the whole prefill."""
+        from transformers import DynamicCache
+
+        batch, prompt = self.input_ids.shape
+        lengths = self.attention_mask.sum(dim=1)
+        pads = (prompt - lengths).tolist()
+        first = self.input_ids[:1, pads[0]: pads[0] + self.shared]
+        positions = torch.arange(self.shared, device=first.device)[None]
+        prefix = DynamicCache()
+        self.model(input_ids=first, position_ids=positions, use_cache=True, logits_to_keep=1, **{self.cache_argument: prefix})
+        start = prompt - (int(lengths.max()) - self.shared)
+        for layer, source in zip(self.cache.layers, prefix.layers):
+            keys, values = source.keys, source.values  # (1, heads, shared, head_dim)
+            if not layer.is_initialized:
+                layer.lazy_initialization(keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1))
+            for row, pad in enumerate(pads):
+                layer.keys[row, :, pad: pad + self.shared] = keys[0]
+                layer.values[row, :, pad: pad + self.shared] = values[0]
+            layer.cumulative_length.fill_(start)
+        return start
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only rows ``rows`` (indices into the current batch, in the order given) from now on: the cache,
         the mask and the positions of every other row are dropped."""
@@ -180,6 +222,28 @@ class StaticCacheLM:
                     layer.max_batch_size = len(rows)
         self.step_mask = _static(self.step_mask.index_select(0, rows))
         self.last_position = self.last_position.index_select(0, rows)
+
+
+def shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """The leading real tokens every row of a left-padded ``(B, P)`` batch has in common, at most the shortest
+    prompt less one (each row keeps a token of its own to prefill); 0 for one row, for a mask that is not left
+    padding, or below :data:`SHARED_PREFIX_MIN`."""
+    batch, prompt = input_ids.shape
+    lengths = attention_mask.sum(dim=1)
+    columns = torch.arange(prompt, device=input_ids.device)
+    if batch < 2 or not torch.equal(attention_mask.bool(), columns[None, :] >= (prompt - lengths)[:, None]):
+        return 0
+    shortest = int(lengths.min())
+    aligned = input_ids.gather(1, (prompt - lengths)[:, None] + columns[None, :shortest])  # (B, shortest): real tokens
+    common = int((aligned == aligned[:1]).all(dim=0).long().cumprod(dim=0).sum())
+    shared = min(common, shortest - 1)
+    return shared if shared >= SHARED_PREFIX_MIN else 0
+
+
+def _writable(cache: Any) -> bool:
+    """Whether the shared prefix can be written into ``cache`` directly: static layers that write where their
+    ``cumulative_length`` points (transformers 5; older layers take a ``cache_position`` and prefill whole)."""
+    return all(hasattr(layer, "cumulative_length") and hasattr(layer, "lazy_initialization") for layer in getattr(cache, "layers", [None]))
 
 
 @functools.cache
