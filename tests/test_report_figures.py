@@ -225,3 +225,27 @@ def test_an_in_process_and_a_served_teacher_are_told_apart_by_the_source_class(t
     with (tmp_path / "same" / "summary.csv").open() as handle:
         (row,) = csv.DictReader(handle)  # one configuration, two seeds
     assert row["n"] == "2"
+
+
+def test_a_learning_rate_has_one_colour_across_figures_and_every_bar_room_to_read(tmp_path, monkeypatch):
+    """The tiny world's runs (docs/tiny_world_runs/runs.tar.gz: five LRs of one configuration and a GRPO run): in
+    the accuracy bars each bar is at least 0.1 inch tall, and each LR's train-loss line has its bars' colour."""
+    import tarfile
+
+    from matplotlib.colors import to_hex
+
+    with tarfile.open(Path(__file__).parents[1] / "docs" / "tiny_world_runs" / "runs.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    monkeypatch.chdir(tmp_path)
+    figures = {}
+    monkeypatch.setattr("kdlab.study.report._write_tensorboard", lambda directory, figs, text: figures.update(figs))
+    main(["report", "runs/tiny-world", "--output", "out", "--low_lr", "1e-4", "--high_lr", "2e-3"])
+    accuracy, loss = figures["accuracy"], figures["train-loss"]
+    (ax,) = accuracy.axes
+    bars = [patch for container in ax.containers for patch in getattr(container, "patches", [])]
+    inches = accuracy.get_size_inches()[1] * ax.get_position().height / abs(ax.get_ylim()[0] - ax.get_ylim()[1])
+    assert len(bars) >= 6 and min(bar.get_height() for bar in bars) * inches >= 0.1
+    legend = accuracy.legends[0]
+    bar_colour = {text.get_text(): to_hex(handle.get_facecolor()) for text, handle in zip(legend.get_texts(), legend.legend_handles)}
+    line_colour = {text.get_text().rsplit(" ", 1)[-1]: to_hex(handle.get_color()) for text, handle in zip(loss.legends[0].get_texts(), loss.legends[0].legend_handles)}
+    assert len(line_colour) == 6 and line_colour == bar_colour  # the GRPO run's 5e-4 too

@@ -114,15 +114,24 @@ def _legend_below(fig: Any, handles: list, labels: list[str], title: str | None 
                    fontsize=7, title=title, title_fontsize=7, frameon=False)
 
 
-def accuracy_figure(new_figure: Any, groups: list[Group], metric: str = "val/accuracy") -> Any:
+def lr_colour(lr: float, lrs: list[float]) -> str:
+    """The colour of learning rate ``lr`` in every figure of one report: its place among the report's learning
+    rates ``lrs`` (ascending), so a rate has one colour in the accuracy bars and in the curves."""
+    return f"C{sorted(lrs).index(lr) % 10}"
+
+
+def accuracy_figure(new_figure: Any, groups: list[Group], metric: str = "val/accuracy", report_lrs: list[float] | None = None) -> Any:
     """Horizontal bars of ``metric`` (percent): a panel per task, a row per rollout x KL (x the settings that
     tell configurations apart, :func:`~kdlab.study.figure_labels.short_labels`), a bar per learning rate in each
-    row (a colour each, the legend below); the caption names the error bars (:func:`interval_caption`)."""
+    row (a colour each, :func:`lr_colour` over ``report_lrs``, default these groups' rates; the legend below), each
+    row as tall as its bars need; the caption names the error bars (:func:`interval_caption`)."""
     lrs = sorted({g.lr for g in groups})
+    palette = sorted(set(report_lrs or lrs) | set(lrs))
     tasks = list(dict.fromkeys(g.task for g in groups))
     labels, shared = short_labels(groups, lr=False)
     rows = {task: list(dict.fromkeys(label for g, label in zip(groups, labels) if g.task == task)) for task in tasks}
-    height = 0.8 + 0.24 * sum(map(len, rows.values())) + 0.45 * len(tasks) + (0.35 if len(lrs) > 1 else 0.0)
+    row_height = 0.12 + 0.12 * len(lrs)  # inches: one learning rate 0.24, five 0.72
+    height = 0.8 + row_height * sum(map(len, rows.values())) + 0.45 * len(tasks) + (0.35 if len(lrs) > 1 else 0.0)
     fig = new_figure(figsize=_fit_aspect(7.0, height))
     axes = fig.subplots(len(tasks), 1, sharex=True, squeeze=False, gridspec_kw={"height_ratios": [len(rows[t]) + 1.2 for t in tasks]})[:, 0]
     means_all, handles = [], {}
@@ -134,7 +143,7 @@ def accuracy_figure(new_figure: Any, groups: list[Group], metric: str = "val/acc
             slot, width = lrs.index(g.lr), 0.8 / len(lrs)
             y = here.index(label) + (slot - (len(lrs) - 1) / 2) * width
             means, errors = error_bars([g], metric)
-            bar = ax.barh([y], means, height=width * 0.95, xerr=errors, capsize=2, color=f"C{slot % 10}", alpha=0.85, error_kw={"lw": 1})
+            bar = ax.barh([y], means, height=width * 0.95, xerr=errors, capsize=2, color=lr_colour(g.lr, palette), alpha=0.85, error_kw={"lw": 1})
             ax.plot(means, [y], "k|", markersize=6)  # a zero-length bar still shows its value
             handles.setdefault(g.lr, bar)
             means_all += means
@@ -202,12 +211,21 @@ def curve_keys(groups: list[Group]) -> tuple[list[str], str]:
     return [without_seed(label) for label in labels], shared
 
 
-def curves_figure(new_figure: Any, groups: list[Group], metric: str, title: str) -> Any | None:
+def curves_figure(new_figure: Any, groups: list[Group], metric: str, title: str, report_lrs: list[float] | None = None) -> Any | None:
     """``metric`` against the step, every run a line, a colour per :func:`curve_keys` (the legend below), a
-    panel per task; None when the runs need more than :data:`CURVE_COLOURS` colours or logged no ``metric``."""
+    panel per task; None when the runs need more than :data:`CURVE_COLOURS` colours or logged no ``metric``. When
+    the configurations differ in their learning rate alone (one key per rate), a key's colour is its rate's
+    (:func:`lr_colour` over ``report_lrs``, default these groups' rates), as in the accuracy bars."""
     shown = [g for g in groups if any(metric in run.series for run in g.runs)]
     keys, shared = curve_keys(shown)
-    colours = list(dict.fromkeys(keys))
+    rate_of = dict(zip(keys, (g.lr for g in shown)))
+    by_rate = len(set(rate_of.values())) == len(rate_of) and all(rate_of[key] == g.lr for key, g in zip(keys, shown))
+    palette = sorted(set(report_lrs or []) | {g.lr for g in shown})
+    colours = sorted(dict.fromkeys(keys), key=rate_of.get) if by_rate else list(dict.fromkeys(keys))
+
+    def colour(key: str) -> str:
+        return lr_colour(rate_of[key], palette) if by_rate else f"C{colours.index(key) % 10}"
+
     if not shown or len(colours) > CURVE_COLOURS:
         return None
     tasks = list(dict.fromkeys(g.task for g in shown))
@@ -221,7 +239,7 @@ def curves_figure(new_figure: Any, groups: list[Group], metric: str, title: str)
             for run in g.runs:
                 if metric in run.series:
                     steps, values = zip(*run.series[metric])
-                    (line,) = ax.plot(steps, values, color=f"C{colours.index(key) % 10}", alpha=0.8, lw=1)
+                    (line,) = ax.plot(steps, values, color=colour(key), alpha=0.8, lw=1)
                     handles.setdefault(key, line)
         ax.set_ylabel(metric, fontsize=8)
         ax.set_title(task, fontsize=8, loc="left")

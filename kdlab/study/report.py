@@ -154,7 +154,7 @@ class _Report:
         """:func:`kdlab.study.figures.curves_figure` as figure ``name``, when it can be drawn."""
         if not any(metric in run.series for g in groups for run in g.runs) or not self.drawing(name):
             return
-        fig = curves_figure(self.new_figure, groups, metric, title)
+        fig = curves_figure(self.new_figure, groups, metric, title, sorted({g.lr for g in self.groups}))
         if fig is not None:
             self.figures[name] = fig
         else:
@@ -196,7 +196,7 @@ class _Report:
             ]
         shown = [g for g in self.groups if g.stats("val/accuracy")]
         if shown and self.drawing("accuracy"):
-            self.figures["accuracy"] = accuracy_figure(self.new_figure, shown)
+            self.figures["accuracy"] = accuracy_figure(self.new_figure, shown, report_lrs=sorted({g.lr for g in self.groups}))
         self.curves("train-loss", self.groups, "train/loss", "train/loss (the training objective) against the step")
 
     def spectrum(self) -> None:
