@@ -145,9 +145,15 @@ def _decode(record: dict) -> str:
         lines.append(f"\nTarget (issue #45), {model}: kdlab >= {target['ratio_at_least']}x HF `generate` tokens/s at batch "
                      f"{targets['batch']}: {'met' if target['met'] else 'not met'} ({target['best_ratio']:.3f}).")
     if record.get("shared_machine"):
-        lines.append(f"\nThe machine was shared with other processes during this run (load average before "
-                     f"{', '.join(map(str, record['load_average_before']))}, after {', '.join(map(str, record['load_average_after']))} "
+        during = (f"1-minute load average after each batch {', '.join(map(str, record['load_average_1min_by_batch']))}"
+                  if "load_average_1min_by_batch" in record else f"load average before {', '.join(map(str, record['load_average_before']))}")
+        lines.append(f"\nThe machine was shared with other processes during this run ({during}, after "
+                     f"{', '.join(map(str, record['load_average_after']))} "
                      f"on {record['machine']['cores']} cores): absolute tokens/s are low and noisy; the interleaved ratios are the figure.")
+    elif "load_average_1min_by_batch" in record:
+        lines.append(f"\nThe machine ran nothing else: the 1-minute load average after each batch was "
+                     f"{', '.join(map(str, record['load_average_1min_by_batch']))} on {record['machine']['cores']} cores, "
+                     f"{record['threads']} thread(s) used.")
     return "\n".join(lines) + "\n"
 
 

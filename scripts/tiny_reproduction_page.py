@@ -9,13 +9,15 @@ experiments/tiny/study.sh`` ends by writing: ``kdlab report runs/tiny-study-5x -
 in ``experiments/reasoning/design.yaml``): ``verdicts`` (the verdict table and the Monte Carlo error of its bootstrap
 intervals), ``provenance`` (the parts whose runs come from several commits or a dirty tree), ``departures`` (the
 departures from the paper's design), ``wall_time`` (the study's wall time by step and the runs' fit times) and
-``parts`` (each part's report, its links made relative to the page). A page takes the blocks it has markers for.
-``--check``: exit 1 if the page differs.
+``parts`` (each part's report, its links made relative to the page). With ``--rerun FILE`` (the JSON
+``scripts/provenance_rerun.py`` writes), also ``rerun``: how many archived runs the code at a later commit reproduces
+byte for byte, and which differ. A page takes the blocks it has markers for. ``--check``: exit 1 if the page differs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from cross_tokenizer_example import update_page
@@ -52,14 +54,35 @@ def blocks(text: str, folder: str = "tiny_reproduction") -> dict[str, str]:
     return {"verdicts": "\n\n".join([table, *monte_carlo]) + "\n", "provenance": provenance + "\n", "departures": found["Departures from the paper's design"] + "\n", "wall_time": wall + "\n", "parts": parts + "\n"}
 
 
+def rerun_block(record: dict) -> str:
+    """The ``rerun`` block from ``scripts/provenance_rerun.py``'s JSON: the commits, the count of runs whose sample
+    files are byte-identical, each run's cell, and the runs that differ or failed."""
+    runs = record["runs"]
+    archived = sorted({r.get("archived_commit") or "?" for r in runs})
+    same = [r for r in runs if r["status"] == "identical"]
+    reused = sum(r.get("seconds") is None and r["status"] != "not archived" for r in runs)
+    lines = [f"`{record['command']}`: {len(same)} of {len(runs)} archived runs (from commit "
+             f"{', '.join(f'`{c[:7]}`' for c in archived)}) rerun at commit `{record['commit'][:7]}` (clean tree, "
+             f"{record['threads']} thread) write sample files byte-identical to the archived ones"
+             + (f"; {reused} of the reruns are the RLVR pipeline's own reruns of its chains' starts (the archive keeps no "
+                "checkpoints), compared as they are" if reused else "") + ".", "", "| run | samples |", "| --- | --- |"]
+    for run in runs:
+        status = run["status"] if run["status"] != "differs" else "differs: " + ", ".join(run["differing_files"])
+        lines.append(f"| {run['run']} | {status} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the page's generated blocks differ")
     parser.add_argument("--page", default=str(PAGE.relative_to(ROOT)), help="the page (default: docs/tiny_reproduction.md)")
     parser.add_argument("--report", default=str(VERDICTS.parent.relative_to(ROOT)), help="the study's report folder, beside the page")
+    parser.add_argument("--rerun", help="scripts/provenance_rerun.py's JSON, for the page's rerun block")
     args = parser.parse_args()
     page, report = ROOT / args.page, ROOT / args.report
     found = blocks((report / "verdicts.md").read_text(encoding="utf-8"), report.relative_to(page.parent).as_posix())
+    if args.rerun:
+        found["rerun"] = rerun_block(json.loads((ROOT / args.rerun).read_text(encoding="utf-8")))
     text = page.read_text(encoding="utf-8")
     update_page(page, {name: body for name, body in found.items() if f"<!-- {name}: start -->" in text}, args.check, "scripts/tiny_reproduction_page.py")
 

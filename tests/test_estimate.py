@@ -125,10 +125,9 @@ TINY_CASES = {
 }
 
 
-KNOWN_GAPS = {  # a case the estimate misses, with why; strict: the test fails once the estimate covers it
-    "mixture-one-decode-of-8-micro-batches": "the static-cache decoder (StaticCacheLM) of both models, decoding 8 micro-batches "
-    "at once, holds more than kdlab estimate counts (measured 7.6 MB against 4.8 MB); not yet modelled",
-}
+KNOWN_GAPS: dict[str, str] = {}  # a case the estimate misses, with why; strict: the test fails once the estimate covers it
+# (the mixture case was one, measured 7.6 MB against 4.8 MB estimated, until the static-cache decoder prefilled the
+# instruction its prompts share once: 3.7 MiB measured against 4.6 MiB, the estimate's whole prefill now a bound)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(reason=KNOWN_GAPS[c], strict=True)) if c in KNOWN_GAPS else c

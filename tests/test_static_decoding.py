@@ -230,3 +230,16 @@ def test_the_shared_prefix_is_the_common_start_of_the_real_tokens_and_leaves_eac
     assert shared_prefix(ids, mask) == 0  # below the floor
     ids, mask = left_pad([head + [1, 2], head + [3]], pad)
     assert shared_prefix(ids, mask) == len(head) and shared_prefix(ids, mask.flip(1)) == 0  # right padding: not the decoder's layout
+
+
+def test_the_scaling_pages_shared_prefix_figure_is_the_decode_benchmarks():
+    """docs/scaling.md's "126 of the 150 padded columns" is benchmarks/results/decode-cpu.json's SmolLM2 batch-8 row."""
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    text = " ".join((root / "docs" / "scaling.md").read_text(encoding="utf-8").split())
+    (shared, width), = re.findall(r"(\d+) of the (\d+) padded columns of SmolLM2's Countdown prompts at batch 8", text)
+    (row,) = [r for r in json.loads((root / "benchmarks/results/decode-cpu.json").read_text())["results"]["smollm2"] if r["batch"] == 8]
+    assert (int(shared), int(width)) == (row["shared_prompt_tokens"], row["prompt_tokens"])
