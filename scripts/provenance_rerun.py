@@ -11,9 +11,12 @@ files that differ, with the archived run's commit (``run_info.json``) beside thi
 A run archived from another commit may differ where the code between the commits changed what it computes; the
 JSON says which runs differ so the page can say why.
 
-``--reruns DIR`` names a folder where some chosen runs have already been run again at this commit (a pipeline that
-reran archived runs to write their checkpoints): a finished run there (``DONE`` or its final checkpoint) whose ``run_info.json`` names this commit on a
-clean tree is compared as it is, not run a third time.
+``--reruns DIR`` (repeatable) names a folder where some chosen runs have already been run again at this commit (a
+pipeline that reran archived runs to write their checkpoints, or an earlier call's ``--scratch``): a finished run
+there (``DONE`` or its final checkpoint) whose ``run_info.json`` names this commit on a clean tree is compared as it
+is, not run a third time. Each run's entry also lists ``environment``: the ``run_info.json`` fields (package
+versions, Python, platform) in which the archived run and the rerun differ, the first place to look when the
+samples differ.
 """
 
 from __future__ import annotations
@@ -59,6 +62,21 @@ def rerun_at(run_dir: Path) -> str | None:
     return None if info.get("git_dirty", True) else info.get("git_commit")
 
 
+def environment_differences(archived: Path, rerun: Path) -> dict[str, list]:
+    """``{field: [archived, rerun]}`` for each ``run_info.json`` field other than the command line and the commit
+    (packages one by one) in which the two runs differ."""
+    def flat(run_dir: Path) -> dict:
+        try:
+            info = json.loads((run_dir / "run_info.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        packages = info.pop("packages", {}) or {}
+        return {**{k: v for k, v in info.items() if k not in ("argv", "git_commit", "git_dirty")}, **{f"packages.{k}": v for k, v in packages.items()}}
+
+    before, after = flat(archived), flat(rerun)
+    return {key: [before.get(key), after.get(key)] for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)}
+
+
 def head() -> str:
     return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
 
@@ -70,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", action="append", default=[], help="a run to rerun (repeatable)")
     parser.add_argument("--one-per-cell", action="store_true", help="rerun the lowest seed of every grid cell")
     parser.add_argument("--scratch", type=Path, default=Path("runs/provenance"))
-    parser.add_argument("--reruns", type=Path, help="a folder of runs already rerun at this commit (compared, not run again)")
+    parser.add_argument("--reruns", type=Path, action="append", default=[], help="a folder of runs already rerun at this commit (compared, "
+                        "not run again); repeatable")
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
     sweep = load_sweep(args.sweep)
@@ -94,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"run": run.name, "status": "not archived"})
             continue
         start = time.time()
-        done = args.reruns / run.name if args.reruns else None
-        if done is not None and any((done / marker).is_file() for marker in DONE_MARKERS) and rerun_at(done) == commit:
+        done = next((folder / run.name for folder in args.reruns if any((folder / run.name / marker).is_file() for marker in DONE_MARKERS)
+                     and rerun_at(folder / run.name) == commit), None)
+        if done is not None:
             code, rerun, seconds = 0, done, None  # already rerun at this commit
         else:
             log = args.scratch / f"{run.name}.log"
@@ -107,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         differ = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
         results.append({"run": run.name, "status": "failed" if code else ("identical" if before and not differ else "differs"),
                         "differing_files": differ, "files": len(before), "archived_commit": commit_of(archived),
+                        "environment": environment_differences(archived, rerun),
                         "rerun": str(rerun), "seconds": seconds})
         print(json.dumps(results[-1]), flush=True)
     record = {"command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]), "commit": commit, "threads": 1,

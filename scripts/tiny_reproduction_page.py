@@ -69,6 +69,12 @@ def rerun_block(record: dict) -> str:
     for run in runs:
         status = run["status"] if run["status"] != "differs" else "differs: " + ", ".join(run["differing_files"])
         lines.append(f"| {run['run']} | {status} |")
+    environments = [json.dumps(run.get("environment", {}), sort_keys=True) for run in runs]
+    if len(set(environments)) == 1 and runs[0].get("environment"):
+        lines += ["", "Every rerun's environment differs from its archived run's in: " + "; ".join(
+            f"{key} {old} -> {new}" for key, (old, new) in sorted(runs[0]["environment"].items())) + " (`run_info.json`)."]
+    elif len(set(environments)) > 1:
+        lines += ["", "The environments differ run by run: see each run's `environment` in the JSON."]
     return "\n".join(lines) + "\n"
 
 

@@ -48,9 +48,13 @@ def test_a_rerun_reproduces_the_archived_samples_and_a_changed_file_is_named(tmp
         info = tmp_path / "scratch" / name / "run_info.json"
         info.write_text(json.dumps({**json.loads(info.read_text()), "git_commit": script.head(), "git_dirty": False}))
     again = tmp_path / "again.json"
-    script.main(["--sweep", str(sweep), "--runs", str(tmp_path / "runs"), "--one-per-cell", "--reruns", str(tmp_path / "scratch"),
+    script.main(["--sweep", str(sweep), "--runs", str(tmp_path / "runs"), "--one-per-cell", "--reruns", str(tmp_path / "elsewhere"), "--reruns", str(tmp_path / "scratch"),
                  "--scratch", str(tmp_path / "unused"), "--output", str(again)])
     record = json.loads(again.read_text())
     assert [r["status"] for r in record["runs"]] == [by_run[r["run"]]["status"] for r in record["runs"]]
     assert all(r["seconds"] is None and r["rerun"].startswith(str(tmp_path / "scratch")) for r in record["runs"])
     assert not (tmp_path / "unused").exists()
+    assert all(r["environment"] == {} for r in record["runs"])  # the same machine and packages
+    info = tmp_path / "runs" / names[0] / "run_info.json"
+    info.write_text(json.dumps({**json.loads(info.read_text()), "packages": {**json.loads(info.read_text())["packages"], "torch": "0.0"}}))
+    assert script.environment_differences(tmp_path / "runs" / names[0], tmp_path / "scratch" / names[0])["packages.torch"][0] == "0.0"
