@@ -4,7 +4,8 @@ the archived ones (issue #44, item 5): does the code at this commit still give t
     python scripts/provenance_rerun.py --sweep experiments/reasoning/grid.yaml --runs runs/reasoning-study/distill \\
         --one-per-cell --output experiments/reasoning/provenance.json
 
-For each chosen run (``--one-per-cell``: the lowest seed of every grid cell; or ``--name`` given once per run) the
+For each chosen run (``--one-per-cell``: the lowest seed of every grid cell; ``--every-rerun``: every run already
+rerun in a ``--reruns`` folder, below; ``--name`` given once per run; any of them together) the
 run's fit command is rebuilt from the sweep file with its output folder moved under ``--scratch``, run with one
 thread, and every file under the archived run's ``samples/`` is compared with the rerun's: ``identical`` or the
 files that differ, with the archived run's commit (``run_info.json``) beside this checkout's. The JSON lists each run.
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", required=True, type=Path, help="the folder holding the archived runs (the sweep's output)")
     parser.add_argument("--name", action="append", default=[], help="a run to rerun (repeatable)")
     parser.add_argument("--one-per-cell", action="store_true", help="rerun the lowest seed of every grid cell")
+    parser.add_argument("--every-rerun", action="store_true", help="also compare every run already rerun in a --reruns folder")
     parser.add_argument("--scratch", type=Path, default=Path("runs/provenance"))
     parser.add_argument("--reruns", type=Path, action="append", default=[], help="a folder of runs already rerun at this commit (compared, "
                         "not run again); repeatable")
@@ -94,19 +96,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sweep = load_sweep(args.sweep)
     runs = expand(sweep)
+    commit = head()
+    names = set(args.name)
+    unknown = sorted(names - {r.name for r in runs})
+    if unknown or not (names or args.one_per_cell or args.every_rerun):
+        parser.error(f"--name must name runs of {args.sweep} (unknown: {unknown or 'none given'}), or give --one-per-cell or --every-rerun")
     if args.one_per_cell:
         cells: dict[str, object] = {}
         for run in sorted(runs, key=lambda r: r.seed):
             cells.setdefault(json.dumps(run.settings, sort_keys=True), run)
-        chosen = list(cells.values())
-    else:
-        unknown = sorted(set(args.name) - {r.name for r in runs})
-        if unknown or not args.name:
-            parser.error(f"--name must name runs of {args.sweep} (unknown: {unknown or 'none given'})")
-        chosen = [r for r in runs if r.name in args.name]
+        names |= {run.name for run in cells.values()}
+    if args.every_rerun:
+        names |= {run.name for run in runs for folder in args.reruns if rerun_at(folder / run.name) == commit
+                  and any((folder / run.name / marker).is_file() for marker in DONE_MARKERS)}
+    chosen = [r for r in runs if r.name in names]
     rerun_sweep = dataclasses.replace(sweep, output=str(args.scratch))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    results, commit = [], head()
+    results = []
     for run in chosen:
         archived = args.runs / run.name
         if not (archived / "DONE").is_file():

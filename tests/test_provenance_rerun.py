@@ -42,16 +42,16 @@ def test_a_rerun_reproduces_the_archived_samples_and_a_changed_file_is_named(tmp
     assert by_run[names[0]]["status"] == "identical" and by_run[names[0]]["files"] >= 1
     assert by_run[names[1]]["status"] == "differs" and by_run[names[1]]["differing_files"] == [first.name]
     assert code == 1 and record["identical"] == 1 and record["checked"] == 2
-    # runs already rerun at this commit (a pipeline's reruns) are compared as they are, not run a third time
+    # runs already rerun at this commit (a pipeline's reruns; --every-rerun takes each one found) are compared as they are, not run a third time
     script = load_script()
     for name in names:
         info = tmp_path / "scratch" / name / "run_info.json"
         info.write_text(json.dumps({**json.loads(info.read_text()), "git_commit": script.head(), "git_dirty": False}))
     again = tmp_path / "again.json"
-    script.main(["--sweep", str(sweep), "--runs", str(tmp_path / "runs"), "--one-per-cell", "--reruns", str(tmp_path / "elsewhere"), "--reruns", str(tmp_path / "scratch"),
+    script.main(["--sweep", str(sweep), "--runs", str(tmp_path / "runs"), "--every-rerun", "--reruns", str(tmp_path / "elsewhere"), "--reruns", str(tmp_path / "scratch"),
                  "--scratch", str(tmp_path / "unused"), "--output", str(again)])
     record = json.loads(again.read_text())
-    assert [r["status"] for r in record["runs"]] == [by_run[r["run"]]["status"] for r in record["runs"]]
+    assert len(record["runs"]) == 2 and [r["status"] for r in record["runs"]] == [by_run[r["run"]]["status"] for r in record["runs"]]
     assert all(r["seconds"] is None and r["rerun"].startswith(str(tmp_path / "scratch")) for r in record["runs"])
     assert not (tmp_path / "unused").exists()
     assert all(r["environment"] == {} for r in record["runs"])  # the same machine and packages
