@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                         "environment": environment_differences(archived, rerun),
                         "rerun": str(rerun), "seconds": seconds})
         print(json.dumps(results[-1]), flush=True)
-    record = {"command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]), "commit": commit, "threads": 1,
+    script = Path(__file__).resolve().relative_to(Path(__file__).resolve().parents[1]).as_posix()  # scripts/provenance_rerun.py, wherever it ran from
+    record = {"command": "python " + " ".join([script, *(argv if argv is not None else sys.argv[1:])]), "commit": commit, "threads": 1,
               "sweep": args.sweep, "runs": results,
               "identical": sum(r["status"] == "identical" for r in results), "checked": len(results)}
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -60,12 +60,15 @@ def rerun_block(record: dict) -> str:
     runs = record["runs"]
     archived = sorted({r.get("archived_commit") or "?" for r in runs})
     same = [r for r in runs if r["status"] == "identical"]
-    reused = sum(r.get("seconds") is None and r["status"] != "not archived" for r in runs)
+    folders: dict[str, int] = {}
+    for run in runs:
+        if run.get("rerun"):
+            folder = Path(run["rerun"]).parent.as_posix()
+            folders[folder] = folders.get(folder, 0) + 1
     lines = [f"`{record['command']}`: {len(same)} of {len(runs)} archived runs (from commit "
              f"{', '.join(f'`{c[:7]}`' for c in archived)}) rerun at commit `{record['commit'][:7]}` (clean tree, "
-             f"{record['threads']} thread) write sample files byte-identical to the archived ones"
-             + (f"; {reused} of the reruns are the RLVR pipeline's own reruns of its chains' starts (the archive keeps no "
-                "checkpoints), compared as they are" if reused else "") + ".", "", "| run | samples |", "| --- | --- |"]
+             f"{record['threads']} thread) write sample files byte-identical to the archived ones (the reruns: "
+             + ", ".join(f"{count} in `{folder}`" for folder, count in folders.items()) + ").", "", "| run | samples |", "| --- | --- |"]
     for run in runs:
         status = run["status"] if run["status"] != "differs" else "differs: " + ", ".join(run["differing_files"])
         lines.append(f"| {run['run']} | {status} |")

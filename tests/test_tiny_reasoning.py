@@ -302,7 +302,7 @@ def test_the_pages_verdict_blocks_are_the_study_reports():
     import sys
 
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "tiny_reproduction_page.py"), "--page", "docs/tiny_reasoning.md",
-                           "--report", "docs/tiny_reasoning", "--check"], capture_output=True, text=True)
+                           "--report", "docs/tiny_reasoning", "--rerun", "experiments/reasoning/provenance.json", "--check"], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     with (ROOT / "docs" / "tiny_reasoning" / "verdicts.csv").open(encoding="utf-8") as handle:
         verdicts = {row["finding"]: row for row in csv.DictReader(handle)}
@@ -327,3 +327,17 @@ def test_the_committed_verdicts_are_what_kdlab_report_writes_from_the_archived_r
             "--output", str(tmp_path / "out")])
     committed = (ROOT / "docs" / "tiny_reasoning" / "verdicts.md").read_text(encoding="utf-8")
     assert (tmp_path / "out" / "verdicts.md").read_text(encoding="utf-8") == committed
+
+
+def test_the_provenance_record_reruns_every_cell_and_the_differing_runs_are_the_ones_the_page_names():
+    """experiments/reasoning/provenance.json: every grid cell has a rerun (its lowest seed), every rerun of an archived
+    run compared; the runs whose samples differ are reverse KL at the high LR, as the page says, and nothing failed."""
+    record = json.loads((ROOT / "experiments" / "reasoning" / "provenance.json").read_text())
+    runs = {r["run"]: r for r in record["runs"]}
+    cells = {name.rsplit("-seed=", 1)[0] for name in runs}
+    assert len(cells) == 8 and all(f"{cell}-seed=42" in runs for cell in cells)
+    assert all(r["status"] in ("identical", "differs") for r in runs.values())
+    differ = sorted(name for name, r in runs.items() if r["status"] == "differs")
+    assert differ and all("objective=ReverseKL-lr=0.0005" in name for name in differ)
+    text = " ".join(PAGE.read_text(encoding="utf-8").split())
+    assert "The two runs that differ are both reverse KL at the high LR" in text and len(differ) == 2
