@@ -281,17 +281,20 @@ def test_the_experiments_harder_set_shares_19_of_100_problems_with_the_cards_as_
     assert "so 81 of their 100 problems are not the card's" in " ".join(PAGE.read_text(encoding="utf-8").split())
 
 
-def test_the_archived_study_runs_come_from_the_one_clean_commit_the_page_names():
+def test_the_archived_study_runs_come_from_the_one_clean_commit_the_page_names_for_each_archive():
     import re
     import tarfile
 
     text = " ".join(PAGE.read_text(encoding="utf-8").split())
-    (commit,) = re.findall(r"every one of them comes from commit `([0-9a-f]{7})` with a clean tree", text)
-    with tarfile.open(ROOT / "experiments/reasoning/study_runs/grid.tar.gz") as archive:
-        infos = [json.load(archive.extractfile(m)) for m in archive.getmembers() if m.name.endswith("/run_info.json")]
-        done = [m for m in archive.getmembers() if m.name.endswith("/DONE")]
-    assert infos and len(infos) == len(done)
-    assert {info["git_commit"][:7] for info in infos} == {commit} and not any(info.get("git_dirty") for info in infos)
+    named = dict(re.findall(r"`(\w+\.tar\.gz)` \([^)]*\) from commit `([0-9a-f]{7})`", text))
+    archives = sorted(p.name for p in (ROOT / "experiments/reasoning/study_runs").glob("*.tar.gz"))
+    assert sorted(named) == archives and "grid.tar.gz" in named
+    for name, commit in named.items():
+        with tarfile.open(ROOT / "experiments/reasoning/study_runs" / name) as archive:
+            infos = [json.load(archive.extractfile(m)) for m in archive.getmembers() if m.name.endswith("/run_info.json")]
+            done = [m for m in archive.getmembers() if m.name.endswith("/DONE")]
+        assert infos and len(infos) == len(done)
+        assert {info["git_commit"][:7] for info in infos} == {commit} and not any(info.get("git_dirty") for info in infos)
 
 
 def test_the_pages_verdict_blocks_are_the_study_reports():
@@ -341,3 +344,5 @@ def test_the_provenance_record_reruns_every_cell_and_the_differing_runs_are_the_
     assert differ and all("objective=ReverseKL-lr=0.0005" in name for name in differ)
     text = " ".join(PAGE.read_text(encoding="utf-8").split())
     assert "The two runs that differ are both reverse KL at the high LR" in text and len(differ) == 2
+    chain_starts = [r for r in runs.values() if r["rerun"].startswith("runs/reasoning-study/distill/")]
+    assert len(chain_starts) == 20 and all(r["status"] == "identical" for r in chain_starts)  # "each rerun's samples are byte-identical"
