@@ -249,3 +249,22 @@ def test_a_learning_rate_has_one_colour_across_figures_and_every_bar_room_to_rea
     bar_colour = {text.get_text(): to_hex(handle.get_facecolor()) for text, handle in zip(legend.get_texts(), legend.legend_handles)}
     line_colour = {text.get_text().rsplit(" ", 1)[-1]: to_hex(handle.get_color()) for text, handle in zip(loss.legends[0].get_texts(), loss.legends[0].legend_handles)}
     assert len(line_colour) == 6 and line_colour == bar_colour  # the GRPO run's 5e-4 too
+
+
+def test_chain_labels_drop_the_parts_every_checkpoint_shares_and_the_curves_merge_the_seeds():
+    """RLVR chains named by the distilled run they start from: the learning rate every start shares goes from the
+    label (it was cut to ``checkpoint=OnPD-FKL…1`` at 18 characters), the seed stays in a chain's label, and a
+    curves figure colours the chains of one configuration alike."""
+    from kdlab.study.figure_labels import without_seed
+    from kdlab.study.groups import Group
+    from kdlab.study.runs import RunResult
+
+    def chain(rollout, objective, seed):
+        run = RunResult(path=Path("x"), settings={}, task="countdown3s", rollout="GRPOModule", lam=None, objective="GRPOModule", lr=2e-5, seed=42)
+        path = f"runs/reasoning-study/distill/rollout={rollout}-objective={objective}-lr=0.0001-seed={seed}/checkpoints/final.ckpt"
+        return Group([run], other_parts=[("checkpoint", path)])
+
+    groups = [chain(r, o, s) for r in ("StudentRollouts", "TeacherRollouts") for o in ("ForwardKL", "ReverseKL") for s in (42, 43)]
+    labels = variant_labels(groups)
+    assert labels[:2] == ["checkpoint=OnPD-FKL-seed=42", "checkpoint=OnPD-FKL-seed=43"] and labels[-1] == "checkpoint=OffPD-RKL-seed=43"
+    assert sorted({without_seed(label) for label in labels}) == ["checkpoint=OffPD-FKL", "checkpoint=OffPD-RKL", "checkpoint=OnPD-FKL", "checkpoint=OnPD-RKL"]

@@ -61,7 +61,19 @@ def objective_label(group: Group) -> str:
 
 def _trim(values: list[str]) -> list[str]:
     """Each value without the start and end that all ``values`` share, cut at a separator (``/``, ``=``, ``-``,
-    ...): ``runs/a/seed=42/final.ckpt`` and ``runs/a/seed=43/final.ckpt`` -> ``seed=42``, ``seed=43``."""
+    ...): ``runs/a/seed=42/final.ckpt`` and ``runs/a/seed=43/final.ckpt`` -> ``seed=42``, ``seed=43``; then, where
+    every value has the same number of ``-``-separated parts, without the parts they all share in the same place
+    (``OnPD-FKL-lr=0.0001-seed=42`` and ``OffPD-RKL-lr=0.0001-seed=43`` -> ``OnPD-FKL-seed=42``, ``OffPD-RKL-seed=43``)."""
+    trimmed = _trim_ends(values)
+    parts = [value.split("-") for value in trimmed]
+    if len(set(trimmed)) < 2 or len({len(p) for p in parts}) != 1:
+        return trimmed
+    keep = [i for i in range(len(parts[0])) if len({p[i] for p in parts}) > 1]
+    return ["-".join(p[i] for i in keep) for p in parts]
+
+
+def _trim_ends(values: list[str]) -> list[str]:
+    """:func:`_trim`'s first part: the shared start and end cut at a separator."""
     distinct = sorted(set(values))
     if len(distinct) < 2:
         return values
