@@ -10,8 +10,9 @@ The CPU constants are measured here first, in calibration micro-benchmarks that 
   ``TorchDispatchMode`` counts in it;
 * ``flops``: an fp32 ``(1024 x 1024) @ (1024 x 1024)`` matmul, best of 10 (the size of a prefill's or a training
   step's matmuls);
-* ``bandwidth``: a 64 MiB fp32 copy (read and written), best of 10: the rate of the elementwise passes (objective,
-  optimiser);
+* ``bandwidth``: a 64 MiB fp32 copy (read and written) into a buffer allocated once, best of 10: the rate of the
+  elementwise passes (objective, optimiser). (A ``clone`` allocates its 64 MiB each time, and what the kernel's
+  page faults cost that allocation varied several-fold between the two calibrations of one run);
 * ``decode_bandwidth_efficiency``: the rate at which a matmul of 8 rows reads a 64 MiB fp32 weight matrix (what a
   decode step does with every weight), best of 10, over ``bandwidth``;
 * ``row_seconds``: an evaluated row's host work outside its decode, timed on 200 held-out Countdown-3 problems
@@ -21,7 +22,8 @@ The CPU constants are measured here first, in calibration micro-benchmarks that 
 * ``train_efficiency`` 1 (the constants are this machine's achieved rates), host and device one after the other.
 
 The calibration runs before the fits and again after them (a shared machine's rates drift between runs); the
-model uses each constant's mean, and the JSON keeps both calibrations and their ratio (``drift``, after / before).
+model uses each rate's mean (the weight-streaming rate's own mean, not the product of its two factors' means), and
+the JSON keeps both calibrations and their ratio (``drift``, after / before).
 
 The model is evaluated at the lengths the fit decoded (each decode's rows, prompt length and forwards, recorded
 by the clock): the estimate's caps are a bound, and this checks the per-token and per-step arithmetic, not the
@@ -107,12 +109,13 @@ def calibrate() -> tuple[object, dict]:
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     flops = 2 * 1024**3 / best(lambda: a @ b)
     big = torch.randn(16 * 2**20)
-    bandwidth = 2 * big.numel() * 4 / best(lambda: big.clone())
+    into = torch.empty_like(big)
+    bandwidth = 2 * big.numel() * 4 / best(lambda: into.copy_(big))
     weights, rows = torch.randn(4096, 4096), torch.randn(8, 4096)
     streaming = weights.numel() * 4 / best(lambda: rows @ weights.T)
     row_seconds = best(row_work(), 5) / ROW_PROBLEMS
     sources = {"op_seconds": f"kdlab's decoder, 64 tokens of a random 2-layer width-64 Qwen2: {Count.ops} aten ops, best of 10", "flops": "fp32 1024^3 matmul, best of 10",
-               "bandwidth": "64 MiB fp32 clone (read + write), best of 10",
+               "bandwidth": "64 MiB fp32 copy into a buffer allocated once (read + write), best of 10",
                "decode_bandwidth_efficiency": "a 64 MiB fp32 weight matrix read by an (8, 4096) matmul (a decode step's "
                                               "weight reads), best of 10, over the clone's rate",
                "row_seconds": f"{ROW_PROBLEMS} Countdown-3 prompts tokenized, {ROW_TOKENS} random tokens each made text and verified "
@@ -128,10 +131,16 @@ CALIBRATED = ("op_seconds", "flops", "bandwidth", "decode_bandwidth_efficiency",
 
 
 def mean_hardware(before, after):
-    """The calibrations before and after the fits, each constant their mean."""
+    """The calibrations before and after the fits, each rate their mean: the weight-streaming rate
+    (``bandwidth x decode_bandwidth_efficiency``) is averaged itself and its efficiency taken over the mean
+    bandwidth (the product of two means is not the mean rate: it doubled the streaming rate of a run whose bandwidth
+    calibrations differed six-fold)."""
     from dataclasses import replace
 
-    return replace(before, **{key: (getattr(before, key) + getattr(after, key)) / 2 for key in CALIBRATED})
+    mean = {key: (getattr(before, key) + getattr(after, key)) / 2 for key in CALIBRATED}
+    streaming = (before.bandwidth * before.decode_bandwidth_efficiency + after.bandwidth * after.decode_bandwidth_efficiency) / 2
+    mean["decode_bandwidth_efficiency"] = streaming / mean["bandwidth"]
+    return replace(before, **mean)
 
 
 def row_work():

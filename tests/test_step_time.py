@@ -276,3 +276,22 @@ def test_the_json_carries_the_time_and_an_unknown_gpu_kind_is_a_one_line_error(i
         "forward and backward", "objective", "optimiser step"}
     with pytest.raises(ConfigError, match=r"--gpu_kind: one of \['H100', 'H200'\], got 'A100'"):
         main(["estimate", *preset, "--gpu_kind", "A100"])
+
+
+def test_the_estimate_check_averages_the_weight_streaming_rate_itself():
+    """benchmarks/estimate_check.py's two calibrations: the mean hardware streams weights at the mean of the two
+    streaming rates (bandwidth x efficiency), not at the product of the two means."""
+    import importlib.util
+    import sys
+    from dataclasses import replace
+
+    from kdlab.study.step_time import Hardware
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("estimate_check", ROOT / "benchmarks" / "estimate_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    before = Hardware("cpu", 1e11, 4.5e9, 5e-6, 1.0, 7.7e9 / 4.5e9, overlapped=False, row_seconds=1e-4)
+    after = replace(before, bandwidth=27e9, decode_bandwidth_efficiency=7.7e9 / 27e9)
+    mean = module.mean_hardware(before, after)
+    assert mean.bandwidth == pytest.approx(15.75e9) and mean.bandwidth * mean.decode_bandwidth_efficiency == pytest.approx(7.7e9)
