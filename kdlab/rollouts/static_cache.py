@@ -20,9 +20,8 @@ matter on a GPU, where a small model's decode step is a few hundred kernel launc
 * prompts that begin alike (a task's instruction, a chat template's system turn) are prefilled once: the
   leading tokens every row shares (:func:`shared_prefix`, at least :data:`SHARED_PREFIX_MIN`) run as one row,
   their keys and values are copied into every row's cache at that row's offset, and the batch's prompt forward
-  runs only over the columns after them (``share_prefix``). On the Countdown prompts of
-  ``benchmarks/decode.py`` the rows share 126 of their 145-150 SmolLM2 tokens, so a batch of 8 prefills
-  126 + 8 x 24 positions instead of 8 x 150.
+  runs only over the columns after them (``share_prefix``); ``benchmarks/decode.py`` records how many leading
+  tokens its Countdown prompts share (``shared_prompt_tokens``) and what the shared prefill is worth.
 
 The log-probs equal :class:`~kdlab.rollouts.decoding.IncrementalLM`'s: the same prompt forward, the same
 position ids, and masked cache positions contribute exactly nothing to attention (tests compare greedy
