@@ -214,7 +214,8 @@ def curve_keys(groups: list[Group]) -> tuple[list[str], str]:
 def curves_figure(new_figure: Any, groups: list[Group], metric: str, title: str, report_lrs: list[float] | None = None) -> Any | None:
     """``metric`` against the step, every run a line, a colour per :func:`curve_keys` (the legend below), a
     panel per task; None when the runs need more than :data:`CURVE_COLOURS` colours or logged no ``metric``. When
-    the configurations differ in their learning rate alone (one key per rate), a key's colour is its rate's
+    every key has one learning rate and no two keys share one (an LR sweep, with or without a GRPO run at its own
+    rate), a key's colour is its rate's
     (:func:`lr_colour` over ``report_lrs``, default these groups' rates), as in the accuracy bars."""
     shown = [g for g in groups if any(metric in run.series for run in g.runs)]
     keys, shared = curve_keys(shown)
