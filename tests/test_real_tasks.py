@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kdlab.tasks.math as math_tasks
+import kdlab.tasks.math_answers as math_tasks
 from kdlab.tasks.math import (
     GSM8K,
     MATH,
