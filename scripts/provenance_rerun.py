@@ -46,20 +46,21 @@ def sample_files(run_dir: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): digest(p) for p in sorted(folder.rglob("*")) if p.is_file()} if folder.is_dir() else {}
 
 
-def commit_of(run_dir: Path) -> str | None:
+def run_info(run_dir: Path) -> dict:
+    """The run's ``run_info.json`` (``{}`` when it is missing or unreadable)."""
     try:
-        info = json.loads((run_dir / "run_info.json").read_text())
+        return json.loads((run_dir / "run_info.json").read_text())
     except (OSError, ValueError):
-        return None
-    return info.get("git_commit")
+        return {}
+
+
+def commit_of(run_dir: Path) -> str | None:
+    return run_info(run_dir).get("git_commit")
 
 
 def rerun_at(run_dir: Path) -> str | None:
     """The commit a run was made at, if its tree was clean (``run_info.json``); None otherwise."""
-    try:
-        info = json.loads((run_dir / "run_info.json").read_text())
-    except (OSError, ValueError):
-        return None
+    info = run_info(run_dir)
     return None if info.get("git_dirty", True) else info.get("git_commit")
 
 
@@ -67,10 +68,7 @@ def environment_differences(archived: Path, rerun: Path) -> dict[str, list]:
     """``{field: [archived, rerun]}`` for each ``run_info.json`` field other than the command line and the commit
     (packages one by one) in which the two runs differ."""
     def flat(run_dir: Path) -> dict:
-        try:
-            info = json.loads((run_dir / "run_info.json").read_text())
-        except (OSError, ValueError):
-            return {}
+        info = run_info(run_dir)
         packages = info.pop("packages", {}) or {}
         return {**{k: v for k, v in info.items() if k not in ("argv", "git_commit", "git_dirty")}, **{f"packages.{k}": v for k, v in packages.items()}}
 
