@@ -83,9 +83,10 @@ def kdlab_decode(model, input_ids, attention_mask, new_tokens: int, pad_token_id
 
 
 def hf_decode(model, input_ids, attention_mask, new_tokens: int, pad_token_id: int, seed: int, greedy: bool = False,
-              token_columns: int | None = None) -> torch.Tensor:
+              token_columns: int | None = None, scores: bool = False):
     """``(B, new_tokens)`` new tokens from ``model.generate`` with plain sampling at temperature 1 (greedy: argmax,
-    over the first ``token_columns`` logits when given, as kdlab's decoder restricts itself to the tokenizer's)."""
+    over the first ``token_columns`` logits when given, as kdlab's decoder restricts itself to the tokenizer's);
+    with ``scores``, also each step's processed logits ``(B, new_tokens, V)``."""
     from transformers import GenerationConfig
 
     sampling = {} if greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
@@ -95,11 +96,27 @@ def hf_decode(model, input_ids, attention_mask, new_tokens: int, pad_token_id: i
     # no end token, as on kdlab's side: an id past the vocabulary (None would be filled in from the checkpoint's
     # generation config, and min_new_tokens would then suppress that end token: not the same argmax as kdlab's)
     config = GenerationConfig(do_sample=not greedy, max_new_tokens=new_tokens, use_cache=True, pad_token_id=pad_token_id,
-                              eos_token_id=vocab, **sampling)
+                              eos_token_id=vocab, output_scores=scores, return_dict_in_generate=scores, **sampling)
     torch.manual_seed(seed)
     with torch.no_grad():
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    if scores:
+        return out.sequences[:, input_ids.shape[1]:], torch.stack(out.scores, dim=1)
     return out[:, input_ids.shape[1]:]
+
+
+def divergence(own: torch.Tensor, theirs: torch.Tensor, logits: torch.Tensor) -> list[dict]:
+    """Where greedy decodes ``own`` and ``theirs`` ``(B, N)`` first part, per differing row: the position, HF's top-two
+    logit gap there (``logits`` ``(B, N, V)``, HF's) and the spacing of bf16 numbers at HF's top logit, so that a
+    reader can tell a near-tie that rounding decides (gap below a few spacings) from a decoder that computes
+    something else (a wide gap)."""
+    out = []
+    for row in torch.nonzero(~(own == theirs).all(1)).flatten().tolist():
+        position = int(torch.nonzero(own[row] != theirs[row])[0])
+        top = logits[row, position].float().topk(2).values
+        spacing = 2.0 ** (torch.floor(torch.log2(top[0].abs().clamp_min(1e-30))) - 7)  # bf16 keeps 8 significant bits
+        out.append({"row": row, "position": position, "hf_top2_gap": float(top[0] - top[1]), "bf16_spacing_at_top": float(spacing)})
+    return out
 
 
 def compare(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int, repeats: int, pad_token_id: int,
@@ -156,8 +173,9 @@ def compare(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_to
         result["compiled_ratio"] = result["kdlab_compiled"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
         result["compiled_paired_ratio_median"] = statistics.median(hf / own for own, hf in zip(times["kdlab_compiled"], times["hf"]))
     if greedy_tokens:
-        theirs = hf_decode(model, input_ids, attention_mask, greedy_tokens, pad_token_id, seed, greedy=True, token_columns=token_columns)
-        identical = {}
+        theirs, their_logits = hf_decode(model, input_ids, attention_mask, greedy_tokens, pad_token_id, seed, greedy=True,
+                                         token_columns=token_columns, scores=True)
+        identical, divergences = {}, {}
         for side, how in sides.items():
             if how is not None:
                 own = kdlab_decode(model, input_ids, attention_mask, greedy_tokens, pad_token_id, token_columns, None, greedy=True, compile=how,
@@ -165,7 +183,11 @@ def compare(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_to
                 if own.shape != theirs.shape:
                     raise RuntimeError(f"greedy {side} decoded {tuple(own.shape)}, HF {tuple(theirs.shape)}")
                 identical[side] = int((own == theirs).all(1).sum())
+                if identical[side] < batch:
+                    divergences[side] = divergence(own, theirs, their_logits)
         result["greedy_tokens"] = greedy_tokens
+        if divergences:
+            result["greedy_divergence"] = divergences
         result["greedy_rows_identical_by_side"] = {side: f"{n}/{batch}" for side, n in identical.items()}
         result["greedy_rows_identical"] = f"{min(identical.values())}/{batch}"
     return result

@@ -207,7 +207,8 @@ def lightning_fit(s: Settings, paths: tuple[str, str], root: str, batch: int, fu
                     accelerator="gpu" if s.device == "cuda" else "cpu", **strategy)
 
 
-def step_section(s: Settings, paths: tuple[str, str], root: str) -> dict:
+def step_section(s: Settings, paths: tuple[str, str], root: str, progress=None) -> dict:
+    """Section 2; ``progress(out)`` after each variant (so that a run stopped at its time limit keeps the variants done)."""
     out = {"preset": str(PRESET.relative_to(ROOT)), "settings": preset_settings(), "vocab": s.vocab, "prompt_tokens": s.step_prompt_tokens,
            "completion_tokens": s.completion_tokens, "lengths": s.lengths, "results": {}}
     for batch in s.step_batches:
@@ -219,6 +220,9 @@ def step_section(s: Settings, paths: tuple[str, str], root: str) -> dict:
             print(f"  step B={batch} x P+C<={s.step_prompt_tokens}+{s.completion_tokens} {variant} (Lightning, bf16-mixed): "
                   f"{rows[variant]['tokens_per_s']:.0f} real tok/s" + (f", peak {peak:.1f} GiB" if peak is not None else ""), flush=True)
             free(s.device)
+            out["results"][str(batch)] = rows
+            if progress is not None:
+                progress(out)
         if rows["fused"]["real_tokens_per_rank"] != rows["logits"]["real_tokens_per_rank"]:
             raise RuntimeError("the fused and logits variants trained different tokens")
         rows["logits_over_fused"] = rows["logits"]["seconds"] / rows["fused"]["seconds"]
@@ -438,8 +442,9 @@ def device_name(device: str, smoke: bool) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") + ("-smoke" if smoke else "")
 
 
-def run_section(record: dict, name: str, fn) -> None:
-    """Run one section into ``record["sections"][name]``: its figures and seconds, or the error it met."""
+def run_section(record: dict, name: str, fn, save=None) -> None:
+    """Run one section into ``record["sections"][name]``: its figures and seconds, or the error it met; then
+    ``save()`` (the result file so far, so that a run stopped at a time limit keeps its finished sections)."""
     print(f"{name}:", flush=True)
     start = time.perf_counter()
     try:
@@ -449,6 +454,8 @@ def run_section(record: dict, name: str, fn) -> None:
         print(f"  FAILED\n{result['failed']}", flush=True)
     result["seconds"] = time.perf_counter() - start
     record["sections"][name] = result
+    if save is not None:
+        save()
 
 
 def main() -> None:
@@ -474,6 +481,18 @@ def main() -> None:
                     "repeats": args.repeats, "vocab": s.vocab, "sections": {}}
     for name in args.skip:
         record["sections"][name] = {"skipped": "--skip"}
+    result_name = f"gpu-{device_name(device, args.smoke)}"
+
+    def save() -> None:
+        write_result(result_name, {**record, "complete": False}, ("vllm",), args.out)
+
+    def progress(name: str):
+        """Keep a section's figures so far in the result file (marked unfinished) while it runs."""
+        def keep(out: dict) -> None:
+            record["sections"][name] = {**out, "unfinished": True}
+            save()
+        return keep
+
     print(f"{'toy' if args.smoke else 'Qwen2.5-1.5B / 7B'} shapes on {record['device']}", flush=True)
     teacher = build(s.teacher_shape, torch.bfloat16, device, seed=2).eval().requires_grad_(False)
     student = build(s.student_shape, torch.float32, device, checkpointing=True, seed=1)
@@ -486,7 +505,7 @@ def main() -> None:
             finally:
                 del copy_
                 free(device)
-        run_section(record, "decode", decode)
+        run_section(record, "decode", decode, save)
     with tempfile.TemporaryDirectory() as root:
         if {"step", "fsdp"} - set(args.skip):
             start = time.perf_counter()
@@ -495,23 +514,24 @@ def main() -> None:
         del student, teacher
         free(device)
         if "step" not in args.skip:
-            run_section(record, "step", lambda: step_section(s, paths, root))
+            run_section(record, "step", lambda: step_section(s, paths, root, progress("step")), save)
         if "fsdp" not in args.skip:
-            run_section(record, "fsdp", lambda: fsdp_section(s, paths, root, fit))
+            run_section(record, "fsdp", lambda: fsdp_section(s, paths, root, fit), save)
     if "vllm" not in args.skip:
         reason = vllm_unavailable(device)
         if reason:
             record["sections"]["vllm"] = {"skipped": reason}
             print(f"vllm: skipped ({reason})", flush=True)
         else:
-            run_section(record, "vllm", lambda: vllm_section(s, fit))
+            run_section(record, "vllm", lambda: vllm_section(s, fit), save)
     if "overlap" not in args.skip:
-        run_section(record, "overlap", lambda: overlap_section(s))
+        run_section(record, "overlap", lambda: overlap_section(s), save)
     record["total_s"] = time.perf_counter() - started
     failed = [name for name, section in record["sections"].items()
               if "failed" in section or any(part.get("finished") is False for part in section.values() if isinstance(part, dict))]
     record["failed"] = failed
-    path = write_result(f"gpu-{device_name(device, args.smoke)}", record, ("vllm",), args.out)
+    record["complete"] = True
+    path = write_result(result_name, record, ("vllm",), args.out)
     print(f"wrote {path} in {record['total_s']:.0f} s")
     print(f"sections failed: {failed or 'none'}")
     if failed:

@@ -39,7 +39,12 @@ from packing import TARGET_SHARE, micro_batches  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = ROOT / "experiments/paper/countdown3/base-qwen1.5b_from_qwen7b.yaml"
-WARMUP_STEPS = 1
+WARMUP_PASSES = 1
+"""Untimed passes over every micro-batch before the timed ones. Each micro-batch has its own shape, and a shape's
+first step pays one-off costs (allocator growth, kernel selection). With one warm-up step, the H200's first run
+(``benchmarks/results/gpu-nvidia-h200-fsdp-overlap.json``) timed three first-seen shapes: the one micro-batch the
+warm-up had run was by far the fastest, the others' times did not follow their lengths, and ``step_s[i]`` was
+micro-batch ``i + 1``'s (``i`` since ``WARMUP_PASSES``)."""
 
 
 def preset_settings(path: Path = PRESET) -> dict:
@@ -113,6 +118,33 @@ class SyncedTimer(pl.Callback):
         self.dtypes |= {str(p.dtype).removeprefix("torch.") for p in pl_module.student.parameters()}
 
 
+class StepProfile(pl.Callback):
+    """``torch.profiler`` over the fit's last training batch (untimed: the profiler slows it): the ops with the most
+    self time (device time on CUDA, CPU time elsewhere), the longest first, in ms, with their call counts."""
+
+    def __init__(self, step: int, top: int = 15) -> None:
+        self.step, self.top, self.profiler, self.ops, self.clock = step, top, None, [], None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            cuda = pl_module.device.type == "cuda"
+            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.profiler is None or self.ops:
+            return
+        cuda = pl_module.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(pl_module.device)
+        self.profiler.__exit__(None, None, None)
+        field = "self_device_time_total" if cuda else "self_cpu_time_total"
+        rows = sorted(self.profiler.key_averages(), key=lambda e: getattr(e, field), reverse=True)[: self.top]
+        self.ops = [{"op": e.key, "self_ms": getattr(e, field) / 1e3, "calls": e.count} for e in rows]
+        self.clock = "device" if cuda else "cpu"
+
+
 def on_device(rollout, device: torch.device):
     """``rollout`` with its prompt and completion tensors on ``device`` (what ``DistillModule._prompts`` does for a decode)."""
     for name in ("student_ids", "student_mask", "teacher_ids", "teacher_mask"):
@@ -124,7 +156,8 @@ def on_device(rollout, device: torch.device):
 def time_fit(student: str, teacher: str, *, batch: int, prompt_tokens: int, completion_tokens: int, lengths: str, count: int, repeats: int,
              fused: bool, packed: bool, accelerator: str, root: str, devices: int = 1, strategy: str = "auto",
              teacher_placement: str = "replicate") -> dict:
-    """``Trainer.fit`` over ``count`` fixed micro-batches ``repeats`` times after :data:`WARMUP_STEPS`; the shapes it
+    """``Trainer.fit`` over ``count`` fixed micro-batches ``repeats`` times after :data:`WARMUP_PASSES` untimed passes over
+    them (micro-batch ``i`` is step ``i`` of every pass); the shapes it
     ran (checked: ``batch`` rows a step, the student in fp32 master weights, ``B x (P + C)`` padded or rows of at most
     ``max_tokens_per_row`` packed, real tokens equal both ways) and its real tokens per second."""
     p = preset_settings()
@@ -141,22 +174,22 @@ def time_fit(student: str, teacher: str, *, batch: int, prompt_tokens: int, comp
             raise RuntimeError(f"a packed row is longer than max_tokens_per_row = {prompt_tokens + completion_tokens}: {shapes}")
     elif any(shape[0] != batch for shape in shapes):
         raise RuntimeError(f"padded micro-batches of shapes {shapes}, not {batch} rows")
-    steps = WARMUP_STEPS + count * repeats
+    steps = count * (WARMUP_PASSES + repeats) + 1  # the last, untimed, under the profiler
     served = iter(range(steps))
     module.make_rollout = lambda examples, seed, policy=None: on_device(rollouts[next(served) % count], module.device)
-    timer = SyncedTimer()
+    timer, profile = SyncedTimer(), StepProfile(steps - 1)
     if strategy == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
     trainer = pl.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, precision=p["precision"], max_steps=steps,
                          gradient_clip_val=p["gradient_clip_val"], accumulate_grad_batches=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer, profile],
                          default_root_dir=root)
     if accelerator == "gpu":
         torch.cuda.reset_peak_memory_stats()
     trainer.fit(module)
-    timed = timer.times[WARMUP_STEPS:]
+    timed = timer.times[count * WARMUP_PASSES : count * (WARMUP_PASSES + repeats)]
     if len(timed) != count * repeats or set(timer.rows) != {batch}:
         raise RuntimeError(f"timed {len(timed)} steps of {sorted(set(timer.rows))} rows, not {count * repeats} of {batch}")
     if timer.dtypes != {"float32"}:
@@ -166,13 +199,14 @@ def time_fit(student: str, teacher: str, *, batch: int, prompt_tokens: int, comp
     world = trainer.world_size
     record = {"fused_lm_head": fused, "layout": "packed" if packed else "padded", "precision": str(trainer.precision),
               "strategy": type(trainer.strategy).__name__, "world_size": world, "teacher_placement": teacher_placement, "batch_per_rank": batch, "micro_batches": count,
-              "repeats": repeats, "student_shapes": shapes, "real_tokens_per_rank": sum(real),
+              "repeats": repeats, "warmup_passes": WARMUP_PASSES, "student_shapes": shapes, "real_tokens_per_rank": sum(real),
               "padded_tokens_per_rank": sum(r.model_inputs("student")["input_ids"].numel() for r in rollouts),
               "completion_tokens": sum(int(r.completion_mask.sum()) for r in rollouts), "step_s": per_batch, "seconds": seconds,
               "tokens_per_s": world * sum(real) / seconds, "student_dtypes": sorted(timer.dtypes),
               "token_columns": module.token_columns, "teacher_columns": module.teacher_columns,
               "float32_matmul_precision": torch.get_float32_matmul_precision(),
-              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if accelerator == "gpu" else None}
+              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if accelerator == "gpu" else None,
+              "profile": {"micro_batch": (steps - 1) % count, "clock": profile.clock, "top_self_time": profile.ops} if profile.ops else None}
     return record
 
 

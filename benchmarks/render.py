@@ -164,46 +164,60 @@ def _count(parameters: int) -> str:
 def _gpu(record: dict) -> str:
     sections = record["sections"]
     lines = [f"## GPU run{' (--smoke, toy sizes)' if record['smoke'] else ''}: {record['device']}\n", _setting(record),
-             f"Wall time {record['total_s']:.0f} s in all, model building {record['build_s']:.0f} s."]
-    for name in ("decode", "step", "fsdp", "vllm"):
-        section = sections.get(name, {"skipped": "not run"})
+             (f"Wall time {record['total_s']:.0f} s in all" if record.get("complete", True) else
+              "**The run stopped at its time limit**: the file holds the sections it finished (written after each one)")
+             + f"; model building {record['build_s']:.0f} s; float32 matmul precision `{record['float32_matmul_precision']}`."]
+    for name in ("decode", "step", "fsdp", "vllm", "overlap"):
+        section = sections.get(name)
+        if section is None:
+            lines.append(f"\n### {name}: not reached\n\nThe run stopped before this section.")
+            continue
         if "skipped" in section or "failed" in section:
             why = section.get("skipped") or "failed: " + section["failed"].strip().splitlines()[-1]
             lines.append(f"\n### {name}: {'skipped' if 'skipped' in section else 'FAILED'}\n\n{why}")
             continue
-        lines.append(f"\n### {name} ({section['seconds']:.0f} s)\n")
+        lines.append(f"\n### {name}" + (" (unfinished: the variants done when the run stopped)\n" if section.get("unfinished")
+                                          else f" ({section['seconds']:.0f} s)\n"))
         if name == "decode":
-            models = {k: v for k, v in section.items() if isinstance(v, dict) and "results" in v}
-            label = {k: f"{k} ({_count(v['parameters'])})" for k, v in models.items()}
-            lines += [f"{section['dtype']} on both sides, sampling at temperature 1, no end token, interleaved, median of "
-                      f"{section['repeats']} runs each.\n"]
-            lines += _decode_table({k: v["results"] for k, v in models.items()}, label)
+            lines += [f"{section['dtype']} on both sides, sampling at temperature 1, no end token, {section['new_tokens']} new tokens, "
+                      f"median of {section['repeats']} run(s) after a warm-up run (`kdlab first run s`: the warm-up, where the "
+                      "step is compiled and captured). Greedy rows identical: over the first `greedy tokens`, against "
+                      "`generate(do_sample=False)`.\n",
+                      "| model | batch | kdlab tok/s | HF generate tok/s | kdlab / HF | kdlab first run s | greedy rows identical |",
+                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            for model in ("student", "teacher"):
+                for row in section[model]["results"]:
+                    lines.append(f"| {model} ({_count(section[model]['parameters'])}) | {row['batch']} | {row['kdlab']['tokens_per_s']:.0f} | "
+                                 f"{row['hf']['tokens_per_s']:.0f} | {row['ratio']:.2f} | {row['kdlab']['first_run_s']:.1f} | "
+                                 f"{row['greedy_rows_identical']} of {row['greedy_tokens']} tokens |")
         elif name == "step":
-            lines += [f"Student {section['student_dtype']} master weights under autocast {section['autocast']}, teacher "
-                      f"{section['teacher_dtype']}, {section['objective']}, {section['completion_tokens']} completion tokens per row, "
-                      f"V = {section['vocab']:,}.\n", "| batch | variant | step s | tokens/s | x floor | peak GiB |", "| ---: | --- | ---: | ---: | ---: | ---: |"]
+            settings = section["settings"]
+            lines += [f"`{section['preset']}`'s step through Lightning: {settings['precision']}, student {settings['student_dtype']} master "
+                      f"weights, V = {section['vocab']:,}, prompts up to {section['prompt_tokens']} and completions up to "
+                      f"{section['completion_tokens']} tokens ({section['lengths']}). `s` sums each micro-batch's median seconds.\n",
+                      "| batch | variant | layout | micro-batches | real tokens | s | real tokens/s | peak GiB |",
+                      "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
             for batch, rows in section["results"].items():
                 for variant, row in rows.items():
-                    peak = f"{row['peak_gib']:.1f}" if row["peak_gib"] is not None else "-"
-                    ratio = f"{row['floor_ratio']:.2f}" if "floor_ratio" in row else "-"
-                    lines.append(f"| {batch} | {variant} | {row['time_s']:.3f} | {row['tokens_per_s']:.0f} | {ratio} | {peak} |")
+                    if isinstance(row, dict) and "tokens_per_s" in row:
+                        peak = f"{row['peak_gib']:.1f}" if row["peak_gib"] is not None else "-"
+                        lines.append(f"| {batch} | {variant} | {row['layout']} | {row['micro_batches']} | {row['real_tokens_per_rank']} | "
+                                     f"{row['seconds']:.3f} | {row['tokens_per_s']:.0f} | {peak} |")
         elif name == "fsdp":
-            row, fit = section["in_process"], section["fit"]
-            peak = f", peak {row['peak_gib']:.1f} GiB" if row["peak_gib"] is not None else ""
-            lines.append(f"In process, world size {row['world_size']}, student and teacher sharded ({row['policy']}), fused step at "
-                         f"B = {row['batch']} x {row['completion_tokens']}: {row['time_s']:.3f} s{peak}.")
-            lines.append(f"\n`kdlab fit`: {fit['skipped']}" if "skipped" in fit else
-                         f"\n`kdlab fit` of the tiny-world quickstart, {fit['steps']} steps, {fit['strategy']} on {fit['devices']} "
-                         f"{fit['accelerator']} device(s), {fit['precision']}, teacher {fit['teacher_placement']}: "
-                         f"{fit['seconds']:.0f} s, {'finished' if fit['finished'] else 'FAILED'}.")
+            row, two = section["in_process"], section["two_processes"]
+            peak = f", peak {row['peak_gib']:.1f} GiB" if row.get("peak_gib") is not None else ""
+            lines.append(f"In process: {row['strategy']}, world size {row['world_size']}, teacher {row['teacher_placement']}, fused head, "
+                         f"B = {row['batch_per_rank']} x {row['micro_batches']} micro-batches: {row['tokens_per_s']:.0f} real tokens/s{peak}.")
+            lines.append(f"\nTwo processes: {two['skipped']}" if "skipped" in two else
+                         f"\nTwo processes: {'finished' if two['finished'] else 'FAILED'}, {two.get('tokens_per_s', 0):.0f} real tokens/s over both ranks.")
+        elif name == "vllm":
+            lines.append(f"vLLM {section.get('version', '')}: engine start {section['engine_start_s']:.1f} s, weight push {section['push_s']:.2f} s, "
+                         f"generate B = {section['generate']['batch']} x {section['generate']['new_tokens']}: "
+                         f"{section['generate']['tokens_per_s']:.0f} tokens/s; vLLM / kdlab's decoder on the same work {section['vllm_over_kdlab']:.2f}.")
         else:
-            lines.append(f"vLLM {section['version']}: engine start {section['engine_start_s']:.1f} s, weight push "
-                         f"{section['push_s']:.2f} s ({_count(section['pushed_parameters'])} parameters), generate batch "
-                         f"{section['generate']['batch']} x {section['generate']['new_tokens']}: {section['generate']['tokens_per_s']:.0f} tokens/s.")
-            fit = section["fit"]
-            if "finished" in fit:
-                lines.append(f"\n5 on-policy quickstart steps with `VLLMRollouts`: {'finished' if fit['finished'] else 'FAILED'}, mean "
-                             f"importance weight {fit['train/importance_weight']}, mean engine KL {fit['train/engine_kl']}.")
+            lines.append(f"The tiny pair through `Trainer.fit` on {section['threads']} CPU threads of {section['cores']}, the loopback sampler in its "
+                         f"own process, B = {section['batch']} x {section['max_completion_tokens']} tokens, {section['steps']} steps: overlapped / "
+                         f"synchronous wall time per step {section['ratio']:.3f}" + (f"; problems: {section['problems']}" if section["problems"] else "") + ".")
     return "\n".join(lines) + "\n"
 
 

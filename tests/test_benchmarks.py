@@ -63,6 +63,9 @@ def test_gpu_benchmark_script_runs_every_section_at_toy_sizes_on_the_cpu(tmp_pat
         assert row["token_columns"] == row["teacher_columns"] == gpu.TOY_VOCAB  # the tokenizer write_pair built, not the heads' rows
         assert row["padded_tokens_per_rank"] == sum(rows_ * length for rows_, length in row["student_shapes"]) > row["real_tokens_per_rank"]
         assert row["tokens_per_s"] == pytest.approx(row["real_tokens_per_rank"] / row["seconds"])
+        assert row["warmup_passes"] == 1  # every micro-batch's shape seen once before any is timed
+        assert row["profile"]["clock"] == "cpu" and row["profile"]["top_self_time"][0]["self_ms"] > 0
+    assert record["complete"] is True
     assert rows["fused"]["real_tokens_per_rank"] == rows["logits"]["real_tokens_per_rank"] == rows["packed"]["real_tokens_per_rank"]
     packed, packing = rows["packed"], rows["packing"]
     assert packed["layout"] == "packed" and all(length <= 64 + 16 for _, length in packed["student_shapes"])
@@ -255,6 +258,36 @@ def test_the_cache_size_benchmark_runs_at_toy_size_and_its_results_hold_what_the
     assert committed["cache_size-synthetic.json"]["shapes"]["vocab"] == 151936 and committed["cache_size-smollm2.json"]["shapes"]["top_k"] == 128
 
 
+def test_a_greedy_divergence_names_each_differing_row_its_first_position_and_the_reference_gap():
+    """``decode.divergence``: rows that agree are left out; a differing row gives the first position where the two
+    decodes part and the top-two gap of HF's logits there, beside the spacing of bf16 numbers at that top logit."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from decode import divergence
+
+    theirs = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8]])
+    own = torch.tensor([[1, 2, 3, 4], [1, 2, 9, 9], [0, 6, 7, 8]])
+    logits = torch.zeros(3, 4, 10)
+    logits[1, 2, 3], logits[1, 2, 9] = 10.0, 9.99
+    logits[2, 0, 5], logits[2, 0, 0] = 1.0, -2.0
+    found = divergence(own, theirs, logits)
+    assert [(d["row"], d["position"]) for d in found] == [(1, 2), (2, 0)]
+    assert found[0]["hf_top2_gap"] == pytest.approx(0.01, abs=1e-5) and found[0]["bf16_spacing_at_top"] == 2.0 ** (3 - 7)
+    assert found[1]["hf_top2_gap"] == pytest.approx(1.0) and found[1]["bf16_spacing_at_top"] == 2.0 ** -7
+
+
+def test_a_gpu_record_cut_off_by_its_time_limit_renders_what_it_finished_and_says_so():
+    """The H200's first run stopped inside its step section: the page says so, shows the decode table and marks the
+    sections it never reached."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import render
+
+    record = json.loads((BENCHMARKS / "results/gpu-nvidia-h200.json").read_text())
+    assert record["complete"] is False and set(record["sections"]) == {"decode"}
+    page = render._gpu(record)
+    assert "stopped at its time limit" in page and page.count("not reached") == 4
+    assert f"| teacher (7.62B) | 8 | {record['sections']['decode']['teacher']['results'][1]['kdlab']['tokens_per_s']:.0f} |" in page
+
+
 def test_the_benchmarks_page_is_exactly_what_the_committed_result_files_give():
     """docs/benchmarks.md quotes no number by hand: rendering benchmarks/results/*.json reproduces it."""
     result = run_benchmark("benchmarks/render.py", "--check", timeout=60)
@@ -394,6 +427,29 @@ def test_the_served_quickstart_benchmark_smoke_path_times_both_kdlab_fits(tmp_pa
     assert record["ratio"] == pytest.approx(results["served"]["step_s"] / results["in_process"]["step_s"])
     assert not (ROOT / "benchmarks" / "results" / "served_quickstart_step-tiny.json").exists() or not json.loads(
         (ROOT / "benchmarks" / "results" / "served_quickstart_step-tiny.json").read_text())["smoke"]
+
+
+def test_the_scaling_pages_first_gpu_run_figures_are_the_h200_result_files():
+    """docs/scaling.md's "first GPU run" quotes the two H200 result files: the decode ratios, the decode section's
+    seconds, the in-process FSDP2 tokens/s and peak, the overlap ratio; and the first run is the unfinished one."""
+    page = (ROOT / "docs/scaling.md").read_text()
+    first = json.loads((BENCHMARKS / "results/gpu-nvidia-h200.json").read_text())
+    second = json.loads((BENCHMARKS / "results/gpu-nvidia-h200-fsdp-overlap.json").read_text())
+    decode = first["sections"]["decode"]
+    assert first["complete"] is False and "did not fit its 10 minutes" in page
+    assert f"took\n  {decode['seconds']:.0f} s" in page
+    rows = [r for m in ("student", "teacher") for r in decode[m]["results"]]
+    warm = {side: sum(r[side]["first_run_s"] for r in rows) for side in ("kdlab", "hf")}
+    assert f"of which {warm['kdlab']:.0f} s were kdlab's warm-up runs" in page and f"and {warm['hf']:.0f} s `generate`'s warm-up runs" in " ".join(page.split())
+    ratios = {m: [f"{r['ratio']:.2f}x" for r in decode[m]["results"]] for m in ("student", "teacher")}
+    assert [r["batch"] for r in decode["student"]["results"]] == [1, 8, 32]
+    assert f"{ratios['student'][0]}, {ratios['student'][1]} and {ratios['student'][2]} at batch 1, 8 and 32" in " ".join(page.split())
+    assert f"{ratios['teacher'][0]} at batch 1 but {ratios['teacher'][1]} and {ratios['teacher'][2]}" in " ".join(page.split())
+    assert f"student, batch 32: {decode['student']['results'][2]['greedy_rows_identical']} rows" in " ".join(page.split())
+    fsdp = second["sections"]["fsdp"]["in_process"]
+    assert f"{fsdp['tokens_per_s']:.0f} real tokens/s, peak {fsdp['peak_gib']:.1f} GiB" in " ".join(page.split())
+    assert f"16 cores: {second['sections']['overlap']['ratio']:.3f}" in " ".join(page.split())
+    assert "recompile_limit (8)" in (BENCHMARKS / "results/logs/gpu-nvidia-h200.log").read_text()
 
 
 def test_the_scaling_pages_overlap_figure_is_the_benchmarks():
