@@ -446,6 +446,25 @@ def test_the_scaling_pages_first_gpu_run_figures_are_the_h200_result_files():
     assert f"{ratios['student'][0]}, {ratios['student'][1]} and {ratios['student'][2]} at batch 1, 8 and 32" in " ".join(page.split())
     assert f"{ratios['teacher'][0]} at batch 1 but {ratios['teacher'][1]} and {ratios['teacher'][2]}" in " ".join(page.split())
     assert f"student, batch 32: {decode['student']['results'][2]['greedy_rows_identical']} rows" in " ".join(page.split())
+    from transformers import Qwen2Config
+
+    from kdlab.study.shapes import shape_of_config
+    from kdlab.study.step_time import HARDWARE, decode_token_seconds
+
+    shape = shape_of_config(Qwen2Config(**decode["student"]["shape"], tie_word_embeddings=False), "student")
+    student = decode["student"]["results"]
+    model = {backend: [1e3 * decode_token_seconds(shape, 2, r["batch"], r["prompt_tokens"] + r["new_tokens"] / 2, backend, HARDWARE["H200"])
+                       for r in student] for backend in ("kdlab", "vllm")}
+    measured = {side: [1e3 * r["batch"] / r[side]["tokens_per_s"] for r in student] for side in ("kdlab", "hf")}
+    flat = " ".join(page.split())
+    assert len({f"{ms:.1f}" for ms in model["kdlab"]}) == 1 and f"{model['kdlab'][0]:.1f} ms per token for the 1.5B shape" in flat
+    assert "measured {:.1f}, {:.1f} and {:.1f} ms per token at batch 1, 8 and 32".format(*measured["hf"]) in flat
+    assert "captured step measured {:.2f}, {:.2f} and {:.2f} ms".format(*measured["kdlab"]) in flat
+    assert "(its `vllm` back end) is {:.2f}, {:.2f} and {:.2f} ms".format(*model["vllm"]) in flat
+    overstated = [m / k for m, k in zip(model["kdlab"], measured["kdlab"])]
+    assert 5 <= min(overstated) and max(overstated) <= 7 and "about 5-7x" in flat
+    bound = [k / v for k, v in zip(measured["kdlab"], model["vllm"])]
+    assert 3.5 <= min(bound) and max(bound) <= 4.5 and "about 4x the weight-streaming bound" in flat
     fsdp = second["sections"]["fsdp"]["in_process"]
     assert f"{fsdp['tokens_per_s']:.0f} real tokens/s, peak {fsdp['peak_gib']:.1f} GiB" in " ".join(page.split())
     assert f"16 cores: {second['sections']['overlap']['ratio']:.3f}" in " ".join(page.split())
