@@ -85,7 +85,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_result  # noqa: E402
-from decode import compare  # noqa: E402
+from decode import compare, kdlab_decode  # noqa: E402
 from lightning_step import PRESET, check_step, packing_comparison, preset_settings, time_fit, write_pair  # noqa: E402
 
 from kdlab.study.estimate import PUBLISHED  # noqa: E402  (the paper models' published config numbers)
@@ -119,6 +119,7 @@ class Settings:
         self.teacher_shape = TOY_TEACHER if smoke else QWEN_7B
         self.vocab = TOY_VOCAB if smoke else VOCAB
         self.decode_batches = (1, 8, 32)
+        self.profile_batch = 8  # one more kdlab decode at this batch runs under torch.profiler (profile_decode)
         self.new_tokens = 4 if smoke else 128
         self.prompt_tokens = 8 if smoke else 128
         self.step_batches = (4,) if not smoke else (2,)  # the paper presets' micro-batch: 4 completions
@@ -179,6 +180,29 @@ def random_prompts(batch: int, length: int, vocab: int, device: str, seed: int) 
 
 
 # ---- 1. decode ------------------------------------------------------------------------------------
+def profile_decode(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, s: Settings, top: int = 15) -> dict:
+    """``torch.profiler`` over one more kdlab decode of the comparison's shapes (``s.new_tokens`` tokens: the same cache
+    length, so its compiled step and CUDA graph are reused, not recorded under the profiler):
+    the ops with the most self time on the host and on the device, in ms, with their calls, and the decode's wall
+    seconds per token, to tell what a captured decode step spends beside the weights it streams."""
+    cuda, tokens = s.device == "cuda", s.new_tokens
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    sync(s.device)
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as profiler:
+        kdlab_decode(model, ids, mask, tokens, 0, s.vocab, torch.Generator(device=ids.device).manual_seed(0))
+        sync(s.device)
+    wall = time.perf_counter() - start
+    events = profiler.key_averages()
+
+    def ranked(field: str) -> list[dict]:
+        rows = sorted(events, key=lambda e: getattr(e, field), reverse=True)[:top]
+        return [{"op": e.key, "self_ms": getattr(e, field) / 1e3, "calls": e.count} for e in rows]
+
+    return {"tokens": tokens, "batch": ids.shape[0], "profiled_wall_s_per_token": wall / tokens,
+            "top_self_cpu": ranked("self_cpu_time_total"), "top_self_device": ranked("self_device_time_total") if cuda else None}
+
+
 def decode_section(s: Settings, models: dict[str, tuple[torch.nn.Module, dict]]) -> dict:
     out = {"dtype": "bfloat16", "new_tokens": s.new_tokens, "prompt_tokens": s.prompt_tokens, "repeats": s.repeats}
     for role, (model, shape) in models.items():
@@ -189,6 +213,8 @@ def decode_section(s: Settings, models: dict[str, tuple[torch.nn.Module, dict]])
         for batch in s.decode_batches:
             ids, mask = random_prompts(batch, s.prompt_tokens, s.vocab, s.device, seed=batch)
             row = compare(model, ids, mask, s.new_tokens, s.repeats, pad_token_id=0, token_columns=s.vocab)
+            if batch == s.profile_batch:
+                row["profile"] = profile_decode(model, ids, mask, s)
             rows.append(row)
             print(f"  decode {role} B={batch}: kdlab {row['kdlab']['tokens_per_s']:.1f} tok/s, HF generate {row['hf']['tokens_per_s']:.1f} "
                   f"tok/s, ratio {row['ratio']:.3f}, greedy rows identical {row['greedy_rows_identical']}", flush=True)

@@ -52,6 +52,8 @@ def test_gpu_benchmark_script_runs_every_section_at_toy_sizes_on_the_cpu(tmp_pat
         assert [row["batch"] for row in rows] == [1, 8, 32] and all(row["new_tokens"] == 4 for row in rows)
         for row in rows:
             assert row["kdlab"]["tokens_per_s"] > 0 and row["hf"]["tokens_per_s"] > 0 and row["ratio"] > 0
+        (profiled,) = [row["profile"] for row in rows if "profile" in row]
+        assert profiled["batch"] == 8 and profiled["top_self_cpu"][0]["self_ms"] > 0 and profiled["top_self_device"] is None
     step = sections["step"]
     assert step["settings"]["precision"] == "bf16-mixed" and step["settings"]["student_dtype"] == "float32"
     assert set(step["results"]) == {"2"} and step["completion_tokens"] == 16 and step["vocab"] == gpu.TOY_VOCAB
