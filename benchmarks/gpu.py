@@ -42,16 +42,13 @@ device (nothing downloaded); the shared vocabulary is the tokenizer's 151,665 to
    not share two cores as they do on the CPU machine. Its checks (B rows, threads, fp32 weights, logged lags)
    must pass before the ratio is kept.
 
-Time on an H200 at ``--repeats 1`` (estimates; the run prints each section's wall time and writes it to the JSON):
-building both models on the GPU ~30 s. decode: 2 models x 3 batches x 2 sides x (1 warm-up + 1 run) x 128
-tokens x ~30 ms (HF generate's eager steps; kdlab's captured decoder is faster) ~= 90 s. Writing both models
-(6 GB fp32 + 15 GB bf16) and a 151,665-token tokenizer to a temporary folder ~40 s. step: each variant loads
-both models from that folder and the tokenizer twice (~25 s) and runs 1 + 4 steps of B x <= 576 tokens
-(~0.5-1 s each): 3 x ~30 s = 90 s. fsdp: (a) the same, ~30 s; (b) on one GPU skipped (with 2: ~60 s more).
-vllm: engine start with CUDA graph capture ~90 s, pushes and generates ~15 s, kdlab's decoder on the same work
-~10 s, the 5-step fit with its own engine ~120 s: ~235 s. overlap: the sampler's start ~10 s, 2 fits of 6 tiny
-steps (~1 s each with 64 tokens) ~15 s: ~25 s. Total ~= 30 + 90 + 40 + 90 + 30 + 235 + 25 ~= 540 s, under 10
-minutes; ``--repeats 3`` adds ~100 s of decode, ~30 s of steps and ~30 s of overlap fits (over 10 minutes).
+Time on an H200 at ``--repeats 1``, measured by the first run (``benchmarks/results/gpu-nvidia-h200.json`` and
+``gpu-nvidia-h200-fsdp-overlap.json``, each section's seconds in the file): building both models ~1 s; decode 367 s,
+not the ~90 s once estimated here (each side's warm-up run: kdlab's compiled its step per batch size and model,
+133 s in all, since changed to two compilations per model; ``generate``'s 68 s); writing both models ~28 s; each
+step variant ~35-45 s (loading both models, then the steps); fsdp (a) ~24 s; overlap ~15 s; vllm (not installed
+there) est. ~235 s. That first run did not fit 10 minutes. Until one does, split it over two calls:
+``--skip step fsdp vllm overlap``, then ``--skip decode``.
 
 On CUDA the run sets ``torch.set_float32_matmul_precision("high")`` (TF32) first, as ``kdlab fit`` does, and records
 it. The toy shapes of ``--smoke`` have head_dim 64, which every vLLM attention back end accepts.
