@@ -19,6 +19,8 @@ The CPU constants are measured here first, in calibration micro-benchmarks that 
   with the packaged tiny tokenizer (no model): each prompt rendered and tokenized, left-padded, 64 random tokens per
   row turned into text (:func:`~kdlab.rollouts.decoding.completion_records`) and scored by the task's verifier,
   best of 5, per row;
+* ``draw_seconds``: ``exponential_`` filling a ``(64, 32768)`` fp32 tensor from a seeded generator (a sampled
+  token's draw, :func:`~kdlab.rollouts.decoding.exponential_draw`), best of 10, per number;
 * ``train_efficiency`` 1 (the constants are this machine's achieved rates), host and device one after the other.
 
 The calibration runs before the fits and again after them (a shared machine's rates drift between runs); the
@@ -114,20 +116,23 @@ def calibrate() -> tuple[object, dict]:
     weights, rows = torch.randn(4096, 4096), torch.randn(8, 4096)
     streaming = weights.numel() * 4 / best(lambda: rows @ weights.T)
     row_seconds = best(row_work(), 5) / ROW_PROBLEMS
+    drawn, draws = torch.empty(64, 32768), torch.Generator().manual_seed(0)
+    draw_seconds = best(lambda: drawn.exponential_(1, generator=draws)) / drawn.numel()
     sources = {"op_seconds": f"kdlab's decoder, 64 tokens of a random 2-layer width-64 Qwen2: {Count.ops} aten ops, best of 10", "flops": "fp32 1024^3 matmul, best of 10",
                "bandwidth": "64 MiB fp32 copy into a buffer allocated once (read + write), best of 10",
                "decode_bandwidth_efficiency": "a 64 MiB fp32 weight matrix read by an (8, 4096) matmul (a decode step's "
                                               "weight reads), best of 10, over the clone's rate",
                "row_seconds": f"{ROW_PROBLEMS} Countdown-3 prompts tokenized, {ROW_TOKENS} random tokens each made text and verified "
-                              "(the packaged tiny tokenizer, no model), best of 5, per row"}
+                              "(the packaged tiny tokenizer, no model), best of 5, per row",
+               "draw_seconds": "exponential_ filling a (64, 32768) fp32 tensor from a seeded generator, best of 10, per number"}
     hardware = Hardware("cpu (measured)", flops, bandwidth, op_seconds, 1.0, streaming / bandwidth, overlapped=False, sources=sources,
-                        row_seconds=row_seconds)
+                        row_seconds=row_seconds, draw_seconds=draw_seconds)
     return hardware, {"op_seconds": op_seconds, "flops": flops, "bandwidth": bandwidth, "weight_streaming_bandwidth": streaming,
-                      "row_seconds": row_seconds, "ops_counted": Count.ops, "sources": sources}
+                      "row_seconds": row_seconds, "draw_seconds": draw_seconds, "ops_counted": Count.ops, "sources": sources}
 
 
 ROW_PROBLEMS, ROW_TOKENS = 200, 64
-CALIBRATED = ("op_seconds", "flops", "bandwidth", "decode_bandwidth_efficiency", "row_seconds")
+CALIBRATED = ("op_seconds", "flops", "bandwidth", "decode_bandwidth_efficiency", "row_seconds", "draw_seconds")
 
 
 def mean_hardware(before, after):
@@ -192,7 +197,7 @@ def decode_estimate(decode: dict, hardware) -> float:
     size = 2 if decode["dtype"] in ("bfloat16", "float16") else 4
     steps = decode["forwards"] - 1
     return (forward_seconds(shape, decode["rows"] * decode["prompt"], hardware)
-            + steps * decode_token_seconds(shape, size, decode["rows"], decode["prompt"] + steps / 2, "kdlab", hardware))
+            + steps * decode_token_seconds(shape, size, decode["rows"], decode["prompt"] + steps / 2, "kdlab", hardware, decode["sampled"]))
 
 
 def run_fit(name: str, args: list[str], steps: int, root: Path) -> tuple[list[str], dict]:
@@ -232,7 +237,8 @@ def compare(argv: list[str], record: dict, hardware) -> dict:
         decoding, decoded_rows = sum(d["seconds"] for d in decodes), sum(d["rows"] for d in decodes)
         estimated_decodes = sum(decode_estimate(d, hardware) for d in decodes)
         rows[part] = {"measured_s": seconds, "estimated_s": estimated_decodes + decoded_rows * hardware.row_seconds, "decodes": len(decodes),
-                      "rows": decoded_rows, "forwards": sum(d["forwards"] for d in decodes), "decoding_s": decoding,
+                      "rows": decoded_rows, "forwards": sum(d["forwards"] for d in decodes), "sampled_decodes": sum(d["sampled"] for d in decodes),
+                      "decoding_s": decoding,
                       "estimated_decodes_s": estimated_decodes, "outside_decodes_s": seconds - decoding,
                       "estimated_rows_s": decoded_rows * hardware.row_seconds}
     rows["step"]["decoding_s"] = sum(d["seconds"] for d in train) / steps  # the training decodes, per step

@@ -42,6 +42,7 @@ class Clock(pl.Callback):
             init(decoder, model, input_ids, attention_mask, *args, **kwargs)
             decoder._clock = {"part": clock.label, "config": model.config, "dtype": str(next(model.parameters()).dtype).split(".")[-1],
                               "rows": int(input_ids.shape[0]), "prompt": int(input_ids.shape[1]), "forwards": 0,
+                              "sampled": decoder.temperature > 0,
                               "start": start, "seconds": time.perf_counter() - start}
             clock.record["decodes"].append(decoder._clock)
 

@@ -141,6 +141,26 @@ def test_a_decoded_token_costs_the_larger_of_host_and_device_on_a_gpu_and_their_
         step_time.decode_token_seconds(shape, 2, 32, 2304, "hf", h200)
 
 
+def test_a_sampled_token_draws_rows_times_vocabulary_numbers_and_a_greedy_one_none():
+    """``draw_seconds``: a sampled token adds ``rows x V x draw_seconds`` (the Exp(1) numbers ``torch.multinomial``'s
+    one-sample path draws, and kdlab's draw with it); a greedy token adds nothing; the GPUs' constant is 0."""
+    from dataclasses import replace
+
+    from kdlab.study.shapes import Shape
+    from kdlab.study.step_time import HARDWARE, decode_seconds, decode_token_seconds
+
+    shape = Shape(hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, intermediate=64, vocab=353)
+    cpu = replace(HARDWARE["H200"], name="cpu", overlapped=False, draw_seconds=0.0)
+    drawing = replace(cpu, draw_seconds=2e-8)
+    for rows in (1, 100):
+        plain = decode_token_seconds(shape, 4, rows, 50, "kdlab", cpu)
+        assert decode_token_seconds(shape, 4, rows, 50, "kdlab", drawing) == pytest.approx(plain + rows * 353 * 2e-8)
+        assert decode_token_seconds(shape, 4, rows, 50, "kdlab", drawing, sampled=False) == pytest.approx(plain)
+    greedy, sampled = (decode_seconds(shape, 4, 8, 20, 10, "kdlab", drawing, sampled=s) for s in (False, True))
+    assert sampled - greedy == pytest.approx(10 * 8 * 353 * 2e-8)
+    assert all(hardware.draw_seconds == 0 for hardware in HARDWARE.values())
+
+
 def test_each_evaluated_row_adds_its_host_work_to_its_evaluation():
     """``Hardware.row_seconds``: every row an evaluation scores (validation's prompts x samples, Coverage's, each
     kdlab OOD task's examples) costs that much outside its decode, once per time the evaluation runs."""
@@ -226,7 +246,8 @@ def test_the_estimate_check_times_a_real_tiny_fit_by_part_and_records_the_work_i
     assert record["smoke"] and record["threads"] == 1 and record["problems"] == []
     calibration = record["calibration"]
     assert calibration["op_seconds"] > 0 and calibration["flops"] > 0 and calibration["bandwidth"] > 0 and calibration["before"]["ops_counted"] > 0
-    for key in ("op_seconds", "flops", "bandwidth", "row_seconds"):  # measured before and after the fits; the model takes their mean
+    assert calibration["draw_seconds"] > 0
+    for key in ("op_seconds", "flops", "bandwidth", "row_seconds", "draw_seconds"):  # measured before and after the fits; the model takes their mean
         assert calibration[key] == pytest.approx((calibration["before"][key] + calibration["after"][key]) / 2)
         assert calibration["drift"][key] == pytest.approx(calibration["after"][key] / calibration["before"][key])
     tiny = record["pairs"]["tiny"]

@@ -15,7 +15,11 @@ sum. Per decoded token (each decoding model, batch ``b`` rows, the mean context 
   streams weights (``bandwidth x decode_bandwidth_efficiency``), and at ``bandwidth`` the arrays between the ops:
   one ``(b, hidden)`` array per op of a layer, each row's fp32 attention scores, the sampling's fp32 ``(b, V)``
   arrays (the ops' traffic grows with the rows; ``benchmarks/estimate_check.py`` compares the whole with real CPU
-  fits);
+  fits); a sampled token (not a greedy one) also draws ``b x V`` Exp(1) numbers (``torch.multinomial``'s
+  one-sample path, which kdlab's draw reproduces), ``draw_seconds`` each: on a CPU the generator's serial
+  arithmetic, about 19 ns a number on this project's machine, far above the bytes it writes (a profile of a
+  200-row decode of the tiny student put ``exponential_`` first, ahead of attention); on a GPU the draw is one
+  more bandwidth-bound pass, 0 beyond the sampling passes;
 * ``vllm`` (CUDA graphs: one launch per step, so no per-op host time; its scheduler's own time is not counted):
   the same device time;
 * ``served`` (a vLLM server on the same kind of GPU): as ``vllm``.
@@ -67,6 +71,7 @@ class Hardware:
     overlapped: bool = True  # the host issues work ahead of the device (GPU): a piece takes max(host, device)
     sources: dict[str, str] = field(default_factory=dict)
     row_seconds: float = 0.0  # host seconds per evaluated row outside its decode: prompt tokenized, completion's text, verifier
+    draw_seconds: float = 0.0  # seconds per Exp(1) number a sampled token draws (b x V of them) beyond its bytes (0 on a GPU)
 
 
 NVIDIA_H200 = "https://www.nvidia.com/en-us/data-center/h200/"
@@ -103,9 +108,10 @@ def weight_bytes(shape: Shape, dtype_bytes: int) -> float:
     return shape.params * dtype_bytes
 
 
-def decode_token_seconds(shape: Shape, dtype_bytes: int, rows: int, context: float, backend: str, hardware: Hardware) -> float:
+def decode_token_seconds(shape: Shape, dtype_bytes: int, rows: int, context: float, backend: str, hardware: Hardware,
+                         sampled: bool = True) -> float:
     """Seconds for one token of ``rows`` rows on one model (module docstring): ``backend`` ``kdlab`` (eager, also
-    lm-eval's HF back end), ``vllm`` or ``served`` (CUDA graphs)."""
+    lm-eval's HF back end), ``vllm`` or ``served`` (CUDA graphs); ``sampled`` False for a greedy token (no draw)."""
     if backend not in ("kdlab", "vllm", "served"):
         raise ValueError(f"decode back end must be kdlab, vllm or served, got {backend!r}")
     kv = rows * context * 2 * shape.layers * shape.kv_dim * dtype_bytes
@@ -115,6 +121,8 @@ def decode_token_seconds(shape: Shape, dtype_bytes: int, rows: int, context: flo
     sampling = SAMPLING_PASSES * rows * shape.vocab * 4
     memory = streamed + (ops + scores + sampling) / hardware.bandwidth
     device = max(memory, 2 * shape.params * rows / (hardware.flops * hardware.train_efficiency))
+    if sampled:
+        device += rows * shape.vocab * hardware.draw_seconds
     host = (shape.layers * OPS_DECODE_LAYER + OPS_DECODE_OUTSIDE) * hardware.op_seconds if backend == "kdlab" else 0.0
     return combine(hardware, host, device)
 
@@ -128,13 +136,14 @@ def forward_seconds(shape: Shape, tokens: float, hardware: Hardware, passes: int
     return combine(hardware, ops * hardware.op_seconds, passes * shape.params * tokens / (hardware.flops * hardware.train_efficiency))
 
 
-def decode_seconds(shape: Shape, dtype_bytes: int, rows: int, prompt: int, completion: int, backend: str, hardware: Hardware) -> float:
+def decode_seconds(shape: Shape, dtype_bytes: int, rows: int, prompt: int, completion: int, backend: str, hardware: Hardware,
+                   sampled: bool = True) -> float:
     """One batched decode: the prefill of ``rows x prompt`` tokens and ``completion`` token steps (the cap: a
     decode ends when its longest row does)."""
     if rows <= 0 or completion <= 0:
         return 0.0
     prefill = forward_seconds(shape, rows * prompt, hardware)
-    return prefill + completion * decode_token_seconds(shape, dtype_bytes, rows, prompt + completion / 2, backend, hardware)
+    return prefill + completion * decode_token_seconds(shape, dtype_bytes, rows, prompt + completion / 2, backend, hardware, sampled)
 
 
 @dataclass
