@@ -21,6 +21,9 @@ The CPU constants are measured here first, in calibration micro-benchmarks that 
   best of 5, per row;
 * ``draw_seconds``: ``exponential_`` filling a ``(64, 32768)`` fp32 tensor from a seeded generator (a sampled
   token's draw, :func:`~kdlab.rollouts.decoding.exponential_draw`), best of 10, per number;
+* ``element_seconds``: the same calibration decode with 64 rows: its growth per token over the 1-row decode, less
+  the 64-row draw's ``draw_seconds``, per element of the ``(rows, hidden)`` arrays the model's decode ops move
+  (``rows x layers x OPS_DECODE_LAYER x hidden``);
 * ``train_efficiency`` 1 (the constants are this machine's achieved rates), host and device one after the other.
 
 The calibration runs before the fits and again after them (a shared machine's rates drift between runs); the
@@ -92,10 +95,10 @@ def calibrate() -> tuple[object, dict]:
     small = Qwen2ForCausalLM(config).eval()
     prompt, mask = torch.randint(0, 128, (1, 16)), torch.ones(1, 16, dtype=torch.long)
 
-    def decode():
-        tokens = kdlab_decode(small, prompt, mask, 64, 0, 128, torch.Generator().manual_seed(0))
-        if tokens.shape != (1, 64):
-            raise SystemExit(f"calibration decode gave {tuple(tokens.shape)} tokens, wanted (1, 64)")
+    def decode(rows: int = 1):
+        tokens = kdlab_decode(small, prompt.expand(rows, -1), mask.expand(rows, -1), 64, 0, 128, torch.Generator().manual_seed(0))
+        if tokens.shape != (rows, 64):
+            raise SystemExit(f"calibration decode gave {tuple(tokens.shape)} tokens, wanted ({rows}, 64)")
 
     class Count(TorchDispatchMode):
         ops = 0
@@ -118,21 +121,29 @@ def calibrate() -> tuple[object, dict]:
     row_seconds = best(row_work(), 5) / ROW_PROBLEMS
     drawn, draws = torch.empty(64, 32768), torch.Generator().manual_seed(0)
     draw_seconds = best(lambda: drawn.exponential_(1, generator=draws)) / drawn.numel()
+    from kdlab.study.step_time import OPS_DECODE_LAYER
+
+    decode(ELEMENT_ROWS)  # warm-up
+    growth = (best(lambda: decode(ELEMENT_ROWS), 5) - best(decode, 5)) / 64 - (ELEMENT_ROWS - 1) * 128 * draw_seconds  # per token
+    element_seconds = max(growth, 0.0) / ((ELEMENT_ROWS - 1) * config.num_hidden_layers * OPS_DECODE_LAYER * config.hidden_size)
     sources = {"op_seconds": f"kdlab's decoder, 64 tokens of a random 2-layer width-64 Qwen2: {Count.ops} aten ops, best of 10", "flops": "fp32 1024^3 matmul, best of 10",
                "bandwidth": "64 MiB fp32 copy into a buffer allocated once (read + write), best of 10",
                "decode_bandwidth_efficiency": "a 64 MiB fp32 weight matrix read by an (8, 4096) matmul (a decode step's "
                                               "weight reads), best of 10, over the clone's rate",
                "row_seconds": f"{ROW_PROBLEMS} Countdown-3 prompts tokenized, {ROW_TOKENS} random tokens each made text and verified "
                               "(the packaged tiny tokenizer, no model), best of 5, per row",
-               "draw_seconds": "exponential_ filling a (64, 32768) fp32 tensor from a seeded generator, best of 10, per number"}
+               "draw_seconds": "exponential_ filling a (64, 32768) fp32 tensor from a seeded generator, best of 10, per number",
+               "element_seconds": f"the op_seconds decode at {ELEMENT_ROWS} rows against 1 row (best of 5 each), per token, less the "
+                                  "draw, per element of its ops' (rows, hidden) arrays"}
     hardware = Hardware("cpu (measured)", flops, bandwidth, op_seconds, 1.0, streaming / bandwidth, overlapped=False, sources=sources,
-                        row_seconds=row_seconds, draw_seconds=draw_seconds)
+                        row_seconds=row_seconds, draw_seconds=draw_seconds, element_seconds=element_seconds)
     return hardware, {"op_seconds": op_seconds, "flops": flops, "bandwidth": bandwidth, "weight_streaming_bandwidth": streaming,
-                      "row_seconds": row_seconds, "draw_seconds": draw_seconds, "ops_counted": Count.ops, "sources": sources}
+                      "row_seconds": row_seconds, "draw_seconds": draw_seconds, "element_seconds": element_seconds, "ops_counted": Count.ops, "sources": sources}
 
 
 ROW_PROBLEMS, ROW_TOKENS = 200, 64
-CALIBRATED = ("op_seconds", "flops", "bandwidth", "decode_bandwidth_efficiency", "row_seconds", "draw_seconds")
+ELEMENT_ROWS = 64
+CALIBRATED = ("op_seconds", "flops", "bandwidth", "decode_bandwidth_efficiency", "row_seconds", "draw_seconds", "element_seconds")
 
 
 def mean_hardware(before, after):
@@ -271,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     after, calibration_after = calibrate()  # the machine's rates drift: measured on both sides of the fits, their mean used
     hardware, calibration = mean_hardware(before, after), {"before": calibration_before, "after": calibration_after}
     calibration.update({key: getattr(hardware, key) for key in CALIBRATED})
-    calibration["drift"] = {key: getattr(after, key) / getattr(before, key) for key in CALIBRATED}
+    calibration["drift"] = {key: getattr(after, key) / getattr(before, key) if getattr(before, key) else None for key in CALIBRATED}
     calibration["sources"] = calibration_before["sources"]
     results, problems = {name: compare(*fits[name], hardware) for name in pairs}, []
     for name, result in results.items():

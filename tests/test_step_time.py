@@ -161,6 +161,26 @@ def test_a_sampled_token_draws_rows_times_vocabulary_numbers_and_a_greedy_one_no
     assert all(hardware.draw_seconds == 0 for hardware in HARDWARE.values())
 
 
+def test_a_decode_ops_time_is_the_larger_of_their_bytes_and_their_elements_at_element_seconds():
+    """``element_seconds`` (a CPU's eager ops costing more than their bytes): the ops' ``rows x layers x
+    OPS_DECODE_LAYER x hidden`` elements at that rate when it exceeds the bytes at ``bandwidth``; at 0 (the GPUs)
+    the bytes alone, as before."""
+    from dataclasses import replace
+
+    from kdlab.study.shapes import Shape
+    from kdlab.study.step_time import HARDWARE, OPS_DECODE_LAYER, decode_token_seconds
+
+    shape = Shape(hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, intermediate=64, vocab=353)
+    cpu = replace(HARDWARE["H200"], name="cpu", overlapped=False)
+    elements = 100 * 2 * OPS_DECODE_LAYER * 32
+    plain = decode_token_seconds(shape, 4, 100, 50, "kdlab", cpu, sampled=False)
+    slow = decode_token_seconds(shape, 4, 100, 50, "kdlab", replace(cpu, element_seconds=3e-9), sampled=False)
+    assert slow == pytest.approx(plain - elements * 4 / cpu.bandwidth + elements * 3e-9)
+    tiny = replace(cpu, element_seconds=1e-15)  # below the bytes' rate: the bytes decide
+    assert decode_token_seconds(shape, 4, 100, 50, "kdlab", tiny, sampled=False) == pytest.approx(plain)
+    assert all(hardware.element_seconds == 0 for hardware in HARDWARE.values())
+
+
 def test_each_evaluated_row_adds_its_host_work_to_its_evaluation():
     """``Hardware.row_seconds``: every row an evaluation scores (validation's prompts x samples, Coverage's, each
     kdlab OOD task's examples) costs that much outside its decode, once per time the evaluation runs."""
@@ -246,7 +266,7 @@ def test_the_estimate_check_times_a_real_tiny_fit_by_part_and_records_the_work_i
     assert record["smoke"] and record["threads"] == 1 and record["problems"] == []
     calibration = record["calibration"]
     assert calibration["op_seconds"] > 0 and calibration["flops"] > 0 and calibration["bandwidth"] > 0 and calibration["before"]["ops_counted"] > 0
-    assert calibration["draw_seconds"] > 0
+    assert calibration["draw_seconds"] > 0 and calibration["element_seconds"] >= 0
     for key in ("op_seconds", "flops", "bandwidth", "row_seconds", "draw_seconds"):  # measured before and after the fits; the model takes their mean
         assert calibration[key] == pytest.approx((calibration["before"][key] + calibration["after"][key]) / 2)
         assert calibration["drift"][key] == pytest.approx(calibration["after"][key] / calibration["before"][key])

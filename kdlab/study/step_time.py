@@ -19,7 +19,11 @@ sum. Per decoded token (each decoding model, batch ``b`` rows, the mean context 
   one-sample path, which kdlab's draw reproduces), ``draw_seconds`` each: on a CPU the generator's serial
   arithmetic, about 19 ns a number on this project's machine, far above the bytes it writes (a profile of a
   200-row decode of the tiny student put ``exponential_`` first, ahead of attention); on a GPU the draw is one
-  more bandwidth-bound pass, 0 beyond the sampling passes;
+  more bandwidth-bound pass, 0 beyond the sampling passes. On a CPU an eager op's cost also grows with its
+  size well beyond the bytes it moves (small cache-resident arrays, attention's per-row and per-head work):
+  ``element_seconds`` per element of the ops' ``(b, hidden)`` arrays, measured as the growth of a calibration
+  model's decode from 1 row to 64 (``benchmarks/estimate_check.py``); the ops' time is the larger of that and
+  their bytes at ``bandwidth`` (0 on a GPU: the bytes);
 * ``vllm`` (CUDA graphs: one launch per step, so no per-op host time; its scheduler's own time is not counted):
   the same device time;
 * ``served`` (a vLLM server on the same kind of GPU): as ``vllm``.
@@ -72,6 +76,7 @@ class Hardware:
     sources: dict[str, str] = field(default_factory=dict)
     row_seconds: float = 0.0  # host seconds per evaluated row outside its decode: prompt tokenized, completion's text, verifier
     draw_seconds: float = 0.0  # seconds per Exp(1) number a sampled token draws (b x V of them) beyond its bytes (0 on a GPU)
+    element_seconds: float = 0.0  # seconds per element of a decode op's (b, hidden) array, when more than its bytes cost (0 on a GPU)
 
 
 NVIDIA_H200 = "https://www.nvidia.com/en-us/data-center/h200/"
@@ -116,10 +121,11 @@ def decode_token_seconds(shape: Shape, dtype_bytes: int, rows: int, context: flo
         raise ValueError(f"decode back end must be kdlab, vllm or served, got {backend!r}")
     kv = rows * context * 2 * shape.layers * shape.kv_dim * dtype_bytes
     streamed = (weight_bytes(shape, dtype_bytes) + kv) / (hardware.bandwidth * hardware.decode_bandwidth_efficiency)
-    ops = rows * shape.layers * OPS_DECODE_LAYER * shape.hidden * dtype_bytes  # each op of a layer moves one (rows, hidden) array
+    elements = rows * shape.layers * OPS_DECODE_LAYER * shape.hidden  # each op of a layer moves one (rows, hidden) array
+    ops = max(elements * dtype_bytes / hardware.bandwidth, elements * hardware.element_seconds)
     scores = rows * shape.layers * 2 * 4 * shape.heads * context  # attention scores, fp32, written and read
     sampling = SAMPLING_PASSES * rows * shape.vocab * 4
-    memory = streamed + (ops + scores + sampling) / hardware.bandwidth
+    memory = streamed + ops + (scores + sampling) / hardware.bandwidth
     device = max(memory, 2 * shape.params * rows / (hardware.flops * hardware.train_efficiency))
     if sampled:
         device += rows * shape.vocab * hardware.draw_seconds
