@@ -336,3 +336,19 @@ def test_the_estimate_check_averages_the_weight_streaming_rate_itself():
     after = replace(before, bandwidth=27e9, decode_bandwidth_efficiency=7.7e9 / 27e9)
     mean = module.mean_hardware(before, after)
     assert mean.bandwidth == pytest.approx(15.75e9) and mean.bandwidth * mean.decode_bandwidth_efficiency == pytest.approx(7.7e9)
+
+
+def test_the_row_seconds_source_quotes_the_committed_estimate_checks_range():
+    """The GPUs' ``row_seconds`` source says what ``benchmarks/results/estimate_check-cpu.json`` measured per row
+    outside the decodes; the range it quotes holds every evaluation there, each rounded to 0.1 ms."""
+    import json
+    import re
+
+    from kdlab.study.step_time import HARDWARE
+
+    record = json.loads((ROOT / "benchmarks/results/estimate_check-cpu.json").read_text())
+    per_row = [row["outside_decodes_s"] / row["rows"] * 1e3 for pair in record["pairs"].values()
+               for row in pair["comparisons"].values() if row.get("rows")]
+    low, high = map(float, re.search(r"measured ([\d.]+)-([\d.]+) ms per row", HARDWARE["H200"].sources["row_seconds"]).groups())
+    assert low == round(min(per_row), 1) and high == round(max(per_row), 1)
+
