@@ -17,7 +17,9 @@ left-padded (different lengths in one batch).
   Prompts that begin alike are prefilled once (``StaticCacheLM(share_prefix=True)``, the default everywhere in
   kdlab): each row records ``shared_prompt_tokens``, the leading tokens every prompt of the batch shares.
 * ``kdlab_whole_prefill``: the same decoder prefilling every prompt whole (``share_prefix=False``), as HF
-  ``generate`` does: what the shared prefill is worth, apart from the rest of the decoder.
+  ``generate`` does: what the shared prefill is worth, apart from the rest of the decoder. Run only where the
+  prompts share at least ``SHARED_PREFIX_MIN`` tokens (elsewhere ``kdlab`` already prefills whole: the same
+  decode twice; ``gpu.py``'s random prompts share none).
 * ``kdlab_compiled``: the same with the decode step compiled (``compile="always"``: inductor's C++ kernels on a
   CPU; on a GPU the default compiles it with CUDA graphs). Its first run (the warm-up) includes compiling, recorded
   as ``first_run_s``; left out with ``--no-compiled``. The file shows whether compiling pays on a CPU.
@@ -129,7 +131,12 @@ def compare(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_to
     device = input_ids.device
     batch = input_ids.shape[0]
     cuda = device.type == "cuda"
-    sides = {"kdlab": "cuda", "kdlab_whole_prefill": "cuda", "hf": None} | ({"kdlab_compiled": "always"} if compiled else {})
+    from kdlab.rollouts.static_cache import SHARED_PREFIX_MIN, shared_prefix
+
+    shared = shared_prefix(input_ids, attention_mask)
+    # kdlab's decoder prefilling every prompt whole: a side of its own only where the prompts share a prefix it prefills once
+    whole = {"kdlab_whole_prefill": "cuda"} if shared >= SHARED_PREFIX_MIN else {}
+    sides = {"kdlab": "cuda", **whole, "hf": None} | ({"kdlab_compiled": "always"} if compiled else {})
 
     def sync():
         if cuda:
@@ -157,10 +164,7 @@ def compare(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_to
     for rep in range(repeats):
         for side in order[rep % len(order):] + order[: rep % len(order)]:
             times[side].append(run(side, rep))
-    from kdlab.rollouts.static_cache import shared_prefix
-
-    result = {"batch": batch, "prompt_tokens": input_ids.shape[1], "new_tokens": new_tokens,
-              "shared_prompt_tokens": shared_prefix(input_ids, attention_mask)}
+    result = {"batch": batch, "prompt_tokens": input_ids.shape[1], "new_tokens": new_tokens, "shared_prompt_tokens": shared}
     for side, values in times.items():
         result[side] = {"times_s": values, "time_s": statistics.median(values), "tokens_per_s": batch * new_tokens / statistics.median(values),
                         "first_run_s": first[side]}
@@ -168,7 +172,8 @@ def compare(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_to
     # each repetition's runs are back to back: their ratio sees the same load from other processes
     result["paired_ratios"] = [hf / own for own, hf in zip(times["kdlab"], times["hf"])]
     result["paired_ratio_median"] = statistics.median(result["paired_ratios"])
-    result["whole_prefill_ratio"] = result["kdlab_whole_prefill"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
+    if whole:
+        result["whole_prefill_ratio"] = result["kdlab_whole_prefill"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
     if compiled:
         result["compiled_ratio"] = result["kdlab_compiled"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
         result["compiled_paired_ratio_median"] = statistics.median(hf / own for own, hf in zip(times["kdlab_compiled"], times["hf"]))

@@ -116,7 +116,7 @@ def _decode(record: dict) -> str:
         raise SystemExit("a decode result file from before issue #45: rerun python benchmarks/decode.py")
     targets = record["targets"]
     dtypes = sorted({row["dtype"] for rows in record["results"].values() for row in rows})
-    whole = all("whole_prefill_ratio" in row for rows in record["results"].values() for row in rows)
+    whole = all("shared_prompt_tokens" in row for rows in record["results"].values() for row in rows)  # a row with no shared prefix has no whole-prefill side
     lines = [f"## Decoding: kdlab's decoder against HF `generate`, {', '.join(record['results'])}, {', '.join(dtypes)}, "
              f"{record['new_tokens']} new tokens\n", _setting(record),
              "Sampling at temperature 1, no end token (every row decodes exactly N tokens on every side, checked), the same "
@@ -126,7 +126,7 @@ def _decode(record: dict) -> str:
              + ". `paired` is the median over repetitions of back-to-back runs' ratio. Greedy rows identical: kdlab's greedy "
              "decode against `generate(do_sample=False)` over all N tokens, token for token."
              + (" `shared`: the leading prompt tokens every row shares, which kdlab prefills once; `whole prefill / HF`: kdlab's "
-                "decoder prefilling every prompt whole, as `generate` does." if whole else "") + "\n"]
+                "decoder prefilling every prompt whole, as `generate` does (- where the prompts share no prefix: the same decode)." if whole else "") + "\n"]
     compiled = record["compiled"]
     lines += ["| model | batch | padded prompt width |" + (" shared |" if whole else "") + " kdlab tok/s | HF generate tok/s | kdlab / HF | paired |"
               + (" whole prefill / HF |" if whole else "") + (" compiled tok/s | compiled / HF | compile s |" if compiled else "") + " greedy rows identical |",
@@ -137,7 +137,7 @@ def _decode(record: dict) -> str:
             extra = (f" {row['kdlab_compiled']['tokens_per_s']:.1f} | {row['compiled_ratio']:.3f} | "
                      f"{row['kdlab_compiled']['first_run_s'] - row['kdlab_compiled']['time_s']:.0f} |") if compiled else ""
             shared = f" {row['shared_prompt_tokens']} |" if whole else ""
-            prefill = f" {row['whole_prefill_ratio']:.3f} |" if whole else ""
+            prefill = (f" {row['whole_prefill_ratio']:.3f} |" if "whole_prefill_ratio" in row else " - |") if whole else ""
             lines.append(f"| {model} | {row['batch']} | {row['prompt_tokens']} |{shared} {row['kdlab']['tokens_per_s']:.1f} | "
                          f"{row['hf']['tokens_per_s']:.1f} | {row['ratio']:.3f} | {row['paired_ratio_median']:.3f} |{prefill}{extra} "
                          f"{row['greedy_rows_identical']} |")
