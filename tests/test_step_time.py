@@ -352,3 +352,13 @@ def test_the_row_seconds_source_quotes_the_committed_estimate_checks_range():
     low, high = map(float, re.search(r"measured ([\d.]+)-([\d.]+) ms per row", HARDWARE["H200"].sources["row_seconds"]).groups())
     assert low == round(min(per_row), 1) and high == round(max(per_row), 1)
 
+
+def test_the_time_models_draw_figure_is_the_committed_calibrations():
+    """``kdlab.study.step_time``'s docstring says "about 19 ns a number": the committed estimate check's draw_seconds."""
+    import json
+
+    from kdlab.study import step_time
+
+    record = json.loads((ROOT / "benchmarks/results/estimate_check-cpu.json").read_text())
+    assert f"about {record['calibration']['draw_seconds'] * 1e9:.0f} ns a number" in " ".join(step_time.__doc__.split())
+

@@ -17,8 +17,8 @@ sum. Per decoded token (each decoding model, batch ``b`` rows, the mean context 
   arrays (the ops' traffic grows with the rows; ``benchmarks/estimate_check.py`` compares the whole with real CPU
   fits); a sampled token (not a greedy one) also draws ``b x V`` Exp(1) numbers (``torch.multinomial``'s
   one-sample path, which kdlab's draw reproduces), ``draw_seconds`` each: on a CPU the generator's serial
-  arithmetic, about 19 ns a number on this project's machine, far above the bytes it writes (a profile of a
-  200-row decode of the tiny student put ``exponential_`` first, ahead of attention); on a GPU the draw is one
+  arithmetic, about 19 ns a number on this project's machine (``benchmarks/results/estimate_check-cpu.json``), far
+  above the bytes it writes; on a GPU the draw is one
   more bandwidth-bound pass, 0 beyond the sampling passes. On a CPU an eager op's cost also grows with its
   size well beyond the bytes it moves (small cache-resident arrays, attention's per-row and per-head work):
   ``element_seconds`` per element of the ops' ``(b, hidden)`` arrays, measured as the growth of a calibration
