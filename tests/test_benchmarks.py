@@ -476,6 +476,10 @@ def test_the_scaling_pages_first_gpu_run_figures_are_the_h200_result_files():
     assert f"{fsdp['tokens_per_s']:.0f} real tokens/s, peak {fsdp['peak_gib']:.1f} GiB" in " ".join(page.split())
     assert f"16 cores: {second['sections']['overlap']['ratio']:.3f}" in " ".join(page.split())
     assert "recompile_limit (8)" in (BENCHMARKS / "results/logs/gpu-nvidia-h200.log").read_text()
+    sys.path.insert(0, str(BENCHMARKS))
+    import gpu
+
+    assert f"profiles one decode per model at batch {gpu.Settings(False, 1, 'cpu').profile_batch}" in flat
 
 
 def test_the_scaling_pages_overlap_figure_is_the_benchmarks():
