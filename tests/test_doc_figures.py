@@ -442,3 +442,21 @@ def test_the_style_alone_configs_use_the_gates_temperature_and_teachers():
         told = {k.rsplit(".", 1)[1]: v for k, v in control.items() if k.startswith("model.task.init_args.teacher_")}
         assert {k: v for k, v in told.items() if v is not None} == script.TEACHERS["english"] == gate["english_teacher"]["settings"]
     assert "style_alone_gate.json'))['gate']['passed']" in (ROOT / "experiments/smollm2/style_alone_study.sh").read_text(encoding="utf-8")
+
+
+def test_the_style_alone_studys_finished_runs_come_from_the_clean_commit_the_real_model_page_names():
+    """docs/real_model.md says the style-alone study has begun at one commit and where its first finished runs wait:
+    every run in that archive records that commit with a clean tree, and each is finished (DONE)."""
+    import tarfile
+
+    page = (DOCS / "real_model.md").read_text()
+    found = re.search(r"The study has begun at commit `([0-9a-f]{7})`[^`]*`(experiments/smollm2/study_runs/partial/[\w.]+\.tar\.gz)`",
+                      " ".join(page.split()))
+    assert found, "the page no longer says where the style-alone study's finished runs wait"
+    commit, archive = found.groups()
+    with tarfile.open(ROOT / archive) as tar:
+        names = tar.getnames()
+        infos = [json.load(tar.extractfile(name)) for name in names if name.endswith("/run_info.json")]
+        done = {name.rsplit("/", 1)[0] for name in names if name.endswith("/DONE")}
+    assert infos and len(infos) == len(done)
+    assert {(info["git_commit"][:7], info["git_dirty"]) for info in infos} == {(commit, False)}
