@@ -83,7 +83,7 @@ def calibrate() -> tuple[object, dict]:
     """This CPU's :class:`~kdlab.study.step_time.Hardware`, from the micro-benchmarks of the module docstring."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from kdlab.study.step_time import Hardware
+    from kdlab.study.step_time import OPS_DECODE_LAYER, Hardware
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -121,8 +121,6 @@ def calibrate() -> tuple[object, dict]:
     row_seconds = best(row_work(), 5) / ROW_PROBLEMS
     drawn, draws = torch.empty(64, 32768), torch.Generator().manual_seed(0)
     draw_seconds = best(lambda: drawn.exponential_(1, generator=draws)) / drawn.numel()
-    from kdlab.study.step_time import OPS_DECODE_LAYER
-
     decode(ELEMENT_ROWS)  # warm-up
     growth = (best(lambda: decode(ELEMENT_ROWS), 5) - best(decode, 5)) / 64 - (ELEMENT_ROWS - 1) * 128 * draw_seconds  # per token
     element_seconds = max(growth, 0.0) / ((ELEMENT_ROWS - 1) * config.num_hidden_layers * OPS_DECODE_LAYER * config.hidden_size)

@@ -83,7 +83,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_result  # noqa: E402
 from decode import compare, kdlab_decode  # noqa: E402
-from lightning_step import PRESET, check_step, packing_comparison, preset_settings, time_fit, write_pair  # noqa: E402
+from lightning_step import PRESET, check_step, packing_comparison, preset_settings, time_fit, top_self_time, write_pair  # noqa: E402
 
 from kdlab.study.estimate import PUBLISHED  # noqa: E402  (the paper models' published config numbers)
 
@@ -191,13 +191,9 @@ def profile_decode(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
         sync(s.device)
     wall = time.perf_counter() - start
     events = profiler.key_averages()
-
-    def ranked(field: str) -> list[dict]:
-        rows = sorted(events, key=lambda e: getattr(e, field), reverse=True)[:top]
-        return [{"op": e.key, "self_ms": getattr(e, field) / 1e3, "calls": e.count} for e in rows]
-
     return {"tokens": tokens, "batch": ids.shape[0], "profiled_wall_s_per_token": wall / tokens,
-            "top_self_cpu": ranked("self_cpu_time_total"), "top_self_device": ranked("self_device_time_total") if cuda else None}
+            "top_self_cpu": top_self_time(events, "self_cpu_time_total", top),
+            "top_self_device": top_self_time(events, "self_device_time_total", top) if cuda else None}
 
 
 def decode_section(s: Settings, models: dict[str, tuple[torch.nn.Module, dict]]) -> dict:

@@ -118,6 +118,13 @@ class SyncedTimer(pl.Callback):
         self.dtypes |= {str(p.dtype).removeprefix("torch.") for p in pl_module.student.parameters()}
 
 
+def top_self_time(events, field: str, top: int = 15) -> list[dict]:
+    """The ``top`` ops of a profiler's ``key_averages()`` with the most ``field`` (``self_device_time_total`` or
+    ``self_cpu_time_total``), the longest first: name, self ms, calls."""
+    rows = sorted(events, key=lambda e: getattr(e, field), reverse=True)[:top]
+    return [{"op": e.key, "self_ms": getattr(e, field) / 1e3, "calls": e.count} for e in rows]
+
+
 class StepProfile(pl.Callback):
     """``torch.profiler`` over the fit's last training batch (untimed: the profiler slows it): the ops with the most
     self time (device time on CUDA, CPU time elsewhere), the longest first, in ms, with their call counts."""
@@ -140,8 +147,7 @@ class StepProfile(pl.Callback):
             torch.cuda.synchronize(pl_module.device)
         self.profiler.__exit__(None, None, None)
         field = "self_device_time_total" if cuda else "self_cpu_time_total"
-        rows = sorted(self.profiler.key_averages(), key=lambda e: getattr(e, field), reverse=True)[: self.top]
-        self.ops = [{"op": e.key, "self_ms": getattr(e, field) / 1e3, "calls": e.count} for e in rows]
+        self.ops = top_self_time(self.profiler.key_averages(), field, self.top)
         self.clock = "device" if cuda else "cpu"
 
 
