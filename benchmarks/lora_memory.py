@@ -40,11 +40,12 @@ def measure(model: str, rank: int | None) -> dict:
     from kdlab.stages.distill import DistillModule
     from kdlab.stages.lora import LoraSpec
     from kdlab.tasks import Addition
+    from kdlab.teachers import BaseModelTeacher
 
     lora = LoraSpec(r=rank, alpha=2 * rank) if rank else None
-    module = DistillModule(ModelSpec(**STUDENTS[model]), None if lora else ModelSpec(**STUDENTS[model]),
-                           Addition(num_train=4, num_val=1, num_test=0), rollout=StudentRollouts(), lora=lora,
-                           base_teacher=lora is not None, val_examples=1)
+    teacher = BaseModelTeacher() if lora else ModelSpec(**STUDENTS[model])
+    module = DistillModule(ModelSpec(**STUDENTS[model]), teacher, Addition(num_train=4, num_val=1, num_test=0), rollout=StudentRollouts(),
+                           lora=lora, val_examples=1)
     module._frozen.clear()  # the full-student variant loaded a teacher to satisfy the constructor; it is not measured
     optimizer = module.configure_optimizers()["optimizer"]
     student = module.student

@@ -72,8 +72,7 @@ def fit(variant: str, args, folder: Path, url: str, task) -> dict:
                          callbacks=[timer, lags])
     pl.seed_everything(0)
     trainer.fit(module)
-    return {"seconds": timer.seconds, "wall_per_step": (timer.ends[-1] - timer.starts[2]) / (len(timer.ends) - 2), "policy_lag": lags.lags,
-            "rollout_weights_step": lags.writers, "rows": sorted({s["rows"] for s in timer.shapes}), "threads": sorted({s["threads"] for s in timer.shapes}),
+    return {**timer.summary(), "policy_lag": lags.lags, "rollout_weights_step": lags.writers,
             "student_dtypes": sorted({str(p.dtype) for p in module.student.parameters()})}
 
 

@@ -59,9 +59,7 @@ def fit(variant: str, args, folder: Path, url: str) -> dict:
     timer = WallTimer()
     cli.trainer.callbacks.append(timer)
     cli.trainer.fit(cli.model)
-    return {"seconds": timer.seconds, "wall_per_step": (timer.ends[-1] - timer.starts[2]) / (len(timer.ends) - 2),
-            "rows": sorted({s["rows"] for s in timer.shapes}), "threads": sorted({s["threads"] for s in timer.shapes}),
-            "batch_size": cli.model.hparams.get("batch_size", getattr(cli.model, "batch_size", None)),
+    return {**timer.summary(), "batch_size": cli.model.hparams.get("batch_size", getattr(cli.model, "batch_size", None)),
             "teacher": type(cli.model.teacher_source).__name__ if hasattr(cli.model, "teacher_source") else type(cli.model.teacher).__name__}
 
 

@@ -2,6 +2,7 @@
 that reads them from a top-k cache, at the same shapes.
 
     python benchmarks/served_teacher_step.py [--batch 8] [--steps 12] [--top-k 20] [--repeats 3] [--threads 1] [--out FILE]
+    python benchmarks/served_teacher_step.py --smoke --out FILE  # toy sizes, one attempt, load not checked: the path, no timing
 
 Every variant trains the packaged tiny student through ``Trainer.fit`` (``DistillModule.training_step``:
 student forward/backward, forward KL against a top-k teacher, logging, AdamW) on the same completions (the
@@ -9,7 +10,7 @@ task's reference completions, Countdown-3), ``--batch`` prompts per step, teache
 
 * ``cached``: ``CachedTeacherRollouts``: the packaged teacher's top-k log-probs, written once before the fit
   by ``kdlab generate``'s cache builder; no teacher work during the step.
-* ``served``: ``TeacherDatasetRollouts`` with ``served_teacher`` (its defaults: ``prefetch`` on,
+* ``served``: ``TeacherDatasetRollouts`` with the teacher ``Served(ServedTeacher(...))`` (its defaults: ``prefetch`` on,
   ``request_prompts`` 8, ``decode_workers`` 1): kdlab's loopback server (``python -m kdlab.rollouts.loopback
   kdlab://tiny/teacher``), in its own process on its own thread, scores each micro-batch's completions
   (``prompt_logprobs`` over HTTP, JSON replies); kdlab's decoding process receives and ranks them, and the
@@ -93,6 +94,14 @@ class WallTimer(StepTimer):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self.ends.append(time.perf_counter())
 
+    def summary(self) -> dict:
+        """Each step's seconds, the wall seconds per step after the first two (warm-up; gaps between steps
+        included), and the rows and threads the steps saw."""
+        if len(self.ends) < 3:
+            raise RuntimeError(f"{len(self.ends)} steps timed: the wall time per step needs at least 3 (the first two are warm-up)")
+        return {"seconds": self.seconds, "wall_per_step": (self.ends[-1] - self.starts[2]) / (len(self.ends) - 2),
+                "rows": sorted({s["rows"] for s in self.shapes}), "threads": sorted({s["threads"] for s in self.shapes})}
+
 
 def cpu_ticks(pids: list[int]) -> tuple[int, int]:
     """(the machine's busy CPU ticks, the ticks of ``pids`` with all their threads), from /proc."""
@@ -111,6 +120,7 @@ def fit(variant: str, args, folder: Path, url: str, cache: str, data: str, task,
     from kdlab.rollouts import CachedTeacherRollouts, TeacherDatasetRollouts
     from kdlab.rollouts.served import ServedTeacher
     from kdlab.stages.distill import DistillModule
+    from kdlab.teachers import Served
 
     common = dict(objective=ForwardKL(), batch_size=args.batch, max_completion_tokens=args.tokens, lr=1e-5, warmup_steps=1,
                   val_examples=1, seed=0, teacher_temperature=0.5, fused_lm_head=False)
@@ -118,7 +128,7 @@ def fit(variant: str, args, folder: Path, url: str, cache: str, data: str, task,
         module = DistillModule(STUDENT, None, task, rollout=CachedTeacherRollouts(data, cache), **common)
     else:
         served = ServedTeacher(url, "tiny-teacher", TEACHER, top_k=args.top_k, concurrency=args.concurrency, prefetch=variant == "served")
-        module = DistillModule(STUDENT, None, task, rollout=TeacherDatasetRollouts(data), served_teacher=served, **common)
+        module = DistillModule(STUDENT, Served(served), task, rollout=TeacherDatasetRollouts(data), **common)
     timer = WallTimer()
     trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
@@ -127,15 +137,17 @@ def fit(variant: str, args, folder: Path, url: str, cache: str, data: str, task,
     rollout = module.make_rollout(task.examples("train")[: args.batch], 0)
     student, teacher = module.distillation_logits(rollout)
     first_loss = float(module.objective(student.detach(), teacher, rollout.completion_mask))
+    server = getattr(module.teacher_source, "server", None)  # the ServedTeacher (none for the cached variant)
+
     def ours() -> list[int]:  # this process, the server and the served teacher's decoding processes
-        return [os.getpid(), server_pid, *[process.pid for process in getattr(getattr(module.served_teacher, "_workers", None), "running", [])]]
+        return [os.getpid(), server_pid, *[process.pid for process in getattr(getattr(server, "_workers", None), "running", [])]]
 
     busy, own, start = *cpu_ticks(ours()), time.perf_counter()
     trainer.fit(module)
     busy_after, own_after = cpu_ticks(ours())
     foreign = (busy_after - busy - (own_after - own)) / os.sysconf("SC_CLK_TCK") / (time.perf_counter() - start)
-    return {"seconds": timer.seconds, "wall_per_step": (timer.ends[-1] - timer.starts[2]) / (len(timer.ends) - 2), "foreign_cores": max(foreign, 0.0), "prefetch": getattr(module.served_teacher, "prefetch", None),
-            "request_prompts": getattr(module.served_teacher, "request_prompts", None), "decode_workers": getattr(module.served_teacher, "decode_workers", None), "rows": sorted({s["rows"] for s in timer.shapes}), "threads": sorted({s["threads"] for s in timer.shapes}),
+    return {**timer.summary(), "foreign_cores": max(foreign, 0.0), "prefetch": getattr(server, "prefetch", None),
+            "request_prompts": getattr(server, "request_prompts", None), "decode_workers": getattr(server, "decode_workers", None),
             "student_columns": int(student.shape[-1]), "first_loss": first_loss, "completion_tokens": int(rollout.completion_mask.sum())}
 
 
@@ -151,9 +163,14 @@ def main() -> None:
     parser.add_argument("--max-foreign", type=float, default=0.25,
                         help="a fit during which other processes used more cores than this is run again (up to --attempts times)")
     parser.add_argument("--attempts", type=int, default=6)
+    parser.add_argument("--smoke", action="store_true", help="B = 2, 8 tokens, 3 steps, one fit each, no load check: the path, no timing")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     check_threads(args.threads)
+    if args.smoke:
+        args.batch, args.tokens, args.steps, args.repeats, args.attempts, args.max_foreign = 2, 8, 3, 1, 1, float("inf")
+        if args.out is None:
+            raise SystemExit("--smoke writes only where --out says (its times are not results)")
     if args.steps < 3 or args.repeats < 1 or args.top_k < 1:
         raise SystemExit("--steps must be >= 3 (the first two are warm-up), --repeats >= 1, --top-k >= 1")
     torch.set_num_threads(args.threads)
@@ -221,7 +238,7 @@ def main() -> None:
           f"without prefetch {results['served_no_prefetch']['step_s']:.3f} s: {ratio_no_prefetch:.2f}x)")
     from kdlab.rollouts.served import json_loads
 
-    payload = {"pair": "tiny", "shapes": {"batch": args.batch, "max_completion_tokens": args.tokens, "top_k": args.top_k},
+    payload = {"pair": "tiny", "smoke": args.smoke, "shapes": {"batch": args.batch, "max_completion_tokens": args.tokens, "top_k": args.top_k},
                "threads": args.threads, "steps": args.steps, "repeats": args.repeats, "concurrency": args.concurrency, "target": TARGET,
                "max_foreign": args.max_foreign,
                "json_decoder": json_loads.__module__.split(".")[0], "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "server": "kdlab.rollouts.loopback, its own process, max_batch 64",

@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +39,34 @@ TEACHER = "kdlab://tiny-random/teacher"
 def tiny_pair():
     """(student ModelSpec path, teacher ModelSpec path) of the packaged random tiny Qwen2 pair."""
     return STUDENT, TEACHER
+
+
+LM_EVAL_FIXTURES = Path(__file__).parent / "fixtures" / "lm_eval"
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    """A copy of the lm-eval fixture tasks; the tests run inside it because lm-eval resolves the YAML's relative
+    data_files against the working directory. One folder per module, so lm-eval's index is built once."""
+    import shutil
+
+    return Path(shutil.copytree(LM_EVAL_FIXTURES, tmp_path_factory.mktemp("lm_eval") / "tasks"))
+
+
+@pytest.fixture
+def lm_eval_offline(task_dir, monkeypatch):
+    """lm-eval and its libraries offline (nothing downloaded), the working directory :func:`task_dir`; a module
+    opts in with ``pytestmark = pytest.mark.usefixtures("lm_eval_offline")``."""
+    import datasets
+    import huggingface_hub.constants
+
+    for variable in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(variable, "1")
+    # the variables are read when the libraries are imported, which may have happened already
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(task_dir)
 
 
 def untracked_files(root) -> set[str] | None:

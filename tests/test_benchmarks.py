@@ -436,6 +436,23 @@ def test_the_served_quickstart_benchmark_smoke_path_times_both_kdlab_fits(tmp_pa
         (ROOT / "benchmarks" / "results" / "served_quickstart_step-tiny.json").read_text())["smoke"]
 
 
+@pytest.mark.slow  # a minute on 2 cores: the slow tier (CI runs it)
+def test_the_served_teacher_benchmark_smoke_path_runs_every_variant(tmp_path):
+    """``benchmarks/served_teacher_step.py --smoke``: the cached, served and served-without-prefetch fits run on the
+    current teacher API (the served one through ``Served``), each at B = 2 on one thread, with the same first loss."""
+    out = tmp_path / "served.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "benchmarks/served_teacher_step.py", "--smoke", f"--out={out}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["smoke"] and record["problems"] == [] and record["shapes"]["batch"] == 2 and record["threads"] == 1
+    results = record["results"]
+    assert {v: r["prefetch"] for v, r in results.items()} == {"cached": None, "served": True, "served_no_prefetch": False}
+    assert results["served"]["request_prompts"] is not None and results["served"]["steps_timed"] == 1
+    assert not json.loads((BENCHMARKS / "results" / "served_teacher_step-tiny.json").read_text()).get("smoke")
+
+
 def test_the_scaling_pages_first_gpu_run_figures_are_the_h200_result_files():
     """docs/scaling.md's "first GPU run" quotes the two H200 result files: the decode ratios, the decode section's
     seconds, the in-process FSDP2 tokens/s and peak, the overlap ratio; and the first run is the unfinished one."""

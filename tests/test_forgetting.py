@@ -20,28 +20,11 @@ from kdlab.evaluation.forgetting_run import measure_run
 from kdlab.runlog import metrics_lines
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests" / "fixtures" / "lm_eval"
 SMOKE = str(ROOT / "experiments" / "tiny" / "smoke.yaml")
 TOY = {"toy": {"task": "kdlab_toy_mc", "limit": 8, "metric": "acc,none"}, "toy_first4": {"task": "kdlab_toy_mc", "limit": 4, "metric": "acc,none"}}
 
 
-@pytest.fixture(scope="module")
-def task_dir(tmp_path_factory):
-    """lm-eval resolves the YAML's relative data_files against the working directory: the tests run in a copy."""
-    return Path(shutil.copytree(FIXTURES, tmp_path_factory.mktemp("lm_eval") / "tasks"))
-
-
-@pytest.fixture(autouse=True)
-def offline(task_dir, monkeypatch):
-    import datasets
-    import huggingface_hub.constants
-
-    for variable in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
-        monkeypatch.setenv(variable, "1")
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.chdir(task_dir)
+pytestmark = pytest.mark.usefixtures("lm_eval_offline")  # conftest.py: offline, inside a copy of the fixture tasks (task_dir)
 
 
 def fit(output: Path, name: str, task_dir: Path, in_loop: bool, *extra: str) -> Path:

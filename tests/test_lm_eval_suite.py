@@ -2,7 +2,6 @@
 student in memory, nothing downloaded."""
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -25,30 +24,11 @@ from kdlab.evaluation.lm_eval_suite import (
 from kdlab.stages import DistillModule  # noqa: E402
 from kdlab.tasks import Addition  # noqa: E402
 
-FIXTURES = Path(__file__).parent / "fixtures" / "lm_eval"
 # two entries over the same 8-row file: all rows, and the first 4 (each entry has its own limit)
 TOY = {"toy": LMEvalTask("kdlab_toy_mc", limit=8, metric="acc,none"), "toy_first4": LMEvalTask("kdlab_toy_mc", 4, "acc,none")}
 
 
-@pytest.fixture(scope="module")
-def task_dir(tmp_path_factory):
-    """A copy of the fixture tasks; the tests run inside it because lm-eval resolves the YAML's relative
-    data_files against the working directory. One folder per module, so lm-eval's index is built once."""
-    return Path(shutil.copytree(FIXTURES, tmp_path_factory.mktemp("lm_eval") / "tasks"))
-
-
-@pytest.fixture(autouse=True)
-def offline(task_dir, monkeypatch):
-    import datasets
-    import huggingface_hub.constants
-
-    for variable in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
-        monkeypatch.setenv(variable, "1")
-    # the variables are read when the libraries are imported, which may have happened already
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.chdir(task_dir)
+pytestmark = pytest.mark.usefixtures("lm_eval_offline")  # conftest.py: offline, inside a copy of the fixture tasks (task_dir)
 
 
 @pytest.fixture

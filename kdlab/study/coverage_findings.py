@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from kdlab.study.effects import seed_values_effect
-from kdlab.study.findings import PAPER_K, Study, Verdict, _rule, rlvr_chains
+from kdlab.study.findings import PAPER_K, Study, Verdict, _rule, rlvr_chains, rlvr_verdict
 from kdlab.study.groups import Group
-from kdlab.study.labels import ACCURACY_MARGIN, NO_DIFFERENCE, REPRODUCED, UNTESTABLE, Claim, Effect, row_word
+from kdlab.study.labels import Claim, Effect, row_word
 
 NAME = "harder"
 PREFIX = f"coverage/{NAME}/pass@"
@@ -93,15 +93,6 @@ def rlvr_from_coverage(study: Study) -> Verdict:
             f"{_pct(values('OffPD', '') + values('OnPD', '')) if k else 'n/a'}; after - before {shown(moved)}; OnPD - OffPD {metric}: "
             f"before RLVR {shown(before_edge)}, after {shown(after_edge)}, after - before (difference in differences, chains paired) "
             f"{shown(did)} (points)")
-    claims = [Claim(f"harder {metric} after - before RLVR", moved, +1),
-              Claim(f"OnPD - OffPD {metric} before RLVR", before_edge, +1),
-              Claim(f"OnPD - OffPD {metric} after RLVR", after_edge, NO_DIFFERENCE, ACCURACY_MARGIN),
-              Claim(f"OnPD - OffPD {metric} after - before RLVR", did, -1)]
-    word = row_word(claims)
-    if study.parts["rlvr"] and claims[1].label != REPRODUCED:
-        word = f"{UNTESTABLE}: no OnPD - OffPD edge before RLVR to lose ({claims[1].label}); {word}"
-    departure = "RLVR on countdown3s (the harder task's training split) in place of Countdown-4, measured on the harder set"
-    if ratios and ratios != {0.2}:
-        departure += f"; RLVR LR {'/'.join(f'{r:g}' for r in sorted(ratios))}x the distillation's (the paper's 0.2x)"
-    return Verdict("The on-policy edge does not survive RLVR", "after GRPO on Countdown-4 the OnPD/OffPD difference is gone",
-                   tiny, word, study.chain_evidence(chains, "distill"), study.command("rlvr"), _rule(claims), departure, claims, [claims[1], claims[3]])
+    return rlvr_verdict(study, Claim(f"harder {metric} after - before RLVR", moved, +1), metric, (before_edge, after_edge, did), tiny,
+                        "RLVR on countdown3s (the harder task's training split) in place of Countdown-4, measured on the harder set",
+                        ratios, study.chain_evidence(chains, "distill"))

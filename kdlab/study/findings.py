@@ -417,19 +417,30 @@ def rlvr_edge(study: Study) -> Verdict:
     tiny = (f"RLVR from the {source_part} part's runs ({'/'.join(map(str, chains)) or 0} chains per configuration); held-out accuracy "
             f"after - before RLVR {shown(moved)}; OnPD - OffPD {metric}: before RLVR {shown(before_edge)}, after {shown(after_edge)}, "
             f"after - before (difference in differences, chains paired) {shown(did)} (points)")
-    claims = [Claim("held-out accuracy after - before RLVR", moved, +1),
+    departure = ("" if not study.parts["rlvr"] else "RLVR on countdown3s (the harder set) in place of Countdown-4" if source_part == "hard"
+                 else "RLVR on Countdown-3 (the distillation task) in place of Countdown-4, from the main grid's low-LR runs")
+    return rlvr_verdict(study, Claim("held-out accuracy after - before RLVR", moved, +1), metric, (before_edge, after_edge, did), tiny,
+                        departure, ratios, study.chain_evidence(after, source_part))
+
+
+def rlvr_verdict(study: Study, moved: Claim, metric: str, edges: tuple[Effect | None, Effect | None, Effect | None], tiny: str,
+                 departure: str, ratios: set[float], evidence: str) -> Verdict:
+    """The RLVR row from its effects, however they were measured: ``moved`` (RLVR's own effect) and the OnPD - OffPD
+    ``metric`` edges ``(before RLVR, after RLVR, after - before)``. Primary claims: an edge before RLVR (> 0) and its
+    loss (after - before < 0); without an edge to lose the row is "untestable". ``ratios``: the RLVR / distillation
+    LR ratios of the chains, named in the departure when not the paper's 0.2."""
+    before_edge, after_edge, did = edges
+    claims = [moved,
               Claim(f"OnPD - OffPD {metric} before RLVR", before_edge, +1),
               Claim(f"OnPD - OffPD {metric} after RLVR", after_edge, NO_DIFFERENCE, ACCURACY_MARGIN),
               Claim(f"OnPD - OffPD {metric} after - before RLVR", did, -1)]
     word = row_word(claims)
     if study.parts["rlvr"] and claims[1].label != REPRODUCED:
         word = f"{UNTESTABLE}: no OnPD - OffPD edge before RLVR to lose ({claims[1].label}); {word}"
-    departure = ("" if not study.parts["rlvr"] else "RLVR on countdown3s (the harder set) in place of Countdown-4" if source_part == "hard"
-                 else "RLVR on Countdown-3 (the distillation task) in place of Countdown-4, from the main grid's low-LR runs")
     if departure and ratios and ratios != {0.2}:
         departure += f"; RLVR LR {'/'.join(f'{r:g}' for r in sorted(ratios))}x the distillation's (the paper's 0.2x)"
     return Verdict("The on-policy edge does not survive RLVR", "after GRPO on Countdown-4 the OnPD/OffPD difference is gone",
-                   tiny, word, study.chain_evidence(after, source_part), study.command("rlvr"), _rule(claims), departure, claims, [claims[1], claims[3]])
+                   tiny, word, evidence, study.command("rlvr"), _rule(claims), departure, claims, [claims[1], claims[3]])
 
 
 def style_transfer(study: Study) -> Verdict:
