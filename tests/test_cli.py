@@ -416,6 +416,16 @@ def test_cpu_threads_are_one_per_usable_cpu_whatever_the_load_average_and_the_ru
         samples[:] = [idle[0], {0: (250, 1200), 1: (110, 1200), 2: (110, 1200), 3: (110, 1200)}]
         monkeypatch.setattr(console, "_CHOSEN", [])
         assert console.choose_cpu_threads().startswith("[kdlab] CPU threads: 4 (4 CPUs this process may use, none of them busy now")
+        samples[:] = [dict(sample) for sample in idle]
+        own[:] = [0.0, 0.0]
+        monkeypatch.setenv("KDLAB_PARALLEL_RUNS", "2")  # kdlab sweep runs 2 at a time: each takes half the CPUs
+        monkeypatch.setattr(console, "_CHOSEN", [])
+        assert console.choose_cpu_threads() == ("[kdlab] CPU threads: 2 (4 CPUs this process may use, shared by 2 runs that kdlab sweep "
+                                                "runs at a time, none of them busy now; OMP_NUM_THREADS=N sets N)")
+        monkeypatch.setenv("KDLAB_PARALLEL_RUNS", "0")
+        monkeypatch.setattr(console, "_CHOSEN", [])
+        with pytest.raises(ValueError, match="KDLAB_PARALLEL_RUNS must be a positive integer"):
+            console.choose_cpu_threads()
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
         assert console.choose_cpu_threads() is None  # the user's choice stands
     finally:

@@ -212,7 +212,9 @@ def test_a_failing_run_is_reported_and_the_sweep_goes_on(tmp_path, capsys, fits)
     assert runs["lr=0.001-seed=42"]["status"] == "done" and (tmp_path / "out" / "lr=0.001-seed=42" / "DONE").is_file()
 
 
-def test_processes_mode_runs_fits_in_subprocesses(tmp_path, capsys):
+def test_processes_mode_runs_fits_in_subprocesses(tmp_path, capsys, monkeypatch):
+    """... and the runs it starts together share the CPUs: each fit takes its share, not every idle CPU."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     path = write_sweep(tmp_path, {"model.lr": [-1.0, 1.0e-3]}, mode="processes", max_parallel=2)
     with pytest.raises(SystemExit) as exit_info:
         main(["sweep", "--config", str(path)])
@@ -221,6 +223,7 @@ def test_processes_mode_runs_fits_in_subprocesses(tmp_path, capsys):
     assert statuses(tmp_path) == {"lr=-1.0-seed=42": "failed", "lr=0.001-seed=42": "done"}
     assert "lr must be > 0" in (out / "lr=-1.0-seed=42" / "fit.log").read_text()
     assert (out / "lr=0.001-seed=42" / "DONE").is_file() and (out / "lr=0.001-seed=42" / "config.yaml").is_file()
+    assert "shared by 2 runs that kdlab sweep runs at a time" in (out / "lr=0.001-seed=42" / "fit.log").read_text()
 
 
 class CtrlCAtStart(Callback):

@@ -98,12 +98,28 @@ def busy_cpus(cpus: list[int], seconds: float = BUSY_SAMPLE_S) -> int | None:
     return sum(busy / total > BUSY_SHARE for busy, total in shares)
 
 
+PARALLEL_RUNS = "KDLAB_PARALLEL_RUNS"
+"""The environment variable by which ``kdlab sweep``'s ``processes`` mode tells each fit it starts how many runs it
+runs at a time (``max_parallel``)."""
+
+
+def parallel_runs() -> int:
+    """How many runs share this machine's CPUs (:data:`PARALLEL_RUNS`), 1 when unset; a value that is not a positive
+    integer is an error naming the variable."""
+    value = os.environ.get(PARALLEL_RUNS, "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{PARALLEL_RUNS} must be a positive integer (the runs sharing the CPUs), got {value!r}")
+    return int(value)
+
+
 def choose_cpu_threads() -> str | None:
     """Set torch's CPU threads when nothing chose them (no GPU, no ``OMP_NUM_THREADS``); returns the line
     to print, which names the rule, or None when the user or a GPU decides.
 
-    The rule: one thread per CPU this process may use (:func:`usable_cpus`) that is not busy with other
-    work at the start (:func:`busy_cpus`: more than half busy over half a second), at least one. On an
+    The rule: one thread per CPU this process may use (:func:`usable_cpus`; divided by :func:`parallel_runs` when
+    ``kdlab sweep`` starts several runs together, which would otherwise each see the machine idle and take every
+    CPU: on 2 cores, two SmolLM2 runs of 2 threads each took about 3x as long per step as two of 1 thread) that is
+    not busy with other work at the start (:func:`busy_cpus`: more than half busy over half a second), at least one. On an
     idle machine that is every usable CPU, every time: the 1-minute load average this used to read also
     counted the previous run (1 thread one time, 2 the next). On a busy machine it leaves the taken CPUs
     alone (oversubscribed threads made 20 tiny steps take 124 s against 42 s with one thread). The
@@ -116,6 +132,10 @@ def choose_cpu_threads() -> str | None:
     if _CHOSEN:
         return _CHOSEN[0]
     cpus, allowed, why = usable_cpus()
+    runs = parallel_runs()
+    if runs > 1:
+        allowed = max(1, allowed // runs)
+        why += f", shared by {runs} runs that kdlab sweep runs at a time"
     busy = busy_cpus(cpus)
     threads = max(1, min(allowed, len(cpus) - (busy or 0)))
     taken = "none of them busy now" if not busy else f"{busy} of them busy now with other work"

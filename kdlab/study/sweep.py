@@ -14,7 +14,8 @@ the command then exits with status 1 and lists the failures (Ctrl+C: status 130)
 Modes: ``slurm`` submits the runs not done as a job array through submitit (settings in ``sweep.slurm``,
 e.g. ``{slurm_partition: gpu, timeout_min: 240, gpus_per_node: 1}``; ``max_parallel`` jobs at a time), waits
 for them and records each job's id and outcome in ``sweep.json``; ``sequential`` runs each fit in this process (``kdlab.cli.lightning.run_lightning``); ``processes`` starts
-``python -m kdlab.cli fit ...`` per run, ``max_parallel`` at a time, its output in ``<name>/fit.log``;
+``python -m kdlab.cli fit ...`` per run, ``max_parallel`` at a time (each choosing its CPU threads for its share of the
+CPUs, :data:`kdlab.cli.console.PARALLEL_RUNS`, unless ``OMP_NUM_THREADS`` is set), its output in ``<name>/fit.log``;
 ``print`` writes one line per run not yet done, ``python -m kdlab.cli sweep --config <file> --run <name>``
 (which runs that one run with the same skip/resume rules), to stdout and to ``<output>/commands.sh``,
 one line per run and nothing else, so a SLURM array can pick line ``$SLURM_ARRAY_TASK_ID``:
@@ -239,6 +240,8 @@ class _Sweeper:
                 self.write_index()
 
     def run_processes(self, max_parallel: int) -> None:
+        from kdlab.cli.console import PARALLEL_RUNS
+
         queue = self.pending()
         active: list[tuple[Run, dict[str, Any], subprocess.Popen, Any, float]] = []
         try:
@@ -254,7 +257,8 @@ class _Sweeper:
                     run_dir.mkdir(parents=True, exist_ok=True)
                     log = (run_dir / "fit.log").open("a", encoding="utf-8")
                     command = [sys.executable, "-m", "kdlab.cli", *fit_args(self.sweep, run, resume)]
-                    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+                    # runs started together share the CPUs: each fit chooses its threads for its share (kdlab.cli.console)
+                    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, PARALLEL_RUNS: str(max_parallel)})
                     record.update(status="running", resumed_from=resume)
                     record.pop("error", None)
                     print(f"[sweep] {run.name}: started (pid {process.pid}, output in {run_dir / 'fit.log'})", flush=True)
