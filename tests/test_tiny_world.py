@@ -79,3 +79,18 @@ def test_teacher_4e_build_trains_a_copy_and_writes_its_card(tmp_path):
     assert saved["recipe"] == recipe and set(saved["measured"]) == {"teacher-4e", "teacher", "student", "build_seconds"}
     assert set(measured["student"]) == {"countdown3_accuracy", "countdown4e_accuracy", "countdown4e_pass@1", "countdown4e_pass@2"}
     assert not (tmp_path / "teacher-4e.build").exists()
+
+
+def test_the_tiny_model_card_begins_with_what_its_builder_writes_from_metrics_json():
+    """kdlab/assets/tiny/MODEL_CARD.md's tables and figures are ``kdlab.tiny.build.model_card`` of the committed
+    ``metrics.json``; only the prose sections after them ("How these files were produced", ...) are written by hand."""
+    import json
+    from pathlib import Path
+
+    from kdlab.tiny.build import model_card
+
+    tiny = Path(__file__).resolve().parents[1] / "kdlab" / "assets" / "tiny"
+    saved = json.loads((tiny / "metrics.json").read_text(encoding="utf-8"))
+    card = (tiny / "MODEL_CARD.md").read_text(encoding="utf-8")
+    generated = model_card(saved["recipe"], saved["measured"])
+    assert card.startswith(generated) and card[len(generated):].lstrip().startswith("## How these files were produced")

@@ -417,13 +417,10 @@ def model_card(recipe: dict[str, Any], measured: dict[str, Any]) -> str:
         f"Student held-out Countdown-3 scored as an expression (its own habit): {measured['student'].get('countdown3_expression_accuracy', float('nan')):.3f}.",
         f"Countdown-4E (harder, not trained on): teacher {measured['teacher']['countdown4e_accuracy']:.3f}, "
         f"student {measured['student']['countdown4e_accuracy']:.3f}.",
-        f"Build time on this machine: {measured['build_seconds']} s.",
-        "",
-        "## Recipe",
-        "",
-        "```json",
-        json.dumps(recipe, indent=2),
-        "```",
-        "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + recipe_lines(recipe, measured))
+
+
+def recipe_lines(recipe: dict[str, Any], measured: dict[str, Any]) -> list[str]:
+    """A model card's last lines: the build time and the recipe as JSON (every world's card ends so)."""
+    return [f"Build time on this machine: {measured['build_seconds']} s.", "", "## Recipe", "", "```json", json.dumps(recipe, indent=2), "```", ""]

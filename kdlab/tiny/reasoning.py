@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kdlab.tasks import Addition, Countdown
+from kdlab.tiny.build import recipe_lines
 from kdlab.tasks.base import Example, Task, last_tagged
 from kdlab.tasks.skills import Counting, Reversal, Sorting
 
@@ -354,16 +355,8 @@ def model_card(recipe: dict[str, Any], measured: dict[str, Any]) -> str:
     lines += [
         "",
         f"Parameters: teacher {teacher['parameters']:,}, student {student['parameters']:,}.",
-        f"Build time on this machine: {measured['build_seconds']} s.",
-        "",
-        "## Recipe",
-        "",
-        "```json",
-        json.dumps(recipe, indent=2),
-        "```",
-        "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + recipe_lines(recipe, measured))
 
 
 # ---- the quickstart's before and after ------------------------------------------------------------------
