@@ -312,6 +312,31 @@ def test_the_real_model_grid_meets_its_targets_as_the_page_says():
     assert max(float(row["sparsity_1e-06"]) for row in cells.values()) < 0.03 and "under 3% of them move" in text
 
 
+def test_the_real_model_grid_report_is_what_kdlab_report_writes_from_its_archived_runs(tmp_path, monkeypatch):
+    """experiments/smollm2/report/runs.tar.gz: 4 finished runs, every one from the clean commit docs/real_model.md names;
+    ``kdlab report`` over them writes the committed runs.csv and summary.csv, and the fit minutes of the page's grid
+    table are their DONE seconds."""
+    import re
+    import tarfile
+
+    from kdlab.study.report import main as report
+
+    with tarfile.open(SMOLLM2 / "report" / "runs.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    infos = [json.loads(p.read_text()) for p in sorted((tmp_path / "runs/smollm2-grid").glob("*/run_info.json"))]
+    done = sorted((tmp_path / "runs/smollm2-grid").glob("*/DONE"))
+    text = " ".join((DOCS / "real_model.md").read_text(encoding="utf-8").split())
+    commit = re.search(r"at commit `([0-9a-f]{7})` \(a clean tree\); the runs are archived in `experiments/smollm2/report/runs.tar.gz`", text)
+    assert commit and len(infos) == len(done) == 4
+    assert {info["git_commit"][:7] for info in infos} == {commit.group(1)} and not any(info.get("git_dirty") for info in infos)
+    monkeypatch.chdir(tmp_path)
+    report(["runs/smollm2-grid", "--output", str(tmp_path / "out")])
+    for name in ("runs.csv", "summary.csv"):
+        assert (tmp_path / "out" / name).read_text(encoding="utf-8") == (SMOLLM2 / "report" / name).read_text(encoding="utf-8"), name
+    minutes = sorted(f"{json.loads(path.read_text())['seconds'] / 60:.1f}" for path in done)
+    assert minutes == sorted(f"{float(row['fit_seconds']) / 60:.1f}" for row in grid_summary().values())
+
+
 def test_the_real_model_page_quotes_the_real_vocabulary_benchmark():
     result = json.loads((ROOT / "benchmarks" / "results" / "real_vocab_step-smollm2-V49152.json").read_text(encoding="utf-8"))
     assert result["shapes"]["vocab"] == 49152
