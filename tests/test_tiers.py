@@ -81,7 +81,7 @@ def test_every_marker_is_a_known_tier():
     used = set()
     for path in Path(__file__).parent.glob("test_*.py"):
         used |= set(re.findall(r"pytest\.mark\.(\w+)", path.read_text(encoding="utf-8")))
-    assert used <= {"slow", "real", "gpu", "parametrize", "skipif", "filterwarnings", "xfail"}, used
+    assert used <= {"slow", "real", "gpu", "parametrize", "skipif", "filterwarnings", "xfail", "usefixtures"}, used
 
 
 SKIPPING = '''
