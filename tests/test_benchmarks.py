@@ -417,17 +417,19 @@ def test_gpu_benchmark_refuses_a_ratio_of_steps_that_trained_different_things():
             check_step({**row, **bad}, 2, gpu.TOY_VOCAB, 64 + 16)
 
 
+def smoke_record(script: str, out: Path) -> dict:
+    """``script --smoke --out=out`` on one thread; the JSON it wrote (the test fails with its output if it exited non-zero)."""
+    done = run_benchmark(script, "--smoke", f"--out={out}", timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 @pytest.mark.slow  # minutes on 2 cores: the slow tier (CI runs it)
 def test_the_served_quickstart_benchmark_smoke_path_times_both_kdlab_fits(tmp_path):
     """``benchmarks/served_quickstart_step.py --smoke`` (issue #43): both variants are ``kdlab fit`` of the committed
     quickstart configs, the served one against the loopback server; its JSON holds each variant's teacher source,
     B and step time, the ratio is served over in-process, and a smoke record is one the docs refuse to quote."""
-    out = tmp_path / "quickstart.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "benchmarks/served_quickstart_step.py", "--smoke", f"--out={out}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900, env=env)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    record = json.loads(out.read_text())
+    record = smoke_record("benchmarks/served_quickstart_step.py", tmp_path / "quickstart.json")
     results = record["results"]
     assert record["smoke"] and record["problems"] == [] and record["threads"] == 1 and record["steps"] == 3
     assert {v: (r["teacher"], r["batch"], r["steps_timed"]) for v, r in results.items()} == {"in_process": ("ModelTeacher", 2, 1), "served": ("Served", 2, 1)}
@@ -440,12 +442,7 @@ def test_the_served_quickstart_benchmark_smoke_path_times_both_kdlab_fits(tmp_pa
 def test_the_served_teacher_benchmark_smoke_path_runs_every_variant(tmp_path):
     """``benchmarks/served_teacher_step.py --smoke``: the cached, served and served-without-prefetch fits run on the
     current teacher API (the served one through ``Served``), each at B = 2 on one thread, with the same first loss."""
-    out = tmp_path / "served.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "benchmarks/served_teacher_step.py", "--smoke", f"--out={out}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900, env=env)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    record = json.loads(out.read_text())
+    record = smoke_record("benchmarks/served_teacher_step.py", tmp_path / "served.json")
     assert record["smoke"] and record["problems"] == [] and record["shapes"]["batch"] == 2 and record["threads"] == 1
     results = record["results"]
     assert {v: r["prefetch"] for v, r in results.items()} == {"cached": None, "served": True, "served_no_prefetch": False}
