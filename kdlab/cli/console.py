@@ -118,7 +118,7 @@ def choose_cpu_threads() -> str | None:
 
     The rule: one thread per CPU this process may use (:func:`usable_cpus`; divided by :func:`parallel_runs` when
     ``kdlab sweep`` starts several runs together, which would otherwise each see the machine idle and take every
-    CPU: on 2 cores, two SmolLM2 runs of 2 threads each took about 3x as long per step as two of 1 thread) that is
+    CPU, oversubscribing it) that is
     not busy with other work at the start (:func:`busy_cpus`: more than half busy over half a second), at least one. On an
     idle machine that is every usable CPU, every time: the 1-minute load average this used to read also
     counted the previous run (1 thread one time, 2 the next). On a busy machine it leaves the taken CPUs
