@@ -124,11 +124,12 @@ def fit(variant: str, args, folder: Path, url: str, cache: str, data: str, task,
 
     common = dict(objective=ForwardKL(), batch_size=args.batch, max_completion_tokens=args.tokens, lr=1e-5, warmup_steps=1,
                   val_examples=1, seed=0, teacher_temperature=0.5, fused_lm_head=False)
+    server = None  # the ServedTeacher of the served variants
     if variant == "cached":
         module = DistillModule(STUDENT, None, task, rollout=CachedTeacherRollouts(data, cache), **common)
     else:
-        served = ServedTeacher(url, "tiny-teacher", TEACHER, top_k=args.top_k, concurrency=args.concurrency, prefetch=variant == "served")
-        module = DistillModule(STUDENT, Served(served), task, rollout=TeacherDatasetRollouts(data), **common)
+        server = ServedTeacher(url, "tiny-teacher", TEACHER, top_k=args.top_k, concurrency=args.concurrency, prefetch=variant == "served")
+        module = DistillModule(STUDENT, Served(server), task, rollout=TeacherDatasetRollouts(data), **common)
     timer = WallTimer()
     trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
@@ -137,7 +138,6 @@ def fit(variant: str, args, folder: Path, url: str, cache: str, data: str, task,
     rollout = module.make_rollout(task.examples("train")[: args.batch], 0)
     student, teacher = module.distillation_logits(rollout)
     first_loss = float(module.objective(student.detach(), teacher, rollout.completion_mask))
-    server = getattr(module.teacher_source, "server", None)  # the ServedTeacher (none for the cached variant)
 
     def ours() -> list[int]:  # this process, the server and the served teacher's decoding processes
         return [os.getpid(), server_pid, *[process.pid for process in getattr(getattr(server, "_workers", None), "running", [])]]
