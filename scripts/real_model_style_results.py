@@ -9,7 +9,9 @@ update sparsity from SmolLM2's weights and the measured bf16 runs (``experiments
 ``kdlab report runs/smollm2-study --output experiments/smollm2/style_report --low_lr 1e-5 --high_lr 5e-5``) and
 its verdict row; ``style_samples``: what the low-LR students answer (:func:`style_samples`); ``style_alone_gate``: the
 style-alone study's gate (``experiments/smollm2/style_alone_gate.json``, written by
-``experiments/smollm2/style_alone_gate.py``). ``--check``: exit 1 if the page differs.
+``experiments/smollm2/style_alone_gate.py``); ``style_alone``: the style-alone study's style table and verdict row
+(``experiments/smollm2/style_alone_report``, written by ``bash experiments/smollm2/style_alone_study.sh``'s last
+step). ``--check``: exit 1 if the page differs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ BF16 = ROOT / "experiments" / "smollm2" / "bf16_sparsity.json"
 REPORT = ROOT / "experiments" / "smollm2" / "style_report"
 RUNS = ROOT / "experiments" / "smollm2" / "study_runs"
 GATE = ROOT / "experiments" / "smollm2" / "style_alone_gate.json"
+ALONE = ROOT / "experiments" / "smollm2" / "style_alone_report"
 
 
 def pct(value: float, interval: list[float] | None = None) -> str:
@@ -90,13 +93,16 @@ def bf16() -> str:
     return "\n".join(lines) + "\n"
 
 
-def style() -> str:
-    report, verdicts = REPORT / "report.md", REPORT / "verdicts.md"
-    if not report.exists():
-        return "Not run yet: no `experiments/smollm2/style_report/report.md`.\n"
-    text = report.read_text(encoding="utf-8")
+def style(report: Path = REPORT) -> str:
+    """The style table of a study's report (``report/report.md``, written by ``kdlab report``) and its verdict row
+    (``report/verdicts.md``) under the verdicts' header."""
+    name = report.relative_to(ROOT).as_posix()
+    if not (report / "report.md").exists():
+        return f"Not run yet: no `{name}/report.md`.\n"
+    text = (report / "report.md").read_text(encoding="utf-8")
     start = text.index("## Style transfer")
     table = [line for line in text[start:].splitlines()[1:] if line.startswith("|")]
+    verdicts = report / "verdicts.md"
     lines = verdicts.read_text(encoding="utf-8").splitlines() if verdicts.exists() else []
     rows = [line for line in lines if line.startswith("| OnPD + reverse KL")][:1]  # the style row, under the table's header
     header = [index for index, line in enumerate(lines) if line.startswith("| finding (paper)")][:1]
@@ -125,7 +131,7 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="exit 1 if the page's generated blocks differ")
     args = parser.parse_args()
     update_page(PAGE, {"style_check": style_check(), "bf16": bf16(), "style": style(), "style_samples": style_samples(),
-                       "style_alone_gate": style_alone_gate()}, args.check, "scripts/real_model_style_results.py")
+                       "style_alone_gate": style_alone_gate(), "style_alone": style(ALONE)}, args.check, "scripts/real_model_style_results.py")
 
 
 if __name__ == "__main__":

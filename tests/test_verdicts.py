@@ -670,6 +670,8 @@ def test_the_style_alone_design_tests_log_odds_paired_by_seed_and_judges_collaps
     (primary,) = verdict.primary
     assert primary.effect.value == pytest.approx(0.5) and primary.effect.low == pytest.approx(0.5, abs=1e-9)  # paired: no spread
     assert "control: Spanish - English teacher, OffPD forward: +1.0" in verdict.tiny
+    # each contrast the row tests is shown with its paired interval (no spread: the seeds' noise is shared)
+    assert "paired by seed (log-odds): OffPD forward - OnPD reverse +0.5 seeds [+0.5, +0.5] (90% [+0.5, +0.5])" in verdict.tiny
     assert "OnPD reverse log-odds -2.00 (Spanish 50.0%, accuracy 70.0% -> 65.0%)" in verdict.tiny
     assert verdict.evidence == "20 runs in s/style_alone/; 10 runs in s/style_alone_control/"
     # a 15-point drop from the student's own 70% collapses OnPD forward, although it is far above 5%

@@ -20,7 +20,7 @@ from kdlab.runlog import METRICS_FILE, metrics_lines
 # forward-KL gap closed, the figure docs/real_model.md leads with
 MAIN_METRICS = ("val/accuracy", "heldout_kl/forward_closed", "ood/mean_delta", "sparsity/1e-06")
 PASS_AT_K = re.compile(r"^(val/pass@\d+|coverage/.+/pass@\d+)$")
-STYLE_METRICS = ("style/spanish_share", "style/teacher_spanish_share")
+STYLE_METRICS = ("style/spanish_share", "style/teacher_spanish_share", "style/log_odds")  # log-odds: kdlab.callbacks.StyleLogOdds
 # settings that differ between the seeds of one configuration, or only say where it was logged
 PER_RUN_KEYS = ("seed_everything", "model.seed", "trainer.logger", "trainer.default_root_dir", "ckpt_path", "config")
 # settings that have their own columns

@@ -47,7 +47,8 @@ def shown(group: Group) -> str:
 
 def style_alone(study: Study) -> Verdict:
     """OnPD reverse KL against each other setting on ``style/log_odds`` (paired t over seeds), at the study's LR
-    levels; the English-teacher control's difference shown beside the cells it covers."""
+    levels, each contrast's value and intervals in the row; the English-teacher control's difference shown beside the
+    cells it covers."""
     rows, claims, primary = [], [], []
     for level in ("low", "high"):
         keep = study.cell("style_alone", "OnPD", "reverse", level)
@@ -67,7 +68,8 @@ def style_alone(study: Study) -> Verdict:
                 effect = scalar_effect([(1.0, spanish), (-1.0, english)], LOG_ODDS)
                 controls.append(f"Spanish - English teacher, {kind} {direction}: " + (effect.text(1.0) if effect else "n/a")
                                 + f" (English teacher: {shown(english)})")
-        rows.append(f"{level} LR: {shown(keep)} vs {', '.join(shown(g) for g in others)}"
+        contrasts = ", ".join(f"{c.name.split(',')[0]} {c.effect.text(1.0) if c.effect else 'n/a'}" for c in new)
+        rows.append(f"{level} LR: {shown(keep)} vs {', '.join(shown(g) for g in others)}; paired by seed (log-odds): {contrasts}"
                     + (f"; control: {'; '.join(controls)}" if controls else ""))
     return Verdict("OnPD + reverse KL keeps the student's English; the other settings transfer Spanish",
                    "other settings transfer Spanish almost fully", "; ".join(rows) or "n/a", row_word(claims),
