@@ -11,7 +11,8 @@ its verdict row; ``style_samples``: what the low-LR students answer (:func:`styl
 style-alone study's gate (``experiments/smollm2/style_alone_gate.json``, written by
 ``experiments/smollm2/style_alone_gate.py``); ``style_alone``: the style-alone study's style table and verdict row
 (``experiments/smollm2/style_alone_report``, written by ``bash experiments/smollm2/style_alone_study.sh``'s last
-step). ``--check``: exit 1 if the page differs.
+step); ``style_alone_rerun``: archived style-alone runs rerun at a later commit
+(``experiments/smollm2/style_alone_provenance.json``, :func:`tiny_reproduction_page.rerun_block`). ``--check``: exit 1 if the page differs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import tarfile
 from pathlib import Path
 
 from cross_tokenizer_example import update_page
+from tiny_reproduction_page import rerun_block
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "real_model.md"
@@ -31,6 +33,7 @@ REPORT = ROOT / "experiments" / "smollm2" / "style_report"
 RUNS = ROOT / "experiments" / "smollm2" / "study_runs"
 GATE = ROOT / "experiments" / "smollm2" / "style_alone_gate.json"
 ALONE = ROOT / "experiments" / "smollm2" / "style_alone_report"
+ALONE_RERUN = ROOT / "experiments" / "smollm2" / "style_alone_provenance.json"
 
 
 def pct(value: float, interval: list[float] | None = None) -> str:
@@ -126,12 +129,21 @@ def style_samples() -> str:
     return "\n".join(lines) + "\n"
 
 
+def style_alone_rerun() -> str:
+    """How many archived style-alone runs the code at a later commit reproduces byte for byte
+    (``experiments/smollm2/style_alone_provenance.json``, written by ``scripts/provenance_rerun.py``)."""
+    if not ALONE_RERUN.exists():
+        return "Not run yet: no `experiments/smollm2/style_alone_provenance.json`.\n"
+    return rerun_block(json.loads(ALONE_RERUN.read_text(encoding="utf-8")))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the page's generated blocks differ")
     args = parser.parse_args()
     update_page(PAGE, {"style_check": style_check(), "bf16": bf16(), "style": style(), "style_samples": style_samples(),
-                       "style_alone_gate": style_alone_gate(), "style_alone": style(ALONE)}, args.check, "scripts/real_model_style_results.py")
+                       "style_alone_gate": style_alone_gate(), "style_alone": style(ALONE),
+                       "style_alone_rerun": style_alone_rerun()}, args.check, "scripts/real_model_style_results.py")
 
 
 if __name__ == "__main__":

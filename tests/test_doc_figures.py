@@ -268,7 +268,7 @@ def grid_summary() -> dict[str, dict[str, str]]:
 def test_the_real_model_page_quotes_only_generated_rows():
     page = (DOCS / "real_model.md").read_text(encoding="utf-8")
     # the style section's blocks are scripts/real_model_style_results.py's (checked by the test below)
-    quoted = table_rows(re.sub(r"<!-- (style_check|bf16|style|style_samples|style_alone_gate|style_alone): start -->.*?<!-- \1: end -->", "", page, flags=re.S))
+    quoted = table_rows(re.sub(r"<!-- (style_check|bf16|style|style_samples|style_alone_gate|style_alone|style_alone_rerun): start -->.*?<!-- \1: end -->", "", page, flags=re.S))
     assert len(quoted) >= 4 + 8, "the grid's four cells and the baselines table"
     assert [row for row in quoted if row not in generated_rows(SMOLLM2)] == []
     for marker in re.findall(r"<!-- from (experiments/smollm2/[\w.]+) -->", page):
