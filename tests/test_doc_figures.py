@@ -469,19 +469,97 @@ def test_the_style_alone_configs_use_the_gates_temperature_and_teachers():
     assert "style_alone_gate.json'))['gate']['passed']" in (ROOT / "experiments/smollm2/style_alone_study.sh").read_text(encoding="utf-8")
 
 
-def test_the_style_alone_studys_finished_runs_come_from_the_clean_commit_the_real_model_page_names():
-    """docs/real_model.md says the style-alone study has begun at one commit and where its first finished runs wait:
-    every run in that archive records that commit with a clean tree, and each is finished (DONE)."""
+STYLE_ALONE = SMOLLM2 / "style_alone_report"
+
+
+def style_alone_archive() -> tuple[str, int, str]:
+    """The commit, run count and archive docs/real_model.md names for the style-alone study."""
+    text = " ".join(section((DOCS / "real_model.md").read_text(encoding="utf-8"), "Style alone").split())
+    found = re.search(r"Every one of its (\d+) runs ran at commit `([0-9a-f]{7})` \(a clean tree\); they are archived in "
+                      r"`(experiments/smollm2/study_runs/[\w.]+\.tar\.gz)`", text)
+    assert found, "the page no longer says where the style-alone study's runs are"
+    return found.group(2), int(found.group(1)), found.group(3)
+
+
+def test_the_style_alone_report_is_what_kdlab_report_writes_from_its_archived_runs(tmp_path, monkeypatch):
+    """docs/real_model.md names the style-alone study's commit and archive: its 30 runs (20 in the grid, 10 in the
+    English-teacher control) are finished, every one from that commit with a clean tree; ``kdlab report`` over them
+    writes the committed runs.csv, summary.csv, style.csv and verdicts.csv; the provenance rerun compared two of them
+    (the primary contrast's cells) at a later commit and found their samples identical."""
     import tarfile
 
-    page = (DOCS / "real_model.md").read_text()
-    found = re.search(r"The study has begun at commit `([0-9a-f]{7})`[^`]*`(experiments/smollm2/study_runs/partial/[\w.]+\.tar\.gz)`",
-                      " ".join(page.split()))
-    assert found, "the page no longer says where the style-alone study's finished runs wait"
-    commit, archive = found.groups()
+    from kdlab.study.report import main as report
+
+    commit, count, archive = style_alone_archive()
     with tarfile.open(ROOT / archive) as tar:
-        names = tar.getnames()
-        infos = [json.load(tar.extractfile(name)) for name in names if name.endswith("/run_info.json")]
-        done = {name.rsplit("/", 1)[0] for name in names if name.endswith("/DONE")}
-    assert infos and len(infos) == len(done)
+        tar.extractall(tmp_path, filter="data")
+    study = tmp_path / "runs/smollm2-study"
+    infos = [json.loads(p.read_text()) for p in sorted(study.rglob("run_info.json"))]
+    done = sorted(study.rglob("DONE"))
+    assert len(infos) == len(done) == count == 30
+    assert {p.relative_to(study).parts[0] for p in done} == {"style_alone", "style_alone_control"}
+    assert len(list(study.glob("style_alone/*/DONE"))) == 20
     assert {(info["git_commit"][:7], info["git_dirty"]) for info in infos} == {(commit, False)}
+    monkeypatch.chdir(tmp_path)
+    report(["runs/smollm2-study", "--output", str(tmp_path / "out"), "--low_lr", "1e-5", "--high_lr", "5e-5"])
+    for name in ("runs.csv", "summary.csv", "style.csv", "verdicts.csv"):
+        assert (tmp_path / "out" / name).read_text(encoding="utf-8") == (STYLE_ALONE / name).read_text(encoding="utf-8"), name
+    rerun = json.loads((SMOLLM2 / "style_alone_provenance.json").read_text(encoding="utf-8"))
+    assert {r["archived_commit"][:7] for r in rerun["runs"]} == {commit} and rerun["commit"][:7] != commit
+    assert sorted(r["run"].split("-lr=")[0] for r in rerun["runs"]) == ["rollout=StudentRollouts-objective=ReverseKL",
+                                                                        "rollout=TeacherRollouts-objective=ForwardKL"]
+    assert all(r["status"] == "identical" for r in rerun["runs"])
+
+
+def style_alone_cells() -> dict[tuple[str, str, str], dict[str, float]]:
+    """``(part, rollout, objective) -> {metric: mean over seeds}`` from the committed runs.csv."""
+    with (STYLE_ALONE / "runs.csv").open(encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    cells: dict[tuple[str, str, str], list[dict]] = {}
+    for row in rows:
+        cells.setdefault((Path(row["run"]).parts[2], row["rollout"], row["objective"]), []).append(row)  # runs/smollm2-study/<part>/...
+    metrics = ("style/log_odds", "style/log_odds_before", "style/spanish_share", "coverage/task/pass@1", "coverage/task/pass@1_before")
+    return {cell: {m: sum(float(r[m]) for r in runs) / len(runs) for m in metrics} | {"n": len(runs)} for cell, runs in cells.items()}
+
+
+def test_what_the_style_alone_study_shows_is_what_its_report_says():
+    """docs/real_model.md's reading of the style-alone study: each number from the committed report (runs.csv for
+    the cells' means, verdicts.csv for the paired contrasts and the label)."""
+    text = " ".join(section((DOCS / "real_model.md").read_text(encoding="utf-8"), "Style alone").split())
+    cells = style_alone_cells()
+    grid = {(rollout, objective): c for (part, rollout, objective), c in cells.items() if part == "style_alone"}
+    control = {(rollout, objective): c for (part, rollout, objective), c in cells.items() if part == "style_alone_control"}
+    assert len(grid) == 4 and all(c["n"] == 5 for c in grid.values())
+    assert set(control) == {("TeacherRollouts", "ForwardKL"), ("StudentRollouts", "ReverseKL")} and all(c["n"] == 5 for c in control.values())
+    befores = {round(c["style/log_odds_before"], 6) for c in cells.values()}
+    assert len(befores) == 1  # one student: the same log-odds before training in every run
+    keep = grid[("StudentRollouts", "ReverseKL")]
+    others = [c for cell, c in grid.items() if cell != ("StudentRollouts", "ReverseKL")]
+    assert (f"from {keep['style/log_odds_before']:+.2f} before training to {keep['style/log_odds']:+.2f} after it "
+            f"({100 * keep['style/spanish_share']:.0f}% Spanish answers)") in text
+    low, high = min(c["style/log_odds"] for c in others), max(c["style/log_odds"] for c in others)
+    shares = sorted(100 * c["style/spanish_share"] for c in others)
+    assert f"the other three end at {low:+.2f} to {high:+.2f} ({shares[0]:.0f}-{shares[-1]:.0f}% Spanish answers)" in text
+    assert keep["style/log_odds"] < 0 < low and 100 * keep["style/spanish_share"] < 5 and shares[0] > 90
+    with (STYLE_ALONE / "verdicts.csv").open(encoding="utf-8") as handle:
+        row = next(r for r in csv.DictReader(handle) if r["finding"].startswith("OnPD + reverse KL keeps"))
+    primary = re.search(r"OffPD forward - OnPD reverse ([+-]\d+\.\d) seeds \[([+-]\d+\.\d), ([+-]\d+\.\d)\]", row["tiny"])
+    assert primary and row["primary"] == "OffPD forward - OnPD reverse, low LR (log-odds) > 0"
+    assert (f"OffPD forward minus OnPD reverse, paired by seed over 5 seeds: {primary.group(1)} nats, 95% interval "
+            f"[{primary.group(2)}, {primary.group(3)}]; the row's label: **{row['verdict']}**") in text
+    for rollout, objective, name in (("TeacherRollouts", "ForwardKL", "OffPD forward"), ("StudentRollouts", "ReverseKL", "OnPD reverse")):
+        english = control[(rollout, objective)]
+        found = re.search(rf"Spanish - English teacher, {name}: ([+-]\d+\.\d) seeds \[([+-]\d+\.\d), ([+-]\d+\.\d)\]", row["tiny"])
+        assert found, name
+        assert (f"{name}: English teacher {english['style/log_odds']:+.2f} ({100 * english['style/spanish_share']:.0f}% Spanish), "
+                f"Spanish minus English teacher {found.group(1)} [{found.group(2)}, {found.group(3)}]") in text, name
+    before = {round(c["coverage/task/pass@1_before"], 6) for c in cells.values()}
+    after = sorted(100 * c["coverage/task/pass@1"] for c in cells.values())
+    assert len(before) == 1 and min(after) > 100 * before.pop() - 10  # no cell collapsed by the stated rule
+    assert (f"greedy accuracy {100 * keep['coverage/task/pass@1_before']:.1f}% before training, "
+            f"{after[0]:.1f}-{after[-1]:.1f}% after it (cell means)") in text
+    assert "collapsed" not in row["verdict"]
+    config = yaml.safe_load((SMOLLM2 / "style_alone.yaml").read_text(encoding="utf-8"))
+    base = config["model"]
+    assert base["lr"] == 1e-5 and f"one LR (the paper's low LR, 1e-5), {config['trainer']['max_steps']} steps" in text
+    assert f"the teacher at T = {base['teacher_temperature']:g} for its samples and for the KL" in text
