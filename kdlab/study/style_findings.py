@@ -68,7 +68,7 @@ def style_alone(study: Study) -> Verdict:
                 effect = scalar_effect([(1.0, spanish), (-1.0, english)], LOG_ODDS)
                 controls.append(f"Spanish - English teacher, {kind} {direction}: " + (effect.text(1.0) if effect else "n/a")
                                 + f" (English teacher: {shown(english)})")
-        contrasts = ", ".join(f"{c.name.split(',')[0]} {c.effect.text(1.0) if c.effect else 'n/a'}" for c in new)
+        contrasts = ", ".join(f"{g.kind} {g.direction} - OnPD reverse {c.effect.text(1.0) if c.effect else 'n/a'}" for g, c in zip(others, new))
         rows.append(f"{level} LR: {shown(keep)} vs {', '.join(shown(g) for g in others)}; paired by seed (log-odds): {contrasts}"
                     + (f"; control: {'; '.join(controls)}" if controls else ""))
     return Verdict("OnPD + reverse KL keeps the student's English; the other settings transfer Spanish",
