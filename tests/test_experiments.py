@@ -127,7 +127,7 @@ def test_header_command_runs_with_the_real_cli(path, monkeypatch, tiny_models):
             main([*args, "--print_config"])
         assert exit_info.value.code in (0, None)
     elif args[0] == "report":  # a study's design (kdlab report --design): the command names this file, which loads
-        from kdlab.study.findings import StudyDesign
+        from kdlab.study.design import StudyDesign
 
         assert args[args.index("--design") + 1] == str(path)
         assert StudyDesign.load(ROOT / path).commands

@@ -389,7 +389,7 @@ def test_a_studys_design_says_which_findings_it_leaves_to_another_study_and_holm
     """``kdlab report --design FILE``: a part the design leaves ``elsewhere`` gets "not tested here" with the
     design's reason as its evidence and no command; a part it runs without runs yet stays "not run" with the
     design's command (not the tiny study's); Holm's family holds only the findings tested."""
-    from kdlab.study.findings import StudyDesign
+    from kdlab.study.design import StudyDesign
     from kdlab.study.labels import NOT_HERE
     from kdlab.study.report import main as report
 
@@ -421,7 +421,7 @@ def test_a_studys_design_says_which_findings_it_leaves_to_another_study_and_holm
                                           ("runs: {}\n", "the keys are 'commands' and 'elsewhere'"),
                                           ("commands:\n  style: a\nelsewhere:\n  style: b\n", "part style is both run")])
 def test_a_bad_study_design_is_refused_naming_the_key_and_the_file(tmp_path, text, named):
-    from kdlab.study.findings import StudyDesign
+    from kdlab.study.design import StudyDesign
 
     design = tmp_path / "design.yaml"
     design.write_text(text)

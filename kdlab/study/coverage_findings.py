@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from kdlab.study.effects import seed_values_effect
-from kdlab.study.findings import PAPER_K, Study, Verdict, _rule, rlvr_chains, rlvr_verdict
+from kdlab.study.design import Study, Verdict
+from kdlab.study.findings import PAPER_K, _rule, rlvr_chains, rlvr_verdict
 from kdlab.study.groups import Group
 from kdlab.study.labels import Claim, Effect, row_word
 

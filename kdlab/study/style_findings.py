@@ -12,7 +12,8 @@ paired by seed (the paper: OnPD + reverse KL keeps the student's English, the ot
 from __future__ import annotations
 
 from kdlab.study.effects import scalar_effect
-from kdlab.study.findings import Study, Verdict, _rule
+from kdlab.study.design import Study, Verdict
+from kdlab.study.findings import _rule
 from kdlab.study.groups import Group
 from kdlab.study.labels import COLLAPSED, Claim, collapse_by_drop, row_word
 

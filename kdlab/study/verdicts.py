@@ -28,14 +28,8 @@ from pathlib import Path
 
 from kdlab.provenance import commit_mix
 from kdlab.study.effects import accuracy_effect, difference, scalar_effect, table_effect  # noqa: F401  (kdlab 0.1 imported them from here)
+from kdlab.study.design import NOT_IN_DESIGN, PARALLEL_RUNS, PART_COMMANDS, PARTS, Study, StudyDesign, Verdict  # noqa: F401  (importable from here as before)
 from kdlab.study.findings import (  # noqa: F401  (the findings, importable from here as before)
-    NOT_IN_DESIGN,
-    PARALLEL_RUNS,
-    PART_COMMANDS,
-    PARTS,
-    Study,
-    StudyDesign,
-    Verdict,
     forgetting,
     harder_pass_at_k,
     kl_direction_sensitivity,
@@ -182,7 +176,7 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path, design: Stud
     """``verdicts.md`` and ``verdicts.csv`` in ``output``: one row per finding, and the study's wall time
     (``<root>/wall_times.jsonl``, written by ``experiments/tiny/study.sh``). Each part's own report, which
     ``verdicts.md`` links to (``<output>/<part>/report.md``), is ``kdlab report``'s to write. ``design``: the parts
-    the study runs and those it leaves to another study (:class:`~kdlab.study.findings.StudyDesign`). Writes nothing
+    the study runs and those it leaves to another study (:class:`~kdlab.study.design.StudyDesign`). Writes nothing
     and returns ``[]`` when no finding has its runs in ``root`` (a folder of runs laid out like a study, such as the
     tiny world's ``runs/tiny-world`` with its RLVR sweep)."""
     study = Study(root, runs, design)
