@@ -188,3 +188,22 @@ def test_a_teacher_dataset_matching_no_example_fails_before_the_run_directory_an
     assert last == (f"kdlab: error: DistillModule can train on no train example of Addition (TeacherDatasetRollouts.dataset={str(dataset)!r} "
                     "covers none of its ids, e.g. 'add-train-0')")
     assert not (tmp_path / "runs").exists()  # no half-written run directory, no "before" evaluation logged
+
+
+def test_the_bad_inputs_intro_names_the_rows_that_fail_during_training_and_those_that_do_not_fail():
+    """The page's opening says which rows are not "fails before training starts": the served teacher's (their error
+    names a served teacher and comes during training) and the inputs taken without an error (warned, scored, skipped or not imported)."""
+    import re
+
+    text = (Path(__file__).parents[1] / "docs" / "bad_inputs.md").read_text(encoding="utf-8")
+    intro = " ".join(text.split("\n| # |")[0].split()).lower()
+    cells = {int(n): error for n, error in re.findall(r"^\| (\d+) \| [^|]*(?:`[^`]*`[^|]*)*\| (.*?) \| `tests/", text, flags=re.M)}
+    assert len(cells) == len(re.findall(r"^\| \d+ \|", text, flags=re.M))
+    served = sorted(n for n, error in cells.items() if "served teacher http" in error and "during training" in error)
+    lenient = sorted(n for n, error in cells.items() if re.search(r"\bwarning\b|\bscored\b|never raises|never an error|not imported", error))
+
+    def listed(rows: list[int]) -> str:
+        return f"rows {', '.join(map(str, rows[:-1]))} and {rows[-1]}"
+
+    assert served and f"({listed(served)})" in intro, (served, intro)
+    assert lenient and f"{listed(lenient)} are inputs kdlab takes without failing" in intro, (lenient, intro)

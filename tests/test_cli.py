@@ -485,7 +485,8 @@ def test_final_checkpoint_holds_the_weights_and_no_step_is_saved_twice_in_full(t
     assert final["state_dict"] and "kdlab_log_position" in final
     step = torch.load(files["epoch=0-step=4.ckpt"], map_location="cpu", weights_only=True)["state_dict"]
     assert final["state_dict"].keys() == step.keys() and all(torch.equal(final["state_dict"][k], step[k]) for k in step)
-    assert files["final.ckpt"].stat().st_size < files["epoch=0-step=4.ckpt"].stat().st_size / 2
+    # docs/quickstart.md: "about a third of the full state under AdamW" (weights; the full state adds both moments)
+    assert 0.28 < files["final.ckpt"].stat().st_size / files["epoch=0-step=4.ckpt"].stat().st_size < 0.4
     student = load_causal_lm(ModelSpec(cli.model.student_spec.path, checkpoint=str(files["final.ckpt"])), "student")  # the next stage's loader
     for name, value in cli.model.student.state_dict().items():
         assert torch.equal(student.state_dict()[name], value), name

@@ -569,3 +569,38 @@ def test_what_the_style_alone_study_shows_is_what_its_report_says():
     base = config["model"]
     assert base["lr"] == 1e-5 and f"one LR (the paper's low LR, 1e-5), {config['trainer']['max_steps']} steps" in text
     assert f"the teacher at T = {base['teacher_temperature']:g} for its samples and for the KL" in text
+
+# ---- figures in prose: sizes, times, counts ---------------------------------------------------------
+def test_the_pages_quote_the_quickstart_time_from_the_lr_sweeps_run():
+    """"about 4.5 minutes on one CPU thread" is the LR sweep's 1e-4 run's ``fit_seconds`` (two runs at a time, one thread each)."""
+    assert yaml.safe_load((ROOT / "experiments" / "tiny" / "lr_sweep.yaml").read_text())["max_parallel"] == 2
+    minutes = f"about {float(quickstart_run()['fit_seconds']) / 60:.1f} minutes on one CPU thread"
+    for page in ("README.md", "docs/tiny_world.md"):
+        assert minutes in " ".join((ROOT / page).read_text(encoding="utf-8").split()), page
+
+
+def test_the_pages_quote_the_tiny_models_size_and_the_students_build_time_from_the_files():
+    assets = ROOT / "kdlab" / "assets" / "tiny"
+    size = sum(path.stat().st_size for role in ("teacher", "student") for path in (assets / role).rglob("*") if path.is_file())
+    minutes = round(json.loads((assets / "metrics.json").read_text())["measured"]["build_seconds"] / 60)
+    page = " ".join((DOCS / "tiny_world.md").read_text(encoding="utf-8").split())
+    assert page.count(f"{size / 1e6:.1f} MB") == 2 and not re.findall(r"\d\.\d MB", page.replace(f"{size / 1e6:.1f} MB", ""))
+    assert f"the last took {minutes} min on this machine, `build_seconds`" in page
+    assert f"the student alone ({minutes} min here: `build_seconds`" in " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+
+
+def test_the_naive_kl_copies_the_concepts_page_counts_are_the_memory_benchmarks():
+    result = json.loads((ROOT / "benchmarks" / "results" / "kl_memory-forward_kl-float32.json").read_text())
+    assert result["dtype"] == "float32" and not result["problems"]
+    copies = result["results"]["naive"]["extra_mib"] / result["gradient_mib"]
+    words = {4: "four", 5: "five", 6: "six"}
+    assert f"about {words[round(copies)]} fp32 copies of (B, T, V) logits" in " ".join((DOCS / "concepts.md").read_text(encoding="utf-8").split())
+
+
+def test_no_page_says_nothing_ran_on_a_gpu_while_a_gpu_result_is_committed():
+    measured = [path for path in (ROOT / "benchmarks" / "results").glob("gpu-*.json")
+                if "cpu" not in str(json.loads(path.read_text()).get("device")).lower() and not json.loads(path.read_text())["smoke"]]
+    assert measured, "the first H200 run's files are committed"
+    unmeasured = re.compile(r"nothing has been measured on a GPU|no GPU was available|not measured yet: anything on CUDA", re.I)
+    for page in [ROOT / "README.md", *DOCS.glob("*.md")]:
+        assert not unmeasured.search(" ".join(page.read_text(encoding="utf-8").split())), page.name
