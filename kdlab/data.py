@@ -180,12 +180,15 @@ def encode_prompts(
     teacher_tokenizer: Any,
     max_prompt_tokens: int,
     pad_token_id: int,
+    teacher_pad_token_id: int | None = None,
 ) -> PromptBatch:
-    """Render and left-pad each example's student and teacher prompts."""
+    """Render and left-pad each example's student and teacher prompts: the student's with ``pad_token_id``,
+    the teacher's with ``teacher_pad_token_id`` (across tokenizers the teacher's own, since the student's pad id
+    may lie past the teacher's embedding rows; ``None``: one tokenizer, the same id)."""
     student_rows = [prompt_token_ids(task, student_tokenizer, ex, "student", max_prompt_tokens) for ex in examples]
     teacher_rows = [prompt_token_ids(task, teacher_tokenizer, ex, "teacher", max_prompt_tokens) for ex in examples]
     student_ids, student_mask = left_pad(student_rows, pad_token_id)
-    teacher_ids, teacher_mask = left_pad(teacher_rows, pad_token_id)
+    teacher_ids, teacher_mask = left_pad(teacher_rows, pad_token_id if teacher_pad_token_id is None else teacher_pad_token_id)
     return PromptBatch(list(examples), student_ids, student_mask, teacher_ids, teacher_mask)
 
 

@@ -433,3 +433,34 @@ def test_a_student_vocabulary_inside_the_teachers_conditions_the_teacher_on_what
     tail = torch.softmax(teacher, -1)[..., v_s:].sum(-1)
     dropped = torch.stack([tail[b][mask[b]].mean() for b in range(len(ids))]).mean()  # the sequence reduction
     assert abs(diagnostics["teacher_unmapped_mass"].item() - dropped.item()) < 1e-6 and dropped.item() > 0.01
+
+
+def test_a_student_pad_id_past_the_teachers_rows_pads_the_teachers_prompts_with_the_teachers_own(tmp_path):
+    """A Qwen student (pad id 151,643) beside a smaller-vocabulary teacher: the student's pad id is no row of the
+    teacher's embedding. The teacher's prompts are left-padded with the teacher's pad id, so a batch of prompts of
+    unequal length trains (with the student's id the teacher's embedding lookup failed: index out of range)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from kdlab.models.loading import resolve_path
+
+    student = tmp_path / "student"
+    shutil.copytree(resolve_path("kdlab://tiny/teacher-xtok"), student)
+    tokenizer = AutoTokenizer.from_pretrained(student)
+    tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    tokenizer.save_pretrained(student)
+    from kdlab.stages.distill import DistillModule
+
+    m = DistillModule(str(student), "kdlab://tiny/student", task(), cross_tokenizer=CrossTokenizer(), batch_size=4, max_completion_tokens=6,
+                val_examples=4, val_batch_size=4)
+    teacher_rows = m.teacher.get_input_embeddings().weight.shape[0]
+    assert m.pad_id >= teacher_rows and m.pad_id < m.student.get_input_embeddings().weight.shape[0]
+    examples = m.task.examples("train")[:4]
+    prompts = m._prompts(examples)
+    assert len(set(prompts.teacher_mask.sum(1).tolist())) > 1, "prompts of unequal length, so some are padded"
+    padding = prompts.teacher_ids[prompts.teacher_mask == 0]
+    assert padding.numel() and set(padding.tolist()) == {int(m.teacher_tokenizer.pad_token_id)}
+    assert set(prompts.student_ids[prompts.student_mask == 0].tolist()) <= {m.pad_id}
+    loss = m.training_step(examples, 0)
+    assert torch.isfinite(loss)

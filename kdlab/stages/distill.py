@@ -242,9 +242,11 @@ class DistillModule(TaskStage):
         return self.rollout.covers(example)
 
     def _prompts(self, examples: list[Example]):
-        prompts = encode_prompts(
-            self.task, examples, self.student_tokenizer, self.teacher_tokenizer, self.max_prompt_tokens, self.pad_id
-        )
+        teacher_pad = None  # one tokenizer: the student's pad id; across tokenizers the teacher's own
+        if self.cross_tokenizer is not None:
+            teacher_pad = TeacherTokens(self.teacher_tokenizer, self.teacher_columns, self.teacher_end_ids).pad_token_id
+        prompts = encode_prompts(self.task, examples, self.student_tokenizer, self.teacher_tokenizer, self.max_prompt_tokens, self.pad_id,
+                                 teacher_pad_token_id=teacher_pad)
         for name in ("student_ids", "student_mask", "teacher_ids", "teacher_mask"):
             setattr(prompts, name, getattr(prompts, name).to(self.device))
         return prompts
