@@ -85,3 +85,50 @@ def test_lora_sft_trains_only_the_adapters_and_exports_merged_weights(tiny_pair,
     labels = batch["labels"][:, 1:]
     merged_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100).item()
     assert merged_loss == pytest.approx(trained_loss, rel=1e-4)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-head", "logits"])
+def test_the_loss_and_its_gradients_are_the_completion_tokens_cross_entropy(tiny_pair, tmp_path, fused):
+    """The chunked loss (fused head or logits) equals ``cross_entropy`` over the whole fp32 logits, value and
+    every parameter's gradient (the tiny student's head has no padding rows, so both normalise over the same
+    tokens)."""
+    module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=8)], batch_size=8, fused_lm_head=fused)
+    assert module.uses_fused_head() is fused and module.model.get_output_embeddings().weight.shape[0] == len(module.tokenizer)
+    batch = module.collate(module.rows)
+    loss = module.loss(batch)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in module.model.named_parameters()}
+    module.model.zero_grad()
+    logits = module.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    reference = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
+    reference.backward()
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-6)
+    for name, p in module.model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_fused_loss_never_holds_the_logits():
+    """The fused loss's peak extra memory (forward and backward) is a few ``(256, V)`` fp32 blocks, under half of one
+    fp32 copy of the ``(B, T, V)`` logits; cross-entropy over whole upcast logits (the earlier loss)
+    holds more than two."""
+    from test_gpu_paths import LiveBytes
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, tie_word_embeddings=False))
+    ids = torch.randint(0, 4096, (8, 512))  # 16 chunks of 256 positions
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    module = SFTModule.__new__(SFTModule)
+    torch.nn.Module.__init__(module)
+    module.model, module.fused_lm_head, module.tokenizer = model, True, range(4096)
+    logits_bytes = ids.numel() * 4096 * 4
+    peaks = {}
+    for name, loss in (("fused", lambda: module.loss(batch)),
+                       ("whole", lambda: torch.nn.functional.cross_entropy(model(input_ids=ids).logits[:, :-1].reshape(-1, 4096).float(), ids[:, 1:].reshape(-1)))):
+        model.zero_grad(set_to_none=True)
+        with LiveBytes([*model.parameters(), *model.buffers(), *batch.values()]) as counter:
+            loss().backward()
+        peaks[name] = counter.peak
+    chunk_bytes = 256 * 4096 * 4  # one (256, V) fp32 block
+    assert peaks["fused"] < 6 * chunk_bytes < logits_bytes / 2 and 2 * logits_bytes < peaks["whole"], {**peaks, "logits": logits_bytes}

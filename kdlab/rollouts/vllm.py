@@ -55,7 +55,7 @@ VLLM_API: dict[str, tuple[str, ...]] = {
     "SamplingParams": (  # keyword arguments (sampling_params)
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
         "max_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens", "detokenize", "seed", "stop",
-        "include_stop_str_in_output", "logprobs",
+        "include_stop_str_in_output", "logprobs", "allowed_token_ids",
     ),
     "LLM": (  # keyword arguments of vllm.LLM, its own or passed on to EngineArgs
         "model", "dtype", "seed", "revision", "trust_remote_code", "worker_extension_cls", "logprobs_mode",
@@ -128,6 +128,7 @@ def sampling_params(
     seed: int | None = None,
     logprobs: bool = True,
     stop: tuple[str, ...] = (),
+    allowed_token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """``vllm.SamplingParams`` keyword arguments equivalent to kdlab's sampling.
 
@@ -144,6 +145,11 @@ def sampling_params(
     detokenised text, so they switch detokenisation on (vLLM refuses stop strings without it), and
     ``include_stop_str_in_output`` keeps the returned text whole. vLLM keeps the token ids up to and
     including the completing one (it drops only surplus tokens of the same step, e.g. speculative ones).
+
+    ``allowed_token_ids`` (:func:`token_columns_allowed`): the ids vLLM may sample, ``range(len(tokenizer))`` for
+    a model whose head has padding rows (Qwen2.5: 151,936 rows, 151,665 tokens). vLLM masks the rest to
+    ``-inf`` before it samples and before its processed log-probs, so it samples from kdlab's distribution
+    (kdlab's decoder drops those columns too) and never returns an id the tokenizer lacks.
     """
     if temperature != 0 and not VLLM_TEMPERATURES[0] <= temperature <= VLLM_TEMPERATURES[1]:
         # vLLM rejects T > 2 and silently raises T < 0.01 to 0.01, which would make its q differ from kdlab's
@@ -171,7 +177,31 @@ def sampling_params(
         params["include_stop_str_in_output"] = True
     if logprobs:
         params["logprobs"] = 0
+    if allowed_token_ids is not None:
+        params["allowed_token_ids"] = allowed_token_ids
     return params
+
+
+def token_columns_allowed(spec: Any, token_columns: int) -> list[int] | None:
+    """``list(range(token_columns))`` when the model ``spec`` names has more head rows (its config's
+    ``vocab_size``) than ``token_columns`` (its tokenizer's tokens), else ``None`` (nothing to mask: vLLM then
+    validates and masks no list). One list, shared by every request of a batch."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(spec.resolved, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    config = getattr(config, "get_text_config", lambda: config)()
+    return list(range(token_columns)) if int(config.vocab_size) > token_columns else None
+
+
+def checked_token_ids(outputs: Any, token_columns: int, setting: str) -> list[list[int]]:
+    """The sampled ids of each vLLM output, refused with an error naming ``setting`` when one is no token of the
+    tokenizer (``>= token_columns``): a padding row of the head, which nothing downstream can read."""
+    tokens = [list(output.outputs[0].token_ids) for output in outputs]
+    outside = [token for row in tokens for token in row if not 0 <= token < token_columns]
+    if outside:
+        raise RuntimeError(f"{setting}: vLLM sampled token id {outside[0]}, outside the tokenizer's {token_columns} tokens "
+                           "(a padding row of the head); kdlab passes allowed_token_ids to prevent this")
+    return tokens
 
 
 def sampled_token_logprobs(sample: Any) -> list[float]:
@@ -240,12 +270,14 @@ def vllm_sample_completions(
     end_ids = engine_end_ids(spec, tokenizer)
     requests = [vllm.TokensPrompt(prompt_token_ids=prompt_token_ids(task, tokenizer, ex, role, max_prompt_tokens)) for ex in examples]
     llm = vllm.LLM(**{**engine_settings(spec, seed), **(engine_args or {})})  # engine_args win (e.g. dtype: bfloat16)
+    allowed = token_columns_allowed(spec, len(tokenizer))
     params = [
-        vllm.SamplingParams(**sampling_params(temperature, max_new_tokens, end_ids, seed=seed + row, logprobs=False, stop=tuple(stop_strings)))
+        vllm.SamplingParams(**sampling_params(temperature, max_new_tokens, end_ids, seed=seed + row, logprobs=False, stop=tuple(stop_strings),
+                                              allowed_token_ids=allowed))
         for row in range(len(requests))
     ]
     outputs = llm.generate(requests, params, use_tqdm=False)
-    ids, mask = right_pad([list(output.outputs[0].token_ids) for output in outputs], int(tokenizer.pad_token_id))
+    ids, mask = right_pad(checked_token_ids(outputs, len(tokenizer), setting), int(tokenizer.pad_token_id))
     return completion_records(tokenizer, ids, mask, end_ids, stop_strings)
 
 
@@ -378,6 +410,7 @@ class VLLMRollouts(RolloutPolicy):
         }
         self._llm: Any = None
         self._synced_step = -1
+        self._allowed: dict[str, list[int] | None] = {}  # the engine's model -> its allowed_token_ids
 
     def memory_fraction(self, spec: Any, sequences: int, sequence_tokens: int) -> float:
         """``gpu_memory_utilization`` as set, else :func:`engine_memory_fraction` for ``spec``'s config."""
@@ -437,15 +470,18 @@ class VLLMRollouts(RolloutPolicy):
         if self.model == "student":
             self.push_weights(context.student, context.step)
         temperature = context.student_temperature if self.model == "student" else context.teacher_temperature
+        if spec.resolved not in self._allowed:
+            self._allowed[spec.resolved] = token_columns_allowed(spec, context.token_columns)
         # one seed per request: vLLM seeds requests separately, and repeated prompts (a GRPO group) must differ
         params = [
             vllm.SamplingParams(**sampling_params(temperature, context.max_new_tokens, context.eos_token_ids, context.top_p,
-                                                  None if seed is None else seed + row, stop=context.stop_strings))
+                                                  None if seed is None else seed + row, stop=context.stop_strings,
+                                                  allowed_token_ids=self._allowed[spec.resolved]))
             for row in range(len(requests))
         ]
         with outside_autocast():
             outputs = llm.generate(requests, params, use_tqdm=False)
-        tokens = [list(output.outputs[0].token_ids) for output in outputs]
+        tokens = checked_token_ids(outputs, context.token_columns, f"VLLMRollouts(model={self.model!r})")
         logprobs = [sampled_token_logprobs(output.outputs[0]) for output in outputs]
         completion_ids, completion_mask = right_pad(tokens, context.pad_token_id)
         behaviour = torch.zeros(completion_ids.shape, dtype=torch.float32)

@@ -21,6 +21,8 @@ from torch.utils.data import DataLoader
 from kdlab.data import read_jsonl, right_pad
 from kdlab.models.export import export_pretrained
 from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer
+from kdlab.objectives.logits import completion_head_logits, completion_logits, fused_head_unsupported
+from kdlab.objectives.logprobs import token_logprobs
 from kdlab.stages.lora import LoraSpec, apply_lora
 from kdlab.stages.optim import SCHEDULES, FiniteAdamW, lr_multiplier
 from kdlab.tasks.base import Task
@@ -67,6 +69,11 @@ class SFTModule(pl.LightningModule):
         seed: data order.
         export_dir: when training ends, write the (LoRA-merged) model and tokenizer there as a Hugging
             Face folder (how a trained teacher becomes the next stage's ``teacher.path``).
+        fused_lm_head: take the loss from the final hidden states and the LM head, a chunk of positions at a
+            time, so the ``(B, T, V)`` logits and their gradient never exist (same loss and gradients; what
+            ``DistillModule.fused_lm_head`` does for the KL). ``None`` (default): wherever it is valid
+            (:func:`~kdlab.objectives.logits.fused_head_unsupported`: no head bias, no soft-capping, not
+            FSDP1); ``false``: from the model's logits, still without an fp32 copy of them; ``true`` insists.
     """
 
     def __init__(
@@ -86,9 +93,10 @@ class SFTModule(pl.LightningModule):
         eps: float = 1e-8,
         seed: int = 42,
         export_dir: str | None = None,
+        fused_lm_head: bool | None = None,
     ) -> None:
         super().__init__()
-        self.export_dir = export_dir
+        self.export_dir, self.fused_lm_head = export_dir, fused_lm_head
         if (dataset is None) == (not tasks):
             raise ValueError("SFTModule needs exactly one of dataset or tasks")
         if schedule not in SCHEDULES:
@@ -143,13 +151,23 @@ class SFTModule(pl.LightningModule):
         order = torch.Generator().manual_seed(self.seed)
         return DataLoader(self.rows, batch_size=self.batch_size, shuffle=True, generator=order, collate_fn=self.collate)
 
+    def uses_fused_head(self) -> bool:
+        """Whether the loss reads the final hidden states and the head (``fused_lm_head``) rather than logits."""
+        return bool(self.fused_lm_head) if self.fused_lm_head is not None else fused_head_unsupported(self.model) is None
+
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean next-token cross-entropy over the batch's completion tokens."""
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        labels = batch["labels"][:, 1:]
-        return torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100
-        )
+        """Mean next-token cross-entropy over the batch's completion tokens (``labels != -100``), in fp32, each
+        position's distribution over the tokenizer's ``len(tokenizer)`` tokens (a head's padding rows are no
+        token), computed a chunk of positions at a time (:func:`~kdlab.objectives.logprobs.token_logprobs`): from
+        ``(B, T - 1, H)`` hidden states and the head with the fused head, else from the model's ``(B, T - 1, V)``
+        logits in their own dtype (never upcast whole)."""
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        labels = batch["labels"][:, 1:]  # (B, T - 1): the token each position predicts
+        mask = labels != -100
+        read = completion_head_logits if self.uses_fused_head() else completion_logits
+        logits = read(self.model, inputs, labels.shape[1], len(self.tokenizer))
+        chosen, _ = token_logprobs(logits, labels.clamp(min=0), mask)
+        return -(chosen * mask).sum() / mask.sum().clamp(min=1)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)

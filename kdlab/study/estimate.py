@@ -161,10 +161,14 @@ def objective_workspace(setup: Setup, rows: int, tokens: int) -> tuple[float, st
     the model's whole ``(B, C, V)`` logits (the student's gradient takes over their storage). Objectives
     without a closed form (JSD, sampled KLs) add four ``(c, V)`` fp32 autograd temporaries."""
     s, t, vocab = setup.student, setup.teacher, setup.student.vocab
-    if setup.objective == "CrossEntropy":  # SFTModule.loss: whole logits, shifted, upcast, log-softmax and its gradient
-        size = 2 if setup.mixed or BYTES[setup.student_dtype] == 2 else 4
-        return rows * vocab * (2 * size + 12), f"({rows}, {vocab}) logits x ({size} B + {size} B shifted copy + 4 B fp32 copy + 4 B log-softmax + 4 B its gradient)"
     c = max(1, min(setup.chunk_size, rows))
+    if setup.objective == "CrossEntropy":  # SFTModule.loss: token_logprobs over (c, V) chunks
+        size = 2 if setup.mixed or BYTES[setup.student_dtype] == 2 else 4
+        chunks = 3 * c * vocab * 4  # the chunk's fp32 logits, their exponentials and the logit gradient
+        if setup.student_fused:  # a 16-bit head is upcast once; its gradient is the "head gradient" term
+            upcast = vocab * s.hidden * 4 if BYTES[setup.student_dtype] == 2 else 0
+            return (chunks + upcast, f"3 x ({c}, {vocab}) fp32 chunk buffers" + (f" + the fp32 ({vocab}, {s.hidden}) head" if upcast else ""))
+        return rows * vocab * 2 * size + chunks, f"({rows}, {vocab}) logits and their gradient x {size} B + 3 x ({c}, {vocab}) fp32 chunk buffers"
     k = setup.chunk_size if setup.gpu else max(1, min(setup.chunk_size, (1 << 18) // vocab))
     total, parts = 3 * k * vocab * 4, [f"3 x ({k}, {vocab}) fp32 blocks"]
     if setup.student_fused:
