@@ -18,7 +18,8 @@ device (nothing downloaded); the shared vocabulary is the tokenizer's 151,665 to
    preset's temperatures, learning rate, warm-up, ``TeacherRollouts`` and ``ForwardKL``, scaled to these models:
    B = 4 completions a micro-batch (the preset's), Countdown-3 prompts (up to 64 tokens) and completions of
    ``benchmarks/packing.py``'s realistic spread up to 512 tokens (fixed: no decoding), 4 micro-batches, one
-   optimiser step each, after one untimed warm-up step. Variants: ``fused`` (the fused head), ``logits``, and
+   optimiser step each, after an untimed warm-up pass over every micro-batch. Variants, in this order: ``fused``
+   (the fused head), ``logits``, ``fused_again`` (the fused head after the logits path: the order's effect alone), and
    ``packed`` (the fused head on padding-free rows, ``max_tokens_per_row`` = P + C as the presets set it);
    real tokens per second, each micro-batch's median seconds, peak CUDA memory; checked before the ratio: the
    precision, fp32 master weights, B rows, ``B x (P + C)`` padded shapes, packed rows within the budget holding
@@ -45,7 +46,7 @@ device (nothing downloaded); the shared vocabulary is the tokenizer's 151,665 to
 Time on an H200 at ``--repeats 1``, measured by the first run (``benchmarks/results/gpu-nvidia-h200.json`` and
 ``gpu-nvidia-h200-fsdp-overlap.json``, each section's seconds in the file): building both models ~1 s; decode 367 s,
 not the ~90 s once estimated here (each side's warm-up run: kdlab's compiled its step per batch size and model,
-133 s in all, since changed to two compilations per model; ``generate``'s 68 s); writing both models ~28 s; each
+133 s in all, since changed to at most three compilations per model; ``generate``'s 68 s); writing both models ~28 s; each
 step variant ~35-45 s (loading both models, then the steps); fsdp (a) ~24 s; overlap ~15 s; vllm (not installed
 there) est. ~235 s. That first run did not fit 10 minutes. Until one does, split it over two calls:
 ``--skip step fsdp vllm overlap``, then ``--skip decode``.
@@ -196,6 +197,17 @@ def profile_decode(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
             "top_self_device": top_self_time(events, "self_device_time_total", top) if cuda else None}
 
 
+def compile_counters() -> dict:
+    """Dynamo's counts so far in this process: graphs compiled (``unique_graphs``), frames compiled, graph breaks
+    (each reason's first line) and the frames resumed after one, to tell a decode step captured whole from one that
+    runs in pieces with eager code between (the first H200 run's log named a resumed frame inside the model's forward)."""
+    from torch._dynamo.utils import counters
+
+    return {"unique_graphs": int(counters["stats"]["unique_graphs"]), "frames": int(counters["frames"]["total"]),
+            "graph_breaks": {reason.splitlines()[0][:200]: int(n) for reason, n in counters["graph_break"].items()},
+            "resumed_frames": dict(counters["resumes"])}
+
+
 def decode_section(s: Settings, models: dict[str, tuple[torch.nn.Module, dict]]) -> dict:
     out = {"dtype": "bfloat16", "new_tokens": s.new_tokens, "prompt_tokens": s.prompt_tokens, "repeats": s.repeats}
     for role, (model, shape) in models.items():
@@ -206,8 +218,12 @@ def decode_section(s: Settings, models: dict[str, tuple[torch.nn.Module, dict]])
         for batch in s.decode_batches:
             ids, mask = random_prompts(batch, s.prompt_tokens, s.vocab, s.device, seed=batch)
             row = compare(model, ids, mask, s.new_tokens, s.repeats, pad_token_id=0, token_columns=s.vocab)
+            row["compilation"] = compile_counters()
             if batch == s.profile_batch:
-                row["profile"] = profile_decode(model, ids, mask, s)
+                try:  # a failed profile must not lose the rows measured before it
+                    row["profile"] = profile_decode(model, ids, mask, s)
+                except Exception as error:  # noqa: BLE001 - recorded in the result, the section goes on
+                    row["profile"] = {"error": f"{type(error).__name__}: {error}"}
             rows.append(row)
             print(f"  decode {role} B={batch}: kdlab {row['kdlab']['tokens_per_s']:.1f} tok/s, HF generate {row['hf']['tokens_per_s']:.1f} "
                   f"tok/s, ratio {row['ratio']:.3f}, greedy rows identical {row['greedy_rows_identical']}", flush=True)
@@ -216,7 +232,9 @@ def decode_section(s: Settings, models: dict[str, tuple[torch.nn.Module, dict]])
 
 
 # ---- 2. step (and 3. fsdp): through Lightning ----------------------------------------------------
-STEP_VARIANTS = {"fused": (True, False), "logits": (False, False), "packed": (True, True)}  # name: (fused_lm_head, packed)
+STEP_VARIANTS = {"fused": (True, False), "logits": (False, False), "fused_again": (True, False), "packed": (True, True)}
+"""name: (fused_lm_head, packed), run in this order. ``fused`` runs first in its process, ``fused_again`` after ``logits``:
+the first H200 run had fused (first) at 0.56x logits' tokens/s, which the order alone may explain (first-seen shapes)."""
 
 
 def lightning_fit(s: Settings, paths: tuple[str, str], root: str, batch: int, fused: bool, packed: bool, **strategy) -> dict:
@@ -245,6 +263,8 @@ def step_section(s: Settings, paths: tuple[str, str], root: str, progress=None) 
         if rows["fused"]["real_tokens_per_rank"] != rows["logits"]["real_tokens_per_rank"]:
             raise RuntimeError("the fused and logits variants trained different tokens")
         rows["logits_over_fused"] = rows["logits"]["seconds"] / rows["fused"]["seconds"]
+        rows["logits_over_fused_again"] = rows["logits"]["seconds"] / rows["fused_again"]["seconds"]
+        rows["fused_again_over_fused"] = rows["fused_again"]["seconds"] / rows["fused"]["seconds"]  # the order's effect alone
         rows["packing"] = packing_comparison(rows["fused"], rows["packed"])
         print(f"  step B={batch}: padding ratio {rows['packing']['padding_ratio']:.2f}, packed / padded tokens/s "
               f"{rows['packing']['speedup']:.2f} (issue #42's target {rows['packing']['target_speedup']:.2f})", flush=True)

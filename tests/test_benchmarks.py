@@ -56,11 +56,15 @@ def test_gpu_benchmark_script_runs_every_section_at_toy_sizes_on_the_cpu(tmp_pat
             assert row["kdlab"]["tokens_per_s"] > 0 and row["hf"]["tokens_per_s"] > 0 and row["ratio"] > 0
         (profiled,) = [row["profile"] for row in rows if "profile" in row]
         assert profiled["batch"] == 8 and profiled["top_self_cpu"][0]["self_ms"] > 0 and profiled["top_self_device"] is None
+        assert all({"unique_graphs", "frames", "graph_breaks", "resumed_frames"} <= set(row["compilation"]) for row in rows)
     step = sections["step"]
     assert step["settings"]["precision"] == "bf16-mixed" and step["settings"]["student_dtype"] == "float32"
     assert set(step["results"]) == {"2"} and step["completion_tokens"] == 16 and step["vocab"] == gpu.TOY_VOCAB
     rows = step["results"]["2"]
-    for variant, fused in (("fused", True), ("logits", False)):
+    assert list(rows)[:4] == ["fused", "logits", "fused_again", "packed"]  # fused both before and after logits: the order's effect shows
+    assert rows["fused_again_over_fused"] == pytest.approx(rows["fused_again"]["seconds"] / rows["fused"]["seconds"])
+    assert rows["logits_over_fused_again"] == pytest.approx(rows["logits"]["seconds"] / rows["fused_again"]["seconds"])
+    for variant, fused in (("fused", True), ("logits", False), ("fused_again", True)):
         row = rows[variant]
         assert (row["fused_lm_head"], row["layout"], row["precision"], row["strategy"]) == (fused, "padded", "bf16-mixed", "SingleDeviceStrategy")
         assert row["student_dtypes"] == ["float32"] and row["batch_per_rank"] == 2 and len(row["step_s"]) == row["micro_batches"] == 2
@@ -551,3 +555,23 @@ def test_the_fit_clock_times_a_hook_called_from_another_hook_of_its_callback_onc
     measure()  # a periodic measurement on its own: counted as well
     assert 0.4 <= clock.record["parts"]["Coverage 1"] < 0.55
     assert clock.label == "train"
+
+
+def test_a_failed_decode_profile_keeps_the_rows_measured_before_it(monkeypatch):
+    """The profiler runs after each model's comparisons; its failure is recorded in its row, not raised (which
+    lost the whole decode section)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import gpu
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("CUPTI unavailable")
+
+    monkeypatch.setattr(gpu, "profile_decode", fails)
+    monkeypatch.setattr(gpu, "compare", lambda model, ids, mask, *a, **k: {"batch": ids.shape[0], "kdlab": {"tokens_per_s": 1.0},
+                                                                         "hf": {"tokens_per_s": 1.0}, "ratio": 1.0, "greedy_rows_identical": True})
+    s = gpu.Settings(smoke=True, repeats=1, device="cpu")
+    out = gpu.decode_section(s, {"student": (torch.nn.Linear(2, 2).to(torch.bfloat16), {"layers": 1})})
+    rows = out["student"]["results"]
+    assert [row["batch"] for row in rows] == list(s.decode_batches)
+    (profiled,) = [row["profile"] for row in rows if "profile" in row]
+    assert profiled == {"error": "RuntimeError: CUPTI unavailable"}

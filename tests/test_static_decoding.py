@@ -171,11 +171,12 @@ def test_the_compiled_decode_step_decodes_what_the_eager_one_does(tiny):
 
 
 @pytest.mark.slow
-def test_the_compiled_step_compiles_at_most_twice_per_model_however_many_batch_sizes_it_decodes():
-    """A student and a teacher decoding at three batch sizes each (rows leaving the batch give a decode new
-    sizes too): two compilations per model (its first shape, then one with symbolic sizes), not one per batch
-    size: at ``dynamic=False`` these six decodes took six of dynamo's eight recompiles per code object, and on
-    the H200 the next shapes ran eagerly. Every compiled decode is still the eager one, token for token."""
+def test_the_compiled_step_compiles_at_most_three_times_per_model_however_many_shapes_it_decodes():
+    """A student and a teacher decoding at three batch sizes and two cache lengths each (rows leaving the batch
+    give a decode new sizes too): at most three compilations per model (its first shape, then one more for each
+    of batch and cache length when first seen to change), not one per shape: at ``dynamic=False`` the batch
+    sizes alone took six of dynamo's eight recompiles per code object, and on the H200 the next shapes ran
+    eagerly. Every compiled decode is still the eager one, token for token."""
     from torch._dynamo.utils import counters
 
     from kdlab.rollouts import static_cache
@@ -187,13 +188,13 @@ def test_the_compiled_step_compiles_at_most_twice_per_model_however_many_batch_s
     for role in ROLES:
         spec = ModelSpec(f"kdlab://tiny-random/{role}")
         tokenizer, model = load_tokenizer(spec, role), load_causal_lm(spec, role).eval()
-        for batch in (8, 3, 5):
+        for batch, new_tokens in ((8, 6), (3, 6), (3, 70), (5, 6)):  # 70 new tokens: the next CACHE_BUCKET of cache length
             rows = [torch.randint(5, 300, (n,), generator=generator).tolist() for n in torch.randint(2, 12, (batch,), generator=generator).tolist()]
             ids, mask = left_pad(rows, tokenizer.pad_token_id)
-            decode = [sample_tokens(StaticCacheLM(model, ids, mask, len(tokenizer), 0.0, 6, compile=how), batch, 6, (-1,), 0, None,
+            decode = [sample_tokens(StaticCacheLM(model, ids, mask, len(tokenizer), 0.0, new_tokens, compile=how), batch, new_tokens, (-1,), 0, None,
                                     greedy=True)[0] for how in ("never", "always")]
-            assert torch.equal(*decode), (role, batch)
-    assert counters["stats"]["unique_graphs"] <= 2 * len(ROLES)
+            assert torch.equal(*decode), (role, batch, new_tokens)
+    assert counters["stats"]["unique_graphs"] <= 3 * len(ROLES)
     torch._dynamo.reset()
     static_cache._COMPILED.clear()
 

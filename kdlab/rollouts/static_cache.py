@@ -284,9 +284,10 @@ _COMPILED: dict[str, Any] = {}
 
 def _compiled_step(device_type: str) -> Any:
     """:func:`_step` compiled once per device type (CUDA graphs on CUDA: ``mode="reduce-overhead"``), with
-    dynamo's automatic dynamic shapes: a model's first decode compiles for its batch and cache length, its second
-    shape compiles once more with those sizes symbolic, and every later shape reuses that graph (on CUDA a new
-    shape records one more CUDA graph, no new compilation). Static shapes (``dynamic=False``) compiled once per
+    dynamo's automatic dynamic shapes: a model's first decode compiles for its batch and cache length, and a later
+    shape compiles once more for each of those sizes first seen to change (then symbolic), so at most three
+    compilations per model (batch and cache length); every later shape reuses them (on CUDA a new shape records one
+    more CUDA graph, no new compilation). Static shapes (``dynamic=False``) compiled once per
     batch size and model: rows leaving the batch (:meth:`StaticCacheLM.keep_rows`) and two models (a student
     and a teacher) reached dynamo's recompile limit (8 per code object) within one decode section of
     ``benchmarks/gpu.py``, after which the step ran eagerly, slower than Hugging Face ``generate``."""
