@@ -437,3 +437,25 @@ def test_no_grad_forward_reaches_training_without_clearing_the_autocast_cache(gr
             stale = True
         else:
             assert not stale, "a training forward reused a no-grad forward's autocast cache"
+
+
+def test_the_logged_gradient_norm_is_the_one_before_grad_clip(tiny_pair, tmp_path, monkeypatch):
+    """``train/grad_norm`` is logged before ``grad_clip`` clips: far below the norm, the optimiser steps on
+    gradients of the clipped norm while the logged value stays the unclipped one."""
+    seen = []
+    step = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        seen.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for g in self.param_groups for p in g["params"] if p.grad is not None]))))
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    clip = 1e-4
+    module = GRPOModule(tiny_pair[0], Addition(num_train=4, num_val=2, num_test=2), group_size=4, batch_size=1, max_completion_tokens=6,
+                        lr=1e-3, warmup_steps=0, grad_clip=clip)
+    alternate_rewards(module.task)
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False,
+                         enable_progress_bar=False, limit_val_batches=0)
+    trainer.fit(module)
+    assert float(trainer.callback_metrics["train/grad_norm"]) > 10 * clip
+    assert seen == pytest.approx([clip], rel=1e-3)

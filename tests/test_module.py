@@ -435,3 +435,51 @@ def test_a_training_step_logs_the_exact_diagnostics_without_a_second_pass(tiny_p
     module.training_step(batch, 0)
     for name, value in expected.items():
         torch.testing.assert_close(logged[f"train/{name}"], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_logged_gradient_norm_is_the_one_before_clipping(tiny_pair, tmp_path, monkeypatch):
+    """``train/grad_norm`` is the global norm Lightning then clips: with ``gradient_clip_val`` far below it the
+    logged value stays the unclipped one, while the optimiser steps on gradients of the clipped norm."""
+    from kdlab.stages.optim import FiniteAdamW
+
+    seen = []
+    step = torch.optim.AdamW.step  # FiniteAdamW runs the closure (backward, clipping), then this
+
+    def recording_step(self, *args, **kwargs):
+        seen.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for group in self.param_groups for p in group["params"]
+                                                                 if p.grad is not None]))))
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    assert issubclass(FiniteAdamW, torch.optim.AdamW)
+    logged = []
+
+    class Norms(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            logged.append(float(trainer.callback_metrics["train/grad_norm"]))
+
+    clip = 1e-3
+    trainer(tmp_path, 2, gradient_clip_val=clip, limit_val_batches=0, callbacks=[Norms()]).fit(make_module(tiny_pair))
+    assert len(logged) == len(seen) == 2
+    assert all(norm > 10 * clip for norm in logged), logged
+    assert seen == pytest.approx([clip] * 2, rel=1e-3)  # what the optimiser got: clipped
+
+
+def test_each_model_is_prompted_with_its_own_chat_template(tiny_pair, tmp_path):
+    """A teacher whose chat template differs from the student's (another model family) renders its prompts with
+    its own; the student's prompts keep the student's template."""
+    import shutil
+
+    from kdlab.models.loading import resolve_path
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(resolve_path(tiny_pair[1]), teacher)
+    template = teacher / "chat_template.jinja"
+    assert template.exists()
+    template.write_text("{{ 'zebra ' }}" + template.read_text(encoding="utf-8"), encoding="utf-8")
+    module = make_module((tiny_pair[0], str(teacher)), task=Addition(num_train=4))
+    prompts = module._prompts(module.task.examples("train")[:2])
+    student_text = module.student_tokenizer.decode(prompts.student_ids[0][prompts.student_mask[0].bool()])
+    teacher_text = module.teacher_tokenizer.decode(prompts.teacher_ids[0][prompts.teacher_mask[0].bool()])
+    assert teacher_text.startswith("zebra ") and "zebra" not in student_text
+    assert teacher_text[len("zebra "):] == student_text  # otherwise the same prompt

@@ -163,12 +163,14 @@ class Losses(pl.Callback):
         self.values.append(float(outputs["loss"]))
 
 
-@pytest.mark.parametrize("kind, accumulate, prefetches, requests", [("dataset", 1, 3, 4), ("sampled", 1, 3, 4 * (2 + 1)), ("dataset", 2, 1, 2)])
+@pytest.mark.parametrize("kind, accumulate, prefetches, requests", [("dataset", 1, 3, 4), ("sampled", 1, 3, 4 * (2 + 1)), ("dataset", 2, 1, 2),
+                                                                   ("student", 1, 0, 4)])
 def test_prefetch_gives_bit_identical_losses_and_sends_no_extra_request(server, tmp_path, monkeypatch, kind, accumulate, prefetches, requests):
     """The next decode group's requests go out while a group trains (TeacherDatasetRollouts: scored;
     TeacherRollouts: sampled, one request per prompt, and scored by the server; with accumulation, one decode
     group of two micro-batches per step); the losses and weights equal those without prefetch bit for bit,
-    and every prefetched result is used (as many requests as without). One request per forward on the
+    and every prefetched result is used (as many requests as without). StudentRollouts are never prefetched:
+    the next group's completions need the student after this step. One request per forward on the
     server, so its answers do not depend on which requests arrived together."""
     from kdlab.rollouts.served import ServedTeacher as Served
 
@@ -178,7 +180,7 @@ def test_prefetch_gives_bit_identical_losses_and_sends_no_extra_request(server, 
     monkeypatch.setattr(Served, "in_background", lambda self, work: started.append(1) or original(self, work))
     runs = {}
     for prefetch in (False, True):
-        rollout = TeacherDatasetRollouts(dataset(tmp_path)) if kind == "dataset" else TeacherRollouts()
+        rollout = {"dataset": lambda: TeacherDatasetRollouts(dataset(tmp_path)), "sampled": TeacherRollouts, "student": StudentRollouts}[kind]()
         m = module(served(server, prefetch=prefetch), rollout=rollout)
         losses = Losses()
         server.completions = 0
