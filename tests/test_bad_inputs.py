@@ -105,6 +105,7 @@ CLI_CASES = {
     "58": (FIT + ["--model.teacher.path=kdlab://../.."], "model.teacher.path='kdlab://../..' is not a packaged model"),
 }
 NOT_CLI = {  # rows whose input is not a configuration a command line can give, with where they are tested
+    "62": "strategy: deepspeed needs the deepspeed package (not installed here): the check is given Lightning's own class, uninitialised",
     "11": "a corrupted weight file: tested by loading a damaged copy (test_models.py)",
     "13": "a dataset row of a real task read from local files (test_real_tasks.py)",
     "16": "needs a checkpoint of another student: test_resuming_with_a_different_student_fails_before_any_step",
@@ -207,3 +208,27 @@ def test_the_bad_inputs_intro_names_the_rows_that_fail_during_training_and_those
 
     assert served and f"({listed(served)})" in intro, (served, intro)
     assert lenient and f"{listed(lenient)} are inputs kdlab takes without failing" in intro, (lenient, intro)
+
+
+def test_a_strategy_kdlab_does_not_shard_for_is_refused_before_any_step_naming_it(tiny_pair):
+    """DeepSpeed (a DDPStrategy subclass in Lightning, so not caught as "not DDP") and any strategy outside single
+    device, DDP, FSDP1 and FSDP2 are refused when the stage is set up, before any example or weight is touched."""
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
+    from kdlab.stages.sharding import check_strategy
+
+    for strategy in (object.__new__(DeepSpeedStrategy), type("OtherStrategy", (), {})()):
+        with pytest.raises(ValueError, match=rf"trainer.strategy: kdlab does not train under {type(strategy).__name__}; use one device, ddp"):
+            check_strategy(strategy)
+    for strategy in (SingleDeviceStrategy("cpu"), DDPStrategy()):
+        check_strategy(strategy)
+    # both kinds of stage check it first thing in setup, which Lightning calls before configure_model and any step
+    from types import SimpleNamespace
+
+    from kdlab.stages import DistillModule, SFTModule
+    from kdlab.tasks import Addition
+
+    for stage in (DistillModule(*tiny_pair, Addition(num_train=4)), SFTModule(tiny_pair[0], tasks=[Addition(num_train=4)])):
+        stage._trainer = SimpleNamespace(strategy=object.__new__(DeepSpeedStrategy))
+        with pytest.raises(ValueError, match="kdlab does not train under DeepSpeedStrategy"):
+            stage.setup("fit")

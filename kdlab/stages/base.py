@@ -38,7 +38,7 @@ from kdlab.rollouts.decoding import stop_strings_check
 from kdlab.runlog import STEPS_MARK, Console, log_at_optimiser_steps, metrics_file, quiet, run_directory, write_samples
 from kdlab.stages.loaders import EpochShuffle, ResumableLoader
 from kdlab.stages.optim import FiniteAdamW
-from kdlab.stages.sharding import fsdp1_root, gathered_for_decoding, global_grad_norm, require_gradient_sync, shard_fsdp2, wrap_fsdp1
+from kdlab.stages.sharding import check_strategy, fsdp1_root, gathered_for_decoding, global_grad_norm, require_gradient_sync, shard_fsdp2, wrap_fsdp1
 from kdlab.tasks.base import Example, Task
 
 
@@ -277,10 +277,12 @@ class TaskStage(pl.LightningModule):
     def setup(self, stage: str) -> None:
         """Attach the run's :class:`~kdlab.runlog.MetricsFile` (every ``self.log`` value and every
         callback number lands in ``metrics.jsonl``), log Lightning's lines at optimiser steps like every
-        other number (:func:`~kdlab.runlog.log_at_optimiser_steps`), set the fp32 matmul precision on CUDA
+        other number (:func:`~kdlab.runlog.log_at_optimiser_steps`), refuse a strategy kdlab does not train under
+        (:func:`~kdlab.stages.sharding.check_strategy`), set the fp32 matmul precision on CUDA
         (:attr:`float32_matmul_precision`) and, for a fit, check the training examples."""
         # Lightning calls every callback's on_fit_start before the module's: set here, the callbacks' first
         # evaluations run at the precision of every later one
+        check_strategy(self.trainer.strategy)
         use_float32_matmul_precision(self.trainer.strategy.root_device, self.float32_matmul_precision)
         metrics_file(self.trainer)
         log_at_optimiser_steps(self.trainer)

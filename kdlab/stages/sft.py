@@ -25,6 +25,7 @@ from kdlab.objectives.logits import completion_head_logits, completion_logits, f
 from kdlab.objectives.logprobs import token_logprobs
 from kdlab.stages.lora import LoraSpec, apply_lora
 from kdlab.stages.optim import SCHEDULES, FiniteAdamW, lr_multiplier
+from kdlab.stages.sharding import check_strategy
 from kdlab.tasks.base import Task
 
 
@@ -150,6 +151,9 @@ class SFTModule(pl.LightningModule):
     def train_dataloader(self) -> DataLoader:
         order = torch.Generator().manual_seed(self.seed)
         return DataLoader(self.rows, batch_size=self.batch_size, shuffle=True, generator=order, collate_fn=self.collate)
+
+    def setup(self, stage: str) -> None:
+        check_strategy(self.trainer.strategy)  # a strategy kdlab does not know (DeepSpeed) is refused before any step
 
     def uses_fused_head(self) -> bool:
         """Whether the loss reads the final hidden states and the head (``fused_lm_head``) rather than logits."""

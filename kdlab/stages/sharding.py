@@ -5,7 +5,9 @@ training steps; the stage decides *which* models are sharded (``sharded_models``
 * FSDP2 (Lightning's ``ModelParallelStrategy``): :func:`shard_fsdp2`; gradients reduced once per accumulated
   step (:func:`require_gradient_sync`, which Lightning does for DDP only).
 * FSDP1 (``strategy: fsdp``, Lightning's ``FSDPStrategy``, CUDA only): :func:`wrap_fsdp1`.
-* Every other strategy (single device, DDP): nothing to do."""
+* Single device and DDP: nothing to do.
+* Any other strategy (DeepSpeed's ZeRO among them) is refused by :func:`check_strategy` before any work: kdlab
+  neither shards for it nor knows how it holds the head, the teacher or the gradients."""
 
 from __future__ import annotations
 
@@ -13,6 +15,19 @@ import contextlib
 from typing import Any
 
 import torch
+
+
+def check_strategy(strategy: Any) -> None:
+    """Refuse a Lightning strategy kdlab does not train under, naming it and the ones it does: single device, DDP,
+    FSDP1 (``strategy: fsdp``) and FSDP2 (``ModelParallelStrategy``). DeepSpeed subclasses DDP in Lightning, so it
+    is named first: its ZeRO stages would partition what kdlab reads whole (the head for the fused objective, the
+    gradients for ``train/grad_norm``) without kdlab knowing."""
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+    name = type(strategy).__name__
+    if "DeepSpeed" in name or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, FSDPStrategy, ModelParallelStrategy)):
+        raise ValueError(f"trainer.strategy: kdlab does not train under {name}; use one device, ddp, fsdp (FSDP1) or "
+                         "lightning.pytorch.strategies.ModelParallelStrategy (FSDP2, the ZeRO-3 equivalent kdlab shards for)")
 
 
 def decoder_layer_classes(model: torch.nn.Module) -> set[str]:
