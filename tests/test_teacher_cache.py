@@ -143,3 +143,35 @@ def test_distillation_from_a_full_cache_equals_distillation_from_the_teacher_wit
         DistillModule(tiny_pair[0], None, task)
     with pytest.raises(RuntimeError, match="has no model in this process: its outputs come from a teacher cache"):
         without.teacher
+
+
+def test_a_step_from_a_top_k_cache_logs_the_mass_its_teacher_spreads(tiny_pair, tmp_path):
+    """``train/teacher_tail_mass``: the mean over completion tokens of ``1 - sum(top-k probabilities)``, the teacher
+    mass the KLs against a top-k teacher see only as an even spread; 0 for a cache of the whole vocabulary, and
+    not logged for a teacher model (nothing left out)."""
+    from kdlab.models import ModelSpec, load_tokenizer
+    from kdlab.rollouts import CachedTeacherRollouts, TeacherDatasetRollouts
+    from kdlab.rollouts.teacher_data import generate_teacher_data
+    from kdlab.stages import DistillModule
+    from kdlab.tasks import Addition
+
+    task = Addition(num_train=4, num_val=0, num_test=0)
+    vocab = len(load_tokenizer(ModelSpec(tiny_pair[1])))
+    logged = {}
+    for k in (5, vocab):
+        data = tmp_path / f"top{k}.jsonl"
+        generate_teacher_data(ModelSpec(tiny_pair[1]), task, str(data), max_new_tokens=6, top_k=k, cache_temperature=0.5, cache_format="full")
+        module = DistillModule(tiny_pair[0], None, task, rollout=CachedTeacherRollouts(str(data), str(data) + ".topk.safetensors"),
+                               max_completion_tokens=6, batch_size=4)
+        module.log = lambda name, value, **kwargs: logged.setdefault(k, {}).__setitem__(name, float(value))
+        rollout = module.make_rollout(task.examples("train"), 0)
+        module.training_step(task.examples("train"), 0)
+        teacher, mask = rollout.teacher_logprobs, rollout.completion_mask.bool()
+        expected = (1 - teacher.logprobs.exp().sum(-1))[mask].mean()
+        assert logged[k]["train/teacher_tail_mass"] == pytest.approx(float(expected), abs=1e-6)
+    assert logged[5]["train/teacher_tail_mass"] > 0.01 and logged[vocab]["train/teacher_tail_mass"] == pytest.approx(0.0, abs=1e-5)
+    plain = DistillModule(*tiny_pair, task, rollout=TeacherDatasetRollouts(str(tmp_path / "top5.jsonl")), max_completion_tokens=6, batch_size=4)
+    names = []
+    plain.log = lambda name, value, **kwargs: names.append(name)
+    plain.training_step(task.examples("train"), 0)
+    assert "train/kl_forward" in names and "train/teacher_tail_mass" not in names

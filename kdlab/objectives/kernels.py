@@ -185,6 +185,11 @@ class LazyLogits:
     def detach(self) -> LazyLogits:
         raise NotImplementedError
 
+    def summary(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What this stand-in leaves out, over the positions ``mask`` ``(B, C)`` selects, as named scalars to log
+        (none by default; a top-k teacher: the mass it spreads evenly)."""
+        return {}
+
 
 class HeadLogits(LazyLogits):
     """Logits ``(B, T, V)`` that are never materialised: ``scale * hidden @ weight.T``, computed for one

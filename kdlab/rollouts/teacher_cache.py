@@ -126,6 +126,17 @@ class TopKLogprobs(LazyLogits):
     def detach(self) -> TopKLogprobs:
         return self
 
+    def tail_mass(self) -> torch.Tensor:
+        """``(B, C)``: the probability outside each position's top k, ``1 - sum(exp(logprobs))``, which
+        :func:`expand_topk` spreads evenly over the other ``V - k`` tokens (0 when ``k = V``)."""
+        return (1.0 - self.logprobs.exp().sum(-1)).clamp(min=0.0)
+
+    def summary(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``teacher_tail_mass``: the mean :meth:`tail_mass` over the positions of ``mask`` ``(B, C)``: how much of the
+        teacher's distribution the KLs against this top-k teacher see only as an even spread."""
+        mask = mask.to(self.device).bool()
+        return {"teacher_tail_mass": self.tail_mass()[mask].mean()} if mask.any() else {}
+
     def to(self, device: torch.device | str) -> TopKLogprobs:
         return TopKLogprobs(self.indices.to(device), self.logprobs.to(device), self.token_columns)
 

@@ -8,7 +8,9 @@ Per training step:
 3. student and teacher read ``[own prompt | completion]``; their logits at the completion positions,
    divided by their temperatures, go to the objective with the completion mask;
 4. ``train/loss``, the exact full-vocabulary ``train/kl_forward`` / ``train/kl_reverse`` of the batch
-   (whatever is trained), entropies, completion length and the components' reports are logged.
+   (whatever is trained), entropies, completion length and the components' reports are logged. A top-k
+   teacher (a cache, a server) stands for its distribution with its top k and an even spread of the rest,
+   so its KLs are exact for that stand-in; ``train/teacher_tail_mass`` is the mass the spread holds.
 
 The teacher is frozen, kept in eval mode and held outside the module's state, so no checkpoint (whole or
 sharded) carries it: it is reloaded from its path.
@@ -26,6 +28,7 @@ from kdlab.data import encode_prompts
 from kdlab.models.loading import ModelSpec, end_token_ids, load_causal_lm, load_config, load_tokenizer
 from kdlab.objectives.aligned import CrossTokenizer
 from kdlab.objectives.pairing import SharedVocabulary
+from kdlab.objectives.kernels import LazyLogits
 from kdlab.objectives.kl import ForwardKL, KLObjective, sampled_logprobs
 from kdlab.objectives.logits import fused_head_unsupported
 from kdlab.rollouts.packing import Packed, Padded, RowLayout
@@ -392,6 +395,8 @@ class DistillModule(TaskStage):
         loss, diagnostics = self.pairing.rollout_loss(self.objective, rollout, student_logits, teacher_logits, weights)
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         diagnostics.update(self.teacher_source.named_diagnostics(diagnostics))
+        if isinstance(teacher_logits, LazyLogits) and tuple(teacher_logits.shape[:2]) == tuple(mask.shape):  # one vocabulary's positions
+            diagnostics.update(teacher_logits.summary(mask))  # a top-k teacher: train/teacher_tail_mass
         for name, value in diagnostics.items():
             self.log(f"train/{name}", value, batch_size=size)
         self.log("train/completion_length", mask.sum(1).float().mean(), batch_size=size)
