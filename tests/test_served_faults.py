@@ -260,9 +260,16 @@ def test_a_url_with_a_password_on_the_command_line_is_refused_and_echoed_nowhere
     assert KEY not in out.out + out.err and [p for p in tmp_path.rglob("*") if p.is_file() and KEY.encode() in p.read_bytes()] == []
 
 
-def test_the_loopback_server_refuses_what_vllm_refuses(server):
+def test_the_loopback_server_refuses_what_vllm_refuses():
     """A Content-Length past the limit (or missing), max_tokens past max_model_len, a prompt id outside the
-    vocabulary: HTTP 400, as vLLM answers, before any work (today it reads any length and samples any count)."""
+    vocabulary: HTTP 400, as vLLM answers, before any work (today it reads any length and samples any count).
+    A server of its own: a request an earlier test left in flight on the module's server could finish meanwhile
+    and count as work."""
+    with LoopbackServer(TEACHER, name="tiny-teacher") as server:
+        refused_without_work(server)
+
+
+def refused_without_work(server) -> None:
     import http.client
     import json
 
@@ -277,7 +284,8 @@ def test_the_loopback_server_refuses_what_vllm_refuses(server):
         connection.close()
         return status, text
 
-    done = server.completions  # the module's server: other tests' completions came before
+    done = server.completions
+    assert done == 0
     assert post(b"{}", str(1 << 40))[0] == 400
     assert post(b"{}", "abc")[0] == 400
     status, text = post(json.dumps({"model": "tiny-teacher", "prompt": [1, 2, 3], "max_tokens": 10**9}).encode())
