@@ -94,3 +94,26 @@ def test_the_tiny_model_card_begins_with_what_its_builder_writes_from_metrics_js
     card = (tiny / "MODEL_CARD.md").read_text(encoding="utf-8")
     generated = model_card(saved["recipe"], saved["measured"])
     assert card.startswith(generated) and card[len(generated):].lstrip().startswith("## How these files were produced")
+
+
+def test_the_builds_train_with_the_loss_the_packaged_models_were_trained_with(tmp_path):
+    """``python -m kdlab.tiny ...`` trains with cross-entropy over the whole upcast logits, padded head rows in
+    the normaliser (:func:`kdlab.tiny.build.whole_logits_sft`), not SFTModule's chunked loss over the tokenizer's
+    tokens: on the packaged teacher, whose head has a padding row, the two differ, and the build's is the old one."""
+    import json
+
+    import torch
+
+    from kdlab.stages.sft import SFTModule
+    from kdlab.tiny.build import whole_logits_sft
+
+    rows = [{"prompt": "1+2=", "completion": "3"}, {"prompt": "10+20=", "completion": "30 and more"}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    built, chunked = (cls("kdlab://tiny/teacher", dataset=str(data)) for cls in (whole_logits_sft(), SFTModule))
+    assert issubclass(whole_logits_sft(), SFTModule) and built.model.get_output_embeddings().weight.shape[0] > len(built.tokenizer)
+    batch = built.collate(built.rows)
+    logits = built.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    whole = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
+    assert torch.equal(built.loss(batch), whole)
+    assert not torch.equal(chunked.loss(batch), whole)  # the padding row's mass leaves the normaliser

@@ -12,6 +12,7 @@ bit-for-bit on the same software stack (fixed seeds, one thread, deterministic k
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import time
@@ -121,20 +122,37 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
+@functools.cache
+def whole_logits_sft() -> type:
+    """:class:`~kdlab.stages.sft.SFTModule` with the loss the packaged tiny models were trained with: cross-entropy
+    over the whole ``(B, T, V)`` logits upcast to fp32, every head row in the normaliser (the padded teachers' too).
+    ``SFTModule``'s own loss now runs in chunks over the tokenizer's tokens, which rounds differently and, for a head
+    with padding rows, normalises over fewer rows; the builds keep this one so that they rebuild the packaged models
+    as they are. Built on first use (Lightning is imported lazily)."""
+    from kdlab.stages.sft import SFTModule
+
+    class WholeLogitsSFT(SFTModule):
+        def loss(self, batch: dict[str, Any]) -> torch.Tensor:
+            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            labels = batch["labels"][:, 1:]
+            return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
+
+    return WholeLogitsSFT
+
+
 def _train(model_dir: Path, rows: list[dict[str, Any]], epochs: int, lr: float, batch_size: int, log_dir: Path, name: str) -> None:
-    """SFT ``model_dir`` in place on ``rows`` with kdlab's SFTModule (cosine, 5% warm-up, clip 1.0)."""
+    """SFT ``model_dir`` in place on ``rows`` with kdlab's SFTModule and the packaged models' loss
+    (:func:`whole_logits_sft`; cosine, 5% warm-up, clip 1.0)."""
     from lightning.pytorch import seed_everything
 
     seed_everything(0, workers=True)  # each training call starts from the same global RNG state
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from kdlab.stages.sft import SFTModule
-
     data = model_dir.parent / f"{name}-sft.jsonl"
     _write_jsonl(data, rows)
     steps = epochs * -(-len(rows) // batch_size)
-    module = SFTModule(str(model_dir), dataset=str(data), lr=lr, warmup_steps=max(1, steps // 20), batch_size=batch_size, max_length=256, seed=0)
+    module = whole_logits_sft()(str(model_dir), dataset=str(data), lr=lr, warmup_steps=max(1, steps // 20), batch_size=batch_size, max_length=256, seed=0)
     trainer = pl.Trainer(
         max_steps=steps,
         accelerator="cpu",
