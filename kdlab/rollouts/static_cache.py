@@ -200,13 +200,15 @@ class StaticCacheLM:
         prefix = DynamicCache()
         self.model(input_ids=first, position_ids=positions, use_cache=True, logits_to_keep=1, **{self.cache_argument: prefix})
         start = prompt - (int(lengths.max()) - self.shared)
+        rows = torch.arange(batch, device=first.device)[:, None]  # (B, 1)
+        columns = torch.tensor(pads, device=first.device)[:, None] + positions  # (B, shared): row r's positions
         for layer, source in zip(self.cache.layers, prefix.layers):
             keys, values = source.keys, source.values  # (1, heads, shared, head_dim)
             if not layer.is_initialized:
                 layer.lazy_initialization(keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1))
-            for row, pad in enumerate(pads):
-                layer.keys[row, :, pad: pad + self.shared] = keys[0]
-                layer.values[row, :, pad: pad + self.shared] = values[0]
+            # one write per layer and tensor: [rows, :, columns] indexes (B, shared, heads, head_dim)
+            layer.keys[rows, :, columns] = keys[0].transpose(0, 1).expand(batch, -1, -1, -1)
+            layer.values[rows, :, columns] = values[0].transpose(0, 1).expand(batch, -1, -1, -1)
             layer.cumulative_length.fill_(start)
         return start
 
