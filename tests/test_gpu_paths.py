@@ -131,3 +131,43 @@ def test_the_multi_node_commands_parse_into_the_papers_batch(command, monkeypatc
     strategy = trainer["strategy"]
     if isinstance(strategy, dict) and strategy["class_path"].endswith("ModelParallelStrategy"):
         assert strategy["init_args"]["data_parallel_size"] == ranks
+
+
+def test_the_kl_objectives_extra_memory_is_bounded_by_the_logits_gradient_or_a_few_blocks():
+    """peers.md's first complaint (OOM from full-vocabulary logits, fp32 copies of ``(B, T, V)``): ForwardKL's
+    forward and backward on fp32 logits allocate one ``(B, T, V)`` gradient and a few blocks beside it (nothing
+    with ``consume=True``, which writes the gradient into the logits' storage), and on the fused head only
+    ``(chunk, V)`` blocks; the textbook KL (log-softmax of both, their difference, its gradient) holds several copies."""
+    from kdlab.objectives import ForwardKL
+    from kdlab.objectives.kernels import HeadLogits
+
+    generator = torch.Generator().manual_seed(0)
+    batch, length, vocab, hidden = 4, 1024, 4096, 32  # 16 chunks of 256 positions
+    logits_bytes = batch * length * vocab * 4
+    teacher = torch.randn(batch, length, vocab, generator=generator)
+    mask = torch.ones(batch, length, dtype=torch.bool)
+
+    def peak(loss, *inputs) -> int:
+        with LiveBytes([teacher, mask, *inputs]) as counter:
+            loss().backward()
+        return counter.peak
+
+    student = torch.randn(batch, length, vocab, generator=generator, requires_grad=True)
+    chunked = peak(lambda: ForwardKL()(student, teacher, mask), student)
+    base = torch.randn(batch, length, vocab, generator=generator, requires_grad=True)
+    consumed = base.clone()  # a model's logits: made before, their gradient reaching ``base`` through a clone
+    in_place = peak(lambda: ForwardKL()(consumed, teacher, mask, consume=True), base, consumed)
+    h = torch.randn(batch, length, hidden, generator=generator, requires_grad=True)
+    head = torch.randn(vocab, hidden, generator=generator, requires_grad=True)
+    fused = peak(lambda: ForwardKL()(HeadLogits(h, head), teacher, mask), h, head)
+    textbook = torch.randn(batch, length, vocab, generator=generator, requires_grad=True)
+
+    def naive():
+        log_p, log_q = torch.log_softmax(teacher, -1), torch.log_softmax(textbook, -1)
+        return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+
+    reference = peak(naive, textbook)
+    assert chunked < 1.5 * logits_bytes < 3 * logits_bytes < reference, (chunked, reference, logits_bytes)
+    assert in_place < logits_bytes / 2, (in_place, logits_bytes)  # blocks only: the gradient takes the logits' storage
+    chunk_bytes = 256 * vocab * 4  # one (chunk, V) fp32 block
+    assert fused < 4 * chunk_bytes == logits_bytes / 4, (fused, logits_bytes)
