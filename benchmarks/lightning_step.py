@@ -96,12 +96,17 @@ def paper_module(student: str, teacher: str, batch: int, prompt_tokens: int, com
 
 
 class SyncedTimer(pl.Callback):
-    """Each training batch's seconds (CUDA synchronised at both ends), rows, and the student's parameter dtypes."""
+    """Each training batch's seconds (CUDA synchronised at both ends), rows, and the student's parameter dtypes; on
+    CUDA also the peak memory of each batch (``peaks``) and of its forward and backward alone, read before the
+    optimiser step (``peaks_before_optimizer``): the step's own peak is AdamW's (the same for every head), the
+    one before it is where the fused head and the logits path differ."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
         self.rows: list[int] = []
         self.dtypes: set[str] = set()
+        self.peaks: list[int] = []
+        self.peaks_before_optimizer: list[int] = []
 
     def _sync(self, pl_module) -> None:
         if pl_module.device.type == "cuda":
@@ -109,11 +114,19 @@ class SyncedTimer(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._sync(pl_module)
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
         self._start = time.perf_counter()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if pl_module.device.type == "cuda":
+            self.peaks_before_optimizer.append(torch.cuda.max_memory_allocated(pl_module.device))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._sync(pl_module)
         self.times.append(time.perf_counter() - self._start)
+        if pl_module.device.type == "cuda":
+            self.peaks.append(torch.cuda.max_memory_allocated(pl_module.device))
         self.rows.append(len(batch))
         self.dtypes |= {str(p.dtype).removeprefix("torch.") for p in pl_module.student.parameters()}
 
@@ -192,8 +205,6 @@ def time_fit(student: str, teacher: str, *, batch: int, prompt_tokens: int, comp
                          gradient_clip_val=p["gradient_clip_val"], accumulate_grad_batches=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer, profile],
                          default_root_dir=root)
-    if accelerator == "gpu":
-        torch.cuda.reset_peak_memory_stats()
     trainer.fit(module)
     timed = timer.times[count * WARMUP_PASSES : count * (WARMUP_PASSES + repeats)]
     if len(timed) != count * repeats or set(timer.rows) != {batch}:
@@ -211,7 +222,8 @@ def time_fit(student: str, teacher: str, *, batch: int, prompt_tokens: int, comp
               "tokens_per_s": world * sum(real) / seconds, "student_dtypes": sorted(timer.dtypes),
               "token_columns": module.token_columns, "teacher_columns": module.teacher_columns,
               "float32_matmul_precision": torch.get_float32_matmul_precision(),
-              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if accelerator == "gpu" else None,
+              "peak_gib": max(timer.peaks) / 2**30 if timer.peaks else None,
+              "peak_gib_before_optimizer": max(timer.peaks_before_optimizer) / 2**30 if timer.peaks_before_optimizer else None,
               "profile": {"micro_batch": (steps - 1) % count, "clock": profile.clock, "top_self_time": profile.ops} if profile.ops else None}
     return record
 

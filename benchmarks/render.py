@@ -195,14 +195,14 @@ def _gpu(record: dict) -> str:
             lines += [f"`{section['preset']}`'s step through Lightning: {settings['precision']}, student {settings['student_dtype']} master "
                       f"weights, V = {section['vocab']:,}, prompts up to {section['prompt_tokens']} and completions up to "
                       f"{section['completion_tokens']} tokens ({section['lengths']}). `s` sums each micro-batch's median seconds.\n",
-                      "| batch | variant | layout | micro-batches | real tokens | s | real tokens/s | peak GiB |",
-                      "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+                      "| batch | variant | layout | micro-batches | real tokens | s | real tokens/s | peak GiB | peak before AdamW GiB |",
+                      "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
             for batch, rows in section["results"].items():
                 for variant, row in rows.items():
                     if isinstance(row, dict) and "tokens_per_s" in row:
-                        peak = f"{row['peak_gib']:.1f}" if row["peak_gib"] is not None else "-"
+                        peak, before = (f"{row[key]:.1f}" if row.get(key) is not None else "-" for key in ("peak_gib", "peak_gib_before_optimizer"))
                         lines.append(f"| {batch} | {variant} | {row['layout']} | {row['micro_batches']} | {row['real_tokens_per_rank']} | "
-                                     f"{row['seconds']:.3f} | {row['tokens_per_s']:.0f} | {peak} |")
+                                     f"{row['seconds']:.3f} | {row['tokens_per_s']:.0f} | {peak} | {before} |")
         elif name == "fsdp":
             row, two = section["in_process"], section["two_processes"]
             peak = f", peak {row['peak_gib']:.1f} GiB" if row.get("peak_gib") is not None else ""

@@ -72,6 +72,7 @@ def test_gpu_benchmark_script_runs_every_section_at_toy_sizes_on_the_cpu(tmp_pat
         assert row["padded_tokens_per_rank"] == sum(rows_ * length for rows_, length in row["student_shapes"]) > row["real_tokens_per_rank"]
         assert row["tokens_per_s"] == pytest.approx(row["real_tokens_per_rank"] / row["seconds"])
         assert row["warmup_passes"] == 1  # every micro-batch's shape seen once before any is timed
+        assert row["peak_gib"] is None and row["peak_gib_before_optimizer"] is None  # CUDA only: each batch's, and before AdamW's step
         assert row["profile"]["clock"] == "cpu" and row["profile"]["top_self_time"][0]["self_ms"] > 0
     assert record["complete"] is True
     assert rows["fused"]["real_tokens_per_rank"] == rows["logits"]["real_tokens_per_rank"] == rows["packed"]["real_tokens_per_rank"]
@@ -575,3 +576,24 @@ def test_a_failed_decode_profile_keeps_the_rows_measured_before_it(monkeypatch):
     assert [row["batch"] for row in rows] == list(s.decode_batches)
     (profiled,) = [row["profile"] for row in rows if "profile" in row]
     assert profiled == {"error": "RuntimeError: CUPTI unavailable"}
+
+
+def test_the_step_timer_reads_cuda_peaks_per_batch_and_before_the_optimiser_step(monkeypatch):
+    """On CUDA, ``SyncedTimer`` resets the peak at each batch's start and reads it before the optimiser step (the
+    forward and backward: where the heads differ) and at the batch's end (AdamW's step included), per batch."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import lightning_step
+
+    readings, resets = iter([5, 9, 6, 11]), []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: resets.append(device))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(readings))
+    module = SimpleNamespace(device=torch.device("cuda"), student=torch.nn.Linear(1, 1))
+    timer = lightning_step.SyncedTimer()
+    for _ in range(2):
+        timer.on_train_batch_start(None, module, [0, 1], 0)
+        timer.on_before_optimizer_step(None, module, None)
+        timer.on_train_batch_end(None, module, None, [0, 1], 0)
+    assert len(resets) == 2 and timer.peaks_before_optimizer == [5, 6] and timer.peaks == [9, 11] and len(timer.times) == 2
