@@ -334,6 +334,14 @@ def test_every_rollout_source_trains_across_tokenizers(rollout, tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(before, m.student.parameters()))
     if heldout:
         assert heldout[0].before["forward"] > 0 and math.isfinite(heldout[0].kl(m)[0])
+    if rollout == "cached":  # the top-k teacher's tail, over the teacher's own completion positions
+        rollout_ = m.make_rollout(task().examples("train")[:2], 0)
+        teacher_logprobs, teacher_mask = m.teacher_source.completion_logprobs(rollout_), rollout_.completion("teacher")[1]
+        logged = {}
+        m.log = lambda name, value, **kwargs: logged.__setitem__(name, float(value))
+        m.training_step(task().examples("train")[:2], 0)
+        expected = (1 - teacher_logprobs.logprobs.exp().sum(-1))[teacher_mask.bool()].mean()
+        assert 0 < logged["train/teacher_tail_mass"] == pytest.approx(float(expected), abs=1e-6)
 
 
 def test_a_cache_across_tokenizers_never_loads_the_teachers_weights(tmp_path, monkeypatch):

@@ -121,7 +121,7 @@ def test_the_fused_loss_never_holds_the_logits():
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     module = SFTModule.__new__(SFTModule)
     torch.nn.Module.__init__(module)
-    module.model, module.fused_lm_head, module.tokenizer = model, True, range(4096)
+    module.model, module.fused_lm_head, module.token_columns = model, True, 4096
     logits_bytes = ids.numel() * 4096 * 4
     peaks = {}
     for name, loss in (("fused", lambda: module.loss(batch)),
@@ -132,3 +132,40 @@ def test_the_fused_loss_never_holds_the_logits():
         peaks[name] = counter.peak
     chunk_bytes = 256 * 4096 * 4  # one (256, V) fp32 block
     assert peaks["fused"] < 6 * chunk_bytes < logits_bytes / 2 and 2 * logits_bytes < peaks["whole"], {**peaks, "logits": logits_bytes}
+
+
+def test_lora_on_the_lm_head_takes_the_logits_path_so_its_adapter_trains(tiny_pair):
+    """peft's LoRA layer on ``lm_head`` exposes the base weight; the fused loss would leave the adapter's term out
+    (and give it no gradient), so the head is refused for the fused path and the loss is the logits' cross-entropy."""
+    pytest.importorskip("peft")
+    from kdlab.objectives.logits import fused_head_unsupported
+    from kdlab.stages.lora import LoraSpec
+
+    module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=8)], batch_size=8, lora=LoraSpec(r=4, alpha=8, target_modules=["q_proj", "lm_head"]))
+    assert "adapters" in fused_head_unsupported(module.model) and not module.uses_fused_head()
+    for name, p in module.model.named_parameters():
+        if "lm_head" in name and "lora_B" in name:
+            torch.nn.init.normal_(p)  # a trained adapter: its term changes the logits
+    batch = module.collate(module.rows)
+    loss = module.loss(batch)
+    logits = module.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    reference = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    head_adapters = [p.grad for name, p in module.model.named_parameters() if "lm_head" in name and "lora_" in name]
+    assert head_adapters and all(g is not None and g.abs().sum() > 0 for g in head_adapters)
+
+
+def test_under_fsdp1_the_default_loss_takes_the_logits_path(tiny_pair):
+    """Lightning's FSDP1 wraps the module, so after the forward the head's weight is a flat shard: the default
+    (``fused_lm_head: None``) reads logits there; ``true`` still insists."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=4)])
+    assert module.uses_fused_head()
+    module._trainer = SimpleNamespace(strategy=object.__new__(FSDPStrategy))
+    assert not module.uses_fused_head()
+    module.fused_lm_head = True
+    assert module.uses_fused_head()

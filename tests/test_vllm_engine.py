@@ -516,24 +516,27 @@ def test_a_teacher_engine_in_one_process_also_runs_in_process(tiny_pair, stand_i
 
 
 def test_a_head_with_padding_rows_is_sampled_only_in_the_tokenizers_columns(tiny_pair, stand_in):
-    """The tiny teacher's head has 384 rows for 353 tokens (as Qwen2.5's 151,936 for 151,665): vLLM is given
-    ``allowed_token_ids`` = the tokenizer's ids, once per engine model, so it samples (and normalises its
-    log-probs) as kdlab's decoder does; a head without padding rows gets no list. An id past the tokenizer
-    that comes back anyway is an error naming the policy, not an index error later in the step."""
+    """The tiny teacher's head has 384 rows for 353 tokens (as Qwen2.5's 151,936 for 151,665): vLLM is given a
+    logit bias of -100 (its lowest) on each padding row, one mapping per engine model, so it samples (and
+    normalises its log-probs) as kdlab's decoder does; a head without padding rows gets none. An id past the
+    tokenizer that comes back anyway is an error naming the policy, not an index error later in the step."""
     from kdlab.rollouts import VLLMRollouts
+    from kdlab.rollouts.vllm import PADDING_BIAS
     from kdlab.stages import DistillModule
     from kdlab.tasks import Addition
 
     module = DistillModule(*tiny_pair, Addition(num_train=4), max_completion_tokens=5, batch_size=4)
-    assert module.teacher.get_output_embeddings().weight.shape[0] > module.token_columns == module.student.get_output_embeddings().weight.shape[0]
+    rows = module.teacher.get_output_embeddings().weight.shape[0]
+    assert rows > module.token_columns == module.student.get_output_embeddings().weight.shape[0]
     prompts, context = module._prompts(module.task.examples("train")), module.rollout_context(torch.Generator().manual_seed(0))
     fake = stand_in()
     VLLMRollouts(model="teacher").sample(prompts, context)
-    assert [p["allowed_token_ids"] for p in fake.params] == [list(range(module.token_columns))] * 4
-    assert len({id(p["allowed_token_ids"]) for p in fake.params}) == 1  # one list for the batch
+    assert PADDING_BIAS == -100.0
+    assert [p["logit_bias"] for p in fake.params] == [{row: -100.0 for row in range(module.token_columns, rows)}] * 4
+    assert len({id(p["logit_bias"]) for p in fake.params}) == 1  # one mapping for the batch
     fake = stand_in()
     VLLMRollouts(model="student").sample(prompts, context)
-    assert fake.params and not any("allowed_token_ids" in p for p in fake.params)
+    assert fake.params and not any("logit_bias" in p for p in fake.params)
     stand_in(_FakeVLLM(0, completion=[5, module.token_columns + 3, 0]))
     with pytest.raises(RuntimeError, match=rf"VLLMRollouts\(model='teacher'\): vLLM sampled token id {module.token_columns + 3}, outside the tokenizer's"):
         VLLMRollouts(model="teacher").sample(prompts, context)

@@ -93,13 +93,15 @@ def completion_head_logits(
 
 def fused_head_unsupported(model: torch.nn.Module) -> str | None:
     """Why the fused hidden-state + LM-head path cannot stand for ``model``'s logits, or ``None``: a head
-    with a bias, logits transformed after the head (soft-capping, scaling), a head that is not a plain
-    weight (FSDP1's flat parameters), or no head at all."""
+    with a bias or with adapters (peft's LoRA on ``lm_head``), logits transformed after the head (soft-capping,
+    scaling), a head that is not a plain weight (FSDP1's flat parameters), or no head at all."""
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         return "the model has no LM head with a weight"
     if getattr(head, "bias", None) is not None:
         return "the LM head has a bias"
+    if hasattr(head, "base_layer"):  # peft's adapter layer: its weight is the base's, without the adapter's term
+        return "the LM head carries adapters (LoRA on lm_head), which its weight leaves out"
     config = getattr(model, "config", None)
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", 1.0) not in (None, 1.0):
         return "this model transforms its logits after the LM head (soft-capping or scaling)"

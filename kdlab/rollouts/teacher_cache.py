@@ -135,6 +135,8 @@ class TopKLogprobs(LazyLogits):
         """``teacher_tail_mass``: the mean :meth:`tail_mass` over the positions of ``mask`` ``(B, C)``: how much of the
         teacher's distribution the KLs against this top-k teacher see only as an even spread."""
         mask = mask.to(self.device).bool()
+        if tuple(mask.shape) != tuple(self.logprobs.shape[:2]):
+            raise ValueError(f"TopKLogprobs.summary: a mask of {tuple(mask.shape)} positions for a teacher of {tuple(self.logprobs.shape[:2])}")
         return {"teacher_tail_mass": self.tail_mass()[mask].mean()} if mask.any() else {}
 
     def to(self, device: torch.device | str) -> TopKLogprobs:

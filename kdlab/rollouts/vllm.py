@@ -55,7 +55,7 @@ VLLM_API: dict[str, tuple[str, ...]] = {
     "SamplingParams": (  # keyword arguments (sampling_params)
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
         "max_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens", "detokenize", "seed", "stop",
-        "include_stop_str_in_output", "logprobs", "allowed_token_ids",
+        "include_stop_str_in_output", "logprobs", "logit_bias",
     ),
     "LLM": (  # keyword arguments of vllm.LLM, its own or passed on to EngineArgs
         "model", "dtype", "seed", "revision", "trust_remote_code", "worker_extension_cls", "logprobs_mode",
@@ -128,7 +128,7 @@ def sampling_params(
     seed: int | None = None,
     logprobs: bool = True,
     stop: tuple[str, ...] = (),
-    allowed_token_ids: list[int] | None = None,
+    logit_bias: dict[int, float] | None = None,
 ) -> dict[str, Any]:
     """``vllm.SamplingParams`` keyword arguments equivalent to kdlab's sampling.
 
@@ -146,10 +146,12 @@ def sampling_params(
     ``include_stop_str_in_output`` keeps the returned text whole. vLLM keeps the token ids up to and
     including the completing one (it drops only surplus tokens of the same step, e.g. speculative ones).
 
-    ``allowed_token_ids`` (:func:`token_columns_allowed`): the ids vLLM may sample, ``range(len(tokenizer))`` for
-    a model whose head has padding rows (Qwen2.5: 151,936 rows, 151,665 tokens). vLLM masks the rest to
-    ``-inf`` before it samples and before its processed log-probs, so it samples from kdlab's distribution
-    (kdlab's decoder drops those columns too) and never returns an id the tokenizer lacks.
+    ``logit_bias`` (:func:`padding_rows_bias`): for a model whose head has padding rows (Qwen2.5: 151,936 rows,
+    151,665 tokens), :data:`PADDING_BIAS` on each of them. vLLM adds it before it samples and before its processed
+    log-probs, so those rows hold no mass in fp32 and vLLM samples kdlab's distribution (kdlab's decoder drops
+    those columns); an id past the tokenizer that comes back anyway is refused (:func:`checked_token_ids`). A
+    bias on the few padding rows, not ``allowed_token_ids``: that would be a list of every token, copied and
+    checked in Python for each request.
     """
     if temperature != 0 and not VLLM_TEMPERATURES[0] <= temperature <= VLLM_TEMPERATURES[1]:
         # vLLM rejects T > 2 and silently raises T < 0.01 to 0.01, which would make its q differ from kdlab's
@@ -177,20 +179,23 @@ def sampling_params(
         params["include_stop_str_in_output"] = True
     if logprobs:
         params["logprobs"] = 0
-    if allowed_token_ids is not None:
-        params["allowed_token_ids"] = allowed_token_ids
+    if logit_bias:
+        params["logit_bias"] = logit_bias
     return params
 
 
-def token_columns_allowed(spec: Any, token_columns: int) -> list[int] | None:
-    """``list(range(token_columns))`` when the model ``spec`` names has more head rows (its config's
-    ``vocab_size``) than ``token_columns`` (its tokenizer's tokens), else ``None`` (nothing to mask: vLLM then
-    validates and masks no list). One list, shared by every request of a batch."""
+PADDING_BIAS = -100.0
+"""The logit bias on a head's padding rows: vLLM's lowest (it clamps biases to [-100, 100])."""
+
+
+def padding_rows_bias(spec: Any, token_columns: int) -> dict[int, float] | None:
+    """``{row: PADDING_BIAS}`` for each head row of the model ``spec`` names (its config's ``vocab_size``) past its
+    tokenizer's ``token_columns`` tokens; ``None`` when there are none. One mapping, shared by every request."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(spec.resolved, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     config = getattr(config, "get_text_config", lambda: config)()
-    return list(range(token_columns)) if int(config.vocab_size) > token_columns else None
+    return {row: PADDING_BIAS for row in range(token_columns, int(config.vocab_size))} or None
 
 
 def checked_token_ids(outputs: Any, token_columns: int, setting: str) -> list[list[int]]:
@@ -200,7 +205,7 @@ def checked_token_ids(outputs: Any, token_columns: int, setting: str) -> list[li
     outside = [token for row in tokens for token in row if not 0 <= token < token_columns]
     if outside:
         raise RuntimeError(f"{setting}: vLLM sampled token id {outside[0]}, outside the tokenizer's {token_columns} tokens "
-                           "(a padding row of the head); kdlab passes allowed_token_ids to prevent this")
+                           "(a padding row of the head, which kdlab biases by {PADDING_BIAS:g})")
     return tokens
 
 
@@ -270,10 +275,10 @@ def vllm_sample_completions(
     end_ids = engine_end_ids(spec, tokenizer)
     requests = [vllm.TokensPrompt(prompt_token_ids=prompt_token_ids(task, tokenizer, ex, role, max_prompt_tokens)) for ex in examples]
     llm = vllm.LLM(**{**engine_settings(spec, seed), **(engine_args or {})})  # engine_args win (e.g. dtype: bfloat16)
-    allowed = token_columns_allowed(spec, len(tokenizer))
+    bias = padding_rows_bias(spec, len(tokenizer))
     params = [
         vllm.SamplingParams(**sampling_params(temperature, max_new_tokens, end_ids, seed=seed + row, logprobs=False, stop=tuple(stop_strings),
-                                              allowed_token_ids=allowed))
+                                              logit_bias=bias))
         for row in range(len(requests))
     ]
     outputs = llm.generate(requests, params, use_tqdm=False)
@@ -410,7 +415,7 @@ class VLLMRollouts(RolloutPolicy):
         }
         self._llm: Any = None
         self._synced_step = -1
-        self._allowed: dict[str, list[int] | None] = {}  # the engine's model -> its allowed_token_ids
+        self._padding_bias: dict[str, dict[int, float] | None] = {}  # the engine's model -> its padding rows' logit bias
 
     def memory_fraction(self, spec: Any, sequences: int, sequence_tokens: int) -> float:
         """``gpu_memory_utilization`` as set, else :func:`engine_memory_fraction` for ``spec``'s config."""
@@ -470,13 +475,13 @@ class VLLMRollouts(RolloutPolicy):
         if self.model == "student":
             self.push_weights(context.student, context.step)
         temperature = context.student_temperature if self.model == "student" else context.teacher_temperature
-        if spec.resolved not in self._allowed:
-            self._allowed[spec.resolved] = token_columns_allowed(spec, context.token_columns)
+        if spec.resolved not in self._padding_bias:
+            self._padding_bias[spec.resolved] = padding_rows_bias(spec, context.token_columns)
         # one seed per request: vLLM seeds requests separately, and repeated prompts (a GRPO group) must differ
         params = [
             vllm.SamplingParams(**sampling_params(temperature, context.max_new_tokens, context.eos_token_ids, context.top_p,
                                                   None if seed is None else seed + row, stop=context.stop_strings,
-                                                  allowed_token_ids=self._allowed[spec.resolved]))
+                                                  logit_bias=self._padding_bias[spec.resolved]))
             for row in range(len(requests))
         ]
         with outside_autocast():

@@ -395,8 +395,8 @@ class DistillModule(TaskStage):
         loss, diagnostics = self.pairing.rollout_loss(self.objective, rollout, student_logits, teacher_logits, weights)
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         diagnostics.update(self.teacher_source.named_diagnostics(diagnostics))
-        if isinstance(teacher_logits, LazyLogits) and tuple(teacher_logits.shape[:2]) == tuple(mask.shape):  # one vocabulary's positions
-            diagnostics.update(teacher_logits.summary(mask))  # a top-k teacher: train/teacher_tail_mass
+        if isinstance(teacher_logits, LazyLogits):  # a top-k teacher: train/teacher_tail_mass, over the teacher's own positions
+            diagnostics.update(teacher_logits.summary(rollout.completion("teacher")[1]))
         for name, value in diagnostics.items():
             self.log(f"train/{name}", value, batch_size=size)
         self.log("train/completion_length", mask.sum(1).float().mean(), batch_size=size)

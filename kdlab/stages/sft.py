@@ -27,6 +27,7 @@ from kdlab.stages.lora import LoraSpec, apply_lora
 from kdlab.stages.optim import SCHEDULES, FiniteAdamW, lr_multiplier
 from kdlab.stages.sharding import check_strategy
 from kdlab.tasks.base import Task
+from kdlab.teachers.model import vocabulary_columns
 
 
 def read_pairs(path: str) -> list[dict[str, Any]]:
@@ -107,6 +108,7 @@ class SFTModule(pl.LightningModule):
         self.spec = ModelSpec(model) if isinstance(model, str) else model
         self.tokenizer = load_tokenizer(self.spec, "model")
         self.model = load_causal_lm(self.spec, "model")
+        self.token_columns = vocabulary_columns(self.tokenizer, self.model.config, "model")  # len(tokenizer), checked against the head
         self.model.train()
         if lora is not None:
             self.model = apply_lora(self.model, lora)
@@ -156,8 +158,16 @@ class SFTModule(pl.LightningModule):
         check_strategy(self.trainer.strategy)  # a strategy kdlab does not know (DeepSpeed) is refused before any step
 
     def uses_fused_head(self) -> bool:
-        """Whether the loss reads the final hidden states and the head (``fused_lm_head``) rather than logits."""
-        return bool(self.fused_lm_head) if self.fused_lm_head is not None else fused_head_unsupported(self.model) is None
+        """Whether the loss reads the final hidden states and the head (``fused_lm_head``) rather than logits: by
+        default wherever :func:`~kdlab.objectives.logits.fused_head_unsupported` allows it and the strategy is not
+        FSDP1 (which Lightning wraps around this module, so the head's weight is a flat shard after the forward)."""
+        if self.fused_lm_head is not None:
+            return bool(self.fused_lm_head)
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
+            return False
+        return fused_head_unsupported(self.model) is None
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean next-token cross-entropy over the batch's completion tokens (``labels != -100``), in fp32, each
@@ -169,7 +179,7 @@ class SFTModule(pl.LightningModule):
         labels = batch["labels"][:, 1:]  # (B, T - 1): the token each position predicts
         mask = labels != -100
         read = completion_head_logits if self.uses_fused_head() else completion_logits
-        logits = read(self.model, inputs, labels.shape[1], len(self.tokenizer))
+        logits = read(self.model, inputs, labels.shape[1], self.token_columns)
         chosen, _ = token_logprobs(logits, labels.clamp(min=0), mask)
         return -(chosen * mask).sum() / mask.sum().clamp(min=1)
 
