@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kdlab.errors import ConfigError
 from kdlab.objectives.aligned import CrossTokenizer, VocabularyMap
-from kdlab.objectives.kernels import HeadLogits
+from kdlab.objectives.lazy import HeadLogits
 from kdlab.objectives.kl import ForwardKL, GeneralizedJSD, ReverseKL, SampledForwardKL, TotalVariation
 from kdlab.rollouts.policies import (
     CachedTeacherRollouts,

@@ -139,7 +139,7 @@ def test_the_kl_objectives_extra_memory_is_bounded_by_the_logits_gradient_or_a_f
     with ``consume=True``, which writes the gradient into the logits' storage), and on the fused head only
     ``(chunk, V)`` blocks; the textbook KL (log-softmax of both, their difference, its gradient) holds several copies."""
     from kdlab.objectives import ForwardKL
-    from kdlab.objectives.kernels import HeadLogits
+    from kdlab.objectives.lazy import HeadLogits
 
     generator = torch.Generator().manual_seed(0)
     batch, length, vocab, hidden = 4, 1024, 4096, 32  # 16 chunks of 256 positions

@@ -69,7 +69,8 @@ class RolloutSensitivity(PeriodicCallback):
     @staticmethod
     def total_variation(policy, student_logits, teacher_logits, mask) -> tuple[float, float]:
         """Mean over masked tokens of TV(policy, teacher) and TV(policy, student), chunked over tokens."""
-        from kdlab.objectives.kernels import gather_rows, iter_token_chunks
+        from kdlab.objectives.kernels import iter_token_chunks
+        from kdlab.objectives.lazy import gather_rows
 
         totals, count = torch.zeros(2, dtype=torch.float64), int(mask.sum())
         with torch.no_grad():

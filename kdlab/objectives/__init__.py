@@ -9,7 +9,7 @@
 """
 
 from kdlab.objectives.aligned import CrossTokenizer
-from kdlab.objectives.kernels import HeadLogits, LazyLogits, Logits
+from kdlab.objectives.lazy import HeadLogits, LazyLogits, Logits
 from kdlab.objectives.kl import (
     ForwardKL,
     GeneralizedJSD,

@@ -48,15 +48,13 @@ import torch
 from kdlab.objectives.pairing import TokenPairing
 from kdlab.objectives.kernels import (
     HeadGradient,
-    HeadLogits,
-    Logits,
     LogitsGradient,
     compute_dtype,
-    full_precision,
-    gather_rows,
     scaled_gradients,
     taken_gradient,
 )
+from kdlab.objectives.lazy import HeadLogits, Logits, gather_rows
+from kdlab.objectives.precision import full_precision
 from kdlab.objectives.groups import AlignedGroups, ChunkSide, VocabularyMap
 
 FLOOR = -1e4

@@ -19,7 +19,7 @@ limit p log p -> 0 gives), so finite inputs pay nothing for it. The dot products
 the logged diagnostics resolve.
 
 Precision: all of it is fp32 (fp64 for fp64 inputs) whatever autocast region the caller runs in (a bf16
-model's fused head products stay bf16, with or without autocast: :class:`HeadLogits`).
+model's fused head products stay bf16, with or without autocast: :class:`~kdlab.objectives.lazy.HeadLogits`).
 Lightning runs ``training_step`` under autocast for ``bf16-mixed``, where ``torch.bmm``, ``torch.mv`` and
 matrix products would silently drop to bf16 (about 1e-3 relative on the KLs and entropies, 1-4% of the
 gradient); :func:`full_precision` switches autocast off around every kernel (:func:`chunked_pass`, the
@@ -33,13 +33,13 @@ the first read in cache (:func:`block_rows` picks ``k``); on a GPU a block is th
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from kdlab.objectives.precision import ieee_fp32
+from kdlab.objectives.lazy import HeadLogits, LazyLogits, Logits
+from kdlab.objectives.precision import full_precision, ieee_fp32
 
 LOG_FLOOR = -1e30
 """Stands for ``-inf`` in the recomputation of rows whose dot products were not finite."""
@@ -49,19 +49,6 @@ CPU_BLOCK_ELEMENTS = 1 << 18
 
 DIAGNOSTICS = ("kl_forward", "kl_reverse", "student_entropy", "teacher_entropy")
 """The names, in order, of the columns of :attr:`RowStatistics.diagnostics`."""
-
-
-def full_precision(*sources: object) -> contextlib.ExitStack:
-    """A context in which autocast is off on the devices of ``sources`` (tensors, :class:`LazyLogits`;
-    anything else is ignored), so the kernels' matrix products, ``bmm``, ``mv`` and reductions run in
-    the dtype the kernels chose (fp32) rather than the caller's autocast dtype. Entered around every
-    kernel; nesting is harmless."""
-    stack = contextlib.ExitStack()
-    device_types = {source.device.type for source in sources if isinstance(source, (torch.Tensor, LazyLogits))}
-    for device_type in sorted(device_types):
-        if torch.amp.is_autocast_available(device_type):
-            stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
-    return stack
 
 
 def block_rows(columns: int, chunk_size: int, device: torch.device) -> int:
@@ -166,89 +153,6 @@ def iter_token_chunks(mask: torch.Tensor, chunk_size: int) -> Iterator[tuple[tor
 def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     """fp32 for half-precision inputs (bf16/fp16 logits are upcast chunk by chunk), else the input's."""
     return torch.promote_types(tensor.dtype, torch.float32)
-
-
-class LazyLogits:
-    """Base class: a ``(B, T, V)`` logits (or log-probs) tensor that is never materialised; objectives,
-    :func:`kl_diagnostics` and :func:`sampled_logprobs` ask it for one chunk of rows at a time.
-
-    Subclasses give :meth:`rows`, ``shape``, ``dtype``, ``device`` and :meth:`detach`."""
-
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
-
-    def rows(self, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``(n, V)`` at positions ``(b[i], t[i])``, in ``dtype``."""
-        raise NotImplementedError
-
-    def detach(self) -> LazyLogits:
-        raise NotImplementedError
-
-    def summary(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What this stand-in leaves out, over the positions ``mask`` ``(B, C)`` selects, as named scalars to log
-        (none by default; a top-k teacher: the mass it spreads evenly)."""
-        return {}
-
-
-class HeadLogits(LazyLogits):
-    """Logits ``(B, T, V)`` that are never materialised: ``scale * hidden @ weight.T``, computed for one
-    chunk of rows at a time (the fused hidden-state + LM-head path).
-
-    ``hidden``: ``(B, T, H)`` final hidden states at the positions that predict the completion;
-    ``weight``: ``(V, H)`` the LM head restricted to the shared vocabulary (no bias); ``scale``:
-    ``1 / temperature``. Objectives and :func:`kl_diagnostics` accept it wherever they accept logits;
-    the student's ``(B, T, V)`` logits and their gradient then never exist, only ``(chunk, V)`` pieces.
-
-    Precision, whatever the caller's autocast (the kernels switch it off, :func:`full_precision`): the
-    matrix products ``hidden @ weight.T``, ``g @ weight`` and ``g.T @ hidden`` run in the hidden states'
-    dtype, so fp32 hidden states (a model trained under ``bf16-mixed`` keeps fp32 weights) give fp32
-    logits and gradients, exactly as without autocast, and a model held in bf16 gives bf16 products, as
-    its own LM head would; everything after the product (softmaxes, KLs, entropies, the loss, the head's
-    accumulated gradient) is fp32. :meth:`rows` computes in the ``dtype`` it is asked for.
-    """
-
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> None:
-        if hidden.dim() != 3 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
-            raise ValueError(f"HeadLogits: hidden (B, T, H) and weight (V, H) do not fit: {tuple(hidden.shape)}, {tuple(weight.shape)}")
-        self.hidden, self.weight, self.scale = hidden, weight, scale
-        self._cast: dict[torch.dtype, torch.Tensor] = {}
-
-    def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
-        """The head in ``dtype``, cast once (not once per chunk)."""
-        if dtype not in self._cast:
-            self._cast[dtype] = self.weight.to(dtype)
-        return self._cast[dtype]
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((*self.hidden.shape[:2], self.weight.shape[0]))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.hidden.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.hidden.device
-
-    def rows(self, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        with full_precision(self.hidden):
-            logits = self.hidden[b, t].to(dtype) @ self.weight_as(dtype).T
-            return logits * self.scale if self.scale != 1.0 else logits
-
-    def detach(self) -> HeadLogits:
-        return HeadLogits(self.hidden.detach(), self.weight.detach(), self.scale)
-
-
-Logits = torch.Tensor | LazyLogits
-"""A ``(B, T, V)`` logits tensor, or a :class:`LazyLogits` (:class:`HeadLogits`, a cached top-k teacher)
-standing for one."""
-
-
-def gather_rows(logits: Logits, b: torch.Tensor, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``(n, V)`` of ``logits`` at positions ``(b, t)``, in ``dtype``."""
-    return logits.rows(b, t, dtype) if isinstance(logits, LazyLogits) else logits[b, t].to(dtype)
 
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

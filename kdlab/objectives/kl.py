@@ -37,21 +37,19 @@ from kdlab.objectives.kernels import (
     DIAGNOSTICS,
     LOG_FLOOR,
     HeadGradient,
-    HeadLogits,
-    Logits,
     LogitsGradient,
     RowsLossAndGrad,
     RowStatistics,
     TokenLoss,
     chunked_pass,
     compute_dtype,
-    full_precision,
-    gather_rows,
     iter_token_chunks,
     rowdot,
     scaled_gradients,
     taken_gradient,
 )
+from kdlab.objectives.lazy import HeadLogits, Logits, gather_rows
+from kdlab.objectives.precision import full_precision
 
 REDUCTIONS = ("sequence", "token")
 
@@ -81,7 +79,7 @@ class _ChunkedObjective(torch.autograd.Function):
     its gradient computed in forward (so backward is one in-place scale) and the diagnostics of the same
     pass kept in ``out["diagnostics"]``. The student is plain logits ``(B, T, V)`` or a :class:`HeadLogits`
     given as its hidden states and head (either may need grad). Forward and backward run with autocast
-    off (:func:`~kdlab.objectives.kernels.full_precision`): fp32 maths whatever the caller's autocast."""
+    off (:func:`~kdlab.objectives.precision.full_precision`): fp32 maths whatever the caller's autocast."""
 
     @staticmethod
     def forward(ctx, student_logits, hidden, weight, head, teacher_logits, weights, diagnostic_weights, chunk_size, token_loss, rows_loss_and_grad, out, consume):  # type: ignore[override]

@@ -2,7 +2,7 @@
 completion positions.
 
 :func:`completion_logits` materialises them (``[B, T, V]``); :func:`completion_head_logits` returns a
-lazy :class:`~kdlab.objectives.kernels.HeadLogits` (hidden states ``[B, T, H]`` plus the output head),
+lazy :class:`~kdlab.objectives.lazy.HeadLogits` (hidden states ``[B, T, H]`` plus the output head),
 so the fused KL kernels compute ``[chunk, V]`` blocks on the fly and never hold ``[B, T, V]``.
 :func:`fused_head_unsupported` says why a model cannot take the fused path."""
 
@@ -75,11 +75,11 @@ def completion_head_logits(
     token_columns: int,
     temperature: float = 1.0,
 ):
-    """:class:`~kdlab.objectives.kernels.HeadLogits` standing for ``completion_logits(...) / temperature`` without
+    """:class:`~kdlab.objectives.lazy.HeadLogits` standing for ``completion_logits(...) / temperature`` without
     computing them: the final hidden states ``(B, C, H)`` at the positions that predict the completion
     and the LM head's first ``token_columns`` rows. Only one position's logits are computed by the model
     (``logits_to_keep=1``). The head must have no bias."""
-    from kdlab.objectives.kernels import HeadLogits
+    from kdlab.objectives.lazy import HeadLogits
 
     reason = fused_head_unsupported(model)
     if reason:

@@ -1,13 +1,15 @@
 """Chunked token log-probabilities ``log p(y_t)`` of the sampled tokens (``[B, T]``) from full logits or a
 lazy head: the policy term of GRPO and the sampled KL estimators, without holding a ``[B, T, V]``
 softmax (the backward recomputes each chunk). fp32 maths, forward and backward, whatever the caller's
-autocast (:func:`~kdlab.objectives.kernels.full_precision` switches it off)."""
+autocast (:func:`~kdlab.objectives.precision.full_precision` switches it off)."""
 
 from __future__ import annotations
 
 import torch
 
-from kdlab.objectives.kernels import HeadLogits, Logits, full_precision, iter_token_chunks
+from kdlab.objectives.kernels import iter_token_chunks
+from kdlab.objectives.lazy import HeadLogits, Logits
+from kdlab.objectives.precision import full_precision
 
 
 def _chunk_logprobs(scaled: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -101,7 +103,7 @@ def token_logprobs(
     logits: Logits, ids: torch.Tensor, mask: torch.Tensor | None = None, temperature: float = 1.0, chunk_size: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob ``(B, C)`` of each token ``ids`` under ``softmax(logits / temperature)`` (``logits``
-    ``(B, C, V)``, any float dtype, or :class:`~kdlab.objectives.kernels.HeadLogits` whose ``scale`` is then used
+    ``(B, C, V)``, any float dtype, or :class:`~kdlab.objectives.lazy.HeadLogits` whose ``scale`` is then used
     instead of ``temperature``) and the entropy ``(B, C)`` of each position's distribution (detached),
     in fp32; differentiable w.r.t. the logits (or the hidden states and head). Only positions where
     ``mask`` ``(B, C)`` is True are computed (others are 0); fp32 intermediates never exceed

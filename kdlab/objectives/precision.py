@@ -1,4 +1,5 @@
-"""The fp32 matrix-product precision of the exact computations: TF32 off where a result must be full fp32.
+"""The precision of the exact computations: autocast off around every kernel (:func:`full_precision`), and TF32
+off where a result must be full fp32 (:func:`ieee_fp32`).
 
 A CUDA fit runs with TF32 on (``torch.set_float32_matmul_precision("high")``, set by
 :class:`~kdlab.stages.base.TaskStage`), which is right for the models' own products; the KL kernels' row-wise
@@ -29,3 +30,16 @@ def ieee_fp32() -> Iterator[None]:
         yield
     finally:
         torch.set_float32_matmul_precision(kept)
+
+
+def full_precision(*sources: object) -> contextlib.ExitStack:
+    """A context in which autocast is off on the devices of ``sources`` (tensors,
+    :class:`~kdlab.objectives.lazy.LazyLogits`: anything with a ``torch.device``; anything else is ignored), so the kernels' matrix products, ``bmm``, ``mv`` and reductions run in
+    the dtype the kernels chose (fp32) rather than the caller's autocast dtype. Entered around every
+    kernel; nesting is harmless."""
+    stack = contextlib.ExitStack()
+    device_types = {source.device.type for source in sources if isinstance(getattr(source, "device", None), torch.device)}
+    for device_type in sorted(device_types):
+        if torch.amp.is_autocast_available(device_type):
+            stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+    return stack

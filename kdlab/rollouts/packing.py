@@ -49,7 +49,7 @@ class RowLayout:
 
     def completion_head_logits(self, model: torch.nn.Module, rollout: Any, role: str, token_columns: int,
                                temperature: float = 1.0) -> Any:
-        """A :class:`~kdlab.objectives.kernels.HeadLogits` of hidden states ``(B, C, H)``, as
+        """A :class:`~kdlab.objectives.lazy.HeadLogits` of hidden states ``(B, C, H)``, as
         :func:`~kdlab.objectives.logits.completion_head_logits`."""
         raise NotImplementedError
 
@@ -121,7 +121,7 @@ class Packed(RowLayout):
         return logits if logits.shape[-1] == token_columns else logits[..., :token_columns]
 
     def completion_head_logits(self, model, rollout, role, token_columns, temperature=1.0):
-        from kdlab.objectives.kernels import HeadLogits
+        from kdlab.objectives.lazy import HeadLogits
 
         reason = fused_head_unsupported(model)
         if reason:

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from kdlab.objectives.kernels import LazyLogits
+from kdlab.objectives.lazy import LazyLogits
 from kdlab.rollouts import cache_codec as codec
 from kdlab.rollouts.cache_codec import LogprobMap
 

@@ -28,7 +28,7 @@ from kdlab.data import encode_prompts
 from kdlab.models.loading import ModelSpec, end_token_ids, load_causal_lm, load_config, load_tokenizer
 from kdlab.objectives.aligned import CrossTokenizer
 from kdlab.objectives.pairing import SharedVocabulary
-from kdlab.objectives.kernels import LazyLogits
+from kdlab.objectives.lazy import LazyLogits
 from kdlab.objectives.kl import ForwardKL, KLObjective, sampled_logprobs
 from kdlab.objectives.logits import fused_head_unsupported
 from kdlab.rollouts.packing import Packed, Padded, RowLayout
@@ -85,7 +85,7 @@ class DistillModule(TaskStage):
             student is always sharded; ``replicate`` keeps a whole teacher on every device, ``shard``
             shards it like the student.
         fused_lm_head: feed the objective the models' final hidden states and LM heads
-            (:class:`~kdlab.objectives.kernels.HeadLogits`) instead of logits, so neither model's ``(B, C, V)``
+            (:class:`~kdlab.objectives.lazy.HeadLogits`) instead of logits, so neither model's ``(B, C, V)``
             logits (nor the student's logits gradient) is ever materialised; same loss and gradients.
             Works under FSDP2 (the head is read whole after the forward); refused under FSDP1.
             ``None`` (default): the fused path for each model wherever it is valid
@@ -357,7 +357,7 @@ class DistillModule(TaskStage):
 
     def distillation_logits(self, rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """Tempered student and teacher logits ``(B, C, V)`` at the completion positions (as
-        :class:`~kdlab.objectives.kernels.HeadLogits` with ``fused_lm_head``), each model's forward in ``self.layout``."""
+        :class:`~kdlab.objectives.lazy.HeadLogits` with ``fused_lm_head``), each model's forward in ``self.layout``."""
         if self.uses_fused_head(self.student):
             student = self.layout.completion_head_logits(self.student, rollout, "student", self.token_columns, self.student_temperature)
         else:

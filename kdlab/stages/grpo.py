@@ -173,7 +173,7 @@ class GRPOModule(TaskStage):
         export_dir: when training ends, write the (LoRA-merged) policy and tokenizer there as a Hugging
             Face folder (e.g. an RL-trained teacher for distillation).
         fused_lm_head: compute the loss's log-probs from the final hidden states and the LM head
-            (:func:`token_logprobs` with :class:`~kdlab.objectives.kernels.HeadLogits`), so no ``(b, C, V)``
+            (:func:`token_logprobs` with :class:`~kdlab.objectives.lazy.HeadLogits`), so no ``(b, C, V)``
             logits exist even in the model's dtype (long RLVR traces); same values and gradients. Not with
             a sharded (FSDP1/FSDP2) head.
 

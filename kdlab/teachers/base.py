@@ -7,7 +7,7 @@ never asks which kind it holds:
   student's vocabulary unless the run distils across tokenizers) and every check that needs no weights;
 * :meth:`TeacherSource.load`: its weights, if it has any in this process (held frozen by the stage);
 * :meth:`TeacherSource.completion_logprobs`: its tempered distribution on a rollout's completions, ``(B, C, V)``
-  as a tensor, a :class:`~kdlab.objectives.kernels.HeadLogits` or a
+  as a tensor, a :class:`~kdlab.objectives.lazy.HeadLogits` or a
   :class:`~kdlab.rollouts.teacher_cache.TopKLogprobs` (the three shapes every objective takes);
 * :meth:`TeacherSource.write`: teacher-written completions (token by token in this process, or sampled by a
   server), for sources that :data:`WRITES`;

@@ -10,7 +10,7 @@ import torch
 
 from kdlab.components import Component
 from kdlab.errors import ConfigError
-from kdlab.objectives.kernels import LazyLogits
+from kdlab.objectives.lazy import LazyLogits
 from kdlab.tasks.base import Example
 
 

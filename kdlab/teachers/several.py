@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kdlab.objectives.kernels import LazyLogits
+from kdlab.objectives.lazy import LazyLogits
 from kdlab.objectives.kl import kl_diagnostics
 from kdlab.rollouts.teacher_cache import TopKLogprobs
 from kdlab.tasks.base import Example

@@ -43,7 +43,7 @@ BASE = ["experiments/smollm2/base.yaml", "experiments/smollm2/cross_tokenizer.ya
 def split_kl(module, rollout) -> dict[str, float]:
     """The module's divergences of one rollout, and the event KL split into the possible and impossible parts."""
     from kdlab.objectives.aligned import FLOOR, EventLayout, side_events
-    from kdlab.objectives.kernels import gather_rows
+    from kdlab.objectives.lazy import gather_rows
 
     values = {name: float(value) for name, value in module.divergences(rollout, "token").items()}
     cross = module.cross_tokenizer
