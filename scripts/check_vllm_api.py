@@ -17,7 +17,7 @@ Checked, each printed as ``ok`` or ``FAIL`` (exit status 1 when any fails, 2 whe
   ``LLM`` receives through ``**kwargs``); ``generate``, ``collective_rpc`` and ``reset_prefix_cache``
   take what kdlab passes the way kdlab passes it; ``TokensPrompt`` has ``prompt_token_ids``; the output
   fields kdlab reads exist on ``RequestOutput``, ``CompletionOutput`` and ``Logprob``;
-* the keywords :func:`kdlab.rollouts.vllm.sampling_params` actually produces are ``SamplingParams`` fields;
+* the keywords :func:`kdlab.rollouts.vllm_sampling.sampling_params` actually produces are ``SamplingParams`` fields;
 * :data:`kdlab.rollouts.vllm.VLLM_SETTING_VALUES` (``logprobs_mode``, ``distributed_executor_backend``) are
   values of the ``Literal`` types vLLM declares for those settings;
 * sampling values: vLLM raises temperatures below ``VLLM_TEMPERATURES[0]`` to it and rejects those above
@@ -34,7 +34,7 @@ Checked, each printed as ``ok`` or ``FAIL`` (exit status 1 when any fails, 2 whe
   :data:`~kdlab.rollouts.vllm.VLLM_PROFILE_TOKENS` / :data:`~kdlab.rollouts.vllm.VLLM_PROFILE_SEQUENCES`
   are vLLM's largest default ``max_num_batched_tokens`` / ``max_num_seqs`` for ``vllm.LLM`` (what
   :func:`kdlab.rollouts.vllm.engine_memory_fraction` sizes the profiled activations with);
-* the log-prob output format: :func:`kdlab.rollouts.vllm.sampled_token_logprobs` reads the sampled tokens'
+* the log-prob output format: :func:`kdlab.rollouts.vllm_sampling.sampled_token_logprobs` reads the sampled tokens'
   log-probs from both containers vLLM fills (a list of ``{token: Logprob}`` dicts and ``FlatLogprobs``),
   built with vLLM's own ``append_logprobs_for_next_position`` as its engine does for ``logprobs=0``.
 """
@@ -60,11 +60,9 @@ from kdlab.rollouts.vllm import (
     VLLM_PROFILE_SEQUENCES,
     VLLM_PROFILE_TOKENS,
     VLLM_SETTING_VALUES,
-    VLLM_TEMPERATURES,
     VLLM_VERSION,
-    sampled_token_logprobs,
-    sampling_params,
 )  # noqa: E402
+from kdlab.rollouts.vllm_sampling import VLLM_TEMPERATURES, sampled_token_logprobs, sampling_params  # noqa: E402
 
 
 # ---- the side environment ----------------------------------------------------------------------------
@@ -236,7 +234,7 @@ def checks(source: Source) -> list[tuple[str, Any]]:
         missing = set(VLLM_API["SamplingParams"]) - sampling_fields()
         assert not missing, f"not SamplingParams fields: {sorted(missing)}"
 
-    @check("kdlab.rollouts.vllm.sampling_params produces only SamplingParams fields, all listed in VLLM_API")
+    @check("kdlab.rollouts.vllm_sampling.sampling_params produces only SamplingParams fields, all listed in VLLM_API")
     def _():
         produced = set()
         for stop in ((), ("</answer>",)):

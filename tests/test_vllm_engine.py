@@ -15,7 +15,8 @@ import torch
 from kdlab.models.export import hf_weight_name, merged_weights
 from kdlab.rollouts.policies import importance_weights
 from kdlab.rollouts import vllm as vllm_rollouts
-from kdlab.rollouts.vllm import VLLM_API, WeightLoaderExtension, sampled_token_logprobs, sampling_params
+from kdlab.rollouts.vllm import VLLM_API, WeightLoaderExtension
+from kdlab.rollouts.vllm_sampling import sampled_token_logprobs, sampling_params
 
 H200_BYTES = 143771 * 2**20  # torch.cuda.get_device_properties(0).total_memory of an H200 (140.4 GiB)
 
@@ -53,7 +54,7 @@ def test_sampling_settings_translate_to_vllm_arguments():
 
 @pytest.mark.gpu  # vLLM installs and imports only with a CUDA build of torch; scripts/check_vllm_api.py reads its source here
 def test_the_real_vllm_accepts_the_sampling_params_and_has_the_api_kdlab_calls():
-    from kdlab.rollouts.vllm import sampling_params
+    from kdlab.rollouts.vllm_sampling import sampling_params
 
     vllm = pytest.importorskip("vllm")
     params = sampling_params(temperature=0.5, max_new_tokens=512, stop_token_ids=(7, 9), top_p=0.95, seed=3)
@@ -521,7 +522,7 @@ def test_a_head_with_padding_rows_is_sampled_only_in_the_tokenizers_columns(tiny
     normalises its log-probs) as kdlab's decoder does; a head without padding rows gets none. An id past the
     tokenizer that comes back anyway is an error naming the policy, not an index error later in the step."""
     from kdlab.rollouts import VLLMRollouts
-    from kdlab.rollouts.vllm import PADDING_BIAS
+    from kdlab.rollouts.vllm_sampling import PADDING_BIAS
     from kdlab.stages import DistillModule
     from kdlab.tasks import Addition
 

@@ -144,7 +144,7 @@ class ServedRollouts(SyncedEngine):
     def generate(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
         """One request per prompt, seeded ``context.seed + row``: the completions (end token included when they
         ended) and each token's log-prob under the distribution it was drawn from."""
-        from kdlab.rollouts.vllm import VLLM_TEMPERATURES
+        from kdlab.rollouts.vllm_sampling import VLLM_TEMPERATURES
 
         if context.stop_strings:
             raise ValueError("ServedRollouts does not send stop strings yet: remove DistillModule.stop_strings or use StudentRollouts")
