@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import FSDPStrategy
 from torch.utils.data import DataLoader
 
 from kdlab.data import read_jsonl, right_pad
@@ -163,8 +164,6 @@ class SFTModule(pl.LightningModule):
         FSDP1 (which Lightning wraps around this module, so the head's weight is a flat shard after the forward)."""
         if self.fused_lm_head is not None:
             return bool(self.fused_lm_head)
-        from lightning.pytorch.strategies import FSDPStrategy
-
         if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
             return False
         return fused_head_unsupported(self.model) is None
