@@ -32,9 +32,9 @@ def tiny(request):
     return model, tokenizer, ids, mask
 
 
-def reference_decode(model, ids, mask, columns, temperature, steps, eos, pad, generator, greedy):
-    """Today's loop, written out: IncrementalLM, every row in the batch to the end, a check after every token,
-    ``torch.multinomial`` on the whole batch. Returns ids, mask, entropy ``(B, C)``."""
+def reference_decode(model, ids, mask, columns, temperature, steps, eos, pad, generator, greedy, stop=None):
+    """Today's loop, written out: IncrementalLM, every row in the batch to the end, a check after every token
+    (``stop``'s too), ``torch.multinomial`` on the whole batch. Returns ids, mask, entropy ``(B, C)``."""
     decoder = IncrementalLM(model, ids, mask, columns, temperature)
     finished = torch.zeros(ids.shape[0], dtype=torch.bool)
     tokens, masks, entropies, previous = [], [], [], None
@@ -45,7 +45,10 @@ def reference_decode(model, ids, mask, columns, temperature, steps, eos, pad, ge
         token = torch.where(~finished, token, torch.full_like(token, pad))
         tokens.append(token), masks.append(~finished)
         entropies.append(torch.where(~finished, -(probs * logprobs.clamp(min=-1e30)).sum(-1), 0.0))
-        finished = finished | torch.isin(token, torch.tensor(eos)) | (step + 1 >= steps)
+        now = finished | torch.isin(token, torch.tensor(eos)) | (step + 1 >= steps)
+        if stop is not None:
+            now = now | stop(torch.stack(tokens, 1), ~finished & ~now)
+        finished = now
         if bool(finished.all()):
             break
         previous = token
@@ -111,6 +114,33 @@ def test_a_static_cache_sampled_decode_draws_todays_tokens_and_leaves_the_genera
     torch.testing.assert_close(got[2], want[2])
     assert torch.equal(got_gen.get_state(), want_gen.get_state())  # steps decoded past the end drew nothing kept
     assert len(decoder.batches) >= want[0].shape[1]
+
+
+def test_stop_strings_are_read_only_at_the_checks_and_end_rows_where_a_check_after_every_token_does(tiny):
+    from kdlab.rollouts.decoding import stop_strings_check
+
+    model, tokenizer, ids, mask = tiny
+    columns, steps, pad, check_every = len(tokenizer), 24, tokenizer.pad_token_id, 5
+    stop = stop_strings_check(tokenizer, ["%}", "<|"])
+    want_gen, got_gen = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    want = reference_decode(model, ids, mask, columns, 1.0, steps, (-1,), pad, want_gen, False, stop=stop)
+    lengths = want[1].sum(1)
+    assert lengths.min() < check_every and 2 * check_every < lengths.max(), "the stop strings must end rows at spread steps"
+    assert (lengths % check_every != 0).any(), "some row must stop between two checks"
+    decoder = Recorded(StaticCacheLM(model, ids, mask, columns, 1.0, steps, compile="never"))
+    asked_after = []  # the decoder calls made when ``stop`` is asked
+
+    def recorded_stop(tokens, rows):
+        asked_after.append(len(decoder.batches))
+        assert tokens.device.type == "cpu"
+        return stop(tokens, rows)
+
+    got = sample_tokens(decoder, ids.shape[0], steps, (-1,), pad, got_gen, stop=recorded_stop, check_every=check_every)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2])
+    assert torch.equal(got_gen.get_state(), want_gen.get_state())
+    assert asked_after and all(calls % check_every == 0 or calls == steps for calls in asked_after)  # never between checks
+    assert decoder.kept, "rows a stop string ended must leave the batch"
 
 
 def test_the_exponential_draw_is_torch_multinomials_one_sample_draw():

@@ -111,7 +111,8 @@ def top_p_logprobs(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 StopCheck = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""``(tokens so far (B, t), rows to check (B,) bool) -> (B,) bool``: which rows have just completed a stop."""
+"""``(tokens so far (B, t), rows to check (B,) bool) -> (B,) bool``: which rows have just completed a stop.
+:func:`sample_tokens` asks it on the host, at its checks, once for each step since the last check."""
 
 
 def stop_strings_check(tokenizer: Any, stop_strings: Sequence[str], window: int = 32) -> StopCheck | None:
@@ -177,8 +178,9 @@ def sample_tokens(
     row's tokens, end token included) and ``entropy (B, C)`` of the distribution each token was
     drawn from (0 where masked). ``C <= max(max_new_tokens)``.
 
-    No host sync per token: whether every row has finished is read back once every ``check_every`` tokens
-    (and by ``stop``, which reads text); the steps decoded past the end are dropped, and the generator is put
+    No host sync per token: whether every row has finished is read back once every ``check_every`` tokens, and
+    ``stop`` (which reads text) is asked then, on a host copy of the tokens, for each step since the last check
+    (:func:`_replay_stops`); the steps decoded past the end are dropped, and the generator is put
     back where it stood after the last token that mattered, so ids, mask, entropy and the generator's state
     after the call are what a check after every token gives. When ``next_logprobs`` has ``keep_rows(rows)``
     (:class:`~kdlab.rollouts.static_cache.StaticCacheLM`), finished rows leave its batch once at most half
@@ -207,7 +209,7 @@ def sample_tokens(
     keep_rows = getattr(next_logprobs, "keep_rows", None)
     draws = None if greedy else _generator_of(generator, device)
     states: list[torch.Tensor] = []  # the generator's state after each step since the last check
-    previous, taken = None, 0
+    previous, taken, checked = None, 0, 0  # checked: the steps ``stop`` has been asked about
     for step in range(steps):
         logprobs = next_logprobs(previous)
         probs = logprobs.exp()
@@ -220,14 +222,15 @@ def sample_tokens(
         masks[rows, step] = alive
         entropies[rows, step] = torch.where(alive, -(probs * logprobs.clamp(min=-1e30)).sum(-1), 0.0).float()
         now = finished[rows] | torch.isin(token, eos) | (limits[rows] <= step + 1)
-        if stop is not None:
-            now = now | stop(ids[rows, : step + 1], alive & ~now)
         finished = finished.index_put((rows,), now)
         ended_by[step] = finished.all()
         taken = step + 1
         previous = token
         if taken % check_every and taken < steps:
             continue
+        if stop is not None:
+            finished = _replay_stops(stop, ids, masks, entropies, finished, ended_by, checked, taken, pad_token_id)
+            now, checked = finished[rows], taken
         local = ended_by[:taken].nonzero()  # the one host sync of these check_every steps
         done = local.numel() > 0
         if all_done is not None:
@@ -244,6 +247,33 @@ def sample_tokens(
             keep_rows(live)
             rows, previous = rows[live], previous[live]
     return ids[:, :taken], masks[:, :taken], entropies[:, :taken]
+
+
+def _replay_stops(stop: StopCheck, ids: torch.Tensor, masks: torch.Tensor, entropies: torch.Tensor, finished: torch.Tensor,
+                  ended_by: torch.Tensor, first: int, taken: int, pad_token_id: int) -> torch.Tensor:
+    """Asks ``stop`` about steps ``first .. taken - 1`` of a decode, as a check after each of those tokens would have,
+    and ends each row at the first step where it completed a stop: its later tokens become padding (``ids``,
+    ``masks``, ``entropies`` ``(B, steps)``, in place) and ``ended_by`` ``(steps,)`` is recomputed over those steps.
+    One copy of the tokens to the host; ``stop`` runs there. Returns ``finished`` ``(B,)`` with the stopped rows."""
+    host_ids, host_masks = ids[:, :taken].cpu(), masks[:, first:taken].cpu()
+    alive_next = torch.cat([host_masks[:, 1:], ~finished.cpu().unsqueeze(1)], dim=1)  # [:, j]: decoding after step first + j
+    ended = host_masks & ~alive_next  # an end token or the budget ended the row at that step
+    stopped_at = torch.full((ids.shape[0],), -1, dtype=torch.long)
+    for j in range(taken - first):
+        rows = host_masks[:, j] & ~ended[:, j] & (stopped_at < 0)
+        if rows.any():
+            hit = stop(host_ids[:, : first + j + 1], rows).cpu() & rows
+            stopped_at[hit] = first + j
+    stopped = (stopped_at >= 0).nonzero().flatten().tolist()
+    if not stopped:
+        return finished
+    for row in stopped:
+        after = int(stopped_at[row]) + 1
+        ids[row, after:taken], masks[row, after:taken], entropies[row, after:taken] = pad_token_id, False, 0.0
+    finished = finished.index_fill(0, torch.tensor(stopped, device=finished.device), True)
+    ended_by[first : taken - 1] = (~masks[:, first + 1 : taken]).all(dim=0)
+    ended_by[taken - 1] = finished.all()
+    return finished
 
 
 @torch.no_grad()
