@@ -10,16 +10,23 @@ TensorBoard.
 
 from __future__ import annotations
 
+import inspect
+
 import lightning.pytorch as pl
 import torch
 
+from kdlab.run_config import remember_arguments
+
 
 class Component(pl.LightningModule):
-    """A swappable part of a :class:`~kdlab.stages.distill.DistillModule`."""
+    """A swappable part of a :class:`~kdlab.stages.distill.DistillModule`. It keeps the arguments its
+    constructor was called with (:func:`~kdlab.run_config.remember_arguments`), which name it in the
+    ``config.yaml`` of a run built in Python and in every run's logged hyperparameters."""
 
     def __init__(self) -> None:
         super().__init__()
         self._records: dict[str, float | torch.Tensor] = {}
+        remember_arguments(self, inspect.currentframe())
 
     def record(self, name: str, value: float | torch.Tensor) -> None:
         """Queue a scalar to be logged by the parent module as ``<split>/<name>``.

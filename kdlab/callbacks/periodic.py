@@ -9,12 +9,14 @@ measure on the module stops ``fit`` at setup, before any work, naming the settin
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
 from kdlab.evaluation.scoring import completion_texts
+from kdlab.run_config import remember_arguments
 from kdlab.tasks.base import Task
 
 
@@ -49,6 +51,7 @@ class PeriodicCallback(pl.Callback):
     """Runs :meth:`measure` every ``every_n_steps`` optimiser steps (after the step) and at the end of fit."""
 
     def __init__(self, every_n_steps: int | None = None) -> None:
+        remember_arguments(self, inspect.currentframe())  # named with its settings in a run's config.yaml and hyperparameters
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"{type(self).__name__}.every_n_steps must be >= 1 or null, got {every_n_steps}")
         self.every_n_steps = every_n_steps

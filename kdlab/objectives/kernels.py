@@ -8,15 +8,18 @@ For a block of ``k`` student rows ``s`` and teacher rows ``t`` ``(k, V)`` (fp32,
 * ``lse_s``, ``lse_t`` ``(k,)``: the log-normalisers, ``lse = max - log p[argmax]`` (no second exponential);
 * four row-wise dot products ``p_s.s``, ``p_s.t``, ``p_t.s``, ``p_t.t`` ``(k,)``, and from them
 
-  - ``kl_forward  = KL(p_t || p_s) = p_t.t - p_t.s - (lse_t - lse_s)``
-  - ``kl_reverse  = KL(p_s || p_t) = p_s.s - p_s.t + (lse_t - lse_s)``
-  - ``student_entropy = lse_s - p_s.s``, ``teacher_entropy = lse_t - p_t.t`` (nats).
+  - ``kl_forward  = KL(p_t || p_s) = p_t.t - p_t.s - (lse_t - lse_s) sum(p_t)``
+  - ``kl_reverse  = KL(p_s || p_t) = p_s.s - p_s.t + (lse_t - lse_s) sum(p_s)``
+  - ``student_entropy = lse_s sum(p_s) - p_s.s``, ``teacher_entropy = lse_t sum(p_t) - p_t.t`` (nats),
+
+  each ``sum(p)`` 1 in exact arithmetic; kept because a CPU's fp32 softmax rows of a real vocabulary do not
+  sum to exactly 1, and that excess times a log-normaliser (which moves with any constant added to the
+  logits) was the largest error.
 
 A row holding ``-inf`` (a teacher that gives a token probability 0, a top-k cache) makes a dot product
 ``0 * -inf = nan``; only such rows are recomputed with ``-inf`` floored at ``-1e30`` (exactly what the
-limit p log p -> 0 gives), so finite inputs pay nothing for it. The dot products of raw logits lose about
-``1e-7 * max|logit|`` nats to fp32 rounding (the KLs are differences of cross-entropies), well below what
-the logged diagnostics resolve.
+limit p log p -> 0 gives), so finite inputs pay nothing for it. What fp32 still loses against fp64 at V = 151,936 is bounded by
+``tests/test_objectives.py::test_the_closed_form_statistics_hold_fp64s_values_at_a_real_vocabulary_whatever_the_logit_offset``.
 
 Precision: all of it is fp32 (fp64 for fp64 inputs) whatever autocast region the caller runs in (a bf16
 model's fused head products stay bf16, with or without autocast: :class:`~kdlab.objectives.lazy.HeadLogits`).
@@ -137,8 +140,9 @@ def row_statistics(s: torch.Tensor, t: torch.Tensor, workspace: Workspace) -> Ro
         rows = bad.nonzero().squeeze(1)
         dots[rows] = _dots(p_s[rows], p_t[rows], s[rows].clamp(min=LOG_FLOOR), t[rows].clamp(min=LOG_FLOOR))
     ss, st, ts, tt = dots.unbind(1)
+    mass_s, mass_t = p_s.sum(-1), p_t.sum(-1)  # 1 in exact arithmetic; see the module's docstring
     shift = lse_t - lse_s
-    diagnostics = torch.stack((tt - ts - shift, ss - st + shift, lse_s - ss, lse_t - tt), dim=1)
+    diagnostics = torch.stack((tt - ts - shift * mass_t, ss - st + shift * mass_s, lse_s * mass_s - ss, lse_t * mass_t - tt), dim=1)
     return RowStatistics(s, t, p_s, p_t, lse_s, lse_t, diagnostics, workspace.get("scratch", k))
 
 

@@ -23,6 +23,7 @@ implement ``training_step``. Callbacks of :mod:`kdlab.callbacks` work on any ``T
 from __future__ import annotations
 
 import hashlib
+import inspect
 import time
 from typing import Any
 
@@ -34,6 +35,7 @@ from kdlab.components import Component
 from kdlab.evaluation.metrics import PassAtK
 from kdlab.evaluation.scoring import completion_texts
 from kdlab.provenance import write_run_info
+from kdlab.run_config import log_hyperparameters, remember_arguments, run_config, write_run_config
 from kdlab.rollouts.decoding import stop_strings_check
 from kdlab.runlog import STEPS_MARK, Console, log_at_optimiser_steps, metrics_file, quiet, run_directory, write_samples
 from kdlab.stages.loaders import EpochShuffle, ResumableLoader
@@ -113,6 +115,7 @@ class TaskStage(pl.LightningModule):
         stop_strings: list[str] | None = None,
     ) -> None:
         super().__init__()
+        remember_arguments(self, inspect.currentframe())  # for the run's config.yaml and logged hyperparameters
         quiet()  # before the models load and the Trainer is made: a notebook's run prints what kdlab fit's does
         for name, value in (
             ("batch_size", batch_size),
@@ -418,10 +421,14 @@ class TaskStage(pl.LightningModule):
     A precision the user set before fit ("high", "medium") is kept."""
 
     def on_fit_start(self) -> None:
-        """Write ``run_info.json``."""
+        """Write ``run_info.json``, the ``config.yaml`` of a run ``kdlab fit`` did not start, and give every
+        logger the run's description as hyperparameters (:mod:`kdlab.run_config`)."""
         log_dir = run_directory(self.trainer)  # on every rank: it is a collective call
         if self.trainer.is_global_zero:
             write_run_info(log_dir)
+            config = run_config(self, self.trainer)
+            write_run_config(self.trainer, config, log_dir)
+            log_hyperparameters(self.trainer, config)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

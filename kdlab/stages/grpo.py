@@ -13,13 +13,15 @@ Per rollout batch of ``batch_size`` prompts:
    (ratio 1), later ones are importance-weighted against pi_old, the policy before this batch's first
    step, whose log-probs the training model recomputes.
 
-An engine that samples with other numerics or stale weights (vLLM with ``sync_every > 1``, or top-p
-truncation) reports its sampling log-probs q. They are never used as pi_old (they differ from the
-trained model's own by more than the policy's change); each token's policy term is instead weighted by
-the truncated importance weight ``min(importance_cap, pi_old(y) / q(y))`` (its mean is logged as
-``rlvr/engine_ratio``), which corrects for sampling from q. ``rlvr/engine_kl``, the mean of
-``log q - log pi_old`` over the sampled tokens, estimates KL(q || pi_old): 0 only when the engine samples
-pi_old exactly (the ratio's mean is near 1 for any q that covers pi_old, so it cannot tell).
+An engine that samples with other numerics or stale weights (vLLM, whose log-probs are its own and are
+taken after its top-p truncation; ``sync_every > 1``) reports its sampling log-probs q. They are never used
+as pi_old (they differ from the trained model's own by more than the policy's change); each token's policy
+term is instead weighted by the truncated importance weight ``min(importance_cap, pi_old(y) / q(y))`` (its
+mean is logged as ``rlvr/engine_ratio``), which corrects for sampling from q. ``rlvr/engine_kl``, the mean
+of ``log q - log pi_old`` over the sampled tokens, estimates KL(q || pi_old): 0 only when the engine samples
+pi_old exactly (the ratio's mean is near 1 for any q that covers pi_old, so it cannot tell). kdlab's own
+decoder (``StudentRollouts``) reports no q: its top-p sampling (``top_p``, default 0.95 as in the paper) is
+not corrected for, as in most GRPO implementations (the paper asks for no such correction).
 
 Logged: ``rlvr/reward_mean``, ``rlvr/reward_std``, ``rlvr/zero_variance_groups`` (share of groups whose
 rewards are all equal), ``rlvr/completion_length``, ``rlvr/entropy`` (mean per-token entropy of the
