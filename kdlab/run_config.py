@@ -88,13 +88,14 @@ def described(value: Any) -> Any:
 
 
 def stage_arguments(module: pl.LightningModule) -> dict[str, Any]:
-    """The stage's remembered arguments, a ``None`` replaced by the component the stage put in its place."""
-    from kdlab.components import Component
-
+    """The stage's remembered arguments, a ``None`` replaced by the component the stage put in its place (an
+    attribute of that name whose own arguments were remembered; one that cannot be read is left alone)."""
     arguments = dict(getattr(module, ARGUMENTS, {}))
     for name, value in arguments.items():
-        used = getattr(module, name, None) if value is None else None
-        if isinstance(used, Component):
+        if value is not None or name not in vars(module).get("_modules", {}):
+            continue
+        used = vars(module)["_modules"][name]
+        if hasattr(used, ARGUMENTS):
             arguments[name] = used
     return arguments
 
@@ -143,7 +144,31 @@ def write_run_config(trainer: pl.Trainer, config: dict[str, Any], log_dir: str |
     return path
 
 
+HPARAMS_METRICS = ("val/accuracy", "train/loss")
+"""The scalars TensorBoard's HPARAMS tab shows beside each run's settings (a run logs them itself)."""
+
+
 def log_hyperparameters(trainer: pl.Trainer, config: dict[str, Any]) -> None:
-    """Give every logger the run's description (TensorBoard: the HPARAMS tab and ``hparams.yaml``)."""
+    """Give every logger the run's description. A TensorBoard logger keeps it in ``hparams.yaml`` and its events
+    carry the HPARAMS tab's summaries, naming :data:`HPARAMS_METRICS`; no ``hp_metric`` placeholder scalar is
+    written (Lightning's default logs ``hp_metric = -1``, once more on every resume)."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
     for logger in trainer.loggers:
-        logger.log_hyperparams(config)
+        if not isinstance(logger, TensorBoardLogger):
+            logger.log_hyperparams(config)
+            continue
+        logger.log_hyperparams(config, metrics={})  # hparams.yaml only
+        from torch.utils.tensorboard.summary import hparams
+
+        flat = logger._sanitize_params(_flat(config))
+        writer = logger.experiment._get_file_writer()
+        for summary in hparams(flat, dict.fromkeys(HPARAMS_METRICS, 0.0)):  # the metrics' names; their values are the run's own scalars
+            writer.add_summary(summary)
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a/b": leaf}`` of nested dicts; lists as their string (TensorBoard keeps scalars and strings)."""
+    if isinstance(value, dict):
+        return {key: leaf for name, item in value.items() for key, leaf in _flat(item, f"{prefix}{name}/").items()}
+    return {prefix.rstrip("/"): value if value is None or isinstance(value, (bool, int, float, str)) else str(value)}

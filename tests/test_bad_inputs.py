@@ -103,6 +103,11 @@ CLI_CASES = {
                   '{"url": "http://user:secret@127.0.0.1:9", "model": "m", "tokenizer": "kdlab://tiny-random/teacher"}}'],
            "ServedTeacher.url='http://127.0.0.1:9': a URL with a user, password, query or fragment is refused"),
     "58": (FIT + ["--model.teacher.path=kdlab://../.."], "model.teacher.path='kdlab://../..' is not a packaged model"),
+    "63": (FIT + ["--model.teacher_temperature=1e-8"], "DistillModule.teacher_temperature must be a finite number >= 0.0001"),
+    "64": (FIT + ["--model.betas=[0.9, 1.5]"], "DistillModule.betas must be two numbers in [0, 1), got [0.9, 1.5]"),
+    "65": (FIT + [CALLBACK + "kdlab.callbacks.Coverage", '--trainer.callbacks.task={"class_path": "kdlab.tasks.Addition"}',
+                  "--trainer.callbacks.batch_size=0"], "Coverage.batch_size must be >= 1, got 0"),
+    "66": (FIT + ["--ckpt_path={tmp}/missing.ckpt"], "missing.ckpt': no such file or folder"),
 }
 NOT_CLI = {  # rows whose input is not a configuration a command line can give, with where they are tested
     "62": "strategy: deepspeed needs the deepspeed package (not installed here): the check is given Lightning's own class, uninitialised",
@@ -128,6 +133,9 @@ NOT_CLI = {  # rows whose input is not a configuration a command line can give, 
     "59": "kdlab report input: a metrics file read directly (test_no_data_lost.py)",
     "60": "model responses: scored, never an error (test_hostile_inputs.py)",
     "61": "kdlab report input: a run's config read directly (test_no_data_lost.py)",
+    "67": "needs a run directory an earlier fit left (test_resume.py)",
+    "68": "needs a run to resume (test_resume.py)",
+    "69": "a checkpoint's data position read directly (test_resume.py)",
 }
 
 

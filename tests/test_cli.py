@@ -84,10 +84,12 @@ def test_evaluation_writes_per_example_jsonl(tmp_path):
     assert len(lines) == 8 and '"completion"' in lines[0] and '"score"' in lines[0]
 
 
-def test_validate_and_test_subcommands(tmp_path):
+def test_validate_and_test_subcommands_say_when_they_score_the_configured_weights(tmp_path, capsys):
     for command in ("validate", "test"):
         cli = main([command, f"--config={SMOKE}", f"--trainer.logger.init_args.save_dir={tmp_path}"])
         assert f"{command[:4] if command == 'test' else 'val'}/accuracy" in cli.trainer.callback_metrics
+        assert (f"[kdlab] {command} without --ckpt_path scores the configured student (student.path='kdlab://tiny-random/student'), "
+                "not a trained run's weights") in capsys.readouterr().err
 
 
 def test_print_config_lists_every_component_knob(capsys):

@@ -81,6 +81,29 @@ def test_identical_tokenizers_give_the_vocabulary_objective_loss_and_gradient(ob
     assert diagnostics["teacher_unmapped_mass"].item() == 0.0
 
 
+def test_a_per_token_statistic_an_objective_records_covers_every_aligned_chunk():
+    """record_tokens inside token_loss reduces over all the chunks of the aligned pass, as over the vocabulary
+    objective's chunks (with identical tokenizers the two see the same rows)."""
+    class Recording(ForwardKL):
+        def token_loss(self, student_logits, teacher_logits):
+            self.record_tokens("student_peak", student_logits.softmax(-1).amax(-1), reduce="mean")
+            self.record_tokens("rows", torch.ones(student_logits.shape[0]), reduce="sum")
+            return super().token_loss(student_logits, teacher_logits)
+
+    tok = tokenizer(STUDENT)
+    cross = bound(STUDENT, STUDENT)
+    ids, mask = encode_rows(tok, TEXTS)
+    torch.manual_seed(0)
+    student, teacher = torch.randn(*ids.shape, len(tok), dtype=torch.float64), torch.randn(*ids.shape, len(tok), dtype=torch.float64)
+    objective = Recording(chunk_size=3)
+    cross.loss(objective, student, teacher, cross.groups(ids, mask, ids, mask), ids, ids, mask)
+    aligned = objective.pop_records()
+    objective(student, teacher, mask)
+    plain = objective.pop_records()
+    assert aligned["rows"] == plain["rows"] == int(mask.sum()) > 3  # several chunks
+    torch.testing.assert_close(aligned["student_peak"], plain["student_peak"])
+
+
 def test_identical_tokenizers_on_the_fused_head_match_the_vocabulary_objective():
     tok = tokenizer(STUDENT)
     cross = bound(STUDENT, STUDENT)

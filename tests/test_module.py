@@ -171,6 +171,10 @@ def test_prompt_longer_than_the_limit_names_the_example(tiny_pair):
         ({"val_temperature": -1.0}, "val_temperature"),
         ({"lr": 0.0}, "lr"),
         ({"batch_size": 0}, "batch_size"),
+        ({"teacher_temperature": 1e-8}, "teacher_temperature"),  # the logged KL read 4.0, or 0 at 1e-30
+        ({"betas": (0.9, 1.5)}, "betas"),
+        ({"weight_decay": -1.0}, "weight_decay"),
+        ({"eps": -1.0}, "eps"),
     ],
 )
 def test_bad_module_settings_name_the_key(tiny_pair, kwargs, key):
@@ -483,3 +487,19 @@ def test_each_model_is_prompted_with_its_own_chat_template(tiny_pair, tmp_path):
     teacher_text = module.teacher_tokenizer.decode(prompts.teacher_ids[0][prompts.teacher_mask[0].bool()])
     assert teacher_text.startswith("zebra ") and "zebra" not in student_text
     assert teacher_text[len("zebra "):] == student_text  # otherwise the same prompt
+
+
+def test_the_smallest_kl_temperature_accepted_keeps_the_kl_within_1e_5_of_fp64():
+    """TEMPERATURE_FLOOR's docstring: at the floor the exact KLs still hold fp64's value; far below it they do not."""
+    from kdlab.objectives import ForwardKL, ReverseKL
+    from kdlab.objectives.precision import TEMPERATURE_FLOOR
+
+    generator = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(2, 4, 5000, generator=generator) * 3, torch.randn(2, 4, 5000, generator=generator) * 3
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    def relative_error(objective, temperature):
+        exact = objective(student.double(), teacher.double() / temperature, mask)
+        return float((objective(student, teacher / temperature, mask).double() - exact).abs() / exact.abs())
+
+    assert relative_error(ForwardKL(), TEMPERATURE_FLOOR) <= 1e-5 and relative_error(ReverseKL(), TEMPERATURE_FLOOR) <= 1e-5
+    assert relative_error(ForwardKL(), 1e-8) > 0.5  # what the floor refuses

@@ -480,3 +480,26 @@ def test_record_tokens_reduces_a_per_token_statistic_over_every_chunk_while_reco
     assert not torch.isclose(records["last_chunk"], confidence.mean()), "record keeps one chunk's value"
     with pytest.raises(ValueError, match="reduce must be one of"):
         objective.record_tokens("x", confidence, reduce="median")
+
+
+def test_a_subclass_that_overrides_token_loss_trains_on_its_own_loss_not_its_parents_closed_form():
+    class DoubleForwardKL(ForwardKL):
+        def token_loss(self, student_logits, teacher_logits):
+            return 2 * super().token_loss(student_logits, teacher_logits)
+
+    class ClosedToo(DoubleForwardKL):  # a closed form given with the new loss is used again
+        def rows_loss_and_grad(self, stats, grad):
+            losses = ForwardKL.rows_loss_and_grad(self, stats, grad)
+            if grad is not None:
+                grad.mul_(2)
+            return 2 * losses
+
+    s, t, mask = logits(0).requires_grad_(), logits(1), ragged_mask()
+    parent = ForwardKL()(s, t, mask)
+    (parent_grad,) = torch.autograd.grad(parent, s)
+    for objective in (DoubleForwardKL(), ClosedToo()):
+        loss = objective(s, t, mask)
+        (grad,) = torch.autograd.grad(loss, s)
+        torch.testing.assert_close(loss, 2 * parent)
+        torch.testing.assert_close(grad, 2 * parent_grad)
+    assert DoubleForwardKL().closed_form() is None and ClosedToo().closed_form() is not None and ForwardKL().closed_form() is not None

@@ -112,7 +112,7 @@ def test_checkpoints_saved_at_validation_end_record_the_data_position(tiny_pair,
                          enable_model_summary=False, val_check_interval=3, num_sanity_val_steps=0, limit_val_batches=1, callbacks=[checkpoint])
     trainer.fit(model)
     state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
-    assert state["kdlab_data_position"] == {"epoch": 0, "batches_done": 3}
+    assert state["kdlab_data_position"] == {"epoch": 0, "batches_done": 3, "batch_size": 2, "num_replicas": 1}
 
 
 # ---- through the CLI: a resumed run's logs are the uninterrupted run's ------------------------------
@@ -205,9 +205,9 @@ def test_a_resumed_cli_run_logs_what_the_uninterrupted_run_logs_step_for_step(tm
         assert torch.equal(a, b)
 
 
-def test_a_stale_on_exception_checkpoint_is_removed_when_fit_ends_normally(tmp_path):
-    """ExceptionCheckpoint's docstring: like Lightning's OnExceptionCheckpoint, a normal end of fit
-    removes on_exception.ckpt, so an old one never wins the sweep's newest-checkpoint resume."""
+def test_a_stale_on_exception_checkpoint_is_removed_when_a_resumed_fit_ends_normally_and_kept_by_a_fresh_one(tmp_path):
+    """ExceptionCheckpoint's docstring: a resumed fit's normal end removes on_exception.ckpt, so an old one never
+    wins the sweep's newest-checkpoint resume; a fresh fit never removes one it found (another run's only state)."""
     import lightning.pytorch as pl
 
     from kdlab.callbacks import ExceptionCheckpoint
@@ -220,7 +220,81 @@ def test_a_stale_on_exception_checkpoint_is_removed_when_fit_ends_normally(tmp_p
     stale.parent.mkdir(parents=True)
     stale.write_text("old")
     callback.teardown(trainer, None, "fit")
+    assert stale.exists()
+    trainer.ckpt_path = str(stale.parent / "last.ckpt")
+    callback.teardown(trainer, None, "fit")
     assert not stale.exists()
+
+
+def test_a_fresh_fit_into_a_folder_holding_checkpoints_is_refused_and_a_resume_must_keep_the_runs_settings(tmp_path):
+    """A fit without --ckpt_path whose checkpoint folder holds files (here the same version_0 again) is refused
+    before training, naming the file that resumes it; its files stay. Resuming with a changed lr, batch size or
+    device count is refused naming each change (the checkpoint's optimiser and data position would win);
+    a longer max_steps resumes."""
+    from kdlab.cli.config_errors import ConfigError
+
+    first = cli_fit(tmp_path, "--trainer.max_steps=2")
+    checkpoints = Path(first.trainer.log_dir) / "checkpoints"
+    before = {path.name: path.stat().st_mtime_ns for path in checkpoints.iterdir()}
+    with pytest.raises(ConfigError, match=r"already holds checkpoints of another fit .*: resume it with --ckpt_path=.*epoch=0-step=2.ckpt"):
+        cli_fit(tmp_path, "--trainer.max_steps=2", "--trainer.logger.init_args.version=0")
+    assert {path.name: path.stat().st_mtime_ns for path in checkpoints.iterdir()} == before
+    config = (Path(first.trainer.log_dir) / "config.yaml").read_text()
+    last = f"--ckpt_path={checkpoints / 'last.ckpt'}"
+    with pytest.raises(ConfigError, match=r"model.batch_size: 4 -> 16; model.lr: 0.001 -> 0.5.*keeps the checkpoint's optimiser"):
+        cli_fit(tmp_path, "--trainer.max_steps=4", "--model.lr=0.5", "--model.batch_size=16", last)
+    with pytest.raises(ConfigError, match=r"trainer.accumulate_grad_batches: 1 -> 2"):
+        cli_fit(tmp_path, "--trainer.max_steps=4", "--trainer.accumulate_grad_batches=2", last)
+    assert (Path(first.trainer.log_dir) / "config.yaml").read_text() == config  # the refused resumes left it alone
+    assert cli_fit(tmp_path, "--trainer.max_steps=4", last).trainer.global_step == 4
+
+
+def test_a_data_position_from_another_batch_size_or_process_count_is_refused_mid_epoch():
+    from kdlab.errors import ConfigError
+    from kdlab.stages.loaders import check_data_position
+
+    saved = {"epoch": 0, "batches_done": 3, "batch_size": 4, "num_replicas": 1}
+    check_data_position(saved, 4, 1)
+    check_data_position({**saved, "batches_done": 0}, 16, 2)  # at an epoch's start nothing is skipped
+    check_data_position({"epoch": 0, "batches_done": 3}, 16, 2)  # saved before these were recorded
+    with pytest.raises(ConfigError, match=r"3 batches into epoch 0 with other data settings \(batch_size 4 -> 16, processes 1 -> 2\)"):
+        check_data_position(saved, 16, 2)
+
+
+def test_a_missing_or_broken_ckpt_path_is_named_before_any_model_loads(tmp_path, monkeypatch):
+    from kdlab.cli.config_errors import ConfigError
+    from kdlab.models import loading
+
+    monkeypatch.setattr(loading, "load_causal_lm", lambda *a, **k: pytest.fail("a model loaded"))
+    broken = tmp_path / "broken.ckpt"
+    broken.write_bytes(b"PK\x03\x04 not a whole archive")
+    for path, message in ((tmp_path / "nope.ckpt", "no such file or folder"), (broken, "is not a PyTorch checkpoint"),
+                          (Path(SMOKE), "is not a PyTorch checkpoint")):
+        with pytest.raises(ConfigError, match=message):
+            cli_fit(tmp_path, f"--ckpt_path={path}")
+    assert not list(tmp_path.rglob("version_*"))
+
+
+def test_final_ckpt_is_written_after_every_end_of_fit_evaluation_so_a_run_failing_in_one_reads_unfinished(tmp_path):
+    """final.ckpt, the done marker of kdlab report and sweep, comes after the callbacks' on_train_end (an
+    evaluation there that fails, or a kill while it runs, leaves no final.ckpt: the run reads unfinished)."""
+    import lightning.pytorch as pl
+
+    from kdlab.callbacks import FinalCheckpoint
+    from kdlab.study.runs import DONE_MARKERS, run_status
+
+    class FailingEvaluation(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            raise RuntimeError("the end-of-fit evaluation failed")
+
+    module = DistillModule("kdlab://tiny-random/student", "kdlab://tiny-random/teacher", task=Addition(num_train=4),
+                           max_completion_tokens=4, batch_size=2, val_examples=2)
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                         enable_checkpointing=False, limit_val_batches=0, callbacks=[FinalCheckpoint(), FailingEvaluation()])
+    with pytest.raises(RuntimeError, match="end-of-fit evaluation failed"):
+        trainer.fit(module)
+    assert not (tmp_path / "checkpoints" / "final.ckpt").exists()
+    assert "checkpoints/final.ckpt" in DONE_MARKERS and run_status(tmp_path, {"trainer": {"max_steps": 1}}, {})[0].startswith("unfinished")
 
 
 @pytest.mark.parametrize("size, seed, replicas, rank, epoch, order", [
@@ -259,3 +333,21 @@ def test_final_ckpt_is_weights_only_so_a_fit_resumes_from_last_ckpt_which_links_
     assert resumed.trainer.global_step == 6 and Path(resumed.trainer.log_dir) == run_dir
     assert (checkpoints / "last.ckpt").resolve().name == "epoch=0-step=6.ckpt"
     assert torch.load(checkpoints / "final.ckpt", weights_only=True)["global_step"] == 6
+
+
+def test_a_resume_does_not_read_its_checkpoint_whole_before_the_restore(tmp_path, monkeypatch):
+    """LightningCLI reads the whole --ckpt_path file (by its path) for hyperparameters kdlab's stages never save;
+    kdlab opens it memory-mapped instead, so only the restore itself (through an open file) reads it whole."""
+    first = cli_fit(tmp_path, "--trainer.max_steps=2")
+    last = Path(first.trainer.log_dir) / "checkpoints" / "last.ckpt"
+    whole = []
+    real = torch.load
+
+    def load(path, *args, **kwargs):
+        if Path(str(path)).resolve() == last.resolve() and not kwargs.get("mmap"):
+            whole.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load)
+    assert cli_fit(tmp_path, "--trainer.max_steps=3", f"--ckpt_path={last}").trainer.global_step == 3
+    assert whole == []

@@ -208,7 +208,7 @@ def test_a_failing_run_is_reported_and_the_sweep_goes_on(tmp_path, capsys, fits)
     assert exit_info.value.code == 1
     assert "1 of 2 runs failed" in capsys.readouterr().err
     runs = {run["name"]: run for run in json.loads((tmp_path / "out" / "sweep.json").read_text())["runs"]}
-    assert runs["lr=-1.0-seed=42"]["status"] == "failed" and "lr must be > 0" in runs["lr=-1.0-seed=42"]["error"]
+    assert runs["lr=-1.0-seed=42"]["status"] == "failed" and "lr must be a finite number > 0" in runs["lr=-1.0-seed=42"]["error"]
     assert runs["lr=0.001-seed=42"]["status"] == "done" and (tmp_path / "out" / "lr=0.001-seed=42" / "DONE").is_file()
 
 
@@ -221,7 +221,7 @@ def test_processes_mode_runs_fits_in_subprocesses(tmp_path, capsys, monkeypatch)
     assert exit_info.value.code == 1
     out = tmp_path / "out"
     assert statuses(tmp_path) == {"lr=-1.0-seed=42": "failed", "lr=0.001-seed=42": "done"}
-    assert "lr must be > 0" in (out / "lr=-1.0-seed=42" / "fit.log").read_text()
+    assert "lr must be a finite number > 0" in (out / "lr=-1.0-seed=42" / "fit.log").read_text()
     assert (out / "lr=0.001-seed=42" / "DONE").is_file() and (out / "lr=0.001-seed=42" / "config.yaml").is_file()
     assert "shared by 2 runs that kdlab sweep runs at a time" in (out / "lr=0.001-seed=42" / "fit.log").read_text()
 

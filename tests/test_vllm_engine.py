@@ -470,6 +470,12 @@ def test_generate_engine_settings_are_checked_before_any_work(tiny_pair, tmp_pat
         generate_teacher_data(ModelSpec(tiny_pair[1]), Addition(num_train=2), str(tmp_path / "x.jsonl"), engine="sglang")
     with pytest.raises(ValueError, match="generate.engine_args are vLLM settings"):
         generate_teacher_data(ModelSpec(tiny_pair[1]), Addition(num_train=2), str(tmp_path / "x.jsonl"), engine_args={"tensor_parallel_size": 2})
+    for setting, message in (({"max_new_tokens": 0}, "generate.max_new_tokens must be >= 1, got 0"),
+                             ({"batch_size": 0}, "generate.batch_size must be >= 1, got 0"),
+                             ({"temperature": -1.0}, r"generate.temperature must be >= 0 \(0: greedy\), got -1.0")):
+        with pytest.raises(ValueError, match=message):  # were: empty completions, a range() error, sampling at T = 1
+            generate_teacher_data(ModelSpec(tiny_pair[1]), Addition(num_train=2), str(tmp_path / "x.jsonl"), **setting)
+    assert not (tmp_path / "x.jsonl").exists()
 
 
 def test_engines_inside_a_multi_process_job_join_it_through_the_external_launcher(monkeypatch, stand_in):

@@ -42,30 +42,32 @@ class FinalCheckpoint(pl.Callback):
     """Saves ``<checkpoint dir>/final.ckpt`` (:func:`checkpoint_directory`) when fit ends: the weights only
     (the module docstring says why); refuses to resume from a weights-only file.
 
+    The save comes at ``on_fit_end``, after every callback's and the module's ``on_train_end`` (the end-of-fit
+    evaluations, sparsity, held-out KL, a stage's export), so ``final.ckpt`` marks a run whose every
+    end-of-fit measurement was logged: a run that fails or is killed during them has none, and reads as
+    unfinished (``kdlab report``, ``kdlab sweep``).
+
     A fit resumed from a checkpoint of its last step (a run killed outright while its end-of-fit evaluations
-    ran) skips Lightning's training loop and with it every ``on_train_end`` hook. Then, at ``on_fit_end`` (this
-    callback's comes before the other callbacks'), it runs kdlab's end-of-training hooks itself: its own save,
-    every :class:`~kdlab.callbacks.periodic.PeriodicCallback`'s end-of-fit measurement (the evaluations,
-    sparsity, held-out KL) and the module's ``on_train_end`` (a stage's export). Other callbacks'
-    ``on_train_end`` is not replayed."""
+    ran) skips Lightning's training loop and with it every ``on_train_end`` hook. Then, at ``on_fit_end``, it
+    runs kdlab's end-of-training hooks itself before its save: every
+    :class:`~kdlab.callbacks.periodic.PeriodicCallback`'s end-of-fit measurement and the module's
+    ``on_train_end``. Other callbacks' ``on_train_end`` is not replayed."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._ended = False
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._ended = True
-        trainer.save_checkpoint(checkpoint_directory(trainer) / "final.ckpt", weights_only=True)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if getattr(self, "_ended", True):
-            return
-        from kdlab.callbacks.periodic import PeriodicCallback
+        if not getattr(self, "_ended", True):
+            from kdlab.callbacks.periodic import PeriodicCallback
 
-        self.on_train_end(trainer, pl_module)
-        for callback in trainer.callbacks:
-            if isinstance(callback, PeriodicCallback):
-                callback.on_train_end(trainer, pl_module)
-        pl_module.on_train_end()
+            for callback in trainer.callbacks:
+                if isinstance(callback, PeriodicCallback):
+                    callback.on_train_end(trainer, pl_module)
+            pl_module.on_train_end()
+        trainer.save_checkpoint(checkpoint_directory(trainer) / "final.ckpt", weights_only=True)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After ``--ckpt_path``'s weights were loaded (a checkpoint of another model has failed by then) and
@@ -90,8 +92,8 @@ class ExceptionCheckpoint(Checkpoint):
     then the command-line option that resumes from it. A SIGTERM'd fit exits with status 143, not 0
     (Lightning's ``SIGTERMException`` is a ``SystemExit(0)``: the run would look finished to a scheduler
     or a sweep). Like Lightning's
-    ``OnExceptionCheckpoint``, it removes the file when fit ends normally, so a stale one never wins a
-    resume.
+    ``OnExceptionCheckpoint``, a fit resumed from the run removes the file when it ends normally, so a stale
+    one never wins a resume; a fresh fit leaves one it found (:meth:`teardown`).
 
     It is not an ``OnExceptionCheckpoint``: with one of those among the callbacks Lightning turns every
     ``fit(ckpt_path=None)`` into ``ckpt_path="last"``, so a fresh fit warns that it found no last
@@ -131,4 +133,7 @@ class ExceptionCheckpoint(Checkpoint):
             )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        trainer.strategy.remove_checkpoint(self.ckpt_path)
+        """After a fit that ended normally: remove the file of a resumed fit (older than the state this fit
+        ended with), never one a fresh fit found in its directory (another run's only saved state)."""
+        if trainer.ckpt_path:
+            trainer.strategy.remove_checkpoint(self.ckpt_path)

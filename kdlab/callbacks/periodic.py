@@ -102,6 +102,9 @@ class EvaluationCallback(PeriodicCallback):
             raise ValueError(f"{type(self).__name__}.examples must be >= 1, got {examples}")
         if temperature < 0:
             raise ValueError(f"{type(self).__name__}.temperature must be >= 0, got {temperature}")
+        for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
+            if value < 1:  # else every completion is empty (scored 0) or the evaluation fails after training
+                raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {value}")
         self.examples, self.temperature = examples, temperature
         self.max_new_tokens, self.batch_size, self.seed = max_new_tokens, batch_size, seed
         self.before_cache = before_cache

@@ -28,7 +28,7 @@ def lightning_cli_class():
         return KDLabCLI
     from lightning.pytorch.cli import LightningCLI
 
-    from kdlab.callbacks.checkpoints import ExceptionCheckpoint, FinalCheckpoint
+    from kdlab.callbacks.checkpoints import ExceptionCheckpoint, FinalCheckpoint, checkpoint_directory
 
     class KDLabCLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:
@@ -67,6 +67,20 @@ def lightning_cli_class():
                 key = next(group for group in unknown.groups() if group)
                 keys = [action.dest for action in self._subcommand_parsers[command]._actions if "." in action.dest or action.dest.isidentifier()]
                 raise ConfigError(f"{key}: no such key for kdlab {command}{nearest(key, keys)}") from error
+
+        def _parse_ckpt_path(self) -> None:
+            """``--ckpt_path``: a missing file or one that is not a checkpoint fails naming the option, before any
+            weights load (:func:`~kdlab.cli.resume.check_ckpt_path`). Lightning reads the whole file here to merge
+            the module's saved hyperparameters into the config; kdlab's stages save none, so a checkpoint without
+            them is only opened memory-mapped (a 7B run's full state is tens of GB) and not read twice."""
+            from kdlab.cli.resume import check_ckpt_path, saved_hyperparameters
+
+            subcommand = self.config.get("subcommand")
+            ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+            check_ckpt_path(ckpt_path)
+            if ckpt_path and Path(ckpt_path).is_file() and not saved_hyperparameters(ckpt_path):
+                return
+            super()._parse_ckpt_path()
 
         def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:
             """Checkpoints are read with ``weights_only=True`` (no arbitrary unpickling) unless the command
@@ -130,6 +144,7 @@ def lightning_cli_class():
             if check is not None:  # before any run directory, "before" evaluation or model placement
                 check()
             ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+            self.check_run_directory(ckpt_path)
             if ckpt_path:  # resuming into its own run directory: its checkpoints are expected there
                 warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
             if ckpt_path and self.trainer.is_global_zero and self.trainer.log_dir:
@@ -138,6 +153,33 @@ def lightning_cli_class():
                 position = log_position(ckpt_path)
                 if position is not None and Path(self.trainer.log_dir).is_dir():
                     trim_logs(self.trainer.log_dir, position)
+
+        def check_run_directory(self, ckpt_path: str | None) -> None:
+            """A fresh fit into a folder holding checkpoints is refused; a resumed one must keep the settings its
+            run's ``config.yaml`` has (:mod:`kdlab.cli.resume`). Rank 0 reads the folder; every rank raises."""
+            import yaml
+
+            from kdlab.cli.resume import check_fresh_run_directory, check_resumed_settings
+
+            if not ckpt_path:
+                check_fresh_run_directory(checkpoint_directory(self.trainer))
+            elif self.trainer.log_dir:
+                now = yaml.safe_load(self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False))
+                check_resumed_settings(Path(self.trainer.log_dir) / "config.yaml", now)
+
+        def before_validate(self) -> None:
+            self.say_which_weights()
+
+        def before_test(self) -> None:
+            self.say_which_weights()
+
+        def say_which_weights(self) -> None:
+            """``kdlab validate|test`` without ``--ckpt_path`` scores the weights the config names, not a trained run's."""
+            if not self.config_init[self.subcommand].get("ckpt_path") and self.trainer.is_global_zero:
+                role = getattr(self.model, "trained_role", "student")
+                spec = getattr(self.model, "student_spec", None)
+                print(f"[kdlab] {self.subcommand} without --ckpt_path scores the configured {role} "
+                      f"({role}.path={getattr(spec, 'path', '?')!r}), not a trained run's weights", file=sys.stderr, flush=True)
 
     return KDLabCLI
 

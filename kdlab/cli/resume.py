@@ -111,3 +111,92 @@ def _trim_event_file(path: Path, saved: float, step: int) -> int:
         writer.flush()
     temporary.replace(path)
     return len(records) - len(kept)
+
+
+# ---- what a fit may start from ----------------------------------------------------------------------
+LIGHTNING_CKPT_KEYWORDS = ("last", "best", "hpc", "registry")  # --ckpt_path values Lightning resolves itself
+
+
+def check_ckpt_path(ckpt_path: str | None) -> None:
+    """Refuse ``--ckpt_path`` naming a missing file, or a file that is not a PyTorch checkpoint (torch saves a
+    zip archive: a truncated file or another kind fails here), naming the option, before any weights load.
+    A folder (a sharded checkpoint), a URL and Lightning's keywords pass (Lightning reads them)."""
+    import zipfile
+
+    from kdlab.errors import ConfigError
+
+    if not ckpt_path or "://" in str(ckpt_path) or str(ckpt_path).split(":")[0] in LIGHTNING_CKPT_KEYWORDS:
+        return
+    path = Path(ckpt_path)
+    if path.is_dir():
+        return
+    if not path.exists():
+        raise ConfigError(f"ckpt_path={str(ckpt_path)!r}: no such file or folder")
+    if not zipfile.is_zipfile(path):
+        raise ConfigError(f"ckpt_path={str(ckpt_path)!r} is not a PyTorch checkpoint (not the zip archive torch.save writes: "
+                          f"truncated, or another kind of file)")
+
+
+def saved_hyperparameters(ckpt_path: str | Path) -> bool:
+    """Whether a checkpoint file holds a module's saved hyperparameters, read memory-mapped (nothing but the
+    small entries is read from disk)."""
+    import torch
+
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    return bool(checkpoint.get("hyper_parameters"))
+
+
+def check_fresh_run_directory(checkpoints: Path) -> None:
+    """Refuse a fit without ``--ckpt_path`` whose checkpoint folder already holds checkpoints (an explicit
+    logger version, ``logger: false``, or a sweep's folder run again): Lightning would write over them, and the
+    new run's files would mix with the old run's."""
+    from kdlab.errors import ConfigError
+
+    found = sorted(path.name for path in checkpoints.glob("*.ckpt")) if checkpoints.is_dir() else []
+    if found:
+        shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+        resumable = [name for name in found if name != "final.ckpt"]
+        how = f"resume it with --ckpt_path={checkpoints / resumable[0]}" if resumable else "it finished (final.ckpt)"
+        raise ConfigError(f"{checkpoints} already holds checkpoints of another fit ({shown}): {how}, or start this run in a new folder "
+                          f"(another --trainer.logger.init_args.version or name, or --trainer.default_root_dir)")
+
+
+RESUMABLE_TRAINER_KEYS = ("accumulate_grad_batches", "precision", "devices", "num_nodes", "strategy")
+"""Trainer settings a resumed fit must keep (the effective batch, the numerics, the data's split over processes)."""
+
+
+def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The settings a resumed fit changed from the run's saved ``config.yaml``: every ``model`` key and the
+    :data:`RESUMABLE_TRAINER_KEYS`, compared where both configs have them (a key a newer kdlab added is not
+    a change). Each as ``key: old -> new``."""
+    def flat(value: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(value, dict) and value:
+            return {key: item for name, inner in value.items() for key, item in flat(inner, f"{prefix}.{name}").items()}
+        return {prefix: value}
+
+    old = flat(saved.get("model") or {}, "model")
+    new = flat(now.get("model") or {}, "model")
+    for key in RESUMABLE_TRAINER_KEYS:
+        old[f"trainer.{key}"] = (saved.get("trainer") or {}).get(key)
+        new[f"trainer.{key}"] = (now.get("trainer") or {}).get(key)
+    return [f"{key}: {old[key]!r} -> {new[key]!r}" for key in old if key in new and old[key] != new[key]]
+
+
+def check_resumed_settings(config_path: Path, now: dict[str, Any]) -> None:
+    """Refuse to resume when the command changes what the run trains (:func:`changed_settings` against the run's
+    ``config.yaml``): a resumed fit restores the optimiser (its learning rate and schedule), the data position and
+    the weights from the checkpoint, so a changed ``lr``, batch size, device count or component would be silently
+    ignored or would skip or repeat data. Settings outside those keys (``max_steps``, callbacks, logging) may change."""
+    import yaml
+
+    from kdlab.errors import ConfigError
+
+    if not config_path.is_file():
+        return
+    saved = yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}
+    changed = changed_settings(saved, now)
+    if changed:
+        raise ConfigError(f"resuming {config_path.parent} with settings its config.yaml does not have: " + "; ".join(changed[:6])
+                          + ("; ..." if len(changed) > 6 else "") + ". A resumed fit keeps the checkpoint's optimiser, data position "
+                          "and weights: run it with the run's own settings, or train on from its weights in a new run "
+                          "(--model.student.checkpoint or --model.policy.checkpoint: <that file>)")

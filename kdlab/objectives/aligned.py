@@ -391,11 +391,12 @@ class CrossTokenizer(TokenPairing):
             return total
 
         compute.covered = covered  # type: ignore[attr-defined]
-        if isinstance(student_logits, HeadLogits):
-            head = student_logits
-            loss = _AlignedObjective.apply(None, head.hidden, head.weight, head, compute)
-        else:
-            loss = _AlignedObjective.apply(student_logits, None, None, None, compute)
+        with objective.recording_tokens():  # a statistic the objective records per token covers every chunk
+            if isinstance(student_logits, HeadLogits):
+                head = student_logits
+                loss = _AlignedObjective.apply(None, head.hidden, head.weight, head, compute)
+            else:
+                loss = _AlignedObjective.apply(student_logits, None, None, None, compute)
         out = dict(zip(DIAGNOSTICS, diagnostics.unbind()))
         out["one_to_one_share"] = torch.tensor(groups.one_to_one_share)
         return loss, out

@@ -27,8 +27,10 @@ written out in the direction its docstring names.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -197,6 +199,17 @@ class KLObjective(Component):
     ``d loss / d student logits`` ``(k, V)`` into ``grad`` when it is given. Computed from the same
     normalisation as the logged diagnostics, so the objective and its diagnostics cost one pass."""
 
+    def closed_form(self) -> RowsLossAndGrad | None:
+        """:attr:`rows_loss_and_grad` when it computes this class's :meth:`token_loss`: a subclass that overrides
+        ``token_loss`` (and not the closed form) has its own loss taken by autograd, not its parent's formula."""
+        closed = self.rows_loss_and_grad
+        if closed is None:
+            return None
+        mro = type(self).__mro__
+        defines_closed = next((cls for cls in mro if "rows_loss_and_grad" in vars(cls)), None)
+        defines_loss = next(cls for cls in mro if "token_loss" in vars(cls))
+        return closed if defines_closed is None or issubclass(defines_closed, defines_loss) else None
+
     def reseed(self, seed: int) -> None:
         """Set the random stream for this step (only sampled objectives use one)."""
 
@@ -228,10 +241,17 @@ class KLObjective(Component):
             total = total + part if reduce in ("mean", "sum") else _REDUCE[reduce](total, part)
         pending[name] = (reduce, total, count + values.numel())
 
-    def _record_token_statistics(self) -> None:
-        pending, self._token_records = self._token_records, None
-        for name, (reduce, total, count) in (pending or {}).items():
-            self.record(name, _reduced(total, count, reduce))
+    @contextlib.contextmanager
+    def recording_tokens(self) -> Iterator[None]:
+        """One loss computation over chunks (:meth:`forward`, or the aligned objective's pass across tokenizers):
+        :meth:`record_tokens` accumulates inside it and records each statistic once when it ends."""
+        self._token_records: dict[str, tuple[str, torch.Tensor, int]] | None = {}
+        try:
+            yield
+        finally:
+            pending, self._token_records = self._token_records, None
+            for name, (reduce, total, count) in (pending or {}).items():
+                self.record(name, _reduced(total, count, reduce))
 
     def forward(
         self, student_logits: Logits, teacher_logits: Logits, mask: torch.Tensor, sequence_weights: torch.Tensor | None = None,
@@ -257,15 +277,12 @@ class KLObjective(Component):
                 stacklevel=2,
             )
         self._diagnostics: dict[str, torch.Tensor] = {}
-        token_loss = None if self.rows_loss_and_grad is not None else self.token_loss
-        self._token_records: dict[str, tuple[str, torch.Tensor, int]] | None = {}  # record_tokens' sums over the chunks
-        try:
+        closed = self.closed_form()
+        with self.recording_tokens():
             return chunked_token_loss(
-                token_loss, student_logits, teacher_logits, weights, self.chunk_size, self.rows_loss_and_grad,
+                None if closed is not None else self.token_loss, student_logits, teacher_logits, weights, self.chunk_size, closed,
                 diagnostic_weights, self._diagnostics, consume=consume and isinstance(student_logits, torch.Tensor),
             )
-        finally:
-            self._record_token_statistics()
 
     def take_diagnostics(self) -> dict[str, torch.Tensor]:
         """The diagnostics of the last :meth:`forward` (``{}`` if there was none since the last call):

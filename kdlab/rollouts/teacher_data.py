@@ -125,8 +125,11 @@ def generate_teacher_data(
 
     Returns ``{"prompts", "samples", "kept", "accuracy"}``.
     """
-    if samples_per_prompt < 1:
-        raise ValueError(f"generate.samples_per_prompt must be >= 1, got {samples_per_prompt}")
+    for name, value in (("samples_per_prompt", samples_per_prompt), ("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
+        if value < 1:
+            raise ValueError(f"generate.{name} must be >= 1, got {value}")
+    if temperature < 0:
+        raise ValueError(f"generate.temperature must be >= 0 (0: greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"generate.top_k must be >= 1 or null, got {top_k}")
     if not cache_temperature > 0:

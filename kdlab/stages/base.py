@@ -38,7 +38,7 @@ from kdlab.provenance import write_run_info
 from kdlab.run_config import log_hyperparameters, remember_arguments, run_config, write_run_config
 from kdlab.rollouts.decoding import stop_strings_check
 from kdlab.runlog import STEPS_MARK, Console, log_at_optimiser_steps, metrics_file, quiet, run_directory, write_samples
-from kdlab.stages.loaders import EpochShuffle, ResumableLoader
+from kdlab.stages.loaders import EpochShuffle, ResumableLoader, check_data_position
 from kdlab.stages.optim import FiniteAdamW
 from kdlab.stages.sharding import check_strategy, fsdp1_root, gathered_for_decoding, global_grad_norm, require_gradient_sync, shard_fsdp2, wrap_fsdp1
 from kdlab.tasks.base import Example, Task
@@ -298,6 +298,7 @@ class TaskStage(pl.LightningModule):
         self._train_sampler = EpochShuffle(len(examples), self.seed, layout["num_replicas"], layout["rank"])
         resume, self._resume_position = getattr(self, "_resume_position", None), None
         if resume is not None:
+            check_data_position(resume, self.batch_size, layout["num_replicas"])
             self._train_sampler.set_epoch(resume["epoch"])
             self._train_sampler.skip = resume["batches_done"] * self.batch_size
         loader = ResumableLoader(examples, batch_size=self.batch_size, sampler=self._train_sampler, collate_fn=list)
@@ -443,7 +444,9 @@ class TaskStage(pl.LightningModule):
             epoch = self.current_epoch
             if done >= self.trainer.num_training_batches:  # saved at the epoch's last batch: next is a new epoch
                 epoch, done = epoch + 1, 0
-            checkpoint["kdlab_data_position"] = {"epoch": epoch, "batches_done": done}
+            layout = self.data_parallel_layout()
+            checkpoint["kdlab_data_position"] = {"epoch": epoch, "batches_done": done, "batch_size": self.batch_size,
+                                                 "num_replicas": layout["num_replicas"]}
             metrics = metrics_file(self.trainer).path  # on every rank: it reads the run directory
             checkpoint["kdlab_log_position"] = {
                 "step": self._next_log_step(),

@@ -31,11 +31,12 @@ from kdlab.objectives.pairing import SharedVocabulary
 from kdlab.objectives.lazy import LazyLogits
 from kdlab.objectives.kl import ForwardKL, KLObjective, sampled_logprobs
 from kdlab.objectives.logits import fused_head_unsupported
+from kdlab.objectives.precision import check_kl_temperature
 from kdlab.rollouts.packing import Packed, Padded, RowLayout
 from kdlab.rollouts.policies import RolloutContext, RolloutPolicy, TeacherRollouts, TeacherTokens, importance_weights
 from kdlab.stages.base import TaskStage
 from kdlab.stages.lora import LoraSpec, apply_lora
-from kdlab.stages.optim import FiniteAdamW, lr_multiplier
+from kdlab.stages.optim import FiniteAdamW, check_adamw, lr_multiplier
 from kdlab.stages.sharding import gathered_for_decoding
 from kdlab.tasks.base import Example, Task
 from kdlab.teachers.base import TeacherRun, TeacherSource, check_needs
@@ -154,8 +155,9 @@ class DistillModule(TaskStage):
             task, batch_size, max_prompt_tokens, max_completion_tokens, val_examples,
             val_temperature, val_batch_size, eval_samples, tuple(eval_ks), seed, stop_strings,
         )
-        for name, value in (("teacher_temperature", teacher_temperature), ("student_temperature", student_temperature), ("lr", lr)):
-            self.require_positive(name, value)
+        for name, value in (("teacher_temperature", teacher_temperature), ("student_temperature", student_temperature)):
+            check_kl_temperature("DistillModule", name, value)
+        check_adamw("DistillModule", lr, betas, eps, weight_decay)
         if warmup_steps < 0:
             raise ValueError(f"DistillModule.warmup_steps must be >= 0, got {warmup_steps}")
         self.student_spec = ModelSpec(student) if isinstance(student, str) else student

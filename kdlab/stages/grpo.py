@@ -54,10 +54,11 @@ from kdlab.models.loading import (
 )
 from kdlab.objectives.logits import completion_head_logits, completion_logits
 from kdlab.objectives.logprobs import token_logprobs
+from kdlab.objectives.precision import check_kl_temperature
 from kdlab.rollouts.policies import RolloutContext, RolloutPolicy, StudentRollouts
 from kdlab.stages.base import TaskStage
 from kdlab.stages.lora import LoraSpec, apply_lora
-from kdlab.stages.optim import SCHEDULES, FiniteAdamW, lr_multiplier
+from kdlab.stages.optim import SCHEDULES, FiniteAdamW, check_adamw, lr_multiplier
 from kdlab.stages.sharding import require_gradient_sync
 from kdlab.tasks.base import Example, Task
 
@@ -232,8 +233,10 @@ class GRPOModule(TaskStage):
             val_temperature, val_batch_size, eval_samples, tuple(eval_ks), seed, stop_strings,
         )
         self.automatic_optimization = False
-        for name, value in (("temperature", temperature), ("top_p", top_p), ("lr", lr), ("mini_batches", mini_batches)):
+        for name, value in (("top_p", top_p), ("mini_batches", mini_batches)):
             self.require_positive(name, value)
+        check_kl_temperature("GRPOModule", "temperature", temperature)  # the loss's log-probs are at this temperature
+        check_adamw("GRPOModule", lr, betas, eps, weight_decay)
         if group_size < 2:
             raise ValueError(f"GRPOModule.group_size must be >= 2 (advantages are relative to the group), got {group_size}")
         if top_p > 1:

@@ -35,6 +35,21 @@ class EpochShuffle(DistributedSampler):
         return iter(mine[skip:])
 
 
+def check_data_position(position: dict[str, Any], batch_size: int, num_replicas: int) -> None:
+    """Refuse to resume mid-epoch from a data position (``kdlab_data_position`` of a checkpoint) saved with
+    another batch size or process count: :class:`EpochShuffle`'s skip counts this rank's batches, so the run
+    would skip or repeat examples. Positions saved before these were recorded are taken as they are."""
+    from kdlab.errors import ConfigError
+
+    saved = {"batch_size": position.get("batch_size", batch_size), "processes": position.get("num_replicas", num_replicas)}
+    now = {"batch_size": batch_size, "processes": num_replicas}
+    if position.get("batches_done", 0) and saved != now:
+        changed = ", ".join(f"{name} {saved[name]} -> {now[name]}" for name in saved if saved[name] != now[name])
+        raise ConfigError(f"the checkpoint was saved {position['batches_done']} batches into epoch {position.get('epoch')} with other "
+                          f"data settings ({changed}): resuming would skip or repeat training examples; resume with the run's "
+                          f"batch_size and number of processes")
+
+
 class DecodeGroup:
     """Consecutive micro-batches whose prompts are decoded together (one batched decode for all of them):
     their examples, and once the first of them is trained, each one's rollout (see

@@ -10,6 +10,19 @@ import torch
 SCHEDULES = ("cosine", "constant")
 
 
+def check_adamw(owner: str, lr: float, betas: tuple[float, float] | list[float], eps: float, weight_decay: float) -> None:
+    """Refuse AdamW settings torch would refuse later (in ``configure_optimizers``, in its own words), naming
+    ``<owner>.<key>``: ``lr > 0``, two ``betas`` in [0, 1), ``eps >= 0``, ``weight_decay >= 0``."""
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"{owner}.lr must be a finite number > 0, got {lr}")
+    if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
+        raise ValueError(f"{owner}.betas must be two numbers in [0, 1), got {list(betas)}")
+    if not eps >= 0:
+        raise ValueError(f"{owner}.eps must be >= 0, got {eps}")
+    if not weight_decay >= 0:
+        raise ValueError(f"{owner}.weight_decay must be >= 0, got {weight_decay}")
+
+
 class FiniteAdamW(torch.optim.AdamW):
     """AdamW that skips a step whose gradients hold NaN or inf.
 

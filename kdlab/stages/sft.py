@@ -25,7 +25,7 @@ from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer
 from kdlab.objectives.logits import completion_head_logits, completion_logits, fused_head_unsupported
 from kdlab.objectives.logprobs import token_logprobs
 from kdlab.stages.lora import LoraSpec, apply_lora
-from kdlab.stages.optim import SCHEDULES, FiniteAdamW, lr_multiplier
+from kdlab.stages.optim import SCHEDULES, FiniteAdamW, check_adamw, lr_multiplier
 from kdlab.stages.sharding import check_strategy
 from kdlab.tasks.base import Task
 from kdlab.teachers.model import vocabulary_columns
@@ -104,8 +104,7 @@ class SFTModule(pl.LightningModule):
             raise ValueError("SFTModule needs exactly one of dataset or tasks")
         if schedule not in SCHEDULES:
             raise ValueError(f"SFTModule.schedule must be one of {SCHEDULES}, got {schedule!r}")
-        if not lr > 0:
-            raise ValueError(f"SFTModule.lr must be > 0, got {lr}")
+        check_adamw("SFTModule", lr, betas, eps, weight_decay)
         self.spec = ModelSpec(model) if isinstance(model, str) else model
         self.tokenizer = load_tokenizer(self.spec, "model")
         self.model = load_causal_lm(self.spec, "model")
