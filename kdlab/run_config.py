@@ -68,10 +68,15 @@ def class_path(value: Any) -> str:
 def described(value: Any) -> Any:
     """``value`` as YAML-safe data: plain values as they are, an object whose arguments were remembered as
     ``{class_path, init_args}``, a dataclass as its fields, anything else as its type (and ``name_or_path``)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
     if isinstance(value, enum.Enum):
         return described(value.value)
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    for plain in (bool, int, float, str):  # a subclass (numpy's float64) as the builtin YAML can write
+        if isinstance(value, plain):
+            return plain(value)
+    if isinstance(value, (torch.Tensor, np_generic())) and getattr(value, "ndim", 1) == 0:
+        return described(value.item())  # a 0-dim tensor or numpy scalar (np.int64): its value
     if isinstance(value, (Path, torch.dtype, torch.device)):
         return str(value)
     if isinstance(value, (list, tuple)):
@@ -85,6 +90,15 @@ def described(value: Any) -> Any:
         return {field.name: described(getattr(value, field.name)) for field in dataclasses.fields(value)}
     source = getattr(value, "name_or_path", None) or getattr(getattr(value, "config", None), "_name_or_path", None)
     return f"{class_path(value)}({source})" if source else class_path(value)
+
+
+def np_generic() -> type:
+    """numpy's scalar base class where numpy is installed (a type nothing is an instance of otherwise)."""
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+        return type("NoNumpy", (), {})
+    return numpy.generic
 
 
 def stage_arguments(module: pl.LightningModule) -> dict[str, Any]:
@@ -133,10 +147,10 @@ def started_by_cli(trainer: pl.Trainer) -> bool:
 
 
 def write_run_config(trainer: pl.Trainer, config: dict[str, Any], log_dir: str | Path) -> Path | None:
-    """Write ``config`` as ``<log_dir>/config.yaml`` for a run ``kdlab fit`` did not start, unless the folder
-    has one (a resumed run keeps its first). Returns the path written, else ``None``."""
+    """Write ``config`` as ``<log_dir>/config.yaml`` for a run ``kdlab fit`` did not start; a resumed run keeps
+    the file its first part wrote (a fresh run in a reused folder replaces it). Returns the path written, else ``None``."""
     path = Path(log_dir) / "config.yaml"
-    if started_by_cli(trainer) or path.exists():
+    if started_by_cli(trainer) or (trainer.ckpt_path and path.exists()):
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
     header = HEADER.format(stage=config["model"]["class_path"].rsplit(".", 1)[-1])

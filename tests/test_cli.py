@@ -88,8 +88,8 @@ def test_validate_and_test_subcommands_say_when_they_score_the_configured_weight
     for command in ("validate", "test"):
         cli = main([command, f"--config={SMOKE}", f"--trainer.logger.init_args.save_dir={tmp_path}"])
         assert f"{command[:4] if command == 'test' else 'val'}/accuracy" in cli.trainer.callback_metrics
-        assert (f"[kdlab] {command} without --ckpt_path scores the configured student (student.path='kdlab://tiny-random/student'), "
-                "not a trained run's weights") in capsys.readouterr().err
+        assert (f"[kdlab] {command} without --ckpt_path scores the weights the config names "
+                "(student.path='kdlab://tiny-random/student')") in capsys.readouterr().err
 
 
 def test_print_config_lists_every_component_knob(capsys):

@@ -503,3 +503,6 @@ def test_a_subclass_that_overrides_token_loss_trains_on_its_own_loss_not_its_par
         torch.testing.assert_close(loss, 2 * parent)
         torch.testing.assert_close(grad, 2 * parent_grad)
     assert DoubleForwardKL().closed_form() is None and ClosedToo().closed_form() is not None and ForwardKL().closed_form() is not None
+    given = DoubleForwardKL()
+    given.rows_loss_and_grad = ClosedToo().rows_loss_and_grad  # a closed form given to the object is used as given
+    assert given.closed_form() is given.rows_loss_and_grad

@@ -351,3 +351,37 @@ def test_a_resume_does_not_read_its_checkpoint_whole_before_the_restore(tmp_path
     monkeypatch.setattr(torch, "load", load)
     assert cli_fit(tmp_path, "--trainer.max_steps=3", f"--ckpt_path={last}").trainer.global_step == 3
     assert whole == []
+
+
+def test_changed_settings_sees_components_switched_and_ignores_spellings_and_operational_keys():
+    from kdlab.cli.resume import changed_settings
+
+    base = {"model": {"lr": 1e-3, "objective": None, "val_batch_size": 8,
+                      "teacher": {"class_path": "kdlab.teachers.Served", "init_args": {"server": {"url": "http://a:1", "top_k": 20}}},
+                      "rollout": {"class_path": "kdlab.rollouts.StudentRollouts"}},
+            "trainer": {"devices": "auto", "precision": "32", "accumulate_grad_batches": 1}}
+
+    def changed(**model):
+        return changed_settings(base, {**base, "model": {**base["model"], **model}})
+
+    assert changed(objective={"class_path": "kdlab.objectives.ReverseKL"}) == ["model.objective: None -> 'kdlab.objectives.ReverseKL'"]
+    assert changed_settings({**base, "model": {**base["model"], "objective": {"class_path": "kdlab.objectives.ReverseKL"}}}, base) == [
+        "model.objective: 'kdlab.objectives.ReverseKL' -> None"]
+    assert changed(rollout={"class_path": "kdlab.rollouts.policies.StudentRollouts"}) == []  # one class, two spellings
+    assert changed(val_batch_size=32, teacher={"class_path": "kdlab.teachers.Served", "init_args": {"server": {"url": "http://b:2", "top_k": 20}}}) == []
+    assert changed(teacher={"class_path": "kdlab.teachers.Served", "init_args": {"server": {"url": "http://a:1", "top_k": 5}}}) == [
+        "model.teacher.init_args.server.top_k: 20 -> 5"]
+    assert changed_settings(base, {**base, "trainer": {"devices": 8, "precision": "32-true", "accumulate_grad_batches": 1}}) == []
+    assert changed_settings(base, {**base, "trainer": {"devices": 8, "precision": "bf16-mixed", "accumulate_grad_batches": 1}}) == [
+        "trainer.precision: '32-true' -> 'bf16-mixed'"]
+
+
+def test_a_failed_fresh_fit_never_removes_a_folder_another_run_left(tmp_path):
+    """A fit that stops before its first step removes the version_N folder it opened, never one that was there
+    (an explicit logger version naming an earlier run's folder: its logs stay)."""
+    earlier = tmp_path / "tiny-smoke" / "version_0"
+    earlier.mkdir(parents=True)
+    (earlier / "metrics.jsonl").write_text('{"step": 1, "train/loss": 1.0}\n')
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        cli_fit(tmp_path, "--trainer.logger.init_args.version=0", "--model.max_prompt_tokens=2")
+    assert (earlier / "metrics.jsonl").is_file()

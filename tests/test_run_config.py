@@ -85,7 +85,7 @@ def test_kdlab_report_reads_a_python_run_and_tensorboard_has_its_hyperparameters
     assert saved["model"]["init_args"]["objective"]["init_args"]["power"] == 3.0
 
 
-def test_kdlab_fits_own_config_and_a_resumed_runs_first_are_kept(tmp_path):
+def test_kdlab_fits_own_config_and_a_resumed_runs_first_are_kept_a_fresh_run_replaces_one_it_finds(tmp_path):
     from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
 
     config = {"model": {"class_path": "kdlab.stages.distill.DistillModule", "init_args": {}}}
@@ -94,8 +94,20 @@ def test_kdlab_fits_own_config_and_a_resumed_runs_first_are_kept(tmp_path):
     trainer = pl.Trainer(logger=False, enable_progress_bar=False)
     assert write_run_config(trainer, config, tmp_path) == tmp_path / "config.yaml"
     first = (tmp_path / "config.yaml").read_text()
+    trainer.ckpt_path = str(tmp_path / "last.ckpt")  # resumed: the first part's description stays
     assert write_run_config(trainer, {**config, "seed_everything": 3}, tmp_path) is None
     assert (tmp_path / "config.yaml").read_text() == first
+    trainer.ckpt_path = None  # a fresh run in the same folder describes itself
+    assert write_run_config(trainer, {**config, "seed_everything": 3}, tmp_path) == tmp_path / "config.yaml"
+    assert "seed_everything: 3" in (tmp_path / "config.yaml").read_text()
+
+
+def test_numpy_and_tensor_scalars_are_written_as_their_values():
+    import numpy as np
+
+    assert described({"lr": np.float64(1e-4), "steps": np.int64(3), "x": torch.tensor(0.5), "ok": np.bool_(True)}) == {
+        "lr": 1e-4, "steps": 3, "x": 0.5, "ok": True}
+    assert yaml.safe_dump(described([np.float32(2.0), np.int32(1)]))
 
 
 def test_a_component_keeps_its_own_arguments_not_those_of_the_stage_that_builds_it():

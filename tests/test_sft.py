@@ -31,6 +31,11 @@ def test_sft_on_task_references_learns_them(tiny_pair, tmp_path):
     before = module.loss(batch).item()
     pl.Trainer(max_steps=40, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False).fit(module)
     assert module.loss(batch).item() < 0.5 * before
+    import yaml
+
+    described = yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]  # a Python run describes itself, SFT too
+    assert described["class_path"] == "kdlab.stages.sft.SFTModule" and described["init_args"]["lr"] == 1e-2
+    assert described["init_args"]["tasks"][0]["class_path"] == "kdlab.tasks.addition.Addition"
 
 
 def test_cosine_schedule_warms_up_then_decays(tiny_pair, tmp_path):

@@ -39,35 +39,44 @@ def checkpoint_directory(trainer: pl.Trainer) -> Path:
 
 
 class FinalCheckpoint(pl.Callback):
-    """Saves ``<checkpoint dir>/final.ckpt`` (:func:`checkpoint_directory`) when fit ends: the weights only
+    """Saves ``<checkpoint dir>/final.ckpt`` (:func:`checkpoint_directory`) when training ends: the weights only
     (the module docstring says why); refuses to resume from a weights-only file.
 
-    The save comes at ``on_fit_end``, after every callback's and the module's ``on_train_end`` (the end-of-fit
-    evaluations, sparsity, held-out KL, a stage's export), so ``final.ckpt`` marks a run whose every
-    end-of-fit measurement was logged: a run that fails or is killed during them has none, and reads as
-    unfinished (``kdlab report``, ``kdlab sweep``).
+    The save comes after every other callback's ``on_train_end`` (the end-of-fit evaluations, sparsity, held-out
+    KL: :meth:`setup` puts a saver at the end of the Trainer's callbacks), so ``final.ckpt`` marks a run whose
+    every end-of-fit measurement was logged: a run that fails or is killed during them has none and reads as
+    unfinished (``kdlab report``, ``kdlab sweep``). It is still before Lightning's teardown (a sharded model is
+    saved where it trained).
 
     A fit resumed from a checkpoint of its last step (a run killed outright while its end-of-fit evaluations
     ran) skips Lightning's training loop and with it every ``on_train_end`` hook. Then, at ``on_fit_end``, it
+    moves the module back to the strategy's device (Lightning's teardown has moved it to the CPU by then) and
     runs kdlab's end-of-training hooks itself before its save: every
     :class:`~kdlab.callbacks.periodic.PeriodicCallback`'s end-of-fit measurement and the module's
     ``on_train_end``. Other callbacks' ``on_train_end`` is not replayed."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._ended = False
+        if stage == "fit" and not any(isinstance(callback, _SaveFinal) and callback.owner is self for callback in trainer.callbacks):
+            trainer.callbacks.append(_SaveFinal(self))
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def save(self, trainer: pl.Trainer) -> None:
         self._ended = True
+        trainer.save_checkpoint(checkpoint_directory(trainer) / "final.ckpt", weights_only=True)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not getattr(self, "_ended", True):
-            from kdlab.callbacks.periodic import PeriodicCallback
+        if getattr(self, "_ended", True):
+            return
+        from kdlab.callbacks.periodic import PeriodicCallback
 
-            for callback in trainer.callbacks:
-                if isinstance(callback, PeriodicCallback):
-                    callback.on_train_end(trainer, pl_module)
-            pl_module.on_train_end()
-        trainer.save_checkpoint(checkpoint_directory(trainer) / "final.ckpt", weights_only=True)
+        device = trainer.strategy.root_device
+        if device.type != "cpu":
+            pl_module.to(device)
+        for callback in trainer.callbacks:
+            if isinstance(callback, PeriodicCallback):
+                callback.on_train_end(trainer, pl_module)
+        pl_module.on_train_end()
+        self.save(trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After ``--ckpt_path``'s weights were loaded (a checkpoint of another model has failed by then) and
@@ -84,6 +93,17 @@ class FinalCheckpoint(pl.Callback):
             f"resume from a full state ({where.parent / 'last.ckpt'}, {where.parent / 'on_exception.ckpt'} or an "
             f"epoch=E-step=S.ckpt), or train on from these weights in a new run with --model.{role}.checkpoint={where}"
         )
+
+
+class _SaveFinal(pl.Callback):
+    """:class:`FinalCheckpoint`'s save, last among the Trainer's callbacks at the end of training."""
+
+    def __init__(self, owner: FinalCheckpoint) -> None:
+        self.owner = owner
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.owner.save(trainer)
+
 
 
 class ExceptionCheckpoint(Checkpoint):

@@ -119,10 +119,12 @@ def lightning_cli_class():
         def _run_subcommand(self, subcommand: str) -> None:
             """A fit that stops before its first optimiser step leaves no ``version_N`` behind
             (:func:`remove_unstarted_run`): the next run takes its number."""
+            log_dir = getattr(getattr(self.trainer, "logger", None), "log_dir", None)
+            existed = bool(log_dir) and Path(log_dir).exists()  # another run's folder (an explicit version): never removed
             try:
                 super()._run_subcommand(subcommand)
             except BaseException:
-                if subcommand == "fit" and not self.config_init[subcommand].get("ckpt_path"):
+                if subcommand == "fit" and not self.config_init[subcommand].get("ckpt_path") and not existed:
                     remove_unstarted_run(self.trainer)
                 raise
 
@@ -156,7 +158,8 @@ def lightning_cli_class():
 
         def check_run_directory(self, ckpt_path: str | None) -> None:
             """A fresh fit into a folder holding checkpoints is refused; a resumed one must keep the settings its
-            run's ``config.yaml`` has (:mod:`kdlab.cli.resume`). Rank 0 reads the folder; every rank raises."""
+            run's ``config.yaml`` has (:mod:`kdlab.cli.resume`). Every process reads the folder itself (before any
+            process group exists), so all refuse alike where the run folder is on a file system they share."""
             import yaml
 
             from kdlab.cli.resume import check_fresh_run_directory, check_resumed_settings
@@ -177,9 +180,10 @@ def lightning_cli_class():
             """``kdlab validate|test`` without ``--ckpt_path`` scores the weights the config names, not a trained run's."""
             if not self.config_init[self.subcommand].get("ckpt_path") and self.trainer.is_global_zero:
                 role = getattr(self.model, "trained_role", "student")
-                spec = getattr(self.model, "student_spec", None)
-                print(f"[kdlab] {self.subcommand} without --ckpt_path scores the configured {role} "
-                      f"({role}.path={getattr(spec, 'path', '?')!r}), not a trained run's weights", file=sys.stderr, flush=True)
+                spec = getattr(self.model, "student_spec", None) or getattr(self.model, "spec", None)
+                weights = f"{role}.checkpoint={spec.checkpoint!r}" if getattr(spec, "checkpoint", None) else f"{role}.path={getattr(spec, 'path', '?')!r}"
+                print(f"[kdlab] {self.subcommand} without --ckpt_path scores the weights the config names ({weights})",
+                      file=sys.stderr, flush=True)
 
     return KDLabCLI
 

@@ -161,25 +161,84 @@ def check_fresh_run_directory(checkpoints: Path) -> None:
                           f"(another --trainer.logger.init_args.version or name, or --trainer.default_root_dir)")
 
 
+RUN_CONFIG_MARK = "# Written by "
+"""How a ``config.yaml`` that :mod:`kdlab.run_config` wrote for a run built in Python begins."""
+
 RESUMABLE_TRAINER_KEYS = ("accumulate_grad_batches", "precision", "devices", "num_nodes", "strategy")
 """Trainer settings a resumed fit must keep (the effective batch, the numerics, the data's split over processes)."""
 
+RESUME_MAY_CHANGE = frozenset({
+    # evaluation
+    "val_batch_size", "val_examples", "val_temperature", "eval_samples", "eval_ks",
+    # how, not what, is computed
+    "chunk_size", "teacher_placement", "fused_lm_head", "micro_batch_size", "max_bad_steps", "export_dir",
+    # a served teacher's connection
+    "url", "timeout_s", "retries", "backoff_s", "concurrency", "request_prompts", "decode_workers", "prefetch", "api_key_env",
+    # an engine's memory
+    "gpu_memory_utilization", "enforce_eager",
+})
+"""``model`` keys (at any depth) a resumed fit may change: they change how a step is computed or evaluated, not
+what it trains on (a fit resumed after a preemption or an out-of-memory error may need them changed)."""
+
+PRECISION_SPELLINGS = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
+
+
+def _flat(value: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(value, dict) and value:
+        return {key: item for name, inner in value.items() for key, item in _flat(inner, f"{prefix}.{name}").items()}
+    return {prefix: value}
+
+
+def _canonical_class(path: Any) -> Any:
+    """A ``class_path`` as the class it imports to (``kdlab.objectives.ForwardKL`` and ``kdlab.objectives.kl.ForwardKL``
+    are one class); a path that does not import stays as it is."""
+    import importlib
+
+    if not isinstance(path, str) or "." not in path:
+        return path
+    module, _, name = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return path
+    return f"{found.__module__}.{found.__qualname__}" if isinstance(found, type) else path
+
 
 def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """The settings a resumed fit changed from the run's saved ``config.yaml``: every ``model`` key and the
-    :data:`RESUMABLE_TRAINER_KEYS`, compared where both configs have them (a key a newer kdlab added is not
-    a change). Each as ``key: old -> new``."""
-    def flat(value: Any, prefix: str) -> dict[str, Any]:
-        if isinstance(value, dict) and value:
-            return {key: item for name, inner in value.items() for key, item in flat(inner, f"{prefix}.{name}").items()}
-        return {prefix: value}
+    """The settings a resumed fit changed from the run's saved ``config.yaml``, each as ``key: old -> new``: every
+    ``model`` key but :data:`RESUME_MAY_CHANGE`, a component given on one side and not the other (``objective:
+    null`` against a class) included, each ``class_path`` compared as the class it imports to; and the
+    :data:`RESUMABLE_TRAINER_KEYS`, where neither side leaves it to Lightning (``auto``). A key only one side
+    has (one a newer kdlab added) is no change."""
+    old, new = _flat(saved.get("model") or {}, "model"), _flat(now.get("model") or {}, "model")
 
-    old = flat(saved.get("model") or {}, "model")
-    new = flat(now.get("model") or {}, "model")
+    def kept(key: str) -> bool:
+        return not RESUME_MAY_CHANGE.intersection(key.split("."))
+
+    changes = []
+    for key in old:
+        if not kept(key):
+            continue
+        if key in new:
+            before, after = old[key], new[key]
+            if key.endswith(".class_path") or key == "model.class_path":
+                before, after = _canonical_class(before), _canonical_class(after)
+            if before != after:
+                changes.append(f"{key}: {old[key]!r} -> {new[key]!r}")
+        elif any(other.startswith(key + ".") for other in new):  # None here, a component there
+            changes.append(f"{key}: {old[key]!r} -> {new.get(key + '.class_path', '{...}')!r}")
+    for key in new:
+        if kept(key) and key not in old and any(other.startswith(key + ".") for other in old) and new[key] is None:
+            changes.append(f"{key}: {old.get(key + '.class_path', '{...}')!r} -> None")
     for key in RESUMABLE_TRAINER_KEYS:
-        old[f"trainer.{key}"] = (saved.get("trainer") or {}).get(key)
-        new[f"trainer.{key}"] = (now.get("trainer") or {}).get(key)
-    return [f"{key}: {old[key]!r} -> {new[key]!r}" for key in old if key in new and old[key] != new[key]]
+        before, after = (saved.get("trainer") or {}).get(key), (now.get("trainer") or {}).get(key)
+        if before is None or after is None or "auto" in (before, after):
+            continue
+        if key == "precision":
+            before, after = PRECISION_SPELLINGS.get(str(before), str(before)), PRECISION_SPELLINGS.get(str(after), str(after))
+        if before != after:
+            changes.append(f"trainer.{key}: {before!r} -> {after!r}")
+    return changes
 
 
 def check_resumed_settings(config_path: Path, now: dict[str, Any]) -> None:
@@ -193,7 +252,10 @@ def check_resumed_settings(config_path: Path, now: dict[str, Any]) -> None:
 
     if not config_path.is_file():
         return
-    saved = yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}
+    text = config_path.read_text(encoding="utf-8")
+    if text.startswith(RUN_CONFIG_MARK):  # a run started from Python: its file describes objects, not kdlab fit's settings
+        return
+    saved = yaml.safe_load(text) or {}
     changed = changed_settings(saved, now)
     if changed:
         raise ConfigError(f"resuming {config_path.parent} with settings its config.yaml does not have: " + "; ".join(changed[:6])

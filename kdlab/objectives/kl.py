@@ -203,8 +203,8 @@ class KLObjective(Component):
         """:attr:`rows_loss_and_grad` when it computes this class's :meth:`token_loss`: a subclass that overrides
         ``token_loss`` (and not the closed form) has its own loss taken by autograd, not its parent's formula."""
         closed = self.rows_loss_and_grad
-        if closed is None:
-            return None
+        if closed is None or "rows_loss_and_grad" in vars(self):  # none, or one given to this object: used as given
+            return closed
         mro = type(self).__mro__
         defines_closed = next((cls for cls in mro if "rows_loss_and_grad" in vars(cls)), None)
         defines_loss = next(cls for cls in mro if "token_loss" in vars(cls))

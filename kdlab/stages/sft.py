@@ -11,6 +11,7 @@ completions of one or more :class:`~kdlab.tasks.base.Task` objects.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from kdlab.models.export import export_pretrained
 from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer
 from kdlab.objectives.logits import completion_head_logits, completion_logits, fused_head_unsupported
 from kdlab.objectives.logprobs import token_logprobs
+from kdlab.run_config import log_hyperparameters, remember_arguments, run_config, write_run_config
 from kdlab.stages.lora import LoraSpec, apply_lora
 from kdlab.stages.optim import SCHEDULES, FiniteAdamW, check_adamw, lr_multiplier
 from kdlab.stages.sharding import check_strategy
@@ -79,6 +81,9 @@ class SFTModule(pl.LightningModule):
             FSDP1); ``false``: from the model's logits, still without an fp32 copy of them; ``true`` insists.
     """
 
+    trained_role = "model"
+    """How configs name the trained model, for messages."""
+
     def __init__(
         self,
         model: ModelSpec | str,
@@ -99,6 +104,7 @@ class SFTModule(pl.LightningModule):
         fused_lm_head: bool | None = None,
     ) -> None:
         super().__init__()
+        remember_arguments(self, inspect.currentframe())  # for the run's config.yaml and logged hyperparameters
         self.export_dir, self.fused_lm_head = export_dir, fused_lm_head
         if (dataset is None) == (not tasks):
             raise ValueError("SFTModule needs exactly one of dataset or tasks")
@@ -156,6 +162,14 @@ class SFTModule(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         check_strategy(self.trainer.strategy)  # a strategy kdlab does not know (DeepSpeed) is refused before any step
+
+    def on_fit_start(self) -> None:
+        """The ``config.yaml`` of a run ``kdlab fit`` did not start, and the run's description for every logger
+        (:mod:`kdlab.run_config`), as every kdlab stage gives them."""
+        if self.trainer.is_global_zero:
+            config = run_config(self, self.trainer)
+            write_run_config(self.trainer, config, self.trainer.log_dir or self.trainer.default_root_dir)
+            log_hyperparameters(self.trainer, config)
 
     def uses_fused_head(self) -> bool:
         """Whether the loss reads the final hidden states and the head (``fused_lm_head``) rather than logits: by
