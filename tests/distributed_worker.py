@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
 import kdlab.callbacks.evaluations as evaluations
-from kdlab.callbacks import Coverage, OODForgetting, UpdateSparsity
+from kdlab.callbacks import Coverage, FinalCheckpoint, OODForgetting, UpdateSparsity
 from kdlab.evaluation.lm_eval_suite import LMEvalTask, is_sharded
 from kdlab.models import export_pretrained
 from kdlab.models.export import merged_weights
@@ -215,6 +215,9 @@ def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, r
             Dump(out),
             UpdateSparsity(thresholds=(1e-6, 1e-3)),  # counted per shard, then reduced
             ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, every_n_train_steps=1),
+            # one file of whole tensors, whatever the strategy's own checkpoints are; not under FSDP1 here: its full-state
+            # gather (Lightning's default for FSDP1) crashes on CPU tensors with gloo, so that path is untested
+            *([] if layout == "fsdp1" else [FinalCheckpoint()]),
             *probes,
         ],
     )

@@ -57,6 +57,14 @@ def test_two_processes_train_the_same_student_as_one(single, layout, tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / layout / "export").state_dict()
     for name, value in whole.items():
         torch.testing.assert_close(exported[name], value, atol=1e-6, rtol=0, msg=name)
+    # final.ckpt is one file of whole weights, though FSDP2 saves its own checkpoints as folders of shards
+    # (save_distributed_checkpoint); FSDP1's gather is not run on CPU (tests/distributed_worker.py says why)
+    final = tmp_path / layout / "checkpoints" / "final.ckpt"
+    if not layout.startswith("fsdp1"):
+        assert final.is_file() and (not layout.startswith("fsdp2") or (tmp_path / layout / "checkpoints" / "last.ckpt").is_dir())
+        weights = torch.load(final, weights_only=True)["state_dict"]
+        for name, value in whole.items():
+            torch.testing.assert_close(weights[f"student.{name}"], value, atol=1e-6, rtol=0, msg=name)
     # update sparsity counted on each shard and summed equals the single-process number
     for key in ("sparsity/1e-06", "sparsity/0.001", "sparsity/0.001/attention"):
         assert sharded_sparsity[key] == pytest.approx(whole_sparsity[key], abs=1e-4), key

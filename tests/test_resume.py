@@ -385,3 +385,41 @@ def test_a_failed_fresh_fit_never_removes_a_folder_another_run_left(tmp_path):
     with pytest.raises(ValueError, match="max_prompt_tokens"):
         cli_fit(tmp_path, "--trainer.logger.init_args.version=0", "--model.max_prompt_tokens=2")
     assert (earlier / "metrics.jsonl").is_file()
+
+
+@pytest.mark.parametrize("policy", ["offpolicy", "onpolicy"])
+def test_a_fit_stopped_inside_an_accumulation_window_resumes_to_the_uninterrupted_weights(tiny_pair, tmp_path, monkeypatch, policy):
+    """A preemption (SIGTERM) or crash lands between micro-batches of an optimiser step far more often than at
+    its end (8 micro-batches a step on one GPU in the paper's presets). The step's accumulated gradient is not
+    in the checkpoint, so the resumed fit must replay the whole window, not train the step on its remaining
+    micro-batches alone."""
+    from kdlab.callbacks import ExceptionCheckpoint
+
+    def trainer(root, steps):
+        return pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          limit_val_batches=0, default_root_dir=str(root), accumulate_grad_batches=2,
+                          callbacks=[ExceptionCheckpoint()])
+
+    total = 3  # 8 prompts in micro-batches of 2, two per step: two steps an epoch, the resume crosses into the next
+    pl.seed_everything(0)
+    uninterrupted = module(tiny_pair, policy)
+    trainer(tmp_path / "full", total).fit(uninterrupted)
+    real = DistillModule.training_step
+
+    def stopped(self, batch, batch_idx):
+        if self.global_step == 1 and batch_idx == 3:  # the second micro-batch of step 2: the first one is processed
+            raise RuntimeError("preempted")
+        return real(self, batch, batch_idx)
+
+    monkeypatch.setattr(DistillModule, "training_step", stopped)
+    pl.seed_everything(0)
+    with pytest.raises(RuntimeError, match="preempted"):
+        trainer(tmp_path / "part", total).fit(module(tiny_pair, policy))
+    monkeypatch.undo()
+    saved = tmp_path / "part" / "checkpoints" / "on_exception.ckpt"
+    assert torch.load(saved, weights_only=True)["kdlab_data_position"]["batches_done"] == 2  # the window's start
+    pl.seed_everything(123)
+    resumed = module(tiny_pair, policy)
+    trainer(tmp_path / "part", total).fit(resumed, ckpt_path=str(saved))
+    for a, b in zip(uninterrupted.student.parameters(), resumed.student.parameters()):
+        assert torch.equal(a, b)

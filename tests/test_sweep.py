@@ -7,6 +7,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -165,6 +166,7 @@ def test_print_mode_writes_one_command_per_run_that_runs_it(tmp_path, capsys, fi
     capsys.readouterr()
     main(["sweep", "--config", str(path)])
     assert len(capsys.readouterr().out.splitlines()) == 7 and statuses(tmp_path)[names[2]] == "skipped"
+    assert (out / "commands.sh").read_text().splitlines() == lines  # line N is still run N (a requeued array index)
 
 
 # ---- real tiny sweeps --------------------------------------------------------------------------
@@ -384,3 +386,18 @@ def test_a_failing_slurm_job_is_recorded_and_the_sweep_exits_1(tmp_path, monkeyp
     run = json.loads((tmp_path / "out" / "sweep.json").read_text())["runs"][0]
     assert run["status"] == "failed" and run["error"].startswith(f"job {run['job_id']}: ")
     assert "lr" in capsys.readouterr().err and not (tmp_path / "out" / run["name"] / "DONE").exists()
+
+
+def test_an_in_process_fit_keeps_the_console_scripts_path_for_lightnings_other_processes(tmp_path, monkeypatch):
+    """Lightning starts a multi-device fit's other processes as ``python <sys.argv[0]> fit ...`` when the program is
+    a console script: ``kdlab`` alone resolved to ./kdlab (the package folder) and those processes failed."""
+    from kdlab.study import sweep as sweep_module
+
+    seen = []
+    monkeypatch.setattr(kdlab.cli.lightning, "run_lightning", lambda args, **kw: seen.append(list(sys.argv)) or SimpleNamespace(
+        trainer=SimpleNamespace(global_step=1, state=SimpleNamespace(finished=True))))
+    monkeypatch.setattr("sys.argv", ["/opt/venv/bin/kdlab", "sweep", "--config", "x.yaml"])
+    sweep_module._fit_in_process(["fit", "--config", "a.yaml"])
+    monkeypatch.setattr("sys.argv", [str(tmp_path / "__main__.py"), "sweep"])  # python -m kdlab.cli: Lightning uses -m
+    sweep_module._fit_in_process(["fit", "--config", "a.yaml"])
+    assert seen == [["/opt/venv/bin/kdlab", "fit", "--config", "a.yaml"], ["kdlab", "fit", "--config", "a.yaml"]]

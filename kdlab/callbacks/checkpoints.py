@@ -19,10 +19,13 @@ instead of copying it, :func:`kdlab.cli.lightning.link_last_checkpoints`). Resum
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
@@ -31,9 +34,12 @@ from kdlab.errors import ConfigError
 
 
 def checkpoint_directory(trainer: pl.Trainer) -> Path:
-    """The ``ModelCheckpoint``'s directory if there is one, else ``<log_dir>/checkpoints``."""
-    callback = trainer.checkpoint_callback
-    if callback is not None and getattr(callback, "dirpath", None):
+    """The ``ModelCheckpoint``'s directory if there is one, else ``<log_dir>/checkpoints`` (never
+    :class:`ExceptionCheckpoint`'s own, which follows this)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callback = next((c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath), None)
+    if callback is not None:
         return Path(callback.dirpath)
     return Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints"
 
@@ -61,8 +67,12 @@ class FinalCheckpoint(pl.Callback):
             trainer.callbacks.append(_SaveFinal(self))
 
     def save(self, trainer: pl.Trainer) -> None:
+        """``final.ckpt`` as one file of whole tensors whatever the strategy saves its full states as (FSDP1's
+        ``state_dict_type="sharded"`` and FSDP2's ``save_distributed_checkpoint`` write folders of shards, which
+        the next stage, ``kdlab forgetting`` and export read as no checkpoint)."""
         self._ended = True
-        trainer.save_checkpoint(checkpoint_directory(trainer) / "final.ckpt", weights_only=True)
+        with whole_tensors(trainer.strategy):
+            trainer.save_checkpoint(checkpoint_directory(trainer) / "final.ckpt", weights_only=True)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if getattr(self, "_ended", True):
@@ -93,6 +103,21 @@ class FinalCheckpoint(pl.Callback):
             f"resume from a full state ({where.parent / 'last.ckpt'}, {where.parent / 'on_exception.ckpt'} or an "
             f"epoch=E-step=S.ckpt), or train on from these weights in a new run with --model.{role}.checkpoint={where}"
         )
+
+
+@contextlib.contextmanager
+def whole_tensors(strategy: Any) -> Iterator[None]:
+    """Within it, Lightning's FSDP1 and FSDP2 strategies save a checkpoint as one file of whole tensors (rank 0
+    writes it; their ``state_dict_type`` / ``save_distributed_checkpoint`` settings are restored after)."""
+    settings = {name: value for name, value in (("_state_dict_type", "full"), ("_save_distributed_checkpoint", False)) if hasattr(strategy, name)}
+    kept = {name: getattr(strategy, name) for name in settings}
+    for name, value in settings.items():
+        setattr(strategy, name, value)
+    try:
+        yield
+    finally:
+        for name, value in kept.items():
+            setattr(strategy, name, value)
 
 
 class _SaveFinal(pl.Callback):

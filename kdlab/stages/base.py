@@ -38,7 +38,7 @@ from kdlab.provenance import write_run_info
 from kdlab.run_config import log_hyperparameters, remember_arguments, run_config, write_run_config
 from kdlab.rollouts.decoding import stop_strings_check
 from kdlab.runlog import STEPS_MARK, Console, log_at_optimiser_steps, metrics_file, quiet, run_directory, write_samples
-from kdlab.stages.loaders import EpochShuffle, ResumableLoader, check_data_position
+from kdlab.stages.loaders import EpochShuffle, ResumableLoader, check_data_position, rewind_batch_progress
 from kdlab.stages.optim import FiniteAdamW
 from kdlab.stages.sharding import check_strategy, fsdp1_root, gathered_for_decoding, global_grad_norm, require_gradient_sync, shard_fsdp2, wrap_fsdp1
 from kdlab.tasks.base import Example, Task
@@ -444,6 +444,10 @@ class TaskStage(pl.LightningModule):
             epoch = self.current_epoch
             if done >= self.trainer.num_training_batches:  # saved at the epoch's last batch: next is a new epoch
                 epoch, done = epoch + 1, 0
+            partial = done % self.trainer.accumulate_grad_batches if self.automatic_optimization else 0
+            if partial:  # saved inside an optimiser step (a preemption): its accumulated gradient is not saved, so
+                done -= partial  # the resumed fit replays the whole step (weights and optimiser are unchanged within it)
+                rewind_batch_progress(checkpoint, partial)
             layout = self.data_parallel_layout()
             checkpoint["kdlab_data_position"] = {"epoch": epoch, "batches_done": done, "batch_size": self.batch_size,
                                                  "num_replicas": layout["num_replicas"]}

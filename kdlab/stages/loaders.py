@@ -50,6 +50,22 @@ def check_data_position(position: dict[str, Any], batch_size: int, num_replicas:
                           f"batch_size and number of processes")
 
 
+def rewind_batch_progress(checkpoint: dict[str, Any], batches: int) -> None:
+    """Move the training loop's batch counters in a Lightning ``checkpoint`` back by ``batches`` completed
+    micro-batches (within the current epoch), so a fit resumed from it starts that many micro-batches earlier:
+    Lightning restarts at the current epoch's ``completed`` count and steps the optimiser when its ``ready`` count
+    reaches a multiple of ``accumulate_grad_batches``."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    if progress is None:
+        return
+    for scope in ("total", "current"):
+        counts = progress[scope]
+        completed = counts["completed"] - batches
+        for name in ("ready", "started", "processed", "completed"):
+            counts[name] = completed
+    progress["is_last_batch"] = False
+
+
 class DecodeGroup:
     """Consecutive micro-batches whose prompts are decoded together (one batched decode for all of them):
     their examples, and once the first of them is trained, each one's rollout (see

@@ -16,10 +16,11 @@ e.g. ``{slurm_partition: gpu, timeout_min: 240, gpus_per_node: 1}``; ``max_paral
 for them and records each job's id and outcome in ``sweep.json``; ``sequential`` runs each fit in this process (``kdlab.cli.lightning.run_lightning``); ``processes`` starts
 ``python -m kdlab.cli fit ...`` per run, ``max_parallel`` at a time (each choosing its CPU threads for its share of the
 CPUs, :data:`kdlab.cli.console.PARALLEL_RUNS`, unless ``OMP_NUM_THREADS`` is set), its output in ``<name>/fit.log``;
-``print`` writes one line per run not yet done, ``python -m kdlab.cli sweep --config <file> --run <name>``
-(which runs that one run with the same skip/resume rules), to stdout and to ``<output>/commands.sh``,
-one line per run and nothing else, so a SLURM array can pick line ``$SLURM_ARRAY_TASK_ID``:
-``sed -n "${SLURM_ARRAY_TASK_ID}p" runs/sweep-smoke/commands.sh | bash``.
+``print`` writes ``python -m kdlab.cli sweep --config <file> --run <name>`` (which runs that one run with the
+same skip/resume rules) for every run of the grid, in its order, to ``<output>/commands.sh``, one line per run
+and nothing else (a done run's line does nothing, so line N stays run N when the file is written again), and
+the lines of the runs not yet done to stdout; a SLURM array (``--array=1-<runs>``: sed counts lines from 1) picks
+line ``$SLURM_ARRAY_TASK_ID``: ``sed -n "${SLURM_ARRAY_TASK_ID}p" runs/sweep-smoke/commands.sh | bash``.
 
 Forgetting off the training loop: with a ``forgetting`` key (:mod:`kdlab.study.grid`) each run, once its
 fit is done, is measured by ``python -m kdlab.cli forgetting --run <output>/<name> ...``
@@ -112,8 +113,9 @@ def _fit_in_process(args: list[str]) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     saved_sigint = signal.getsignal(signal.SIGINT) if main_thread else None
     # exactly ``kdlab fit ...``: LightningCLI reads sys.argv (given args as well, it warns) and
-    # run_info.json records it as the run's command line
-    sys.argv = ["kdlab", *args]
+    # run_info.json records it as the run's command line. The console script's own path is kept: Lightning starts a
+    # multi-device fit's other processes as ``python <sys.argv[0]> ...`` (``kdlab`` alone would be ./kdlab, the package)
+    sys.argv = [saved_argv[0] if saved_argv and Path(saved_argv[0]).name == "kdlab" else "kdlab", *args]
     try:
         result = lightning.run_lightning(args, from_sys_argv=True)
     except SystemExit as exit_info:
@@ -191,18 +193,21 @@ class _Sweeper:
 
     # -- modes
     def print_commands(self) -> None:
-        lines = [
-            shlex.join(["python", "-m", "kdlab.cli", "sweep", "--config", self.sweep_file, "--run", run.name])
-            for run, _ in self.pending()
-        ]
+        """``commands.sh``: one line per run of the grid, in the grid's order whatever is done (line N is always run
+        N, so a SLURM array index requeued after the file was written again starts the same run; a done run's line
+        does nothing). stdout: the lines of the runs not yet done."""
+        def line(run: Run) -> str:
+            return shlex.join(["python", "-m", "kdlab.cli", "sweep", "--config", self.sweep_file, "--run", run.name])
+
         self.write_index()
-        (self.output / "commands.sh").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-        for line in lines:
-            print(line)
-        done = len(self.runs) - len(lines)
+        (self.output / "commands.sh").write_text("".join(line(run) + "\n" for run in self.runs), encoding="utf-8")
+        pending = [line(run) for run, _ in self.pending()]
+        for text in pending:
+            print(text)
         print(
-            f"[sweep] {len(lines)} commands in {self.output / 'commands.sh'}, one per line ({done} done already, "
-            "left out); run them from this directory",
+            f"[sweep] {len(self.runs)} commands in {self.output / 'commands.sh'}, one per run of the grid (a SLURM array "
+            f"--array=1-{len(self.runs)}; {len(self.runs) - len(pending)} done already: their lines do nothing); run them "
+            "from this directory",
             file=sys.stderr,
         )
 
