@@ -130,7 +130,6 @@ class _SaveFinal(pl.Callback):
         self.owner.save(trainer)
 
 
-
 class ExceptionCheckpoint(Checkpoint):
     """``on_exception.ckpt`` in the run's checkpoint directory, a full state saved when fit raises after at
     least one optimiser step (Ctrl+C and SIGTERM included; not when restoring ``--ckpt_path`` failed),

@@ -447,7 +447,7 @@ class TaskStage(pl.LightningModule):
             partial = done % self.trainer.accumulate_grad_batches if self.automatic_optimization else 0
             if partial:  # saved inside an optimiser step (a preemption): its accumulated gradient is not saved, so
                 done -= partial  # the resumed fit replays the whole step (weights and optimiser are unchanged within it)
-                rewind_batch_progress(checkpoint, partial)
+                rewind_batch_progress(checkpoint, done)
             layout = self.data_parallel_layout()
             checkpoint["kdlab_data_position"] = {"epoch": epoch, "batches_done": done, "batch_size": self.batch_size,
                                                  "num_replicas": layout["num_replicas"]}

@@ -50,19 +50,19 @@ def check_data_position(position: dict[str, Any], batch_size: int, num_replicas:
                           f"batch_size and number of processes")
 
 
-def rewind_batch_progress(checkpoint: dict[str, Any], batches: int) -> None:
-    """Move the training loop's batch counters in a Lightning ``checkpoint`` back by ``batches`` completed
-    micro-batches (within the current epoch), so a fit resumed from it starts that many micro-batches earlier:
-    Lightning restarts at the current epoch's ``completed`` count and steps the optimiser when its ``ready`` count
-    reaches a multiple of ``accumulate_grad_batches``."""
+def rewind_batch_progress(checkpoint: dict[str, Any], position: int) -> None:
+    """Set the training loop's batch counters in a Lightning ``checkpoint`` to ``position`` micro-batches into the
+    current epoch (a fit stopped inside an accumulation window: ``position`` is the window's start), so a fit
+    resumed from it starts there: Lightning restarts at the epoch's ``completed`` count and steps the optimiser
+    when its ``ready`` count reaches a multiple of ``accumulate_grad_batches``. The whole run's counts move by
+    as much."""
     progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
     if progress is None:
         return
-    for scope in ("total", "current"):
-        counts = progress[scope]
-        completed = counts["completed"] - batches
+    back = progress["current"]["completed"] - position
+    for scope, value in (("current", position), ("total", progress["total"]["completed"] - back)):
         for name in ("ready", "started", "processed", "completed"):
-            counts[name] = completed
+            progress[scope][name] = value
     progress["is_last_batch"] = False
 
 
