@@ -503,3 +503,31 @@ def test_the_smallest_kl_temperature_accepted_keeps_the_kl_within_1e_5_of_fp64()
 
     assert relative_error(ForwardKL(), TEMPERATURE_FLOOR) <= 1e-5 and relative_error(ReverseKL(), TEMPERATURE_FLOOR) <= 1e-5
     assert relative_error(ForwardKL(), 1e-8) > 0.5  # what the floor refuses
+
+
+def test_an_objective_overriding_forward_gets_a_head_logits_unless_the_module_is_built_without_the_fused_head(tiny_pair, tmp_path):
+    """docs/custom_components.md: an overridden ``forward`` may receive the student as a lazy ``HeadLogits``
+    (the default wherever the model allows it), a tensor with ``fused_lm_head=False``; ``token_loss`` always
+    receives fp32 ``(n, V)`` tensors."""
+    from kdlab.objectives import ForwardKL
+    from kdlab.objectives.lazy import HeadLogits
+
+    class Seen(ForwardKL):
+        def __init__(self):
+            super().__init__()
+            self.kinds, self.rows = [], []
+
+        def forward(self, student_logits, teacher_logits, mask, sequence_weights=None, *, consume=False):
+            self.kinds.append(type(student_logits))
+            return super().forward(student_logits, teacher_logits, mask, sequence_weights, consume=consume)
+
+        def token_loss(self, student_logits, teacher_logits):
+            self.rows.append((student_logits.dtype, student_logits.dim(), type(student_logits)))
+            return super().token_loss(student_logits, teacher_logits)
+
+    for fused, kind in ((None, HeadLogits), (False, torch.Tensor)):
+        objective = Seen()
+        module = make_module(tiny_pair, objective=objective, fused_lm_head=fused)
+        trainer(tmp_path / str(fused), 1, limit_val_batches=0).fit(module)
+        assert objective.kinds and all(issubclass(seen, kind) for seen in objective.kinds), objective.kinds
+        assert objective.rows and set(objective.rows) == {(torch.float32, 2, torch.Tensor)}
