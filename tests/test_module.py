@@ -531,3 +531,28 @@ def test_an_objective_overriding_forward_gets_a_head_logits_unless_the_module_is
         trainer(tmp_path / str(fused), 1, limit_val_batches=0).fit(module)
         assert objective.kinds and all(issubclass(seen, kind) for seen in objective.kinds), objective.kinds
         assert objective.rows and set(objective.rows) == {(torch.float32, 2, torch.Tensor)}
+
+
+def test_a_task_whose_score_raises_or_leaves_0_1_is_named_with_the_example(tiny_pair, tmp_path):
+    """Task.score's contract (a number in [0, 1], never raising) is checked where kdlab scores: a broken task
+    fails naming itself, the example and the completion, not with a bare traceback or a wrong accuracy."""
+    from kdlab.evaluation.scoring import ScoreError, accuracy, scored
+
+    class Raising(Addition):
+        def score(self, example, completion):
+            raise KeyError("answer")
+
+    class Reward(Addition):
+        def score(self, example, completion):
+            return 2.0  # a reward, not a score
+
+    task = Addition(num_train=2)
+    example = task.examples("train")[0]
+    assert scored(task, example, task.reference_completion(example)) == 1.0
+    with pytest.raises(ScoreError, match=r"Raising.score on example 'add-train-0' \(completion starting '<answer>'\) raised KeyError"):
+        scored(Raising(num_train=2), example, "<answer>")
+    with pytest.raises(ScoreError, match=r"Reward.score on example 'add-train-0' .* returned 2.0, outside \[0, 1\]"):
+        accuracy(Reward(num_train=2), [example], ["x"])
+    module = make_module(tiny_pair, task=Raising(num_train=16, num_val=4))  # the stage's own evaluation checks too
+    with pytest.raises(ScoreError, match=r"Raising.score on example 'add-val-0'"):
+        trainer(tmp_path, 1).validate(module)

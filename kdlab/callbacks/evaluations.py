@@ -34,7 +34,7 @@ from kdlab.evaluation.lm_eval_suite import (
     whole_model,
 )
 from kdlab.evaluation.metrics import pass_at_k, spanish_share
-from kdlab.evaluation.scoring import accuracy
+from kdlab.evaluation.scoring import accuracy, scored
 from kdlab.models.loading import ModelSpec
 from kdlab.runlog import log_metrics
 from kdlab.tasks.base import Task
@@ -323,7 +323,7 @@ class Coverage(EvaluationCallback):
         for position, index in enumerate(share):
             if index < count:  # else a padding prompt
                 chunk = texts[position * self.samples : (position + 1) * self.samples]
-                correct[index] = sum(float(self.task.score(examples[index], text)) >= 1.0 for text in chunk)
+                correct[index] = sum(scored(self.task, examples[index], text) >= 1.0 for text in chunk)
         if distributed(trainer):  # each prompt's count from its replica (-1 elsewhere); TP ranks agree
             pooled = torch.tensor(correct, dtype=torch.long, device=pl_module.device)
             torch.distributed.all_reduce(pooled, op=torch.distributed.ReduceOp.MAX)

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 
 from kdlab.components import Component
 from kdlab.evaluation.metrics import PassAtK
-from kdlab.evaluation.scoring import completion_texts
+from kdlab.evaluation.scoring import completion_texts, scored
 from kdlab.provenance import write_run_info
 from kdlab.run_config import log_hyperparameters, remember_arguments, run_config, write_run_config
 from kdlab.rollouts.decoding import stop_strings_check
@@ -382,7 +382,7 @@ class TaskStage(pl.LightningModule):
         n = self.eval_samples
         repeated = [example for example in batch for _ in range(n)]
         completions = self.eval_completions(repeated, self.val_temperature, self.step_seed(split, batch_idx))
-        scores = [float(self.task.score(example, text)) for example, text in zip(repeated, completions)]
+        scores = [scored(self.task, example, text) for example, text in zip(repeated, completions)]
         self.log(f"{split}/accuracy", sum(scores) / len(scores), batch_size=len(batch), prog_bar=split == "val", sync_dist=True)
         self.pass_at_k[split].update(torch.tensor(scores).reshape(len(batch), n) >= 1.0)
         self._log_records(split, len(batch))

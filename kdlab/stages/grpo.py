@@ -52,6 +52,7 @@ from kdlab.models.loading import (
     load_causal_lm,
     load_tokenizer,
 )
+from kdlab.evaluation.scoring import scored
 from kdlab.objectives.logits import completion_head_logits, completion_logits
 from kdlab.objectives.logprobs import token_logprobs
 from kdlab.objectives.precision import check_kl_temperature
@@ -322,7 +323,7 @@ class GRPOModule(TaskStage):
 
     def reward(self, example: Example, completion: str) -> float:
         """``correct_reward * task.score`` plus ``format_reward`` for a well-formed completion."""
-        reward = self.correct_reward * float(self.task.score(example, completion))
+        reward = self.correct_reward * scored(self.task, example, completion)
         if self.format_reward and self.task.well_formed(completion):
             reward += self.format_reward
         return reward
