@@ -136,6 +136,7 @@ NOT_CLI = {  # rows whose input is not a configuration a command line can give, 
     "67": "needs a run directory an earlier fit left (test_resume.py)",
     "68": "needs a run to resume (test_resume.py)",
     "69": "a checkpoint's data position read directly (test_resume.py)",
+    "70": "a Task subclass with a broken score is Python code, not a configuration (test_module.py)",
 }
 
 
