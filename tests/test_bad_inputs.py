@@ -137,6 +137,7 @@ NOT_CLI = {  # rows whose input is not a configuration a command line can give, 
     "68": "needs a run to resume (test_resume.py)",
     "69": "a checkpoint's data position read directly (test_resume.py)",
     "70": "a Task subclass with a broken score is Python code, not a configuration (test_module.py)",
+    "71": "needs SLURM (detected through a stand-in) and a requeue file (test_resume.py)",
 }
 
 

@@ -423,3 +423,16 @@ def test_a_fit_stopped_inside_an_accumulation_window_resumes_to_the_uninterrupte
     trainer(tmp_path / "part", total).fit(resumed, ckpt_path=str(saved))
     for a, b in zip(uninterrupted.student.parameters(), resumed.student.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_fresh_fit_under_slurm_is_refused_where_lightnings_requeue_state_would_resume_it(tmp_path, monkeypatch):
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    from kdlab.cli.config_errors import ConfigError
+
+    (tmp_path / "hpc_ckpt_1.ckpt").write_bytes(b"another run's state")
+    monkeypatch.setattr(SLURMEnvironment, "detect", staticmethod(lambda: True))
+    with pytest.raises(ConfigError, match=r"hpc_ckpt_1.ckpt is Lightning's SLURM requeue state"):
+        cli_fit(tmp_path, f"--trainer.default_root_dir={tmp_path}")
+    monkeypatch.setattr(SLURMEnvironment, "detect", staticmethod(lambda: False))  # outside SLURM Lightning ignores it
+    assert cli_fit(tmp_path, f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=1").trainer.global_step == 1

@@ -162,10 +162,11 @@ def lightning_cli_class():
             process group exists), so all refuse alike where the run folder is on a file system they share."""
             import yaml
 
-            from kdlab.cli.resume import check_fresh_run_directory, check_resumed_settings
+            from kdlab.cli.resume import check_fresh_run_directory, check_no_requeue_state, check_resumed_settings
 
             if not ckpt_path:
                 check_fresh_run_directory(checkpoint_directory(self.trainer))
+                check_no_requeue_state(Path(self.trainer.default_root_dir))
             elif self.trainer.log_dir:
                 now = yaml.safe_load(self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False))
                 check_resumed_settings(Path(self.trainer.log_dir) / "config.yaml", now)

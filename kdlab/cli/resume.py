@@ -161,6 +161,21 @@ def check_fresh_run_directory(checkpoints: Path) -> None:
                           f"(another --trainer.logger.init_args.version or name, or --trainer.default_root_dir)")
 
 
+def check_no_requeue_state(root: Path) -> None:
+    """Under SLURM, Lightning resumes a fit given no ``--ckpt_path`` from the newest ``hpc_ckpt_<n>.ckpt`` its own
+    requeue left in ``trainer.default_root_dir`` (``runs/`` for every kdlab fit by default, so any run's), without
+    kdlab's checks: refuse such a fit, naming the file."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    from kdlab.errors import ConfigError
+
+    found = sorted(root.glob("hpc_ckpt_*.ckpt")) if root.is_dir() else []
+    if found and SLURMEnvironment.detect():
+        raise ConfigError(f"{found[-1]} is Lightning's SLURM requeue state, and Lightning would resume this fresh fit from it, "
+                          "whatever run wrote it: resume that run with --ckpt_path, or move the file away (requeue kdlab sweep's "
+                          "--run line instead: it resumes each run from its own checkpoints)")
+
+
 RUN_CONFIG_MARK = "# Written by "
 """How a ``config.yaml`` that :mod:`kdlab.run_config` wrote for a run built in Python begins."""
 
