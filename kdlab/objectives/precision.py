@@ -47,8 +47,7 @@ def full_precision(*sources: object) -> contextlib.ExitStack:
 
 TEMPERATURE_FLOOR = 1e-4
 """The smallest KL temperature accepted (:func:`check_kl_temperature`). Logits divided by less grow past what
-fp32's exact KLs resolve: far below it a forward KL reads nothing like fp64's (the gradient stays right, so only
-the logged loss shows it); at the floor both KLs are within 1e-5 of fp64 (relative). Both are
+fp32's exact KLs resolve: far below it a forward KL reads nothing like fp64's; at the floor both KLs are within 1e-5 of fp64 (relative). Both are
 ``tests/test_module.py::test_the_smallest_kl_temperature_accepted_keeps_the_kl_within_1e_5_of_fp64``."""
 
 
