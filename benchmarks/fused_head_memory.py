@@ -33,7 +33,7 @@ from common import check_threads, proc_kib, reset_peak_rss, finish  # noqa: E402
 from kl_memory import BATCH  # noqa: E402
 
 from kdlab.objectives import ForwardKL, HeadLogits
-from kdlab.objectives.kl import token_weights
+from kdlab.objectives.reduction import token_weights
 
 
 def make_inputs(tokens: int, vocab: int, hidden_size: int, seed: int = 0):

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import check_threads, proc_kib, reset_peak_rss, finish  # noqa: E402,F401  (proc_kib, reset_peak_rss: used by children)
 
 from kdlab.objectives import ForwardKL
-from kdlab.objectives.kl import token_weights
+from kdlab.objectives.reduction import token_weights
 
 BATCH = 8
 

@@ -91,7 +91,7 @@ def lightning_variant(variant: str, args, observed: Observed):
     from kdlab.data import Rollout
     from kdlab.objectives.logits import completion_head_logits, completion_logits
     from kdlab.stages import DistillModule
-    from kdlab.objectives.kl import token_weights
+    from kdlab.objectives.reduction import token_weights
     from kdlab.tasks import Addition
 
     class Bench(DistillModule):

@@ -105,7 +105,8 @@ MOVED: dict[str, dict[str, str]] = {
         "kdlab.models.export": "STAGE_PREFIXES fsdp1_wrapped full_parameters hf_weight_name load_stage_weights merged_weights",
     },
     "kdlab.objectives": {
-        "kdlab.objectives.kl": "REDUCTIONS chunked_token_loss forward_kl_per_token kl_diagnostics reverse_kl_per_token sampled_logprobs token_weights",
+        "kdlab.objectives.kl": "forward_kl_per_token kl_diagnostics reverse_kl_per_token sampled_logprobs",
+        "kdlab.objectives.reduction": "REDUCTIONS chunked_token_loss token_weights",
     },
     "kdlab.rollouts": {"kdlab.rollouts.policies": "read_completions validate_mixture"},
 }

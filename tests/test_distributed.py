@@ -177,7 +177,7 @@ def test_fsdp1_bf16_mixed_precision_is_fp32_reduction_unless_the_strategy_has_it
 
 def test_tf32_matmuls_on_cuda_only_and_a_precision_set_by_the_user_is_kept():
     from kdlab.stages import DistillModule
-    from kdlab.stages.base import use_float32_matmul_precision
+    from kdlab.objectives.precision import use_float32_matmul_precision
 
     kept = torch.get_float32_matmul_precision()
     try:

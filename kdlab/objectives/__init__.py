@@ -2,6 +2,7 @@
 
 * :mod:`kdlab.objectives.kl`: the objectives a config chooses (``ForwardKL``, ``ReverseKL``,
   ``SampledForwardKL``, ...), their per-token maths and diagnostics;
+* :mod:`kdlab.objectives.reduction`: the reduction over completion tokens and the one chunked pass behind every objective;
 * :mod:`kdlab.objectives.kernels`: the chunked, fused-head KL kernels they share;
 * :mod:`kdlab.objectives.aligned`: the same objectives across tokenizers (``CrossTokenizer``);
 * :mod:`kdlab.objectives.logits`: the student's and teacher's completion logits (full or lazy head);

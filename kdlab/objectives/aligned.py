@@ -331,7 +331,8 @@ class CrossTokenizer(TokenPairing):
         Diagnostics: ``kl_forward``, ``kl_reverse``, entropies on the events, ``teacher_unmapped_mass`` (the
         teacher's probability on tokens outside the map, at group starts), ``one_to_one_share``.
         """
-        from kdlab.objectives.kl import KLObjective, token_weights
+        from kdlab.objectives.kl import KLObjective
+        from kdlab.objectives.reduction import token_weights
 
         if self.vocabulary is None:
             raise RuntimeError("CrossTokenizer.bind(...) must be called before use (DistillModule does it)")

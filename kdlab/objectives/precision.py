@@ -1,5 +1,6 @@
-"""The precision of the exact computations: autocast off around every kernel (:func:`full_precision`), and TF32
-off where a result must be full fp32 (:func:`ieee_fp32`).
+"""The precision of the exact computations: autocast off around every kernel (:func:`full_precision`), TF32
+off where a result must be full fp32 (:func:`ieee_fp32`), TF32 on for the models' own products in a CUDA fit
+(:func:`use_float32_matmul_precision`), and the smallest KL temperature fp32 resolves (:data:`TEMPERATURE_FLOOR`).
 
 A CUDA fit runs with TF32 on (``torch.set_float32_matmul_precision("high")``, set by
 :class:`~kdlab.stages.base.TaskStage`), which is right for the models' own products; the KL kernels' row-wise
@@ -57,3 +58,10 @@ def check_kl_temperature(owner: str, name: str, value: float) -> None:
     if not (value >= TEMPERATURE_FLOOR and value < float("inf")):
         raise ValueError(f"{owner}.{name} must be a finite number >= {TEMPERATURE_FLOOR} (smaller ones divide the logits past what the "
                          f"fp32 KLs resolve; for a near-greedy model use {TEMPERATURE_FLOOR} or more), got {value}")
+
+
+def use_float32_matmul_precision(device: torch.device, precision: str | None = "high") -> None:
+    """``torch.set_float32_matmul_precision(precision)`` when ``device`` is CUDA, ``precision`` is given and
+    torch's setting is still its default ("highest"); else nothing."""
+    if precision is not None and torch.device(device).type == "cuda" and torch.get_float32_matmul_precision() == "highest":
+        torch.set_float32_matmul_precision(precision)

@@ -34,21 +34,15 @@ from torch.utils.data import DataLoader
 from kdlab.components import Component
 from kdlab.evaluation.metrics import PassAtK
 from kdlab.evaluation.scoring import completion_texts, scored
+from kdlab.objectives.precision import use_float32_matmul_precision
 from kdlab.provenance import write_run_info
 from kdlab.run_config import log_hyperparameters, remember_arguments, run_config, write_run_config
 from kdlab.rollouts.decoding import stop_strings_check
 from kdlab.runlog import STEPS_MARK, Console, log_at_optimiser_steps, metrics_file, quiet, run_directory, write_samples
-from kdlab.stages.loaders import EpochShuffle, ResumableLoader, check_data_position, rewind_batch_progress
+from kdlab.stages.loaders import EpochShuffle, ResumableLoader, check_data_position, data_position
 from kdlab.stages.optim import FiniteAdamW
 from kdlab.stages.sharding import check_strategy, fsdp1_root, gathered_for_decoding, global_grad_norm, require_gradient_sync, shard_fsdp2, wrap_fsdp1
 from kdlab.tasks.base import Example, Task
-
-
-def use_float32_matmul_precision(device: torch.device, precision: str | None = "high") -> None:
-    """``torch.set_float32_matmul_precision(precision)`` when ``device`` is CUDA, ``precision`` is given and
-    torch's setting is still its default ("highest"); else nothing."""
-    if precision is not None and torch.device(device).type == "cuda" and torch.get_float32_matmul_precision() == "highest":
-        torch.set_float32_matmul_precision(precision)
 
 
 class ValidateLastStep(pl.Callback):
@@ -439,18 +433,8 @@ class TaskStage(pl.LightningModule):
         a resumed run logs each step at the step the uninterrupted run did (see
         :func:`kdlab.cli.resume.trim_logs`)."""
         if self._trainer is not None and self.trainer.state.fn == "fit":  # also for saves at validation end
-            loop = self.trainer.fit_loop.epoch_loop
-            done = loop.batch_progress.current.processed
-            epoch = self.current_epoch
-            if done >= self.trainer.num_training_batches:  # saved at the epoch's last batch: next is a new epoch
-                epoch, done = epoch + 1, 0
-            partial = done % self.trainer.accumulate_grad_batches if self.automatic_optimization else 0
-            if partial:  # saved inside an optimiser step (a preemption): its accumulated gradient is not saved, so
-                done -= partial  # the resumed fit replays the whole step (weights and optimiser are unchanged within it)
-                rewind_batch_progress(checkpoint, done)
-            layout = self.data_parallel_layout()
-            checkpoint["kdlab_data_position"] = {"epoch": epoch, "batches_done": done, "batch_size": self.batch_size,
-                                                 "num_replicas": layout["num_replicas"]}
+            checkpoint["kdlab_data_position"] = data_position(self.trainer, checkpoint, self.batch_size, self.data_parallel_layout()["num_replicas"],
+                                                              whole_steps=self.automatic_optimization)
             metrics = metrics_file(self.trainer).path  # on every rank: it reads the run directory
             checkpoint["kdlab_log_position"] = {
                 "step": self._next_log_step(),

@@ -50,6 +50,23 @@ def check_data_position(position: dict[str, Any], batch_size: int, num_replicas:
                           f"batch_size and number of processes")
 
 
+def data_position(trainer: Any, checkpoint: dict[str, Any], batch_size: int, num_replicas: int, whole_steps: bool = True) -> dict[str, Any]:
+    """``kdlab_data_position`` of a checkpoint Lightning is writing during fit: the epoch and the micro-batches of it
+    already trained, so a resumed fit continues with the next one (the settings they were counted with too:
+    :func:`check_data_position`). With ``whole_steps`` (automatic optimisation), a checkpoint saved inside an
+    optimiser step (a preemption) holds no accumulated gradient, so the position is the step's first
+    micro-batch and Lightning's counters are rewound to it (:func:`rewind_batch_progress`): the resumed fit
+    replays the whole step (weights and optimiser are unchanged within it)."""
+    done, epoch = trainer.fit_loop.epoch_loop.batch_progress.current.processed, trainer.current_epoch
+    if done >= trainer.num_training_batches:  # saved at the epoch's last batch: next is a new epoch
+        epoch, done = epoch + 1, 0
+    partial = done % trainer.accumulate_grad_batches if whole_steps else 0
+    if partial:
+        done -= partial
+        rewind_batch_progress(checkpoint, done)
+    return {"epoch": epoch, "batches_done": done, "batch_size": batch_size, "num_replicas": num_replicas}
+
+
 def rewind_batch_progress(checkpoint: dict[str, Any], position: int) -> None:
     """Set the training loop's batch counters in a Lightning ``checkpoint`` to ``position`` micro-batches into the
     current epoch (a fit stopped inside an accumulation window: ``position`` is the window's start), so a fit
