@@ -175,14 +175,24 @@ def log_hyperparameters(trainer: pl.Trainer, config: dict[str, Any]) -> None:
         logger.log_hyperparams(config, metrics={})  # hparams.yaml only
         from torch.utils.tensorboard.summary import hparams
 
-        flat = logger._sanitize_params(_flat(config))
+        flat = logger._sanitize_params({key: value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+                                        for key, value in flat_settings(config, separator="/").items()})
         writer = logger.experiment._get_file_writer()
         for summary in hparams(flat, dict.fromkeys(HPARAMS_METRICS, 0.0)):  # the metrics' names; their values are the run's own scalars
             writer.add_summary(summary)
 
 
-def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"a/b": leaf}`` of nested dicts; lists as their string (TensorBoard keeps scalars and strings)."""
-    if isinstance(value, dict):
-        return {key: leaf for name, item in value.items() for key, leaf in _flat(item, f"{prefix}{name}/").items()}
-    return {prefix.rstrip("/"): value if value is None or isinstance(value, (bool, int, float, str)) else str(value)}
+def flat_settings(value: Any, prefix: str = "", separator: str = ".") -> dict[str, Any]:
+    """``{"model.lr": leaf}`` of nested dicts, keys joined by ``separator`` under ``prefix`` (an empty dict is a leaf)."""
+    if isinstance(value, dict) and value:
+        return {key: leaf for name, item in value.items()
+                for key, leaf in flat_settings(item, f"{prefix}{separator}{name}" if prefix else str(name), separator).items()}
+    return {prefix: value}
+
+
+def describe_run(module: pl.LightningModule, trainer: pl.Trainer, log_dir: str | Path) -> None:
+    """At fit start, on rank 0: the ``config.yaml`` of a run ``kdlab fit`` did not start and every logger's
+    hyperparameters, from ``module``'s description (:func:`run_config`)."""
+    config = run_config(module, trainer)
+    write_run_config(trainer, config, log_dir)
+    log_hyperparameters(trainer, config)

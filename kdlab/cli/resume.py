@@ -198,12 +198,6 @@ what it trains on (a fit resumed after a preemption or an out-of-memory error ma
 PRECISION_SPELLINGS = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
 
 
-def _flat(value: Any, prefix: str) -> dict[str, Any]:
-    if isinstance(value, dict) and value:
-        return {key: item for name, inner in value.items() for key, item in _flat(inner, f"{prefix}.{name}").items()}
-    return {prefix: value}
-
-
 def _canonical_class(path: Any) -> Any:
     """A ``class_path`` as the class it imports to (``kdlab.objectives.ForwardKL`` and ``kdlab.objectives.kl.ForwardKL``
     are one class); a path that does not import stays as it is."""
@@ -225,7 +219,9 @@ def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     null`` against a class) included, each ``class_path`` compared as the class it imports to; and the
     :data:`RESUMABLE_TRAINER_KEYS`, where neither side leaves it to Lightning (``auto``). A key only one side
     has (one a newer kdlab added) is no change."""
-    old, new = _flat(saved.get("model") or {}, "model"), _flat(now.get("model") or {}, "model")
+    from kdlab.run_config import flat_settings
+
+    old, new = flat_settings(saved.get("model") or {}, "model"), flat_settings(now.get("model") or {}, "model")
 
     def kept(key: str) -> bool:
         return not RESUME_MAY_CHANGE.intersection(key.split("."))

@@ -36,7 +36,7 @@ from kdlab.evaluation.metrics import PassAtK
 from kdlab.evaluation.scoring import completion_texts, scored
 from kdlab.objectives.precision import use_float32_matmul_precision
 from kdlab.provenance import write_run_info
-from kdlab.run_config import log_hyperparameters, remember_arguments, run_config, write_run_config
+from kdlab.run_config import describe_run, remember_arguments
 from kdlab.rollouts.decoding import stop_strings_check
 from kdlab.runlog import STEPS_MARK, Console, log_at_optimiser_steps, metrics_file, quiet, run_directory, write_samples
 from kdlab.stages.loaders import EpochShuffle, ResumableLoader, check_data_position, data_position
@@ -421,9 +421,7 @@ class TaskStage(pl.LightningModule):
         log_dir = run_directory(self.trainer)  # on every rank: it is a collective call
         if self.trainer.is_global_zero:
             write_run_info(log_dir)
-            config = run_config(self, self.trainer)
-            write_run_config(self.trainer, config, log_dir)
-            log_hyperparameters(self.trainer, config)
+            describe_run(self, self.trainer, log_dir)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ from kdlab.models.export import export_pretrained
 from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer
 from kdlab.objectives.logits import completion_head_logits, completion_logits, fused_head_unsupported
 from kdlab.objectives.logprobs import token_logprobs
-from kdlab.run_config import log_hyperparameters, remember_arguments, run_config, write_run_config
+from kdlab.run_config import describe_run, remember_arguments
 from kdlab.stages.lora import LoraSpec, apply_lora
 from kdlab.stages.optim import SCHEDULES, FiniteAdamW, check_adamw, lr_multiplier
 from kdlab.stages.sharding import check_strategy
@@ -167,9 +167,7 @@ class SFTModule(pl.LightningModule):
         """The ``config.yaml`` of a run ``kdlab fit`` did not start, and the run's description for every logger
         (:mod:`kdlab.run_config`), as every kdlab stage gives them."""
         if self.trainer.is_global_zero:
-            config = run_config(self, self.trainer)
-            write_run_config(self.trainer, config, self.trainer.log_dir or self.trainer.default_root_dir)
-            log_hyperparameters(self.trainer, config)
+            describe_run(self, self.trainer, self.trainer.log_dir or self.trainer.default_root_dir)
 
     def uses_fused_head(self) -> bool:
         """Whether the loss reads the final hidden states and the head (``fused_lm_head``) rather than logits: by
