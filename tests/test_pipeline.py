@@ -145,3 +145,49 @@ def test_rlvr_where_chooses_the_distillation_runs_by_their_grid_values(tmp_path)
         load_pipeline(smoke_file(tmp_path, rlvr_where={"model.rollout": {"class_path": "kdlab.rollouts.Mixture"}}))
     with pytest.raises(ValueError, match="'rlvr_where' must be a mapping"):
         load_pipeline(smoke_file(tmp_path, rlvr_where=[1]))
+
+
+def test_print_mode_lines_run_each_stage_and_an_rlvr_line_waits_for_its_distillation(tmp_path, capsys):
+    """A pipeline whose stages print (a cluster's job arrays): every line is ``kdlab pipeline --run``, which runs
+    that one run; an RLVR line before its distillation run finished refuses, naming the checkpoint it needs."""
+    import shlex
+
+    data = yaml.safe_load(smoke_file(tmp_path).read_text())
+    data["distill"]["mode"] = data["rlvr"]["mode"] = "print"
+    path = tmp_path / "print.yaml"
+    path.write_text(yaml.safe_dump(data))
+    main(["pipeline", "--config", str(path)])
+    printed = capsys.readouterr().out.splitlines()
+    out = tmp_path / "out"
+    distill = (out / "distill" / "commands.sh").read_text().splitlines()
+    rlvr = (out / "rlvr" / "commands.sh").read_text().splitlines()
+    names = [run.name for run in expand(load_pipeline(path).distill)]
+    assert [shlex.split(line)[-1] for line in distill] == [f"distill/{name}" for name in names]
+    assert [shlex.split(line)[-1] for line in rlvr] == [f"rlvr/{name}/seed=42" for name in names]
+    assert printed[: len(distill)] == distill and printed[len(distill): len(distill) + len(rlvr)] == rlvr
+    assert all(shlex.split(line)[:6] == ["python", "-m", "kdlab.cli", "pipeline", "--config", str(path)] for line in distill + rlvr)
+    assert not list(out.glob("distill/*/DONE"))  # print mode runs nothing
+
+    with pytest.raises(SystemExit) as refused:  # the RLVR array started before the distillation one finished
+        main(shlex.split(rlvr[0])[3:])
+    assert refused.value.code == 1
+    assert f"{out / 'distill' / names[0] / 'checkpoints' / 'final.ckpt'}" in capsys.readouterr().err
+    assert not (out / "rlvr" / names[0] / "seed=42").exists()
+
+    main(shlex.split(distill[0])[3:])
+    main(shlex.split(rlvr[0])[3:])
+    run = out / "rlvr" / names[0] / "seed=42"
+    assert (run / "DONE").is_file()
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert config["model"]["init_args"]["policy"]["checkpoint"] == str(out / "distill" / names[0] / "checkpoints" / "final.ckpt")
+    capsys.readouterr()
+    main(shlex.split(rlvr[0])[3:])  # a done run's line does nothing
+    assert "already done" in capsys.readouterr().out
+
+    main(["pipeline", "--config", str(path)])  # written again: line N is still run N, and the finished chain is tracked
+    assert (out / "distill" / "commands.sh").read_text().splitlines() == distill
+    assert (out / "rlvr" / "commands.sh").read_text().splitlines() == rlvr
+    assert (out / "pipeline.md").read_text().count("| rollout=") == 1
+    with pytest.raises(SystemExit) as unknown:
+        main(["pipeline", "--config", str(path), "--run", "rlvr/nope/seed=42"])
+    assert unknown.value.code == 2 and "distill/<name> or rlvr/<distilled>/<name>" in capsys.readouterr().err

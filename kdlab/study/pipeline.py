@@ -25,6 +25,13 @@ RLVR chain starts only from a distillation run that finished. A finished distill
 checkpoint RLVR starts from (restored from an archive, which keeps no checkpoints: scripts/archive_runs.py)
 whose RLVR stage has not finished is run again first, from scratch, to write it.
 
+A stage with ``mode: print`` runs nothing and writes one command per run for a cluster's job arrays, each
+``python -m kdlab.cli pipeline --config <file> --run <stage>/<name>`` (which runs that one run with the sweep's skip
+and resume rules): the distillation stage's lines in ``<output>/<distill_dir>/commands.sh``, every chain's RLVR
+lines in ``<output>/rlvr/commands.sh`` (``rlvr/<distilled>/<name>``; chains in the grid's order, finished or
+not, so line N stays run N). An RLVR line whose distillation run has not written its checkpoint refuses to start
+(exit status 1, naming the checkpoint): submit the RLVR array after the distillation one.
+
 ``<output>/pipeline.md`` and ``pipeline.csv`` then hold one row per chain: the distilled run's and the
 RLVR run's last ``val/accuracy`` and ``val/pass@k``, the forgetting of each stage relative to the
 original student (``ood/mean`` after the stage minus the distillation run's ``ood/mean_before``, in
@@ -39,11 +46,11 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from kdlab.study.grid import FILE_KEYS as SWEEP_KEYS
 from kdlab.study.grid import Sweep, expand, read_mapping_file
-from kdlab.study.sweep import run_sweep
+from kdlab.study.sweep import RunFailed, UnknownRun, run_one, run_sweep, write_commands
 
 PIPELINE_KEYS = ("output", "distill", "rlvr", "checkpoint", "policy_key", "distill_dir", "rlvr_seeds", "rlvr_where")
 STAGE_KEYS = tuple(key for key in SWEEP_KEYS if key != "output")
@@ -186,26 +193,35 @@ def without_checkpoint(pipeline: Pipeline) -> list[str]:
     return missing
 
 
+def stage_command(pipeline_file: str, stage: str) -> Callable[[str], list[str]]:
+    """Print mode's command for one run of a stage: ``kdlab pipeline --config <file> --run <stage>/<name>``
+    (``stage``: ``distill`` or ``rlvr/<distilled run>``; :func:`run_one_of` runs it)."""
+    return lambda name: ["python", "-m", "kdlab.cli", "pipeline", "--config", pipeline_file, "--run", f"{stage}/{name}"]
+
+
 def run_pipeline(pipeline: Pipeline, pipeline_file: str) -> list[dict[str, Any]]:
-    """Run both stages; returns every run record (distillation first), each with its ``stage``."""
+    """Run both stages (or print their commands: a stage's ``mode: print``); returns every run record
+    (distillation first), each with its ``stage``."""
     for name in without_checkpoint(pipeline):
         print(f"[pipeline] {name}: finished without checkpoints/{pipeline.checkpoint} (an archived run?); running it again to write it", file=sys.stderr)
         Path(pipeline.distill.output, name, "DONE").unlink()
-    distilled_records = [dict(r, stage="distill") for r in run_sweep(pipeline.distill, pipeline_file)]
+    distilled_records = [dict(r, stage="distill") for r in run_sweep(pipeline.distill, pipeline_file, stage_command(pipeline_file, "distill"))]
     records, chains = list(distilled_records), []
     finished = []
     seeds = {run.name: run for run in expand(pipeline.distill)}
+    settings = pipeline.rlvr_sweep("check")
     for record in distilled_records:
         if not pipeline.chains_from(seeds[record["name"]]):
             continue
-        if record["status"] in ("done", "skipped"):
+        if record["status"] in ("done", "skipped") or settings.mode == "print":  # print mode: every chain's lines
             finished.append(record["name"])
         else:
             print(f"[pipeline] {record['name']}: distillation did not finish; no RLVR stage from it", file=sys.stderr)
     sweeps = [pipeline.rlvr_sweep(distilled) for distilled in finished]
-    settings = pipeline.rlvr_sweep("check")
     at_once = settings.max_parallel if settings.mode == "processes" else 1
-    if at_once > 1:  # chains side by side, each chain's runs one at a time: max_parallel processes in all
+    if settings.mode == "print":
+        stages = _print_rlvr(pipeline, pipeline_file, finished, sweeps)
+    elif at_once > 1:  # chains side by side, each chain's runs one at a time: max_parallel processes in all
         from concurrent.futures import ThreadPoolExecutor
 
         for sweep in sweeps:
@@ -222,16 +238,81 @@ def run_pipeline(pipeline: Pipeline, pipeline_file: str) -> list[dict[str, Any]]
     return records
 
 
+def _print_rlvr(pipeline: Pipeline, pipeline_file: str, distilled: list[str], sweeps: list[Sweep]) -> list[list[dict[str, Any]]]:
+    """The RLVR stage in print mode: each chain's ``commands.sh`` and ``sweep.json``, and ``<output>/rlvr/commands.sh``
+    with every chain's lines (chains in the distillation grid's order, finished or not, so line N stays run N)."""
+    stages, every, pending = [], [], []
+    for name, sweep in zip(distilled, sweeps):
+        records, lines, waiting = write_commands(sweep, pipeline_file, stage_command(pipeline_file, f"rlvr/{name}"))
+        stages.append(records)
+        every += lines
+        pending += waiting
+    target = Path(pipeline.output, "rlvr", "commands.sh")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("".join(line + "\n" for line in every), encoding="utf-8")
+    for line in pending:
+        print(line)
+    print(
+        f"[pipeline] {len(every)} RLVR commands in {target}, one per run of every chain (a SLURM array --array=1-{len(every)} "
+        "submitted after the distillation runs', e.g. with --dependency=afterany:<their job id>); a line whose distillation "
+        "run has not finished refuses to start; run them from this directory",
+        file=sys.stderr,
+    )
+    return stages
+
+
+def run_one_of(pipeline: Pipeline, pipeline_file: str, target: str) -> str:
+    """One run of the pipeline in this process, by print mode's name for it: ``distill/<name>`` or
+    ``rlvr/<distilled>/<name>``, with the sweep's skip and resume rules. A distillation run finished without the
+    checkpoint RLVR starts from runs again (as in :func:`run_pipeline`); an RLVR run whose distillation run has not
+    written that checkpoint raises :class:`~kdlab.study.sweep.RunFailed` before anything loads. Returns ``skipped``,
+    ``done`` or ``failed``; :class:`~kdlab.study.sweep.UnknownRun` names a target that is no run of the pipeline."""
+    stage, _, rest = target.partition("/")
+    if stage == "distill" and rest and "/" not in rest:
+        if rest in without_checkpoint(pipeline):
+            print(f"[pipeline] {rest}: finished without checkpoints/{pipeline.checkpoint} (an archived run?); running it again to write it", file=sys.stderr)
+            Path(pipeline.distill.output, rest, "DONE").unlink()
+        return run_one(pipeline.distill, pipeline_file, rest)
+    distilled, _, name = rest.partition("/")
+    chains = {run.name for run in expand(pipeline.distill) if pipeline.chains_from(run)}
+    if stage != "rlvr" or distilled not in chains or not name or "/" in name:
+        raise UnknownRun(
+            f"--run {target!r} is not a run of {pipeline_file}: distill/<name> or rlvr/<distilled>/<name>, with <distilled> "
+            f"one of {', '.join(sorted(chains)) or 'none'} (see {pipeline.output}/rlvr/commands.sh for every line)"
+        )
+    rlvr = pipeline.rlvr_sweep(distilled)
+    checkpoint = Path(pipeline.distill.output, distilled, "checkpoints", pipeline.checkpoint)
+    done = Path(pipeline.distill.output, distilled, "DONE")
+    if not (done.is_file() and checkpoint.is_file()) and not Path(rlvr.output, name, "DONE").is_file():
+        raise RunFailed(f"{target} starts from {checkpoint}, and its distillation run has not finished writing it "
+                        f"({done} {'is there' if done.is_file() else 'is missing'}); run distill/{distilled} first")
+    return run_one(rlvr, pipeline_file, name)
+
+
 def main(argv: list[str] | None = None) -> None:
     """``kdlab pipeline --config FILE``; exits 1 if a run failed."""
     parser = argparse.ArgumentParser(prog="kdlab pipeline", description=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)  # no prefixes of options (issue #43)
     parser.add_argument("--config", required=True, help="the pipeline file (YAML)")
+    parser.add_argument("--run", metavar="STAGE/NAME", help="run only this run, in this process (what print mode's lines do): distill/<name> or rlvr/<distilled>/<name>")
     options = parser.parse_args(argv)
     try:
         pipeline = load_pipeline(options.config)
     except ValueError as error:
         parser.error(str(error))
+    if options.run is not None:
+        try:
+            status = run_one_of(pipeline, options.config, options.run)
+        except UnknownRun as error:
+            parser.error(str(error))
+        except RunFailed as error:
+            print(f"[pipeline] {error}", file=sys.stderr)
+            raise SystemExit(1) from None
+        except KeyboardInterrupt:
+            raise SystemExit(130) from None
+        if status == "failed":
+            raise SystemExit(1)
+        return
     try:
         records = run_pipeline(pipeline, options.config)
     except KeyboardInterrupt:

@@ -46,7 +46,7 @@ import time
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from kdlab.study.grid import MODES, Run, Sweep, expand, fit_args, load_sweep
 
@@ -54,6 +54,10 @@ from kdlab.study.grid import MODES, Run, Sweep, expand, fit_args, load_sweep
 # ---- running -----------------------------------------------------------------------------------
 class RunFailed(RuntimeError):
     """A run's fit did not finish; the message says why."""
+
+
+class UnknownRun(ValueError):
+    """A run name that is not a run of the sweep (or pipeline) it was asked of."""
 
 
 def _prepare(run_dir: Path) -> str | None:
@@ -140,8 +144,9 @@ def _fit_in_process(args: list[str]) -> int:
 class _Sweeper:
     """Runs a sweep's runs in one of the modes and keeps ``sweep.json`` up to date."""
 
-    def __init__(self, sweep: Sweep, sweep_file: str) -> None:
+    def __init__(self, sweep: Sweep, sweep_file: str, run_command: Callable[[str], list[str]] | None = None) -> None:
         self.sweep, self.sweep_file = sweep, sweep_file
+        self.run_command = run_command or (lambda name: ["python", "-m", "kdlab.cli", "sweep", "--config", sweep_file, "--run", name])
         self.output = Path(sweep.output)
         self.runs = expand(sweep)
         self.records = [
@@ -192,21 +197,23 @@ class _Sweeper:
         return [(run, record) for run, record in zip(self.runs, self.records) if record["status"] == "pending"]
 
     # -- modes
-    def print_commands(self) -> None:
-        """``commands.sh``: one line per run of the grid, in the grid's order whatever is done (line N is always run
-        N, so a SLURM array index requeued after the file was written again starts the same run; a done run's line
-        does nothing). stdout: the lines of the runs not yet done."""
-        def line(run: Run) -> str:
-            return shlex.join(["python", "-m", "kdlab.cli", "sweep", "--config", self.sweep_file, "--run", run.name])
-
+    def write_commands(self) -> tuple[list[str], list[str]]:
+        """``sweep.json`` and ``commands.sh``: one line per run of the grid, in the grid's order whatever is done (line N
+        is always run N, so a SLURM array index requeued after the file was written again starts the same run; a done
+        run's line does nothing). Returns every line and the lines of the runs not yet done."""
         self.write_index()
-        (self.output / "commands.sh").write_text("".join(line(run) + "\n" for run in self.runs), encoding="utf-8")
-        pending = [line(run) for run, _ in self.pending()]
+        lines = [shlex.join(self.run_command(run.name)) for run in self.runs]
+        (self.output / "commands.sh").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        return lines, [line for line, record in zip(lines, self.records) if record["status"] == "pending"]
+
+    def print_commands(self) -> None:
+        """:meth:`write_commands`, and the lines of the runs not yet done on stdout."""
+        lines, pending = self.write_commands()
         for text in pending:
             print(text)
         print(
-            f"[sweep] {len(self.runs)} commands in {self.output / 'commands.sh'}, one per run of the grid (a SLURM array "
-            f"--array=1-{len(self.runs)}; {len(self.runs) - len(pending)} done already: their lines do nothing); run them "
+            f"[sweep] {len(lines)} commands in {self.output / 'commands.sh'}, one per run of the grid (a SLURM array "
+            f"--array=1-{len(lines)}; {len(lines) - len(pending)} done already: their lines do nothing); run them "
             "from this directory",
             file=sys.stderr,
         )
@@ -368,13 +375,22 @@ def run_job(sweep: Sweep, sweep_file: str, name: str, cwd: str) -> str:
     return record["status"]
 
 
-def run_sweep(sweep: Sweep, sweep_file: str) -> list[dict[str, Any]]:
+def write_commands(sweep: Sweep, sweep_file: str, run_command: Callable[[str], list[str]]) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """Print mode's files for ``sweep`` without printing (``sweep.json``, ``commands.sh``): the run records, every
+    line and the lines of the runs not yet done."""
+    sweeper = _Sweeper(sweep, sweep_file, run_command)
+    lines, pending = sweeper.write_commands()
+    return sweeper.records, lines, pending
+
+
+def run_sweep(sweep: Sweep, sweep_file: str, run_command: Callable[[str], list[str]] | None = None) -> list[dict[str, Any]]:
     """Run (or print) every run of ``sweep`` not done yet; returns the ``sweep.json`` run records.
 
     Failed runs have ``status: failed`` and an ``error``; Ctrl+C raises KeyboardInterrupt after
-    ``sweep.json`` records the runs left.
+    ``sweep.json`` records the runs left. ``run_command(name)``: print mode's command for one run (default
+    ``python -m kdlab.cli sweep --config <sweep_file> --run <name>``; a pipeline's stages name their own).
     """
-    sweeper = _Sweeper(sweep, sweep_file)
+    sweeper = _Sweeper(sweep, sweep_file, run_command)
     if sweep.mode == "print":
         sweeper.print_commands()
         return sweeper.records
@@ -433,19 +449,28 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1)
 
 
-def _run_one(parser: argparse.ArgumentParser, sweep: Sweep, sweep_file: str, name: str) -> None:
-    """One run of the sweep (no ``sweep.json``: several may run at once on a cluster)."""
+def run_one(sweep: Sweep, sweep_file: str, name: str) -> str:
+    """One run of the sweep in this process, with the sweep's skip and resume rules (what ``--run NAME`` and print
+    mode's lines do; no ``sweep.json``: several may run at once on a cluster). Returns ``skipped``, ``done`` or
+    ``failed``; :class:`UnknownRun` when ``name`` is not a run of the sweep; Ctrl+C raises KeyboardInterrupt."""
     sweeper = _Sweeper(sweep, sweep_file)
     found = sweeper.find(name)
     if found is None:
-        parser.error(f"--run {name!r} is not a run of {sweep_file} (see {sweep.output}/sweep.json for the names)")
+        raise UnknownRun(f"--run {name!r} is not a run of {sweep_file} (see {sweep.output}/sweep.json for the names)")
     run, record = found
     if record["status"] == "skipped":
         print(f"[sweep] {name}: already done ({Path(sweep.output, name, 'DONE')}" + (", forgetting.json)" if sweep.forgetting else ")"))
-        return
+        return "skipped"
+    sweeper.run_in_process(run, record)
+    return record["status"]
+
+
+def _run_one(parser: argparse.ArgumentParser, sweep: Sweep, sweep_file: str, name: str) -> None:
     try:
-        sweeper.run_in_process(run, record)
+        status = run_one(sweep, sweep_file, name)
+    except UnknownRun as error:
+        parser.error(str(error))
     except KeyboardInterrupt:
         raise SystemExit(130) from None
-    if record["status"] == "failed":
+    if status == "failed":
         raise SystemExit(1)
