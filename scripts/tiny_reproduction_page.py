@@ -6,8 +6,8 @@
 Every block comes from ``<report>/verdicts.md`` (default ``docs/tiny_reproduction/verdicts.md``, which ``bash
 experiments/tiny/study.sh`` ends by writing: ``kdlab report runs/tiny-study-5x --output docs/tiny_reproduction
 --low_lr 1e-4 --high_lr 5e-4``; the reasoning world's, ``docs/tiny_reasoning/verdicts.md``, is written by the command
-in ``experiments/reasoning/design.yaml``): ``verdicts`` (the verdict table and the Monte Carlo error of its bootstrap
-intervals), ``provenance`` (the parts whose runs come from several commits or a dirty tree), ``departures`` (the
+in ``experiments/reasoning/design.yaml``): ``verdicts`` (the verdict
+table), ``provenance`` (the parts whose runs come from several commits or a dirty tree), ``departures`` (the
 departures from the paper's design), ``wall_time`` (the study's wall time by step and the runs' fit times) and
 ``parts`` (each part's report, its links made relative to the page). With ``--rerun FILE`` (the JSON
 ``scripts/provenance_rerun.py`` writes), also ``rerun``: how many archived runs the code at a later commit reproduces
@@ -47,11 +47,10 @@ def blocks(text: str, folder: str = "tiny_reproduction") -> dict[str, str]:
     """The page's blocks from ``verdicts.md``'s ``text``; ``folder``: the report's folder relative to the page."""
     found = sections(text)
     table = "\n".join(line for line in found[""].splitlines() if line.startswith("|"))
-    monte_carlo = [line for line in found[""].splitlines() if line.startswith("Monte Carlo error:")]
     wall = found.get("Wall time", "No wall time recorded: the study's script writes `wall_times.jsonl` beside its runs.")
     parts = found["Each part's tables"].replace("](", f"]({folder}/")
     provenance = found.get("Provenance", "Every part's runs come from one commit and a clean tree (each run's run_info.json).")
-    return {"verdicts": "\n\n".join([table, *monte_carlo]) + "\n", "provenance": provenance + "\n", "departures": found["Departures from the paper's design"] + "\n", "wall_time": wall + "\n", "parts": parts + "\n"}
+    return {"verdicts": table + "\n", "provenance": provenance + "\n", "departures": found["Departures from the paper's design"] + "\n", "wall_time": wall + "\n", "parts": parts + "\n"}
 
 
 def rerun_block(record: dict) -> str:

@@ -86,9 +86,11 @@ def test_what_the_rows_say_is_what_the_verdicts_say():
     assert "Row 2 is not reproduced" in page and float(kl["holm_p"]) >= 0.05
     fp32, bf16 = kl["verdict"].split(". bf16: ")
     assert fp32 == "fp32: not distinguishable (margin +-2 points)"
-    assert bf16 == "different (margin +-2 points): forward KL high - low LR; opposite (margin +-2 points): reverse KL high - low LR"
+    assert bf16 == ("different (margin +-2 points): forward KL high - low LR (OffPD), forward KL high - low LR (OnPD); "
+                    "opposite (margin +-2 points): reverse KL high - low LR")
     changes = kl["tiny"].split("bf16: ")[1]
-    assert number(changes, "forward") > 0 and number(changes, "reverse") > 0
+    assert number(changes, "forward OffPD") > 0 and number(changes, "OnPD") > 0 and number(changes, "reverse (mean of OffPD and OnPD)") > 0
+    assert 'forward KL is "different" in each rollout policy\'s cells' in page
     # row 3: within the margin at the high LR, smaller than the paper's
     assert "Forgetting is negligible at the low LR, but at the high LR it stays within the margin" in page
     for part in ood["tiny"].split(". bf16: "):
@@ -101,9 +103,9 @@ def test_what_the_rows_say_is_what_the_verdicts_say():
     assert len(fp32_cells) == 4 and max(map(float, fp32_cells)) < 15
     assert number(sparse["tiny"], "OffPD low") > 50 and number(sparse["tiny"], "OnPD low") > 50  # most bf16 updates round away
     # the spectrum
-    assert "The spectrum row is not distinguishable on any of its three claims" in page
+    assert "The spectrum row is not reproduced" in page and 'the "opposite" of the paper\'s preference' in page
     assert spectrum["verdict"] == ("not distinguishable (margin +-2 points): forward KL lam > 0 - lam < 0, low LR; "
-                                   "not distinguishable: reverse KL lam > 0 - lam < 0, low LR, reverse KL lam > 0 - lam < 0, high LR")
+                                   "not distinguishable: reverse KL lam > 0 - lam < 0, low LR; opposite: reverse KL lam > 0 - lam < 0, high LR")
     # the harder set
     assert "The harder set shows the opposite of the paper's edge**: OnPD is behind OffPD at pass@1, 4, 16 and 32" in page
     assert hard["verdict"] == "opposite" and hard["primary"] == "OnPD - OffPD pass@16 > 0" and float(hard["holm_p"]) >= 0.05
@@ -111,6 +113,7 @@ def test_what_the_rows_say_is_what_the_verdicts_say():
     assert "Row 7 is untestable" in page and "RLVR itself moved held-out accuracy beyond its interval" in page
     assert rlvr["verdict"].startswith("untestable: no OnPD - OffPD edge before RLVR to lose (opposite); reproduced: held-out accuracy after - before RLVR;")
     assert number(rlvr["tiny"], "pass@32: before RLVR") < 0
+    assert "equivalent (margin +-2 points): OnPD - OffPD pass@32 after RLVR" in rlvr["verdict"] and '"equivalent" at pass@32' in " ".join(page.split())
     # style
     assert "The tiny world does not test the style row" in page
     with (SMOLLM2 / "style_report" / "verdicts.csv").open(encoding="utf-8") as handle:  # the real-model row it points to
@@ -125,11 +128,13 @@ def test_what_the_rows_say_is_what_the_verdicts_say():
 
 def test_what_changed_lists_the_labels_that_moved():
     """"What changed with issue #40": the rows whose label differs from kdlab 0.1's (previous_verdicts.csv, the committed
-    verdicts before #40) are the rows it names, each with its old and new words."""
+    verdicts before #40) in the verdicts #40 wrote (verdicts_before_review.csv) are the rows it names, each with its old
+    and new words."""
     page = " ".join(section((DOCS / "tiny_reproduction.md").read_text(encoding="utf-8"), "What changed with issue #40").split())
     with (DOCS / "tiny_reproduction" / "previous_verdicts.csv").open(encoding="utf-8") as handle:
         previous = {row["finding"]: row["verdict"] for row in csv.DictReader(handle)}
-    now = verdict_rows()
+    with (DOCS / "tiny_reproduction" / "verdicts_before_review.csv").open(encoding="utf-8") as handle:
+        now = list(csv.DictReader(handle))  # the labels right after #40 (the statistics review moved some since)
     moved = [index + 1 for index, row in enumerate(now) if previous[row["finding"]] != row["verdict"]]
     assert moved == [1, 2, 3, 6, 7] and "Rows 1, 2, 3, 6 and 7 moved" in page
     onpd, kl, ood, hard, rlvr = (now[i - 1] for i in moved)
@@ -143,6 +148,25 @@ def test_what_changed_lists_the_labels_that_moved():
     assert rlvr["verdict"].startswith("untestable") and "row 7: \"untestable\"" in page
 
 
+def test_what_changed_after_the_statistics_review_lists_the_labels_that_moved():
+    """"What changed after the statistics review": the rows whose label differs from the committed verdicts before it
+    (verdicts_before_review.csv) are the rows it names, with their old and new words; no primary claim's outcome moved."""
+    page = " ".join(section((DOCS / "tiny_reproduction.md").read_text(encoding="utf-8"), "What changed after the statistics review").split())
+    with (DOCS / "tiny_reproduction" / "verdicts_before_review.csv").open(encoding="utf-8") as handle:
+        before = {row["finding"]: row for row in csv.DictReader(handle)}
+    now = verdict_rows()
+    moved = [index + 1 for index, row in enumerate(now) if before[row["finding"]]["verdict"] != row["verdict"]]
+    assert moved == [2, 5, 7] and "Rows 2, 5 and 7 moved" in page
+    kl, spectrum, rlvr = (now[i - 1] for i in moved)
+    assert "forward KL high - low LR (OffPD), forward KL high - low LR (OnPD)" in kl["verdict"].split(". bf16: ")[1]
+    assert "not distinguishable: reverse KL lam > 0 - lam < 0, low LR, reverse KL lam > 0 - lam < 0, high LR" in before[spectrum["finding"]]["verdict"]
+    assert "opposite: reverse KL lam > 0 - lam < 0, high LR" in spectrum["verdict"] and 'is now "opposite"' in page
+    assert "not distinguishable (margin +-2 points): OnPD - OffPD pass@32 after RLVR" in before[rlvr["finding"]]["verdict"]
+    assert "equivalent (margin +-2 points): OnPD - OffPD pass@32 after RLVR" in rlvr["verdict"] and 'is now "equivalent"' in page
+    shown = lambda row: row["holm_p"] != "" and float(row["holm_p"]) < 0.05  # noqa: E731
+    assert [shown(row) for row in now] == [shown(before[row["finding"]]) for row in now] and "No primary claim changed its outcome" in page
+
+
 def test_rows_1_2_3_and_7_state_the_claim_as_the_paper_does():
     """Row 1 is non-superiority of OnPD over OffPD, row 2 reverse KL's high - low LR drop beyond the margin with forward
     KL within it, row 3 the low LR within the margin, a drop beyond it at the high LR and the paper's magnitude, row 7
@@ -150,7 +174,8 @@ def test_rows_1_2_3_and_7_state_the_claim_as_the_paper_does():
     onpd, kl, ood, _, _, _, rlvr, _ = verdict_rows()
     assert onpd["primary"] == " and ".join(f"OnPD - OffPD ({d} KL, {lv} LR) < +2 points (not superior)"
                                             for d in ("forward", "reverse") for lv in ("low", "high"))
-    assert kl["primary"] == "forward KL high - low LR = 0 (+-2 points, TOST) and reverse KL high - low LR < -2 points"
+    assert kl["primary"] == ("forward KL high - low LR (OffPD) = 0 (+-2 points, TOST) and forward KL high - low LR (OnPD) = 0 "
+                             "(+-2 points, TOST) and reverse KL high - low LR < -2 points")
     assert ood["primary"] == "OOD change at the low LR = 0 (+-2 points, TOST) and OOD change at the high LR < -2 points"
     assert "OOD change at the high LR vs the paper's -14 to -11.2 points" in ood["rule"]
     assert rlvr["primary"] == "OnPD - OffPD pass@32 before RLVR > 0 and OnPD - OffPD pass@32 after - before RLVR < 0"

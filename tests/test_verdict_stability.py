@@ -1,4 +1,4 @@
-"""The verdicts' labels do not depend on the bootstrap's random numbers: every row's label is the same under ten
+"""The verdicts' labels do not depend on the problems bootstrap's random numbers (the only ones a report draws): every row's label is the same under ten
 RNG seeds, on a made-up grid (every tier) and on the committed study's runs (the slow tier)."""
 
 import tarfile
@@ -22,7 +22,7 @@ def labels_under(study: Study, rng_seed: int, monkeypatch) -> list[str]:
 
 
 def test_labels_of_a_made_up_grid_do_not_move_with_the_rng(tmp_path, monkeypatch):
-    """Six seeds per cell (a paired bootstrap, not a t interval), an OnPD edge of about 2 points that varies by seed."""
+    """Six seeds per cell, an OnPD edge of about 2 points that varies by seed."""
     from test_verdicts import make_run
 
     rng = np.random.default_rng(0)
@@ -36,7 +36,7 @@ def test_labels_of_a_made_up_grid_do_not_move_with_the_rng(tmp_path, monkeypatch
     runs, _ = collect([tmp_path])
     study = Study(tmp_path, runs)
     first = labels_under(study, 0, monkeypatch)
-    assert "paired bootstrap over 6 seeds" in effects.accuracy_effect(
+    assert "paired seeds x problems, 6 seeds" in effects.accuracy_effect(
         [(1.0, study.cell("distill", "OnPD", "forward", "low")), (-1.0, study.cell("distill", "OffPD", "forward", "low"))]).how
     assert all(labels_under(study, seed, monkeypatch) == first for seed in range(1, 10))
 

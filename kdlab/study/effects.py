@@ -19,7 +19,7 @@ from kdlab.study.labels import Effect
 from kdlab.study.runs import read_samples
 from kdlab.study.stats import bootstrap_contrast, seed_contrast, t_interval
 
-SEED = 0  # the bootstrap's random numbers (every label is the same under any seed: tests/test_verdict_stability.py)
+SEED = 0  # the problems bootstrap's random numbers (shown, never labelled; every label is the same under any seed: tests/test_verdict_stability.py)
 PROBLEM_DRAWS = 2000  # draws of the problems interval (the models held fixed; shown, never labelled)
 
 
@@ -33,7 +33,7 @@ def table_effect(terms: list[tuple[float, Any]], k: int | None = None, draws: in
     value, *problems = bootstrap_contrast([(w, list(by_seed.values())) for w, by_seed in named], k=k, draws=draws or PROBLEM_DRAWS, seed=SEED)
     if min(len(by_seed) for _, by_seed in named) < 2:
         return Effect(value, None, None, "bootstrap over problems; one seed", tuple(problems))
-    seeds = seed_contrast(named, k=k, seed=SEED)
+    seeds = seed_contrast(named, k=k)
     return Effect(value, seeds.low, seeds.high, f"bootstrap over problems; {seeds.how}", tuple(problems), seeds)
 
 

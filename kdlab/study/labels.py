@@ -37,7 +37,7 @@ class Effect:
     """An estimate with its 95% intervals, in the logged units (fractions; OOD change in points): ``low``/
     ``high`` over seeds (and problems), which labels come from, None with a configuration of one seed; ``problems``
     (accuracy and pass@k) over problems and samples, the trained models held fixed; ``seeds`` the seed-level
-    interval's whole record (its 90% ends, p-values, Monte Carlo error; None for a made-up effect, whose 95% interval
+    interval's whole record (its 90% ends, p-values; None for a made-up effect, whose 95% interval
     then stands in for the 90% one and which has no p-value)."""
 
     value: float

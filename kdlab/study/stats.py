@@ -1,16 +1,17 @@
 """Intervals for the report and the verdicts: the bootstrap over problems (and samples) of evaluation records with
 the trained models held fixed (:func:`bootstrap_contrast`); seed-level intervals of a contrast (:func:`seed_contrast`:
-a paired two-way bootstrap over (seed, problem) where configurations share their seeds, an unpaired one where they do
-not, a t interval below :data:`FEW_SEEDS` seeds), with their 90% ends, p-values and Monte Carlo error
-(:class:`SeedInterval`); t intervals over seeds with Welch-Satterthwaite degrees of freedom (:func:`t_contrast`); and
-the standard intervals of fractions: Wilson's, Newcombe's for independent samples and his paired method
-(:func:`paired_difference`). The distributions and standard intervals are scipy's and statsmodels' (the ``report``
-extra); tests/test_stats.py checks every function against published values or those libraries."""
+seeds and problems as crossed random effects, paired where configurations share their seeds, a t interval with
+Satterthwaite's degrees of freedom from two-way mean squares; :class:`SeedInterval`); t intervals over seeds with
+Welch-Satterthwaite degrees of freedom (:func:`t_contrast`); and the standard intervals of fractions: Wilson's,
+Newcombe's for independent samples and his paired method (:func:`paired_difference`). The distributions and standard
+intervals are scipy's and statsmodels' (the ``report`` extra); tests/test_stats.py checks every function against
+published values or those libraries (the seed-level variance against statsmodels' mixed model)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import comb
 from typing import Any
 
@@ -50,10 +51,6 @@ def bootstrap_contrast(
     When every table holds the same problem ids, every table of every term uses the same problem draw
     (a paired comparison: the problems' difficulty cancels in a difference); otherwise each table draws
     its own. A problem's samples are cut to the smallest count of its table. Deterministic (``seed``)."""
-    from math import comb
-
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     shared, problem_draws = shared_problem_draws(terms, draws, rng)
     total, estimate = np.zeros(draws), 0.0
@@ -69,8 +66,7 @@ def bootstrap_contrast(
                 total += share * scores[problems[..., None], samples].mean(axis=(1, 2))
                 estimate += share * float(scores.mean())
             else:  # each problem's unbiased estimate as it is: resampling its samples would bias pass@k down
-                pass_k = np.array([1.0 - comb(n - c, k) / comb(n, k) for c in range(n + 1)])
-                per_problem = pass_k[(scores >= 1.0).sum(axis=1)]  # (P,)
+                per_problem = pass_at_k_table(n, k)[(scores >= 1.0).sum(axis=1)]  # (P,)
                 total += share * per_problem[problems].mean(axis=1)
                 estimate += share * float(per_problem.mean())
     low, high = np.percentile(total, [2.5, 97.5])
@@ -105,14 +101,18 @@ def paired_difference(both: int, after_only: int, before_only: int, neither: int
     Newcombe's method 10 for paired data (Statistics in Medicine 17:2635, 1998): the two Wilson intervals
     (:func:`wilson_interval`) combined with the correlation ``phi`` of the pairs, ``d - sqrt(l_a^2 - 2 phi l_a u_b +
     u_b^2)`` to ``d + sqrt(u_a^2 - 2 phi u_a l_b + l_b^2)`` (``l``/``u`` each fraction's distances to its Wilson ends).
-    ``phi`` is 0 when a margin is empty; with ``phi`` 0 it is the independent-samples :func:`newcombe_difference`."""
+    ``phi``'s numerator ``both * neither - after_only * before_only`` is, where positive, reduced by ``n / 2`` (not below
+    0), as in Newcombe's method; ``phi`` is 0 when a margin is empty; with ``phi`` 0 it is the independent-samples
+    :func:`newcombe_difference`."""
     n = both + after_only + before_only + neither
     if n <= 0 or min(both, after_only, before_only, neither) < 0:
         raise ValueError(f"a paired 2 x 2 table needs counts >= 0 and n > 0, got {(both, after_only, before_only, neither)}")
     after, before = (both + after_only) / n, (both + before_only) / n
     (low_a, high_a), (low_b, high_b) = wilson_interval(after, n), wilson_interval(before, n)
     margins = (both + after_only) * (before_only + neither) * (both + before_only) * (after_only + neither)
-    phi = (both * neither - after_only * before_only) / math.sqrt(margins) if margins else 0.0
+    cross = both * neither - after_only * before_only
+    cross = max(cross - n / 2, 0.0) if cross > 0 else cross  # Newcombe's continuity correction of a positive phi
+    phi = cross / math.sqrt(margins) if margins else 0.0
     down = math.sqrt(max(0.0, (after - low_a) ** 2 - 2 * phi * (after - low_a) * (high_b - before) + (high_b - before) ** 2))
     up = math.sqrt(max(0.0, (high_a - after) ** 2 - 2 * phi * (high_a - after) * (before - low_b) + (before - low_b) ** 2))
     return after - before, after - before - down, after - before + up
@@ -129,15 +129,10 @@ def paired_difference_bounds(after: float, before: float, n: int) -> tuple[float
     return (right_after - right_before) / n, min(e[1] for e in ends), max(e[2] for e in ends)
 
 
-SEED_DRAWS = 20000  # seed-level bootstrap draws: interval ends whose Monte Carlo error is far below the labels' resolution
-FEW_SEEDS = 5  # below this many seeds a configuration's seed-level interval is a t interval, not a bootstrap
-
-
 @dataclass(frozen=True)
 class SeedInterval:
     """A contrast's seed-level uncertainty: the ``estimate``, its two-sided 95% (``low``, ``high``) and 90% (``low90``,
-    ``high90``) intervals and ``how`` they were made; a t interval keeps its standard error ``se`` and degrees of freedom
-    ``df``, a bootstrap its ``draws`` (for p-values) and ``mc_error``, the Monte Carlo standard errors of the 95% ends."""
+    ``high90``) t intervals, their standard error ``se`` and degrees of freedom ``df``, and ``how`` they were made."""
 
     estimate: float
     low: float
@@ -147,22 +142,16 @@ class SeedInterval:
     how: str
     se: float | None = None
     df: float | None = None
-    draws: Any = field(default=None, compare=False, repr=False)
-    mc_error: tuple[float, float] | None = None
 
     def p_greater(self, null: float) -> float:
-        """One-sided p-value of "the contrast > ``null``": the t distribution's tail, or the share of bootstrap draws at
-        or below ``null`` (the percentile interval's inversion); 1 - :meth:`p_greater` is not the other side's p-value."""
-        if self.draws is not None:
-            return float(np.mean(self.draws <= null))
+        """One-sided p-value of "the contrast > ``null``" (the t distribution's tail; with no spread at all, 0 when the
+        estimate lies above ``null``, else 1)."""
         if not self.se:
             return 0.0 if self.estimate > null else 1.0
         return float(_student().sf((self.estimate - null) / self.se, self.df))
 
     def p_less(self, null: float) -> float:
         """One-sided p-value of "the contrast < ``null``" (as :meth:`p_greater`, mirrored)."""
-        if self.draws is not None:
-            return float(np.mean(self.draws >= null))
         if not self.se:
             return 0.0 if self.estimate < null else 1.0
         return float(_student().cdf((self.estimate - null) / self.se, self.df))
@@ -174,6 +163,14 @@ def _student():
     return t
 
 
+def pass_at_k_table(n: int, k: int) -> np.ndarray:
+    """``(n + 1,)``: the unbiased pass@k of a problem with ``c`` of its ``n`` samples right, for each ``c`` (Chen et al.
+    2021, ``1 - C(n - c, k) / C(n, k)``); ``ValueError`` when a problem has fewer than ``k`` samples."""
+    if n < k:
+        raise ValueError(f"pass@{k} needs at least {k} samples of every problem; a problem here has {n}")
+    return np.array([1.0 - comb(n - c, k) / comb(n, k) for c in range(n + 1)])
+
+
 def seed_cells(tables: list[dict[str, list[float]]], k: int | None, ids: list[str] | None = None) -> np.ndarray:
     """``(S, P)`` per-(seed, problem) scores of one configuration: each problem's mean over its samples (``k`` None) or
     its unbiased pass@k, the samples cut to the problem's smallest count over the seeds; ``ids`` (default: the sorted
@@ -183,25 +180,7 @@ def seed_cells(tables: list[dict[str, list[float]]], k: int | None, ids: list[st
     scores = np.array([[table[key][:n] for key in ids] for table in tables], dtype=np.float64)  # (S, P, n)
     if k is None:
         return scores.mean(axis=2)
-    pass_k = np.array([1.0 - comb(n - c, k) / comb(n, k) for c in range(n + 1)])
-    return pass_k[(scores >= 1.0).sum(axis=2)]
-
-
-def percentile_interval(values: np.ndarray, estimate: float, how: str) -> SeedInterval:
-    """:class:`SeedInterval` of bootstrap ``values`` (B,): percentile ends at 95% and 90%; the Monte Carlo standard
-    error of each 95% end from the order statistics around it (the ranks ``B q +- 1.96 sqrt(B q (1 - q))`` bound
-    the sample quantile's Monte Carlo spread; their distance over 2 x 1.96 is its standard error)."""
-    ordered = np.sort(values)
-    count = ordered.size
-    low, high, low90, high90 = np.percentile(ordered, [2.5, 97.5, 5.0, 95.0])
-
-    def error(q: float) -> float:
-        spread = 1.959964 * math.sqrt(count * q * (1.0 - q))
-        lower, upper = max(0, int(math.floor(count * q - spread))), min(count - 1, int(math.ceil(count * q + spread)))
-        return float(ordered[upper] - ordered[lower]) / (2 * 1.959964)
-
-    return SeedInterval(estimate, float(low), float(high), float(low90), float(high90), how, draws=ordered,
-                        mc_error=(error(0.025), error(0.975)))
+    return pass_at_k_table(n, k)[(scores >= 1.0).sum(axis=2)]
 
 
 def t_interval(estimate: float, se: float, df: float, how: str) -> SeedInterval:
@@ -210,81 +189,149 @@ def t_interval(estimate: float, se: float, df: float, how: str) -> SeedInterval:
     return SeedInterval(estimate, estimate - h95, estimate + h95, estimate - h90, estimate + h90, how, se=se, df=df)
 
 
-def resample_counts(rng, units: int, draws: int) -> np.ndarray:
-    """``(draws, units)`` counts: how often each of ``units`` units is picked in each of ``draws`` resamples of
-    ``units`` picks with replacement (a bootstrap draw of a mean is the counts-weighted mean)."""
-    picks = rng.integers(units, size=(draws, units)) + units * np.arange(draws)[:, None]
-    return np.bincount(picks.ravel(), minlength=draws * units).reshape(draws, units).astype(np.float64)
+def two_way_mean_squares(cells: np.ndarray) -> tuple[tuple[float, int], tuple[float, int], tuple[float, int]]:
+    """``((MS_seed, df), (MS_problem, df), (MS_residual, df))`` of an ``(S, P)`` table with one value per (seed, problem)
+    cell: the two-way analysis of variance without replication (``S - 1``, ``P - 1`` and ``(S - 1)(P - 1)`` df). A table
+    of one problem has no problem or residual mean square (0, with 0 df)."""
+    seeds, problems = cells.shape
+    grand, by_seed, by_problem = cells.mean(), cells.mean(axis=1), cells.mean(axis=0)
+    ms_seed = problems * float(((by_seed - grand) ** 2).sum()) / (seeds - 1)
+    if problems < 2:
+        return (ms_seed, seeds - 1), (0.0, 0), (0.0, 0)
+    ms_problem = seeds * float(((by_problem - grand) ** 2).sum()) / (problems - 1)
+    residual = cells - by_seed[:, None] - by_problem[None, :] + grand
+    df = (seeds - 1) * (problems - 1)
+    return (ms_seed, seeds - 1), (ms_problem, problems - 1), (float((residual ** 2).sum()) / df, df)
 
 
-def is_paired(terms: list[tuple[float, dict[Any, dict[str, list[float]]]]]) -> bool:
-    """Whether every configuration has the same seeds (the seed fixes the data order and the evaluation's sampling
-    streams, so same-seed runs share random numbers) and every table the same problem ids: a paired design."""
-    seeds = [sorted(map(str, by_seed)) for _, by_seed in terms]
-    ids = [sorted(table) for _, by_seed in terms for table in by_seed.values()]
-    return all(s == seeds[0] for s in seeds) and all(i == ids[0] for i in ids)
+class _Variance:
+    """A variance estimate written as ``sum_j c_j MS_j`` over independent mean squares ``MS_j`` (each with its df),
+    for Satterthwaite's degrees of freedom; terms are keyed so that coefficients on one mean square add up."""
+
+    def __init__(self) -> None:
+        self.terms: dict[object, list] = {}
+
+    def add(self, key: object, coefficient: float, mean_square: tuple[float, int]) -> None:
+        term = self.terms.setdefault(key, [0.0, *mean_square])
+        term[0] += coefficient
+
+    def value_and_df(self) -> tuple[float, float]:
+        """The variance and its Satterthwaite (1946) df, ``(sum_j c_j MS_j)^2 / sum_j (c_j MS_j)^2 / df_j``."""
+        parts = [(c * ms, df) for c, ms, df in self.terms.values() if c != 0.0 and df > 0]
+        variance = sum(part for part, _ in parts)
+        spread = sum(part * part / df for part, df in parts)
+        return max(variance, 0.0), (variance * variance / spread if spread > 0.0 else float(sum(df for _, df in parts)) or 1.0)
 
 
-def seed_contrast(terms: list[tuple[float, dict[Any, dict[str, list[float]]]]], k: int | None = None,
-                  draws: int = SEED_DRAWS, seed: int = 0) -> SeedInterval:
+def _crossed_terms(variance: _Variance, key: object, cells: np.ndarray, weight: float) -> None:
+    """Add ``weight^2 * Var(mean of cells)`` for an ``(S, P)`` table whose seeds and problems are crossed random effects
+    (``y_sp = mu + a_s + b_p + e_sp``): ``(sigma_a^2 / S + sigma_b^2 / P + sigma_e^2 / (S P))`` from the mean squares,
+    ``(MS_seed + MS_problem - MS_residual) / (S P)``; a component whose mean square falls below the residual's is 0."""
+    seeds, problems = cells.shape
+    ms_seed, ms_problem, ms_residual = two_way_mean_squares(cells)
+    scale = weight * weight / (seeds * problems)
+    variance.add((key, "residual"), scale, ms_residual)
+    for name, ms in (("seed", ms_seed), ("problem", ms_problem)):
+        if ms[1] > 0 and ms[0] > ms_residual[0]:
+            variance.add((key, name), scale, ms)
+            variance.add((key, "residual"), -scale, ms_residual)
+
+
+def _common(sets: list[list]) -> list:
+    """The items every list holds, in the first one's order."""
+    shared = set(sets[0]).intersection(*map(set, sets[1:]))
+    return [item for item in sets[0] if item in shared]
+
+
+def paired_interval(cells: np.ndarray) -> SeedInterval:
+    """The seed-level interval of the mean of ``cells`` ``(S, P)``, each (seed, problem) cell's contrast of configurations
+    that share their seeds: seeds and problems crossed random effects, ``Var = (MS_seed + MS_problem - MS_residual) /
+    (S P)`` (:func:`two_way_mean_squares`; a component whose mean square falls below the residual's counts 0), t with
+    Satterthwaite's df. One problem: the paired t-test over the seeds."""
+    variance = _Variance()
+    _crossed_terms(variance, "paired", cells, 1.0)
+    value, df = variance.value_and_df()
+    seeds, problems = cells.shape
+    return t_interval(float(cells.mean()), math.sqrt(value), df,
+                      f"paired seeds x problems, {seeds} seeds x {problems} problems, Satterthwaite df {df:.1f}")
+
+
+def seed_contrast(terms: list[tuple[float, dict[Any, dict[str, list[float]]]]], k: int | None = None) -> SeedInterval:
     """Seed-level interval of ``sum_i w_i * mean_i`` over ``terms`` ``(w_i, {seed: table})`` (a table: ``example id ->
-    scores of its samples``; ``mean_i`` the configuration's mean over its seeds of the mean accuracy, ``k`` None, or of
-    the unbiased pass@k). Each (seed, problem) cell enters with its own samples' mean, never resampled: the spread
-    between seeds and problems already holds the samples' noise, so it is counted once.
+    scores of its samples``; ``mean_i`` the configuration's mean over its seeds and problems of the mean accuracy, ``k``
+    None, or of the unbiased pass@k). Each (seed, problem) cell enters with its own samples' mean, never resampled: the
+    spread between seeds and problems already holds the samples' noise, so it is counted once.
 
-    A paired design (:func:`is_paired`: the same seeds and problems in every configuration): the contrast of each
-    (seed, problem) cell, ``D = sum_i w_i Y_i`` ``(S, P)``; with ``S >=`` :data:`FEW_SEEDS` seeds a paired two-way
-    bootstrap, each draw resampling the seeds and the problems (the same picks for every configuration) and taking
-    the mean of ``D`` over them, percentile ends; with fewer seeds a t interval over the seeds' contrasts
-    ``D.mean(axis=1)`` (``S - 1`` df): a bootstrap over fewer seeds has a handful of distinct resamples and no t tails.
-    Otherwise (unpaired): with at least :data:`FEW_SEEDS` seeds in every configuration a two-way bootstrap that
-    resamples each configuration's seeds on its own and the problems (shared when every table has the same ids);
-    with fewer, Welch's t over the seeds' means (:func:`t_contrast`). Deterministic (``seed``)."""
+    Seeds and problems are crossed random effects: the interval covers which seeds trained the models and which
+    problems were drawn (a seed interval that takes each seed's mean over fixed problems leaves the second out, and
+    a percentile bootstrap over five seeds is too narrow). The variance of the contrast comes from two-way mean
+    squares (:func:`two_way_mean_squares`), its t quantile from Satterthwaite's df; one method for every number of seeds.
+
+    Paired (two seeds or more that every configuration has; the seed fixes the data order and the evaluation's
+    sampling streams, so same-seed runs share random numbers): the contrast of each (seed, problem) cell,
+    ``D = sum_i w_i Y_i`` ``(S, P)``, and ``Var = (MS_seed + MS_problem - MS_residual) / (S P)`` of ``D``.
+    Unpaired: each configuration's seed and residual mean squares, and the problems' part from the spread of the
+    problems' contrasts of configuration means where the configurations share their problems, each configuration's
+    own problems' part where they do not. Only the seeds every configuration has are paired, and only problems in
+    every table compared (every configuration's where they are shared); ``how`` says what was left out."""
     if any(len(by_seed) < 2 for _, by_seed in terms):
         raise ValueError("a seed-level interval needs at least two seeds in every configuration")
-    rng = np.random.default_rng(seed)
-    if is_paired(terms):
-        keys = sorted(terms[0][1], key=str)
-        ids = sorted(next(iter(terms[0][1].values())))
-        cells = sum(w * seed_cells([by_seed[s] for s in keys], k, ids) for w, by_seed in terms)  # (S, P)
-        seeds, problems = cells.shape
-        estimate = float(cells.mean())
-        if seeds < FEW_SEEDS:
-            per_seed = cells.mean(axis=1)
-            return t_interval(estimate, float(per_seed.std(ddof=1)) / math.sqrt(seeds), seeds - 1,
-                              f"paired t over {seeds} seeds (df {seeds - 1})")
-        seed_counts = resample_counts(rng, seeds, draws)  # (B, S)
-        problem_counts = resample_counts(rng, problems, draws)  # (B, P)
-        values = ((seed_counts @ cells) * problem_counts).sum(axis=1) / (seeds * problems)
-        return percentile_interval(values, estimate, f"paired bootstrap over {seeds} seeds x {problems} problems")
-    prepared = [(w, seed_cells(list(by_seed.values()), k)) for w, by_seed in terms]
-    estimate = float(sum(w * cells.mean() for w, cells in prepared))
-    fewest = min(cells.shape[0] for _, cells in prepared)
-    if fewest < FEW_SEEDS:
-        value, low, high, df = t_contrast([(w, list(cells.mean(axis=1))) for w, cells in prepared])
-        se = (high - value) / t_quantile(0.975, df) if high > value else 0.0
-        return t_interval(estimate, se, df, f"unpaired Welch t over >= {fewest} seeds (df {df:.1f})")
-    ids = [sorted(table) for _, by_seed in terms for table in by_seed.values()]
-    shared = all(i == ids[0] for i in ids)
-    problem_counts = resample_counts(rng, len(ids[0]), draws) if shared else None
-    values = np.zeros(draws)
-    for w, cells in prepared:
-        seeds, problems = cells.shape
-        counts = problem_counts if shared else resample_counts(rng, problems, draws)
-        seed_counts = resample_counts(rng, seeds, draws)
-        values += w * ((seed_counts @ cells) * counts).sum(axis=1) / (seeds * problems)
-    return percentile_interval(values, estimate, f"unpaired bootstrap over >= {fewest} seeds per configuration and the problems")
+    tables = [table for _, by_seed in terms for table in by_seed.values()]
+    ids = _common([sorted(table) for table in tables])
+    seeds = _common([sorted(by_seed, key=str) for _, by_seed in terms])
+    left = []
+    if ids and len(ids) < max(len(table) for table in tables):
+        left.append(f"{len(set().union(*tables)) - len(ids)} problems not in every run")
+    variance = _Variance()
+    if len(seeds) >= 2 and ids:
+        skipped = sum(len(by_seed) - len(seeds) for _, by_seed in terms)
+        if skipped:
+            left.append(f"{skipped} runs whose seed not every configuration has")
+        cells = sum(w * seed_cells([by_seed[s] for s in seeds], k, ids) for w, by_seed in terms)  # (S, P)
+        found = paired_interval(cells)
+        return dataclasses.replace(found, how=found.how + (f"; left out: {', '.join(left)}" if left else ""))
+    if ids:  # unpaired seeds, shared problems: the problems' contrast is paired, the seeds are not
+        prepared = [(w, seed_cells(list(by_seed.values()), k, ids)) for w, by_seed in terms]
+        estimate = float(sum(w * cells.mean() for w, cells in prepared))
+        contrast = sum(w * cells.mean(axis=0) for w, cells in prepared)  # (P,) problems' contrasts of configuration means
+        squares = [two_way_mean_squares(cells) for _, cells in prepared]
+        # Var = sum_i w_i^2 (sigma_seed,i^2 / S_i + sigma_e,i^2 / (S_i P)) + sigma_problem^2 / P, where the problems'
+        # contrasts' spread estimates sigma_problem^2 + sum_i w_i^2 sigma_e,i^2 / S_i
+        residual_share = sum(w * w * ms_residual[0] / cells.shape[0] for (w, cells), (_, _, ms_residual) in zip(prepared, squares))
+        problem_part = len(ids) > 1 and float(np.var(contrast, ddof=1)) > residual_share
+        if problem_part:
+            variance.add("problems", 1.0 / len(ids), (float(np.var(contrast, ddof=1)), len(ids) - 1))
+        for i, ((w, cells), (ms_seed, _, ms_residual)) in enumerate(zip(prepared, squares)):
+            scale = w * w / (cells.shape[0] * len(ids))
+            variance.add((i, "residual"), scale * (1 - problem_part), ms_residual)
+            if ms_seed[0] > ms_residual[0]:
+                variance.add((i, "seed"), scale, ms_seed)
+                variance.add((i, "residual"), -scale, ms_residual)
+        how = f"unpaired seeds, shared problems, >= {min(len(b) for _, b in terms)} seeds x {len(ids)} problems"
+    else:  # nothing shared: each configuration's own seeds and problems
+        estimate = 0.0
+        for i, (w, by_seed) in enumerate(terms):
+            own = _common([sorted(table) for table in by_seed.values()])
+            if not own:
+                raise ValueError("a seed-level interval needs problems that every seed of a configuration was evaluated on")
+            cells = seed_cells(list(by_seed.values()), k, own)
+            _crossed_terms(variance, i, cells, w)
+            estimate += w * float(cells.mean())
+        how = f"unpaired seeds and problems, >= {min(len(b) for _, b in terms)} seeds per configuration"
+    value, df = variance.value_and_df()
+    how += f", Satterthwaite df {df:.1f}" + (f"; left out: {', '.join(left)}" if left else "")
+    return t_interval(estimate, math.sqrt(value), df, how)
 
 
 def hierarchical_bootstrap_contrast(
-    terms: list[tuple[float, list[dict[str, list[float]]]]], k: int | None = None, draws: int = SEED_DRAWS, seed: int = 0
+    terms: list[tuple[float, list[dict[str, list[float]]]]], k: int | None = None, draws: int = 2000, seed: int = 0
 ) -> tuple[float, float, float]:
-    """``(estimate, low, high)``: :func:`seed_contrast` of configurations whose seeds are not paired (each list's
-    tables its seeds; resampled on their own), whatever their count (kdlab 0.1's two-way bootstrap, without its
-    resampling of the samples, which counted their noise twice)."""
+    """``(estimate, low, high)`` of configurations whose seeds are not paired (each list's tables its seeds): kdlab 0.1's
+    name, now :func:`seed_contrast`'s interval (no longer a bootstrap); one seed: :func:`bootstrap_contrast` (``draws``,
+    ``seed``)."""
     if any(len(tables) < 2 for _, tables in terms):
-        return bootstrap_contrast(terms, k, draws=2000, seed=seed)  # no seed variance to resample
-    result = seed_contrast([(w, {(i, j): t for j, t in enumerate(tables)}) for i, (w, tables) in enumerate(terms)], k, draws, seed)
+        return bootstrap_contrast(terms, k, draws=draws, seed=seed)  # no seed variance to estimate
+    result = seed_contrast([(w, {(i, j): t for j, t in enumerate(tables)}) for i, (w, tables) in enumerate(terms)], k)
     return result.estimate, result.low, result.high
 
 

@@ -16,7 +16,7 @@ The findings themselves (:class:`Study`, :class:`Verdict`, one function per find
 :mod:`kdlab.study.findings`, their effects in :mod:`kdlab.study.effects` (seed-level intervals paired where the
 configurations share their seeds: :func:`~kdlab.study.stats.seed_contrast`), their labels in :mod:`kdlab.study.labels`.
 This module writes the page: each row's labels, its pre-stated primary claim with Holm's correction over the
-findings, the largest Monte Carlo error of a bootstrap interval end, and the runs' provenance (several commits or a
+findings, and the runs' provenance (several commits or a
 dirty tree in one part, :func:`~kdlab.provenance.commit_mix`). :data:`METHOD` says how, for the reader of ``verdicts.md``.
 """
 
@@ -46,7 +46,6 @@ from kdlab.study.labels import ACCURACY_MARGIN, ALPHA, COLLAPSE_ACCURACY, COLLAP
 from kdlab.study.labels import REPRODUCED as _REPRODUCED  # kdlab.verdicts.REPRODUCED is the legacy name of labels'
 from kdlab.study.labels import Effect  # noqa: F401  (kdlab 0.1 imported it from here)
 from kdlab.study.runs import RunResult
-from kdlab.study.stats import SEED_DRAWS
 from kdlab.study.tables import markdown_table, write_csv
 
 
@@ -56,16 +55,6 @@ def primary_text(verdict: Verdict) -> str:
         return verdict.primary_rule or "n/a"
     word = _REPRODUCED if verdict.holm_p < ALPHA else "not shown"
     return f"{verdict.primary_rule}: **{word}** (p {verdict.primary_p:.3g}, Holm {verdict.holm_p:.3g})"
-
-
-def monte_carlo_text(verdicts: list[Verdict]) -> str:
-    """The largest Monte Carlo standard error of a seed-level bootstrap interval end among the verdicts' claims."""
-    errors = [(e, c.scale) for v in verdicts for c in v.claims if c.effect and c.effect.seeds and c.effect.seeds.mc_error
-              for e in c.effect.seeds.mc_error]
-    if not errors:
-        return "Monte Carlo error: no seed-level interval here is a bootstrap (every one is a t interval, which has none)."
-    return (f"Monte Carlo error: {SEED_DRAWS} draws per seed-level bootstrap; the largest standard error of an interval end over "
-            f"the {len(errors)} bootstrap ends is {max(e * scale for e, scale in errors):.3f} points (from the draws' order statistics).")
 
 
 def provenance_text(study: Study) -> str:
@@ -82,28 +71,29 @@ METHOD = (
     "Written by `kdlab report` from the study's runs (kdlab/study/verdicts.py). Each effect is a difference of configuration "
     "means in points. Held-out accuracy and pass@k get two 95% intervals, written `value [problems] / seeds [seeds]`: "
     "[problems] is a paired bootstrap over the problems (for accuracy also over the samples within each) of each seed's last "
-    "evaluation, the trained models held fixed; seeds [...] covers the training seed too. Where the configurations share their "
-    "seeds (the seed fixes the data order and the evaluation's sampling streams, so same-seed runs share random numbers), the "
-    "seed-level interval is paired: each (seed, problem) cell's contrast enters with its own samples' mean, never resampled, so "
-    "the samples' noise, already in the spread between seeds, is counted once; with 5 seeds or more a paired two-way bootstrap "
-    f"({SEED_DRAWS} draws, each resampling the seeds and the problems, the same picks for every configuration; percentile ends) and "
-    "with fewer a t interval over the seeds' contrasts (n - 1 df: a bootstrap over 3 seeds has 10 distinct resamples and no t "
-    "tails). We chose the bootstrap over a mixed-effects logistic model because pass@k is no Bernoulli outcome and the bootstrap "
-    "needs no model of how seeds and problems interact. Unpaired configurations keep an unpaired interval (seeds resampled in "
-    "each configuration; Welch's t below 5 seeds). Per-run numbers (OOD change, sparsity) get a t interval over seeds, paired "
-    "when the seeds are shared; the Spanish share, which sits near 0 and 100%, is tested on the logit scale (each run's share "
-    "moved to its Wilson interval's centre, then t over seeds) and shown in points beside its log-odds. "
+    "evaluation, the trained models held fixed (shown, never labelled); seeds [...] covers the training seed and the problems "
+    "drawn, as crossed random effects: each (seed, problem) cell enters with its own samples' mean, never resampled (the samples' "
+    "noise, already in the spread between cells, is counted once), the variance of the contrast comes from two-way mean squares, "
+    "(MS seed + MS problem - MS residual) / (seeds x problems), a component whose mean square falls below the residual's counting 0, "
+    "and the interval is a t interval with Satterthwaite's degrees of freedom, the same method at any number of seeds. Where the "
+    "configurations share their seeds (the seed fixes the data order and the evaluation's sampling streams, so same-seed runs share "
+    "random numbers), the contrast is taken cell by cell (paired) on the seeds and problems every configuration has; otherwise "
+    "each configuration's seeds count on their own (unpaired). Per-run numbers (OOD change, sparsity) get a t interval over seeds, "
+    "paired when the seeds are shared; the Spanish share, which sits near 0 and 100%, is tested on the logit scale (each run's "
+    "share moved to its Wilson interval's centre, then t over seeds) and shown in points beside its log-odds. "
     "Labels (column verdict) come from the seed-level intervals of each claim the row tests (column rule), every one-sided "
-    f"test at {100 * ALPHA:g}%: a claimed difference (`> 0`, `< 0`, or beyond a margin) is \"reproduced\" when the 90% interval "
+    f"test at {100 * ALPHA:g}% and each claim on its own (not corrected for the many claims a page shows: the column is "
+    "exploratory): a claimed difference (`> 0`, `< 0`, or beyond a margin) is \"reproduced\" when the 90% interval "
     "lies beyond 0 (or the margin) on the paper's side, \"opposite\" when it lies beyond 0 on the other side, \"not "
     "distinguishable\" otherwise; a claim of no difference (`= 0`, TOST) is \"equivalent\" when the 90% interval lies inside "
     f"the margin ({100 * ACCURACY_MARGIN:g} points of accuracy, {OOD_MARGIN:g} points of OOD change), \"different\" when the 95% "
     "interval excludes 0; a claim of no superiority (`< +margin`) is \"reproduced\" when the 90% interval's upper end lies "
     "below the margin, \"opposite\" when the 95% interval lies above 0; the paper's magnitude is compared with the 95% "
-    "interval. Each finding has one primary claim, stated before the runs (column primary claim): rows 1-3 on the fp32 grid, "
-    "the spectrum's forward and reverse KL at the low LR, the harder set at the k nearest the paper's 10, RLVR's edge before it "
-    "and its loss, the style claims at the paper's (low) LR; a claim of several parts is an intersection-union test (its "
-    "p-value the largest of its parts'), and Holm's procedure over the findings holds the family-wise error at 5%. Row 7 is "
+    "interval. Each finding has one primary claim, stated before the runs (column primary claim): rows 1-3 on the fp32 grid "
+    "(row 2's forward KL in each rollout policy's cells), the spectrum's forward and reverse KL at the low LR, the harder set at "
+    "the k nearest the paper's 10, RLVR's edge before it and its loss, the style claims at the paper's (low) LR; a claim of "
+    "several parts is an intersection-union test (its p-value the largest of its parts'), and Holm's procedure over the findings "
+    "holds the family-wise error of the primary claims at 5%. Row 7 is "
     "\"untestable\" when there is no OnPD edge before RLVR to lose. A style claim comparing a student below "
     f"{100 * COLLAPSE_ACCURACY:g}% held-out accuracy or {COLLAPSE_OOD:g} points on its earlier skills is \"collapsed\", whatever "
     "its interval (a broken model's Spanish share is no transferred style). A row whose claims get different labels lists each "
@@ -111,7 +101,10 @@ METHOD = (
     "(`kdlab report --design`) leaves the finding to another study, named in its evidence. Changed from kdlab 0.1 (issue #40): same-seed "
     "contrasts were unpaired and redrew the samples in every seed slot (noise counted twice), 2000 draws let labels move with the "
     "bootstrap's random numbers, equivalence needed the 95% interval (2.5% per side), directional claims were read from the 95% "
-    "interval, row 1 was tested as equivalence, row 2 as reverse minus forward KL, and no correction covered the findings."
+    "interval, row 1 was tested as equivalence, row 2 as reverse minus forward KL, and no correction covered the findings. "
+    "Changed after a statistics review: the seed-level interval was a t over the seeds' means below 5 seeds (the problems held fixed) and a "
+    "percentile bootstrap over seeds and problems from 5 (too narrow at 5 seeds); row 2's forward KL was tested on the mean of "
+    "the two policies' changes; a run missing a problem or a seed ended the pairing (or the report)."
 )
 
 WORLD_DEPARTURES = (
@@ -197,7 +190,6 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path, design: Stud
     rows = [[v.finding, v.paper, v.tiny, f"**{v.verdict}**" + (f" (design differs: {v.departure})" if v.departure else ""),
              v.rule, primary_text(v), v.evidence, f"`{v.command}`"] for v in verdicts]
     lines = [f"# Verdicts: the paper's headline findings on {study.world}", "", METHOD, "", markdown_table(header, rows)]
-    lines += ["", monte_carlo_text(verdicts)]
     provenance = provenance_text(study)
     if provenance:
         lines += ["", "## Provenance", "", provenance]
@@ -205,21 +197,24 @@ def write_verdicts(root: Path, runs: list[RunResult], output: Path, design: Stud
     lines += ["", "## Departures from the paper's design", "", WORLD_DEPARTURES.format(world=study.world, page=study.world_page), "", markdown_table(["finding", "design here"], departures)
               if departures else "No row departs further from the paper's design."] if study.tiny else []
     times = root / "wall_times.jsonl"
+    run_seconds = sum(r.seconds or 0.0 for r in runs)
+    by_part = "By part: " + ", ".join(f"{part} {sum(r.seconds or 0.0 for r in study.parts[part]) / 60:.1f} min ({len(study.parts[part])} runs)"
+                                      for part in PARTS if study.parts[part]) + "."
     if times.is_file():
+        lines += ["", "## Wall time (2-core CPU, two runs at a time, one thread each)", ""]
         steps = [json.loads(line) for line in times.read_text().splitlines() if line.strip()]
         by_step: dict[str, dict] = {}
         for step in steps:  # a step run again (resumed, or finding its runs done) adds its time
             seen = by_step.setdefault(step["step"], dict(step, seconds=0))
             seen["seconds"] += step["seconds"]
         total = sum(step["seconds"] for step in by_step.values())
-        run_seconds = sum(r.seconds or 0.0 for r in runs)
-        lines += ["", "## Wall time (2-core CPU, two runs at a time, one thread each)", "",
-                  markdown_table(["step", "wall time (min)", "command"], [[s["step"], f"{s['seconds'] / 60:.1f}", f"`{s['command']}`"] for s in by_step.values()]),
-                  "", f"Whole study: {total / 60:.1f} min of wall time logged; {run_seconds / 60:.1f} min summed over the runs' own fit times, "
-                  f"about {run_seconds / 60 / PARALLEL_RUNS:.1f} min of wall time at two runs at a time (an estimate that also counts runs finished in "
-                  "an earlier call of a step, and time other jobs took from the runs). By part: "
-                  + ", ".join(f"{part} {sum(r.seconds or 0.0 for r in study.parts[part]) / 60:.1f} min ({len(study.parts[part])} runs)"
-                              for part in PARTS if study.parts[part]) + "."]
+        lines += [markdown_table(["step", "wall time (min)", "command"], [[s["step"], f"{s['seconds'] / 60:.1f}", f"`{s['command']}`"] for s in by_step.values()]),
+                  "", f"Whole study: {total / 60:.1f} min of wall time logged; {run_seconds / 60:.1f} min summed over the runs' own fit "
+                  f"times, about {run_seconds / 60 / PARALLEL_RUNS:.1f} min of wall time at two runs at a time (an estimate that also counts "
+                  "runs finished in an earlier call of a step, and time other jobs took from the runs). " + by_part]
+    else:
+        lines += ["", "## Wall time", "", f"No log of the steps' wall time (`{times.name}`, which a study's script writes beside its "
+                  f"runs) in this folder. The runs' own fit times sum to {run_seconds / 60:.1f} min. " + by_part]
     output.mkdir(parents=True, exist_ok=True)
     lines += ["", "## Each part's tables", "", *(f"- [{part}]({part}/report.md): `{study.command(part)}`" for part in PARTS if study.parts[part])]
     (output / "verdicts.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
