@@ -298,7 +298,7 @@ def test_sigterm_stops_a_sequential_sweep_instead_of_starting_the_next_run(tmp_p
 def test_a_rerun_resumes_from_the_newest_full_state_never_final(tmp_path):
     import os
 
-    from kdlab.study.sweep import _prepare
+    from kdlab.study.run_folder import prepare as _prepare
 
     checkpoints = tmp_path / "run" / "checkpoints"
     checkpoints.mkdir(parents=True)

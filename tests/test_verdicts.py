@@ -270,6 +270,10 @@ def test_a_scalar_difference_is_paired_on_shared_seeds_and_welch_otherwise(tmp_p
     welch = scipy_stats.ttest_ind([0.0, 3.0, 9.0], [-0.1, 0.0, 0.1], equal_var=False)
     assert f"df {welch.df:.1f}" in unpaired.how and welch.df < 2.01  # one noisy side: Welch's df is close to its n - 1
     assert (unpaired.low, unpaired.high) == pytest.approx(tuple(welch.confidence_interval(0.95)))
+    # a seed one configuration lacks: the seeds they share stay paired (formerly the whole contrast went unpaired)
+    lost = seed_values_effect([(1.0, {42: 0.0, 43: 3.0, 44: 9.0, 45: 1.0}), (-1.0, {42: -0.1, 43: 0.0, 44: 0.1})])
+    assert "paired t over 3 seeds (df 2); left out: 1 runs whose seed not every configuration has" in lost.how
+    assert (lost.low, lost.high) == pytest.approx(tuple(paired.confidence_interval(0.95)))
 
 
 def test_forgetting_needs_the_high_lr_drop_beyond_the_margin_and_compares_the_papers_magnitude(tmp_path):

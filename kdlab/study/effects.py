@@ -83,23 +83,25 @@ def _per_seed(group: Group, metric: str) -> dict[Any, float]:
 
 def seed_values_effect(values: list[tuple[float, dict[Any, float]]], unit: str = "",
                        within: list[dict[Any, float]] | None = None) -> Effect | None:
-    """``sum w * mean`` of per-seed values ``(w, {seed: value})``: when every configuration has the same seeds (a
-    paired design) a t interval over the seeds' contrasts (``n - 1`` df), else Welch's t over the seeds with
+    """``sum w * mean`` of per-seed values ``(w, {seed: value})``: on the seeds every configuration has, when there are
+    two or more (a paired design; the other seeds' runs left out, as ``how`` says), a t interval over the seeds'
+    contrasts (``n - 1`` df), else Welch's t over the seeds with
     Welch-Satterthwaite df (:func:`~kdlab.study.stats.t_contrast`); None without two seeds in every configuration.
     ``within`` (one ``{seed: variance}`` per term): each value's own sampling variance, a floor under the seeds'
     variance (the between-seed variance holds it in expectation, but few seeds at a share of 0 or 1 can show none)."""
     if any(len(by_seed) < 2 for _, by_seed in values):
         return None
-    seeds = [sorted(map(str, by_seed)) for _, by_seed in values]
     floors = within or [{} for _ in values]
-    if all(s == seeds[0] for s in seeds):
-        keys = sorted(values[0][1], key=str)
+    keys = [key for key in sorted(values[0][1], key=str) if all(key in by_seed for _, by_seed in values)]  # the shared seeds
+    if len(keys) >= 2:
         contrasts = [sum(w * by_seed[key] for w, by_seed in values) for key in keys]
         estimate = statistics.fmean(contrasts)
         floor = statistics.fmean(sum(w * w * f.get(key, 0.0) for (w, _), f in zip(values, floors)) for key in keys)
         variance = max(statistics.variance(contrasts), floor)
+        left = sum(len(by_seed) - len(keys) for _, by_seed in values)
         interval = t_interval(estimate, math.sqrt(variance / len(keys)), len(keys) - 1,
-                              f"paired t over {len(keys)} seeds{unit} (df {len(keys) - 1})")
+                              f"paired t over {len(keys)} seeds{unit} (df {len(keys) - 1})"
+                              + (f"; left out: {left} runs whose seed not every configuration has" if left else ""))
     else:
         parts, estimate = [], 0.0
         for (weight, by_seed), floor in zip(values, floors):

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from kdlab.study import launch
 from kdlab.study.grid import FILE_KEYS as SWEEP_KEYS
 from kdlab.study.grid import Sweep, expand, read_mapping_file
 from kdlab.study.sweep import RunFailed, UnknownRun, run_one, run_sweep, write_commands
@@ -202,6 +203,7 @@ def stage_command(pipeline_file: str, stage: str) -> Callable[[str], list[str]]:
 def run_pipeline(pipeline: Pipeline, pipeline_file: str) -> list[dict[str, Any]]:
     """Run both stages (or print their commands: a stage's ``mode: print``); returns every run record
     (distillation first), each with its ``stage``."""
+    launch.refuse_several("kdlab pipeline")
     for name in without_checkpoint(pipeline):
         print(f"[pipeline] {name}: finished without checkpoints/{pipeline.checkpoint} (an archived run?); running it again to write it", file=sys.stderr)
         Path(pipeline.distill.output, name, "DONE").unlink()
@@ -271,7 +273,7 @@ def run_one_of(pipeline: Pipeline, pipeline_file: str, target: str) -> str:
     if stage == "distill" and rest and "/" not in rest:
         if rest in without_checkpoint(pipeline):
             print(f"[pipeline] {rest}: finished without checkpoints/{pipeline.checkpoint} (an archived run?); running it again to write it", file=sys.stderr)
-            Path(pipeline.distill.output, rest, "DONE").unlink()
+            Path(pipeline.distill.output, rest, "DONE").unlink(missing_ok=True)  # every rank of a launch may get here
         return run_one(pipeline.distill, pipeline_file, rest)
     distilled, _, name = rest.partition("/")
     chains = {run.name for run in expand(pipeline.distill) if pipeline.chains_from(run)}
@@ -315,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         records = run_pipeline(pipeline, options.config)
+    except ValueError as error:  # settings found wrong before any run started (a launch of several processes)
+        parser.error(str(error))
     except KeyboardInterrupt:
         print("[pipeline] interrupted; run the same command again to continue", file=sys.stderr)
         raise SystemExit(130) from None

@@ -28,26 +28,29 @@ fit is done, is measured by ``python -m kdlab.cli forgetting --run <output>/<nam
 every mode (``print`` and ``slurm`` through ``--run``, which does the same). A run counts as done when it
 has ``DONE`` and ``forgetting.json``; a run done but not yet measured is measured without fitting again.
 A failed measurement marks the run failed (its ``DONE`` stays: the next sweep measures it again).
+
+A ``--run`` line launched as several processes (the SLURM tasks of a multi-GPU run, or torchrun) is one multi-process
+fit in which rank 0 alone prepares the folder, marks it done and measures forgetting (:mod:`kdlab.study.launch`); a
+whole sweep in such a launch is refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 import traceback
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from kdlab.study import launch
+from kdlab.study.run_folder import mark_done, newest_checkpoint, prepare, write_json
 from kdlab.study.grid import MODES, Run, Sweep, expand, fit_args, load_sweep
 
 
@@ -58,55 +61,6 @@ class RunFailed(RuntimeError):
 
 class UnknownRun(ValueError):
     """A run name that is not a run of the sweep (or pipeline) it was asked of."""
-
-
-def _prepare(run_dir: Path) -> str | None:
-    """The checkpoint to resume from: the newest full training state in ``checkpoints/`` (``on_exception.ckpt``,
-    which a run stopped by an exception or SIGTERM saves, ``last.ckpt``, or a ``ModelCheckpoint`` file such as
-    ``epoch=0-step=60.ckpt``, a file or a sharded checkpoint's folder; never the weights-only ``final.ckpt``), or
-    None after moving what an unfinished run left behind aside (:func:`move_aside`). A run killed outright (SIGKILL, a lost machine) while
-    its end-of-fit evaluations ran thus resumes from the last step's checkpoint and evaluates again, instead of
-    losing its training."""
-    folder = run_dir / "checkpoints"
-    saved = [path for path in folder.glob("*.ckpt") if path.name != "final.ckpt" and path.exists()] if folder.is_dir() else []
-    if saved:
-        return str(max(saved, key=lambda path: path.stat().st_mtime))
-    if run_dir.exists():
-        move_aside(run_dir)
-    return None
-
-
-def move_aside(run_dir: Path) -> Path | None:
-    """Clear ``run_dir`` for a fresh start without losing what it holds: a folder with any file in it is
-    renamed to ``<name>.unresumable-<UTC time>`` beside it (and said so on stderr); one with no file at all
-    is removed. Returns where it went (``None``: nothing was kept)."""
-    if not any(path.is_file() for path in run_dir.rglob("*")):
-        shutil.rmtree(run_dir)
-        return None
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-    target = run_dir.with_name(f"{run_dir.name}.unresumable-{stamp}")
-    run_dir.rename(target)
-    print(f"kdlab sweep: {run_dir} has no checkpoint to resume from; moved aside to {target} and started afresh", file=sys.stderr, flush=True)
-    return target
-
-
-def _write_json(path: Path, data: Any) -> None:
-    partial = path.with_name(path.name + ".partial")  # never leave half a file behind on interruption
-    partial.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
-    partial.replace(path)
-
-
-def _mark_done(run_dir: Path, run: Run, started: float, resumed_from: str | None, **extra: Any) -> None:
-    summary = {
-        "name": run.name,
-        "seed": run.seed,
-        "settings": run.settings,
-        "resumed_from": resumed_from,
-        "seconds": round(time.time() - started, 2),
-        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        **extra,
-    }
-    _write_json(run_dir / "DONE", summary)
 
 
 def _fit_in_process(args: list[str]) -> int:
@@ -191,7 +145,7 @@ class _Sweeper:
             "mode": self.sweep.mode,
             "runs": self.records,
         }
-        _write_json(self.output / "sweep.json", index)
+        write_json(self.output / "sweep.json", index)
 
     def pending(self) -> list[tuple[Run, dict[str, Any]]]:
         return [(run, record) for run, record in zip(self.runs, self.records) if record["status"] == "pending"]
@@ -219,14 +173,26 @@ class _Sweeper:
         )
 
     def run_in_process(self, run: Run, record: dict[str, Any], position: str = "") -> None:
+        """Fit ``run`` here (resuming from its newest checkpoint), mark it done and measure its forgetting. One process of
+        a multi-process launch (:mod:`kdlab.study.launch`): only rank 0 prepares the folder, marks and measures; the
+        other ranks fit from the checkpoint rank 0 chose."""
         run_dir = self.output / run.name
+        me = launch.current()
         if (run_dir / "DONE").is_file():  # fitted; forgetting not measured yet
-            self.measure_forgetting(run, record)
+            if me.rank == 0:
+                self.measure_forgetting(run, record)
             return
-        resume = _prepare(run_dir)
+        note = self.output / ".launches" / f"{run.name}.json"
+        try:
+            resume = launch.agree_on_start(me, note, lambda: prepare(run_dir), lambda: newest_checkpoint(run_dir))
+        except RuntimeError as error:
+            record.update(status="failed", error=str(error))
+            print(f"[sweep] {run.name}: FAILED: {error}", file=sys.stderr, flush=True)
+            return
         record.update(status="running", resumed_from=resume)
         record.pop("error", None)
-        print(f"[sweep] {position}{run.name}: fit" + (f" (resuming from {resume})" if resume else ""), flush=True)
+        where = f" (rank {me.rank} of {me.world})" if me.several else ""
+        print(f"[sweep] {position}{run.name}: fit{where}" + (f" (resuming from {resume})" if resume else ""), flush=True)
         started = time.time()
         try:
             step = _fit_in_process(fit_args(self.sweep, run, resume))
@@ -238,8 +204,12 @@ class _Sweeper:
             record.update(status="failed", error=f"{type(error).__name__}: {error}")
             print(f"[sweep] {run.name}: FAILED: {record['error']}", file=sys.stderr, flush=True)
             return
-        _mark_done(run_dir, run, started, resume, global_step=step)
         record["status"] = "done"
+        if me.rank != 0:
+            print(f"[sweep] {run.name}: rank {me.rank} fitted; rank 0 marks the run done", flush=True)
+            return
+        mark_done(run_dir, run, started, resume, global_step=step)
+        launch.finish(me, note)
         print(f"[sweep] {run.name}: done in {time.time() - started:.1f}s", flush=True)
         self.measure_forgetting(run, record)
 
@@ -265,7 +235,7 @@ class _Sweeper:
                         self.measure_forgetting(run, record)
                         self.write_index()
                         continue
-                    resume = _prepare(run_dir)
+                    resume = prepare(run_dir)
                     run_dir.mkdir(parents=True, exist_ok=True)
                     log = (run_dir / "fit.log").open("a", encoding="utf-8")
                     command = [sys.executable, "-m", "kdlab.cli", *fit_args(self.sweep, run, resume)]
@@ -334,7 +304,7 @@ class _Sweeper:
     def _finish_process(self, run: Run, record: dict[str, Any], returncode: int, started: float) -> None:
         run_dir = self.output / run.name
         if returncode == 0:
-            _mark_done(run_dir, run, started, record.get("resumed_from"))
+            mark_done(run_dir, run, started, record.get("resumed_from"))
             record["status"] = "done"
             print(f"[sweep] {run.name}: done in {time.time() - started:.1f}s", flush=True)
             self.measure_forgetting(run, record)  # waits: lm-eval takes the GPUs a next fit would
@@ -390,6 +360,7 @@ def run_sweep(sweep: Sweep, sweep_file: str, run_command: Callable[[str], list[s
     ``sweep.json`` records the runs left. ``run_command(name)``: print mode's command for one run (default
     ``python -m kdlab.cli sweep --config <sweep_file> --run <name>``; a pipeline's stages name their own).
     """
+    launch.refuse_several(f"kdlab sweep --mode {sweep.mode}")
     sweeper = _Sweeper(sweep, sweep_file, run_command)
     if sweep.mode == "print":
         sweeper.print_commands()
