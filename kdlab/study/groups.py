@@ -113,8 +113,10 @@ class Group:
     def compute_interval(self, metric: str, draws: int = 2000) -> tuple[float, float, str] | None:
         """A 95% interval of the metric's mean over the configuration's seeds, with how it was made:
         ``val/accuracy`` and ``val/pass@k`` by bootstrap over problems (and samples, for the accuracy) of each seed's last
-        evaluation (``samples/val-*.jsonl``); ``coverage/<name>/pass@1`` by a Wilson interval over the
-        callback's examples x samples (correlated samples of one problem make it a little narrow);
+        evaluation (``samples/val-*.jsonl``), the trained models held fixed (the seeds' spread is the standard deviation
+        shown beside it; the verdicts' seed-level intervals cover both); ``coverage/<name>/pass@1`` by a Wilson interval over
+        the callback's examples x samples pooled over the seeds, as if every draw were independent (samples of one problem
+        agree more than that, and seeds differ, so it is too narrow: descriptive only);
         ``style/spanish_share`` by a Wilson interval over the answers judged, pooled over the seeds (the
         seeds' own variance left out: the verdicts' t interval over seeds has it); None otherwise."""
         if metric == "val/accuracy" or re.fullmatch(r"val/pass@\d+", metric):
