@@ -1,4 +1,5 @@
 import math
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -459,3 +460,53 @@ def test_the_logged_gradient_norm_is_the_one_before_grad_clip(tiny_pair, tmp_pat
     trainer.fit(module)
     assert float(trainer.callback_metrics["train/grad_norm"]) > 10 * clip
     assert seen == pytest.approx([clip], rel=1e-3)
+
+
+def test_a_group_of_equal_rewards_gets_advantage_zero_whatever_the_reward():
+    """fp32's mean of eight 2.1s is not 2.1: before, its residue over a std of the same residue gave all eight
+    members one advantage (-0.19 for 2.1), pushing the whole group down."""
+    for reward in (2.1, 0.3, 0.1, 2.0, 0.0):
+        assert torch.count_nonzero(group_advantages(torch.full((8,), reward), 8)) == 0, reward
+    assert group_advantages(torch.tensor([2.1, 2.1, 2.1, 0.1]), 4).tolist() == pytest.approx([0.5, 0.5, 0.5, -1.5], abs=1e-5)  # eps 1e-6 in the std
+
+
+def test_over_two_ranks_each_divides_by_the_mean_token_count_so_the_step_is_dapos_token_mean(tmp_path):
+    """Two gloo processes (DDP), each with its own completions: every DAPO loss divides by the mean over the ranks
+    of their tokens, so the averaged gradient is the sum over all tokens / all tokens (before: each rank's own count,
+    which weighs a token on the rank of shorter completions more)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    worker = Path(__file__).parent / "grpo_ranks_worker.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(worker), str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"tokens-rank{r}.json").read_text()) for r in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1]) >= 1
+    for zero, one in zip(*ranks):
+        assert zero["divided_by"] == one["divided_by"] == pytest.approx((zero["own"] + one["own"]) / 2)
+    assert any(zero["own"] != one["own"] for zero, one in zip(*ranks)), "the ranks' completions should differ in length"
+    # the algebra: each rank's sum / the mean count, averaged over the ranks, is the sum over all tokens / all tokens
+    logprobs = torch.randn(2, 6, requires_grad=True)
+    masks = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    advantages = torch.tensor([1.0, -0.5])
+    whole, _ = dapo_loss(logprobs, logprobs.detach(), advantages, masks)
+    mean = float(masks.sum()) / 2
+    parts = [dapo_loss(logprobs[r:r + 1], logprobs.detach()[r:r + 1], advantages[r:r + 1], masks[r:r + 1], num_tokens=mean)[0] for r in (0, 1)]
+    assert float(sum(parts) / 2) == pytest.approx(float(whole))
+
+
+def test_the_paper_rlvr_presets_take_one_step_per_rollout_batch_so_their_ratios_are_one():
+    """What the presets' headers say: mini_batches is 1 (GRPOModule's default; the presets do not set it), so every
+    mini-batch is the first, trained on-policy (``old = logprobs.detach()``): every ratio is 1 and the clip never binds."""
+    import inspect
+
+    import yaml
+
+    assert inspect.signature(GRPOModule.__init__).parameters["mini_batches"].default == 1
+    for path in sorted((Path(__file__).parents[1] / "experiments" / "paper" / "rlvr").glob("countdown4-*.yaml")):
+        config = yaml.safe_load(path.read_text())
+        assert config["model"]["init_args"].get("mini_batches", 1) == 1, path
+        assert "every importance ratio is 1" in path.read_text()

@@ -11,7 +11,15 @@ Per rollout batch of ``batch_size`` prompts:
 4. the rows are split into ``mini_batches`` consecutive mini-batches (whole groups), and each one
    takes one optimiser step on the DAPO loss (:func:`dapo_loss`); the first mini-batch is on-policy
    (ratio 1), later ones are importance-weighted against pi_old, the policy before this batch's first
-   step, whose log-probs the training model recomputes.
+   step, whose log-probs the training model recomputes. With ``mini_batches: 1`` (the default and the
+   paper presets') every ratio is 1, so the clip range never binds and the step is a token-mean policy
+   gradient with group-normalised advantages.
+
+DAPO's dynamic sampling (drawing more groups until every group's rewards differ) is not implemented: a group
+whose rewards are all equal gets advantage 0 and adds nothing to the loss's sum, but its tokens still count in
+the token mean, so the step shrinks with the share of such groups (as TRL's ``loss_type="dapo"`` does);
+``rlvr/zero_variance_groups`` logs that share. Over data-parallel ranks the token mean is over every rank's
+tokens (:meth:`GRPOModule.tokens_per_rank`).
 
 An engine that samples with other numerics or stale weights (vLLM, whose log-probs are its own and are
 taken after its top-p truncation; ``sync_every > 1``) reports its sampling log-probs q. They are never used
@@ -79,7 +87,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if scale_by_std:
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
-    return centred.reshape(-1)
+    # exactly 0 where every reward is the same: fp32's mean of e.g. 2.1s is not 2.1, and its residue over a std of
+    # the same residue would push the whole group one way
+    same = grouped.max(dim=1, keepdim=True).values == grouped.min(dim=1, keepdim=True).values
+    return centred.masked_fill(same, 0.0).reshape(-1)
 
 
 def dapo_loss(
@@ -103,8 +114,10 @@ def dapo_loss(
 
     where ``T`` is the number of completion tokens in the whole (mini-)batch, not a per-sequence mean
     (token-level averaging: long completions weigh by their length), and
-    ``k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1`` is the unbiased, non-negative estimator of
-    KL(policy || reference) used by GRPO (only when ``beta > 0``).
+    ``k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1`` is GRPO's non-negative estimator of KL(policy ||
+    reference) (only when ``beta > 0``). Its value is unbiased for that KL on tokens sampled from the policy, but
+    its gradient as a loss is, in expectation, the gradient of the other direction, KL(reference || policy); from
+    the second mini-batch on the tokens come from pi_old and no ratio corrects it (as in GRPO and TRL).
 
     Args:
         logprobs: ``(B, C)`` log-probs of the sampled tokens under the policy being trained (with grad).
@@ -371,7 +384,7 @@ class GRPOModule(TaskStage):
             optimizer.zero_grad()
             end = min(start + per_mini, rows)
             mini = slice(start, end)
-            tokens = int(mask[mini].sum())
+            tokens = self.tokens_per_rank(mask[mini])
             step = self.micro_batch_size or per_mini
             for micro_start in range(start, end, step):
                 micro = slice(micro_start, min(micro_start + step, end))
@@ -409,6 +422,17 @@ class GRPOModule(TaskStage):
             self.log("rlvr/engine_ratio", totals["engine_ratio"] / count, batch_size=size)
             self.log("rlvr/engine_kl", totals["engine_kl"] / count, batch_size=size)
         self._log_records("train", size)
+
+    def tokens_per_rank(self, mask: torch.Tensor) -> float:
+        """DAPO's ``T`` for this rank's share of the loss: the mini-batch's completion tokens ``mask`` ``(B, C)`` summed over
+        the data-parallel ranks and divided by their number. The ranks' gradients are averaged, so dividing each rank's
+        sum by the mean count makes the step ``sum over every rank's tokens / all their tokens``, DAPO's token-level
+        mean; a rank's own count would weigh a token on a rank of short completions more."""
+        count = mask.sum().float()
+        trainer = self._trainer
+        if trainer is None or trainer.world_size == 1:
+            return float(count)
+        return float(trainer.strategy.reduce(count, reduce_op="mean"))
 
     def _all_rows(self, model: torch.nn.Module, rollout: Rollout, rows: int) -> torch.Tensor:
         step = self.micro_batch_size or rows
