@@ -104,13 +104,19 @@ class ReplyTooLarge(ValueError):
     """A reply past the byte limit derived from its request: no retry mends it."""
 
 
+class UnsendableRequest(ValueError):
+    """A request http.client refuses to send (a header value or the path holding a character HTTP forbids): no
+    retry mends it, and its message never quotes the header, which may carry the key."""
+
+
 class Wire:
     """JSON requests to the server at ``url``: each thread keeps its own HTTP/1.1 connection; a request that
     fails (connection error, its deadline of ``timeout_s`` for the whole exchange passed, HTTP 5xx, 408 or
     429, a reply that is not JSON) is retried ``retries`` times, ``backoff_s`` apart (doubled each time,
     with random jitter of up to half), then raises :class:`ServedTeacherError` naming the endpoint (redacted)
     and the attempts made. ``api_key_env`` names the environment variable holding the server's key, read at
-    each request and sent as ``Authorization: Bearer``; the key itself is never stored."""
+    each request and sent as ``Authorization: Bearer`` (:meth:`_headers`); the key itself is never stored, and a
+    request http.client refuses to send is neither retried nor quoted (:class:`UnsendableRequest`)."""
 
     def __init__(self, url: str, timeout_s: float, retries: int, backoff_s: float, api_key_env: str | None = None) -> None:
         self.url, self.timeout_s, self.retries, self.backoff_s = check_url(url), timeout_s, retries, backoff_s
@@ -139,12 +145,20 @@ class Wire:
         return connection
 
     def _headers(self) -> dict[str, str]:
+        """The request's headers, with ``Authorization: Bearer <key>`` when ``api_key_env`` is set: the variable's
+        value without surrounding whitespace (a key file with Windows line endings ends in ``\r``). A key still
+        holding a control or non-ASCII character is refused (:class:`ServedTeacherError` naming the variable,
+        never its value): http.client would refuse the header and quote it in its error."""
         headers = {"Content-Type": "application/json"}
         if self.api_key_env:
-            key = os.environ.get(self.api_key_env)
+            key = (os.environ.get(self.api_key_env) or "").strip()
             if not key:
                 raise ServedTeacherError(f"served teacher {self.where}: ServedTeacher.api_key_env={self.api_key_env!r} names an "
                                          "environment variable that is not set (or empty); export the server's key there")
+            if not (key.isascii() and key.isprintable()):
+                raise ServedTeacherError(f"served teacher {self.where}: the environment variable ServedTeacher.api_key_env={self.api_key_env!r} "
+                                         "names holds a control or non-ASCII character inside the key (not shown here); put the key "
+                                         "alone in it, on one line")
             headers["Authorization"] = f"Bearer {key}"
         return headers
 
@@ -173,7 +187,11 @@ class Wire:
                     connection.sock.settimeout(self.timeout_s)
                 watchdog.start()
                 self._local.sent = getattr(self._local, "sent", 0) + 1
-                connection.request("GET" if data is None else "POST", self._local.base + path, body=data, headers=headers)
+                try:
+                    connection.request("GET" if data is None else "POST", self._local.base + path, body=data, headers=headers)
+                except ValueError:  # http.client's message quotes the refused header, which may be the key
+                    raise UnsendableRequest("http.client refused to send the request: a header or the path holds a character "
+                                            "HTTP does not allow (not shown: a header may carry the key)") from None
                 response = connection.getresponse()
                 body = self._read(response, max_bytes, deadline)
                 if expired.is_set():
@@ -251,6 +269,8 @@ class Wire:
             except ReplyTooLarge as error:
                 last = error
                 break
+            except UnsendableRequest as error:
+                raise ServedTeacherError(f"served teacher {endpoint}: {error}; not sent, not retried") from None
             except (OSError, http.client.HTTPException, ValueError) as error:
                 last = error
         attempts = max(self._local.sent, 1)

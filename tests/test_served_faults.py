@@ -194,6 +194,50 @@ def test_the_key_is_read_from_its_environment_variable_and_sent_as_a_bearer_toke
     assert KEY not in repr(served.__dict__) and KEY not in repr(served._wire.__dict__)
 
 
+def shown(key: str, message: str) -> list[str]:
+    """The runs of 6 or more printable characters of ``key`` that ``message`` repeats."""
+    import re
+
+    return [run for run in re.findall(r"[\x21-\x7e]{6,}", key) if run in message]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_key_reaches_no_message_whatever_its_variable_holds(server, monkeypatch, workers):
+    """A key read with the line ending of a Windows key file (``\\r``, ``\\r\\n``) or spaces around it is stripped and
+    works (http.client refused it, quoting the header, and the wire retried and quoted it again); one holding a control
+    or non-ASCII character inside is refused naming the variable, before anything is sent and without a retry, in
+    this process or a decoding process. The key's text is in no message."""
+    server.api_key = KEY
+    for value in (KEY + "\r", f"  {KEY}\r\n", "\t" + KEY + " "):
+        monkeypatch.setenv("KDLAB_TEST_KEY", value)
+        served = ServedTeacher(server.url, "tiny-teacher", TEACHER, retries=2, backoff_s=0.0, api_key_env="KDLAB_TEST_KEY", decode_workers=workers)
+        served.check(server.tokenizer)
+        assert served.prompt_logprobs_many(PROMPTS, STARTS)[2] == [4, 1]
+    for value in (KEY[:9] + "\r\n" + KEY[9:], KEY + "\x7f", KEY + "\u00e9", KEY[:9] + "\x1b" + KEY[9:]):
+        monkeypatch.setenv("KDLAB_TEST_KEY", value)
+        served = ServedTeacher(server.url, "tiny-teacher", TEACHER, retries=2, backoff_s=0.0, api_key_env="KDLAB_TEST_KEY", decode_workers=workers)
+        server.completions = 0
+        with pytest.raises(ServedTeacherError, match="the environment variable ServedTeacher.api_key_env='KDLAB_TEST_KEY' names holds a control "
+                                                      "or non-ASCII character") as error:
+            served.prompt_logprobs_many(PROMPTS, STARTS)
+        assert shown(value, str(error.value)) == [] and server.completions == 0
+        with pytest.raises(ServedTeacherError) as error:
+            served.check(server.tokenizer)
+        assert "KDLAB_TEST_KEY" in str(error.value) and shown(value, str(error.value)) == []
+
+
+def test_a_header_http_client_refuses_is_not_quoted_and_not_retried(server, monkeypatch):
+    """Whatever header value http.client refuses (here a key past the check above), the error names the endpoint and
+    what happened, never the header's value, and no retry follows (none could send it)."""
+    wire = Wire(server.url, 5.0, 2, 0.0)
+    monkeypatch.setattr(wire, "_headers", lambda: {"Authorization": f"Bearer {KEY}\r\n"})
+    server.completions = 0
+    with pytest.raises(ServedTeacherError, match=rf"served teacher {server.url}/v1/completions: http.client refused to send the request.* "
+                                                  "not sent, not retried") as error:
+        wire.request("/v1/completions", {"model": "tiny-teacher", "prompt": [1, 2, 3], "max_tokens": 1})
+    assert shown(KEY, str(error.value)) == [] and server.completions == 0
+
+
 @pytest.mark.parametrize("url", [f"http://user:{KEY}@127.0.0.1:8000", f"http://127.0.0.1:8000/?key={KEY}",
                                  f"http://127.0.0.1:8000/#{KEY}", f"http://{KEY}@127.0.0.1:8000"])
 def test_a_url_carrying_a_secret_is_refused_without_repeating_it(url):

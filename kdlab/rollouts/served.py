@@ -39,8 +39,9 @@ position, log-probs finite and ``<= 0`` and each position's probabilities summin
 device-side assert or a silently wrong loss.
 
 **Keys.** ``api_key_env`` names the environment variable holding the server's key (``vllm serve --api-key``);
-it is read at each request and sent as a bearer token, never stored. A URL with a user, password, query or
-fragment is refused.
+it is read at each request, stripped of surrounding whitespace and sent as a bearer token, never stored; a key
+with a control or non-ASCII character inside is refused naming the variable, and no error quotes a header. A URL
+with a user, password, query or fragment is refused.
 
 **Cost.** Connections are kept open (HTTP/1.1, one per request thread). Scoring replies are received and
 decoded by a helper process (``decode_workers``, :mod:`kdlab.served_workers`): by ``orjson`` when it is installed
