@@ -153,7 +153,7 @@ class ServedRollouts(SyncedEngine):
             raise ValueError(f"ServedRollouts: vLLM samples at temperature 0 or in {list(VLLM_TEMPERATURES)}, got student_temperature={temperature}")
         self.check()
         seed, length, ends = context.seed if context.seed is not None else 0, context.max_new_tokens, [int(t) for t in context.eos_token_ids]
-        rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.student_ids, prompts.student_mask)]
+        rows = prompts.prompt_tokens("student")
 
         def one(item: tuple[int, list[int]]) -> tuple[list[int], list[float]]:
             row, prompt = item
