@@ -1,8 +1,8 @@
 """What a served teacher's replies may hold, checked in the training process before any array or tensor is
 made of them (:mod:`kdlab.served_wire` reads the replies): ids in ``[0, V)`` and none twice at a position,
 log-probs finite and at most 0, each position's probabilities summing to at most 1 (both up to
-:data:`LOGPROB_TOLERANCE`), at most ``top_k + 1`` entries per position, choice indices exactly ``0..n-1``,
-sampled completions of at most ``max_tokens`` ids. Each check raises ``ValueError`` naming the field, which
+:data:`LOGPROB_TOLERANCE`), at most ``top_k + 1`` entries per position, each position holding the prompt's own
+token, choice indices exactly ``0..n-1``, sampled completions of at most ``max_tokens`` ids. Each check raises ``ValueError`` naming the field, which
 the wire turns into a :class:`~kdlab.served_wire.ServedTeacherError` naming the endpoint. No torch.
 """
 
@@ -55,6 +55,22 @@ def check_values(ids: np.ndarray, values: np.ndarray, lengths: np.ndarray, vocab
     np.add.at(mass, row, np.exp(values))
     if float(mass.max()) > 1.0 + LOGPROB_TOLERANCE:
         raise ValueError(f"prompt_logprobs: a position's probabilities sum to {float(mass.max()):.6g} > 1")
+
+
+def check_own_tokens(positions: list[Any], prompt: list[int], start: int, which: int) -> None:
+    """A ``prompt_logprobs`` reply's ``positions`` (one per token of ``prompt``, the first ``None``) for prompt number
+    ``which`` of its request: each position ``j >= max(start, 1)`` must hold an entry for the prompt's own token ``j``,
+    which vLLM always includes, besides the K most likely. Else ``ValueError`` naming the first position without
+    it: a reply computed on another prompt (a server or proxy that mixed up its requests). With ``top_k`` -1 every
+    token is at every position, so a reply for another prompt of the same length passes this check."""
+    first = max(start, 1)
+    rows, names = positions[first:], [str(token) for token in prompt[first:]]
+    if all(type(row) is dict for row in rows) and all(map(dict.__contains__, rows, names)):
+        return
+    for j, (row, name) in enumerate(zip(rows, names), first):
+        if type(row) is not dict or name not in row:
+            raise ValueError(f"prompt_logprobs of prompt {which}: position {j} holds no entry for the prompt's own token {name} "
+                             "(vLLM always sends it): a reply for another prompt")
 
 
 def ordered_choices(reply: dict[str, Any], count: int) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kdlab.served_replies import check_entries, check_values, ordered_choices
+from kdlab.served_replies import check_entries, check_own_tokens, check_values, ordered_choices
 
 try:  # decodes vLLM's replies about three times faster than json
     from orjson import loads as json_loads
@@ -317,7 +317,8 @@ def prompt_logprobs_many(wire: Wire, model: str, top_k: int, prompts: list[list[
                          vocabulary: int | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """The server's untempered top-K ``(ids, log-probs)`` at positions ``starts[i]..`` of each of ``prompts``, from
     one ``/v1/completions`` request (``prompt_logprobs``): their rows one after another, and how many each has.
-    Every reply is checked before use (:func:`ranked_topk`, :func:`ordered_choices`; ids below ``vocabulary``)."""
+    Every reply is checked before use (:func:`ranked_topk`, :func:`ordered_choices`; ids below ``vocabulary``; each
+    position holding the prompt's own token: :func:`~kdlab.served_replies.check_own_tokens`)."""
 
     def read(reply: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, list[int]]:
         if reply.get("model") not in (None, model):
@@ -331,6 +332,8 @@ def prompt_logprobs_many(wire: Wire, model: str, top_k: int, prompts: list[list[
                                  f"for a {len(prompt)}-token prompt")
             rows += positions[start:]
         ids, values = ranked_topk(rows, top_k, vocabulary)
+        for which, (choice, prompt, start) in enumerate(zip(choices, prompts, starts)):
+            check_own_tokens(choice["prompt_logprobs"], prompt, start, which)
         return ids, values, [len(prompt) - start for prompt, start in zip(prompts, starts)]
 
     return wire.request("/v1/completions", {"model": model, "prompt": prompts if len(prompts) > 1 else prompts[0], "max_tokens": 1,

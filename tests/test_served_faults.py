@@ -77,6 +77,7 @@ SCORING_FAULTS = {
     "too_many_entries": "more than the 21 asked for",
     "wrong_model": "answered for model 'another-model'",
     "huge_reply": "more than the .* this request can need",
+    "other_prompt": r"position \d+ holds no entry for the prompt's own token \d+ \(vLLM always sends it\): a reply for another prompt",
 }
 
 
@@ -89,6 +90,23 @@ def test_each_scoring_reply_fault_is_a_named_error_on_the_host(server, fault, wo
     with pytest.raises(ServedTeacherError, match=rf"served teacher {server.url}/v1/completions: .*({SCORING_FAULTS[fault]})"):
         served.prompt_logprobs_many(PROMPTS, STARTS)
     assert time.monotonic() - started < 10.0
+
+
+def test_a_reply_scored_on_another_prompt_is_refused_naming_the_position(server):
+    """The server scores another prompt of the same length (each token id + 1: a server or proxy that mixed up its
+    requests). Every position of vLLM's reply holds the scored prompt's own token; the first position of ours
+    without it is named, in either prompt of the request (before, the other prompt's log-probs were accepted).
+    With top_k -1 every token is at every position: such a reply cannot be told apart, and passes."""
+    served = teacher(server, top_k=5)
+    server.faults = {"other_prompt"}
+    with pytest.raises(ServedTeacherError, match=r"/v1/completions: a reply vLLM would not give \(prompt_logprobs of prompt 0: position 1 "
+                                                  r"holds no entry for the prompt's own token 2 \(vLLM always sends it\): a reply for another prompt\)"):
+        served.prompt_logprobs_many(PROMPTS, STARTS)
+    with pytest.raises(ServedTeacherError, match=r"prompt_logprobs of prompt 0: position 4 holds no entry for the prompt's own token 5"):
+        served.prompt_logprobs_many([PROMPTS[0]], [4])  # only the positions asked for are read, and checked
+    with pytest.raises(ServedTeacherError, match=r"prompt_logprobs of prompt 1: position 2 holds no entry for the prompt's own token 8"):
+        served.prompt_logprobs_many([[1, 2], PROMPTS[1]], [2, 2])  # no position of prompt 0 asked for
+    assert teacher(server, top_k=-1).prompt_logprobs_many(PROMPTS, STARTS)[2] == [4, 1]
 
 
 @pytest.mark.parametrize("fault, field", [("long_sample", "more than max_tokens=4"), ("sample_out_of_range", "token id 353 outside"),

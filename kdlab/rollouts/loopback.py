@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from kdlab.rollouts.loopback_faults import FAULTS  # noqa: F401 - the switches, by their old path too
+from kdlab.rollouts.loopback_faults import FAULTS, other_prompts  # noqa: F401 - FAULTS: the switches, by their old path too
 from kdlab.rollouts.loopback_reply import completion_reply
 from kdlab.rollouts.loopback_weights import WeightCall, WeightPushes
 
@@ -210,6 +210,8 @@ class LoopbackServer:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
+                if "other_prompt" in fault:
+                    payload = other_prompts(payload, server.columns)
                 try:
                     body = server.answer(payload, "another-model" if "wrong_model" in fault else server.name, fault, self._queued)
                 except Exception as error:  # noqa: BLE001 - the client sees a 500, as from vLLM

@@ -16,6 +16,7 @@ FAULTS = {
     "too_many_entries": "a position with K + 2 entries", "long_sample": "a sample one token past max_tokens",
     "sample_out_of_range": "a sampled id the vocabulary's size", "huge_reply": "a reply past the request's byte limit",
     "trickle": "the reply one byte every 0.2 s", "hang_up": "closes the connection without a reply",
+    "other_prompt": "scores another prompt of the same length (each token id + 1)",
 }
 """The fault switches (``LoopbackServer.faults``), each a defect of a reply the client must refuse, naming it."""
 
@@ -58,3 +59,12 @@ def faulty_reply(faults: set[str], columns: int, reply: dict[str, Any], max_toke
     if "huge_reply" in faults:
         reply["padding"] = "x" * (8 << 20)
     return json.dumps(reply).encode()
+
+
+def other_prompts(payload: dict[str, Any], columns: int) -> dict[str, Any]:
+    """``payload`` with each prompt token ``t`` replaced by ``(t + 1) % columns``: a completions request for other
+    prompts of the same lengths (the ``other_prompt`` fault: a server or proxy that mixed up its requests)."""
+    prompt = payload["prompt"]
+    listed = bool(prompt) and isinstance(prompt[0], list)
+    shifted = [[(int(t) + 1) % columns for t in one] for one in (prompt if listed else [prompt])]
+    return {**payload, "prompt": shifted if listed else shifted[0]}

@@ -34,7 +34,8 @@ error. Lightning then writes the exception checkpoint; the last periodic checkpo
 **Every reply is checked** on the host before a tensor is made of it (:mod:`kdlab.served_replies`): choice
 indices exactly ``0..n-1``, at most ``K + 1`` entries per position, ids in ``[0, V)`` and none twice at a
 position, log-probs finite and ``<= 0`` and each position's probabilities summing to at most 1 (both up to
-:data:`~kdlab.served_replies.LOGPROB_TOLERANCE`), sampled completions of at most ``max_tokens`` ids in
+:data:`~kdlab.served_replies.LOGPROB_TOLERANCE`), each position holding the prompt's own token (a reply
+scored on another prompt lacks it), sampled completions of at most ``max_tokens`` ids in
 ``[0, V)``; a reply that fails is a :class:`ServedTeacherError` naming the endpoint and the field, never a
 device-side assert or a silently wrong loss.
 
