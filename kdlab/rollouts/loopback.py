@@ -9,7 +9,8 @@ Endpoints and fields are vLLM's (``GET /v1/models``; ``POST /tokenize``; ``POST 
 (``logprobs_mode`` does not apply to prompt tokens), each position a ``{token id: {"logprob", "rank",
 "decoded_token"}}`` dict of the K most likely tokens (ranks 1..K) plus the prompt's own token (its rank: the
 tokens at least as likely), the first position ``None``, ``-inf`` written as -9999.0. HTTP/1.1, so a client
-keeps its connections open, as with vLLM's server.
+keeps its connections open, as with vLLM's server; the HTTP side (each connection's handler) is
+:mod:`kdlab.rollouts.loopback_http`, the model's work this module's worker thread.
 
 **Batching, as vLLM does.** One worker thread runs the model. The prompts of the scoring requests
 (``max_tokens: 1``) that are waiting when it becomes free, up to ``max_batch`` requests, go through one
@@ -47,25 +48,23 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import queue
-import socket
 import threading
 import time
 from collections import deque
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from kdlab.rollouts.loopback_faults import FAULTS, other_prompts  # noqa: F401 - FAULTS: the switches, by their old path too
+from kdlab.rollouts.loopback_faults import FAULTS  # noqa: F401 - the switches, by their old path too
+from kdlab.rollouts.loopback_http import MAX_REQUEST_BYTES, LoopbackHandler  # noqa: F401 - the limit, by its old path too
 from kdlab.rollouts.loopback_reply import completion_reply
 from kdlab.rollouts.loopback_weights import WeightCall, WeightPushes
 
-MAX_REQUEST_BYTES = 64 << 20
 
 
 class _Job:
@@ -110,125 +109,8 @@ class LoopbackServer:
         self.flight, self.in_flight, self.most_in_flight = threading.Lock(), 0, 0  # completions requests being answered at once (most: since reset)
         self.batches: list[int] = []  # prompts per forward batch the worker ran (scoring or sampling)
         self.weights = WeightPushes(self.model, self.jobs)  # /collective_rpc: a student's weights pushed by its trainer
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive: every reply carries its Content-Length
-
-            def setup(self) -> None:
-                super().setup()
-                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a reply's body does not wait for an ACK
-
-            def log_message(self, *args: Any) -> None:  # quiet
-                pass
-
-            def _send(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def _allowed(self) -> bool:
-                if server.api_key is None or self.headers.get("Authorization") == f"Bearer {server.api_key}":
-                    return True
-                self._send(401, b'{"error": "Unauthorized"}')
-                return False
-
-            def do_GET(self) -> None:  # noqa: N802
-                if not self._allowed():
-                    return
-                if self.path == "/tokenizer_info":
-                    self._send(200, json.dumps(server.tokenizer_info()).encode())
-                elif self.path == "/v1/models":
-                    card = {"id": server.name, "object": "model", "created": int(time.time()), "owned_by": "vllm",
-                            "root": server.name, "parent": None, "max_model_len": server.max_model_len, "permission": []}
-                    self._send(200, json.dumps({"object": "list", "data": [card]}).encode())
-                else:
-                    self._send(404, b'{"error": "not found"}')
-
-            def do_POST(self) -> None:  # noqa: N802
-                counted = self.path == "/v1/completions"  # arriving until its job is queued (or it is answered without one)
-                self.queued = False
-                if counted:
-                    server.arrival(+1)
-                try:
-                    self._post()
-                finally:
-                    if counted and not self.queued:
-                        server.arrival(-1)
-
-            def _queued(self) -> None:
-                self.queued = True
-                server.arrival(-1)
-
-            def _post(self) -> None:
-                length = self.headers.get("Content-Length", "0")
-                if not length.isdigit() or int(length) > MAX_REQUEST_BYTES:
-                    self.close_connection = True
-                    self._send(400, b'{"error": "Content-Length missing or too large"}')
-                    return
-                if not self._allowed():
-                    self.rfile.read(int(length))
-                    return
-                try:
-                    payload = json.loads(self.rfile.read(int(length)) or b"{}")
-                    server.check_request(self.path, payload)
-                except (ValueError, TypeError, KeyError) as error:
-                    self._send(400, json.dumps({"error": f"{type(error).__name__}: {error}"}).encode())
-                    return
-                if self.path in ("/collective_rpc", "/reset_prefix_cache"):
-                    try:
-                        server.weights.answer(self.path, payload)
-                    except (ValueError, KeyError, TypeError) as error:
-                        self._send(400, json.dumps({"error": f"{type(error).__name__}: {error}"}).encode())
-                        return
-                    self._send(200, b'{"results": [null]}' if self.path == "/collective_rpc" else b"")
-                    return
-                if self.path == "/tokenize":
-                    tokens = server.tokenizer(payload["prompt"], add_special_tokens=payload.get("add_special_tokens", True))["input_ids"]
-                    self._send(200, json.dumps({"count": len(tokens), "max_model_len": server.max_model_len, "tokens": tokens}).encode())
-                    return
-                if self.path != "/v1/completions":
-                    self._send(404, b'{"error": "not found"}')
-                    return
-                server.completions += 1
-                fault = server.faults if server.completions > server.fault_after else set()
-                if "timeout" in fault:
-                    time.sleep(30)
-                if "error" in fault:
-                    self._send(500, b'{"error": "internal"}')
-                    return
-                if "malformed" in fault:
-                    self._send(200, b'{"choices": [')
-                    return
-                for status in (429, 400):
-                    if f"status_{status}" in fault:
-                        self._send(status, b'{"error": "refused"}')
-                        return
-                if "hang_up" in fault:
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                    return
-                if "other_prompt" in fault:
-                    payload = other_prompts(payload, server.columns)
-                try:
-                    body = server.answer(payload, "another-model" if "wrong_model" in fault else server.name, fault, self._queued)
-                except Exception as error:  # noqa: BLE001 - the client sees a 500, as from vLLM
-                    self._send(500, json.dumps({"error": f"{type(error).__name__}: {error}"}).encode())
-                    return
-                if "trickle" in fault:
-                    self.send_response(200)
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    for byte in range(len(body)):
-                        self.wfile.write(body[byte : byte + 1])
-                        self.wfile.flush()
-                        time.sleep(0.2)
-                    return
-                self._send(200, body)
-
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd = ThreadingHTTPServer((host, port), LoopbackHandler)
+        self.httpd.loopback = self  # what each request's handler answers from
         self.port = self.httpd.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
