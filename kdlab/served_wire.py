@@ -277,23 +277,36 @@ class Wire:
         raise ServedTeacherError(f"served teacher {endpoint}: {last} (after {attempts} attempt(s) of at most {self.timeout_s:g} s)")
 
 
-def ranked_topk(rows: list[dict[str, Any]], top_k: int, vocabulary: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def ranked_topk(rows: list[dict[str, Any]], top_k: int, vocabulary: int | None = None,
+                head_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(ids (n, K) int64, log-probs (n, K) float64)`` of ``prompt_logprobs`` positions ``rows`` (each ``{token
-    id: {logprob, ...}}``: the server's K most likely tokens and the prompt's own): each position's K most
-    likely, most likely first (ties in the server's order), so a prompt token outside the top K drops out;
-    ``top_k`` -1 keeps them all (the fewest any position has). The entries are read by C-level iteration
-    and every position is ranked at once, with no Python loop per entry. Every entry is checked first
-    (:func:`check_entries`, :func:`check_values`; ids below ``vocabulary`` when given): ``ValueError``."""
+    id: {logprob, ...}}``: the server's K most likely rows of the model's output layer and the prompt's own
+    token): each position's K most likely, most likely first (ties in the server's order), so a prompt token
+    outside the top K drops out; ``top_k`` -1 keeps them all (the fewest any position has).
+
+    **Padded output layers.** vLLM answers for every row of the model's output layer (its config's
+    ``vocab_size``, ``head_rows``), which may hold padding rows past the tokenizer's ``vocabulary`` tokens
+    (Qwen2.5: 151,936 rows, 151,665 tokens). Ids in ``[vocabulary, head_rows)`` are dropped after the ranking:
+    their probability stays out of the kept entries, in the mass ``1 - sum`` that a top-K teacher leaves to
+    its other tokens (:func:`kdlab.rollouts.served.tempered_topk`), and each position keeps as many entries as
+    the one with the fewest tokens of the tokenizer among its K (a position whose K are all padding is refused).
+    With ``top_k`` -1 that is every token, whose log-probs the in-process teacher's softmax over the tokenizer's
+    columns matches once normalised over them.
+
+    The entries are read by C-level iteration and every position is ranked at once, with no Python loop per
+    entry. Every entry is checked first (:func:`check_entries`, :func:`check_values`; ids below ``head_rows``,
+    ``vocabulary`` when it is not given): ``ValueError``."""
     width = max(top_k, 0)
     if not rows:
         return np.zeros((0, width), dtype=np.int64), np.zeros((0, width), dtype=np.float64)
-    lengths = check_entries(rows, top_k, vocabulary)
+    limit = head_rows if head_rows is not None else vocabulary
+    lengths = check_entries(rows, top_k, limit)
     shortest, longest, total = int(lengths.min()), int(lengths.max()), int(lengths.sum())
     if top_k > 0 and shortest < top_k:
         raise ValueError(f"{shortest} log-probs at a position, fewer than top_k={top_k}")
     ids = np.fromiter(map(int, chain.from_iterable(rows)), dtype=np.int64, count=total)
     values = np.fromiter(map(float, map(itemgetter("logprob"), chain.from_iterable(map(dict.values, rows)))), dtype=np.float64, count=total)
-    check_values(ids, values, lengths, vocabulary)
+    check_values(ids, values, lengths, limit)
     if shortest != longest:  # pad the shorter positions with -inf, which sorts last
         column = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         at = (np.repeat(np.arange(len(rows)), lengths), column)
@@ -302,23 +315,33 @@ def ranked_topk(rows: list[dict[str, Any]], top_k: int, vocabulary: int | None =
         ids, values = padded_ids, padded_values
     ids, values = ids.reshape(len(rows), longest), values.reshape(len(rows), longest)
     order = np.argsort(-values, axis=1, kind="stable")[:, : top_k if top_k > 0 else shortest]
-    return np.take_along_axis(ids, order, 1), np.take_along_axis(values, order, 1)
+    ids, values = np.take_along_axis(ids, order, 1), np.take_along_axis(values, order, 1)
+    if vocabulary is not None and limit is not None and limit > vocabulary:
+        tokens = ids < vocabulary  # the padding rows' entries drop out; the tokens keep their order
+        kept = int(tokens.sum(1).min())
+        if kept == 0:
+            raise ValueError(f"prompt_logprobs: a position's {ids.shape[1]} most likely rows are all padding rows of the model's "
+                             f"output layer (ids >= {vocabulary}, the tokenizer's tokens): ask for a larger top_k")
+        order = np.argsort(~tokens, axis=1, kind="stable")[:, :kept]
+        ids, values = np.take_along_axis(ids, order, 1), np.take_along_axis(values, order, 1)
+    return ids, values
 
 
-def scoring_bytes(prompts: list[list[int]], top_k: int, vocabulary: int | None) -> int:
+def scoring_bytes(prompts: list[list[int]], top_k: int, head_rows: int | None) -> int:
     """The most bytes a scoring reply for ``prompts`` can need (``BYTES_PER_ENTRY`` per entry, ``top_k + 1``
-    entries per position, or the vocabulary's with ``top_k`` -1, and each prompt's ids echoed)."""
-    entries = top_k + 1 if top_k > 0 else (vocabulary or 1 << 18)
+    entries per position, or the output layer's ``head_rows`` with ``top_k`` -1, and each prompt's ids echoed)."""
+    entries = top_k + 1 if top_k > 0 else (head_rows or 1 << 18)
     tokens = sum(map(len, prompts))
     return BYTES_PER_REPLY + tokens * (entries * BYTES_PER_ENTRY + 32) + len(prompts) * BYTES_PER_ENTRY
 
 
 def prompt_logprobs_many(wire: Wire, model: str, top_k: int, prompts: list[list[int]], starts: list[int],
-                         vocabulary: int | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
+                         vocabulary: int | None = None, head_rows: int | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """The server's untempered top-K ``(ids, log-probs)`` at positions ``starts[i]..`` of each of ``prompts``, from
     one ``/v1/completions`` request (``prompt_logprobs``): their rows one after another, and how many each has.
-    Every reply is checked before use (:func:`ranked_topk`, :func:`ordered_choices`; ids below ``vocabulary``; each
-    position holding the prompt's own token: :func:`~kdlab.served_replies.check_own_tokens`)."""
+    Every reply is checked before use (:func:`ranked_topk`, :func:`ordered_choices`; ids below ``head_rows``, the
+    output layer's rows, and those past the tokenizer's ``vocabulary`` tokens dropped; each position holding the
+    prompt's own token: :func:`~kdlab.served_replies.check_own_tokens`)."""
 
     def read(reply: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, list[int]]:
         if reply.get("model") not in (None, model):
@@ -331,11 +354,11 @@ def prompt_logprobs_many(wire: Wire, model: str, top_k: int, prompts: list[list[
                 raise ValueError(f"prompt_logprobs has {len(positions) if isinstance(positions, list) else positions!r} entries "
                                  f"for a {len(prompt)}-token prompt")
             rows += positions[start:]
-        ids, values = ranked_topk(rows, top_k, vocabulary)
+        ids, values = ranked_topk(rows, top_k, vocabulary, head_rows)
         for which, (choice, prompt, start) in enumerate(zip(choices, prompts, starts)):
             check_own_tokens(choice["prompt_logprobs"], prompt, start, which)
         return ids, values, [len(prompt) - start for prompt, start in zip(prompts, starts)]
 
     return wire.request("/v1/completions", {"model": model, "prompt": prompts if len(prompts) > 1 else prompts[0], "max_tokens": 1,
                                             "prompt_logprobs": top_k, "temperature": 1.0}, read,
-                        max_bytes=scoring_bytes(prompts, top_k, vocabulary))
+                        max_bytes=scoring_bytes(prompts, top_k, head_rows or vocabulary))

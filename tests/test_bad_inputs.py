@@ -140,6 +140,7 @@ NOT_CLI = {  # rows whose input is not a configuration a command line can give, 
     "71": "needs SLURM (detected through a stand-in) and a requeue file (test_resume.py)",
     "72": "a key read from the environment, sent to a loopback server (test_served_faults.py)",
     "73": "a served reply for another prompt: the loopback server's fault switch (test_served_faults.py)",
+    "74": "a served reply for a padded output layer: the loopback server answering as vLLM does (test_served_teacher.py)",
 }
 
 

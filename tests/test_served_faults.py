@@ -49,8 +49,8 @@ def entry(logprob):
 
 # ---- item 1: every reply checked, field named ---------------------------------------------------------
 @pytest.mark.parametrize("rows, field", [
-    ([{"3": entry(-0.1), "-1": entry(-2.0)}], "token id -1 outside the vocabulary"),
-    ([{"3": entry(-0.1), "353": entry(-2.0)}], "token id 353 outside the vocabulary"),
+    ([{"3": entry(-0.1), "-1": entry(-2.0)}], r"token id -1 outside the rows of the served model's output layer \[0, 353\)"),
+    ([{"3": entry(-0.1), "353": entry(-2.0)}], r"token id 353 outside the rows of the served model's output layer \[0, 353\)"),
     ([{"3": entry(-0.1), "03": entry(-2.0)}], "token id 3 appears twice"),
     ([{"3": entry(0.5), "4": entry(-2.0)}], "a logprob of 0.5 > 0"),
     ([{"3": entry(math.nan), "4": entry(-2.0)}], "not finite"),
@@ -66,8 +66,8 @@ def test_a_reply_entry_no_model_gives_is_refused_naming_the_field(rows, field):
 
 
 SCORING_FAULTS = {
-    "id_out_of_range": "token id 353 outside the vocabulary",
-    "negative_id": "token id -1 outside the vocabulary",
+    "id_out_of_range": r"token id 384 outside the rows of the served model's output layer \[0, 384\)",
+    "negative_id": r"token id -1 outside the rows of the served model's output layer \[0, 384\)",
     "repeated_id": "appears twice at one position",
     "positive_logprob": "a logprob of 0.5 > 0",
     "nan_logprob": "not JSON|not finite",
@@ -109,7 +109,7 @@ def test_a_reply_scored_on_another_prompt_is_refused_naming_the_position(server)
     assert teacher(server, top_k=-1).prompt_logprobs_many(PROMPTS, STARTS)[2] == [4, 1]
 
 
-@pytest.mark.parametrize("fault, field", [("long_sample", "more than max_tokens=4"), ("sample_out_of_range", "token id 353 outside"),
+@pytest.mark.parametrize("fault, field", [("long_sample", "more than max_tokens=4"), ("sample_out_of_range", r"token id 384 outside the vocabulary \[0, 353\)"),
                                           ("missing_index", "an index is missing")])
 def test_each_sampling_reply_fault_is_a_named_error(server, fault, field):
     served = teacher(server)
@@ -167,14 +167,14 @@ def test_a_decoding_process_that_never_answers_is_killed_at_its_deadline(server)
     wire = Wire(server.url, 0.5, 0, 0.0)
     workers = DecodeWorkers(1, wire, "tiny-teacher", 20, grace_s=0.5)
     try:
-        assert workers.run(PROMPTS, STARTS, 353)[2] == [4, 1]
+        assert workers.run(PROMPTS, STARTS, 353, 384)[2] == [4, 1]
         (process,) = workers.running
         os.kill(process.pid, signal.SIGSTOP)  # alive, silent
         started = time.monotonic()
         with pytest.raises(ServedTeacherError, match=r"/v1/completions: its decoding process gave no answer within 1 s"):
-            workers.run(PROMPTS, STARTS, 353)
+            workers.run(PROMPTS, STARTS, 353, 384)
         assert time.monotonic() - started < 3.0
-        assert workers.run(PROMPTS, STARTS, 353)[2] == [4, 1]  # a fresh one
+        assert workers.run(PROMPTS, STARTS, 353, 384)[2] == [4, 1]  # a fresh one
     finally:
         workers.close()
 

@@ -8,7 +8,10 @@ Endpoints and fields are vLLM's (``GET /v1/models``; ``POST /tokenize``; ``POST 
 ``temperature``, ``seed``, ``stop_token_ids``, ``return_token_ids``): prompt log-probs come from the raw logits, as vLLM's
 (``logprobs_mode`` does not apply to prompt tokens), each position a ``{token id: {"logprob", "rank",
 "decoded_token"}}`` dict of the K most likely tokens (ranks 1..K) plus the prompt's own token (its rank: the
-tokens at least as likely), the first position ``None``, ``-inf`` written as -9999.0. HTTP/1.1, so a client
+tokens at least as likely), the first position ``None``, ``-inf`` written as -9999.0. As vLLM's, they are over
+every row of the model's output layer (its config's ``vocab_size``): a padded layer's rows past the tokenizer
+(``kdlab://tiny-random/teacher``: 384 rows, 353 tokens) are among a position's top K when likely enough, and all
+of them are there with ``prompt_logprobs: -1``. HTTP/1.1, so a client
 keeps its connections open, as with vLLM's server; the HTTP side (each connection's handler) is
 :mod:`kdlab.rollouts.loopback_http`, the model's work this module's worker thread.
 
@@ -89,7 +92,7 @@ class LoopbackServer:
 
     def __init__(self, model: str, name: str = "teacher", port: int = 0, max_model_len: int = 512, max_batch: int = 64,
                  api_key: str | None = None, host: str = "127.0.0.1", gather_s: float = 0.005) -> None:
-        from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer
+        from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer, output_rows
 
         spec = ModelSpec(model)
         self.model, self.tokenizer = load_causal_lm(spec).eval(), load_tokenizer(spec)
@@ -97,9 +100,10 @@ class LoopbackServer:
         if not gather_s >= 0:
             raise ValueError(f"LoopbackServer.gather_s must be >= 0, got {gather_s!r}")
         self.gather_s = float(gather_s)
-        self.columns = len(self.tokenizer)
-        self.pieces = [self.tokenizer.decode([t]) for t in range(self.columns)]  # each token's text, once
-        self.names = [str(t) for t in range(self.columns)]  # each token's JSON key
+        self.columns = len(self.tokenizer)  # the tokenizer's tokens
+        self.rows = output_rows(self.model)  # the output layer's rows, which vLLM answers for: padding rows past the tokens too
+        self.pieces = [self.tokenizer.decode([t]) for t in range(self.columns)] + [""] * (self.rows - self.columns)  # each row's text, once
+        self.names = [str(t) for t in range(max(self.rows, self.columns))]  # each row's JSON key
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.worker = threading.Thread(target=self._serve_jobs, daemon=True)
         self.faults: set[str] = set()
@@ -250,22 +254,24 @@ class LoopbackServer:
             job.done.set()
 
     def forward(self, prompts: list[list[int]]) -> torch.Tensor:
-        """The prompts' logits ``(B, T, V)`` from one right-padded forward (causal: padding after a prompt
-        does not change its positions)."""
+        """The prompts' logits ``(B, T, R)`` over every row of the output layer (padding rows past the tokenizer's
+        tokens included, as vLLM's) from one right-padded forward (causal: padding after a prompt does not change
+        its positions)."""
         width = max(len(prompt) for prompt in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros(len(prompts), width, dtype=torch.long)
         for row, prompt in enumerate(prompts):
             ids[row, : len(prompt)] = torch.tensor(prompt)
             mask[row, : len(prompt)] = 1
-        return self.model(input_ids=ids, attention_mask=mask).logits[..., : self.columns].float()
+        return self.model(input_ids=ids, attention_mask=mask).logits[..., : self.rows].float()
 
     def scores(self, prompts: list[list[int]], ks: list[int | None], logits: torch.Tensor) -> list[dict[str, Any]]:
-        """Each prompt's log-probs from the batch's ``logits``: at each position its top ``k`` (-1: every
-        token) and the prompt token's own with its rank; and the next token (greedy)."""
+        """Each prompt's log-probs from the batch's ``logits``: at each position its top ``k`` rows of the output
+        layer (-1: every row, padding rows included, as vLLM answers) and the prompt token's own with its rank;
+        and the next token (greedy)."""
         lengths = torch.tensor([len(prompt) for prompt in prompts])
         new = logits[torch.arange(len(prompts)), lengths - 1].argmax(-1).tolist()
-        wanted = [self.columns if k == -1 else min(int(k), self.columns) for k in ks if k is not None]
+        wanted = [self.rows if k == -1 else min(int(k), self.rows) for k in ks if k is not None]
         if not wanted:
             return [{"new": [token], "ended": False} for token in new]
         logprobs = torch.log_softmax(logits[:, :-1], -1).clamp(min=-9999.0)  # raw: no temperature, as vLLM's prompt log-probs
@@ -281,7 +287,7 @@ class LoopbackServer:
             n = len(prompt) - 1
             result: dict[str, Any] = {"new": [new[row]], "ended": False}
             if k is not None:
-                k = self.columns if k == -1 else min(int(k), self.columns)
+                k = self.rows if k == -1 else min(int(k), self.rows)
                 top_ids, top_values = ids[row][:n], values[row][:n]
                 if k < max(wanted):  # another request in the batch asked for more
                     top_ids, top_values = [r[:k] for r in top_ids], [r[:k] for r in top_values]

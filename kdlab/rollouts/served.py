@@ -25,6 +25,13 @@ vocabulary (``-1``) this is exact. With K < V the tail's share of ``Z`` is unkno
 lower bounds, exact when the tail is flat; the remaining tempered mass is spread over the other tokens as in a
 top-k cache. ``tail_bounds`` gives both ends (tail share 0 and the bound) for tests and diagnostics.
 
+**Padded output layers.** vLLM answers for every row of the model's output layer (its config's ``vocab_size``,
+:meth:`ServedTeacher.head_rows`), which may have padding rows past the tokenizer's tokens (Qwen2.5: 151,936
+rows, 151,665 tokens; ``kdlab://tiny-random/teacher``: 384 rows, 353 tokens): with ``top_k`` -1 every position
+holds all of them. kdlab accepts ids below the row count, drops those past the tokenizer and leaves their mass
+to the tail (:func:`kdlab.served_wire.ranked_topk`); with ``-1`` the tokens' log-probs are normalised over the
+tokens, as the in-process teacher's softmax over the tokenizer's columns.
+
 **Failures.** Each request attempt has a deadline for the whole exchange (``timeout_s``) and a byte limit
 derived from the request, and is retried (``retries`` more times, with backoff and jitter) on a connection
 error, a timeout, an HTTP 5xx, 408 or 429, or a response that is not the JSON vLLM returns; then the run stops
@@ -138,7 +145,7 @@ class ServedTeacher:
         self.top_k, self.timeout_s, self.retries, self.backoff_s, self.concurrency = top_k, timeout_s, retries, backoff_s, concurrency
         self.request_prompts, self.decode_workers, self.prefetch = request_prompts, decode_workers, prefetch
         self.api_key_env = api_key_env
-        self.vocabulary: int | None = None  # len(tokenizer), set by check(): every served id must lie below it
+        self.vocabulary: int | None = None  # len(tokenizer), set by check(): every id the server scores or samples past it is no token
         self._start_threads()
 
     def _start_threads(self) -> None:
@@ -182,8 +189,9 @@ class ServedTeacher:
         """Before training: the server serves ``model``, tokenizes a probe text and every added token of
         ``tokenizer`` exactly as ``tokenizer`` does, and, when it answers ``GET /tokenizer_info`` (``vllm serve
         --enable-tokenizer-info-endpoint``; kdlab's loopback server), lists no added token (id and text) that
-        ``tokenizer`` lacks: else :class:`ServedTeacherError` naming the endpoint. Then every id the server sends is
-        checked against ``len(tokenizer)``."""
+        ``tokenizer`` lacks: else :class:`ServedTeacherError` naming the endpoint. Then every id the server scores
+        past ``len(tokenizer)`` (a padded output layer's row, below :meth:`head_rows`) is dropped, and every id it
+        samples must lie below it."""
         where = redact(self.url)
         models = self.request("/v1/models", max_bytes=1 << 20)
         served = [card.get("id") for card in models.get("data", []) if isinstance(card, dict)]
@@ -216,6 +224,19 @@ class ServedTeacher:
         self.vocabulary = len(tokenizer)
 
     # ---- log-probs ---------------------------------------------------------------------------
+    def head_rows(self) -> int | None:
+        """The rows of the served model's output layer, which vLLM answers for: the ``vocab_size`` of the config
+        found with ``ServedTeacher.tokenizer`` (a model's folder or hub id holds it), read once; ``None`` where
+        there is none (a tokenizer alone), and then every served id must be a token of the tokenizer."""
+        if "_head_rows" not in self.__dict__:
+            from kdlab.models.loading import ModelSpec, load_config, output_rows
+
+            try:
+                self._head_rows = output_rows(load_config(ModelSpec(self.tokenizer), "ServedTeacher.tokenizer"))
+            except (OSError, ValueError):  # no config there
+                self._head_rows = None
+        return self._head_rows
+
     def prompt_logprobs(self, prompt: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The server's untempered top-K ``(ids (n, K), log-probs (n, K))`` (fp64, most likely first) at the
         positions ``start..`` of ``prompt``: each the distribution of that position's token given the tokens
@@ -225,27 +246,30 @@ class ServedTeacher:
 
     def prompt_logprobs_many(self, prompts: list[list[int]], starts: list[int], vocabulary: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """:meth:`prompt_logprobs` of several prompts in one request (by a decoding process when there are
-        ``decode_workers``): their rows one after another, and how many each has. Every id is checked below
-        ``vocabulary`` (and :attr:`vocabulary`, once :meth:`check` has run)."""
+        ``decode_workers``): their rows one after another, and how many each has. Every id is checked below the
+        output layer's :meth:`head_rows`; those at or past ``vocabulary`` (and :attr:`vocabulary`, once
+        :meth:`check` has run), a padded layer's rows, are dropped (:func:`kdlab.served_wire.ranked_topk`)."""
         bounds = [bound for bound in (vocabulary, self.vocabulary) if bound is not None]
         vocabulary = min(bounds) if bounds else None
         if self._workers is not None:
-            ids, values, counts = self._workers.run(prompts, starts, vocabulary)
+            ids, values, counts = self._workers.run(prompts, starts, vocabulary, self.head_rows())
         else:
-            ids, values, counts = prompt_logprobs_many(self._wire, self.model, self.top_k, prompts, starts, vocabulary)
+            ids, values, counts = prompt_logprobs_many(self._wire, self.model, self.top_k, prompts, starts, vocabulary, self.head_rows())
         return torch.from_numpy(ids), torch.from_numpy(values), counts
 
     def score(self, prompts: list[list[int]], completions: list[list[int]], temperature: float, columns: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each completion's tempered top-K ``(ids (n_i, K), log-probs (n_i, K) fp32)`` (:func:`tempered_topk`)
         after its prompt: requests of up to ``request_prompts`` completions, ``concurrency`` at once, then one
-        tempering for every position."""
+        tempering for every position. K is the fewest any request kept (a padded output layer's rows among a
+        position's top K drop out: :func:`kdlab.served_wire.ranked_topk`)."""
         size = self.request_prompts
         parts = self.concurrently(lambda first: self.prompt_logprobs_many([p + c for p, c in zip(prompts[first : first + size], completions[first : first + size])],
                                                                           [len(p) for p in prompts[first : first + size]], columns),
                                   list(range(0, len(prompts), size)))
         if not parts:
             return []
-        ids, values = tempered_topk(torch.cat([part[0] for part in parts]), torch.cat([part[1] for part in parts]), temperature, columns)
+        k = min(part[0].shape[1] for part in parts)  # most likely first: the first k of each are its k most likely
+        ids, values = tempered_topk(torch.cat([part[0][:, :k] for part in parts]), torch.cat([part[1][:, :k] for part in parts]), temperature, columns)
         lengths = [n for part in parts for n in part[2]]
         return list(zip(ids.split(lengths), values.split(lengths)))
 
@@ -259,26 +283,32 @@ class ServedTeacher:
                             max_bytes=BYTES_PER_REPLY + (max_tokens + len(prompt)) * BYTES_PER_ENTRY)
 
 
-def ranked_topk(rows: list[dict[str, Any]], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ranked_topk(rows: list[dict[str, Any]], top_k: int, vocabulary: int | None = None, head_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kdlab.served_wire.ranked_topk` as tensors: ``(ids (n, K) int64, log-probs (n, K) fp64)``, each
-    position's K most likely, most likely first."""
-    ids, values = ranked_topk_arrays(rows, top_k)
+    position's K most likely, most likely first (a padded output layer's rows past ``vocabulary`` dropped)."""
+    ids, values = ranked_topk_arrays(rows, top_k, vocabulary, head_rows)
     return torch.from_numpy(ids), torch.from_numpy(values)
 
 
 def tempered_topk(ids: torch.Tensor, raw: torch.Tensor, temperature: float, columns: int, tail: str = "bound") -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids (n, k), log-probs (n, k) fp32)`` at ``temperature`` from the server's untempered top-k ``ids`` and
-    log-probs ``raw`` ``(n, k)`` (most likely first).
+    log-probs ``raw`` ``(n, k)`` (most likely first) over ``columns`` tokens.
 
     ``tail``: ``"bound"`` counts the unseen tokens' share of the tempered normaliser at its upper bound (see the
-    module docstring), ``"none"`` as zero; the two bracket the exact values, and agree with them (and each
-    other) when ``k`` is the whole vocabulary or ``temperature`` is 1."""
+    module docstring), ``"none"`` as zero; the two bracket the exact values. With ``k`` the whole vocabulary
+    (``k = columns``) they are normalised over it: exact, as the in-process teacher's softmax over the
+    tokenizer's columns (the server's normaliser also counts a padded output layer's rows, which that softmax
+    leaves out). Else, at ``temperature`` 1, ``"bound"`` gives the server's log-probs: exact when the output layer
+    has no padding rows, or they hold no mass, and otherwise lower bounds, those rows' mass counted in the tail."""
     k = raw.shape[1]
-    if temperature == 1.0:  # the server's log-probs are normalised already
+    if k >= columns:  # the whole vocabulary
+        scaled = raw / temperature
+        return ids, (scaled - torch.logsumexp(scaled, dim=1, keepdim=True)).float()
+    if temperature == 1.0 and tail == "bound":  # the tail's share is its mass: the server's log-probs, as they are
         return ids, raw.float()
     scaled = raw / temperature
     normaliser = torch.logsumexp(scaled, dim=1)
-    if tail == "bound" and k < columns:
+    if tail == "bound":
         mass = (1.0 - raw.exp().sum(1)).clamp(min=0.0)
         p_k = raw[:, -1].exp()
         if temperature < 1.0:
