@@ -142,6 +142,57 @@ def test_training_from_the_server_on_and_off_policy(server, tmp_path):
         assert any(not torch.equal(a, b) for a, b in zip(before, m.student.parameters()))
 
 
+def test_served_samples_pin_every_sampling_setting_the_in_process_engine_pins(tmp_path):
+    """``vllm serve`` fills a sampling field a request leaves out from the model's ``generation_config.json``
+    (``repetition_penalty: 1.1`` for Qwen2-1.5B-Instruct). The served teacher's samples (``ServedTeacher.sample``)
+    and the served student's (``ServedRollouts``) are requested with every setting the in-process vLLM engine pins,
+    built by the same function (``sampling_params``, then ``completion_fields``): min_p 0, the repetition, presence
+    and frequency penalties neutral, no top-k, and a bias of -100 on the 31 padding rows of
+    kdlab://tiny-random/teacher's output layer (384 rows, 353 tokens), which the server, as vLLM, would sample
+    from otherwise. Both refuse a temperature vLLM does not honour exactly."""
+    from kdlab.rollouts import ServedRollouts
+    from kdlab.rollouts.served import COMPLETION_REQUEST_FIELDS
+    from kdlab.rollouts.vllm_sampling import completion_fields, sampling_params
+    from kdlab.stages.distill import DistillModule
+
+    seen = []
+
+    class Recording(LoopbackServer):
+        def answer(self, payload, *args, **kwargs):
+            seen.append(payload)
+            return super().answer(payload, *args, **kwargs)
+
+    pinned = {"n": 1, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+              "ignore_eos": False, "skip_special_tokens": False, "logit_bias": {str(row): -100.0 for row in range(353, 384)}}
+    with Recording(TEACHER, name="tiny-teacher") as server:
+        teacher = served(server)
+        teacher.check(server.tokenizer)
+        assert 1 <= len(teacher.sample([1, 2, 3], 4, 0.7, 5, [0])) <= 4
+        (payload,) = seen
+        assert {key: payload.get(key) for key in pinned} == pinned and set(payload) <= set(COMPLETION_REQUEST_FIELDS)
+        assert (payload["temperature"], payload["top_p"], payload["seed"], payload["max_tokens"], payload["stop_token_ids"]) == (0.7, 1.0, 5, 4, [0])
+        expected = completion_fields(sampling_params(0.7, 4, (0,), seed=5, logprobs=False, logit_bias={row: -100.0 for row in range(353, 384)}))
+        assert {key: value for key, value in payload.items() if key not in ("model", "prompt", "return_token_ids")} == expected
+        module = DistillModule(TEACHER, TEACHER, task(), rollout=StudentRollouts(), batch_size=2, max_completion_tokens=4, student_temperature=0.9)
+        context = module.rollout_context(torch.Generator().manual_seed(0), seed=7)
+        context.top_p = 0.95  # (GRPO's nucleus)
+        engine = ServedRollouts(server.url, "tiny-teacher", weights_dir=str(tmp_path), dtype="float32", retries=0)
+        engine.generate(module._prompts(task().examples("train")[:2]), context)
+        assert [(p["seed"], p["temperature"], p["top_p"], p["logprobs"]) for p in seen[1:]] == [(7, 0.9, 0.95, 0), (8, 0.9, 0.95, 0)]
+        assert all({key: p.get(key) for key in pinned} == pinned and set(p) <= set(COMPLETION_REQUEST_FIELDS) for p in seen[1:])
+        # without the bias the server draws the padding rows too, as vLLM does
+        unbiased, _ = server.sample([1, 2, 3], 64, 1.0, 0, [])
+        biased, _ = server.sample([1, 2, 3], 64, 1.0, 0, [], teacher.padding_bias())
+        assert max(unbiased) >= 353 and max(biased) < 353
+        for temperature in (0.005, 2.5):
+            with pytest.raises(ValueError, match=rf"ServedTeacher.sample: vLLM samples at temperature 0 or in \[0.01, 2.0\], got {temperature}"):
+                teacher.sample([1, 2, 3], 4, temperature, 5, [0])
+            context.student_temperature = temperature
+            with pytest.raises(ValueError, match=r"ServedRollouts \(DistillModule.student_temperature\): vLLM samples at temperature 0 or in"):
+                engine.generate(module._prompts(task().examples("train")[:2]), context)
+        assert len(seen) == 3  # nothing sent for a refused temperature
+
+
 def test_the_server_sample_is_seeded(server):
     teacher = served(server)
     prompt = [int(t) for t in LoopbackServer(TEACHER).tokenizer("Add the numbers. 4+5", add_special_tokens=False)["input_ids"]]

@@ -5,7 +5,8 @@
 
 Endpoints and fields are vLLM's (``GET /v1/models``; ``POST /tokenize``; ``POST /v1/completions`` with
 ``prompt`` as token ids or a list of them (one ``choices[i]`` each), ``prompt_logprobs`` (K or -1), ``max_tokens``,
-``temperature``, ``seed``, ``stop_token_ids``, ``return_token_ids``): prompt log-probs come from the raw logits, as vLLM's
+``temperature``, ``seed``, ``stop_token_ids``, ``return_token_ids``, ``logit_bias``; a request's other sampling settings,
+which kdlab pins at their neutral values, are not applied): prompt log-probs come from the raw logits, as vLLM's
 (``logprobs_mode`` does not apply to prompt tokens), each position a ``{token id: {"logprob", "rank",
 "decoded_token"}}`` dict of the K most likely tokens (ranks 1..K) plus the prompt's own token (its rank: the
 tokens at least as likely), the first position ``None``, ``-inf`` written as -9999.0. As vLLM's, they are over
@@ -70,6 +71,12 @@ from kdlab.rollouts.loopback_weights import WeightCall, WeightPushes
 
 
 
+def logit_bias(payload: dict[str, Any]) -> dict[int, float]:
+    """A completions request's ``logit_bias`` (``{id as text: bias}``) as ``{id: bias}``, each bias clamped to
+    [-100, 100] as vLLM clamps it."""
+    return {int(row): min(100.0, max(-100.0, float(bias))) for row, bias in (payload.get("logit_bias") or {}).items()}
+
+
 class _Job:
     """One completions request, answered by the worker thread."""
 
@@ -79,7 +86,8 @@ class _Job:
         self.prompts = [[int(token) for token in one] for one in (prompt if self.listed else [prompt])]
         self.k = payload.get("prompt_logprobs")
         self.scores_only = self.k is not None and int(payload.get("max_tokens", 16)) <= 1
-        self.sampling_key = (float(payload.get("temperature", 1.0)), tuple(int(t) for t in payload.get("stop_token_ids") or []))
+        self.sampling_key = (float(payload.get("temperature", 1.0)), tuple(int(t) for t in payload.get("stop_token_ids") or []),
+                             tuple(sorted(logit_bias(payload).items())))
         self.done = threading.Event()
         self.results: list[dict[str, Any]] = []
         self.error: BaseException | None = None
@@ -131,7 +139,7 @@ class LoopbackServer:
 
     def check_request(self, path: str, payload: Any) -> None:
         """Refuse (``ValueError``) what vLLM refuses with 400: prompts past ``max_model_len``, ``max_tokens``
-        that do not fit after them, ids outside the vocabulary."""
+        that do not fit after them, prompt ids outside the vocabulary, a ``logit_bias`` for no row of the output layer."""
         if not isinstance(payload, dict):
             raise ValueError("the body is not a JSON object")
         if path != "/v1/completions":
@@ -139,6 +147,10 @@ class LoopbackServer:
         prompt = payload["prompt"]
         prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt]
         max_tokens = int(payload.get("max_tokens", 16))
+        bias = payload.get("logit_bias") or {}
+        if not isinstance(bias, dict) or not all(str(row).isdigit() and int(row) < self.rows and type(value) in (int, float)
+                                                 for row, value in bias.items()):
+            raise ValueError(f"logit_bias: not numbers for token ids in [0, {self.rows})")
         for one in prompts:
             if not all(type(t) is int and 0 <= t < self.columns for t in one):
                 raise ValueError(f"a prompt token outside [0, {self.columns})")
@@ -234,11 +246,11 @@ class LoopbackServer:
                     for job in jobs:
                         job.results = [next(results) for _ in job.prompts]
                 elif jobs[0].k is None:  # sampling: every prompt of every job in one batch, each row its own seed
-                    temperature, stops = jobs[0].sampling_key
+                    temperature, stops, bias = jobs[0].sampling_key
                     stops = (*stops, self.tokenizer.eos_token_id)
                     rows = [(prompt, int(job.payload.get("max_tokens", 16)), job.payload.get("seed")) for job in jobs for prompt in job.prompts]
                     drawn: list[list[float]] = []
-                    results = iter(zip(self.sample_many(rows, temperature, list(stops), drawn), drawn))
+                    results = iter(zip(self.sample_many(rows, temperature, list(stops), drawn, dict(bias)), drawn))
                     for job in jobs:
                         asked = job.payload.get("logprobs") is not None  # (batch-mates' log-probs may differ in the last bits)
                         job.results = [{"new": new, "ended": ended, **({"token_logprobs": values} if asked else {})}
@@ -301,21 +313,24 @@ class LoopbackServer:
         result = self.scores([prompt], [job.k], self.forward([prompt]))[0] if job.k is not None else {}
         stops = [int(t) for t in payload.get("stop_token_ids") or []] + [self.tokenizer.eos_token_id]
         result["new"], result["ended"] = self.sample(prompt, int(payload.get("max_tokens", 16)), float(payload.get("temperature", 1.0)),
-                                                     payload.get("seed"), stops)
+                                                     payload.get("seed"), stops, logit_bias(payload))
         return result
 
-    def sample(self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None, stops: list[int]) -> tuple[list[int], bool]:
+    def sample(self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None, stops: list[int],
+               bias: dict[int, float] | None = None) -> tuple[list[int], bool]:
         """One completion of ``prompt`` (:meth:`sample_many` of one row)."""
-        return self.sample_many([(prompt, max_tokens, seed)], temperature, stops)[0]
+        return self.sample_many([(prompt, max_tokens, seed)], temperature, stops, logit_bias=bias)[0]
 
     def sample_many(self, rows: list[tuple[list[int], int, int | None]], temperature: float, stops: list[int],
-                    drawn_logprobs: list[list[float]] | None = None) -> list[tuple[list[int], bool]]:
+                    drawn_logprobs: list[list[float]] | None = None, logit_bias: dict[int, float] | None = None) -> list[tuple[list[int], bool]]:
         """A completion of each ``(prompt, max_tokens, seed)`` of ``rows``, decoded together (left-padded, one
         forward per token for the whole batch, as vLLM batches concurrent requests); each row draws from its
         own generator seeded by its ``seed`` (a random one without), so a row's tokens depend on its seed
-        alone, up to the last bits padding changes (``max_batch=1``: each request alone). Returns each row's
-        tokens (its end token included) and whether it ended; ``drawn_logprobs`` (a list) receives each row's
-        log-probs of its tokens under the tempered distribution they were drawn from (greedy: the untempered one)."""
+        alone, up to the last bits padding changes (``max_batch=1``: each request alone). As vLLM, it draws from
+        every row of the output layer (a padded layer's rows past the tokenizer too), ``logit_bias`` (``{row:
+        bias}``) added to the logits first. Returns each row's tokens (its end token included) and whether it
+        ended; ``drawn_logprobs`` (a list) receives each row's log-probs of its tokens under the tempered (and
+        biased) distribution they were drawn from (greedy: the untempered one)."""
         from kdlab.rollouts.decoding import incremental_decoder, sample_tokens
 
         width = max(len(prompt) for prompt, _, _ in rows)
@@ -329,7 +344,11 @@ class LoopbackServer:
             if seed is None:
                 generator.seed()
         longest = max(max_tokens for _, max_tokens, _ in rows)
-        decoder = incremental_decoder(self.model, ids, mask, self.columns, temperature, longest)
+        decoder = incremental_decoder(self.model, ids, mask, self.rows, temperature, longest)
+        bias = None
+        if logit_bias:  # on the tempered log-probs, bias / T: the logits' bias
+            bias = torch.zeros(self.rows).index_put_((torch.tensor(list(logit_bias)),), torch.tensor(list(logit_bias.values())))
+            bias /= temperature if temperature > 0 else 1.0
         # each row's uniforms for every step, from its own generator: the t-th token of a row is its distribution's
         # inverse CDF at the t-th number of its seed's stream, whatever else shares the batch
         uniforms = torch.stack([torch.rand(longest, generator=generator, dtype=torch.float64) for generator in generators]) if temperature else None
@@ -338,6 +357,8 @@ class LoopbackServer:
             """The decoder's next-token log-probs with each row's token drawn by its own generator: that token
             at log-prob 0, the others at -inf (so the shared draw below takes it)."""
             logprobs = decoder(previous)
+            if bias is not None:
+                logprobs = torch.log_softmax(logprobs + bias, -1)
             if temperature == 0.0:
                 history.append(torch.log_softmax(logprobs, -1).gather(1, logprobs.argmax(-1, keepdim=True))[:, 0])
                 return logprobs

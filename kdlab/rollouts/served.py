@@ -13,8 +13,11 @@ What is sent and read (the names are checked against vLLM's source by ``scripts/
   (up to ``request_prompts`` completions after their prompts per request, one ``choices[i]`` each, by ``index``)
   -> ``choices[i].prompt_logprobs``: per prompt position ``None`` (the first) or ``{token id: {logprob, rank,
   decoded_token}}``, the K most likely tokens plus the prompt's own; and, to sample (online off-policy),
-  ``{..., max_tokens: C, temperature, seed, stop_token_ids, return_token_ids: true, skip_special_tokens: false}``
-  -> ``choices[0].token_ids``, ``choices[0].finish_reason``.
+  ``{model, prompt, return_token_ids: true}`` with every sampling setting the in-process vLLM engine pins
+  (:func:`~kdlab.rollouts.vllm_sampling.completion_fields` of :func:`~kdlab.rollouts.vllm_sampling.sampling_params`:
+  ``max_tokens: C, temperature, seed, stop_token_ids, skip_special_tokens: false``, ``top_p: 1``, ``top_k: -1``,
+  ``min_p: 0``, neutral penalties, a padded output layer's rows biased out: ``vllm serve`` fills a field left out
+  from the model's ``generation_config.json``) -> ``choices[0].token_ids``, ``choices[0].finish_reason``.
 
 **Temperature.** vLLM computes prompt log-probs from the raw logits: no temperature is applied to them
 (``logprobs_mode`` raw or processed alike: prompt tokens skip the sampling processors). kdlab tempers them
@@ -83,13 +86,15 @@ from kdlab.served_wire import (
     redact,
 )
 from kdlab.served_wire import ranked_topk as ranked_topk_arrays
+from kdlab.rollouts.vllm_sampling import PADDING_BIAS, check_temperature, completion_fields, padding_bias, sampling_params
 from kdlab.served_workers import DecodeWorkers
 
 __all__ = ["ServedTeacher", "ServedTeacherError", "collection_paused", "json_loads", "ranked_topk", "tempered_topk"]
 
-COMPLETION_REQUEST_FIELDS = ("model", "prompt", "max_tokens", "prompt_logprobs", "temperature", "seed", "stop_token_ids",
-                             "return_token_ids", "skip_special_tokens", "top_p", "top_k")
-"""The ``CompletionRequest`` fields kdlab sends."""
+COMPLETION_REQUEST_FIELDS = ("model", "prompt", "prompt_logprobs", "return_token_ids",
+                             *completion_fields(sampling_params(1.0, 1, (0,), seed=0, stop=("</answer>",), logit_bias={1: PADDING_BIAS})))
+"""The ``CompletionRequest`` fields kdlab sends: a scoring request's, and every sampling setting
+(:func:`~kdlab.rollouts.vllm_sampling.completion_fields`)."""
 COMPLETION_RESPONSE_FIELDS = {"CompletionResponse": ("model", "choices"),
                               "CompletionResponseChoice": ("index", "prompt_logprobs", "token_ids", "finish_reason", "text"),
                               "Logprob": ("logprob", "rank", "decoded_token")}
@@ -273,12 +278,28 @@ class ServedTeacher:
         lengths = [n for part in parts for n in part[2]]
         return list(zip(ids.split(lengths), values.split(lengths)))
 
+    def padding_bias(self) -> dict[int, float] | None:
+        """The logit bias that keeps the served model's padding rows (its output layer's :meth:`head_rows` past the
+        tokenizer's tokens) out of its samples (:func:`~kdlab.rollouts.vllm_sampling.padding_bias`), read once;
+        ``None`` when there are none, or no config gives the row count."""
+        if "_padding_bias" not in self.__dict__:
+            from kdlab.models.loading import ModelSpec, load_tokenizer
+
+            rows, tokens = self.head_rows(), self.vocabulary
+            if rows is not None and tokens is None:  # check() not run: the tokenizer's own length
+                tokens = len(load_tokenizer(ModelSpec(self.tokenizer), "ServedTeacher.tokenizer"))
+            self._padding_bias = padding_bias(rows, tokens) if rows is not None else None
+        return self._padding_bias
+
     def sample(self, prompt: list[int], max_tokens: int, temperature: float, seed: int, stop_token_ids: list[int]) -> list[int]:
-        """A completion sampled by the server at ``temperature`` (``seed`` fixes it), end token included when it ended;
+        """A completion sampled by the server at ``temperature`` (0 or in :data:`~kdlab.rollouts.vllm_sampling.VLLM_TEMPERATURES`,
+        else ``ValueError``; ``seed`` fixes it), with every sampling setting pinned as the in-process vLLM engine's
+        (:func:`~kdlab.rollouts.vllm_sampling.sampling_params`, :func:`~kdlab.rollouts.vllm_sampling.completion_fields`:
+        no penalty, no top-k, top-p or min-p cut, the padding rows biased out), end token included when it ended;
         checked (:func:`kdlab.served_replies.sampled_tokens`: at most ``max_tokens`` ids, each below :attr:`vocabulary`)."""
-        return self.request("/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                                                "temperature": temperature, "seed": seed, "top_p": 1.0, "top_k": -1,
-                                                "stop_token_ids": stop_token_ids, "return_token_ids": True, "skip_special_tokens": False},
+        check_temperature(temperature, "ServedTeacher.sample")
+        params = sampling_params(temperature, max_tokens, tuple(stop_token_ids), seed=seed, logprobs=False, logit_bias=self.padding_bias())
+        return self.request("/v1/completions", {"model": self.model, "prompt": prompt, "return_token_ids": True, **completion_fields(params)},
                             lambda reply: sampled_tokens(reply, self.model, max_tokens, self.vocabulary),
                             max_bytes=BYTES_PER_REPLY + (max_tokens + len(prompt)) * BYTES_PER_ENTRY)
 
