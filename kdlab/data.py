@@ -36,6 +36,11 @@ class PromptBatch:
     def __len__(self) -> int:
         return len(self.examples)
 
+    def prompt_tokens(self, model: str) -> list[list[int]]:
+        """Each row's prompt token ids for ``"student"`` or ``"teacher"``, its left padding dropped."""
+        ids, mask = getattr(self, f"{model}_ids"), getattr(self, f"{model}_mask")
+        return [row[kept.bool()].tolist() for row, kept in zip(ids, mask)]
+
     def select(self, rows: Sequence[int]) -> PromptBatch:
         """The prompts of ``rows``, left padding trimmed to the longest of them (as if encoded alone)."""
         index = torch.as_tensor(list(rows), dtype=torch.long, device=self.student_ids.device)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kdlab.served_replies import check_entries, check_values, ordered_choices
+from kdlab.served_replies import check_entries, check_own_tokens, check_values, ordered_choices
 
 try:  # decodes vLLM's replies about three times faster than json
     from orjson import loads as json_loads
@@ -104,13 +104,19 @@ class ReplyTooLarge(ValueError):
     """A reply past the byte limit derived from its request: no retry mends it."""
 
 
+class UnsendableRequest(ValueError):
+    """A request http.client refuses to send (a header value or the path holding a character HTTP forbids): no
+    retry mends it, and its message never quotes the header, which may carry the key."""
+
+
 class Wire:
     """JSON requests to the server at ``url``: each thread keeps its own HTTP/1.1 connection; a request that
     fails (connection error, its deadline of ``timeout_s`` for the whole exchange passed, HTTP 5xx, 408 or
     429, a reply that is not JSON) is retried ``retries`` times, ``backoff_s`` apart (doubled each time,
     with random jitter of up to half), then raises :class:`ServedTeacherError` naming the endpoint (redacted)
     and the attempts made. ``api_key_env`` names the environment variable holding the server's key, read at
-    each request and sent as ``Authorization: Bearer``; the key itself is never stored."""
+    each request and sent as ``Authorization: Bearer`` (:meth:`_headers`); the key itself is never stored, and a
+    request http.client refuses to send is neither retried nor quoted (:class:`UnsendableRequest`)."""
 
     def __init__(self, url: str, timeout_s: float, retries: int, backoff_s: float, api_key_env: str | None = None) -> None:
         self.url, self.timeout_s, self.retries, self.backoff_s = check_url(url), timeout_s, retries, backoff_s
@@ -139,12 +145,20 @@ class Wire:
         return connection
 
     def _headers(self) -> dict[str, str]:
+        """The request's headers, with ``Authorization: Bearer <key>`` when ``api_key_env`` is set: the variable's
+        value without surrounding whitespace (a key file with Windows line endings ends in ``\r``). A key still
+        holding a control or non-ASCII character is refused (:class:`ServedTeacherError` naming the variable,
+        never its value): http.client would refuse the header and quote it in its error."""
         headers = {"Content-Type": "application/json"}
         if self.api_key_env:
-            key = os.environ.get(self.api_key_env)
+            key = (os.environ.get(self.api_key_env) or "").strip()
             if not key:
                 raise ServedTeacherError(f"served teacher {self.where}: ServedTeacher.api_key_env={self.api_key_env!r} names an "
                                          "environment variable that is not set (or empty); export the server's key there")
+            if not (key.isascii() and key.isprintable()):
+                raise ServedTeacherError(f"served teacher {self.where}: the environment variable ServedTeacher.api_key_env={self.api_key_env!r} "
+                                         "names holds a control or non-ASCII character inside the key (not shown here); put the key "
+                                         "alone in it, on one line")
             headers["Authorization"] = f"Bearer {key}"
         return headers
 
@@ -173,7 +187,11 @@ class Wire:
                     connection.sock.settimeout(self.timeout_s)
                 watchdog.start()
                 self._local.sent = getattr(self._local, "sent", 0) + 1
-                connection.request("GET" if data is None else "POST", self._local.base + path, body=data, headers=headers)
+                try:
+                    connection.request("GET" if data is None else "POST", self._local.base + path, body=data, headers=headers)
+                except ValueError:  # http.client's message quotes the refused header, which may be the key
+                    raise UnsendableRequest("http.client refused to send the request: a header or the path holds a character "
+                                            "HTTP does not allow (not shown: a header may carry the key)") from None
                 response = connection.getresponse()
                 body = self._read(response, max_bytes, deadline)
                 if expired.is_set():
@@ -251,29 +269,44 @@ class Wire:
             except ReplyTooLarge as error:
                 last = error
                 break
+            except UnsendableRequest as error:
+                raise ServedTeacherError(f"served teacher {endpoint}: {error}; not sent, not retried") from None
             except (OSError, http.client.HTTPException, ValueError) as error:
                 last = error
         attempts = max(self._local.sent, 1)
         raise ServedTeacherError(f"served teacher {endpoint}: {last} (after {attempts} attempt(s) of at most {self.timeout_s:g} s)")
 
 
-def ranked_topk(rows: list[dict[str, Any]], top_k: int, vocabulary: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def ranked_topk(rows: list[dict[str, Any]], top_k: int, vocabulary: int | None = None,
+                head_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(ids (n, K) int64, log-probs (n, K) float64)`` of ``prompt_logprobs`` positions ``rows`` (each ``{token
-    id: {logprob, ...}}``: the server's K most likely tokens and the prompt's own): each position's K most
-    likely, most likely first (ties in the server's order), so a prompt token outside the top K drops out;
-    ``top_k`` -1 keeps them all (the fewest any position has). The entries are read by C-level iteration
-    and every position is ranked at once, with no Python loop per entry. Every entry is checked first
-    (:func:`check_entries`, :func:`check_values`; ids below ``vocabulary`` when given): ``ValueError``."""
+    id: {logprob, ...}}``: the server's K most likely rows of the model's output layer and the prompt's own
+    token): each position's K most likely, most likely first (ties in the server's order), so a prompt token
+    outside the top K drops out; ``top_k`` -1 keeps them all (the fewest any position has).
+
+    **Padded output layers.** vLLM answers for every row of the model's output layer (its config's
+    ``vocab_size``, ``head_rows``), which may hold padding rows past the tokenizer's ``vocabulary`` tokens
+    (Qwen2.5: 151,936 rows, 151,665 tokens). Ids in ``[vocabulary, head_rows)`` are dropped after the ranking:
+    their probability stays out of the kept entries, in the mass ``1 - sum`` that a top-K teacher leaves to
+    its other tokens (:func:`kdlab.rollouts.served.tempered_topk`), and each position keeps as many entries as
+    the one with the fewest tokens of the tokenizer among its K (a position whose K are all padding is refused).
+    With ``top_k`` -1 that is every token, whose log-probs the in-process teacher's softmax over the tokenizer's
+    columns matches once normalised over them.
+
+    The entries are read by C-level iteration and every position is ranked at once, with no Python loop per
+    entry. Every entry is checked first (:func:`check_entries`, :func:`check_values`; ids below ``head_rows``,
+    ``vocabulary`` when it is not given): ``ValueError``."""
     width = max(top_k, 0)
     if not rows:
         return np.zeros((0, width), dtype=np.int64), np.zeros((0, width), dtype=np.float64)
-    lengths = check_entries(rows, top_k, vocabulary)
+    limit = head_rows if head_rows is not None else vocabulary
+    lengths = check_entries(rows, top_k, limit)
     shortest, longest, total = int(lengths.min()), int(lengths.max()), int(lengths.sum())
     if top_k > 0 and shortest < top_k:
         raise ValueError(f"{shortest} log-probs at a position, fewer than top_k={top_k}")
     ids = np.fromiter(map(int, chain.from_iterable(rows)), dtype=np.int64, count=total)
     values = np.fromiter(map(float, map(itemgetter("logprob"), chain.from_iterable(map(dict.values, rows)))), dtype=np.float64, count=total)
-    check_values(ids, values, lengths, vocabulary)
+    check_values(ids, values, lengths, limit)
     if shortest != longest:  # pad the shorter positions with -inf, which sorts last
         column = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         at = (np.repeat(np.arange(len(rows)), lengths), column)
@@ -282,22 +315,33 @@ def ranked_topk(rows: list[dict[str, Any]], top_k: int, vocabulary: int | None =
         ids, values = padded_ids, padded_values
     ids, values = ids.reshape(len(rows), longest), values.reshape(len(rows), longest)
     order = np.argsort(-values, axis=1, kind="stable")[:, : top_k if top_k > 0 else shortest]
-    return np.take_along_axis(ids, order, 1), np.take_along_axis(values, order, 1)
+    ids, values = np.take_along_axis(ids, order, 1), np.take_along_axis(values, order, 1)
+    if vocabulary is not None and limit is not None and limit > vocabulary:
+        tokens = ids < vocabulary  # the padding rows' entries drop out; the tokens keep their order
+        kept = int(tokens.sum(1).min())
+        if kept == 0:
+            raise ValueError(f"prompt_logprobs: a position's {ids.shape[1]} most likely rows are all padding rows of the model's "
+                             f"output layer (ids >= {vocabulary}, the tokenizer's tokens): ask for a larger top_k")
+        order = np.argsort(~tokens, axis=1, kind="stable")[:, :kept]
+        ids, values = np.take_along_axis(ids, order, 1), np.take_along_axis(values, order, 1)
+    return ids, values
 
 
-def scoring_bytes(prompts: list[list[int]], top_k: int, vocabulary: int | None) -> int:
+def scoring_bytes(prompts: list[list[int]], top_k: int, head_rows: int | None) -> int:
     """The most bytes a scoring reply for ``prompts`` can need (``BYTES_PER_ENTRY`` per entry, ``top_k + 1``
-    entries per position, or the vocabulary's with ``top_k`` -1, and each prompt's ids echoed)."""
-    entries = top_k + 1 if top_k > 0 else (vocabulary or 1 << 18)
+    entries per position, or the output layer's ``head_rows`` with ``top_k`` -1, and each prompt's ids echoed)."""
+    entries = top_k + 1 if top_k > 0 else (head_rows or 1 << 18)
     tokens = sum(map(len, prompts))
     return BYTES_PER_REPLY + tokens * (entries * BYTES_PER_ENTRY + 32) + len(prompts) * BYTES_PER_ENTRY
 
 
 def prompt_logprobs_many(wire: Wire, model: str, top_k: int, prompts: list[list[int]], starts: list[int],
-                         vocabulary: int | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
+                         vocabulary: int | None = None, head_rows: int | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """The server's untempered top-K ``(ids, log-probs)`` at positions ``starts[i]..`` of each of ``prompts``, from
     one ``/v1/completions`` request (``prompt_logprobs``): their rows one after another, and how many each has.
-    Every reply is checked before use (:func:`ranked_topk`, :func:`ordered_choices`; ids below ``vocabulary``)."""
+    Every reply is checked before use (:func:`ranked_topk`, :func:`ordered_choices`; ids below ``head_rows``, the
+    output layer's rows, and those past the tokenizer's ``vocabulary`` tokens dropped; each position holding the
+    prompt's own token: :func:`~kdlab.served_replies.check_own_tokens`)."""
 
     def read(reply: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, list[int]]:
         if reply.get("model") not in (None, model):
@@ -310,9 +354,11 @@ def prompt_logprobs_many(wire: Wire, model: str, top_k: int, prompts: list[list[
                 raise ValueError(f"prompt_logprobs has {len(positions) if isinstance(positions, list) else positions!r} entries "
                                  f"for a {len(prompt)}-token prompt")
             rows += positions[start:]
-        ids, values = ranked_topk(rows, top_k, vocabulary)
+        ids, values = ranked_topk(rows, top_k, vocabulary, head_rows)
+        for which, (choice, prompt, start) in enumerate(zip(choices, prompts, starts)):
+            check_own_tokens(choice["prompt_logprobs"], prompt, start, which)
         return ids, values, [len(prompt) - start for prompt, start in zip(prompts, starts)]
 
     return wire.request("/v1/completions", {"model": model, "prompt": prompts if len(prompts) > 1 else prompts[0], "max_tokens": 1,
                                             "prompt_logprobs": top_k, "temperature": 1.0}, read,
-                        max_bytes=scoring_bytes(prompts, top_k, vocabulary))
+                        max_bytes=scoring_bytes(prompts, top_k, head_rows or vocabulary))

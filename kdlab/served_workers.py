@@ -110,14 +110,15 @@ class DecodeWorkers:
             chosen.load += 1  # counted here, under the lock: requests asking together spread over the processes
             return chosen  # type: ignore[return-value]
 
-    def run(self, prompts: list[list[int]], starts: list[int], vocabulary: int | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    def run(self, prompts: list[list[int]], starts: list[int], vocabulary: int | None = None,
+            head_rows: int | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
         with self.slots:
             helper = None
             try:
                 helper = self._helper()
                 with self.lock:
                     tag = next(self.tags)
-                status, value = helper.ask(tag, (prompts, starts, vocabulary)).result(timeout=self.limit_s)
+                status, value = helper.ask(tag, (prompts, starts, vocabulary, head_rows)).result(timeout=self.limit_s)
             except TimeoutError:
                 self._kill(helper)
                 raise ServedTeacherError(f"served teacher {self.url}/v1/completions: its decoding process gave no answer within {self.limit_s:g} s") from None
@@ -152,7 +153,7 @@ class DecodeWorkers:
 
 
 def main() -> None:
-    """A helper process: the settings, then one ``(tag, prompts, starts, vocabulary)`` after another on stdin,
+    """A helper process: the settings, then one ``(tag, prompts, starts, vocabulary, head_rows)`` after another on stdin,
     answered by up to ``in_flight`` threads at once; for each, ``(tag, ("ok", (ids, log-probs, counts)))`` or
     ``(tag, ("error", message))`` on stdout, in the order they finish. Ends when stdin closes."""
     gc.disable()  # what it decodes holds no cycles
@@ -163,9 +164,9 @@ def main() -> None:
     pickle.dump((-1, ("ready", None)), sink, protocol=pickle.HIGHEST_PROTOCOL)
     sink.flush()
 
-    def answer(tag: int, prompts: list[list[int]], starts: list[int], vocabulary: int | None) -> None:
+    def answer(tag: int, prompts: list[list[int]], starts: list[int], vocabulary: int | None, head_rows: int | None) -> None:
         try:
-            result: tuple[str, Any] = ("ok", prompt_logprobs_many(wire, model, top_k, prompts, starts, vocabulary))
+            result: tuple[str, Any] = ("ok", prompt_logprobs_many(wire, model, top_k, prompts, starts, vocabulary, head_rows))
         except ServedTeacherError as error:
             result = ("error", str(error))
         except Exception as error:  # noqa: BLE001 - the training process raises it, naming the endpoint

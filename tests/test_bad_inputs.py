@@ -138,6 +138,10 @@ NOT_CLI = {  # rows whose input is not a configuration a command line can give, 
     "69": "a checkpoint's data position read directly (test_resume.py)",
     "70": "a Task subclass with a broken score is Python code, not a configuration (test_module.py)",
     "71": "needs SLURM (detected through a stand-in) and a requeue file (test_resume.py)",
+    "72": "a key read from the environment, sent to a loopback server (test_served_faults.py)",
+    "73": "a served reply for another prompt: the loopback server's fault switch (test_served_faults.py)",
+    "74": "a served reply for a padded output layer: the loopback server answering as vLLM does (test_served_teacher.py)",
+    "75": "a served sampling temperature: checked when a sample is asked for, against a loopback server (test_served_teacher.py)",
 }
 
 

@@ -14,7 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kdlab.rollouts import cache_codec as codec
-from kdlab.rollouts.teacher_cache import TeacherCache, top_k_logprobs, write_cache
+from kdlab.rollouts.teacher_cache import TeacherCache, prompt_digest, top_k_logprobs, write_cache
+
+PROMPT = [1, 2, 3]  # the teacher prompt every hand-made row here follows
+DIGEST = prompt_digest(PROMPT)
 
 
 def teacher_rows(rows: int, vocab: int, k: int, seed: int, scale: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,17 +77,18 @@ def test_the_exact_teacher_the_largest_vocabulary_and_too_large_a_k(tmp_path):
     check_round_trip(*teacher_rows(3, 2**18, 128, seed=2), 2**18, bits=6)
     with pytest.raises(ValueError, match=r"top_k must be in \[1, 50\]"):
         codec.rice_parameter(50, 51)
-    rows = {"a": {"tokens": torch.tensor([1]), "indices": torch.zeros(1, 51, dtype=torch.long), "logprobs": torch.zeros(1, 51)}}
+    rows = {"a": {"tokens": torch.tensor([1]), "indices": torch.zeros(1, 51, dtype=torch.long), "logprobs": torch.zeros(1, 51), "prompt_sha256": DIGEST}}
     with pytest.raises(ValueError, match=r"top_k must be in \[1, 50\]"):
         write_cache(tmp_path / "c.safetensors", rows, {"top_k": 51, "temperature": 1.0, "token_columns": 50})
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 50\)"):
-        rows = {"a": {"tokens": torch.tensor([1]), "indices": torch.tensor([[3, 50]]), "logprobs": torch.zeros(1, 2)}}
+        rows = {"a": {"tokens": torch.tensor([1]), "indices": torch.tensor([[3, 50]]), "logprobs": torch.zeros(1, 2), "prompt_sha256": DIGEST}}
         write_cache(tmp_path / "c.safetensors", rows, {"top_k": 2, "temperature": 1.0, "token_columns": 50})
     with pytest.raises(ValueError, match="logprob_bits must be an integer in"):
         codec.LogprobMap(17)
-    empty = {"a": {"tokens": torch.zeros(0, dtype=torch.long), "indices": torch.zeros(0, 4, dtype=torch.long), "logprobs": torch.zeros(0, 4)}}
+    empty = {"a": {"tokens": torch.zeros(0, dtype=torch.long), "indices": torch.zeros(0, 4, dtype=torch.long), "logprobs": torch.zeros(0, 4),
+                   "prompt_sha256": DIGEST}}
     write_cache(tmp_path / "empty.safetensors", empty, {"top_k": 4, "temperature": 1.0, "token_columns": 50})
-    assert TeacherCache(str(tmp_path / "empty.safetensors")).row("a", [])[0].shape == (0, 4)
+    assert TeacherCache(str(tmp_path / "empty.safetensors")).row("a", [], PROMPT)[0].shape == (0, 4)
 
 
 def random_cache_rows(vocab: int) -> dict:
@@ -92,7 +96,7 @@ def random_cache_rows(vocab: int) -> dict:
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     from cache_size import synthetic_rows
 
-    return synthetic_rows(64, 64, 128, vocab=vocab)
+    return synthetic_rows(64, 64, 128, vocab=vocab)  # each after the teacher prompt cache_size.SYNTHETIC_PROMPT
 
 
 @pytest.mark.parametrize("vocab", [151936, 49152])
@@ -102,6 +106,8 @@ def test_a_compact_cache_takes_at_most_300_bytes_per_token_at_k_128(vocab, tmp_p
     from safetensors import safe_open
 
     rows = random_cache_rows(vocab)
+    from cache_size import SYNTHETIC_PROMPT  # (benchmarks/, which random_cache_rows put on the path)
+
     tokens = sum(row["tokens"].numel() for row in rows.values())
     metadata = {"top_k": 128, "temperature": 0.5, "token_columns": vocab, "teacher": "t"}
     sizes = {}
@@ -118,7 +124,7 @@ def test_a_compact_cache_takes_at_most_300_bytes_per_token_at_k_128(vocab, tmp_p
     full = TeacherCache(str(tmp_path / "full.safetensors"))
     for example_id in ("synthetic-0", "synthetic-63"):
         tokens_of = rows[example_id]["tokens"].tolist()
-        (a, la), (b, lb) = full.row(example_id, tokens_of), cache.row(example_id, tokens_of)
+        (a, la), (b, lb) = full.row(example_id, tokens_of, SYNTHETIC_PROMPT), cache.row(example_id, tokens_of, SYNTHETIC_PROMPT)
         assert torch.equal(a.sort(-1).values, b.sort(-1).values) and torch.equal(la[:, 0], lb[:, 0])
 
 
@@ -139,8 +145,9 @@ def test_the_tiny_worlds_kl_from_a_compact_cache_is_the_full_caches(tmp_path):
     generate_teacher_data(ModelSpec("kdlab://tiny/teacher"), task, str(data), max_new_tokens=64, top_k=128, cache_temperature=0.5,
                           cache_format="full", batch_size=16)
     full = str(data) + ".topk.safetensors"
-    stored = load_file(full)
-    rows = {key[: -len("/tokens")]: {name: stored[key[: -len("tokens")] + name] for name in ("tokens", "indices", "logprobs")}
+    stored, digests = load_file(full), json.loads(TeacherCache(full)._file.metadata()["teacher_prompts"])
+    rows = {key[: -len("/tokens")]: {**{name: stored[key[: -len("tokens")] + name] for name in ("tokens", "indices", "logprobs")},
+                                     "prompt_sha256": digests[key[: -len("/tokens")]]}
             for key in stored if key.endswith("/tokens")}
     compact = str(tmp_path / "compact.safetensors")
     cache = TeacherCache(full)
@@ -168,7 +175,8 @@ def test_unknown_and_corrupt_compact_files_are_refused_naming_the_setting_and_fi
     from safetensors.torch import load_file, save_file
 
     path = tmp_path / "cache.safetensors"
-    rows = {"a": {"tokens": torch.tensor([5, 6, 7]), "indices": torch.tensor([[1, 4]] * 3), "logprobs": torch.log(torch.tensor([[0.5, 0.25]] * 3))}}
+    rows = {"a": {"tokens": torch.tensor([5, 6, 7]), "indices": torch.tensor([[1, 4]] * 3), "logprobs": torch.log(torch.tensor([[0.5, 0.25]] * 3)),
+                  "prompt_sha256": DIGEST}}
     write_cache(path, rows, {"top_k": 2, "temperature": 0.5, "token_columns": 10, "teacher": "t"})
     cache = TeacherCache(str(path))
     tensors, metadata = load_file(str(path)), dict(cache._file.metadata())
@@ -187,9 +195,9 @@ def test_unknown_and_corrupt_compact_files_are_refused_naming_the_setting_and_fi
         TeacherCache(rewrite("bits.safetensors", logprob_bits="99"))
     short = rewrite("short.safetensors", tensors={"a/rows": tensors["a/rows"][:-3]})
     with pytest.raises(ValueError, match=rf"{setting} .*short.safetensors: example 'a' is not readable as compact-v1"):
-        TeacherCache(short).row("a", [5, 6, 7])
+        TeacherCache(short).row("a", [5, 6, 7], PROMPT)
     with pytest.raises(ValueError, match=r"example 'a' is not readable as compact-v1"):
-        TeacherCache(rewrite("renamed.safetensors", tensors={"a/tokens": torch.tensor([5])})).row("a", [5])
+        TeacherCache(rewrite("renamed.safetensors", tensors={"a/tokens": torch.tensor([5])})).row("a", [5], PROMPT)
 
 
 def test_generate_top_k_writes_the_compact_format_unless_told_full(tmp_path):
@@ -209,9 +217,15 @@ def test_generate_top_k_writes_the_compact_format_unless_told_full(tmp_path):
     metadata = caches["compact"]._file.metadata()
     assert caches["compact"].format == metadata["format"] == "compact-v1" and "format" not in caches["full"]._file.metadata()
     assert int(metadata["logprob_bits"]) == 16  # a small vocabulary and k affords the most bits within 300 bytes a token
+    from kdlab.data import encode_prompts
+    from kdlab.models import ModelSpec, load_tokenizer
+    from kdlab.tasks import Addition
+
+    tokenizer, examples = load_tokenizer(ModelSpec("kdlab://tiny-random/teacher")), Addition(num_train=3).examples("train")
+    prompts = dict(zip([e["id"] for e in examples], encode_prompts(Addition(num_train=3), examples, tokenizer, tokenizer, 2048, 0).prompt_tokens("teacher")))
     for example_id in caches["full"].ids:
         tokens = caches["full"]._file.get_tensor(f"{example_id}/tokens").tolist()
-        (a, la), (b, lb) = (caches[name].row(example_id, tokens) for name in ("full", "compact"))
+        (a, la), (b, lb) = (caches[name].row(example_id, tokens, prompts[example_id]) for name in ("full", "compact"))
         assert torch.equal(a.sort(-1).values, b.sort(-1).values) and torch.equal(la[:, 0], lb[:, 0])
         torch.testing.assert_close(lb.gather(-1, b.argsort(-1)), la.gather(-1, a.argsort(-1)), atol=1e-3, rtol=0)
     with pytest.raises(ValueError, match=r"generate.cache_format must be one of \('compact', 'full'\), got 'zip'"):
@@ -234,7 +248,7 @@ def test_the_map_and_the_bits_it_chooses():
 
 
 # ---- hostile files (issue #41 item 4): a named error, never a crash, a hang or a huge allocation ----------
-HOSTILE_ROWS = {name: {"tokens": torch.tensor(tokens), "indices": indices, "logprobs": logprobs}
+HOSTILE_ROWS = {name: {"tokens": torch.tensor(tokens), "indices": indices, "logprobs": logprobs, "prompt_sha256": DIGEST}
                 for name, tokens, (indices, logprobs) in (("a", [5, 6, 7, 8], teacher_rows(4, 40, 3, 0)), ("b", [9, 1], teacher_rows(2, 40, 3, 1)))}
 
 
@@ -250,7 +264,7 @@ def read_all(path: Path) -> None:
     try:
         cache = TeacherCache(str(path))
         for name, row in HOSTILE_ROWS.items():
-            indices, logprobs = cache.row(name, row["tokens"].tolist())
+            indices, logprobs = cache.row(name, row["tokens"].tolist(), PROMPT)
             assert indices.shape == logprobs.shape == (row["tokens"].numel(), 3)
             assert int(indices.min()) >= 0 and int(indices.max()) < 40
             assert all(len(set(r)) == 3 for r in indices.tolist())
@@ -289,6 +303,7 @@ def test_mutated_and_truncated_cache_files_give_a_named_error_or_valid_rows(tmp_
 @pytest.mark.parametrize("key, value, message", [
     ("rice_r", "9", "rice_r 9, not the 3 of top_k 3 over 40 columns"), ("token_columns", "99999999999", "token_columns 99999999999"),
     ("top_k", "-3", "top_k -3"), ("temperature", "nan", "temperature nan"), ("top_k", "x", "invalid literal for int()"),
+    ("teacher_prompts", "[]", "teacher_prompts: not a JSON object of SHA-256 digests"), ("teacher_prompts", '{"a": "x"}', "teacher_prompts"),
 ])
 def test_hostile_metadata_is_refused_naming_the_file(tmp_path, key, value, message):
     from safetensors.torch import load_file, save_file
@@ -323,8 +338,8 @@ def test_a_long_id_stream_is_unpacked_only_as_far_as_valid_rows_reach(tmp_path, 
         save_file(tensors, str(path), metadata=metadata)
         unpacked.clear()
         if outcome is None:
-            TeacherCache(str(path)).row("a", [5, 6, 7, 8])
+            TeacherCache(str(path)).row("a", [5, 6, 7, 8], PROMPT)
         else:
             with pytest.raises(ValueError, match=outcome):
-                TeacherCache(str(path)).row("a", [5, 6, 7, 8])
+                TeacherCache(str(path)).row("a", [5, 6, 7, 8], PROMPT)
         assert max(unpacked) <= 64  # the fixed-width sections' bytes and n (k + (V - 1) >> r) bits of the stream, not 2 MB

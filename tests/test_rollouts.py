@@ -158,19 +158,20 @@ def test_truncated_teacher_responses_do_not_get_an_end_token(module, tmp_path):
 
 # ---- the three teacher policies, and kdlab 0.1's TeacherRollouts(dataset=..., teacher_cache=...) ----------
 def teacher_files(module, tmp_path, ended=True):
-    """A dataset of the first four train examples and a top-2 cache written on exactly its tokens."""
-    from kdlab.rollouts.teacher_cache import write_cache
+    """A dataset of the first four train examples and a top-2 cache written on exactly its tokens, after the module's
+    teacher prompts."""
+    from kdlab.rollouts.teacher_cache import prompt_digest, write_cache
 
     examples = module.task.examples("train")[:4]
     data = tmp_path / "teacher.jsonl"
     data.write_text("".join(json.dumps({"id": ex["id"], "completion": f"<answer>{i}</answer>"}) + "\n" for i, ex in enumerate(examples)))
-    rows = {}
+    rows, prompts = {}, module._prompts(examples).prompt_tokens("teacher")
     for i, ex in enumerate(examples):
         tokens = module.student_tokenizer(f"<answer>{i}</answer>", add_special_tokens=False)["input_ids"] + [module.end_ids[0]]
         tokens = tokens[: module.max_completion_tokens]
         indices = torch.stack([torch.tensor(tokens), torch.full((len(tokens),), 3)], dim=-1)
         logprobs = torch.log(torch.tensor([[0.75, 0.25]])).expand(len(tokens), 2)
-        rows[ex["id"]] = {"tokens": torch.tensor(tokens), "indices": indices, "logprobs": logprobs}
+        rows[ex["id"]] = {"tokens": torch.tensor(tokens), "indices": indices, "logprobs": logprobs, "prompt_sha256": prompt_digest(prompts[i])}
     cache = tmp_path / "teacher.jsonl.topk.safetensors"
     write_cache(cache, rows, {"top_k": 2, "temperature": module.teacher_temperature, "token_columns": module.token_columns, "teacher": "t"})
     return examples, str(data), str(cache)

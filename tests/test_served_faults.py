@@ -49,8 +49,8 @@ def entry(logprob):
 
 # ---- item 1: every reply checked, field named ---------------------------------------------------------
 @pytest.mark.parametrize("rows, field", [
-    ([{"3": entry(-0.1), "-1": entry(-2.0)}], "token id -1 outside the vocabulary"),
-    ([{"3": entry(-0.1), "353": entry(-2.0)}], "token id 353 outside the vocabulary"),
+    ([{"3": entry(-0.1), "-1": entry(-2.0)}], r"token id -1 outside the rows of the served model's output layer \[0, 353\)"),
+    ([{"3": entry(-0.1), "353": entry(-2.0)}], r"token id 353 outside the rows of the served model's output layer \[0, 353\)"),
     ([{"3": entry(-0.1), "03": entry(-2.0)}], "token id 3 appears twice"),
     ([{"3": entry(0.5), "4": entry(-2.0)}], "a logprob of 0.5 > 0"),
     ([{"3": entry(math.nan), "4": entry(-2.0)}], "not finite"),
@@ -66,8 +66,8 @@ def test_a_reply_entry_no_model_gives_is_refused_naming_the_field(rows, field):
 
 
 SCORING_FAULTS = {
-    "id_out_of_range": "token id 353 outside the vocabulary",
-    "negative_id": "token id -1 outside the vocabulary",
+    "id_out_of_range": r"token id 384 outside the rows of the served model's output layer \[0, 384\)",
+    "negative_id": r"token id -1 outside the rows of the served model's output layer \[0, 384\)",
     "repeated_id": "appears twice at one position",
     "positive_logprob": "a logprob of 0.5 > 0",
     "nan_logprob": "not JSON|not finite",
@@ -77,6 +77,7 @@ SCORING_FAULTS = {
     "too_many_entries": "more than the 21 asked for",
     "wrong_model": "answered for model 'another-model'",
     "huge_reply": "more than the .* this request can need",
+    "other_prompt": r"position \d+ holds no entry for the prompt's own token \d+ \(vLLM always sends it\): a reply for another prompt",
 }
 
 
@@ -91,7 +92,24 @@ def test_each_scoring_reply_fault_is_a_named_error_on_the_host(server, fault, wo
     assert time.monotonic() - started < 10.0
 
 
-@pytest.mark.parametrize("fault, field", [("long_sample", "more than max_tokens=4"), ("sample_out_of_range", "token id 353 outside"),
+def test_a_reply_scored_on_another_prompt_is_refused_naming_the_position(server):
+    """The server scores another prompt of the same length (each token id + 1: a server or proxy that mixed up its
+    requests). Every position of vLLM's reply holds the scored prompt's own token; the first position of ours
+    without it is named, in either prompt of the request (before, the other prompt's log-probs were accepted).
+    With top_k -1 every token is at every position: such a reply cannot be told apart, and passes."""
+    served = teacher(server, top_k=5)
+    server.faults = {"other_prompt"}
+    with pytest.raises(ServedTeacherError, match=r"/v1/completions: a reply vLLM would not give \(prompt_logprobs of prompt 0: position 1 "
+                                                  r"holds no entry for the prompt's own token 2 \(vLLM always sends it\): a reply for another prompt\)"):
+        served.prompt_logprobs_many(PROMPTS, STARTS)
+    with pytest.raises(ServedTeacherError, match=r"prompt_logprobs of prompt 0: position 4 holds no entry for the prompt's own token 5"):
+        served.prompt_logprobs_many([PROMPTS[0]], [4])  # only the positions asked for are read, and checked
+    with pytest.raises(ServedTeacherError, match=r"prompt_logprobs of prompt 1: position 2 holds no entry for the prompt's own token 8"):
+        served.prompt_logprobs_many([[1, 2], PROMPTS[1]], [2, 2])  # no position of prompt 0 asked for
+    assert teacher(server, top_k=-1).prompt_logprobs_many(PROMPTS, STARTS)[2] == [4, 1]
+
+
+@pytest.mark.parametrize("fault, field", [("long_sample", "more than max_tokens=4"), ("sample_out_of_range", r"token id 384 outside the vocabulary \[0, 353\)"),
                                           ("missing_index", "an index is missing")])
 def test_each_sampling_reply_fault_is_a_named_error(server, fault, field):
     served = teacher(server)
@@ -149,14 +167,14 @@ def test_a_decoding_process_that_never_answers_is_killed_at_its_deadline(server)
     wire = Wire(server.url, 0.5, 0, 0.0)
     workers = DecodeWorkers(1, wire, "tiny-teacher", 20, grace_s=0.5)
     try:
-        assert workers.run(PROMPTS, STARTS, 353)[2] == [4, 1]
+        assert workers.run(PROMPTS, STARTS, 353, 384)[2] == [4, 1]
         (process,) = workers.running
         os.kill(process.pid, signal.SIGSTOP)  # alive, silent
         started = time.monotonic()
         with pytest.raises(ServedTeacherError, match=r"/v1/completions: its decoding process gave no answer within 1 s"):
-            workers.run(PROMPTS, STARTS, 353)
+            workers.run(PROMPTS, STARTS, 353, 384)
         assert time.monotonic() - started < 3.0
-        assert workers.run(PROMPTS, STARTS, 353)[2] == [4, 1]  # a fresh one
+        assert workers.run(PROMPTS, STARTS, 353, 384)[2] == [4, 1]  # a fresh one
     finally:
         workers.close()
 
@@ -192,6 +210,50 @@ def test_the_key_is_read_from_its_environment_variable_and_sent_as_a_bearer_toke
     served.check(server.tokenizer)
     assert served.prompt_logprobs_many(PROMPTS, STARTS)[2] == [4, 1]  # the decoding process reads it too
     assert KEY not in repr(served.__dict__) and KEY not in repr(served._wire.__dict__)
+
+
+def shown(key: str, message: str) -> list[str]:
+    """The runs of 6 or more printable characters of ``key`` that ``message`` repeats."""
+    import re
+
+    return [run for run in re.findall(r"[\x21-\x7e]{6,}", key) if run in message]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_key_reaches_no_message_whatever_its_variable_holds(server, monkeypatch, workers):
+    """A key read with the line ending of a Windows key file (``\\r``, ``\\r\\n``) or spaces around it is stripped and
+    works (http.client refused it, quoting the header, and the wire retried and quoted it again); one holding a control
+    or non-ASCII character inside is refused naming the variable, before anything is sent and without a retry, in
+    this process or a decoding process. The key's text is in no message."""
+    server.api_key = KEY
+    for value in (KEY + "\r", f"  {KEY}\r\n", "\t" + KEY + " "):
+        monkeypatch.setenv("KDLAB_TEST_KEY", value)
+        served = ServedTeacher(server.url, "tiny-teacher", TEACHER, retries=2, backoff_s=0.0, api_key_env="KDLAB_TEST_KEY", decode_workers=workers)
+        served.check(server.tokenizer)
+        assert served.prompt_logprobs_many(PROMPTS, STARTS)[2] == [4, 1]
+    for value in (KEY[:9] + "\r\n" + KEY[9:], KEY + "\x7f", KEY + "\u00e9", KEY[:9] + "\x1b" + KEY[9:]):
+        monkeypatch.setenv("KDLAB_TEST_KEY", value)
+        served = ServedTeacher(server.url, "tiny-teacher", TEACHER, retries=2, backoff_s=0.0, api_key_env="KDLAB_TEST_KEY", decode_workers=workers)
+        server.completions = 0
+        with pytest.raises(ServedTeacherError, match="the environment variable ServedTeacher.api_key_env='KDLAB_TEST_KEY' names holds a control "
+                                                      "or non-ASCII character") as error:
+            served.prompt_logprobs_many(PROMPTS, STARTS)
+        assert shown(value, str(error.value)) == [] and server.completions == 0
+        with pytest.raises(ServedTeacherError) as error:
+            served.check(server.tokenizer)
+        assert "KDLAB_TEST_KEY" in str(error.value) and shown(value, str(error.value)) == []
+
+
+def test_a_header_http_client_refuses_is_not_quoted_and_not_retried(server, monkeypatch):
+    """Whatever header value http.client refuses (here a key past the check above), the error names the endpoint and
+    what happened, never the header's value, and no retry follows (none could send it)."""
+    wire = Wire(server.url, 5.0, 2, 0.0)
+    monkeypatch.setattr(wire, "_headers", lambda: {"Authorization": f"Bearer {KEY}\r\n"})
+    server.completions = 0
+    with pytest.raises(ServedTeacherError, match=rf"served teacher {server.url}/v1/completions: http.client refused to send the request.* "
+                                                  "not sent, not retried") as error:
+        wire.request("/v1/completions", {"model": "tiny-teacher", "prompt": [1, 2, 3], "max_tokens": 1})
+    assert shown(KEY, str(error.value)) == [] and server.completions == 0
 
 
 @pytest.mark.parametrize("url", [f"http://user:{KEY}@127.0.0.1:8000", f"http://127.0.0.1:8000/?key={KEY}",

@@ -73,22 +73,62 @@ def test_the_whole_vocabulary_from_the_server_is_the_in_process_teacher(server, 
     assert abs(loss_remote.item() - loss_local.item()) < 1e-5
 
 
+def test_a_padded_output_layer_is_answered_for_every_row_and_its_padding_rows_dropped(server, tmp_path):
+    """kdlab://tiny-random/teacher's output layer has 384 rows for its tokenizer's 353 tokens. As vLLM does, the
+    server answers ``prompt_logprobs: -1`` with all 384 rows at every position (before, kdlab refused that: "a
+    position has 384 entries, more than the 353 asked for"). kdlab accepts ids below the 384 rows of the config,
+    drops the 31 padding rows, whose mass (about 8% here) the server's normaliser counted, and, with the whole
+    vocabulary, normalises over the 353 tokens: the in-process teacher's softmax, at T = 1 as at T = 0.5. Without a
+    config (``ServedTeacher.tokenizer`` a tokenizer alone) the row count is unknown and such a reply is refused."""
+    from kdlab.models.loading import ModelSpec, load_tokenizer
+
+    teacher = served(server, top_k=-1, decode_workers=0)
+    local = LoopbackServer(TEACHER)  # the same model, read in this process
+    teacher.check(local.tokenizer)
+    prompt = local.tokenizer("Add the numbers. 12+30", add_special_tokens=False)["input_ids"] + [5, 9, 17]
+    reply = teacher.request("/v1/completions", {"model": "tiny-teacher", "prompt": prompt, "max_tokens": 1, "prompt_logprobs": -1})
+    assert [len(position) for position in reply["choices"][0]["prompt_logprobs"][1:]] == [384] * (len(prompt) - 1)
+    ids, raw = teacher.prompt_logprobs(prompt, 1)
+    assert ids.shape == (len(prompt) - 1, 353) and all(sorted(row) == list(range(353)) for row in ids.tolist())
+    assert bool((raw.exp().sum(1) < 0.97).all())  # the padding rows' mass, left out
+    logits = local.model(input_ids=torch.tensor([prompt])).logits[0, :-1, :353].float()
+    for temperature in (1.0, 0.5):
+        indices, logprobs = tempered_topk(ids, raw, temperature, 353)
+        assert (logprobs - torch.log_softmax(logits / temperature, -1).gather(1, indices)).abs().max().item() < 1e-5
+    for workers in (0, 1):  # a decoding process is told the rows too
+        assert served(server, top_k=-1, decode_workers=workers).score([prompt[:3]], [prompt[3:]], 0.5, 353)[0][0].shape == (len(prompt) - 3, 353)
+    alone = tmp_path / "tokenizer"
+    load_tokenizer(ModelSpec(TEACHER)).save_pretrained(alone)
+    unknown = ServedTeacher(server.url, "tiny-teacher", str(alone), top_k=-1, retries=0, decode_workers=0)
+    assert unknown.head_rows() is None
+    with pytest.raises(ServedTeacherError, match=r"a position has 384 entries, more than the 353 rows of the served model's output layer "
+                                                  r"\(the vocab_size of ServedTeacher.tokenizer's config; without a config, the tokenizer's tokens\)"):
+        unknown.score([prompt[:3]], [prompt[3:]], 0.5, 353)
+
+
 def test_top_20_is_bracketed_by_the_tail_bounds(server):
-    """K = 20 of a 353-token teacher at T = 0.5: the exact tempered log-probs of the top 20 lie between the
-    values with the tail's share of the normaliser at zero and at its bound (the one kdlab uses)."""
+    """K = 20 of a 353-token teacher whose output layer has 384 rows (31 of padding, which the server answers for,
+    as vLLM does) at T = 0.5, 1 and 2: the exact tempered log-probs of the in-process teacher (a softmax over the
+    353 tokens) lie between the values with the tail's share of the normaliser at zero and at its bound (the one
+    kdlab uses), the padding rows dropped from the top 20 and their mass left to the tail. At T = 1 the bound
+    gives the server's own log-probs (over all 384 rows)."""
     teacher = served(server, top_k=20)
     local = LoopbackServer(TEACHER)  # the same model, read in this process
+    teacher.check(local.tokenizer)
     prompt = local.tokenizer("Add the numbers. 12+30", add_special_tokens=False)["input_ids"] + [5, 9, 17]
     ids, raw = teacher.prompt_logprobs(prompt, 1)
-    columns = len(local.tokenizer)
-    logits = local.model(input_ids=torch.tensor([prompt])).logits[0, :-1, :columns].float()
-    exact = torch.log_softmax(logits / 0.5, -1)
-    for tail, sign in (("none", 1), ("bound", -1)):
-        indices, logprobs = tempered_topk(ids, raw, 0.5, columns, tail=tail)
-        truth = exact.gather(1, indices)
-        assert bool((sign * (logprobs - truth) >= -1e-5).all())  # none: upper bound; bound: lower bound
+    columns, rows = len(local.tokenizer), local.model.config.vocab_size
+    assert (columns, rows, teacher.head_rows()) == (353, 384, 384) and int(ids.max()) < columns and 1 <= ids.shape[1] < 20
+    logits = local.model(input_ids=torch.tensor([prompt])).logits[0, :-1].float()
+    assert bool((logits.topk(20, -1).indices >= columns).any())  # padding rows are among the top 20 the server sends
+    for temperature in (0.5, 1.0, 2.0):
+        exact = torch.log_softmax(logits[:, :columns] / temperature, -1)
+        for tail, sign in (("none", 1), ("bound", -1)):
+            indices, logprobs = tempered_topk(ids, raw, temperature, columns, tail=tail)
+            truth = exact.gather(1, indices)
+            assert bool((sign * (logprobs - truth) >= -1e-5).all()), (temperature, tail)  # none: upper bound; bound: lower bound
     indices, logprobs = tempered_topk(ids, raw, 1.0, columns)
-    assert (logprobs - torch.log_softmax(logits, -1).gather(1, indices)).abs().max().item() < 1e-5  # T = 1: exact
+    assert (logprobs - torch.log_softmax(logits, -1).gather(1, indices)).abs().max().item() < 1e-5  # T = 1: the server's
 
 
 def test_training_from_the_server_on_and_off_policy(server, tmp_path):
@@ -102,6 +142,57 @@ def test_training_from_the_server_on_and_off_policy(server, tmp_path):
         assert any(not torch.equal(a, b) for a, b in zip(before, m.student.parameters()))
 
 
+def test_served_samples_pin_every_sampling_setting_the_in_process_engine_pins(tmp_path):
+    """``vllm serve`` fills a sampling field a request leaves out from the model's ``generation_config.json``
+    (``repetition_penalty: 1.1`` for Qwen2-1.5B-Instruct). The served teacher's samples (``ServedTeacher.sample``)
+    and the served student's (``ServedRollouts``) are requested with every setting the in-process vLLM engine pins,
+    built by the same function (``sampling_params``, then ``completion_fields``): min_p 0, the repetition, presence
+    and frequency penalties neutral, no top-k, and a bias of -100 on the 31 padding rows of
+    kdlab://tiny-random/teacher's output layer (384 rows, 353 tokens), which the server, as vLLM, would sample
+    from otherwise. Both refuse a temperature vLLM does not honour exactly."""
+    from kdlab.rollouts import ServedRollouts
+    from kdlab.rollouts.served import COMPLETION_REQUEST_FIELDS
+    from kdlab.rollouts.vllm_sampling import completion_fields, sampling_params
+    from kdlab.stages.distill import DistillModule
+
+    seen = []
+
+    class Recording(LoopbackServer):
+        def answer(self, payload, *args, **kwargs):
+            seen.append(payload)
+            return super().answer(payload, *args, **kwargs)
+
+    pinned = {"n": 1, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+              "ignore_eos": False, "skip_special_tokens": False, "logit_bias": {str(row): -100.0 for row in range(353, 384)}}
+    with Recording(TEACHER, name="tiny-teacher") as server:
+        teacher = served(server)
+        teacher.check(server.tokenizer)
+        assert 1 <= len(teacher.sample([1, 2, 3], 4, 0.7, 5, [0])) <= 4
+        (payload,) = seen
+        assert {key: payload.get(key) for key in pinned} == pinned and set(payload) <= set(COMPLETION_REQUEST_FIELDS)
+        assert (payload["temperature"], payload["top_p"], payload["seed"], payload["max_tokens"], payload["stop_token_ids"]) == (0.7, 1.0, 5, 4, [0])
+        expected = completion_fields(sampling_params(0.7, 4, (0,), seed=5, logprobs=False, logit_bias={row: -100.0 for row in range(353, 384)}))
+        assert {key: value for key, value in payload.items() if key not in ("model", "prompt", "return_token_ids")} == expected
+        module = DistillModule(TEACHER, TEACHER, task(), rollout=StudentRollouts(), batch_size=2, max_completion_tokens=4, student_temperature=0.9)
+        context = module.rollout_context(torch.Generator().manual_seed(0), seed=7)
+        context.top_p = 0.95  # (GRPO's nucleus)
+        engine = ServedRollouts(server.url, "tiny-teacher", weights_dir=str(tmp_path), dtype="float32", retries=0)
+        engine.generate(module._prompts(task().examples("train")[:2]), context)
+        assert [(p["seed"], p["temperature"], p["top_p"], p["logprobs"]) for p in seen[1:]] == [(7, 0.9, 0.95, 0), (8, 0.9, 0.95, 0)]
+        assert all({key: p.get(key) for key in pinned} == pinned and set(p) <= set(COMPLETION_REQUEST_FIELDS) for p in seen[1:])
+        # without the bias the server draws the padding rows too, as vLLM does
+        unbiased, _ = server.sample([1, 2, 3], 64, 1.0, 0, [])
+        biased, _ = server.sample([1, 2, 3], 64, 1.0, 0, [], teacher.padding_bias())
+        assert max(unbiased) >= 353 and max(biased) < 353
+        for temperature in (0.005, 2.5):
+            with pytest.raises(ValueError, match=rf"ServedTeacher.sample: vLLM samples at temperature 0 or in \[0.01, 2.0\], got {temperature}"):
+                teacher.sample([1, 2, 3], 4, temperature, 5, [0])
+            context.student_temperature = temperature
+            with pytest.raises(ValueError, match=r"ServedRollouts \(DistillModule.student_temperature\): vLLM samples at temperature 0 or in"):
+                engine.generate(module._prompts(task().examples("train")[:2]), context)
+        assert len(seen) == 3  # nothing sent for a refused temperature
+
+
 def test_the_server_sample_is_seeded(server):
     teacher = served(server)
     prompt = [int(t) for t in LoopbackServer(TEACHER).tokenizer("Add the numbers. 4+5", add_special_tokens=False)["input_ids"]]
@@ -110,7 +201,7 @@ def test_the_server_sample_is_seeded(server):
 
 
 @pytest.mark.parametrize("fault, message", [("timeout", "timed out"), ("malformed", "not JSON"), ("error", "500"),
-                                            ("wrong_model", "answered for model 'another-model'"), ("id_out_of_range", "token id 353 outside"),
+                                            ("wrong_model", "answered for model 'another-model'"), ("id_out_of_range", "token id 384 outside"),
                                             ("mass_over_one", "probabilities sum to"), ("trickle", "timed out"), ("hang_up", "Remote end closed")])
 def test_a_failing_server_stops_the_run_naming_the_endpoint_after_its_retries_with_the_last_checkpoint_intact(tmp_path, fault, message):
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -252,6 +343,16 @@ def test_the_reply_is_ranked_and_cut_to_k_for_every_position_at_once():
     assert ranked_topk([], 3)[0].shape == (0, 3)
     with pytest.raises(ValueError, match="fewer than top_k=4"):
         ranked_topk(rows, 4)
+    # an output layer of 384 rows for 353 tokens: a padding row among a position's K is dropped after the ranking, and
+    # every position keeps as many as the one with the fewest tokens (their mass, like the rest, is the tail's)
+    padded = [{"360": entry(-0.7, 1), "3": entry(-1.2, 2), "361": entry(-3.0, 3)}, rows[1]]
+    ids, values = ranked_topk(padded, 2, 353, 384)
+    assert ids.tolist() == [[3], [4]] and values.tolist() == [[-1.2], [-0.4]]
+    assert ranked_topk(padded, 2, 353, 384)[0].tolist() == ranked_topk(padded, 2, 353, 400)[0].tolist()
+    with pytest.raises(ValueError, match=r"token id 361 outside the rows of the served model's output layer \[0, 353\)"):
+        ranked_topk(padded, 2, 353)  # without the layer's row count, an id past the tokenizer is refused
+    with pytest.raises(ValueError, match=r"a position's 2 most likely rows are all padding rows of the model's output layer .*ask for a larger top_k"):
+        ranked_topk([{"360": entry(-0.7, 1), "361": entry(-1.2, 2), "3": entry(-3.0, 3)}], 2, 353, 384)
 
 
 def test_the_docs_figures_are_the_committed_benchmark_and_report():

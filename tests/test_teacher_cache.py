@@ -6,7 +6,9 @@ import torch
 
 from kdlab.objectives import ForwardKL, ReverseKL, SampledReverseKL
 from kdlab.objectives.kl import kl_diagnostics
-from kdlab.rollouts.teacher_cache import TeacherCache, TopKLogprobs, expand_topk, top_k_logprobs, write_cache
+from kdlab.rollouts.teacher_cache import TeacherCache, TopKLogprobs, expand_topk, prompt_digest, top_k_logprobs, write_cache
+
+PROMPT = [2, 7, 1, 8]  # a teacher prompt's token ids
 
 
 def test_a_top_k_teacher_keeps_the_top_k_exactly_and_spreads_the_tail_evenly():
@@ -72,30 +74,87 @@ def test_padding_of_a_top_k_batch_is_the_uniform_distribution():
 
 @pytest.mark.parametrize("cache_format", ["full", "compact"])
 def test_cache_files_check_what_they_were_computed_on(cache_format, tmp_path):
-    """Both formats (``full``: what every kdlab before the compact format wrote) read and check the same way."""
+    """Both formats (``full``: what every kdlab before the compact format wrote) read and check the same way: the
+    completion tokens and the teacher prompt an example's log-probs follow must be the run's."""
     path = tmp_path / "cache.safetensors"
-    rows = {"a": {"tokens": torch.tensor([5, 6, 7]), "indices": torch.tensor([[1, 4]] * 3), "logprobs": torch.log(torch.tensor([[0.5, 0.25]] * 3))}}
-    write_cache(path, rows, {"top_k": 2, "temperature": 0.5, "vocab_size": 10, "teacher": "t"}, cache_format=cache_format)
+    rows = {"a": {"tokens": torch.tensor([5, 6, 7]), "indices": torch.tensor([[1, 4]] * 3), "logprobs": torch.log(torch.tensor([[0.5, 0.25]] * 3)),
+                  "prompt_sha256": prompt_digest(PROMPT)}}
+    write_cache(path, rows, {"top_k": 2, "temperature": 0.5, "token_columns": 10, "teacher": "t"}, cache_format=cache_format)
     cache = TeacherCache(str(path))
-    assert (cache.top_k, cache.temperature, cache.token_columns, cache.ids) == (2, 0.5, 10, {"a"})  # kdlab 0.1's metadata key
+    assert (cache.top_k, cache.temperature, cache.token_columns, cache.ids) == (2, 0.5, 10, {"a"})
     assert cache.format == {"full": "full", "compact": "compact-v1"}[cache_format]
-    current = tmp_path / "current.safetensors"
-    write_cache(current, rows, {"top_k": 2, "temperature": 0.5, "token_columns": 12, "teacher": "t"}, cache_format=cache_format)
-    assert TeacherCache(str(current)).token_columns == 12  # the current key
-    indices, logprobs = cache.row("a", [5, 6, 7])
+    indices, logprobs = cache.row("a", [5, 6, 7], PROMPT)
     assert indices.dtype == torch.int64 and logprobs.dtype == torch.float32 and indices.tolist() == [[1, 4]] * 3
     assert torch.equal(logprobs[:, 0], rows["a"]["logprobs"][:, 0])  # the row's max, exactly in both formats
     torch.testing.assert_close(logprobs, rows["a"]["logprobs"], atol=1e-5, rtol=0)  # k = 2: the other entry is renormalised
-    assert cache.row("a", [5, 6])[0].shape == (2, 2)  # a prefix (shorter max length) is fine
+    assert cache.row("a", [5, 6], PROMPT)[0].shape == (2, 2)  # a prefix (shorter max length) is fine
     with pytest.raises(ValueError, match="example 'a' was cached on other completion tokens"):
-        cache.row("a", [5, 9])
+        cache.row("a", [5, 9], PROMPT)
+    for other in (PROMPT[:-1], PROMPT + [3], [2, 7, 1, 9], []):
+        with pytest.raises(ValueError, match="example 'a' was cached after another teacher prompt than this run gives"):
+            cache.row("a", [5, 6, 7], other)
     with pytest.raises(KeyError, match="no entry for example id 'b'"):
-        cache.row("b", [1])
+        cache.row("b", [1], PROMPT)
+    del rows["a"]["prompt_sha256"]
+    with pytest.raises(ValueError, match="example 'a' has no prompt_sha256"):
+        write_cache(tmp_path / "unchecked.safetensors", rows, {"top_k": 2, "temperature": 0.5, "token_columns": 10}, cache_format=cache_format)
     with pytest.raises(FileNotFoundError, match="CachedTeacherRollouts.teacher_cache: no such file"):
         TeacherCache(str(tmp_path / "missing.safetensors"))
     (tmp_path / "bad.safetensors").write_bytes(b"junk")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         TeacherCache(str(tmp_path / "bad.safetensors"))
+
+
+def test_a_cache_is_refused_for_another_teacher_prompt_and_a_file_without_prompts_is_refused(tmp_path):
+    """A cache computed after the teacher prompt "Answer in French." trains a run with that prompt, and is refused,
+    naming the example and the rebuild, for a run whose teacher prompt differs (another teacher_system_prompt, or
+    none): its log-probs follow another prompt (before, such a run trained on them silently). A cache written
+    before the prompts were recorded (kdlab 0.1's full file, a compact file without them) is refused naming the
+    file, since nothing in it tells which prompts its log-probs follow."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
+    from kdlab.rollouts import TeacherDatasetRollouts
+    from kdlab.rollouts.teacher_data import build_teacher_cache
+    from kdlab.stages import DistillModule
+    from kdlab.tasks import Addition
+    from kdlab.teachers import CachedTeacher
+
+    student, teacher = "kdlab://tiny-random/student", "kdlab://tiny-random/teacher"
+
+    def task(prompt):
+        return Addition(max_digits=2, system_prompt="", teacher_system_prompt=prompt, num_train=4, num_val=0, num_test=0, seed=0)
+
+    data, cache = tmp_path / "teacher.jsonl", tmp_path / "teacher.jsonl.topk.safetensors"
+    data.write_text("".join(json.dumps({"id": e["id"], "completion": task(None).reference_completion(e)}) + "\n" for e in task(None).examples("train")))
+    build_teacher_cache(load_causal_lm(ModelSpec(teacher)), load_tokenizer(ModelSpec(teacher)), task("Answer in French."), str(data), str(cache),
+                        top_k=8, temperature=0.5, max_new_tokens=8, max_prompt_tokens=2048, batch_size=4)
+
+    def rollout(prompt, path=cache):
+        module = DistillModule(student, CachedTeacher(str(path)), task(prompt), rollout=TeacherDatasetRollouts(str(data)), batch_size=2,
+                               max_completion_tokens=8, teacher_temperature=0.5, fused_lm_head=False)
+        return module.make_rollout(task(prompt).examples("train")[:2], 0)
+
+    assert rollout("Answer in French.").teacher_logprobs.indices.shape[-1] == 8
+    for prompt in ("Answer in German, briefly.", None):
+        with pytest.raises(ValueError, match=r"example 'add-train-0' was cached after another teacher prompt than this run gives "
+                                             r"\(a changed teacher_system_prompt, .*rebuild it with `kdlab generate"):
+            rollout(prompt)
+    tensors, metadata = load_file(str(cache)), TeacherCache(str(cache))._file.metadata()
+    ids = [example["id"] for example in task(None).examples("train")]
+    assert sorted(json.loads(metadata["teacher_prompts"])) == sorted(ids)  # the SHA-256 of each example's teacher prompt
+    unrecorded = tmp_path / "unrecorded.safetensors"
+    save_file(tensors, str(unrecorded), metadata={key: value for key, value in metadata.items() if key != "teacher_prompts"})
+    first = ids[0]
+    old = tmp_path / "kdlab-0.1.safetensors"  # its full format, its metadata key for the columns
+    save_file({f"{first}/tokens": torch.tensor([5]), f"{first}/indices": torch.tensor([[1, 4]]), f"{first}/logprobs": torch.tensor([[-0.7, -1.4]])},
+              str(old), metadata={"top_k": "2", "temperature": "0.5", "vocab_size": "353", "teacher": "t"})
+    for path in (unrecorded, old):
+        with pytest.raises(ValueError, match=rf"DistillModule.teacher.path '{path}': written without the teacher prompts its log-probs follow "
+                                             r".*rebuild it with `kdlab generate --config <your generate config> --top_k K`"):
+            rollout("Answer in French.", path)
 
 
 def test_distillation_from_a_full_cache_equals_distillation_from_the_teacher_without_loading_it(tiny_pair, tmp_path):

@@ -5,11 +5,16 @@
 
 Endpoints and fields are vLLM's (``GET /v1/models``; ``POST /tokenize``; ``POST /v1/completions`` with
 ``prompt`` as token ids or a list of them (one ``choices[i]`` each), ``prompt_logprobs`` (K or -1), ``max_tokens``,
-``temperature``, ``seed``, ``stop_token_ids``, ``return_token_ids``): prompt log-probs come from the raw logits, as vLLM's
+``temperature``, ``seed``, ``stop_token_ids``, ``return_token_ids``, ``logit_bias``; a request's other sampling settings,
+which kdlab pins at their neutral values, are not applied): prompt log-probs come from the raw logits, as vLLM's
 (``logprobs_mode`` does not apply to prompt tokens), each position a ``{token id: {"logprob", "rank",
 "decoded_token"}}`` dict of the K most likely tokens (ranks 1..K) plus the prompt's own token (its rank: the
-tokens at least as likely), the first position ``None``, ``-inf`` written as -9999.0. HTTP/1.1, so a client
-keeps its connections open, as with vLLM's server.
+tokens at least as likely), the first position ``None``, ``-inf`` written as -9999.0. As vLLM's, they are over
+every row of the model's output layer (its config's ``vocab_size``): a padded layer's rows past the tokenizer
+(``kdlab://tiny-random/teacher``: 384 rows, 353 tokens) are among a position's top K when likely enough, and all
+of them are there with ``prompt_logprobs: -1``. HTTP/1.1, so a client
+keeps its connections open, as with vLLM's server; the HTTP side (each connection's handler) is
+:mod:`kdlab.rollouts.loopback_http`, the model's work this module's worker thread.
 
 **Batching, as vLLM does.** One worker thread runs the model. The prompts of the scoring requests
 (``max_tokens: 1``) that are waiting when it becomes free, up to ``max_batch`` requests, go through one
@@ -47,25 +52,29 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import queue
-import socket
 import threading
 import time
 from collections import deque
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kdlab.rollouts.loopback_faults import FAULTS  # noqa: F401 - the switches, by their old path too
+from kdlab.rollouts.loopback_http import MAX_REQUEST_BYTES, LoopbackHandler  # noqa: F401 - the limit, by its old path too
 from kdlab.rollouts.loopback_reply import completion_reply
 from kdlab.rollouts.loopback_weights import WeightCall, WeightPushes
 
-MAX_REQUEST_BYTES = 64 << 20
+
+
+def logit_bias(payload: dict[str, Any]) -> dict[int, float]:
+    """A completions request's ``logit_bias`` (``{id as text: bias}``) as ``{id: bias}``, each bias clamped to
+    [-100, 100] as vLLM clamps it."""
+    return {int(row): min(100.0, max(-100.0, float(bias))) for row, bias in (payload.get("logit_bias") or {}).items()}
 
 
 class _Job:
@@ -77,7 +86,8 @@ class _Job:
         self.prompts = [[int(token) for token in one] for one in (prompt if self.listed else [prompt])]
         self.k = payload.get("prompt_logprobs")
         self.scores_only = self.k is not None and int(payload.get("max_tokens", 16)) <= 1
-        self.sampling_key = (float(payload.get("temperature", 1.0)), tuple(int(t) for t in payload.get("stop_token_ids") or []))
+        self.sampling_key = (float(payload.get("temperature", 1.0)), tuple(int(t) for t in payload.get("stop_token_ids") or []),
+                             tuple(sorted(logit_bias(payload).items())))
         self.done = threading.Event()
         self.results: list[dict[str, Any]] = []
         self.error: BaseException | None = None
@@ -90,7 +100,7 @@ class LoopbackServer:
 
     def __init__(self, model: str, name: str = "teacher", port: int = 0, max_model_len: int = 512, max_batch: int = 64,
                  api_key: str | None = None, host: str = "127.0.0.1", gather_s: float = 0.005) -> None:
-        from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer
+        from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer, output_rows
 
         spec = ModelSpec(model)
         self.model, self.tokenizer = load_causal_lm(spec).eval(), load_tokenizer(spec)
@@ -98,9 +108,10 @@ class LoopbackServer:
         if not gather_s >= 0:
             raise ValueError(f"LoopbackServer.gather_s must be >= 0, got {gather_s!r}")
         self.gather_s = float(gather_s)
-        self.columns = len(self.tokenizer)
-        self.pieces = [self.tokenizer.decode([t]) for t in range(self.columns)]  # each token's text, once
-        self.names = [str(t) for t in range(self.columns)]  # each token's JSON key
+        self.columns = len(self.tokenizer)  # the tokenizer's tokens
+        self.rows = output_rows(self.model)  # the output layer's rows, which vLLM answers for: padding rows past the tokens too
+        self.pieces = [self.tokenizer.decode([t]) for t in range(self.columns)] + [""] * (self.rows - self.columns)  # each row's text, once
+        self.names = [str(t) for t in range(max(self.rows, self.columns))]  # each row's JSON key
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.worker = threading.Thread(target=self._serve_jobs, daemon=True)
         self.faults: set[str] = set()
@@ -110,123 +121,8 @@ class LoopbackServer:
         self.flight, self.in_flight, self.most_in_flight = threading.Lock(), 0, 0  # completions requests being answered at once (most: since reset)
         self.batches: list[int] = []  # prompts per forward batch the worker ran (scoring or sampling)
         self.weights = WeightPushes(self.model, self.jobs)  # /collective_rpc: a student's weights pushed by its trainer
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive: every reply carries its Content-Length
-
-            def setup(self) -> None:
-                super().setup()
-                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a reply's body does not wait for an ACK
-
-            def log_message(self, *args: Any) -> None:  # quiet
-                pass
-
-            def _send(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def _allowed(self) -> bool:
-                if server.api_key is None or self.headers.get("Authorization") == f"Bearer {server.api_key}":
-                    return True
-                self._send(401, b'{"error": "Unauthorized"}')
-                return False
-
-            def do_GET(self) -> None:  # noqa: N802
-                if not self._allowed():
-                    return
-                if self.path == "/tokenizer_info":
-                    self._send(200, json.dumps(server.tokenizer_info()).encode())
-                elif self.path == "/v1/models":
-                    card = {"id": server.name, "object": "model", "created": int(time.time()), "owned_by": "vllm",
-                            "root": server.name, "parent": None, "max_model_len": server.max_model_len, "permission": []}
-                    self._send(200, json.dumps({"object": "list", "data": [card]}).encode())
-                else:
-                    self._send(404, b'{"error": "not found"}')
-
-            def do_POST(self) -> None:  # noqa: N802
-                counted = self.path == "/v1/completions"  # arriving until its job is queued (or it is answered without one)
-                self.queued = False
-                if counted:
-                    server.arrival(+1)
-                try:
-                    self._post()
-                finally:
-                    if counted and not self.queued:
-                        server.arrival(-1)
-
-            def _queued(self) -> None:
-                self.queued = True
-                server.arrival(-1)
-
-            def _post(self) -> None:
-                length = self.headers.get("Content-Length", "0")
-                if not length.isdigit() or int(length) > MAX_REQUEST_BYTES:
-                    self.close_connection = True
-                    self._send(400, b'{"error": "Content-Length missing or too large"}')
-                    return
-                if not self._allowed():
-                    self.rfile.read(int(length))
-                    return
-                try:
-                    payload = json.loads(self.rfile.read(int(length)) or b"{}")
-                    server.check_request(self.path, payload)
-                except (ValueError, TypeError, KeyError) as error:
-                    self._send(400, json.dumps({"error": f"{type(error).__name__}: {error}"}).encode())
-                    return
-                if self.path in ("/collective_rpc", "/reset_prefix_cache"):
-                    try:
-                        server.weights.answer(self.path, payload)
-                    except (ValueError, KeyError, TypeError) as error:
-                        self._send(400, json.dumps({"error": f"{type(error).__name__}: {error}"}).encode())
-                        return
-                    self._send(200, b'{"results": [null]}' if self.path == "/collective_rpc" else b"")
-                    return
-                if self.path == "/tokenize":
-                    tokens = server.tokenizer(payload["prompt"], add_special_tokens=payload.get("add_special_tokens", True))["input_ids"]
-                    self._send(200, json.dumps({"count": len(tokens), "max_model_len": server.max_model_len, "tokens": tokens}).encode())
-                    return
-                if self.path != "/v1/completions":
-                    self._send(404, b'{"error": "not found"}')
-                    return
-                server.completions += 1
-                fault = server.faults if server.completions > server.fault_after else set()
-                if "timeout" in fault:
-                    time.sleep(30)
-                if "error" in fault:
-                    self._send(500, b'{"error": "internal"}')
-                    return
-                if "malformed" in fault:
-                    self._send(200, b'{"choices": [')
-                    return
-                for status in (429, 400):
-                    if f"status_{status}" in fault:
-                        self._send(status, b'{"error": "refused"}')
-                        return
-                if "hang_up" in fault:
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                    return
-                try:
-                    body = server.answer(payload, "another-model" if "wrong_model" in fault else server.name, fault, self._queued)
-                except Exception as error:  # noqa: BLE001 - the client sees a 500, as from vLLM
-                    self._send(500, json.dumps({"error": f"{type(error).__name__}: {error}"}).encode())
-                    return
-                if "trickle" in fault:
-                    self.send_response(200)
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    for byte in range(len(body)):
-                        self.wfile.write(body[byte : byte + 1])
-                        self.wfile.flush()
-                        time.sleep(0.2)
-                    return
-                self._send(200, body)
-
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd = ThreadingHTTPServer((host, port), LoopbackHandler)
+        self.httpd.loopback = self  # what each request's handler answers from
         self.port = self.httpd.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -243,7 +139,7 @@ class LoopbackServer:
 
     def check_request(self, path: str, payload: Any) -> None:
         """Refuse (``ValueError``) what vLLM refuses with 400: prompts past ``max_model_len``, ``max_tokens``
-        that do not fit after them, ids outside the vocabulary."""
+        that do not fit after them, prompt ids outside the vocabulary, a ``logit_bias`` for no row of the output layer."""
         if not isinstance(payload, dict):
             raise ValueError("the body is not a JSON object")
         if path != "/v1/completions":
@@ -251,6 +147,10 @@ class LoopbackServer:
         prompt = payload["prompt"]
         prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt]
         max_tokens = int(payload.get("max_tokens", 16))
+        bias = payload.get("logit_bias") or {}
+        if not isinstance(bias, dict) or not all(str(row).isdigit() and int(row) < self.rows and type(value) in (int, float)
+                                                 for row, value in bias.items()):
+            raise ValueError(f"logit_bias: not numbers for token ids in [0, {self.rows})")
         for one in prompts:
             if not all(type(t) is int and 0 <= t < self.columns for t in one):
                 raise ValueError(f"a prompt token outside [0, {self.columns})")
@@ -346,11 +246,11 @@ class LoopbackServer:
                     for job in jobs:
                         job.results = [next(results) for _ in job.prompts]
                 elif jobs[0].k is None:  # sampling: every prompt of every job in one batch, each row its own seed
-                    temperature, stops = jobs[0].sampling_key
+                    temperature, stops, bias = jobs[0].sampling_key
                     stops = (*stops, self.tokenizer.eos_token_id)
                     rows = [(prompt, int(job.payload.get("max_tokens", 16)), job.payload.get("seed")) for job in jobs for prompt in job.prompts]
                     drawn: list[list[float]] = []
-                    results = iter(zip(self.sample_many(rows, temperature, list(stops), drawn), drawn))
+                    results = iter(zip(self.sample_many(rows, temperature, list(stops), drawn, dict(bias)), drawn))
                     for job in jobs:
                         asked = job.payload.get("logprobs") is not None  # (batch-mates' log-probs may differ in the last bits)
                         job.results = [{"new": new, "ended": ended, **({"token_logprobs": values} if asked else {})}
@@ -366,22 +266,24 @@ class LoopbackServer:
             job.done.set()
 
     def forward(self, prompts: list[list[int]]) -> torch.Tensor:
-        """The prompts' logits ``(B, T, V)`` from one right-padded forward (causal: padding after a prompt
-        does not change its positions)."""
+        """The prompts' logits ``(B, T, R)`` over every row of the output layer (padding rows past the tokenizer's
+        tokens included, as vLLM's) from one right-padded forward (causal: padding after a prompt does not change
+        its positions)."""
         width = max(len(prompt) for prompt in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros(len(prompts), width, dtype=torch.long)
         for row, prompt in enumerate(prompts):
             ids[row, : len(prompt)] = torch.tensor(prompt)
             mask[row, : len(prompt)] = 1
-        return self.model(input_ids=ids, attention_mask=mask).logits[..., : self.columns].float()
+        return self.model(input_ids=ids, attention_mask=mask).logits[..., : self.rows].float()
 
     def scores(self, prompts: list[list[int]], ks: list[int | None], logits: torch.Tensor) -> list[dict[str, Any]]:
-        """Each prompt's log-probs from the batch's ``logits``: at each position its top ``k`` (-1: every
-        token) and the prompt token's own with its rank; and the next token (greedy)."""
+        """Each prompt's log-probs from the batch's ``logits``: at each position its top ``k`` rows of the output
+        layer (-1: every row, padding rows included, as vLLM answers) and the prompt token's own with its rank;
+        and the next token (greedy)."""
         lengths = torch.tensor([len(prompt) for prompt in prompts])
         new = logits[torch.arange(len(prompts)), lengths - 1].argmax(-1).tolist()
-        wanted = [self.columns if k == -1 else min(int(k), self.columns) for k in ks if k is not None]
+        wanted = [self.rows if k == -1 else min(int(k), self.rows) for k in ks if k is not None]
         if not wanted:
             return [{"new": [token], "ended": False} for token in new]
         logprobs = torch.log_softmax(logits[:, :-1], -1).clamp(min=-9999.0)  # raw: no temperature, as vLLM's prompt log-probs
@@ -397,7 +299,7 @@ class LoopbackServer:
             n = len(prompt) - 1
             result: dict[str, Any] = {"new": [new[row]], "ended": False}
             if k is not None:
-                k = self.columns if k == -1 else min(int(k), self.columns)
+                k = self.rows if k == -1 else min(int(k), self.rows)
                 top_ids, top_values = ids[row][:n], values[row][:n]
                 if k < max(wanted):  # another request in the batch asked for more
                     top_ids, top_values = [r[:k] for r in top_ids], [r[:k] for r in top_values]
@@ -411,21 +313,24 @@ class LoopbackServer:
         result = self.scores([prompt], [job.k], self.forward([prompt]))[0] if job.k is not None else {}
         stops = [int(t) for t in payload.get("stop_token_ids") or []] + [self.tokenizer.eos_token_id]
         result["new"], result["ended"] = self.sample(prompt, int(payload.get("max_tokens", 16)), float(payload.get("temperature", 1.0)),
-                                                     payload.get("seed"), stops)
+                                                     payload.get("seed"), stops, logit_bias(payload))
         return result
 
-    def sample(self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None, stops: list[int]) -> tuple[list[int], bool]:
+    def sample(self, prompt: list[int], max_tokens: int, temperature: float, seed: int | None, stops: list[int],
+               bias: dict[int, float] | None = None) -> tuple[list[int], bool]:
         """One completion of ``prompt`` (:meth:`sample_many` of one row)."""
-        return self.sample_many([(prompt, max_tokens, seed)], temperature, stops)[0]
+        return self.sample_many([(prompt, max_tokens, seed)], temperature, stops, logit_bias=bias)[0]
 
     def sample_many(self, rows: list[tuple[list[int], int, int | None]], temperature: float, stops: list[int],
-                    drawn_logprobs: list[list[float]] | None = None) -> list[tuple[list[int], bool]]:
+                    drawn_logprobs: list[list[float]] | None = None, logit_bias: dict[int, float] | None = None) -> list[tuple[list[int], bool]]:
         """A completion of each ``(prompt, max_tokens, seed)`` of ``rows``, decoded together (left-padded, one
         forward per token for the whole batch, as vLLM batches concurrent requests); each row draws from its
         own generator seeded by its ``seed`` (a random one without), so a row's tokens depend on its seed
-        alone, up to the last bits padding changes (``max_batch=1``: each request alone). Returns each row's
-        tokens (its end token included) and whether it ended; ``drawn_logprobs`` (a list) receives each row's
-        log-probs of its tokens under the tempered distribution they were drawn from (greedy: the untempered one)."""
+        alone, up to the last bits padding changes (``max_batch=1``: each request alone). As vLLM, it draws from
+        every row of the output layer (a padded layer's rows past the tokenizer too), ``logit_bias`` (``{row:
+        bias}``) added to the logits first. Returns each row's tokens (its end token included) and whether it
+        ended; ``drawn_logprobs`` (a list) receives each row's log-probs of its tokens under the tempered (and
+        biased) distribution they were drawn from (greedy: the untempered one)."""
         from kdlab.rollouts.decoding import incremental_decoder, sample_tokens
 
         width = max(len(prompt) for prompt, _, _ in rows)
@@ -439,7 +344,11 @@ class LoopbackServer:
             if seed is None:
                 generator.seed()
         longest = max(max_tokens for _, max_tokens, _ in rows)
-        decoder = incremental_decoder(self.model, ids, mask, self.columns, temperature, longest)
+        decoder = incremental_decoder(self.model, ids, mask, self.rows, temperature, longest)
+        bias = None
+        if logit_bias:  # on the tempered log-probs, bias / T: the logits' bias
+            bias = torch.zeros(self.rows).index_put_((torch.tensor(list(logit_bias)),), torch.tensor(list(logit_bias.values())))
+            bias /= temperature if temperature > 0 else 1.0
         # each row's uniforms for every step, from its own generator: the t-th token of a row is its distribution's
         # inverse CDF at the t-th number of its seed's stream, whatever else shares the batch
         uniforms = torch.stack([torch.rand(longest, generator=generator, dtype=torch.float64) for generator in generators]) if temperature else None
@@ -448,6 +357,8 @@ class LoopbackServer:
             """The decoder's next-token log-probs with each row's token drawn by its own generator: that token
             at log-prob 0, the others at -inf (so the shared draw below takes it)."""
             logprobs = decoder(previous)
+            if bias is not None:
+                logprobs = torch.log_softmax(logprobs + bias, -1)
             if temperature == 0.0:
                 history.append(torch.log_softmax(logprobs, -1).gather(1, logprobs.argmax(-1, keepdim=True))[:, 0])
                 return logprobs

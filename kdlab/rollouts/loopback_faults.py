@@ -9,20 +9,21 @@ from typing import Any
 FAULTS = {
     "timeout": "sleeps 30 s before answering", "malformed": "a reply that is not JSON", "error": "HTTP 500",
     "wrong_model": "answers for another model", "status_429": "HTTP 429 (too many requests)", "status_400": "HTTP 400",
-    "id_out_of_range": "a log-prob entry's id is the vocabulary's size", "negative_id": "a log-prob entry's id is -1",
+    "id_out_of_range": "a log-prob entry's id is the output layer's row count", "negative_id": "a log-prob entry's id is -1",
     "repeated_id": "one id twice at a position (keys '5' and '05')", "positive_logprob": "a log-prob of +0.5",
     "nan_logprob": "a log-prob that is NaN", "mass_over_one": "a position whose probabilities sum to about 2",
     "missing_index": "a choice without its index", "duplicate_index": "two choices with index 0",
     "too_many_entries": "a position with K + 2 entries", "long_sample": "a sample one token past max_tokens",
-    "sample_out_of_range": "a sampled id the vocabulary's size", "huge_reply": "a reply past the request's byte limit",
+    "sample_out_of_range": "a sampled id the output layer's row count", "huge_reply": "a reply past the request's byte limit",
     "trickle": "the reply one byte every 0.2 s", "hang_up": "closes the connection without a reply",
+    "other_prompt": "scores another prompt of the same length (each token id + 1)",
 }
 """The fault switches (``LoopbackServer.faults``), each a defect of a reply the client must refuse, naming it."""
 
 
 def faulty_reply(faults: set[str], columns: int, reply: dict[str, Any], max_tokens: int) -> bytes:
-    """``reply`` (a completion reply as a dict) with the defects ``faults`` (:data:`FAULTS`) written in, for a
-    vocabulary of ``columns`` tokens."""
+    """``reply`` (a completion reply as a dict) with the defects ``faults`` (:data:`FAULTS`) written in, for an
+    output layer of ``columns`` rows."""
     choices = reply["choices"]
     rows = [row for choice in choices for row in (choice["prompt_logprobs"] or [])[1:]]
     row = rows[-1] if rows else None  # the last position: a completion's, which every client reads
@@ -58,3 +59,12 @@ def faulty_reply(faults: set[str], columns: int, reply: dict[str, Any], max_toke
     if "huge_reply" in faults:
         reply["padding"] = "x" * (8 << 20)
     return json.dumps(reply).encode()
+
+
+def other_prompts(payload: dict[str, Any], columns: int) -> dict[str, Any]:
+    """``payload`` with each prompt token ``t`` replaced by ``(t + 1) % columns``: a completions request for other
+    prompts of the same lengths (the ``other_prompt`` fault: a server or proxy that mixed up its requests)."""
+    prompt = payload["prompt"]
+    listed = bool(prompt) and isinstance(prompt[0], list)
+    shifted = [[(int(t) + 1) % columns for t in one] for one in (prompt if listed else [prompt])]
+    return {**payload, "prompt": shifted if listed else shifted[0]}

@@ -13,8 +13,11 @@ What is sent and read (the names are checked against vLLM's source by ``scripts/
   (up to ``request_prompts`` completions after their prompts per request, one ``choices[i]`` each, by ``index``)
   -> ``choices[i].prompt_logprobs``: per prompt position ``None`` (the first) or ``{token id: {logprob, rank,
   decoded_token}}``, the K most likely tokens plus the prompt's own; and, to sample (online off-policy),
-  ``{..., max_tokens: C, temperature, seed, stop_token_ids, return_token_ids: true, skip_special_tokens: false}``
-  -> ``choices[0].token_ids``, ``choices[0].finish_reason``.
+  ``{model, prompt, return_token_ids: true}`` with every sampling setting the in-process vLLM engine pins
+  (:func:`~kdlab.rollouts.vllm_sampling.completion_fields` of :func:`~kdlab.rollouts.vllm_sampling.sampling_params`:
+  ``max_tokens: C, temperature, seed, stop_token_ids, skip_special_tokens: false``, ``top_p: 1``, ``top_k: -1``,
+  ``min_p: 0``, neutral penalties, a padded output layer's rows biased out: ``vllm serve`` fills a field left out
+  from the model's ``generation_config.json``) -> ``choices[0].token_ids``, ``choices[0].finish_reason``.
 
 **Temperature.** vLLM computes prompt log-probs from the raw logits: no temperature is applied to them
 (``logprobs_mode`` raw or processed alike: prompt tokens skip the sampling processors). kdlab tempers them
@@ -25,6 +28,13 @@ vocabulary (``-1``) this is exact. With K < V the tail's share of ``Z`` is unkno
 lower bounds, exact when the tail is flat; the remaining tempered mass is spread over the other tokens as in a
 top-k cache. ``tail_bounds`` gives both ends (tail share 0 and the bound) for tests and diagnostics.
 
+**Padded output layers.** vLLM answers for every row of the model's output layer (its config's ``vocab_size``,
+:meth:`ServedTeacher.head_rows`), which may have padding rows past the tokenizer's tokens (Qwen2.5: 151,936
+rows, 151,665 tokens; ``kdlab://tiny-random/teacher``: 384 rows, 353 tokens): with ``top_k`` -1 every position
+holds all of them. kdlab accepts ids below the row count, drops those past the tokenizer and leaves their mass
+to the tail (:func:`kdlab.served_wire.ranked_topk`); with ``-1`` the tokens' log-probs are normalised over the
+tokens, as the in-process teacher's softmax over the tokenizer's columns.
+
 **Failures.** Each request attempt has a deadline for the whole exchange (``timeout_s``) and a byte limit
 derived from the request, and is retried (``retries`` more times, with backoff and jitter) on a connection
 error, a timeout, an HTTP 5xx, 408 or 429, or a response that is not the JSON vLLM returns; then the run stops
@@ -34,13 +44,15 @@ error. Lightning then writes the exception checkpoint; the last periodic checkpo
 **Every reply is checked** on the host before a tensor is made of it (:mod:`kdlab.served_replies`): choice
 indices exactly ``0..n-1``, at most ``K + 1`` entries per position, ids in ``[0, V)`` and none twice at a
 position, log-probs finite and ``<= 0`` and each position's probabilities summing to at most 1 (both up to
-:data:`~kdlab.served_replies.LOGPROB_TOLERANCE`), sampled completions of at most ``max_tokens`` ids in
+:data:`~kdlab.served_replies.LOGPROB_TOLERANCE`), each position holding the prompt's own token (a reply
+scored on another prompt lacks it), sampled completions of at most ``max_tokens`` ids in
 ``[0, V)``; a reply that fails is a :class:`ServedTeacherError` naming the endpoint and the field, never a
 device-side assert or a silently wrong loss.
 
 **Keys.** ``api_key_env`` names the environment variable holding the server's key (``vllm serve --api-key``);
-it is read at each request and sent as a bearer token, never stored. A URL with a user, password, query or
-fragment is refused.
+it is read at each request, stripped of surrounding whitespace and sent as a bearer token, never stored; a key
+with a control or non-ASCII character inside is refused naming the variable, and no error quotes a header. A URL
+with a user, password, query or fragment is refused.
 
 **Cost.** Connections are kept open (HTTP/1.1, one per request thread). Scoring replies are received and
 decoded by a helper process (``decode_workers``, :mod:`kdlab.served_workers`): by ``orjson`` when it is installed
@@ -74,13 +86,15 @@ from kdlab.served_wire import (
     redact,
 )
 from kdlab.served_wire import ranked_topk as ranked_topk_arrays
+from kdlab.rollouts.vllm_sampling import PADDING_BIAS, check_temperature, completion_fields, padding_bias, sampling_params
 from kdlab.served_workers import DecodeWorkers
 
 __all__ = ["ServedTeacher", "ServedTeacherError", "collection_paused", "json_loads", "ranked_topk", "tempered_topk"]
 
-COMPLETION_REQUEST_FIELDS = ("model", "prompt", "max_tokens", "prompt_logprobs", "temperature", "seed", "stop_token_ids",
-                             "return_token_ids", "skip_special_tokens", "top_p", "top_k")
-"""The ``CompletionRequest`` fields kdlab sends."""
+COMPLETION_REQUEST_FIELDS = ("model", "prompt", "prompt_logprobs", "return_token_ids",
+                             *completion_fields(sampling_params(1.0, 1, (0,), seed=0, stop=("</answer>",), logit_bias={1: PADDING_BIAS})))
+"""The ``CompletionRequest`` fields kdlab sends: a scoring request's, and every sampling setting
+(:func:`~kdlab.rollouts.vllm_sampling.completion_fields`)."""
 COMPLETION_RESPONSE_FIELDS = {"CompletionResponse": ("model", "choices"),
                               "CompletionResponseChoice": ("index", "prompt_logprobs", "token_ids", "finish_reason", "text"),
                               "Logprob": ("logprob", "rank", "decoded_token")}
@@ -136,7 +150,7 @@ class ServedTeacher:
         self.top_k, self.timeout_s, self.retries, self.backoff_s, self.concurrency = top_k, timeout_s, retries, backoff_s, concurrency
         self.request_prompts, self.decode_workers, self.prefetch = request_prompts, decode_workers, prefetch
         self.api_key_env = api_key_env
-        self.vocabulary: int | None = None  # len(tokenizer), set by check(): every served id must lie below it
+        self.vocabulary: int | None = None  # len(tokenizer), set by check(): every id the server scores or samples past it is no token
         self._start_threads()
 
     def _start_threads(self) -> None:
@@ -180,8 +194,9 @@ class ServedTeacher:
         """Before training: the server serves ``model``, tokenizes a probe text and every added token of
         ``tokenizer`` exactly as ``tokenizer`` does, and, when it answers ``GET /tokenizer_info`` (``vllm serve
         --enable-tokenizer-info-endpoint``; kdlab's loopback server), lists no added token (id and text) that
-        ``tokenizer`` lacks: else :class:`ServedTeacherError` naming the endpoint. Then every id the server sends is
-        checked against ``len(tokenizer)``."""
+        ``tokenizer`` lacks: else :class:`ServedTeacherError` naming the endpoint. Then every id the server scores
+        past ``len(tokenizer)`` (a padded output layer's row, below :meth:`head_rows`) is dropped, and every id it
+        samples must lie below it."""
         where = redact(self.url)
         models = self.request("/v1/models", max_bytes=1 << 20)
         served = [card.get("id") for card in models.get("data", []) if isinstance(card, dict)]
@@ -214,6 +229,19 @@ class ServedTeacher:
         self.vocabulary = len(tokenizer)
 
     # ---- log-probs ---------------------------------------------------------------------------
+    def head_rows(self) -> int | None:
+        """The rows of the served model's output layer, which vLLM answers for: the ``vocab_size`` of the config
+        found with ``ServedTeacher.tokenizer`` (a model's folder or hub id holds it), read once; ``None`` where
+        there is none (a tokenizer alone), and then every served id must be a token of the tokenizer."""
+        if "_head_rows" not in self.__dict__:
+            from kdlab.models.loading import ModelSpec, load_config, output_rows
+
+            try:
+                self._head_rows = output_rows(load_config(ModelSpec(self.tokenizer), "ServedTeacher.tokenizer"))
+            except (OSError, ValueError):  # no config there
+                self._head_rows = None
+        return self._head_rows
+
     def prompt_logprobs(self, prompt: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The server's untempered top-K ``(ids (n, K), log-probs (n, K))`` (fp64, most likely first) at the
         positions ``start..`` of ``prompt``: each the distribution of that position's token given the tokens
@@ -223,60 +251,85 @@ class ServedTeacher:
 
     def prompt_logprobs_many(self, prompts: list[list[int]], starts: list[int], vocabulary: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """:meth:`prompt_logprobs` of several prompts in one request (by a decoding process when there are
-        ``decode_workers``): their rows one after another, and how many each has. Every id is checked below
-        ``vocabulary`` (and :attr:`vocabulary`, once :meth:`check` has run)."""
+        ``decode_workers``): their rows one after another, and how many each has. Every id is checked below the
+        output layer's :meth:`head_rows`; those at or past ``vocabulary`` (and :attr:`vocabulary`, once
+        :meth:`check` has run), a padded layer's rows, are dropped (:func:`kdlab.served_wire.ranked_topk`)."""
         bounds = [bound for bound in (vocabulary, self.vocabulary) if bound is not None]
         vocabulary = min(bounds) if bounds else None
         if self._workers is not None:
-            ids, values, counts = self._workers.run(prompts, starts, vocabulary)
+            ids, values, counts = self._workers.run(prompts, starts, vocabulary, self.head_rows())
         else:
-            ids, values, counts = prompt_logprobs_many(self._wire, self.model, self.top_k, prompts, starts, vocabulary)
+            ids, values, counts = prompt_logprobs_many(self._wire, self.model, self.top_k, prompts, starts, vocabulary, self.head_rows())
         return torch.from_numpy(ids), torch.from_numpy(values), counts
 
     def score(self, prompts: list[list[int]], completions: list[list[int]], temperature: float, columns: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each completion's tempered top-K ``(ids (n_i, K), log-probs (n_i, K) fp32)`` (:func:`tempered_topk`)
         after its prompt: requests of up to ``request_prompts`` completions, ``concurrency`` at once, then one
-        tempering for every position."""
+        tempering for every position. K is the fewest any request kept (a padded output layer's rows among a
+        position's top K drop out: :func:`kdlab.served_wire.ranked_topk`)."""
         size = self.request_prompts
         parts = self.concurrently(lambda first: self.prompt_logprobs_many([p + c for p, c in zip(prompts[first : first + size], completions[first : first + size])],
                                                                           [len(p) for p in prompts[first : first + size]], columns),
                                   list(range(0, len(prompts), size)))
         if not parts:
             return []
-        ids, values = tempered_topk(torch.cat([part[0] for part in parts]), torch.cat([part[1] for part in parts]), temperature, columns)
+        k = min(part[0].shape[1] for part in parts)  # most likely first: the first k of each are its k most likely
+        ids, values = tempered_topk(torch.cat([part[0][:, :k] for part in parts]), torch.cat([part[1][:, :k] for part in parts]), temperature, columns)
         lengths = [n for part in parts for n in part[2]]
         return list(zip(ids.split(lengths), values.split(lengths)))
 
+    def padding_bias(self) -> dict[int, float] | None:
+        """The logit bias that keeps the served model's padding rows (its output layer's :meth:`head_rows` past the
+        tokenizer's tokens) out of its samples (:func:`~kdlab.rollouts.vllm_sampling.padding_bias`), read once;
+        ``None`` when there are none, or no config gives the row count."""
+        if "_padding_bias" not in self.__dict__:
+            from kdlab.models.loading import ModelSpec, load_tokenizer
+
+            rows, tokens = self.head_rows(), self.vocabulary
+            if rows is not None and tokens is None:  # check() not run: the tokenizer's own length
+                tokens = len(load_tokenizer(ModelSpec(self.tokenizer), "ServedTeacher.tokenizer"))
+            self._padding_bias = padding_bias(rows, tokens) if rows is not None else None
+        return self._padding_bias
+
     def sample(self, prompt: list[int], max_tokens: int, temperature: float, seed: int, stop_token_ids: list[int]) -> list[int]:
-        """A completion sampled by the server at ``temperature`` (``seed`` fixes it), end token included when it ended;
+        """A completion sampled by the server at ``temperature`` (0 or in :data:`~kdlab.rollouts.vllm_sampling.VLLM_TEMPERATURES`,
+        else ``ValueError``; ``seed`` fixes it), with every sampling setting pinned as the in-process vLLM engine's
+        (:func:`~kdlab.rollouts.vllm_sampling.sampling_params`, :func:`~kdlab.rollouts.vllm_sampling.completion_fields`:
+        no penalty, no top-k, top-p or min-p cut, the padding rows biased out), end token included when it ended;
         checked (:func:`kdlab.served_replies.sampled_tokens`: at most ``max_tokens`` ids, each below :attr:`vocabulary`)."""
-        return self.request("/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                                                "temperature": temperature, "seed": seed, "top_p": 1.0, "top_k": -1,
-                                                "stop_token_ids": stop_token_ids, "return_token_ids": True, "skip_special_tokens": False},
+        check_temperature(temperature, "ServedTeacher.sample")
+        params = sampling_params(temperature, max_tokens, tuple(stop_token_ids), seed=seed, logprobs=False, logit_bias=self.padding_bias())
+        return self.request("/v1/completions", {"model": self.model, "prompt": prompt, "return_token_ids": True, **completion_fields(params)},
                             lambda reply: sampled_tokens(reply, self.model, max_tokens, self.vocabulary),
                             max_bytes=BYTES_PER_REPLY + (max_tokens + len(prompt)) * BYTES_PER_ENTRY)
 
 
-def ranked_topk(rows: list[dict[str, Any]], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ranked_topk(rows: list[dict[str, Any]], top_k: int, vocabulary: int | None = None, head_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kdlab.served_wire.ranked_topk` as tensors: ``(ids (n, K) int64, log-probs (n, K) fp64)``, each
-    position's K most likely, most likely first."""
-    ids, values = ranked_topk_arrays(rows, top_k)
+    position's K most likely, most likely first (a padded output layer's rows past ``vocabulary`` dropped)."""
+    ids, values = ranked_topk_arrays(rows, top_k, vocabulary, head_rows)
     return torch.from_numpy(ids), torch.from_numpy(values)
 
 
 def tempered_topk(ids: torch.Tensor, raw: torch.Tensor, temperature: float, columns: int, tail: str = "bound") -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids (n, k), log-probs (n, k) fp32)`` at ``temperature`` from the server's untempered top-k ``ids`` and
-    log-probs ``raw`` ``(n, k)`` (most likely first).
+    log-probs ``raw`` ``(n, k)`` (most likely first) over ``columns`` tokens.
 
     ``tail``: ``"bound"`` counts the unseen tokens' share of the tempered normaliser at its upper bound (see the
-    module docstring), ``"none"`` as zero; the two bracket the exact values, and agree with them (and each
-    other) when ``k`` is the whole vocabulary or ``temperature`` is 1."""
+    module docstring), ``"none"`` as zero; the two bracket the exact values. With ``k`` the whole vocabulary
+    (``k = columns``) they are normalised over it: exact, as the in-process teacher's softmax over the
+    tokenizer's columns (the server's normaliser also counts a padded output layer's rows, which that softmax
+    leaves out). Else, at ``temperature`` 1, ``"bound"`` gives the server's log-probs: exact when the output layer
+    has no padding rows, or they hold no mass, and otherwise lower bounds, those rows' mass counted in the tail."""
     k = raw.shape[1]
-    if temperature == 1.0:  # the server's log-probs are normalised already
+    if k >= columns:  # the whole vocabulary
+        scaled = raw / temperature
+        return ids, (scaled - torch.logsumexp(scaled, dim=1, keepdim=True)).float()
+    if temperature == 1.0 and tail == "bound":  # the tail's share is its mass: the server's log-probs, as they are
         return ids, raw.float()
     scaled = raw / temperature
     normaliser = torch.logsumexp(scaled, dim=1)
-    if tail == "bound" and k < columns:
+    if tail == "bound":
         mass = (1.0 - raw.exp().sum(1)).clamp(min=0.0)
         p_k = raw[:, -1].exp()
         if temperature < 1.0:

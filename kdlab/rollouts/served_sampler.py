@@ -11,9 +11,10 @@ kdlab.rollouts.vllm.WeightLoaderExtension --logprobs-mode processed_logprobs``, 
   and ``POST /reset_prefix_cache`` (cached prompt blocks were computed with the old weights); the file is deleted
   once loaded. ``weights_dir`` must be a folder the server reads at the same path (a shared file system when the
   server runs on another machine);
-* one ``POST /v1/completions`` per prompt ``{model, prompt: [ids], max_tokens, temperature, top_p, top_k: -1,
-  seed: <rollout seed + row>, stop_token_ids, return_token_ids: true, skip_special_tokens: false, logprobs: 0}``
-  (``concurrency`` at once) -> ``choices[0].token_ids`` and ``choices[0].logprobs.token_logprobs``: the log-prob of
+* one ``POST /v1/completions`` per prompt ``{model, prompt: [ids], return_token_ids: true}`` and the sampling
+  settings of the in-process vLLM engine (:func:`~kdlab.rollouts.vllm_sampling.completion_fields`: ``max_tokens``,
+  ``temperature``, ``top_p``, ``top_k: -1``, ``min_p: 0``, neutral penalties, ``seed: <rollout seed + row>``,
+  ``stop_token_ids``, ``skip_special_tokens: false``, ``logprobs: 0``, a bias on a padded head's rows) (``concurrency`` at once) -> ``choices[0].token_ids`` and ``choices[0].logprobs.token_logprobs``: the log-prob of
   each sampled token under the distribution it was drawn from, the behaviour log-probs of the importance weights.
 """
 
@@ -144,22 +145,22 @@ class ServedRollouts(SyncedEngine):
     def generate(self, prompts: PromptBatch, context: RolloutContext) -> Rollout:
         """One request per prompt, seeded ``context.seed + row``: the completions (end token included when they
         ended) and each token's log-prob under the distribution it was drawn from."""
-        from kdlab.rollouts.vllm_sampling import VLLM_TEMPERATURES
+        from kdlab.models.loading import output_rows
+        from kdlab.rollouts.vllm_sampling import check_temperature, completion_fields, padding_bias, sampling_params
 
         if context.stop_strings:
             raise ValueError("ServedRollouts does not send stop strings yet: remove DistillModule.stop_strings or use StudentRollouts")
         temperature = context.student_temperature
-        if temperature != 0 and not VLLM_TEMPERATURES[0] <= temperature <= VLLM_TEMPERATURES[1]:
-            raise ValueError(f"ServedRollouts: vLLM samples at temperature 0 or in {list(VLLM_TEMPERATURES)}, got student_temperature={temperature}")
+        check_temperature(temperature, "ServedRollouts (DistillModule.student_temperature)")
         self.check()
-        seed, length, ends = context.seed if context.seed is not None else 0, context.max_new_tokens, [int(t) for t in context.eos_token_ids]
-        rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.student_ids, prompts.student_mask)]
+        seed, length, ends = context.seed if context.seed is not None else 0, context.max_new_tokens, tuple(int(t) for t in context.eos_token_ids)
+        rows = prompts.prompt_tokens("student")
+        bias = padding_bias(output_rows(context.student), context.token_columns)
 
         def one(item: tuple[int, list[int]]) -> tuple[list[int], list[float]]:
             row, prompt = item
-            payload = {"model": self.served_model, "prompt": prompt, "max_tokens": length, "temperature": temperature, "seed": seed + row,
-                       "top_p": context.top_p, "top_k": -1, "stop_token_ids": ends, "return_token_ids": True, "skip_special_tokens": False,
-                       "logprobs": 0}
+            params = sampling_params(temperature, length, ends, context.top_p, seed=seed + row, logprobs=True, logit_bias=bias)
+            payload = {"model": self.served_model, "prompt": prompt, "return_token_ids": True, **completion_fields(params)}
 
             def read(reply: dict[str, Any]) -> tuple[list[int], list[float]]:
                 tokens = sampled_tokens(reply, self.served_model, length, context.token_columns)

@@ -4,11 +4,15 @@ position, stored once, so distillation never has to hold the teacher in training
 Written by ``kdlab generate ... --top_k K`` next to the teacher dataset (``<output>.topk.safetensors``)
 and read by ``CachedTeacherRollouts(dataset=..., teacher_cache=...)``. The file is safetensors (no pickle)
 with metadata ``top_k``, ``temperature``, ``token_columns`` (the columns ``V`` of the distributions: the
-student's and teacher's shared tokens, ``DistillModule.token_columns``; a file written by kdlab 0.1 names
-it ``vocab_size``, and is read as well) and ``teacher``. Per example id it holds the completion tokens
-the rollouts will use (end token included), ``C`` of them, and at each the teacher's k most likely tokens
-and their log-probs under ``softmax(z_T / temperature)``, in one of two formats (``cache_format`` of
-:func:`write_cache` and of ``kdlab generate``):
+student's and teacher's shared tokens, ``DistillModule.token_columns``), ``teacher`` and ``teacher_prompts``:
+a JSON object giving, per example id, the SHA-256 of the teacher prompt's token ids its log-probs follow
+(:func:`prompt_digest`), so that a run whose teacher prompt differs (another ``teacher_system_prompt``, chat
+template or tokenizer) is refused rather than trained on another prompt's log-probs. A file without it (every
+kdlab before the prompts were recorded wrote one) is refused, naming the file and how to rebuild it: nothing in
+it tells which prompts its log-probs follow. Per example id the file holds the completion tokens the rollouts
+will use (end token included), ``C`` of them, and at each the teacher's k most likely tokens and their
+log-probs under ``softmax(z_T / temperature)``, in one of two formats (``cache_format`` of :func:`write_cache`
+and of ``kdlab generate``):
 
 * ``compact`` (metadata ``format: compact-v1``; the default): one uint8 tensor ``<id>/rows``: the ids
   Rice-coded, each row's largest log-prob in fp32 and every other entry as a ``logprob_bits``-bit code
@@ -34,7 +38,11 @@ tail mass does; the diagnostics ``train/kl_forward`` etc. are computed against t
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +59,17 @@ TAIL_FLOOR = 1e-6
 tail is ``1 - sum`` of k fp32 probabilities, known only to about 1e-7 (the log-probs' own rounding), so a
 smaller floor would let rounding set the tail tokens' log-probs (between ``log(1e-12)`` and ``log(2e-7)``
 when it was 1e-12, which moved a reverse KL by 1e-2 nats between two roundings of one teacher)."""
+REBUILD = "rebuild it with `kdlab generate --config <your generate config> --top_k K` (it writes <output>.topk.safetensors)"
+
+
+def prompt_digest(prompt: Sequence[int]) -> str:
+    """The SHA-256 (64 hex digits) of a teacher prompt's token ids, each as a little-endian int64."""
+    return hashlib.sha256(b"".join(int(token).to_bytes(8, "little", signed=True) for token in prompt)).hexdigest()
+
+
+def is_digest(value: Any) -> bool:
+    """Whether ``value`` is a :func:`prompt_digest`: 64 lowercase hex digits."""
+    return isinstance(value, str) and re.fullmatch("[0-9a-f]{64}", value) is not None
 
 
 def top_k_logprobs(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,24 +173,29 @@ def write_cache(
     path: str | Path, rows: dict[str, dict[str, torch.Tensor]], metadata: dict[str, Any], cache_format: str = "compact",
     logprob_bits: int | None = None,
 ) -> None:
-    """Write ``{id: {"tokens", "indices", "logprobs"}}`` and ``metadata`` (``top_k``, ``temperature``,
-    ``token_columns``, ``teacher``) to a safetensors file (to a temporary name first, then renamed), in
-    ``cache_format`` (module docstring). ``logprob_bits``: the compact format's bits per log-prob; ``None``
+    """Write ``{id: {"tokens", "indices", "logprobs", "prompt_sha256"}}`` and ``metadata`` (``top_k``,
+    ``temperature``, ``token_columns``, ``teacher``) to a safetensors file (to a temporary name first, then
+    renamed), in ``cache_format`` (module docstring); ``prompt_sha256`` is :func:`prompt_digest` of the teacher
+    prompt the example's log-probs follow, all of them written to the metadata's ``teacher_prompts``. ``logprob_bits``: the compact format's bits per log-prob; ``None``
     takes the most (up to 16) that keep the file within :data:`~kdlab.rollouts.cache_codec.BYTES_PER_TOKEN`
     bytes per completion token."""
     from safetensors.torch import save_file
 
     if cache_format not in CACHE_FORMATS:
         raise ValueError(f"cache_format must be one of {CACHE_FORMATS}, got {cache_format!r}")
-    for example_id in rows:
+    for example_id, row in rows.items():
         if "/" in example_id:
             raise ValueError(f"teacher cache: example id {example_id!r} contains '/'")
-    metadata = {key: str(value) for key, value in metadata.items()}
+        if not is_digest(row.get("prompt_sha256")):
+            raise ValueError(f"teacher cache: example {example_id!r} has no prompt_sha256 (prompt_digest of the teacher prompt its "
+                             "log-probs follow)")
+    prompts = json.dumps({example_id: row["prompt_sha256"] for example_id, row in rows.items()}, separators=(",", ":"))
+    metadata = {**{key: str(value) for key, value in metadata.items()}, "teacher_prompts": prompts}
     if cache_format == "full":
         tensors = {f"{example_id}/{name}": row[name].to(dtype).contiguous() for example_id, row in rows.items()
                    for name, dtype in (("tokens", torch.int64), ("indices", torch.int64), ("logprobs", torch.float32))}
     else:
-        columns, k = int(metadata.get("token_columns", metadata.get("vocab_size", 0))), int(metadata["top_k"])
+        columns, k = int(metadata.get("token_columns", 0)), int(metadata["top_k"])
         r = codec.rice_parameter(columns, k)
         for example_id, row in rows.items():
             if row["indices"].dim() != 2 or row["indices"].shape[-1] != k:
@@ -208,11 +232,20 @@ class TeacherCache:
             metadata = self._file.metadata() or {}
         except Exception as error:  # safetensors raises its own error types for a corrupt header
             raise ValueError(f"{setting} {path!r}: not a readable safetensors file ({error})") from error
-        if "token_columns" not in metadata and "vocab_size" in metadata:  # a cache written before the rename
-            metadata = {**metadata, "token_columns": metadata["vocab_size"]}
-        missing = [key for key in ("top_k", "temperature", "token_columns") if key not in metadata]
-        if missing:
-            raise ValueError(f"{setting} {path!r}: not a kdlab teacher cache (metadata lacks {missing})")
+        if "top_k" not in metadata or "temperature" not in metadata:
+            raise ValueError(f"{setting} {path!r}: not a kdlab teacher cache (metadata lacks "
+                             f"{[key for key in ('top_k', 'temperature') if key not in metadata]})")
+        if "teacher_prompts" not in metadata:
+            raise ValueError(f"{setting} {path!r}: written without the teacher prompts its log-probs follow (by a kdlab before "
+                             f"caches recorded them), so nothing tells whether they are this run's; {REBUILD}")
+        try:
+            self.prompts = json.loads(metadata["teacher_prompts"])
+        except ValueError:
+            self.prompts = None
+        if not (isinstance(self.prompts, dict) and all(map(is_digest, self.prompts.values()))):
+            raise ValueError(f"{setting} {path!r}: corrupt metadata (teacher_prompts: not a JSON object of SHA-256 digests)")
+        if "token_columns" not in metadata:
+            raise ValueError(f"{setting} {path!r}: not a kdlab teacher cache (metadata lacks ['token_columns'])")
         self.path, self.setting = path, setting
         try:
             self.top_k, self.temperature = int(metadata["top_k"]), float(metadata["temperature"])
@@ -235,9 +268,10 @@ class TeacherCache:
                                  f"{codec.rice_parameter(self.token_columns, self.top_k)} of top_k {self.top_k} over {self.token_columns} columns)")
         self.ids = {key.rsplit("/", 1)[0] for key in self._file.keys()}
 
-    def row(self, example_id: str, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def row(self, example_id: str, tokens: list[int], prompt: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(indices, logprobs)`` ``(len(tokens), k)`` (int64, fp32) for ``example_id``'s first ``len(tokens)``
-        positions, after checking that the cache was computed on those very tokens."""
+        positions, after checking that the cache was computed on those very tokens, after the teacher prompt
+        ``prompt`` (its token ids, without padding)."""
         if example_id not in self.ids:
             raise KeyError(f"{self.setting} {self.path}: no entry for example id {example_id!r}")
         n = len(tokens)
@@ -248,6 +282,7 @@ class TeacherCache:
             except Exception as error:  # a missing tensor (safetensors' own error type), or one that fails the checks
                 raise ValueError(f"{self.setting} {self.path}: example {example_id!r} is not readable as a full teacher cache ({error})") from error
             self._check_tokens(example_id, cached, tokens)
+            self._check_prompt(example_id, prompt)
             return indices[:n].long(), logprobs[:n].float()
         args = (self.top_k, self.token_columns, self.rice_r, self.logprob_map)
         try:
@@ -257,9 +292,20 @@ class TeacherCache:
             raise ValueError(f"{self.setting} {self.path}: example {example_id!r} is not readable as {codec.FORMAT} ({error})") from error
         self._check_tokens(example_id, cached, tokens)
         try:
-            return codec.decode_rows(data, n, *args)
+            decoded = codec.decode_rows(data, n, *args)
         except ValueError as error:
             raise ValueError(f"{self.setting} {self.path}: example {example_id!r} is not readable as {codec.FORMAT} ({error})") from error
+        self._check_prompt(example_id, prompt)
+        return decoded
+
+    def _check_prompt(self, example_id: str, prompt: Sequence[int]) -> None:
+        if example_id not in self.prompts:
+            raise ValueError(f"{self.setting} {self.path}: example {example_id!r} has no digest in the metadata's teacher_prompts; {REBUILD}")
+        if self.prompts[example_id] != prompt_digest(prompt):
+            raise ValueError(
+                f"{self.setting} {self.path}: example {example_id!r} was cached after another teacher prompt than this run gives "
+                f"(a changed teacher_system_prompt, chat template or teacher tokenizer?); {REBUILD}"
+            )
 
     def _check_tokens(self, example_id: str, cached: torch.Tensor, tokens: list[int]) -> None:
         if len(tokens) > cached.numel() or cached[: len(tokens)].tolist() != list(tokens):

@@ -19,7 +19,7 @@ import torch
 from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer
 from kdlab.rollouts.decoding import sample_completions
 from kdlab.rollouts.cache_codec import MAX_BITS, MIN_BITS
-from kdlab.rollouts.teacher_cache import CACHE_FORMATS, top_k_logprobs, write_cache
+from kdlab.rollouts.teacher_cache import CACHE_FORMATS, prompt_digest, top_k_logprobs, write_cache
 from kdlab.tasks.base import Task
 
 
@@ -31,8 +31,9 @@ def build_teacher_cache(
 ) -> int:
     """Run ``teacher`` on each dataset completion (exactly the tokens ``TeacherDatasetRollouts`` will train on,
     after the teacher's own prompt) and write the top-k cache in ``cache_format`` (``compact``, ``logprob_bits``
-    per log-prob, or ``full``: :func:`kdlab.rollouts.teacher_cache.write_cache`); returns the number of examples
-    cached."""
+    per log-prob, or ``full``: :func:`kdlab.rollouts.teacher_cache.write_cache`), each example with the digest of
+    its teacher prompt (:func:`~kdlab.rollouts.teacher_cache.prompt_digest`), which a run reading the cache must
+    give again; returns the number of examples cached."""
     from kdlab.data import encode_prompts
     from kdlab.models.loading import end_token_ids
     from kdlab.objectives.logits import completion_logits
@@ -57,12 +58,14 @@ def build_teacher_cache(
         rollout = policy.sample(prompts, context)
         logits = completion_logits(teacher, rollout.model_inputs("teacher"), rollout.completion_ids.shape[1], vocab)
         indices, logprobs = top_k_logprobs(logits, top_k, temperature)
+        teacher_prompts = rollout.prompts.prompt_tokens("teacher")
         for row, example in enumerate(batch):
             length = int(rollout.completion_mask[row].sum())
             rows[example["id"]] = {
                 "tokens": rollout.completion_ids[row, :length].cpu(),
                 "indices": indices[row, :length].cpu(),
                 "logprobs": logprobs[row, :length].cpu(),
+                "prompt_sha256": prompt_digest(teacher_prompts[row]),
             }
     write_cache(output, rows, {"top_k": top_k, "temperature": temperature, "token_columns": vocab, "teacher": teacher_name},
                 cache_format, logprob_bits)

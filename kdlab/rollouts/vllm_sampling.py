@@ -1,6 +1,8 @@
 """What kdlab asks vLLM to sample and how it reads the answer back: kdlab's sampling settings as
-``vllm.SamplingParams`` keywords (:func:`sampling_params`), the bias that keeps a head's padding rows out of the
-sample (:func:`padding_rows_bias`), and the sampled ids and log-probs of an output, checked
+``vllm.SamplingParams`` keywords (:func:`sampling_params`), the same settings as the fields of a ``/v1/completions``
+request to ``vllm serve`` (:func:`completion_fields`: the served teacher's and the served student's samples), the
+bias that keeps a head's padding rows out of the sample (:func:`padding_rows_bias`), and the sampled ids and
+log-probs of an output, checked
 (:func:`checked_token_ids`, :func:`sampled_token_logprobs`). The engine and the rollout policy that use them are
 in :mod:`kdlab.rollouts.vllm`; ``python scripts/check_vllm_api.py`` checks these names against vLLM itself."""
 
@@ -10,6 +12,14 @@ from typing import Any
 
 VLLM_TEMPERATURES = (0.01, 2.0)
 """The non-zero sampling temperatures vLLM honours exactly (checked against vLLM's ``SamplingParams``)."""
+
+
+def check_temperature(temperature: float, setting: str) -> None:
+    """``ValueError`` naming ``setting`` unless vLLM samples at ``temperature`` exactly: 0 (greedy) or within
+    :data:`VLLM_TEMPERATURES` (vLLM rejects T > 2 and silently raises T < 0.01 to 0.01, which would make the
+    distribution it samples differ from kdlab's)."""
+    if temperature != 0 and not VLLM_TEMPERATURES[0] <= temperature <= VLLM_TEMPERATURES[1]:
+        raise ValueError(f"{setting}: vLLM samples at temperature 0 or in {list(VLLM_TEMPERATURES)}, got {temperature}")
 
 
 def sampling_params(
@@ -45,9 +55,7 @@ def sampling_params(
     bias on the few padding rows, not ``allowed_token_ids``: that would be a list of every token, copied and
     checked in Python for each request.
     """
-    if temperature != 0 and not VLLM_TEMPERATURES[0] <= temperature <= VLLM_TEMPERATURES[1]:
-        # vLLM rejects T > 2 and silently raises T < 0.01 to 0.01, which would make its q differ from kdlab's
-        raise ValueError(f"sampling_params: vLLM samples at temperature 0 or in {list(VLLM_TEMPERATURES)}, got {temperature}")
+    check_temperature(temperature, "sampling_params")
     if not 0 < top_p <= 1:
         raise ValueError(f"sampling_params: top_p must be in (0, 1], got {top_p}")
     params: dict[str, Any] = {
@@ -76,18 +84,36 @@ def sampling_params(
     return params
 
 
+def completion_fields(params: dict[str, Any]) -> dict[str, Any]:
+    """The ``/v1/completions`` fields (vLLM's OpenAI-compatible ``CompletionRequest``) that ask ``vllm serve`` for
+    the sampling that :func:`sampling_params` keywords ``params`` give the in-process engine: the same names and
+    values, every setting pinned (``top_k``, ``min_p`` and the repetition, presence and frequency penalties
+    included: the server fills a field left out from the model's ``generation_config.json``, e.g.
+    ``repetition_penalty: 1.1`` for Qwen2-1.5B-Instruct), ``logit_bias`` keyed by the id as text (JSON's keys),
+    and no ``detokenize``, which the request does not have (the server writes the text, and checks stop strings
+    on it)."""
+    fields = {key: value for key, value in params.items() if key != "detokenize"}
+    if fields.get("logit_bias"):
+        fields["logit_bias"] = {str(row): float(bias) for row, bias in fields["logit_bias"].items()}
+    return fields
+
+
 PADDING_BIAS = -100.0
 """The logit bias on a head's padding rows: vLLM's lowest (it clamps biases to [-100, 100])."""
 
 
-def padding_rows_bias(spec: Any, token_columns: int) -> dict[int, float] | None:
-    """``{row: PADDING_BIAS}`` for each head row of the model ``spec`` names (its config's ``vocab_size``) past its
-    tokenizer's ``token_columns`` tokens; ``None`` when there are none. One mapping, shared by every request."""
-    from transformers import AutoConfig
+def padding_bias(head_rows: int, token_columns: int) -> dict[int, float] | None:
+    """``{row: PADDING_BIAS}`` for each of an output layer's ``head_rows`` rows past the tokenizer's ``token_columns``
+    tokens; ``None`` when there are none."""
+    return {row: PADDING_BIAS for row in range(token_columns, head_rows)} or None
 
-    config = AutoConfig.from_pretrained(spec.resolved, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
-    config = getattr(config, "get_text_config", lambda: config)()
-    return {row: PADDING_BIAS for row in range(token_columns, int(config.vocab_size))} or None
+
+def padding_rows_bias(spec: Any, token_columns: int) -> dict[int, float] | None:
+    """:func:`padding_bias` of the model ``spec`` names (its config's ``vocab_size`` rows) past its tokenizer's
+    ``token_columns`` tokens. One mapping, shared by every request."""
+    from kdlab.models.loading import load_config, output_rows
+
+    return padding_bias(output_rows(load_config(spec)), token_columns)
 
 
 def checked_token_ids(outputs: Any, token_columns: int, setting: str) -> list[list[int]]:

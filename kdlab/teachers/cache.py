@@ -56,10 +56,10 @@ class CachedTeacher(TeacherSource):
         self.end_ids = tokenizer_end_ids(self.tokenizer)
 
     def rows_logprobs(self, rollout: Any, rows: torch.Tensor | list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The cached ``(indices, logprobs)`` of rows ``rows`` of ``rollout`` (checked against its teacher tokens)."""
+        """The cached ``(indices, logprobs)`` of rows ``rows`` of ``rollout`` (checked against its teacher prompts and tokens)."""
         ids, mask = rollout.completion("teacher")
-        examples = rollout.prompts.examples
-        return [self.cache.row(examples[row]["id"], ids[row][mask[row]].tolist()) for row in list(map(int, rows))]
+        examples, prompts = rollout.prompts.examples, rollout.prompts.prompt_tokens("teacher")
+        return [self.cache.row(examples[row]["id"], ids[row][mask[row]].tolist(), prompts[row]) for row in list(map(int, rows))]
 
     def rollout(self, policy: Any, prompts: Any, context: Any) -> Any:
         """The dataset's rollout with its cached top-k attached (``teacher_logprobs``): a few ``(B, C, k)`` tensors."""

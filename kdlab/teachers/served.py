@@ -70,14 +70,14 @@ class Served(TeacherSource):
         length, temperature, ends = context.max_new_tokens, context.teacher_temperature, list(context.eos_token_ids)
         seed = context.seed if context.seed is not None else 0
         written = self.server.concurrently(lambda item: self.server.sample(item[1], length, temperature, seed + item[0], ends)[:length],
-                                           list(enumerate(teacher_prompts(prompts))))
+                                           list(enumerate(prompts.prompt_tokens("teacher"))))
         ids, mask = right_pad(written, context.pad_token_id)
         device = prompts.student_ids.device
         return Rollout(prompts, ids.to(device), mask.to(device))
 
     def rows_logprobs(self, rollout: Any, rows: torch.Tensor | list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The server's tempered top-K ``(ids, log-probs)`` on rows ``rows`` of ``rollout``."""
-        prompts, rows = teacher_prompts(rollout.prompts), list(map(int, rows))
+        prompts, rows = rollout.prompts.prompt_tokens("teacher"), list(map(int, rows))
         ids, mask = rollout.completion("teacher")
         return self.server.score([prompts[row] for row in rows], [ids[row][mask[row]].tolist() for row in rows],
                                  self.run.teacher_temperature, self.token_columns)
@@ -129,10 +129,5 @@ class Served(TeacherSource):
         seed = int(settings["generator"].initial_seed()) if settings.get("generator") is not None else 0
         prompts = encode_prompts(task, examples, self.tokenizer, self.tokenizer, settings.get("max_prompt_tokens", 2048), int(self.tokenizer.pad_token_id))
         written = self.server.concurrently(lambda item: self.server.sample(item[1], budget, temperature, seed + item[0], list(self.end_ids)),
-                                           list(enumerate(teacher_prompts(prompts))))
+                                           list(enumerate(prompts.prompt_tokens("teacher"))))
         return [self.tokenizer.decode([t for t in tokens if t not in self.end_ids], skip_special_tokens=False) for tokens in written]
-
-
-def teacher_prompts(prompts: Any) -> list[list[int]]:
-    """Each row's teacher prompt tokens (its left padding dropped)."""
-    return [ids[mask.bool()].tolist() for ids, mask in zip(prompts.teacher_ids, prompts.teacher_mask)]
