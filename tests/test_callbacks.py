@@ -326,3 +326,28 @@ def test_a_callback_setting_that_takes_a_model_instantiates_no_other_class(callb
     except Exception:  # refused outright (a policy type)
         return
     assert isinstance(value, str)  # at most a path string, never a class to build (Any kept a class_path to instantiate)
+
+
+def test_a_callbacks_decode_is_validations_decode_precision_ends_and_stop_strings_included(tiny_pair, tmp_path):
+    """A callback samples the module's student as validation does: under the trainer's precision (Lightning wraps
+    its steps in bf16 autocast, not callback hooks), ending at the module's end tokens and stop strings. At the same
+    prompts, temperature and seed, Coverage's completions are validation's (before: fp32 outside autocast, the
+    student's own end ids only and no stop strings)."""
+    task = Addition(num_train=8, num_val=4)
+    module = DistillModule(*tiny_pair, task, max_completion_tokens=8, batch_size=4, val_examples=4, stop_strings=["e"])
+    trainer = pl.Trainer(accelerator="cpu", precision="bf16-mixed", logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         max_steps=0, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path)
+    seen = []
+    forward = module.student.forward
+    module.student.forward = lambda *a, **k: seen.append(torch.is_autocast_enabled("cpu")) or forward(*a, **k)
+    trainer.fit(module)  # attaches the trainer, takes no step
+    examples = task.examples("val")[:4]
+    callback = Coverage(task, ks=(1,), samples=1, examples=4, temperature=0.5, batch_size=4, seed=5, max_new_tokens=8)
+    texts = callback.sample(module, task, examples, 1)
+    assert seen and all(seen), "decoded outside the trainer's autocast"
+    with trainer.precision_plugin.val_step_context():
+        reference = module.eval_completions(examples, temperature=0.5, seed=5)
+    assert texts == reference
+    module.stop_strings = []
+    unstopped = callback.sample(module, task, examples, 1)
+    assert any(len(cut) < len(whole) and "e" in cut for cut, whole in zip(texts, unstopped))  # the stop string ended one

@@ -136,9 +136,16 @@ class EvaluationCallback(PeriodicCallback):
 
     def sample(self, pl_module, task: Task, examples, role: str = "student", repeat: int = 1, model: Any = None) -> list[str]:
         """Completions of ``examples`` (each ``repeat`` times) prompted as ``role``, from the module's
-        student or teacher, or from ``model = (network, tokenizer)`` (its own vocabulary) when given."""
+        student or teacher, or from ``model = (network, tokenizer)`` (its own vocabulary) when given.
+
+        Decoded as the module's validation decodes: under the trainer's precision (Lightning wraps its steps in
+        it, not callback hooks: ``bf16-mixed`` decodes in bf16 autocast here too), and the module's student ending
+        its completions at the module's end tokens and stop strings, its prompts held to ``max_prompt_tokens``; so a
+        callback's pass@1 and ``val/accuracy`` on the same prompts and temperature measure one thing."""
         gathered = pl_module.decoding_gathered() if hasattr(pl_module, "decoding_gathered") else contextlib.nullcontext()
-        with gathered:  # sharded models stay gathered for the whole decode
+        trainer = getattr(pl_module, "_trainer", None)
+        precision = trainer.precision_plugin.val_step_context() if trainer is not None else contextlib.nullcontext()
+        with gathered, precision:  # sharded models stay gathered for the whole decode
             return self._sample(pl_module, task, examples, role, repeat, model)
 
     def _sample(self, pl_module, task: Task, examples, role: str, repeat: int, model: Any) -> list[str]:
@@ -152,6 +159,7 @@ class EvaluationCallback(PeriodicCallback):
             (network, tokenizer), token_columns = model, None
         else:
             network, tokenizer, token_columns = pl_module.student, pl_module.student_tokenizer, getattr(pl_module, "token_columns", None)
+            settings.update({key: getattr(pl_module, key) for key in ("end_ids", "stop_strings", "max_prompt_tokens") if getattr(pl_module, key, None)})
         return completion_texts(network, tokenizer, task, repeated, role=role, token_columns=token_columns, device=pl_module.device, **settings)
 
 
