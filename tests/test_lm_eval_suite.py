@@ -184,3 +184,25 @@ def test_paper_suite_is_the_papers_seven_tasks_with_its_sample_sizes(task_dir):
     validate_suite(PAPER_SUITE, task_dir, allow_code_execution=True)
     group = task_manager(task_dir).task_index["mmlu_pro"].cfg
     assert group["task"] == [f"mmlu_pro_{subject}" for subject in MMLU_PRO_SUBJECTS] and len(MMLU_PRO_SUBJECTS) == 14
+
+
+def test_an_entry_with_a_seed_scores_documents_drawn_at_random_not_the_datasets_first(module, task_dir, monkeypatch):
+    """lm-eval's limit takes a task's first documents in the dataset's order; an entry with a seed passes lm-eval the
+    same ``limit`` documents drawn at random from each leaf task (a group's members too), whatever model it scores."""
+    import lm_eval
+
+    from kdlab.evaluation.lm_eval_suite import PAPER_SUITE, document_samples
+
+    manager = task_manager(task_dir)
+    drawn = document_samples(lm_eval, manager, LMEvalTask("kdlab_toy_mc", 4, seed=1))
+    assert list(drawn) == ["kdlab_toy_mc"] and len(set(drawn["kdlab_toy_mc"])) == 4 and set(drawn["kdlab_toy_mc"]) <= set(range(8))
+    assert drawn != {"kdlab_toy_mc": [0, 1, 2, 3]} and drawn == document_samples(lm_eval, manager, LMEvalTask("kdlab_toy_mc", 4, seed=1))
+    assert document_samples(lm_eval, manager, LMEvalTask("kdlab_toy_group", 4, seed=1)) == drawn  # per member of a group
+    assert document_samples(lm_eval, manager, LMEvalTask("kdlab_toy_mc", 20, seed=1)) == {"kdlab_toy_mc": list(range(8))}
+    calls, real = [], lm_eval.simple_evaluate
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kwargs: calls.append(kwargs) or real(**kwargs))
+    scores = evaluate_suite(module.student, module.student_tokenizer, {"drawn": LMEvalTask("kdlab_toy_mc", 4, seed=1)}, include_path=task_dir, batch_size=4)
+    assert calls[0]["samples"] == drawn and calls[0]["limit"] is None
+    assert scores["drawn"] * 4 / 100 == pytest.approx(round(scores["drawn"] * 4 / 100))  # k of the 4 drawn right
+    assert {entry.seed for entry in PAPER_SUITE.values()} == {0}  # the paper's suite draws its documents
+    assert {name: entry.limit for name, entry in PAPER_SUITE.items() if entry.limit != 200} == {"humaneval_instruct": 164, "eq_bench": 171}

@@ -10,8 +10,11 @@ Traps this module handles, so callers need not:
   NumPy's and torch's global generators; both are put back afterwards, so measuring never changes
   training.
 * lm-eval's ``limit`` is one number per ``simple_evaluate`` call and applies to each *leaf* task
-  (the first ``limit`` documents), and one call may not name a task twice (a group and its member);
-  so each suite entry gets its own call. For a group (``mmlu_pro``) the limit applies per subject.
+  (the first ``limit`` documents, in the dataset's order), and one call may not name a task twice (a group and
+  its member); so each suite entry gets its own call. For a group (``mmlu_pro``) the limit applies per subject.
+  A dataset in some order (by category, by source) gives its first documents, not a sample: an entry with a
+  ``seed`` scores ``limit`` documents drawn at random from each leaf task instead (:func:`document_samples`,
+  lm-eval's ``samples``), the same ones for every model scored with that seed.
 * A relative ``data_files`` path in a task YAML goes straight to ``datasets.load_dataset``, which
   resolves it against the working directory, not the YAML's folder (``include:`` and
   ``!function`` *are* resolved next to the YAML).
@@ -48,12 +51,15 @@ class LMEvalTask:
     Args:
         task: an lm-eval task or group name (``lm-eval ls tasks``, or a YAML under the include path);
             a group is scored by its aggregate metric.
-        limit: the first N documents of each leaf task (per subject for a group); null = all of them.
+        limit: N documents of each leaf task (per subject for a group); null = all of them.
         metric: the key of lm-eval's result row, ``<metric>,<filter>``: ``acc,none``,
             ``exact_match,custom-extract``, ``pass@1,create_test``.
         scale: points per unit of the metric: 100 for a fraction in [0, 1], 1 for a metric that is
             already in points (EQ-Bench's ``eqbench``).
         executes_code: the task runs model-written code (HumanEval); it needs ``allow_code_execution``.
+        seed: null: the first ``limit`` documents (lm-eval's ``limit``); a number: ``limit`` documents drawn
+            without replacement from each leaf task with that seed (:func:`document_samples`), so a dataset's
+            order does not choose them. The paper's suite draws with seed 0.
     """
 
     task: str
@@ -61,6 +67,7 @@ class LMEvalTask:
     metric: str = "acc,none"
     scale: float = 100.0
     executes_code: bool = False
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.limit is not None and self.limit < 1:
@@ -78,14 +85,14 @@ MMLU_PRO_SUBJECTS = (
 # ``mmlu_pro_<subject>`` above; its aggregate is size-weighted, and with 200 documents from each
 # subject that is the unweighted mean over subjects.
 PAPER_SUITE: dict[str, LMEvalTask] = {
-    "mmlu_pro": LMEvalTask("mmlu_pro", 200, "exact_match,custom-extract"),
-    "truthfulqa_mc1": LMEvalTask("truthfulqa_mc1", 200, "acc,none"),
-    "ifeval": LMEvalTask("ifeval", 200, "prompt_level_strict_acc,none"),
-    "humaneval_instruct": LMEvalTask("humaneval_instruct", 164, "pass@1,create_test", executes_code=True),
-    "eq_bench": LMEvalTask("eq_bench", 171, "eqbench,none", scale=1.0),
-    "bbq": LMEvalTask("bbq", 200, "acc,none"),
-    "toxigen": LMEvalTask("toxigen", 200, "acc,none"),
-}
+    "mmlu_pro": LMEvalTask("mmlu_pro", 200, "exact_match,custom-extract", seed=0),
+    "truthfulqa_mc1": LMEvalTask("truthfulqa_mc1", 200, "acc,none", seed=0),
+    "ifeval": LMEvalTask("ifeval", 200, "prompt_level_strict_acc,none", seed=0),
+    "humaneval_instruct": LMEvalTask("humaneval_instruct", 164, "pass@1,create_test", executes_code=True, seed=0),
+    "eq_bench": LMEvalTask("eq_bench", 171, "eqbench,none", scale=1.0, seed=0),
+    "bbq": LMEvalTask("bbq", 200, "acc,none", seed=0),
+    "toxigen": LMEvalTask("toxigen", 200, "acc,none", seed=0),
+}  # seed 0: documents drawn at random, not a dataset's first ones (the paper gives the counts, not which)
 
 
 def import_lm_eval(setting: str = "lm-eval") -> Any:
@@ -301,6 +308,24 @@ def evaluate_suite(
         model.train(was_training)
 
 
+def document_samples(lm_eval: Any, manager: Any, entry: LMEvalTask) -> dict[str, list[int]]:
+    """``{leaf task name: sorted document indices}`` for lm-eval's ``samples``: ``entry.limit`` indices drawn without
+    replacement from each leaf task of ``entry.task`` (every subject of a group) by a generator seeded with
+    ``entry.seed`` and the leaf's name, all of them when the task has no more; the same for every model."""
+    leaves: dict[str, int] = {}
+
+    def walk(node: Any) -> None:
+        for value in node.values():
+            if isinstance(value, Mapping):  # a group: its members
+                walk(value)
+            else:
+                leaves[value.task_name] = len(value.eval_docs)
+
+    walk(lm_eval.tasks.get_task_dict([entry.task], manager))
+    return {name: sorted(random.Random(f"{entry.seed}-{name}").sample(range(count), min(entry.limit, count)))
+            for name, count in leaves.items()}
+
+
 def score_suite(
     lm: Any,
     suite: Mapping[str, LMEvalTask],
@@ -314,7 +339,7 @@ def score_suite(
 
     The one implementation of the suite: :func:`evaluate_suite` (the in-loop callback) and
     :mod:`kdlab.evaluation.forgetting` (off the training loop) both call it. Each entry is one
-    ``simple_evaluate`` call with its own ``limit``; the global random generators are as they were
+    ``simple_evaluate`` call with its own ``limit`` (or its drawn documents, an entry with a ``seed``); the global random generators are as they were
     afterwards. A process whose results lm-eval does not assemble (not its rank 0) gets NaN."""
     lm_eval = import_lm_eval("score_suite")
     if allow_code_execution and any(entry.executes_code for entry in suite.values()):
@@ -323,10 +348,12 @@ def score_suite(
     device = torch.device(getattr(lm, "device", None) or "cpu")
     with _preserved_rng(device), torch.no_grad():
         for name, entry in suite.items():
+            drawn = entry.seed is not None and entry.limit is not None
             output = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=[entry.task],
-                limit=entry.limit,
+                limit=None if drawn else entry.limit,
+                samples=document_samples(lm_eval, manager, entry) if drawn else None,
                 task_manager=manager,
                 log_samples=False,
                 bootstrap_iters=0,  # no standard errors: only the point estimate is reported
