@@ -108,6 +108,8 @@ CLI_CASES = {
     "65": (FIT + [CALLBACK + "kdlab.callbacks.Coverage", '--trainer.callbacks.task={"class_path": "kdlab.tasks.Addition"}',
                   "--trainer.callbacks.batch_size=0"], "Coverage.batch_size must be >= 1, got 0"),
     "66": (FIT + ["--ckpt_path={tmp}/missing.ckpt"], "missing.ckpt': no such file or folder"),
+    "76": (FIT + ["--model.rollout=kdlab.rollouts.ServedRollouts", "--model.rollout.url=http://gpu7.cluster:8000", "--model.rollout.model=s"],
+           "ServedRollouts.weights_dir: the server at http://gpu7.cluster:8000 is not addressed as this machine"),
 }
 NOT_CLI = {  # rows whose input is not a configuration a command line can give, with where they are tested
     "62": "strategy: deepspeed needs the deepspeed package (not installed here): the check is given Lightning's own class, uninitialised",

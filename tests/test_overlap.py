@@ -132,6 +132,8 @@ def test_lag_1_trains_on_the_previous_steps_weights(server, tmp_path, monkeypatc
       "--model.rollout.policy.sync_every=0"], "ServedRollouts.sync_every must be >= 1"),
     (["--model.rollout.policy=kdlab.rollouts.ServedRollouts", "--model.rollout.policy.url=http://127.0.0.1:9", "--model.rollout.policy.model=s",
       "--model.rollout.policy.weights_dir=/no/such/folder"], "ServedRollouts.weights_dir '/no/such/folder' is not a folder"),
+    (["--model.rollout.policy=kdlab.rollouts.ServedRollouts", "--model.rollout.policy.url=http://gpu7.cluster:8000", "--model.rollout.policy.model=s"],
+     "ServedRollouts.weights_dir: the server at http://gpu7.cluster:8000 is not addressed as this machine"),
 ])
 def test_bad_settings_are_named_at_parse_time(tmp_path, capsys, monkeypatch, settings, message):
     monkeypatch.setattr("sys.argv", ["kdlab"])

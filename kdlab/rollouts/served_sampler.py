@@ -32,9 +32,23 @@ from kdlab.data import PromptBatch, Rollout, right_pad
 from kdlab.rollouts.engines import StagedWeights, SyncedEngine
 from kdlab.rollouts.policies import RolloutContext
 from kdlab.served_replies import sampled_logprobs, sampled_tokens
-from kdlab.served_wire import BYTES_PER_ENTRY, BYTES_PER_REPLY, ServedTeacherError, Wire, check_url
+from kdlab.served_wire import BYTES_PER_ENTRY, BYTES_PER_REPLY, ServedTeacherError, Wire, check_url, redact
 
 ENGINE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def on_this_machine(url: str) -> bool:
+    """Whether ``url``'s host is this machine by its address: ``localhost`` or a loopback address (127.0.0.0/8, ::1)."""
+    import ipaddress
+    import urllib.parse
+
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve to this machine or not
+        return False
 
 
 class ServedRollouts(SyncedEngine):
@@ -43,7 +57,8 @@ class ServedRollouts(SyncedEngine):
     Args:
         url: the server's base URL (``http://host:8000``); model: the served model's name (``--served-model-name``).
         weights_dir: where pushes are written for the server to read (default: a new folder under the system's
-            temporary folder, which only a server on this machine can read).
+            temporary folder, which only a server on this machine can read: without it, a URL whose host is not
+            ``localhost`` or a loopback address is refused at construction).
         sync_every: optimiser steps between weight pushes (1: every step).
         importance_cap: the per-token ratio cap of the importance weights ``w = mean_t min(cap, p_theta / q)``.
         dtype: the pushed weights' dtype (the server's own: vLLM's ``--dtype``), one of ``bfloat16``, ``float16``,
@@ -71,6 +86,10 @@ class ServedRollouts(SyncedEngine):
             raise ValueError(f"ServedRollouts.retries and backoff_s must be >= 0, got {retries}, {backoff_s}")
         if weights_dir is not None and not os.path.isdir(weights_dir):
             raise ValueError(f"ServedRollouts.weights_dir {weights_dir!r} is not a folder")
+        if weights_dir is None and not on_this_machine(url):
+            raise ValueError(f"ServedRollouts.weights_dir: the server at {redact(url)} is not addressed as this machine, and the default "
+                             "folder (this machine's temporary folder) is one it cannot read; name a folder the server reads at the same "
+                             "path (a shared file system), or address a server on this machine as localhost")
         self.url, self.served_model, self.weights_dir = url.rstrip("/"), model, weights_dir
         self.sync_every, self.importance_cap, self.engine_dtype = sync_every, importance_cap, dtype
         self.timeout_s, self.retries, self.backoff_s, self.concurrency, self.api_key_env = timeout_s, retries, backoff_s, concurrency, api_key_env
