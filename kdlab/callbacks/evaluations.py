@@ -33,7 +33,7 @@ from kdlab.evaluation.lm_eval_suite import (
     validate_suite,
     whole_model,
 )
-from kdlab.evaluation.metrics import pass_at_k, spanish_share
+from kdlab.evaluation.metrics import pass_at_k, require_language_detector, spanish_share
 from kdlab.evaluation.scoring import accuracy, scored
 from kdlab.models.loading import ModelSpec
 from kdlab.runlog import log_metrics
@@ -233,7 +233,7 @@ class StyleTransfer(EvaluationCallback):
         super().__init__(temperature=temperature, **settings)
         if not tasks:
             raise ValueError("StyleTransfer.tasks must name at least one task")
-        spanish_share(["probe"])  # fails now, naming the extra, if the detector is not installed
+        require_language_detector()  # fails now, naming the extra, if the detector is not installed
         self.tasks = list(tasks)
         self.teacher = ModelSpec(teacher) if isinstance(teacher, str) else teacher
         self.at_start = at_start
