@@ -112,8 +112,8 @@ def bf16_frozen_counts(weights: Mapping[str, torch.Tensor], step: float) -> tupl
 # ---- language of a response ---------------------------------------------------------------------
 MIN_WORDS = 2
 """Fewest words (runs of two or more letters) a response must keep once its language-neutral parts are removed for
-its language to be judged: py3langid calls a lone English word ("Done.", "Total", "Correct", "Result") Spanish, while
-two words already carry a language ("Final answer", "¿Cómo cómo?")."""
+its language to be judged: py3langid calls a lone English word ("Done.", "Total", "Correct", "Result") Spanish; two
+words are judged ("Final answer" English, "¿Cómo cómo?" Spanish)."""
 
 _NEUTRAL = [
     re.compile(r"<answer>.*?</answer>", re.S),  # answer labels and equations
