@@ -149,6 +149,37 @@ def test_style_transfer_judges_real_text(module, tmp_path):
     assert metrics_file(trainer)[-1]["style/spanish_share"] == 0.5 and len(metrics_file(trainer)) == 2
 
 
+def test_style_transfer_draws_each_entry_from_its_own_split_and_count(module, tmp_path):
+    """StyleTransfer.tasks: a TaskPrompts entry names its split and count (its own, else the callback's ``examples``); a
+    plain task keeps the first ``examples`` of its ``val`` split. The share is over every response drawn: 3 + 4 + 4,
+    of which the 3 train ones are Spanish."""
+    from kdlab.callbacks import TaskPrompts
+
+    first, second, plain = Addition(num_train=5, num_val=6, num_test=5, seed=1), Sorting(num_val=6, num_test=5, seed=1), Addition(num_val=6, seed=2)
+    callback = StyleTransfer([TaskPrompts(first, "train", 3), TaskPrompts(second, "test"), plain], examples=4)
+    drawn = []
+
+    def sample(pl_module, task, examples, role="student", repeat=1, model=None):
+        drawn.append((task, [example["id"] for example in examples]))
+        return ["primero sumo y luego obtengo el resultado" if task is first else "first I add and then I get it" for _ in examples]
+
+    callback.sample = sample
+    trainer = bare_trainer(tmp_path)
+    callback.measure(trainer, module)
+    assert drawn == [(first, [ex["id"] for ex in first.examples("train")[:3]]), (second, [ex["id"] for ex in second.examples("test")[:4]]),
+                     (plain, [ex["id"] for ex in plain.examples("val")[:4]])]
+    assert metrics_file(trainer)[-1]["style/spanish_share"] == pytest.approx(3 / 11)
+
+
+def test_task_prompts_refuse_a_split_that_is_not_one_and_a_count_below_one():
+    from kdlab.callbacks import TaskPrompts
+
+    with pytest.raises(ValueError, match=r"TaskPrompts.split must be one of \('train', 'val', 'test'\), got 'dev'"):
+        TaskPrompts(Addition(num_val=1), "dev")
+    with pytest.raises(ValueError, match="TaskPrompts.examples must be >= 1 or null, got 0"):
+        TaskPrompts(Addition(num_val=1), "val", 0)
+
+
 def test_callbacks_in_a_real_fit_write_tensorboard_and_the_metrics_file(module, tmp_path):
     tasks = [Addition(num_val=2, seed=5)]
     callbacks = [

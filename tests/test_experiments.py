@@ -160,3 +160,25 @@ def test_the_committed_study_runs_are_finished_runs_a_report_reads(tmp_path):
             tar.extractall(tmp_path / archive.parent.parent.name, filter="data")
         found, _ = collect(sorted({tmp_path / archive.parent.parent.name / run.parent for run in runs}))  # one sweep folder, or several (RLVR chains)
         assert len(found) == len(runs), archive
+
+
+
+@pytest.mark.parametrize("family", ["llama1b_from_llama8b", "qwen1.5b_from_qwen7b"])
+def test_the_paper_style_overlays_judge_the_papers_1000_responses(family, monkeypatch, tiny_models):
+    """docs/reproducing.md, step 4: style/spanish_share is over 1,000 student responses, 200 each from Science train and
+    test, MedReason test, GSM8K test and Countdown-3 test. The overlay's StyleTransfer, built by the CLI, samples exactly
+    those rows (the dataset tasks' splits stand in as 250 numbered rows each; Countdown-3 is generated)."""
+    from kdlab.callbacks import StyleTransfer
+    from kdlab.tasks import GSM8K, MedReason, Science
+
+    for task in (Science, MedReason, GSM8K):
+        monkeypatch.setattr(task, "load_split", lambda self, split: [{"id": f"{type(self).__name__}-{split}-{i}"} for i in range(250)])
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+    cli = instantiate(header_command(Path(f"experiments/paper/style/spanish_overlay-{family}.yaml")))
+    (style,) = [callback for callback in cli.trainer.callbacks if isinstance(callback, StyleTransfer)]
+    drawn = []
+    style.sample = lambda pl_module, task, examples, **kw: drawn.extend(ex["id"] for ex in examples) or ["primero sumo y luego obtengo"] * len(examples)
+    assert style.share(cli.model, "student") == 1.0
+    assert drawn == [f"{source}-{i}" for source in ("Science-train", "Science-test", "MedReason-test", "GSM8K-test", "countdown3-test")
+                     for i in range(200)]

@@ -53,7 +53,7 @@ def test_update_sparsity_validates_its_inputs():
 
 
 def test_language_neutral_parts_are_stripped():
-    text = "<think>first add 6 and 1 to get 7</think><answer>6+1=7,7*3=21</answer> \\boxed{42} $x^2$"
+    text = "<think>first add 6 and 1 to get 7</think><answer>6+1=7,7*3=21</answer> \\boxed{42} $x^2$ ```print(x)```, 5%."
     assert strip_language_neutral(text) == "first add and to get"
 
 
@@ -64,6 +64,38 @@ def test_real_language_detection_of_english_and_spanish_reasoning():
     assert detect_language(spanish) == "es"
     assert detect_language("<answer>6+1=7</answer>") is None
     assert spanish_share([english, spanish, spanish, "<answer>1</answer>"]) == 0.5
+
+
+def test_dollar_amounts_are_prose_and_only_maths_between_dollars_is_neutral():
+    """kdlab.evaluation.metrics.looks_like_maths: the prose between two dollar amounts is kept and judged, so a mostly
+    English sentence with a Spanish fragment is English; maths between dollar signs (and $$...$$) is still removed."""
+    dollars = "<think>Tom pays $5 for apples and then he also pays $3 for pears, so in total he pays $8.</think><answer>8</answer>"
+    assert strip_language_neutral(dollars) == "Tom pays for apples and then he also pays for pears so in total he pays"
+    mostly_english = "<think>Tom paga $5 por manzanas and then he also pays for pears and the total is $8 dollars.</think>"
+    assert detect_language(mostly_english) == "en"
+    from kdlab.evaluation.metrics import looks_like_maths
+
+    assert looks_like_maths("x^2 + 2ab") and looks_like_maths(r"6.02 \times 10^{23} \text{ mol}^{-1}") and looks_like_maths(r"\frac{a}{b}")
+    assert not looks_like_maths("5 for apples and then he also pays ")
+    assert strip_language_neutral(r"It costs $5 and we solve $x+1=6$ then $$\frac{x}{2} = y$$ done") == "It costs and we solve then done"
+
+
+def test_too_little_language_is_not_judged_and_counts_as_not_spanish():
+    """kdlab.evaluation.metrics.MIN_WORDS: py3langid calls a lone English word Spanish; a response left with fewer
+    than two words once maths, tags and answers are removed has no language (None) and is not primarily Spanish,
+    while two words are judged."""
+    from kdlab.evaluation.metrics import _identifier
+
+    lone = ["Done", "Total", "Correct", "Result"]
+    assert [_identifier(("en", "es")).classify(word)[0] for word in lone] == ["es"] * 4  # why there is a minimum
+    terse = [f"<think>3+5=8, 8*4=32. {word}.</think><answer>3+5=8,8*4=32</answer>" for word in lone + ["Listo"]]
+    assert [detect_language(text) for text in terse] == [None] * 5
+    assert detect_language("<think>3+5=8. Final answer</think>") == "en" and detect_language("¿Cómo cómo?") == "es"
+    spanish = "<think>Primero sumamos los números y luego multiplicamos por cuatro.</think><answer>3+5=8,8*4=32</answer>"
+    assert spanish_share([terse[-1], spanish]) == 0.5  # the terse Spanish one is one of the responses, not a Spanish one
+    from kdlab.evaluation.metrics import MIN_WORDS
+
+    assert MIN_WORDS == 2
 
 
 def test_bf16_frozen_counts_predict_which_entries_a_bf16_adam_step_leaves_alone():

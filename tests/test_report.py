@@ -648,3 +648,18 @@ def test_the_spanish_share_gets_a_wilson_interval_over_the_answers_judged(tmp_pa
     main(["report", str(tmp_path / "runs"), "--output", str(tmp_path / "out")])
     (row,) = markdown_table((tmp_path / "out" / "report.md").read_text(), "## Style transfer")
     assert row["heldout_kl/student_prefixes/forward"].startswith("0.2") and row["val/accuracy (%)"].startswith("30.0")
+
+
+def test_the_spanish_share_interval_counts_each_style_entrys_own_rows(tmp_path):
+    """kdlab.study.setups.style_transfer_rows: a StyleTransfer entry that names its count (TaskPrompts) is judged on that
+    many answers, the others on the callback's ``examples``; the style interval's n is their sum (150 + 200 + 200)."""
+    from kdlab.study.runs import collect
+
+    prompts = "kdlab.callbacks.TaskPrompts"
+    style = {"class_path": "kdlab.callbacks.StyleTransfer", "init_args": {"examples": 200, "at_start": False, "tasks": [
+        {"class_path": prompts, "init_args": {"task": {"class_path": "kdlab.tasks.Counting"}, "split": "train", "examples": 150}},
+        {"class_path": prompts, "init_args": {"task": {"class_path": "kdlab.tasks.Counting"}, "split": "test", "examples": None}},
+        {"class_path": "kdlab.tasks.Counting"}]}}
+    make_run(tmp_path / "runs", "s42", "TeacherRollouts", "ForwardKL", 1e-5, 42, [{"step": 4, "style/spanish_share": 0.5}], callbacks=[style])
+    (run,), _ = collect([tmp_path / "runs"])
+    assert run.coverage_draws["style"] == 550

@@ -203,6 +203,23 @@ def test_each_evaluated_row_adds_its_host_work_to_its_evaluation():
     assert added == pytest.approx({"validation": 2 * 200, "Coverage 1": 2 * 200, "OODForgetting 2": 2 * 60})
 
 
+def test_style_transfer_decodes_each_entrys_own_rows():
+    """kdlab.study.run_time: StyleTransfer decodes each entry's rows (a TaskPrompts entry's own ``examples``, else the
+    callback's), the student at the start and at the end: 2 x (30 + 20) rows of host work."""
+    from dataclasses import replace
+
+    from kdlab.study.estimate import Setup
+    from kdlab.study.run_time import evaluation_seconds
+
+    setup = Setup(student=PUBLISHED["Qwen/Qwen2.5-1.5B-Instruct"], teacher=None, batch_size=4, prompt_tokens=256, completion_tokens=64, mixed=True)
+    entries = [{"class_path": "kdlab.callbacks.TaskPrompts", "init_args": {"task": "addition", "split": "train", "examples": 30}}, "sorting"]
+    config = {"model": {}, "trainer": {"limit_val_batches": 0, "callbacks": [
+        {"class_path": "kdlab.callbacks.StyleTransfer", "init_args": {"tasks": entries, "examples": 20, "max_new_tokens": 16}}]}}
+    h200 = step_time.HARDWARE["H200"]
+    without = evaluation_seconds(setup, config, 20, replace(h200, row_seconds=0.0))
+    with_rows = evaluation_seconds(setup, config, 20, replace(h200, row_seconds=1.0))
+    assert {name: with_rows[name] - without[name] for name in without} == pytest.approx({"StyleTransfer 1": 2 * 50})
+
 def test_lora_parameters_are_those_peft_trains():
     pytest.importorskip("peft")
     from kdlab.stages.lora import LoraSpec, apply_lora

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kdlab.callbacks.periodic import EvaluationCallback, module_writes_teacher_texts, task_name
+from kdlab.callbacks.periodic import EvaluationCallback, TaskPrompts, module_writes_teacher_texts, task_name
 from kdlab.evaluation.lm_eval_suite import (
     LMEvalTask,
     evaluate_suite,
@@ -33,7 +33,7 @@ from kdlab.evaluation.lm_eval_suite import (
     validate_suite,
     whole_model,
 )
-from kdlab.evaluation.metrics import pass_at_k, spanish_share
+from kdlab.evaluation.metrics import pass_at_k, require_language_detector, spanish_share
 from kdlab.evaluation.scoring import accuracy, scored
 from kdlab.models.loading import ModelSpec
 from kdlab.runlog import log_metrics
@@ -207,8 +207,9 @@ class OODForgetting(EvaluationCallback):
 
 
 class StyleTransfer(EvaluationCallback):
-    """``style/spanish_share``: share of student responses that are primarily Spanish (real language
-    detection after removing tags, equations, numbers and code), on the student's own prompts.
+    """``style/spanish_share``: share of student responses that are primarily Spanish
+    (:func:`~kdlab.evaluation.metrics.spanish_share`: py3langid after removing answers, maths, tags, numbers and code;
+    a response with too little language left counts as not Spanish), on the student's own prompts.
 
     The teacher's share on its own prompts (which may carry the style instruction) is logged once at
     the start of fit as ``style/teacher_spanish_share`` for reference. The teacher is ``teacher`` when
@@ -217,7 +218,9 @@ class StyleTransfer(EvaluationCallback):
     ``teacher``; without it ``fit`` stops at setup with an error naming ``StyleTransfer.teacher``.
 
     Args:
-        tasks: prompt sources (each task's ``val`` split; first ``examples`` of each).
+        tasks: prompt sources, each a task (its ``val`` split, the first ``examples``) or a
+            :class:`~kdlab.callbacks.periodic.TaskPrompts` naming its split and count (the paper's 1,000 responses: 200
+            each of Science train and test, MedReason test, GSM8K test, Countdown-3 test).
         temperature: sampling temperature (paper's style run: 1.0).
         teacher: the reference teacher (a model path, ``kdlab://...``, or a
             :class:`~kdlab.models.loading.ModelSpec`). Its tokenizer is read at setup; its weights are loaded at
@@ -227,14 +230,14 @@ class StyleTransfer(EvaluationCallback):
             start from the same student and teacher, measured once elsewhere.
     """
 
-    def __init__(self, tasks: list[Task], temperature: float = 1.0, teacher: ModelSpec | str | None = None, at_start: bool = True,
+    def __init__(self, tasks: list[Task | TaskPrompts], temperature: float = 1.0, teacher: ModelSpec | str | None = None, at_start: bool = True,
                  **settings: Any) -> None:
 
         super().__init__(temperature=temperature, **settings)
         if not tasks:
             raise ValueError("StyleTransfer.tasks must name at least one task")
-        spanish_share(["probe"])  # fails now, naming the extra, if the detector is not installed
-        self.tasks = list(tasks)
+        require_language_detector()  # fails now, naming the extra, if the detector is not installed
+        self.prompts = [entry if isinstance(entry, TaskPrompts) else TaskPrompts(entry) for entry in tasks]
         self.teacher = ModelSpec(teacher) if isinstance(teacher, str) else teacher
         self.at_start = at_start
         self._teacher_tokenizer: Any = None
@@ -254,8 +257,8 @@ class StyleTransfer(EvaluationCallback):
 
     def share(self, pl_module, role: str, model: Any = None) -> float:
         texts = []
-        for task in self.tasks:
-            texts += self.sample(pl_module, task, task.examples("val")[: self.examples], role=role, model=model)
+        for prompts in self.prompts:
+            texts += self.sample(pl_module, prompts.task, prompts.rows(self.examples), role=role, model=model)
         return spanish_share(texts)
 
     def teacher_share(self, pl_module) -> float:

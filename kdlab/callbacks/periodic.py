@@ -17,7 +17,7 @@ import torch
 
 from kdlab.evaluation.scoring import completion_texts
 from kdlab.run_config import remember_arguments
-from kdlab.tasks.base import Task
+from kdlab.tasks.base import SPLITS, Example, Task
 
 
 def require_teacher(pl_module: pl.LightningModule, owner: str, what: str, needs: frozenset[str] = frozenset()) -> None:
@@ -77,6 +77,30 @@ class PeriodicCallback(pl.Callback):
 # ---- evaluation callbacks ----------------------------------------------------------------------
 def task_name(task: Task) -> str:
     return getattr(task, "variant", None) or type(task).__name__.lower()
+
+
+class TaskPrompts:
+    """The prompts an evaluating callback samples: the first ``examples`` rows of ``task``'s ``split``, in the task's
+    fixed order (fewer when the split is shorter). A plain task in ``StyleTransfer.tasks`` reads as
+    ``TaskPrompts(task)``: the first of its ``val`` rows, as many as the callback's ``examples``.
+
+    Args:
+        task: the task whose prompts are sampled.
+        split: ``train``, ``val`` or ``test``.
+        examples: how many rows; ``None``: the callback's ``examples``.
+    """
+
+    def __init__(self, task: Task, split: str = "val", examples: int | None = None) -> None:
+        remember_arguments(self, inspect.currentframe())  # named with its settings in a run's config.yaml
+        if split not in SPLITS:
+            raise ValueError(f"TaskPrompts.split must be one of {SPLITS}, got {split!r}")
+        if examples is not None and examples < 1:
+            raise ValueError(f"TaskPrompts.examples must be >= 1 or null, got {examples}")
+        self.task, self.split, self.examples = task, split, examples
+
+    def rows(self, default_examples: int) -> list[Example]:
+        """The first ``examples`` rows of the split (``default_examples`` when ``examples`` is ``None``)."""
+        return self.task.examples(self.split)[: self.examples or default_examples]
 
 
 class EvaluationCallback(PeriodicCallback):

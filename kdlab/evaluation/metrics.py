@@ -110,19 +110,59 @@ def bf16_frozen_counts(weights: Mapping[str, torch.Tensor], step: float) -> tupl
 
 
 # ---- language of a response ---------------------------------------------------------------------
+MIN_WORDS = 2
+"""Fewest words (runs of two or more letters) a response must keep once its language-neutral parts are removed for
+its language to be judged: py3langid calls a lone English word ("Done.", "Total", "Correct", "Result") Spanish; two
+words are judged ("Final answer" English, "¿Cómo cómo?" Spanish)."""
+
 _NEUTRAL = [
     re.compile(r"<answer>.*?</answer>", re.S),  # answer labels and equations
     re.compile(r"```.*?```", re.S),  # code blocks
-    re.compile(r"\\boxed\{[^{}]*\}|\$[^$]*\$"),  # maths
-    re.compile(r"</?[a-zA-Z_]+>|<\|[^|]*\|>"),  # tags and special tokens
-    re.compile(r"[0-9+\-*/×÷=().,;:\[\]{}^%<>|_\\]+"),  # numbers, operators, punctuation
+    re.compile(r"\\boxed\{[^{}]*\}"),  # boxed answers
 ]
+_AFTER_MATHS = [
+    re.compile(r"</?[a-zA-Z_]+>|<\|[^|]*\|>"),  # tags and special tokens
+    re.compile(r"[0-9+\-*/×÷=().,;:\[\]{}^%<>|_\\$]+"),  # numbers, operators, punctuation, currency signs
+]
+_LATEX_COMMAND = re.compile(r"\\[a-zA-Z]+\*?(?:\{[^{}$]*\})?")  # \frac, \cdot, \text{ mol}: a command and its first argument
+_PROSE_WORD = re.compile(r"[^\W\d_]{3,}")  # three or more letters in a row: a word, not a variable (x, ab, pH)
+_DISPLAY_MATHS = re.compile(r"\$\$(.*?)\$\$", re.S)
+
+
+def looks_like_maths(inner: str) -> bool:
+    """Whether the text between two dollar signs is maths: once LaTeX commands (with their first braced argument:
+    ``\\frac{a}``, ``\\text{ mol}``) are removed, no word of three or more letters is left, only digits, operators and
+    variables of one or two letters. ``"x^2 + 2ab"`` and ``"6.02 \\times 10^{23} \\text{ mol}^{-1}"`` are maths;
+    the ``"5 for apples and then he also pays "`` between two dollar amounts is prose."""
+    return _PROSE_WORD.search(_LATEX_COMMAND.sub(" ", inner)) is None
+
+
+def _without_maths(text: str) -> str:
+    """``text`` without its ``$$...$$`` and ``$...$`` spans whose content :func:`looks_like_maths`. A span that
+    does not is prose between two currency amounts (``$5 ... $3``): it is kept, and its closing ``$`` may open the
+    next span (``$5 and we solve $x+1=6$``)."""
+    text = _DISPLAY_MATHS.sub(lambda match: " " if looks_like_maths(match.group(1)) else match.group(0), text)
+    kept, start, opening = [], 0, text.find("$")
+    while opening != -1:
+        closing = text.find("$", opening + 1)
+        if closing == -1:
+            break
+        if looks_like_maths(text[opening + 1:closing]):
+            kept.append(text[start:opening] + " ")
+            start, opening = closing + 1, text.find("$", closing + 1)
+        else:
+            opening = closing
+    return "".join(kept) + text[start:]
 
 
 def strip_language_neutral(text: str) -> str:
-    """Remove what counts as language-neutral (tags, answers, equations, numbers, maths, code),
-    leaving the words whose language is judged."""
+    """Remove what counts as language-neutral (answers, code, boxed answers, maths between dollar signs, tags,
+    numbers, operators and punctuation), leaving the words whose language is judged. Dollar signs around prose
+    (``$5 for apples and then $3``) are currency, not maths: the prose stays (:func:`looks_like_maths`)."""
     for pattern in _NEUTRAL:
+        text = pattern.sub(" ", text)
+    text = _without_maths(text)
+    for pattern in _AFTER_MATHS:
         text = pattern.sub(" ", text)
     return " ".join(text.split())
 
@@ -138,17 +178,27 @@ def _identifier(languages: tuple[str, ...]):
     return identifier
 
 
+def require_language_detector() -> None:
+    """Raise now, naming ``pip install 'kdlab[eval]'``, if py3langid is not installed: a callback that judges languages
+    calls it when it is built, before any training."""
+    _identifier(("en", "es"))
+
+
 def detect_language(text: str, languages: Sequence[str] = ("en", "es")) -> str | None:
     """The language (ISO 639-1 code among ``languages``) of ``text``'s words, judged by py3langid
-    after :func:`strip_language_neutral`; ``None`` when no word is left."""
+    after :func:`strip_language_neutral`; ``None`` when fewer than :data:`MIN_WORDS` words (runs of two or
+    more letters) are left: too little language to judge."""
     words = strip_language_neutral(text)
-    if not re.search(r"[^\W\d_]", words):
+    if len(re.findall(r"[^\W\d_]{2,}", words)) < MIN_WORDS:
         return None
     return _identifier(tuple(languages)).classify(words)[0]
 
 
 def spanish_share(texts: Iterable[str]) -> float:
-    """Share of ``texts`` that are primarily Spanish (English vs Spanish); texts with no words count as not Spanish."""
+    """Share of ``texts`` that are primarily Spanish (English vs Spanish, :func:`detect_language`). A text with too
+    little language to judge (fewer than :data:`MIN_WORDS` words once its maths, tags and answers are removed,
+    ``"3+5=8, 8*4=32. Listo."`` as much as ``"... Done."``) counts as not Spanish: it is one of the responses, and
+    it is not primarily Spanish."""
     texts = list(texts)
     if not texts:
         raise ValueError("spanish_share needs at least one text")

@@ -10,7 +10,7 @@ on rank 0 alone while the others wait), each kdlab-evaluated row also costing ``
   ``trainer.val_check_interval`` micro-batches (and at the end when ``max_steps`` is a multiple);
 * ``Coverage``: ``examples x samples`` rows in decodes of ``batch_size`` rows, at the start (``at_start``), every
   ``every_n_steps`` and at the end;
-* ``StyleTransfer``: ``examples`` rows per task in decodes of ``batch_size``, the student at the start (``at_start``)
+* ``StyleTransfer``: each entry's rows (:func:`~kdlab.study.setups.style_transfer_rows`) in decodes of ``batch_size``, the student at the start (``at_start``)
   and the end, the teacher once;
 * ``OODForgetting`` with lm-eval: before and after, each task of :data:`LM_EVAL_COST` on the student as it is held
   (the fp32 student outside autocast is read in 4 bytes a weight), generations through the Hugging Face back end
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kdlab.study.setups import BYTES, Setup, name_of
+from kdlab.study.setups import BYTES, Setup, name_of, style_transfer_rows
 from kdlab.study.step_time import (
     Hardware,
     StepTime,
@@ -134,9 +134,9 @@ def evaluation_seconds(setup: Setup, config: dict[str, Any], steps: int, hardwar
             out[f"Coverage {index}"] = times * _decodes(setup, rows, int(args.get("batch_size", 32)), int(args.get("max_new_tokens", 256)),
                                                         hardware, replicas=replicas)
         elif name == "StyleTransfer":
-            tasks = len(args.get("tasks") or [None])
-            once = tasks * _decodes(setup, int(args.get("examples", 200)), int(args.get("batch_size", 32)), int(args.get("max_new_tokens", 256)),
-                                    hardware, replicas=replicas)
+            rows = style_transfer_rows(args) or [args.get("examples", 200)]
+            once = sum(_decodes(setup, int(count), int(args.get("batch_size", 32)), int(args.get("max_new_tokens", 256)), hardware, replicas=replicas)
+                       for count in rows)
             teacher = once if setup.teacher is not None else 0.0  # the teacher's share, sampled once
             out[f"StyleTransfer {index}"] = _times(every, steps, bool(args.get("at_start", True))) * once + teacher
         elif name == "OODForgetting":

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from kdlab.runlog import METRICS_FILE, metrics_lines
+from kdlab.study.setups import style_transfer_rows
 
 # the report's main table; heldout_kl/forward_closed is the HeldOutKL callback's share of the held-out
 # forward-KL gap closed, the figure docs/real_model.md leads with
@@ -305,15 +306,15 @@ def run_status(run_dir: Path, config: dict[str, Any], series: dict[str, list[tup
 
 def _coverage_draws(config: dict[str, Any]) -> dict[str, int]:
     """``coverage/<name>`` -> examples x samples of each ``Coverage`` callback in the config (for the
-    interval of its pass@1); ``style`` -> the answers a ``StyleTransfer`` callback judges (examples x tasks)."""
+    interval of its pass@1); ``style`` -> the answers a ``StyleTransfer`` callback judges (the sum over its entries,
+    :func:`~kdlab.study.setups.style_transfer_rows`)."""
     callbacks = (config.get("trainer") or {}).get("callbacks") if isinstance(config.get("trainer"), dict) else None
     draws = {}
     for callback in callbacks if isinstance(callbacks, list) else []:
         if isinstance(callback, dict) and str(callback.get("class_path", "")).endswith("StyleTransfer"):
-            args = callback.get("init_args") or {}
-            examples, tasks = args.get("examples", 200), args.get("tasks")
-            if isinstance(examples, int) and isinstance(tasks, list) and tasks:
-                draws["style"] = examples * len(tasks)  # a task with fewer val examples gives fewer: an upper bound
+            rows = style_transfer_rows(callback.get("init_args") or {})
+            if rows and all(isinstance(count, int) for count in rows):
+                draws["style"] = sum(rows)  # a split with fewer rows gives fewer: an upper bound
             continue
         if not (isinstance(callback, dict) and str(callback.get("class_path", "")).endswith("Coverage")):
             continue

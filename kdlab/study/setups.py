@@ -78,6 +78,19 @@ def name_of(value: Any) -> tuple[str, dict[str, Any]]:
     return ("" if value is None else str(value)), {}
 
 
+def style_transfer_rows(args: dict[str, Any]) -> list[int]:
+    """The rows a ``StyleTransfer`` callback's ``init_args`` sample for each entry of its ``tasks``: a ``TaskPrompts``
+    entry's own ``examples``, else the callback's ``examples`` (200 when not set). Upper bounds: a shorter split gives
+    fewer."""
+    default, entries = args.get("examples", 200), args.get("tasks")
+    rows = []
+    for entry in entries if isinstance(entries, list) else []:
+        name, entry_args = name_of(entry)
+        own = entry_args.get("examples") if name == "TaskPrompts" else None
+        rows.append(default if own is None else own)
+    return rows
+
+
 def spec_of(value: Any) -> Any:
     """A :class:`~kdlab.models.loading.ModelSpec` from a config value (a path or a dict), or ``None``."""
     from kdlab.models.loading import ModelSpec
