@@ -96,6 +96,7 @@ def test_too_little_language_is_not_judged_and_counts_as_not_spanish():
     from kdlab.evaluation.metrics import MIN_WORDS
 
     assert MIN_WORDS == 2
+    assert detect_language("Derecho") is None and detect_language("A c d c c") is None  # the style study's short answers (docs/real_model.md)
 
 
 def test_bf16_frozen_counts_predict_which_entries_a_bf16_adam_step_leaves_alone():
