@@ -251,3 +251,20 @@ def test_paper_countdown_held_out_problems_are_not_training_problems(path):
             if expected:
                 header = (ROOT / path).read_text(encoding="utf-8")
                 assert f"{expected} of\n# the {len(scored)} Countdown-4E pass@k problems are Countdown-4 training problems" in header, path
+
+
+@pytest.mark.parametrize("path", PAPER_FITS, ids=str)
+def test_paper_presets_score_the_held_out_examples_the_paper_names(path):
+    """The paper evaluates MATH on MATH-500 and every other task on its "first 200 held-out examples": a preset
+    training on MATH scores all 500 (val_examples 500 = the task's num_val; its base's 200 scored only the
+    first 200, the numina headers' sentence), every other one the first 200 of a val split holding at least 200."""
+    model = merged_config(path)["model"]
+    if "task" not in model:  # SFTModule: nothing held out is scored
+        return
+    class_path, task_args = _component(model["task"])
+    if class_path == "kdlab.tasks.MATH":
+        assert task_args["eval_source"] == "HuggingFaceH4/MATH-500", path
+        assert model["val_examples"] == task_args["num_val"] == 500, (path, model["val_examples"], task_args["num_val"])
+    else:
+        assert model["val_examples"] == 200, (path, model["val_examples"])
+        assert task_args.get("num_val", 200) >= 200, (path, task_args)
