@@ -162,15 +162,18 @@ def fill_answer_template(task: Task, example: Example, template: str, setting: s
 def last_tagged(text: str, tag: str = "answer") -> str | None:
     """The content of the last ``<tag>...</tag>`` in ``text``, or ``None`` when there is none.
 
-    Linear time in ``len(text)`` (two ``rfind`` calls, no regular expression), so hostile
+    A ``<tag>`` after the last ``</tag>`` (a final answer cut off by the token limit, or opened and never
+    closed) means the completion has no answer: ``None``, even when an earlier ``<tag>...</tag>`` (a
+    draft inside ``<think>``, say) is complete, since nothing before a final answer is the answer.
+    Linear time in ``len(text)`` (three ``rfind`` calls, no regular expression), so hostile
     completions of any size are cheap; anything that is not a ``str`` gives ``None``.
     """
     if not isinstance(text, str):
         return None
-    close = text.rfind(f"</{tag}>")
-    if close < 0:
-        return None
     open_tag = f"<{tag}>"
+    close = text.rfind(f"</{tag}>")
+    if close < 0 or text.rfind(open_tag) > close:
+        return None
     start = text.rfind(open_tag, 0, close)
     if start < 0:
         return None

@@ -307,7 +307,8 @@ def _check_expression(nums: Sequence[int], target: int, tokens: list[int | str])
 
 
 def verify(nums: Any, target: Any, text: Any, answer_format: str = "chain") -> bool:
-    """Whether the last ``<answer>...</answer>`` in ``text`` solves the Countdown problem.
+    """Whether the last ``<answer>...</answer>`` in ``text`` solves the Countdown problem; a final
+    ``<answer>`` that is never closed (cut off) is no answer, whatever an earlier one held.
 
     ``chain`` answers are comma-separated steps ``a op b = c``: ``a`` and ``b`` must be in the
     current pool (a multiset that starts as ``nums``; each entry used at most once), ``c`` must be
