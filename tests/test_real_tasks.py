@@ -519,6 +519,16 @@ def test_gsm8k_reference_numbers() -> None:
         ("<answer>seventy-two</answer> 72", None),
         ("no digits at all", None),
         ("<answer>" + "9" * 41 + "</answer>", None),
+        # last_number's sign and comma rules: U+2212 is a minus; a comma only separates groups of exactly three
+        ("<answer>\u221272</answer>", -72),
+        ("<answer>\u2212$3.50</answer>", Fraction(-7, 2)),
+        ("so 5\u22123 is 2, and 3\u22125", -5),  # as 3-5 reads: the sign touching the digits
+        ("<answer>1,2</answer>", None),
+        ("<answer>1234,567</answer>", None),
+        ("<answer>1,234,56</answer>", None),
+        ("<answer>12,345,678.5</answer>", Fraction(24691357, 2)),
+        ("<answer>1,000.</answer>", 1000),
+        ("the points (1,2) and 3, then 7,", 7),
     ],
 )
 def test_final_number(completion: str, value: Fraction | int | None) -> None:
@@ -545,6 +555,8 @@ def test_gsm8k_task_rows_prompts_and_scores(gsm8k: GSM8K) -> None:
     assert gsm8k.score(test[2], answer("1,200")) == 1.0
     assert gsm8k.score(test[3], "so she owes money: -2.50") == 1.0
     assert gsm8k.score(test[3], "so she owes money: 2.5") == 0.0
+    assert gsm8k.score(test[3], answer("\u22122.5")) == 1.0  # U+2212 minus
+    assert gsm8k.score(test[2], answer("1,2,00")) == 0.0  # not groups of three: no number, not 1200
 
 
 def test_gsm8k_row_without_marker_names_file_and_row(tmp_path: Path) -> None:
