@@ -246,6 +246,9 @@ def test_score_on_a_task() -> None:
         ([12, 3, 1], 5, "<answer>12/3=4,4+1=5</answer>"),
         ([6, 6, 6], 7, "<answer>6/6=1,6+1=7</answer>"),
         ([1, 1], 2, "<answer>000000000001+1=2</answer>"),  # 12 digits, leading zeros are decimal
+        ([3, 5, 4], 32, "<answer>3+5=8,8*4=32.</answer>"),  # one full stop ending the answer
+        ([3, 5, 4], 32, "<answer> 3+5=8, 8×4=32. </answer>"),
+        ([5, 3, 4], 8, "<answer>5\u22123=2,2*4=8</answer>"),  # U+2212 minus, as × is *
     ],
 )
 def test_chain_accepts(nums: list[int], target: int, text: str) -> None:
@@ -281,6 +284,14 @@ def test_chain_accepts(nums: list[int], target: int, text: str) -> None:
         ([2], 2, "<answer></answer>"),
         ([1, 1], 2, "<answer>0000000000001+1=2</answer>"),  # 13-digit literal
         ([1, 1], 10**12, "<answer>999999999999+1=1000000000000</answer>"),  # 13-digit result
+        ([3, 5, 4], 32, "<answer>3+5=8,8*4=32..</answer>"),  # only one full stop
+        ([3, 5, 4], 32, "<answer>3+5=8.,8*4=32</answer>"),  # ... and only at the end
+        ([3, 5, 4], 32, "<answer>.</answer>"),
+        ([3, 5, 4], 36, "<answer>3+5=8,8*4=32.4</answer>"),  # a decimal is not a full stop
+        ([2, 5, 4], 1, "<answer>2\u22125=\u22123,\u22123+4=1</answer>"),  # negative intermediates, U+2212 or not
+        ([3, 5, 4], 2, "<answer>3\u22125=2</answer>"),  # 3-5 is not 2
+        ([3, 5, 4], 32, "<answer>4\u22124=0,0+32=32.</answer>"),  # reused and not given, trailing stop or not
+        ([7, 2, 1], 4, "<answer>7/2=3,3+1=4.</answer>"),  # non-exact division
     ],
 )
 def test_chain_rejects(nums: list[int], target: int, text: str) -> None:
@@ -327,6 +338,8 @@ def test_unknown_format_gives_false() -> None:
         ([5, 5, 2], 20, "(5+5)*2"),
         ([8, 2, 2], 2, "8÷(2*2)"),
         ([1, 2, 3], 9, "((((1))+((2))))×(3)"),
+        ([3, 5, 4], 2, "3\u22125+4"),  # U+2212 minus
+        ([2, 3, 4], 20, "(2+3)*4 = 20."),  # one full stop ending the answer
     ],
 )
 def test_expression_accepts(nums: list[int], target: int, body: str) -> None:
@@ -348,6 +361,8 @@ def test_expression_accepts(nums: list[int], target: int, body: str) -> None:
         ([2, 3, 4], 20, "((2+3)*4"),
         ([2, 3, 4], 20, "(2+3)4*"),
         ([2, 3, 4], -2, "-(2+3)+4-1"),  # unary minus
+        ([2, 3, 4], -2, "\u2212(2+3)+4\u22121"),  # ... written U+2212
+        ([2, 3, 4], 20, "(2+3)*4.."),
         ([2, 3, 4], 20, "()"),
         ([2, 3, 4], 20, ""),
         ([2, 3, 4], 20, "2+3=5,5*4=20"),  # chain in expression mode

@@ -69,8 +69,8 @@ MAX_OPERANDS = 64
 MAX_SKIPPED_DRAWS = 100_000
 """Draws in a row a ``disjoint`` held-out split may skip (each a train or val problem) before it is refused."""
 
-# Operator aliases: `x` and `×` mean multiplication, `÷` means division (the prompt names "x").
-_SYMBOLS = {"x": "*", "×": "*", "÷": "/"} | {char: char for char in "+-*/=,()"}
+# Operator aliases: `x` and `×` mean multiplication, `÷` division (the prompt names "x"), `−` (U+2212) minus.
+_SYMBOLS = {"x": "*", "×": "*", "÷": "/", "\u2212": "-"} | {char: char for char in "+-*/=,()"}
 _DIGITS = frozenset("0123456789")
 
 _INSTRUCTION = (
@@ -317,9 +317,10 @@ def verify(nums: Any, target: Any, text: Any, answer_format: str = "chain") -> b
     and parentheses, e.g. ``(2+3)*4``, optionally followed by ``= 20``; the literals must be
     ``nums`` as a multiset and the value must be ``target``.
 
-    Both formats: ``x`` and ``×`` are read as ``*``, ``÷`` as ``/``; whitespace is ignored between
-    tokens; numbers are unsigned ASCII digit runs of at most 12 digits (leading zeros are read as
-    decimal, ``007`` is 7); division must be exact with
+    Both formats: ``x`` and ``×`` are read as ``*``, ``÷`` as ``/``, ``−`` (U+2212) as ``-``; one
+    ``.`` ending the answer (``5*4=20.``) is punctuation and ignored, a second or any other is not;
+    whitespace is ignored between tokens; numbers are unsigned ASCII digit runs of at most 12 digits
+    (leading zeros are read as decimal, ``007`` is 7); division must be exact with
     a non-zero divisor; every value must stay below ``10**12`` in magnitude. Answers longer than
     1,000 characters, nested deeper than 100 parentheses, ``**``, unary signs, decimals, empty
     answers, wrong argument types (``nums`` must be a list or tuple of 1 to 64 non-negative ints,
@@ -334,6 +335,9 @@ def verify(nums: Any, target: Any, text: Any, answer_format: str = "chain") -> b
     answer = last_tagged(text)  # None for non-str text
     if answer is None or len(answer) > MAX_ANSWER_CHARS:
         return False
+    answer = answer.strip()
+    if answer.endswith("."):  # a sentence's full stop after the final equation
+        answer = answer[:-1]
     try:
         tokens = _tokens(answer)
         if not tokens:
