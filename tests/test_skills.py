@@ -58,6 +58,8 @@ def test_addition_reads_ascii_digits_only_and_scores_anything_else_0():
     for body in ("²", "٢", "２", "+2", "2.", "1²"):
         assert task.score(example, f"<answer>{body}</answer>") == 0.0, body
     assert accuracy(task, [example], ["<answer>²</answer>"]) == 0.0
+    assert task.score({"id": "y", "a": 10**63, "b": 0}, f"<answer>{10**63}</answer>") == 1.0  # 64 digits
+    assert task.score({"id": "z", "a": 10**64, "b": 0}, f"<answer>{10**64}</answer>") == 0.0  # 65: too long
 
 
 def test_answer_from_is_checked_and_named():
