@@ -75,8 +75,9 @@ class Task(Component):
         raise NotImplementedError
 
     def well_formed(self, completion: str) -> bool:
-        """Whether ``completion`` has the task's answer format (an ``<answer>...</answer>``), whatever
-        the answer; RLVR's format reward. Must never raise."""
+        """Whether ``completion`` has the task's answer format (an ``<answer>...</answer>`` that is not
+        followed by an unclosed ``<answer>``: :func:`last_tagged`), whatever the answer; RLVR's format
+        reward. Must never raise."""
         return last_tagged(completion) is not None
 
     def reference_completion(self, example: Example) -> str | None:
