@@ -3,7 +3,9 @@ wrong and hostile answers."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import random
 
 import pytest
@@ -46,6 +48,70 @@ def test_a_split_does_not_depend_on_the_other_sizes() -> None:
     large = Countdown(num_train=300, num_val=5, num_test=40)
     assert small.examples("val") == large.examples("val")
     assert small.examples("train") == large.examples("train")[:10]
+
+
+def _problems(rows: list[dict]) -> list[tuple[tuple[int, ...], int]]:
+    return [(tuple(sorted(row["nums"])), row["target"]) for row in rows]
+
+
+def _digest(rows: list[dict]) -> str:
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+
+# SHA-256 of json.dumps of each split of Countdown(variant, num_train=5000, num_val=500, num_test=500), seed 42,
+# recorded from the generator before the disjoint option existed
+BEFORE_DISJOINT = {
+    "countdown3": {
+        "train": "e7391d1fd43d94a4094036b9438d660331744b984961c1f9491999606816593b",
+        "val": "61f1d3777360297150e14fc638d68a86415399c1f5672ec27e521fdcabac44b8",
+        "test": "70a2206e6635d532100ae0c979c9b7d01afe19118e987cc4c0f545f0b34d2710",
+    },
+    "countdown4": {
+        "train": "80e7e70df49cef3b1230a60f478d49b12c464664be64f9705231dc1798be830c",
+        "val": "451e8d088890b7c1506b1ab8494382f7a282d922ff8baa4acb83dd8ebd7e796f",
+        "test": "d89f1f24aaca867b9f0f7d1ebe148c260a721fe3f5c0332f9cc2bf121a410562",
+    },
+}
+
+
+@pytest.mark.parametrize("variant", ["countdown3", "countdown4"])
+def test_disjoint_held_out_problems_are_never_train_problems_and_train_stays_byte_identical(variant: str) -> None:
+    """The module docstring's disjoint rule: by default splits overlap (78 of the first 200 Countdown-3 val
+    problems are train problems at seed 42); ``disjoint=True`` keeps drawing from the split's own stream past
+    every train problem (val) and every train or val problem (test); train, and the default splits, are
+    byte for byte what they were before the option existed."""
+    sizes = {"num_train": 5000, "num_val": 500, "num_test": 500}
+    default, disjoint = Countdown(variant=variant, **sizes), Countdown(variant=variant, disjoint=True, **sizes)
+    for split in ("train", "val", "test"):
+        assert _digest(default.examples(split)) == BEFORE_DISJOINT[variant][split], split
+    assert disjoint.examples("train") == default.examples("train")
+    train = set(_problems(default.examples("train")))
+    if variant == "countdown3":
+        assert sum(problem in train for problem in _problems(default.examples("val")[:200])) == 78
+    val, test = disjoint.examples("val"), disjoint.examples("test")
+    assert len(val) == len(test) == 500
+    assert not train & set(_problems(val))
+    assert not (train | set(_problems(val))) & set(_problems(test))
+    if variant == "countdown3":  # within a split problems may still repeat
+        assert len(set(_problems(val))) < len(val)
+    assert [row["id"] for row in val] == [f"{variant}-val-{i}" for i in range(500)]
+    # the same stream, the excluded draws skipped: a longer default split with those problems taken out
+    longer = Countdown(variant=variant, num_train=0, num_val=2000, num_test=0).examples("val")
+    kept = [row for row in longer if (tuple(sorted(row["nums"])), row["target"]) not in train]
+    assert [{k: v for k, v in row.items() if k != "id"} for row in val] == [
+        {k: v for k, v in row.items() if k != "id"} for row in kept[:500]
+    ]
+
+
+def test_disjoint_changes_nothing_without_a_train_split_and_a_stuck_split_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kdlab.tasks.countdown as countdown
+
+    alone = Countdown(num_train=0, num_val=50, num_test=50, disjoint=True)
+    assert alone.examples("val") == Countdown(num_train=0, num_val=50, num_test=50).examples("val")
+    assert countdown.MAX_SKIPPED_DRAWS == 100_000  # docs/bad_inputs.md's row
+    monkeypatch.setattr(countdown, "MAX_SKIPPED_DRAWS", 0)
+    with pytest.raises(ValueError, match=r"Countdown.disjoint: 0 countdown3 draws in a row for the val split were train or val problems"):
+        Countdown(num_train=5000, num_val=200, disjoint=True).examples("val")
 
 
 @pytest.mark.parametrize("variant", ["countdown3", "countdown4", "countdown4e", "countdown3s"])
@@ -182,6 +248,9 @@ def test_score_on_a_task() -> None:
         ([12, 3, 1], 5, "<answer>12/3=4,4+1=5</answer>"),
         ([6, 6, 6], 7, "<answer>6/6=1,6+1=7</answer>"),
         ([1, 1], 2, "<answer>000000000001+1=2</answer>"),  # 12 digits, leading zeros are decimal
+        ([3, 5, 4], 32, "<answer>3+5=8,8*4=32.</answer>"),  # one full stop ending the answer
+        ([3, 5, 4], 32, "<answer> 3+5=8, 8×4=32. </answer>"),
+        ([5, 3, 4], 8, "<answer>5\u22123=2,2*4=8</answer>"),  # U+2212 minus, as × is *
     ],
 )
 def test_chain_accepts(nums: list[int], target: int, text: str) -> None:
@@ -217,6 +286,14 @@ def test_chain_accepts(nums: list[int], target: int, text: str) -> None:
         ([2], 2, "<answer></answer>"),
         ([1, 1], 2, "<answer>0000000000001+1=2</answer>"),  # 13-digit literal
         ([1, 1], 10**12, "<answer>999999999999+1=1000000000000</answer>"),  # 13-digit result
+        ([3, 5, 4], 32, "<answer>3+5=8,8*4=32..</answer>"),  # only one full stop
+        ([3, 5, 4], 32, "<answer>3+5=8.,8*4=32</answer>"),  # ... and only at the end
+        ([3, 5, 4], 32, "<answer>.</answer>"),
+        ([3, 5, 4], 36, "<answer>3+5=8,8*4=32.4</answer>"),  # a decimal is not a full stop
+        ([2, 5, 4], 1, "<answer>2\u22125=\u22123,\u22123+4=1</answer>"),  # negative intermediates, U+2212 or not
+        ([3, 5, 4], 2, "<answer>3\u22125=2</answer>"),  # 3-5 is not 2
+        ([3, 5, 4], 32, "<answer>4\u22124=0,0+32=32.</answer>"),  # reused and not given, trailing stop or not
+        ([7, 2, 1], 4, "<answer>7/2=3,3+1=4.</answer>"),  # non-exact division
     ],
 )
 def test_chain_rejects(nums: list[int], target: int, text: str) -> None:
@@ -263,6 +340,8 @@ def test_unknown_format_gives_false() -> None:
         ([5, 5, 2], 20, "(5+5)*2"),
         ([8, 2, 2], 2, "8÷(2*2)"),
         ([1, 2, 3], 9, "((((1))+((2))))×(3)"),
+        ([3, 5, 4], 2, "3\u22125+4"),  # U+2212 minus
+        ([2, 3, 4], 20, "(2+3)*4 = 20."),  # one full stop ending the answer
     ],
 )
 def test_expression_accepts(nums: list[int], target: int, body: str) -> None:
@@ -284,6 +363,8 @@ def test_expression_accepts(nums: list[int], target: int, body: str) -> None:
         ([2, 3, 4], 20, "((2+3)*4"),
         ([2, 3, 4], 20, "(2+3)4*"),
         ([2, 3, 4], -2, "-(2+3)+4-1"),  # unary minus
+        ([2, 3, 4], -2, "\u2212(2+3)+4\u22121"),  # ... written U+2212
+        ([2, 3, 4], 20, "(2+3)*4.."),
         ([2, 3, 4], 20, "()"),
         ([2, 3, 4], 20, ""),
         ([2, 3, 4], 20, "2+3=5,5*4=20"),  # chain in expression mode

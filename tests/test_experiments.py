@@ -3,6 +3,7 @@ real CLI: fit configs are parsed and instantiated (model and trainer), with Hub 
 folders replaced by tiny random models of the same architecture class and GPU settings by the CPU;
 sweep and pipeline files are loaded and their first run of each stage is instantiated the same way."""
 
+import functools
 import shlex
 from pathlib import Path
 
@@ -182,3 +183,110 @@ def test_the_paper_style_overlays_judge_the_papers_1000_responses(family, monkey
     assert style.share(cli.model, "student") == 1.0
     assert drawn == [f"{source}-{i}" for source in ("Science-train", "Science-test", "MedReason-test", "GSM8K-test", "countdown3-test")
                      for i in range(200)]
+
+
+# ---- what the paper presets evaluate -------------------------------------------------------------------------
+PAPER_FITS = [path for path in CONFIGS if path.parts[1] == "paper" and header_command(path)[0] == "fit"]
+
+
+@functools.cache
+def merged_config(path: Path) -> dict:
+    """The config ``path``'s header command runs, merged by the real CLI (``--print_config``: no model is loaded)."""
+    import contextlib
+    import io
+    import os
+    import sys
+
+    import yaml
+
+    args = [a for a in header_command(path) if not a.startswith("--model.policy.checkpoint=")]  # made by an earlier stage
+    printed, cwd, argv = io.StringIO(), os.getcwd(), sys.argv
+    try:
+        os.chdir(ROOT)
+        sys.argv = ["kdlab"]
+        with contextlib.redirect_stdout(printed), pytest.raises(SystemExit) as exit_info:
+            main([*args, "--print_config"], raise_parse_errors=True)
+    finally:
+        os.chdir(cwd)
+        sys.argv = argv
+    assert exit_info.value.code in (0, None), path
+    config = yaml.safe_load(printed.getvalue())
+    model = config["model"]
+    config["model"] = {"class_path": model["class_path"], **model["init_args"]} if "init_args" in model else model
+    return config
+
+
+def _component(entry: dict) -> tuple[str, dict]:
+    return entry["class_path"], entry.get("init_args") or {}
+
+
+@functools.cache
+def _countdown(init_args: str):
+    import json
+
+    from kdlab.tasks import Countdown
+
+    return Countdown(**json.loads(init_args))
+
+
+def countdown_task(init_args: dict):
+    import json
+
+    return _countdown(json.dumps(init_args, sort_keys=True))
+
+
+def _problems(rows: list[dict]) -> set[tuple[tuple[int, ...], int]]:
+    return {(tuple(sorted(row["nums"])), row["target"]) for row in rows}
+
+
+@pytest.mark.parametrize("path", PAPER_FITS, ids=str)
+def test_paper_countdown_held_out_problems_are_not_training_problems(path):
+    """The paper Countdown presets' header sentence: no val or test problem of the trained task, nor of a Coverage
+    callback, is a problem (sorted operands, target) of the trained task's train split; a Countdown-3 Coverage scores
+    the trained task's own first held-out problems; the one exception the RLVR headers name is the Countdown-4E pass@k,
+    4 of whose 200 problems are Countdown-4 training problems (``disjoint`` leaves out a task's own train only)."""
+    config = merged_config(path)
+    model = config["model"]
+    if "task" not in model:  # SFTModule's tasks: training data only, nothing held out is scored
+        return
+    class_path, task_args = _component(model["task"])
+    if class_path != "kdlab.tasks.Countdown":
+        return
+    task = countdown_task(task_args)
+    train = _problems(task.examples("train"))
+    overlap = len(train & _problems(task.examples("val") + task.examples("test")))
+    assert overlap == 0, f"{path}: {overlap} of the trained task's val and test problems are train problems"
+    assert task_args.get("disjoint") is True, path
+    for callback in config["trainer"]["callbacks"] or []:
+        name, args = _component(callback)
+        if name != "kdlab.callbacks.Coverage" or _component(args["task"])[0] != "kdlab.tasks.Countdown":
+            continue
+        held = countdown_task(_component(args["task"])[1])
+        scored = held.examples("val")[: args["examples"]]
+        overlap = len(train & _problems(scored))
+        if held.variant == task.variant:
+            assert held.disjoint and overlap == 0, f"{path}: {held.variant} pass@k problems are training problems"
+            assert scored == task.examples("val")[: args["examples"]], f"{path}: pass@k and val/accuracy score other problems"
+        else:
+            expected = 4 if (task.variant, held.variant) == ("countdown4", "countdown4e") else 0
+            assert overlap == expected, f"{path}: {overlap} of the {held.variant} pass@k problems are {task.variant} training problems"
+            if expected:
+                header = (ROOT / path).read_text(encoding="utf-8")
+                assert f"{expected} of\n# the {len(scored)} Countdown-4E pass@k problems are Countdown-4 training problems" in header, path
+
+
+@pytest.mark.parametrize("path", PAPER_FITS, ids=str)
+def test_paper_presets_score_the_held_out_examples_the_paper_names(path):
+    """The paper evaluates MATH on MATH-500 and every other task on its "first 200 held-out examples": a preset
+    training on MATH scores all 500 (val_examples 500 = the task's num_val; its base's 200 scored only the
+    first 200, the numina headers' sentence), every other one the first 200 of a val split holding at least 200."""
+    model = merged_config(path)["model"]
+    if "task" not in model:  # SFTModule: nothing held out is scored
+        return
+    class_path, task_args = _component(model["task"])
+    if class_path == "kdlab.tasks.MATH":
+        assert task_args["eval_source"] == "HuggingFaceH4/MATH-500", path
+        assert model["val_examples"] == task_args["num_val"] == 500, (path, model["val_examples"], task_args["num_val"])
+    else:
+        assert model["val_examples"] == 200, (path, model["val_examples"])
+        assert task_args.get("num_val", 200) >= 200, (path, task_args)

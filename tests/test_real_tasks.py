@@ -175,6 +175,32 @@ def test_read_letter_uses_the_last_answer_and_the_options_range() -> None:
     assert read_letter("B") is None  # no tags
 
 
+# ---- every tag-reading task: an unclosed final answer ------------------------------------------------------------
+def test_an_unclosed_final_answer_is_no_answer_for_every_task_that_reads_the_answer_tag() -> None:
+    """last_tagged's rule (a ``<answer>`` after the last ``</answer>`` means no answer, whatever an earlier
+    ``<answer>...</answer>`` held), as every task sharing it reads it: Countdown's verifier, read_letter,
+    final_number (which does not fall through to a box or the whole text for it), Addition, the skills and
+    the format reward (``Task.well_formed``); complete answers read as before."""
+    from kdlab.tasks import Addition, Counting, last_tagged
+    from kdlab.tasks.countdown import verify
+
+    draft = "<think><answer>{}</answer></think><answer>{}"  # a draft inside <think>, then a final answer cut off
+    assert last_tagged(draft.format("a", "b")) is None and last_tagged("<answer>a</answer><answer>") is None
+    assert last_tagged("<answer>a</answer> and <answer>b</answer>") == "b" and last_tagged("<answer>x<answer>y</answer>") == "y"
+    assert verify([3, 5, 4], 32, draft.format("3+5=8,8*4=32", "3*5=15")) is False
+    assert verify([3, 5, 4], 32, "<answer>3+5=8,8*4=32</answer><answer>") is False
+    assert verify([3, 5, 4], 32, "<think><answer>3*5=15</answer></think><answer>3+5=8,8*4=32</answer>") is True
+    assert read_letter(draft.format("B", "C")) is None and read_letter(draft.format("B", "")) is None
+    assert final_number(draft.format("72", "73")) is None and final_number("\\boxed{72} <answer>72") is None
+    assert final_number("\\boxed{72}") == 72 and final_number(draft.format("1", "") + "72</answer>") == 72
+    gsm8k_example = {"id": "g", "answer": "72"}
+    assert GSM8K(source=GSM8K_FILE).score(gsm8k_example, draft.format("72", "72")) == 0.0
+    addition, counting = Addition(), Counting()
+    assert addition.score({"id": "x", "a": 1, "b": 1}, draft.format("2", "2")) == 0.0
+    assert counting.score({"id": "c", "word": "aab", "letter": "a"}, draft.format("2", "2")) == 0.0
+    assert not addition.well_formed(draft.format("2", "2")) and addition.well_formed("<answer>2</answer>")
+
+
 # ---- multiple choice: option and letter recovery ------------------------------------------------------------------
 OPTIONS = {"A": "Vitamin A", "B": "Vitamin B12", "C": "Vitamin C", "D": "Vitamin D"}
 
@@ -493,6 +519,16 @@ def test_gsm8k_reference_numbers() -> None:
         ("<answer>seventy-two</answer> 72", None),
         ("no digits at all", None),
         ("<answer>" + "9" * 41 + "</answer>", None),
+        # last_number's sign and comma rules: U+2212 is a minus; a comma only separates groups of exactly three
+        ("<answer>\u221272</answer>", -72),
+        ("<answer>\u2212$3.50</answer>", Fraction(-7, 2)),
+        ("so 5\u22123 is 2, and 3\u22125", -5),  # as 3-5 reads: the sign touching the digits
+        ("<answer>1,2</answer>", None),
+        ("<answer>1234,567</answer>", None),
+        ("<answer>1,234,56</answer>", None),
+        ("<answer>12,345,678.5</answer>", Fraction(24691357, 2)),
+        ("<answer>1,000.</answer>", 1000),
+        ("the points (1,2) and 3, then 7,", 7),
     ],
 )
 def test_final_number(completion: str, value: Fraction | int | None) -> None:
@@ -519,6 +555,8 @@ def test_gsm8k_task_rows_prompts_and_scores(gsm8k: GSM8K) -> None:
     assert gsm8k.score(test[2], answer("1,200")) == 1.0
     assert gsm8k.score(test[3], "so she owes money: -2.50") == 1.0
     assert gsm8k.score(test[3], "so she owes money: 2.5") == 0.0
+    assert gsm8k.score(test[3], answer("\u22122.5")) == 1.0  # U+2212 minus
+    assert gsm8k.score(test[2], answer("1,2,00")) == 0.0  # not groups of three: no number, not 1200
 
 
 def test_gsm8k_row_without_marker_names_file_and_row(tmp_path: Path) -> None:

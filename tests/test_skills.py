@@ -47,6 +47,21 @@ def test_answer_from_last_number_reads_the_last_integer_anywhere():
     assert last_integer("from -3 to 12") == 12 and last_integer("down to -3") == -3
 
 
+def test_addition_reads_ascii_digits_only_and_scores_anything_else_0():
+    """Addition's docstring: a tagged answer is a run of ASCII digits; "²" (whose int() raised, aborting the
+    evaluation), Arabic-Indic and full-width digits, signs and periods score 0, and scoring never raises."""
+    from kdlab.evaluation.scoring import accuracy
+
+    task = Addition()
+    example = {"id": "x", "a": 1, "b": 1}
+    assert task.score(example, "<answer> 2 </answer>") == 1.0
+    for body in ("²", "٢", "２", "+2", "2.", "1²"):
+        assert task.score(example, f"<answer>{body}</answer>") == 0.0, body
+    assert accuracy(task, [example], ["<answer>²</answer>"]) == 0.0
+    assert task.score({"id": "y", "a": 10**63, "b": 0}, f"<answer>{10**63}</answer>") == 1.0  # 64 digits
+    assert task.score({"id": "z", "a": 10**64, "b": 0}, f"<answer>{10**64}</answer>") == 0.0  # 65: too long
+
+
 def test_answer_from_is_checked_and_named():
     from kdlab.tasks import Addition, Reversal
 

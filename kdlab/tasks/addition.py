@@ -15,6 +15,10 @@ from kdlab.tasks.base import Example, Task, check_answer_source, last_integer, l
 class Addition(Task):
     """Add two non-negative integers; the answer goes inside ``<answer>...</answer>``.
 
+    With ``answer_from="tag"`` the answer is read as a run of ASCII digits (surrounding whitespace
+    ignored, at most 64 digits); anything else, a sign, a period or another script's digits (``٢``,
+    ``²``) included, scores 0.
+
     Args:
         max_digits: operands have 1..max_digits digits.
         num_train / num_val / num_test: examples per split.
@@ -65,7 +69,8 @@ class Addition(Task):
         if answer is None:
             return 0.0
         answer = answer.strip()
-        if not answer.isdigit() or len(answer) > 64:
+        # ASCII digits only: str.isdigit also takes "²" (which int() refuses) and other scripts' digits
+        if not (answer.isascii() and answer.isdigit()) or len(answer) > 64:
             return 0.0
         return float(int(answer) == example["a"] + example["b"])
 

@@ -75,8 +75,9 @@ class Task(Component):
         raise NotImplementedError
 
     def well_formed(self, completion: str) -> bool:
-        """Whether ``completion`` has the task's answer format (an ``<answer>...</answer>``), whatever
-        the answer; RLVR's format reward. Must never raise."""
+        """Whether ``completion`` has the task's answer format (an ``<answer>...</answer>`` that is not
+        followed by an unclosed ``<answer>``: :func:`last_tagged`), whatever the answer; RLVR's format
+        reward. Must never raise."""
         return last_tagged(completion) is not None
 
     def reference_completion(self, example: Example) -> str | None:
@@ -162,15 +163,18 @@ def fill_answer_template(task: Task, example: Example, template: str, setting: s
 def last_tagged(text: str, tag: str = "answer") -> str | None:
     """The content of the last ``<tag>...</tag>`` in ``text``, or ``None`` when there is none.
 
-    Linear time in ``len(text)`` (two ``rfind`` calls, no regular expression), so hostile
+    A ``<tag>`` after the last ``</tag>`` (a final answer cut off by the token limit, or opened and never
+    closed) means the completion has no answer: ``None``, even when an earlier ``<tag>...</tag>`` (a
+    draft inside ``<think>``, say) is complete, since nothing before a final answer is the answer.
+    Linear time in ``len(text)`` (three ``rfind`` calls, no regular expression), so hostile
     completions of any size are cheap; anything that is not a ``str`` gives ``None``.
     """
     if not isinstance(text, str):
         return None
-    close = text.rfind(f"</{tag}>")
-    if close < 0:
-        return None
     open_tag = f"<{tag}>"
+    close = text.rfind(f"</{tag}>")
+    if close < 0 or text.rfind(open_tag) > close:
+        return None
     start = text.rfind(open_tag, 0, close)
     if start < 0:
         return None

@@ -1,7 +1,8 @@
 """Countdown: reach a target number from a few operands with +, -, * and exact division.
 
-The task is generated, not loaded, and every answer is checked by :func:`verify`, a small
-parser-and-simulator written for hostile text: completions are model output, so nothing here ever
+The task is generated, not loaded, and every answer is checked by :func:`verify`
+(:mod:`kdlab.tasks.countdown_answers`, whose names this module also exports), a small
+parser-and-simulator written for hostile text: completions are model output, so nothing ever
 evaluates them as code (no ``eval``, no ``ast``, no computer algebra), and every loop is bounded by
 a length, depth or magnitude cap before it starts.
 
@@ -23,19 +24,33 @@ Why the generator draws a target uniformly from the *reachable set* rather than 
 searching for a solution: every example is solvable by construction, and each example stores one
 solution chain, which :meth:`Countdown.reference_completion` turns into a correct response.
 Targets equal to one of the operands are excluded in every variant (they are often reachable by
-discarding the other operands, e.g. ``(3-2)*5`` for 5). Splits are generated independently from the
-seed and the split name, so a val or test problem may also occur in train; within a split problems
-may repeat too (Countdown-3 has only 816 operand multisets).
+discarding the other operands, e.g. ``(3-2)*5`` for 5). Each split is drawn from its own stream (the
+seed and the split name). By default the splits are drawn without regard to each other, so a val or
+test problem may also be a train problem (78 of the first 200 Countdown-3 val problems are, at the
+default seed and 5,000 train problems); ``disjoint=True`` keeps drawing from a held-out split's own
+stream past every problem (sorted operands, target) of train (and, for test, of val), so held-out
+problems are never training problems while train stays as it was. Within a split problems may repeat
+either way (Countdown-3 has only 816 operand multisets).
 """
 
 from __future__ import annotations
 
 import random
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kdlab.tasks.base import Example, Task, last_tagged
+from kdlab.tasks.base import Example, Task
+from kdlab.tasks.countdown_answers import (  # noqa: F401 - the verifier's names, also kdlab 0.1 names of this module
+    ANSWER_FORMATS,
+    MAX_ANSWER_CHARS,
+    MAX_DEPTH,
+    MAX_DIGITS,
+    MAX_OPERANDS,
+    MAX_VALUE,
+    apply_step,
+    is_int,
+    verify,
+)
 
 POOL: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 15, 20, 25, 50, 75)
 """Operands of Countdown-3 and Countdown-4, drawn with replacement."""
@@ -51,21 +66,8 @@ VARIANTS: dict[str, tuple[tuple[int, ...], int, int | None]] = {
     "countdown3s": (POOL, 3, 20),
 }
 
-ANSWER_FORMATS = ("chain", "expression")
-
-MAX_DIGITS = 12
-"""Longest number literal the verifier reads; every value, literal or computed, stays below 10**12."""
-MAX_VALUE = 10**MAX_DIGITS
-MAX_ANSWER_CHARS = 1_000
-"""Longer ``<answer>`` contents are rejected before tokenising."""
-MAX_DEPTH = 100
-"""Deepest parenthesis nesting accepted in ``expression`` answers (keeps recursion bounded)."""
-MAX_OPERANDS = 64
-"""Longest ``nums`` the verifier accepts; :func:`solve` searches at most 5 operands."""
-
-# Operator aliases: `x` and `×` mean multiplication, `÷` means division (the prompt names "x").
-_SYMBOLS = {"x": "*", "×": "*", "÷": "/"} | {char: char for char in "+-*/=,()"}
-_DIGITS = frozenset("0123456789")
+MAX_SKIPPED_DRAWS = 100_000
+"""Draws in a row a ``disjoint`` held-out split may skip (each a train or val problem) before it is refused."""
 
 _INSTRUCTION = (
     "Solve the Countdown arithmetic problem. Using the provided numbers, create an equation that "
@@ -81,31 +83,7 @@ _FORMAT_SENTENCES = {
 }
 
 
-class _Reject(Exception):
-    """Raised inside the verifier's parser for any malformed answer; :func:`verify` turns it into False."""
-
-
-# ---- arithmetic shared by the search and the verifier --------------------------------------------
-def _apply(a: int, op: str, b: int) -> int | None:
-    """``a op b`` under Countdown rules, or ``None`` when the step is illegal.
-
-    Division must be exact with a non-zero divisor; a result with 13 or more digits is illegal.
-    Negative results are returned (``expression`` answers may pass through them); the chain format
-    rejects them because its result literal is unsigned.
-    """
-    if op == "+":
-        value = a + b
-    elif op == "-":
-        value = a - b
-    elif op == "*":
-        value = a * b
-    else:
-        if b == 0 or a % b:
-            return None
-        value = a // b
-    return value if abs(value) < MAX_VALUE else None
-
-
+# ---- the generator's search ------------------------------------------------------------------------
 def _steps(lo: int, hi: int) -> Iterator[tuple[str, int]]:
     """Every legal non-negative step on the pair ``lo <= hi``, as ``("hi+lo=r", r)``, results distinct.
 
@@ -113,7 +91,7 @@ def _steps(lo: int, hi: int) -> Iterator[tuple[str, int]]:
     """
     seen: set[int] = set()
     for a, op, b in ((hi, "+", lo), (hi, "-", lo), (hi, "*", lo), (hi, "/", lo)):
-        value = _apply(a, op, b)
+        value = apply_step(a, op, b)
         if value is not None and value not in seen:
             seen.add(value)
             yield f"{a}{op}{b}={value}", value
@@ -174,168 +152,12 @@ def solve(nums: Sequence[int], target: int) -> str | None:
     same rules :func:`verify` applies to chains. ``nums`` must hold 2 to 5 non-negative integers
     (the search grows quickly with more operands).
     """
-    if not 2 <= len(nums) <= 5 or not all(_is_int(n) and 0 <= n < MAX_VALUE for n in nums):
+    if not 2 <= len(nums) <= 5 or not all(is_int(n) and 0 <= n < MAX_VALUE for n in nums):
         raise ValueError(f"solve.nums must be 2 to 5 non-negative integers below 10**12, got {nums!r}")
-    if not _is_int(target):
+    if not is_int(target):
         raise ValueError(f"solve.target must be an int, got {target!r}")
     steps = _Search().chain(tuple(sorted(nums)), target)
     return None if steps is None else ",".join(steps)
-
-
-# ---- verifier --------------------------------------------------------------------------------------
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _tokens(text: str) -> list[int | str]:
-    """Numbers (as ints) and canonical symbols; whitespace separates tokens and is otherwise ignored."""
-    out: list[int | str] = []
-    i, n = 0, len(text)
-    while i < n:
-        char = text[i]
-        if char in _DIGITS:  # ASCII only: str.isdigit would also accept "²" and other scripts' digits
-            start = i
-            while i < n and text[i] in _DIGITS:
-                i += 1
-            if i - start > MAX_DIGITS:
-                raise _Reject
-            out.append(int(text[start:i]))
-            continue
-        if char in _SYMBOLS:
-            out.append(_SYMBOLS[char])
-        elif not char.isspace():
-            raise _Reject
-        i += 1
-    return out
-
-
-def _check_chain(nums: Sequence[int], target: int, tokens: list[int | str]) -> bool:
-    """Simulate ``a op b = c`` steps on a multiset pool that starts as ``nums``."""
-    pool = Counter(nums)
-    steps: list[list[int | str]] = [[]]
-    for token in tokens:
-        if token == ",":
-            steps.append([])
-        else:
-            steps[-1].append(token)
-    for step in steps:
-        if len(step) != 5 or step[3] != "=":
-            raise _Reject
-        a, op, b, _, c = step
-        if not (_is_int(a) and _is_int(b) and _is_int(c)) or op not in ("+", "-", "*", "/"):
-            raise _Reject
-        pool[a] -= 1
-        pool[b] -= 1
-        if pool[a] < 0 or pool[b] < 0 or _apply(a, op, b) != c:  # c is unsigned, so no negatives
-            return False
-        pool[c] += 1
-    return +pool == Counter([target])  # unary + drops the zero counts
-
-
-class _Expression:
-    """Recursive-descent parser and exact evaluator for ``expr := term (('+'|'-') term)*``,
-    ``term := factor (('*'|'/') factor)*``, ``factor := NUMBER | '(' expr ')'``. No unary operators."""
-
-    def __init__(self, tokens: list[int | str]) -> None:
-        self.tokens = tokens
-        self.pos = 0
-        self.literals: list[int] = []
-
-    def _peek(self) -> int | str | None:
-        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
-
-    def parse(self) -> int:
-        value = self._expr(0)
-        if self.pos != len(self.tokens):
-            raise _Reject
-        return value
-
-    def _binary(self, left: int, op: str, right: int) -> int:
-        value = _apply(left, op, right)
-        if value is None:
-            raise _Reject
-        return value
-
-    def _expr(self, depth: int) -> int:
-        value = self._term(depth)
-        while self._peek() in ("+", "-"):
-            op = self.tokens[self.pos]
-            self.pos += 1
-            value = self._binary(value, op, self._term(depth))
-        return value
-
-    def _term(self, depth: int) -> int:
-        value = self._factor(depth)
-        while self._peek() in ("*", "/"):
-            op = self.tokens[self.pos]
-            self.pos += 1
-            value = self._binary(value, op, self._factor(depth))
-        return value
-
-    def _factor(self, depth: int) -> int:
-        token = self._peek()
-        self.pos += 1
-        if _is_int(token):
-            self.literals.append(token)
-            return token
-        if token != "(" or depth >= MAX_DEPTH:
-            raise _Reject
-        value = self._expr(depth + 1)
-        if self._peek() != ")":
-            raise _Reject
-        self.pos += 1
-        return value
-
-
-def _check_expression(nums: Sequence[int], target: int, tokens: list[int | str]) -> bool:
-    if tokens.count("=") > 1:
-        raise _Reject
-    if "=" in tokens:  # an optional "= N" after the expression, accepted when N is the value
-        split = tokens.index("=")
-        tokens, claimed = tokens[:split], tokens[split + 1 :]
-        if len(claimed) != 1 or claimed[0] != target:
-            return False
-    parser = _Expression(tokens)
-    value = parser.parse()
-    return value == target and Counter(parser.literals) == Counter(nums)
-
-
-def verify(nums: Any, target: Any, text: Any, answer_format: str = "chain") -> bool:
-    """Whether the last ``<answer>...</answer>`` in ``text`` solves the Countdown problem.
-
-    ``chain`` answers are comma-separated steps ``a op b = c``: ``a`` and ``b`` must be in the
-    current pool (a multiset that starts as ``nums``; each entry used at most once), ``c`` must be
-    exactly ``a op b``, then ``a`` and ``b`` leave the pool and ``c`` joins it; correct when the pool
-    ends as the single number ``target``. ``expression`` answers are one expression over ``+ - * /``
-    and parentheses, e.g. ``(2+3)*4``, optionally followed by ``= 20``; the literals must be
-    ``nums`` as a multiset and the value must be ``target``.
-
-    Both formats: ``x`` and ``×`` are read as ``*``, ``÷`` as ``/``; whitespace is ignored between
-    tokens; numbers are unsigned ASCII digit runs of at most 12 digits (leading zeros are read as
-    decimal, ``007`` is 7); division must be exact with
-    a non-zero divisor; every value must stay below ``10**12`` in magnitude. Answers longer than
-    1,000 characters, nested deeper than 100 parentheses, ``**``, unary signs, decimals, empty
-    answers, wrong argument types (``nums`` must be a list or tuple of 1 to 64 non-negative ints,
-    ``target`` an int, ``text`` a str) and unknown formats all give ``False``; nothing raises.
-    """
-    if not isinstance(nums, (list, tuple)) or not 1 <= len(nums) <= MAX_OPERANDS or not _is_int(target):
-        return False
-    if not all(_is_int(n) and 0 <= n < MAX_VALUE for n in nums):
-        return False
-    if answer_format not in ANSWER_FORMATS:
-        return False
-    answer = last_tagged(text)  # None for non-str text
-    if answer is None or len(answer) > MAX_ANSWER_CHARS:
-        return False
-    try:
-        tokens = _tokens(answer)
-        if not tokens:
-            return False
-        if answer_format == "chain":
-            return _check_chain(nums, target, tokens)
-        return _check_expression(nums, target, tokens)
-    except _Reject:
-        return False
 
 
 def chain_to_expression(chain: str) -> str:
@@ -385,6 +207,11 @@ class Countdown(Task):
         num_train / num_val / num_test: examples per split.
         seed: split ``s`` is generated by ``random.Random(f"{seed}-{variant}-{s}")``, so splits never
             share a stream and each is reproducible on its own.
+        disjoint: held-out problems are never training problems: val skips every draw whose (sorted
+            operands, target) is a train problem, test every train or val problem, and each keeps drawing
+            from its own stream until it is full. Train is the same either way. ``False`` (default): the
+            splits are drawn without regard to each other, as the committed tiny-world studies were. A
+            split that skips :data:`MAX_SKIPPED_DRAWS` draws in a row is refused (``ValueError``).
         answer_format: ``chain`` (comma-separated steps, the source's format) or ``expression``
             (one expression such as ``(2+3)*4``); sets the prompt, the reference and the verifier.
         instruction: start the user prompt with the paper's instruction; ``False`` sends only the
@@ -404,6 +231,7 @@ class Countdown(Task):
         seed: int = 42,
         answer_format: str = "chain",
         instruction: bool = True,
+        disjoint: bool = False,
         **prompting: Any,
     ) -> None:
         super().__init__(**prompting)
@@ -419,30 +247,53 @@ class Countdown(Task):
         self.instruction = instruction
         self.sizes = {"train": num_train, "val": num_val, "test": num_test}
         self.seed = seed
+        self.disjoint = disjoint
 
-    def load_split(self, split: str) -> list[Example]:
+    def _draws(self, split: str, search: _Search) -> Iterator[tuple[list[int], tuple[int, ...], int]]:
+        """``(nums, sorted nums, target)`` problems of ``split``'s stream, in order, without end."""
         pool, count, top = VARIANTS[self.variant]
         rng = random.Random(f"{self.seed}-{self.variant}-{split}")
-        search = _Search()
         candidates: dict[tuple[int, ...], list[int]] = {}
+        while True:
+            nums = [rng.choice(pool) for _ in range(count)]
+            key = tuple(sorted(nums))
+            if key not in candidates:
+                candidates[key] = sorted(
+                    value for value in search.reach(key) if value >= 1 and (top is None or value <= top) and value not in key
+                )
+            if candidates[key]:  # else the operands are redrawn
+                yield nums, key, rng.choice(candidates[key])
+
+    def excluded_problems(self, split: str) -> set[tuple[tuple[int, ...], int]]:
+        """The (sorted operands, target) problems ``split`` may not hold: with ``disjoint``, train's for
+        val and train's and val's for test; none otherwise."""
+        if not self.disjoint or split == "train":
+            return set()
+        earlier = ("train",) if split == "val" else ("train", "val")
+        return {(tuple(sorted(row["nums"])), row["target"]) for name in earlier for row in self.examples(name)}
+
+    def load_split(self, split: str) -> list[Example]:
+        search = _Search()
+        excluded = self.excluded_problems(split)
         rows: list[Example] = []
-        for index in range(self.sizes[split]):
-            while True:
-                nums = [rng.choice(pool) for _ in range(count)]
-                key = tuple(sorted(nums))
-                if key not in candidates:
-                    candidates[key] = sorted(
-                        value
-                        for value in search.reach(key)
-                        if value >= 1 and (top is None or value <= top) and value not in key
+        skipped = 0
+        draws = self._draws(split, search)
+        while len(rows) < self.sizes[split]:
+            nums, key, target = next(draws)
+            if (key, target) in excluded:
+                skipped += 1
+                if skipped > MAX_SKIPPED_DRAWS:
+                    raise ValueError(
+                        f"Countdown.disjoint: {MAX_SKIPPED_DRAWS} {self.variant} draws in a row for the {split} split "
+                        f"were train or val problems ({len(rows)} of num_{split}={self.sizes[split]} found); "
+                        "lower num_train or set disjoint: false"
                     )
-                if candidates[key]:
-                    break
-            target = rng.choice(candidates[key])
+                continue
+            skipped = 0
             steps = search.chain(key, target)
             assert steps is not None  # target came from the reachable set
             rows.append(
-                {"id": f"{self.variant}-{split}-{index}", "nums": nums, "target": target, "solution": ",".join(steps)}
+                {"id": f"{self.variant}-{split}-{len(rows)}", "nums": nums, "target": target, "solution": ",".join(steps)}
             )
         return rows
 

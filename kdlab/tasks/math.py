@@ -190,10 +190,13 @@ def gsm8k_reference(answer: str) -> str | None:
 def final_number(completion: Any) -> Fraction | None:
     """The model's final number: from the last ``<answer>`` if there is one, else from the last
     ``\\boxed{}``, else from the whole text; in each case the last number of that part
-    (:func:`last_number`). An ``<answer>`` without a number gives ``None`` (no fall-through)."""
+    (:func:`last_number`). An ``<answer>`` without a number gives ``None`` (no fall-through), and so
+    does a final ``<answer>`` that is never closed (cut off: no answer, see :func:`last_tagged`)."""
     if not isinstance(completion, str):
         return None
     part = last_tagged(completion)
+    if part is None and "<answer>" in completion:  # the last <answer> is unclosed
+        return None
     if part is None:
         part = last_boxed(completion)
     if part is None:

@@ -77,16 +77,20 @@ def last_boxed(text: Any, limit: int | None = None) -> str | None:
     return None
 
 
-_NUMBER = re.compile(r"(-?)\$?(\d[\d,]*(?:\.\d+)?|\.\d+)")
+_NUMBER = re.compile(r"([-\u2212]?)\$?(\d+(?:,\d+)*(?:\.\d+)?|\.\d+)")
+_GROUPED = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
 def last_number(text: Any) -> Fraction | None:
     """The last number written in ``text`` as an exact Fraction, or ``None``.
 
-    A number is an optional ``-``, an optional ``$``, then digits with optional commas (removed:
-    ``1,234`` is 1234) and an optional decimal part; a trailing period is punctuation. Numbers
-    with more than :data:`MAX_NUMBER_DIGITS` digits give ``None``. Linear time (one regex scan with
-    no nested repetition).
+    A number is an optional minus sign (``-`` or ``−``, U+2212), an optional ``$``, then digits with
+    optional commas and an optional decimal part; a trailing period or comma is punctuation. A comma is
+    a thousands separator only between groups of exactly three digits after a first group of one to
+    three (``1,234`` and ``12,345,678.5`` are read without it); when the last number's commas are
+    anything else (``1,2``, ``1234,567``) there is no number (``None``), not the digits run together.
+    Numbers with more than :data:`MAX_NUMBER_DIGITS` digits give ``None``. Linear time (one regex
+    scan; each repeated comma group starts with a comma, so no two ways to match overlap).
     """
     if not isinstance(text, str):
         return None
@@ -95,7 +99,11 @@ def last_number(text: Any) -> Fraction | None:
         pass
     if match is None:
         return None
-    digits = match.group(2).replace(",", "")
+    digits = match.group(2)
+    if "," in digits:
+        if _GROUPED.fullmatch(digits) is None:
+            return None
+        digits = digits.replace(",", "")
     if sum(char.isdigit() for char in digits) > MAX_NUMBER_DIGITS:
         return None
     value = Fraction(digits)

@@ -4,7 +4,8 @@ Both ask for reasoning in ``<think>...</think>`` and only the option letter in
 ``<answer>...</answer>``, and share one verifier, :func:`read_letter`: the *last* ``<answer>`` must
 hold exactly one option letter, with surrounding whitespace, one pair of parentheses and a trailing
 period tolerated (``B``, ``(B)``, ``B)``, ``B.``); anything else, including a lowercase letter, a
-letter beyond the example's options, two letters or an option's text, scores 0.
+letter beyond the example's options, two letters or an option's text, scores 0, and so does a completion
+whose final ``<answer>`` is never closed (cut off: no answer, whatever an earlier ``<answer>`` held).
 
 Why splits are drawn by hashing rather than taken from the source: SciKnowEval publishes a single
 split (named ``test``) and MedReason a single ``train`` split, and the paper's own Science split
@@ -59,8 +60,8 @@ def read_letter(completion: Any, letters: Sequence[str] | str = "ABCD") -> str |
     """The option letter in the last ``<answer>...</answer>`` of ``completion``, or ``None``.
 
     Accepted contents: one uppercase letter from ``letters``, bare or as ``(B)`` or ``B)``, then an
-    optional ``.``, with any surrounding whitespace. Never raises; non-``str`` completions give
-    ``None``.
+    optional ``.``, with any surrounding whitespace. A final ``<answer>`` that is never closed gives
+    ``None`` (:func:`~kdlab.tasks.base.last_tagged`). Never raises; non-``str`` completions give ``None``.
     """
     content = last_tagged(completion)
     if content is None or len(content) > MAX_ANSWER_CHARS:
