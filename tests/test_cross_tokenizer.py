@@ -495,3 +495,61 @@ def test_a_student_pad_id_past_the_teachers_rows_pads_the_teachers_prompts_with_
     assert set(prompts.student_ids[prompts.student_mask == 0].tolist()) <= {m.pad_id}
     loss = m.training_step(examples, 0)
     assert torch.isfinite(loss)
+
+
+# ---- end tokens --------------------------------------------------------------------------------
+XTOK = "kdlab://tiny/teacher-xtok"
+
+
+def gemma_like_tokenizer(folder):
+    """The packaged cross-tokenizer teacher's tokenizer with Gemma's end tokens: EOS ``<eos>`` (id 0) and a turn
+    that ends with ``<end_of_turn>`` (id 2, an end id through the generation config, not the tokenizer's EOS)."""
+    from transformers import AutoTokenizer
+
+    tokenizer(XTOK).save_pretrained(folder)
+    names = {"<|endoftext|>": "<eos>", "<|im_end|>": "<end_of_turn>"}
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        path = folder / name
+        text = path.read_text()
+        for old, new in names.items():
+            text = text.replace(old, new)
+        path.write_text(text)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(eos_token="<eos>", pad_token="<eos>")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def test_every_end_token_of_either_side_is_one_shared_end_event(tmp_path):
+    """A Gemma-like teacher (EOS ``<eos>``, turns end with ``<end_of_turn>``) and a ChatML student (``<|im_end|>``):
+    the teacher writes '5 4' and stops with ``<end_of_turn>``. A student whose p(stop) equals the teacher's p(any end
+    token) at every position (summed over ``<eos>`` and ``<end_of_turn>``) gets zero loss: the end event pairs every
+    end id of each side (before: the student's stop was compared with p(<eos>) ~ 0 and the loss was ~11 per group)."""
+    from kdlab.data import right_pad
+
+    student_tok, teacher_tok = tokenizer(STUDENT), gemma_like_tokenizer(tmp_path)
+    eos, end_of_turn = teacher_tok.eos_token_id, teacher_tok.convert_tokens_to_ids("<end_of_turn>")
+    assert (eos, end_of_turn) == (0, 2)
+    cross = CrossTokenizer()
+    cross.bind(teacher_tok, student_tok, len(teacher_tok), len(student_tok), (eos, end_of_turn), (student_tok.eos_token_id,))
+    ctx = RolloutContext(student=None, teacher=None, tokenizer=student_tok, token_columns=len(student_tok), max_new_tokens=64,
+                         eos_token_ids=(student_tok.eos_token_id,), pad_token_id=student_tok.pad_token_id, student_temperature=1.0,
+                         teacher_temperature=1.0, generator=None, teacher_tokens=TeacherTokens(teacher_tok, len(teacher_tok), (eos, end_of_turn)))
+    ids, mask = right_pad([teacher_tok("5 4", add_special_tokens=False)["input_ids"] + [end_of_turn]], eos)
+    rollout = ctx.retokenized(None, ids, mask, "teacher")
+    teacher_ids, teacher_mask = rollout.completion("teacher")
+    groups = cross.groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
+    five_t, five_s = teacher_tok.convert_tokens_to_ids("5"), student_tok.convert_tokens_to_ids("5")
+    for split in (1.0, 0.5):  # the teacher's stop all on <end_of_turn>, then half on each end token
+        teacher = torch.full((*teacher_ids.shape, len(teacher_tok)), -30.0, dtype=torch.float64)
+        teacher[..., five_t] = math.log(0.5)
+        teacher[..., end_of_turn] = math.log(0.5 * split)
+        teacher[..., eos] = math.log(0.5 * (1 - split)) if split < 1 else -30.0
+        student = torch.full((*rollout.completion_ids.shape, len(student_tok)), -30.0, dtype=torch.float64)
+        student[..., five_s] = student[..., student_tok.eos_token_id] = math.log(0.5)
+        student.requires_grad_(True)
+        loss, _ = cross.loss(ForwardKL(reduction="token"), student, teacher, groups, rollout.completion_ids, teacher_ids,
+                             rollout.completion_mask)
+        (grad,) = torch.autograd.grad(loss, student)
+        assert len(groups) == 4 and loss.item() < 1e-6, (split, loss.item())
+        assert grad[..., student_tok.eos_token_id].abs().max().item() < 1e-6

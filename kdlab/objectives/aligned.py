@@ -8,7 +8,9 @@ same text: their next-token distributions there are comparable, once put on one 
 **The events of a group** ``k`` (student tokens ``s_a..s_b``, teacher tokens ``t_c..t_d``, text ``x_k``):
 
 * the *vocabulary map* ``M``: pairs ``(teacher id, student id)`` of tokens with the same bytes (special
-  tokens: the same content; the two EOS tokens are paired when nothing else pairs them). Event
+  tokens: the same content), and one *end* pair: every end id of each side (its tokenizer's EOS and its
+  generation config's EOS ids, any of which ends a completion) is one event, "the completion ends here",
+  whose probability is the sum over that side's end ids. Event
   ``v in M``: "the next token is v". The pairs of the group's first tokens (``s_a``'s and ``t_c``'s) are
   left out, because
 * ``x_k``: "the next tokens spell the group's text as this model's tokens do", with the chain-rule
@@ -40,6 +42,7 @@ vocabulary).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,9 +301,12 @@ class CrossTokenizer(TokenPairing):
                 except ConfigError as error:
                     raise ConfigError(f"{error} (in {text[:60]!r}; cross_tokenizer aligns the two models' tokens by bytes)") from None
 
-    def bind(self, teacher_tokenizer: Any, student_tokenizer: Any, teacher_columns: int, student_columns: int) -> None:
-        """Build the vocabulary map of the two tokenizers (once, when the module is built)."""
-        self.vocabulary = VocabularyMap.build(teacher_tokenizer, student_tokenizer, teacher_columns, student_columns)
+    def bind(self, teacher_tokenizer: Any, student_tokenizer: Any, teacher_columns: int, student_columns: int,
+             teacher_end_ids: Sequence[int] | None = None, student_end_ids: Sequence[int] | None = None) -> None:
+        """Build the vocabulary map of the two tokenizers (once, when the module is built). ``*_end_ids``: every id
+        that ends a completion on that side (default: its tokenizer's EOS); they make one shared end event."""
+        self.vocabulary = VocabularyMap.build(teacher_tokenizer, student_tokenizer, teacher_columns, student_columns,
+                                              teacher_end_ids, student_end_ids)
         self._on_device: dict[torch.device, tuple[VocabularyMap, tuple[EventLayout, EventLayout]]] = {}
 
     def on_device(self, device: torch.device) -> tuple[VocabularyMap, tuple[EventLayout, EventLayout]]:
@@ -361,14 +367,15 @@ class CrossTokenizer(TokenPairing):
             for chunk in groups.chunks(chunk_size):
                 part = groups.chunk(chunk, student_ids, teacher_ids, vocabulary)
                 with torch.no_grad():
-                    t_start, t_events = side_events(gather_rows(teacher_logits, part.teacher.b, part.teacher.t, dtype), part.teacher, t_layout, part.removed)
+                    t_rows = vocabulary.merged_ends(gather_rows(teacher_logits, part.teacher.b, part.teacher.t, dtype), "teacher")
+                    t_start, t_events = side_events(t_rows, part.teacher, t_layout, part.removed)
                     unmapped_mass = (torch.logsumexp(t_start.index_select(1, t_unmapped), -1).exp() if t_unmapped.numel()
                                      else torch.zeros(len(chunk), dtype=dtype, device=t_start.device))
                 w = weights[groups.row[chunk], groups.student_start[chunk]]
                 d = diagnostic_weights[groups.row[chunk], groups.student_start[chunk]]
                 with torch.enable_grad():
                     rows = gather_rows(source, part.student.b, part.student.t, dtype).detach().requires_grad_(gradient is not None)
-                    s_start, s_events = side_events(rows, part.student, s_layout, part.removed)
+                    s_start, s_events = side_events(vocabulary.merged_ends(rows, "student"), part.student, s_layout, part.removed)
                     s_events, t_events = drop_impossible_rest(s_events, t_events)
                     closed = closed_form(objective) if uld == 0.0 else None
                     if closed is None:
