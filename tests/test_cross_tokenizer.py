@@ -553,3 +553,65 @@ def test_every_end_token_of_either_side_is_one_shared_end_event(tmp_path):
         (grad,) = torch.autograd.grad(loss, student)
         assert len(groups) == 4 and loss.item() < 1e-6, (split, loss.item())
         assert grad[..., student_tok.eos_token_id].abs().max().item() < 1e-6
+
+
+# ---- text that a training step meets ------------------------------------------------------------
+def byte_tokens(tok, text):
+    """``text`` written one byte token at a time (as sampling may write it), not as the tokenizer encodes it."""
+    from kdlab.alignment import _byte_decoder
+
+    by_byte = {byte: char for char, byte in _byte_decoder().items()}
+    return [tok.convert_tokens_to_ids(by_byte[byte]) for byte in text.encode("utf-8")]
+
+
+def student_written(text_ids):
+    from kdlab.data import right_pad
+
+    student_tok = tokenizer(STUDENT)
+    ids, mask = right_pad([row + [student_tok.eos_token_id] for row in text_ids], student_tok.pad_token_id)
+    rollout = context().retokenized(None, ids, mask, "student")
+    return rollout, *rollout.completion("teacher")
+
+
+def test_a_special_tokens_name_written_as_text_is_read_as_text():
+    """The student writes 'x <|im_end|> y' in ordinary byte tokens: the teacher reads those bytes as text
+    (``split_special_tokens``), not as its special token, and every byte is aligned (before: the teacher read its
+    ``<|im_end|>``, which covers no bytes, and the step raised 'spell different bytes')."""
+    student_tok, teacher_tok = tokenizer(STUDENT), tokenizer(OTHER)
+    rollout, teacher_ids, teacher_mask = student_written([byte_tokens(student_tok, "x <|im_end|> y")])
+    read = teacher_ids[0][teacher_mask[0]].tolist()
+    assert teacher_tok.decode(read[:-1]) == "x <|im_end|> y" and read.count(teacher_tok.eos_token_id) == 1
+    groups = bound(OTHER, STUDENT).groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
+    assert groups.misaligned_rows == 0 and groups.aligned_bytes == len("x <|im_end|> y")
+
+
+def test_a_row_whose_tokenizations_spell_different_bytes_is_left_out_and_counted():
+    """The student writes 'cafe' + a combining accent; the teacher's tokenizer normalises it (NFC) to 'café', other
+    bytes. That row gets no group (left out of the loss) and is counted in ``misaligned_rows``; the other row of the
+    batch is aligned as usual and the step goes on (before: ValueError 'spell different bytes')."""
+    student_tok = tokenizer(STUDENT)
+    rollout, teacher_ids, teacher_mask = student_written([byte_tokens(student_tok, "cafe\u0301 54"), byte_tokens(student_tok, "54")])
+    cross = bound(OTHER, STUDENT)
+    groups = cross.groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
+    assert groups.misaligned_rows == 1 and set(groups.row.tolist()) == {1}
+    student = torch.randn(*rollout.completion_ids.shape, len(student_tok), dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(*teacher_ids.shape, len(tokenizer(OTHER)), dtype=torch.float64)
+    loss, diagnostics = cross.loss(ForwardKL(), student, teacher, groups, rollout.completion_ids, teacher_ids, rollout.completion_mask)
+    (grad,) = torch.autograd.grad(loss, student)
+    assert diagnostics["misaligned_rows"].item() == 1 and torch.isfinite(loss) and grad[0].abs().max().item() == 0.0
+
+
+def test_groups_stop_at_a_special_token_inside_a_completion():
+    """The student writes 'ab <|im_start|> cd': the teacher reads 'abcd' (the special token covers no bytes), so after
+    it the two models no longer condition on the same text. Only the groups before it are compared ('a', 'b'); before,
+    groups 'c' and 'd' compared a student that had read <|im_start|> with a teacher that had not."""
+    student_tok = tokenizer(STUDENT)
+    im_start = student_tok.convert_tokens_to_ids("<|im_start|>")
+    text = lambda value: student_tok(value, add_special_tokens=False)["input_ids"]  # noqa: E731
+    rollout, teacher_ids, teacher_mask = student_written([text("ab") + [im_start] + text("cd")])
+    groups = bound(OTHER, STUDENT).groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
+    assert groups.student_start.tolist() == [0, 1] and groups.teacher_start.tolist() == [0, 1]
+    # a completion that ends with the end token keeps its end group
+    rollout, teacher_ids, teacher_mask = student_written([text("abcd")])
+    groups = bound(OTHER, STUDENT).groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
+    assert groups.student_start.tolist() == [0, 1, 2, 3, 4]

@@ -335,7 +335,8 @@ class CrossTokenizer(TokenPairing):
         objective's), over groups (one per group, at its first student token): with identical tokenizers,
         over tokens as usual.
         Diagnostics: ``kl_forward``, ``kl_reverse``, entropies on the events, ``teacher_unmapped_mass`` (the
-        teacher's probability on tokens outside the map, at group starts), ``one_to_one_share``.
+        teacher's probability on tokens outside the map, at group starts), ``one_to_one_share``, ``misaligned_rows``
+        (rows left out of the loss because their two tokenizations spell different bytes: :meth:`AlignedGroups.build`).
         """
         from kdlab.objectives.kl import KLObjective
         from kdlab.objectives.reduction import token_weights
@@ -407,4 +408,5 @@ class CrossTokenizer(TokenPairing):
                 loss = _AlignedObjective.apply(student_logits, None, None, None, compute)
         out = dict(zip(DIAGNOSTICS, diagnostics.unbind()))
         out["one_to_one_share"] = torch.tensor(groups.one_to_one_share)
+        out["misaligned_rows"] = torch.tensor(float(groups.misaligned_rows))
         return loss, out

@@ -144,6 +144,14 @@ def pair_specials(groups: list[tuple[range, range]]) -> list[tuple[range, range]
     return out
 
 
+def _first_inner_special(tokens: list[int], specials: frozenset[int], ends: set[int]) -> int:
+    """Index of the first special token of ``tokens`` that is not the last token and an end id; -1 if none."""
+    for index, token in enumerate(tokens):
+        if token in specials and not (index == len(tokens) - 1 and token in ends):
+            return index
+    return -1
+
+
 @dataclass
 class ChunkSide:
     """One side's rows of a chunk of groups: ``(b, t)`` positions of every token, the group of each row
@@ -171,7 +179,8 @@ class AlignedGroups:
     """The groups of one batch, flat over its rows: ``(N,)`` long tensors (groups with a token on both
     sides only). ``student_start``/``teacher_start`` are positions in each side's completion columns;
     ``aligned_bytes`` / ``one_to_one_bytes`` count the batch's completion bytes and those that one-to-one
-    groups cover."""
+    groups cover; ``misaligned_rows`` counts the rows left out because their two tokenizations spell
+    different bytes."""
 
     row: torch.Tensor
     student_start: torch.Tensor
@@ -180,26 +189,36 @@ class AlignedGroups:
     teacher_length: torch.Tensor
     aligned_bytes: int
     one_to_one_bytes: int
+    misaligned_rows: int = 0
 
     @classmethod
     def build(cls, vocabulary: VocabularyMap, student_ids: torch.Tensor, student_mask: torch.Tensor,
               teacher_ids: torch.Tensor, teacher_mask: torch.Tensor) -> AlignedGroups:
         """Align each row's masked-in student and teacher completion tokens (``(B, C_S)``, ``(B, C_T)``).
-        Raises ValueError naming the row when they do not spell the same bytes."""
+
+        A row whose two tokenizations spell different bytes (a reader tokenizer whose normalizer changed the
+        text: NFC turns ``'e\u0301'`` into ``'\u00e9'``) gets no groups, so it is left out of the loss, and is
+        counted in ``misaligned_rows``; the run goes on. A row's groups stop before the first special token
+        that is not its side's final end token (a ``<|im_start|>`` in the middle of a completion): the other
+        model reads no such token (it covers no bytes), so after it the two models no longer condition on the
+        same text."""
         rows, s_start, s_len, t_start, t_len = [], [], [], [], []
-        total = one = 0
+        total = one = misaligned = 0
+        s_ends, t_ends = set(vocabulary.student_ends.tolist()), set(vocabulary.teacher_ends.tolist())
         for b, (s_row, s_keep, t_row, t_keep) in enumerate(zip(student_ids.tolist(), student_mask.tolist(), teacher_ids.tolist(), teacher_mask.tolist())):
             s_tokens = [token for token, keep in zip(s_row, s_keep) if keep]
             t_tokens = [token for token, keep in zip(t_row, t_keep) if keep]
+            s_text = b"".join(vocabulary.student_bytes[i] for i in s_tokens)
+            t_text = b"".join(vocabulary.teacher_bytes[i] for i in t_tokens)
+            if s_text != t_text:
+                misaligned += 1
+                continue
             s_spans, t_spans = _spans(vocabulary.student_bytes, s_tokens), _spans(vocabulary.teacher_bytes, t_tokens)
-            try:
-                groups = pair_specials(align(t_spans, s_spans))
-            except ValueError as error:
-                s_text = b"".join(vocabulary.student_bytes[i] for i in s_tokens)
-                t_text = b"".join(vocabulary.teacher_bytes[i] for i in t_tokens)
-                raise ValueError(f"row {b}: the student's and teacher's completion tokens spell different bytes "
-                                 f"({s_text[:60]!r}... vs {t_text[:60]!r}...): {error}") from None
-            for t_range, s_range in groups:
+            s_cut = _first_inner_special(s_tokens, vocabulary.student_specials, s_ends)
+            t_cut = _first_inner_special(t_tokens, vocabulary.teacher_specials, t_ends)
+            for t_range, s_range in pair_specials(align(t_spans, s_spans)):
+                if s_cut in s_range or t_cut in t_range:
+                    break
                 if not len(t_range) or not len(s_range):
                     continue
                 rows.append(b)
@@ -212,7 +231,7 @@ class AlignedGroups:
                 one += size if len(t_range) == 1 and len(s_range) == 1 else 0
         device = student_ids.device
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        return cls(as_tensor(rows), as_tensor(s_start), as_tensor(s_len), as_tensor(t_start), as_tensor(t_len), total, one)
+        return cls(as_tensor(rows), as_tensor(s_start), as_tensor(s_len), as_tensor(t_start), as_tensor(t_len), total, one, misaligned)
 
     def __len__(self) -> int:
         return int(self.row.numel())
