@@ -443,7 +443,7 @@ def test_the_docs_page_shows_what_its_script_computes_from_the_packaged_models_a
 @pytest.mark.parametrize("objective", [ForwardKL(), ReverseKL()], ids=["forward", "reverse"])
 def test_a_student_vocabulary_inside_the_teachers_conditions_the_teacher_on_what_the_student_can_write(objective):
     """The student's tokens are the teacher's first V_S (same ids, fewer columns): every group is one token,
-    the student has no rest, and the teacher's mass on its last tokens is text the student cannot write. The
+    the student has no rest, and the teacher's mass on its last tokens is on tokens the student cannot write as one token. The
     loss is then the vocabulary objective against the teacher renormalised over the student's columns:
     finite (not ~1e4 x that mass), loss and gradient to 1e-6."""
     tok = tokenizer(STUDENT)
@@ -615,3 +615,29 @@ def test_groups_stop_at_a_special_token_inside_a_completion():
     rollout, teacher_ids, teacher_mask = student_written([text("abcd")])
     groups = bound(OTHER, STUDENT).groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
     assert groups.student_start.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_the_optimum_is_the_teacher_conditioned_on_shared_single_tokens_not_its_distribution_over_text():
+    """The student's vocabulary is the teacher's without its last tokens, among them ``<answer>``, which the student
+    can still write as several tokens starting with ``<``. The teacher puts 0.5 on ``<answer>``, 0.25 on ``<`` and
+    0.25 on ``x``. A student consistent with the teacher's distribution over text (p(``<``) = 0.75, since ``<answer>``
+    starts with ``<``) is not the optimum: the teacher's ``<answer>`` mass is dropped and the optimum is the teacher
+    renormalised over single shared tokens (p(``<``) = p(``x``) = 0.5, loss 0)."""
+    tok = tokenizer(STUDENT)
+    v_t, v_s = len(tok), len(tok) - 8
+    answer, less, x = tok.convert_tokens_to_ids("<answer>"), tok.convert_tokens_to_ids("<"), tok.convert_tokens_to_ids("x")
+    spelled = byte_tokens(tok, "<answer>")  # the student writes the same text in byte tokens
+    assert answer >= v_s > max(max(spelled), x) and spelled[0] == less
+    cross = CrossTokenizer()
+    cross.bind(tok, tok, v_t, v_s)
+    ids, mask = torch.tensor([[x]]), torch.tensor([[True]])
+    groups = cross.groups(ids, mask, ids, mask)
+    teacher = torch.full((1, 1, v_t), -40.0, dtype=torch.float64)
+    teacher[0, 0, [answer, less, x]] = torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64).log()
+
+    def loss_for(p_less):
+        student = torch.full((1, 1, v_s), -40.0, dtype=torch.float64)
+        student[0, 0, [less, x]] = torch.tensor([p_less, 1 - p_less], dtype=torch.float64).log()
+        return cross.loss(ForwardKL(), student, teacher, groups, ids, ids, mask)[0].item()
+
+    assert loss_for(0.5) < 1e-9 and loss_for(0.75) > 0.1

@@ -20,8 +20,11 @@ same text: their next-token distributions there are comparable, once put on one 
 
 Where one model's ``rest`` holds no token (every student token is in the map and the group is one token), the
 rest is dropped on both sides and both distributions renormalised over the other events
-(:func:`drop_impossible_rest`): otherwise the teacher's mass on text the student cannot write would make
-forward KL infinite. Each model's event probabilities sum to one, so any :class:`~kdlab.objectives.kl.KLObjective`'s
+(:func:`drop_impossible_rest`): otherwise the teacher's mass on tokens the student cannot write as *one* token
+would make forward KL infinite. That mass is not text the student cannot write (the teacher's ``' strawberry'``
+is the student's ``' straw'`` + ``'berry'``), so the objective's optimum is then the teacher conditioned on the
+single shared tokens, not a student that matches the teacher's distribution over text (which would put the
+``' strawberry'`` mass on ``' straw'``): an approximation, kept because committed results were trained with it. Each model's event probabilities sum to one, so any :class:`~kdlab.objectives.kl.KLObjective`'s
 ``token_loss`` (forward or reverse KL, the JSD family, TV, the sampled estimators) compares two proper
 distributions on the same ``|M| + 2`` events. In a one-to-one group ``x_k`` is the shared token itself and
 the events are the map and ``rest``; with identical tokenizers ``M`` is the whole vocabulary, ``rest`` is
@@ -184,10 +187,14 @@ class _AlignedObjective(torch.autograd.Function):
 
 def drop_impossible_rest(student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Where one model's ``rest`` event holds no token (a student whose every token is in the map, at a
-    one-token group), the other's rest mass is text the first cannot write at all: compared as it is, forward
-    or reverse KL would be infinite (``p log(p / 0)``). There the rest event is dropped on both sides and each
-    distribution renormalised over the remaining events: both are conditioned on text both vocabularies can
-    express, and the dropped teacher mass is what ``teacher_unmapped_mass`` reports. Rows whose rests are both
+    one-token group), the other's rest mass is on tokens the first cannot write as one token: compared as it
+    is, forward or reverse KL would be infinite (``p log(p / 0)``). There the rest event is dropped on both sides
+    and each distribution renormalised over the remaining events: both are conditioned on the next token being
+    one both vocabularies hold, and the dropped teacher mass is what ``teacher_unmapped_mass`` reports. This is
+    an approximation, not a restriction to text the student can write: the dropped tokens' text is often
+    writable in several student tokens (``' strawberry'`` as ``' straw'`` + ``'berry'``), and a student matching
+    the teacher's distribution over that text (its ``' straw'`` holding the teacher's ``' strawberry'`` too) is
+    not the optimum. Rows whose rests are both
     possible are returned unchanged; where both are empty (one vocabulary) dropping changes nothing."""
     empty = (student[:, -1] < FLOOR / 2) | (teacher[:, -1] < FLOOR / 2)
     if not bool(empty.any()):
