@@ -443,7 +443,7 @@ def test_the_docs_page_shows_what_its_script_computes_from_the_packaged_models_a
 @pytest.mark.parametrize("objective", [ForwardKL(), ReverseKL()], ids=["forward", "reverse"])
 def test_a_student_vocabulary_inside_the_teachers_conditions_the_teacher_on_what_the_student_can_write(objective):
     """The student's tokens are the teacher's first V_S (same ids, fewer columns): every group is one token,
-    the student has no rest, and the teacher's mass on its last tokens is text the student cannot write. The
+    the student has no rest, and the teacher's mass on its last tokens is on tokens the student cannot write as one token. The
     loss is then the vocabulary objective against the teacher renormalised over the student's columns:
     finite (not ~1e4 x that mass), loss and gradient to 1e-6."""
     tok = tokenizer(STUDENT)
@@ -495,3 +495,149 @@ def test_a_student_pad_id_past_the_teachers_rows_pads_the_teachers_prompts_with_
     assert set(prompts.student_ids[prompts.student_mask == 0].tolist()) <= {m.pad_id}
     loss = m.training_step(examples, 0)
     assert torch.isfinite(loss)
+
+
+# ---- end tokens --------------------------------------------------------------------------------
+XTOK = "kdlab://tiny/teacher-xtok"
+
+
+def gemma_like_tokenizer(folder):
+    """The packaged cross-tokenizer teacher's tokenizer with Gemma's end tokens: EOS ``<eos>`` (id 0) and a turn
+    that ends with ``<end_of_turn>`` (id 2, an end id through the generation config, not the tokenizer's EOS)."""
+    from transformers import AutoTokenizer
+
+    tokenizer(XTOK).save_pretrained(folder)
+    names = {"<|endoftext|>": "<eos>", "<|im_end|>": "<end_of_turn>"}
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        path = folder / name
+        text = path.read_text()
+        for old, new in names.items():
+            text = text.replace(old, new)
+        path.write_text(text)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(eos_token="<eos>", pad_token="<eos>")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def test_every_end_token_of_either_side_is_one_shared_end_event(tmp_path):
+    """A Gemma-like teacher (EOS ``<eos>``, turns end with ``<end_of_turn>``) and a ChatML student (``<|im_end|>``):
+    the teacher writes '5 4' and stops with ``<end_of_turn>``. A student whose p(stop) equals the teacher's p(any end
+    token) at every position (summed over ``<eos>`` and ``<end_of_turn>``) gets zero loss: the end event pairs every
+    end id of each side (before: the student's stop was compared with p(<eos>) ~ 0 and the loss was ~11 per group)."""
+    from kdlab.data import right_pad
+
+    student_tok, teacher_tok = tokenizer(STUDENT), gemma_like_tokenizer(tmp_path)
+    eos, end_of_turn = teacher_tok.eos_token_id, teacher_tok.convert_tokens_to_ids("<end_of_turn>")
+    assert (eos, end_of_turn) == (0, 2)
+    cross = CrossTokenizer()
+    cross.bind(teacher_tok, student_tok, len(teacher_tok), len(student_tok), (eos, end_of_turn), (student_tok.eos_token_id,))
+    ctx = RolloutContext(student=None, teacher=None, tokenizer=student_tok, token_columns=len(student_tok), max_new_tokens=64,
+                         eos_token_ids=(student_tok.eos_token_id,), pad_token_id=student_tok.pad_token_id, student_temperature=1.0,
+                         teacher_temperature=1.0, generator=None, teacher_tokens=TeacherTokens(teacher_tok, len(teacher_tok), (eos, end_of_turn)))
+    ids, mask = right_pad([teacher_tok("5 4", add_special_tokens=False)["input_ids"] + [end_of_turn]], eos)
+    rollout = ctx.retokenized(None, ids, mask, "teacher")
+    teacher_ids, teacher_mask = rollout.completion("teacher")
+    groups = cross.groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
+    five_t, five_s = teacher_tok.convert_tokens_to_ids("5"), student_tok.convert_tokens_to_ids("5")
+    for split in (1.0, 0.5):  # the teacher's stop all on <end_of_turn>, then half on each end token
+        teacher = torch.full((*teacher_ids.shape, len(teacher_tok)), -30.0, dtype=torch.float64)
+        teacher[..., five_t] = math.log(0.5)
+        teacher[..., end_of_turn] = math.log(0.5 * split)
+        teacher[..., eos] = math.log(0.5 * (1 - split)) if split < 1 else -30.0
+        student = torch.full((*rollout.completion_ids.shape, len(student_tok)), -30.0, dtype=torch.float64)
+        student[..., five_s] = student[..., student_tok.eos_token_id] = math.log(0.5)
+        student.requires_grad_(True)
+        loss, _ = cross.loss(ForwardKL(reduction="token"), student, teacher, groups, rollout.completion_ids, teacher_ids,
+                             rollout.completion_mask)
+        (grad,) = torch.autograd.grad(loss, student)
+        assert len(groups) == 4 and loss.item() < 1e-6, (split, loss.item())
+        assert grad[..., student_tok.eos_token_id].abs().max().item() < 1e-6
+
+
+# ---- text that a training step meets ------------------------------------------------------------
+def byte_tokens(tok, text):
+    """``text`` written one byte token at a time (as sampling may write it), not as the tokenizer encodes it."""
+    from kdlab.alignment import _byte_decoder
+
+    by_byte = {byte: char for char, byte in _byte_decoder().items()}
+    return [tok.convert_tokens_to_ids(by_byte[byte]) for byte in text.encode("utf-8")]
+
+
+def student_written(text_ids):
+    from kdlab.data import right_pad
+
+    student_tok = tokenizer(STUDENT)
+    ids, mask = right_pad([row + [student_tok.eos_token_id] for row in text_ids], student_tok.pad_token_id)
+    rollout = context().retokenized(None, ids, mask, "student")
+    return rollout, *rollout.completion("teacher")
+
+
+def test_a_special_tokens_name_written_as_text_is_read_as_text():
+    """The student writes 'x <|im_end|> y' in ordinary byte tokens: the teacher reads those bytes as text
+    (``split_special_tokens``), not as its special token, and every byte is aligned (before: the teacher read its
+    ``<|im_end|>``, which covers no bytes, and the step raised 'spell different bytes')."""
+    student_tok, teacher_tok = tokenizer(STUDENT), tokenizer(OTHER)
+    rollout, teacher_ids, teacher_mask = student_written([byte_tokens(student_tok, "x <|im_end|> y")])
+    read = teacher_ids[0][teacher_mask[0]].tolist()
+    assert teacher_tok.decode(read[:-1]) == "x <|im_end|> y" and read.count(teacher_tok.eos_token_id) == 1
+    groups = bound(OTHER, STUDENT).groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
+    assert groups.misaligned_rows == 0 and groups.aligned_bytes == len("x <|im_end|> y")
+
+
+def test_a_row_whose_tokenizations_spell_different_bytes_is_left_out_and_counted():
+    """The student writes 'cafe' + a combining accent; the teacher's tokenizer normalises it (NFC) to 'café', other
+    bytes. That row gets no group (left out of the loss) and is counted in ``misaligned_rows``; the other row of the
+    batch is aligned as usual and the step goes on (before: ValueError 'spell different bytes')."""
+    student_tok = tokenizer(STUDENT)
+    rollout, teacher_ids, teacher_mask = student_written([byte_tokens(student_tok, "cafe\u0301 54"), byte_tokens(student_tok, "54")])
+    cross = bound(OTHER, STUDENT)
+    groups = cross.groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
+    assert groups.misaligned_rows == 1 and set(groups.row.tolist()) == {1}
+    student = torch.randn(*rollout.completion_ids.shape, len(student_tok), dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(*teacher_ids.shape, len(tokenizer(OTHER)), dtype=torch.float64)
+    loss, diagnostics = cross.loss(ForwardKL(), student, teacher, groups, rollout.completion_ids, teacher_ids, rollout.completion_mask)
+    (grad,) = torch.autograd.grad(loss, student)
+    assert diagnostics["misaligned_rows"].item() == 1 and torch.isfinite(loss) and grad[0].abs().max().item() == 0.0
+
+
+def test_groups_stop_at_a_special_token_inside_a_completion():
+    """The student writes 'ab <|im_start|> cd': the teacher reads 'abcd' (the special token covers no bytes), so after
+    it the two models no longer condition on the same text. Only the groups before it are compared ('a', 'b'); before,
+    groups 'c' and 'd' compared a student that had read <|im_start|> with a teacher that had not."""
+    student_tok = tokenizer(STUDENT)
+    im_start = student_tok.convert_tokens_to_ids("<|im_start|>")
+    text = lambda value: student_tok(value, add_special_tokens=False)["input_ids"]  # noqa: E731
+    rollout, teacher_ids, teacher_mask = student_written([text("ab") + [im_start] + text("cd")])
+    groups = bound(OTHER, STUDENT).groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
+    assert groups.student_start.tolist() == [0, 1] and groups.teacher_start.tolist() == [0, 1]
+    # a completion that ends with the end token keeps its end group
+    rollout, teacher_ids, teacher_mask = student_written([text("abcd")])
+    groups = bound(OTHER, STUDENT).groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
+    assert groups.student_start.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_the_optimum_is_the_teacher_conditioned_on_shared_single_tokens_not_its_distribution_over_text():
+    """The student's vocabulary is the teacher's without its last tokens, among them ``<answer>``, which the student
+    can still write as several tokens starting with ``<``. The teacher puts 0.5 on ``<answer>``, 0.25 on ``<`` and
+    0.25 on ``x``. A student consistent with the teacher's distribution over text (p(``<``) = 0.75, since ``<answer>``
+    starts with ``<``) is not the optimum: the teacher's ``<answer>`` mass is dropped and the optimum is the teacher
+    renormalised over single shared tokens (p(``<``) = p(``x``) = 0.5, loss 0)."""
+    tok = tokenizer(STUDENT)
+    v_t, v_s = len(tok), len(tok) - 8
+    answer, less, x = tok.convert_tokens_to_ids("<answer>"), tok.convert_tokens_to_ids("<"), tok.convert_tokens_to_ids("x")
+    spelled = byte_tokens(tok, "<answer>")  # the student writes the same text in byte tokens
+    assert answer >= v_s > max(max(spelled), x) and spelled[0] == less
+    cross = CrossTokenizer()
+    cross.bind(tok, tok, v_t, v_s)
+    ids, mask = torch.tensor([[x]]), torch.tensor([[True]])
+    groups = cross.groups(ids, mask, ids, mask)
+    teacher = torch.full((1, 1, v_t), -40.0, dtype=torch.float64)
+    teacher[0, 0, [answer, less, x]] = torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64).log()
+
+    def loss_for(p_less):
+        student = torch.full((1, 1, v_s), -40.0, dtype=torch.float64)
+        student[0, 0, [less, x]] = torch.tensor([p_less, 1 - p_less], dtype=torch.float64).log()
+        return cross.loss(ForwardKL(), student, teacher, groups, ids, ids, mask)[0].item()
+
+    assert loss_for(0.5) < 1e-9 and loss_for(0.75) > 0.1

@@ -8,7 +8,9 @@ same text: their next-token distributions there are comparable, once put on one 
 **The events of a group** ``k`` (student tokens ``s_a..s_b``, teacher tokens ``t_c..t_d``, text ``x_k``):
 
 * the *vocabulary map* ``M``: pairs ``(teacher id, student id)`` of tokens with the same bytes (special
-  tokens: the same content; the two EOS tokens are paired when nothing else pairs them). Event
+  tokens: the same content), and one *end* pair: every end id of each side (its tokenizer's EOS and its
+  generation config's EOS ids, any of which ends a completion) is one event, "the completion ends here",
+  whose probability is the sum over that side's end ids. Event
   ``v in M``: "the next token is v". The pairs of the group's first tokens (``s_a``'s and ``t_c``'s) are
   left out, because
 * ``x_k``: "the next tokens spell the group's text as this model's tokens do", with the chain-rule
@@ -18,8 +20,11 @@ same text: their next-token distributions there are comparable, once put on one 
 
 Where one model's ``rest`` holds no token (every student token is in the map and the group is one token), the
 rest is dropped on both sides and both distributions renormalised over the other events
-(:func:`drop_impossible_rest`): otherwise the teacher's mass on text the student cannot write would make
-forward KL infinite. Each model's event probabilities sum to one, so any :class:`~kdlab.objectives.kl.KLObjective`'s
+(:func:`drop_impossible_rest`): otherwise the teacher's mass on tokens the student cannot write as *one* token
+would make forward KL infinite. That mass is not text the student cannot write (the teacher's ``' strawberry'``
+is the student's ``' straw'`` + ``'berry'``), so the objective's optimum is then the teacher conditioned on the
+single shared tokens, not a student that matches the teacher's distribution over text (which would put the
+``' strawberry'`` mass on ``' straw'``): an approximation, kept because committed results were trained with it. Each model's event probabilities sum to one, so any :class:`~kdlab.objectives.kl.KLObjective`'s
 ``token_loss`` (forward or reverse KL, the JSD family, TV, the sampled estimators) compares two proper
 distributions on the same ``|M| + 2`` events. In a one-to-one group ``x_k`` is the shared token itself and
 the events are the map and ``rest``; with identical tokenizers ``M`` is the whole vocabulary, ``rest`` is
@@ -40,6 +45,7 @@ vocabulary).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,10 +187,14 @@ class _AlignedObjective(torch.autograd.Function):
 
 def drop_impossible_rest(student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Where one model's ``rest`` event holds no token (a student whose every token is in the map, at a
-    one-token group), the other's rest mass is text the first cannot write at all: compared as it is, forward
-    or reverse KL would be infinite (``p log(p / 0)``). There the rest event is dropped on both sides and each
-    distribution renormalised over the remaining events: both are conditioned on text both vocabularies can
-    express, and the dropped teacher mass is what ``teacher_unmapped_mass`` reports. Rows whose rests are both
+    one-token group), the other's rest mass is on tokens the first cannot write as one token: compared as it
+    is, forward or reverse KL would be infinite (``p log(p / 0)``). There the rest event is dropped on both sides
+    and each distribution renormalised over the remaining events: both are conditioned on the next token being
+    one both vocabularies hold, and the dropped teacher mass is what ``teacher_unmapped_mass`` reports. This is
+    an approximation, not a restriction to text the student can write: the dropped tokens' text is often
+    writable in several student tokens (``' strawberry'`` as ``' straw'`` + ``'berry'``), and a student matching
+    the teacher's distribution over that text (its ``' straw'`` holding the teacher's ``' strawberry'`` too) is
+    not the optimum. Rows whose rests are both
     possible are returned unchanged; where both are empty (one vocabulary) dropping changes nothing."""
     empty = (student[:, -1] < FLOOR / 2) | (teacher[:, -1] < FLOOR / 2)
     if not bool(empty.any()):
@@ -298,9 +308,12 @@ class CrossTokenizer(TokenPairing):
                 except ConfigError as error:
                     raise ConfigError(f"{error} (in {text[:60]!r}; cross_tokenizer aligns the two models' tokens by bytes)") from None
 
-    def bind(self, teacher_tokenizer: Any, student_tokenizer: Any, teacher_columns: int, student_columns: int) -> None:
-        """Build the vocabulary map of the two tokenizers (once, when the module is built)."""
-        self.vocabulary = VocabularyMap.build(teacher_tokenizer, student_tokenizer, teacher_columns, student_columns)
+    def bind(self, teacher_tokenizer: Any, student_tokenizer: Any, teacher_columns: int, student_columns: int,
+             teacher_end_ids: Sequence[int] | None = None, student_end_ids: Sequence[int] | None = None) -> None:
+        """Build the vocabulary map of the two tokenizers (once, when the module is built). ``*_end_ids``: every id
+        that ends a completion on that side (default: its tokenizer's EOS); they make one shared end event."""
+        self.vocabulary = VocabularyMap.build(teacher_tokenizer, student_tokenizer, teacher_columns, student_columns,
+                                              teacher_end_ids, student_end_ids)
         self._on_device: dict[torch.device, tuple[VocabularyMap, tuple[EventLayout, EventLayout]]] = {}
 
     def on_device(self, device: torch.device) -> tuple[VocabularyMap, tuple[EventLayout, EventLayout]]:
@@ -329,7 +342,8 @@ class CrossTokenizer(TokenPairing):
         objective's), over groups (one per group, at its first student token): with identical tokenizers,
         over tokens as usual.
         Diagnostics: ``kl_forward``, ``kl_reverse``, entropies on the events, ``teacher_unmapped_mass`` (the
-        teacher's probability on tokens outside the map, at group starts), ``one_to_one_share``.
+        teacher's probability on tokens outside the map, at group starts), ``one_to_one_share``, ``misaligned_rows``
+        (rows left out of the loss because their two tokenizations spell different bytes: :meth:`AlignedGroups.build`).
         """
         from kdlab.objectives.kl import KLObjective
         from kdlab.objectives.reduction import token_weights
@@ -361,14 +375,15 @@ class CrossTokenizer(TokenPairing):
             for chunk in groups.chunks(chunk_size):
                 part = groups.chunk(chunk, student_ids, teacher_ids, vocabulary)
                 with torch.no_grad():
-                    t_start, t_events = side_events(gather_rows(teacher_logits, part.teacher.b, part.teacher.t, dtype), part.teacher, t_layout, part.removed)
+                    t_rows = vocabulary.merged_ends(gather_rows(teacher_logits, part.teacher.b, part.teacher.t, dtype), "teacher")
+                    t_start, t_events = side_events(t_rows, part.teacher, t_layout, part.removed)
                     unmapped_mass = (torch.logsumexp(t_start.index_select(1, t_unmapped), -1).exp() if t_unmapped.numel()
                                      else torch.zeros(len(chunk), dtype=dtype, device=t_start.device))
                 w = weights[groups.row[chunk], groups.student_start[chunk]]
                 d = diagnostic_weights[groups.row[chunk], groups.student_start[chunk]]
                 with torch.enable_grad():
                     rows = gather_rows(source, part.student.b, part.student.t, dtype).detach().requires_grad_(gradient is not None)
-                    s_start, s_events = side_events(rows, part.student, s_layout, part.removed)
+                    s_start, s_events = side_events(vocabulary.merged_ends(rows, "student"), part.student, s_layout, part.removed)
                     s_events, t_events = drop_impossible_rest(s_events, t_events)
                     closed = closed_form(objective) if uld == 0.0 else None
                     if closed is None:
@@ -400,4 +415,5 @@ class CrossTokenizer(TokenPairing):
                 loss = _AlignedObjective.apply(student_logits, None, None, None, compute)
         out = dict(zip(DIAGNOSTICS, diagnostics.unbind()))
         out["one_to_one_share"] = torch.tensor(groups.one_to_one_share)
+        out["misaligned_rows"] = torch.tensor(float(groups.misaligned_rows))
         return loss, out

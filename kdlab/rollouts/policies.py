@@ -51,8 +51,10 @@ class TeacherTokens:
         return int(pad if pad is not None else self.eos_token_ids[0])
 
 
-def _text_tokens(tokenizer: Any, text: str, end: int | None) -> list[int]:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+def _text_tokens(tokenizer: Any, text: str, end: int | None, split_special_tokens: bool = False) -> list[int]:
+    """``tokenizer``'s ids of ``text`` (and ``end``). ``split_special_tokens``: a special token's name written in the
+    text (``'<|im_end|>'`` spelled with ordinary tokens) stays text, not the special token, which covers no bytes."""
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=split_special_tokens)["input_ids"]
     return ids + [end] if end is not None else ids
 
 
@@ -138,7 +140,9 @@ class RolloutContext:
         """Across tokenizers: the rollout of completions ``ids``/``mask`` ``(B, C)`` written in ``writer``'s tokens,
         with both models' tokens. The writer's tokens are kept as written (when their bytes are valid UTF-8;
         else both sides are re-tokenised from the decoded text); the other model's are its tokenizer's
-        encoding of the same text, followed by its end token when the writer ended. ``sampling_entropy``
+        encoding of the same text, followed by its end token when the writer ended. A special token's name
+        written as text (``'<|im_end|>'`` in ordinary tokens) is read as text (``split_special_tokens``), never
+        as the special token, which covers no bytes. ``sampling_entropy``
         is kept when the student wrote (it is per student token), dropped otherwise."""
         from kdlab.alignment import token_bytes
 
@@ -155,9 +159,10 @@ class RolloutContext:
             raw = b"".join(token_bytes(tokenizers[writer], body))
             text = raw.decode("utf-8", errors="replace")
             if text.encode("utf-8") != raw:  # a completion cut inside a multi-byte character
-                body = tokenizers[writer](text, add_special_tokens=False)["input_ids"]
+                body = _text_tokens(tokenizers[writer], text, None, split_special_tokens=True)
             rows[writer].append(body + ([tokens[-1]] if ended else []))
-            rows[reader].append(_text_tokens(tokenizers[reader], text, ends[reader][0] if ended else None))
+            # the text is the writer's bytes: a special token's name in it was written as text, and stays text
+            rows[reader].append(_text_tokens(tokenizers[reader], text, ends[reader][0] if ended else None, split_special_tokens=True))
         device = ids.device
         student_ids, student_mask = right_pad(rows["student"], self.pad_token_id)
         teacher_ids, teacher_mask = right_pad(rows["teacher"], other.pad_token_id)

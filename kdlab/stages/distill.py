@@ -197,7 +197,6 @@ class DistillModule(TaskStage):
         self.teacher_tokenizer, self.teacher_columns = self.teacher_source.tokenizer, self.teacher_source.token_columns
         if cross_tokenizer is not None:
             cross_tokenizer.check_texts(task, self.student_tokenizer, self.teacher_tokenizer)
-            cross_tokenizer.bind(self.teacher_tokenizer, self.student_tokenizer, self.teacher_columns, self.token_columns)
         self.student = load_causal_lm(self.student_spec, "student", config=student_config)
         self.lora = lora
         if lora is not None:
@@ -214,6 +213,9 @@ class DistillModule(TaskStage):
         else:
             self.end_ids = student_ends
             self.teacher_end_ids = teacher_ends or (int(self.teacher_tokenizer.eos_token_id),)
+            # every end id of each side is one shared end event (known once the models' generation configs are read)
+            cross_tokenizer.bind(self.teacher_tokenizer, self.student_tokenizer, self.teacher_columns, self.token_columns,
+                                 self.teacher_end_ids, self.end_ids)
         self.pad_id = int(self.student_tokenizer.pad_token_id)
 
     @staticmethod
