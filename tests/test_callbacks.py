@@ -374,11 +374,11 @@ def test_a_callbacks_decode_is_validations_decode_precision_ends_and_stop_string
     trainer.fit(module)  # attaches the trainer, takes no step
     examples = task.examples("val")[:4]
     callback = Coverage(task, ks=(1,), samples=1, examples=4, temperature=0.5, batch_size=4, seed=5, max_new_tokens=8)
-    texts = callback.sample(module, task, examples, 1)
+    texts = callback.sample(module, task, examples, repeat=1)
     assert seen and all(seen), "decoded outside the trainer's autocast"
     with trainer.precision_plugin.val_step_context():
         reference = module.eval_completions(examples, temperature=0.5, seed=5)
     assert texts == reference
     module.stop_strings = []
-    unstopped = callback.sample(module, task, examples, 1)
+    unstopped = callback.sample(module, task, examples, repeat=1)
     assert any(len(cut) < len(whole) and "e" in cut for cut, whole in zip(texts, unstopped))  # the stop string ended one

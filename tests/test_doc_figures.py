@@ -105,7 +105,7 @@ def test_what_the_rows_say_is_what_the_verdicts_say():
     # the spectrum
     assert "The spectrum row is not reproduced" in page and 'the "opposite" of the paper\'s preference' in page
     assert spectrum["verdict"] == ("not distinguishable (margin +-2 points): forward KL lam > 0 - lam < 0, low LR; "
-                                   "not distinguishable: reverse KL lam > 0 - lam < 0, low LR; opposite: reverse KL lam > 0 - lam < 0, high LR")
+                                   "opposite: reverse KL lam > 0 - lam < 0, low LR, reverse KL lam > 0 - lam < 0, high LR")
     # the harder set
     assert "The harder set shows the opposite of the paper's edge**: OnPD is behind OffPD at pass@1, 4, 16 and 32" in page
     assert hard["verdict"] == "opposite" and hard["primary"] == "OnPD - OffPD pass@16 > 0" and float(hard["holm_p"]) >= 0.05
@@ -160,7 +160,14 @@ def test_what_changed_after_the_statistics_review_lists_the_labels_that_moved():
     kl, spectrum, rlvr = (now[i - 1] for i in moved)
     assert "forward KL high - low LR (OffPD), forward KL high - low LR (OnPD)" in kl["verdict"].split(". bf16: ")[1]
     assert "not distinguishable: reverse KL lam > 0 - lam < 0, low LR, reverse KL lam > 0 - lam < 0, high LR" in before[spectrum["finding"]]["verdict"]
-    assert "opposite: reverse KL lam > 0 - lam < 0, high LR" in spectrum["verdict"] and 'is now "opposite"' in page
+    assert "opposite: reverse KL lam > 0 - lam < 0, low LR, reverse KL lam > 0 - lam < 0, high LR" in spectrum["verdict"]
+    assert 'is now "opposite" at' in page and "new intervals are narrower" in page
+
+    def ninety(text: str, level: str) -> float:  # the width of reverse KL's 90% seed interval at a level
+        low, high = re.search(re.escape(f"{level} LR ") + r"[^;]*?\(90% \[([+-]?\d+\.\d), ([+-]?\d+\.\d)\]\)", text.split("reverse KL")[1]).groups()
+        return float(high) - float(low)
+
+    assert all(ninety(spectrum["tiny"], level) < ninety(before[spectrum["finding"]]["tiny"], level) for level in ("low", "high"))
     assert "not distinguishable (margin +-2 points): OnPD - OffPD pass@32 after RLVR" in before[rlvr["finding"]]["verdict"]
     assert "equivalent (margin +-2 points): OnPD - OffPD pass@32 after RLVR" in rlvr["verdict"] and 'is now "equivalent"' in page
     shown = lambda row: row["holm_p"] != "" and float(row["holm_p"]) < 0.05  # noqa: E731

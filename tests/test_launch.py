@@ -146,3 +146,64 @@ def test_two_slurm_tasks_of_one_run_fit_together_and_only_rank_zero_prepares_and
     again = [start(rank) for rank in (0, 1)]
     outputs = [task.communicate(timeout=300)[0] for task in again]
     assert [task.returncode for task in again] == [0, 0] and all(f"[sweep] {name}: already done" in out for out in outputs)
+
+
+def test_a_failure_to_prepare_or_a_stale_note_never_leaves_the_other_ranks_waiting_or_misled(tmp_path, monkeypatch):
+    note = tmp_path / ".launches" / "run.json"
+    zero, one = launch.Launch(0, 2, "slurm 9.0 restart 0"), launch.Launch(1, 2, "slurm 9.0 restart 0")
+
+    def broken():
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        launch.agree_on_start(zero, note, broken, lambda: None)
+    with pytest.raises(RuntimeError, match=r"rank 0 failed to prepare the run \(OSError: disk full"):  # at once, not after WAIT_S
+        launch.agree_on_start(one, note, lambda: None, lambda: None)
+    launch.agree_on_start(zero, note, lambda: "ckpt", lambda: None)
+    monkeypatch.setattr(launch, "WAIT_S", 0.2)
+    monkeypatch.setattr(launch, "STARTED", note.stat().st_mtime + launch.SKEW_S + 1)  # the note predates this process
+    with pytest.raises(RuntimeError, match="waited"):  # an earlier launch's note with the same id is not read
+        launch.agree_on_start(one, note, lambda: None, lambda: "ckpt")
+
+
+def test_the_forgetting_process_rank_zero_starts_gets_no_distributed_variables(no_launch):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0", "MASTER_ADDR": "n1", "MASTER_PORT": "29500",
+                       "TORCHELASTIC_RUN_ID": "x", "KDLAB_KEEP": "1"}.items():
+        no_launch.setenv(key, value)
+    child = launch.child_environment()
+    assert child["KDLAB_KEEP"] == "1" and not set(child) & {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
+
+
+def test_a_slurm_job_of_several_tasks_is_done_when_every_task_is(tmp_path, monkeypatch):
+    """submitit's ``Job.result()`` refuses a job of several tasks (a run on several GPUs: one task per GPU), so the sweep
+    reads every task's result (``results()``): before, such a finished run was recorded as failed."""
+    submitit = pytest.importorskip("submitit")
+    import kdlab.study.sweep as sweep
+
+    assert "_sub_jobs" in __import__("inspect").getsource(submitit.core.core.Job.result)  # what a stand-in below mimics
+
+    class Job:
+        job_id = "77"
+
+        def result(self):
+            raise AssertionError("You should use `results()` if your job has subtasks.")
+
+        def results(self):
+            return ["done", "done"]
+
+        def done(self):
+            return True
+
+    class Executor:
+        def batch(self):
+            return __import__("contextlib").nullcontext()
+
+        def submit(self, *args):
+            return Job()
+
+    monkeypatch.setattr(sweep, "slurm_executor", lambda sweep_: Executor())
+    import dataclasses
+
+    path = sweep_file(tmp_path)
+    records = sweep.run_sweep(dataclasses.replace(sweep.load_sweep(path), mode="slurm"), str(path))
+    assert [r["status"] for r in records] == ["done"]

@@ -192,29 +192,37 @@ def test_the_paired_variance_is_statsmodels_mixed_models_with_crossed_seeds_and_
     assert 3 < found.df < 25  # between the seeds' and the problems' df: Satterthwaite's mixture
 
 
-@pytest.mark.parametrize(("seeds", "seed_sd", "problem_sd"), [(3, 0.005, 0.1), (5, 0.05, 0.01), (3, 0.05, 0.01)])
-def test_a_claimed_difference_that_is_not_there_is_found_at_most_five_percent_of_the_time(seeds, seed_sd, problem_sd):
+@pytest.mark.parametrize(("seeds", "seed_sd", "problem_sd", "noise", "slack"), [
+    (3, 0.005, 0.1, 0.01, 0.0), (5, 0.05, 0.01, 0.01, 0.0), (3, 0.05, 0.01, 0.01, 0.0), (3, 0.0, 0.0, 0.05, 0.0),
+    (2, 0.015, 0.05, 0.05, 0.02), (2, 0.05, 0.01, 0.01, 0.02),
+])
+def test_a_claimed_difference_that_is_not_there_is_found_at_most_five_percent_of_the_time(seeds, seed_sd, problem_sd, noise, slack):
     """No true contrast: the 90% interval's low end lies above 0 (a "reproduced" `> 0`) in at most 5% of worlds,
     within Monte Carlo error. The former seed interval, a t over the seeds' means at 3 seeds, held the problems
-    fixed (about 90% of worlds where each problem has its own contrast), and its percentile bootstrap over 5 seeds
-    was too narrow (about 9% where the seeds' noise dominates)."""
+    fixed (far above 5% where each problem has its own contrast), and its percentile bootstrap over 5 seeds was too
+    narrow (where the seeds' noise dominates), and dropping the seeds' mean square when it fell below the residual's
+    let 2 seeds (1 df) through too often where the seeds' share is small. With 2 seeds Satterthwaite's approximation
+    still runs slightly above 5%: ``slack`` allows it, and docs/tiny_reproduction.md says so."""
     from kdlab.study.stats import paired_interval
 
     rng = np.random.default_rng(seeds)
     worlds = 1000
-    found = sum(paired_interval(crossed_world(rng, seeds, 30, seed_sd, problem_sd, 0.01)).low90 > 0 for _ in range(worlds))
-    assert found / worlds < 0.05 + 3 * math.sqrt(0.05 * 0.95 / worlds)
+    found = sum(paired_interval(crossed_world(rng, seeds, 30, seed_sd, problem_sd, noise)).low90 > 0 for _ in range(worlds))
+    assert found / worlds < 0.05 + slack + 3 * math.sqrt(0.05 * 0.95 / worlds)
 
 
 def test_unpaired_seeds_hold_five_percent_whether_or_not_problems_are_shared():
+    """Each problem has its own contrast (``own``, mean 0 over problems), so with shared problems the problems' part
+    of the variance is counted."""
     rng = np.random.default_rng(3)
     for shared in (True, False):
         worlds, found = 300, 0
         for _ in range(worlds):
-            problem = rng.normal(0, 0.1, 20)
-            on = {s: {f"p{i}": [0.5 + problem[i] + a] for i in range(20)} for s, a in enumerate(rng.normal(0, 0.03, 3))}
+            problem, own = rng.normal(0, 0.1, 20), rng.normal(0, 0.05, 20)
+            on = {s: {f"p{i}": [0.5 + problem[i] + own[i] / 2 + a + rng.normal(0, 0.02)] for i in range(20)} for s, a in enumerate(rng.normal(0, 0.03, 3))}
             other = problem if shared else rng.normal(0, 0.1, 20)
-            off = {s + 100: {f"{'p' if shared else 'q'}{i}": [0.5 + other[i] + a] for i in range(20)} for s, a in enumerate(rng.normal(0, 0.03, 3))}
+            off = {s + 100: {f"{'p' if shared else 'q'}{i}": [0.5 + other[i] - own[i] / 2 + a + rng.normal(0, 0.02)] for i in range(20)}
+                   for s, a in enumerate(rng.normal(0, 0.03, 3))}
             found += seed_contrast([(1.0, on), (-1.0, off)]).low90 > 0
         assert found / worlds < 0.05 + 3 * math.sqrt(0.05 * 0.95 / worlds), shared
 

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 
 from kdlab.evaluation.scoring import completion_texts
+from kdlab.rollouts.decoding import PROMPT_LIMIT
 from kdlab.run_config import remember_arguments
 from kdlab.tasks.base import SPLITS, Example, Task
 
@@ -151,7 +152,7 @@ class EvaluationCallback(PeriodicCallback):
         cache = BeforeCache(self.before_cache)
         weights = weights_digest(pl_module.student)
         precision = getattr(trainer, "precision", None) if trainer is not None else None
-        key = evaluation_key(self, tasks, examples, pl_module.student_tokenizer, (1, 0), str(precision))
+        key = evaluation_key(self, tasks, examples, pl_module.student_tokenizer, (1, 0), str(precision), module_decoding(pl_module))
         scores = cache.get(weights, key)
         if scores is None:
             scores = measure()
@@ -183,8 +184,19 @@ class EvaluationCallback(PeriodicCallback):
             (network, tokenizer), token_columns = model, None
         else:
             network, tokenizer, token_columns = pl_module.student, pl_module.student_tokenizer, getattr(pl_module, "token_columns", None)
-            settings.update({key: getattr(pl_module, key) for key in ("end_ids", "stop_strings", "max_prompt_tokens") if getattr(pl_module, key, None)})
+            settings.update(module_decoding(pl_module))
         return completion_texts(network, tokenizer, task, repeated, role=role, token_columns=token_columns, device=pl_module.device, **settings)
+
+
+def module_decoding(pl_module: pl.LightningModule) -> dict[str, Any]:
+    """How the module's validation ends its student's completions, for a callback's decode of the same student: its end
+    tokens and stop strings (those it has), and a prompt limit no smaller than the decoder's default (a callback task's
+    longer prompts are not refused where they were; a prompt the module's limit refuses would fail its validation too)."""
+    found = {key: getattr(pl_module, key) for key in ("end_ids", "stop_strings") if getattr(pl_module, key, None)}
+    limit = getattr(pl_module, "max_prompt_tokens", None)
+    if limit:
+        found["max_prompt_tokens"] = max(int(limit), PROMPT_LIMIT)
+    return found
 
 
 def module_teacher(pl_module: pl.LightningModule) -> torch.nn.Module | None:

@@ -105,18 +105,19 @@ def tokenizer_digest(tokenizer: Any) -> str:
 
 
 def evaluation_key(callback: Any, tasks: list[Any], examples: list[list[dict]], tokenizer: Any, layout: tuple[int, int],
-                   precision: str) -> str:
+                   precision: str, decoding: dict[str, Any] | None = None) -> str:
     """The settings key of an in-loop evaluation's "before" scores: ``callback``'s class and plain settings, each
     of ``tasks`` (class and plain settings) with the ``examples`` it evaluates, the student's tokenizer, the
-    ``(replicas, rank)`` layout, the trainer's ``precision``, torch's and transformers' versions and kdlab's
-    source (:func:`source_digest`)."""
+    ``(replicas, rank)`` layout, the trainer's ``precision``, the module's ``decoding`` settings (end tokens, stop
+    strings, prompt limit: :func:`kdlab.callbacks.periodic.module_decoding`), torch's and transformers' versions and
+    kdlab's source (:func:`source_digest`)."""
     import transformers
 
     description = {
         "callback": {k: v for k, v in settings_of(callback).items() if k not in ("before", "before_cache")},
         "tasks": [{**settings_of(task), "examples": hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()}
                   for task, chosen in zip(tasks, examples)],
-        "tokenizer": tokenizer_digest(tokenizer), "layout": list(layout), "precision": str(precision),
+        "tokenizer": tokenizer_digest(tokenizer), "layout": list(layout), "precision": str(precision), "decoding": decoding or {},
         "torch": torch.__version__, "transformers": transformers.__version__, "kdlab": source_digest(),
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()).hexdigest()

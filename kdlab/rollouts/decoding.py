@@ -276,6 +276,10 @@ def _replay_stops(stop: StopCheck, ids: torch.Tensor, masks: torch.Tensor, entro
     return finished
 
 
+PROMPT_LIMIT = 2048
+"""The longest prompt, in tokens, :func:`sample_completions` takes by default (the paper's limit); a longer one is refused."""
+
+
 @torch.no_grad()
 def sample_completions(
     model: torch.nn.Module,
@@ -286,7 +290,7 @@ def sample_completions(
     role: str = "student",
     temperature: float = 0.0,
     max_new_tokens: int | Sequence[int] = 512,
-    max_prompt_tokens: int = 2048,
+    max_prompt_tokens: int = PROMPT_LIMIT,
     batch_size: int = 16,
     generator: torch.Generator | None = None,
     token_columns: int | None = None,

@@ -38,17 +38,19 @@ ENGINE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32"
 
 
 def on_this_machine(url: str) -> bool:
-    """Whether ``url``'s host is this machine by its address: ``localhost`` or a loopback address (127.0.0.0/8, ::1)."""
+    """Whether ``url``'s host is this machine by its address: ``localhost``, a loopback address (127.0.0.0/8, ::1), or
+    the unspecified address ``0.0.0.0`` / ``::`` that ``vllm serve`` prints (a client reaching it reaches this machine)."""
     import ipaddress
     import urllib.parse
 
-    host = urllib.parse.urlsplit(url).hostname or ""
+    host = (urllib.parse.urlsplit(url).hostname or "").rstrip(".")
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:  # a name: it may resolve to this machine or not
         return False
+    return address.is_loopback or address.is_unspecified
 
 
 class ServedRollouts(SyncedEngine):

@@ -142,7 +142,7 @@ def dapo_loss(
     objective = torch.minimum(unclipped, clipped)
     if token_weights is not None:
         objective = objective * token_weights.detach().to(objective.dtype)
-    loss = -(objective * mask).sum() / max(total, 1)
+    loss = -(objective * mask).sum() / (total if total > 0 else 1)
     stats = {
         "clipped": ((clipped < unclipped) & mask).sum().detach().float(),
         "tokens": mask.sum().detach().float(),
@@ -153,7 +153,7 @@ def dapo_loss(
             raise ValueError("dapo_loss: beta > 0 needs ref_logprobs")
         log_ratio = ref_logprobs - logprobs
         k3 = torch.exp(log_ratio) - log_ratio - 1
-        loss = loss + beta * (k3 * mask).sum() / max(total, 1)
+        loss = loss + beta * (k3 * mask).sum() / (total if total > 0 else 1)
         stats["kl"] = (k3.detach() * mask).sum()
     return loss, stats
 

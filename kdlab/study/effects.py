@@ -26,9 +26,9 @@ PROBLEM_DRAWS = 2000  # draws of the problems interval (the models held fixed; s
 def table_effect(terms: list[tuple[float, Any]], k: int | None = None, draws: int | None = None) -> Effect:
     """``sum w * mean`` over ``terms`` ``(w, seed tables)`` with both intervals: the bootstrap over problems
     (:func:`~kdlab.study.stats.bootstrap_contrast`, ``draws`` draws, default :data:`PROBLEM_DRAWS`) and, with two seeds or more in every
-    configuration, the seed-level one (:func:`~kdlab.study.stats.seed_contrast`, paired when every configuration has
-    the same seeds). The seed tables are ``{seed: table}`` (seeds named, so same-seed runs pair) or a list (unnamed:
-    never paired)."""
+    configuration, the seed-level one (:func:`~kdlab.study.stats.seed_contrast`, paired on the seeds every configuration
+    has, when there are two or more). The seed tables are ``{seed: table}`` (seeds named, so same-seed runs pair) or a
+    list (unnamed: never paired)."""
     named = [(w, tables if isinstance(tables, dict) else {(i, j): t for j, t in enumerate(tables)}) for i, (w, tables) in enumerate(terms)]
     value, *problems = bootstrap_contrast([(w, list(by_seed.values())) for w, by_seed in named], k=k, draws=draws or PROBLEM_DRAWS, seed=SEED)
     if min(len(by_seed) for _, by_seed in named) < 2:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 WAIT_S = 900.0  # how long a rank other than 0 waits for rank 0's choice (rank 0 may be moving a large folder aside)
+SKEW_S = 300.0  # a note written this long before this process started is an earlier launch's, whatever its id
+STARTED = time.time()  # about when this process started (this module is imported before any run is prepared)
 
 
 @dataclass(frozen=True)
@@ -68,19 +70,22 @@ def agree_on_start(launch: Launch, note: Path, prepare: Callable[[], str | None]
     if not launch.several:
         return prepare()
     if launch.rank == 0:
-        resume = prepare()
-        note.parent.mkdir(parents=True, exist_ok=True)
-        partial = note.with_name(note.name + ".partial")
-        partial.write_text(json.dumps({"launch": launch.id, "resume": resume}), encoding="utf-8")
-        partial.replace(note)
+        try:
+            resume = prepare()
+        except Exception as error:  # the other ranks stop waiting at once, naming rank 0's failure
+            _write_note(note, {"launch": launch.id, "error": f"{type(error).__name__}: {error}"})
+            raise
+        _write_note(note, {"launch": launch.id, "resume": resume})
         return resume
     deadline = time.monotonic() + WAIT_S
     while True:
         try:
-            told = json.loads(note.read_text(encoding="utf-8"))
+            told = json.loads(note.read_text(encoding="utf-8")) if note.stat().st_mtime >= STARTED - SKEW_S else None
         except (OSError, ValueError):
             told = None
         if told is not None and told.get("launch") == launch.id:
+            if "error" in told:
+                raise RuntimeError(f"rank 0 failed to prepare the run ({told['error']}; {note})")
             break
         if time.monotonic() > deadline:
             raise RuntimeError(f"rank {launch.rank} of {launch.world} waited {WAIT_S:.0f} s for rank 0 to write {note} "
@@ -93,6 +98,25 @@ def agree_on_start(launch: Launch, note: Path, prepare: Callable[[], str | None]
 
 
 def finish(launch: Launch, note: Path) -> None:
-    """Rank 0 removes its note once the run is done with it."""
-    if launch.rank == 0:
+    """Rank 0 removes its note once the fit is over, finished or not (a later launch must not read it)."""
+    if launch.rank == 0 and launch.several:
         note.unlink(missing_ok=True)
+
+
+def _write_note(note: Path, content: dict) -> None:
+    note.parent.mkdir(parents=True, exist_ok=True)
+    partial = note.with_name(note.name + ".partial")
+    partial.write_text(json.dumps(content), encoding="utf-8")
+    partial.replace(note)
+
+
+DISTRIBUTED_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                         "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                         "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def child_environment() -> dict[str, str]:
+    """This process's environment without the launch's distributed variables (torchrun's ranks and rendezvous), for a
+    process rank 0 starts on its own after the fit (the forgetting measurement), which would otherwise join, or wait
+    for, ranks that have already exited."""
+    return {key: value for key, value in os.environ.items() if key not in DISTRIBUTED_VARIABLES}

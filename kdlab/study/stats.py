@@ -225,16 +225,17 @@ class _Variance:
 
 def _crossed_terms(variance: _Variance, key: object, cells: np.ndarray, weight: float) -> None:
     """Add ``weight^2 * Var(mean of cells)`` for an ``(S, P)`` table whose seeds and problems are crossed random effects
-    (``y_sp = mu + a_s + b_p + e_sp``): ``(sigma_a^2 / S + sigma_b^2 / P + sigma_e^2 / (S P))`` from the mean squares,
-    ``(MS_seed + MS_problem - MS_residual) / (S P)``; a component whose mean square falls below the residual's is 0."""
+    (``y_sp = mu + a_s + b_p + e_sp``): ``sigma_a^2 / S + sigma_e^2 / (S P)`` is ``E[MS_seed] / (S P)``, always kept, and
+    ``sigma_b^2 / P`` is ``(MS_problem - MS_residual) / (S P)``, counted when positive. Keeping the seeds' mean square
+    whole keeps its few degrees of freedom in the t quantile: dropping it when it falls below the residual's by chance
+    (likely with 2 seeds, 1 df) would make the interval too narrow."""
     seeds, problems = cells.shape
     ms_seed, ms_problem, ms_residual = two_way_mean_squares(cells)
     scale = weight * weight / (seeds * problems)
-    variance.add((key, "residual"), scale, ms_residual)
-    for name, ms in (("seed", ms_seed), ("problem", ms_problem)):
-        if ms[1] > 0 and ms[0] > ms_residual[0]:
-            variance.add((key, name), scale, ms)
-            variance.add((key, "residual"), -scale, ms_residual)
+    variance.add((key, "seed"), scale, ms_seed)
+    if ms_problem[1] > 0 and ms_problem[0] > ms_residual[0]:
+        variance.add((key, "problem"), scale, ms_problem)
+        variance.add((key, "residual"), -scale, ms_residual)
 
 
 def _common(sets: list[list]) -> list:
@@ -245,9 +246,9 @@ def _common(sets: list[list]) -> list:
 
 def paired_interval(cells: np.ndarray) -> SeedInterval:
     """The seed-level interval of the mean of ``cells`` ``(S, P)``, each (seed, problem) cell's contrast of configurations
-    that share their seeds: seeds and problems crossed random effects, ``Var = (MS_seed + MS_problem - MS_residual) /
-    (S P)`` (:func:`two_way_mean_squares`; a component whose mean square falls below the residual's counts 0), t with
-    Satterthwaite's df. One problem: the paired t-test over the seeds."""
+    that share their seeds: seeds and problems crossed random effects, ``Var = (MS_seed + max(MS_problem - MS_residual,
+    0)) / (S P)`` (:func:`two_way_mean_squares`, :func:`_crossed_terms`), t with Satterthwaite's df. Problems that do not
+    differ more than the residual, or one problem: the paired t-test over the seeds' means."""
     variance = _Variance()
     _crossed_terms(variance, "paired", cells, 1.0)
     value, df = variance.value_and_df()
@@ -269,7 +270,7 @@ def seed_contrast(terms: list[tuple[float, dict[Any, dict[str, list[float]]]]], 
 
     Paired (two seeds or more that every configuration has; the seed fixes the data order and the evaluation's
     sampling streams, so same-seed runs share random numbers): the contrast of each (seed, problem) cell,
-    ``D = sum_i w_i Y_i`` ``(S, P)``, and ``Var = (MS_seed + MS_problem - MS_residual) / (S P)`` of ``D``.
+    ``D = sum_i w_i Y_i`` ``(S, P)``, and ``Var = (MS_seed + max(MS_problem - MS_residual, 0)) / (S P)`` of ``D`` (:func:`paired_interval`).
     Unpaired: each configuration's seed and residual mean squares, and the problems' part from the spread of the
     problems' contrasts of configuration means where the configurations share their problems, each configuration's
     own problems' part where they do not. Only the seeds every configuration has are paired, and only problems in
@@ -295,18 +296,15 @@ def seed_contrast(terms: list[tuple[float, dict[Any, dict[str, list[float]]]]], 
         estimate = float(sum(w * cells.mean() for w, cells in prepared))
         contrast = sum(w * cells.mean(axis=0) for w, cells in prepared)  # (P,) problems' contrasts of configuration means
         squares = [two_way_mean_squares(cells) for _, cells in prepared]
-        # Var = sum_i w_i^2 (sigma_seed,i^2 / S_i + sigma_e,i^2 / (S_i P)) + sigma_problem^2 / P, where the problems'
-        # contrasts' spread estimates sigma_problem^2 + sum_i w_i^2 sigma_e,i^2 / S_i
+        # Var = sum_i w_i^2 E[MS_seed,i] / (S_i P) (each configuration's seeds, its residual within) + sigma_problem^2 / P,
+        # where the problems' contrasts' spread estimates sigma_problem^2 + sum_i w_i^2 sigma_e,i^2 / S_i
         residual_share = sum(w * w * ms_residual[0] / cells.shape[0] for (w, cells), (_, _, ms_residual) in zip(prepared, squares))
-        problem_part = len(ids) > 1 and float(np.var(contrast, ddof=1)) > residual_share
-        if problem_part:
+        if len(ids) > 1 and float(np.var(contrast, ddof=1)) > residual_share:
             variance.add("problems", 1.0 / len(ids), (float(np.var(contrast, ddof=1)), len(ids) - 1))
-        for i, ((w, cells), (ms_seed, _, ms_residual)) in enumerate(zip(prepared, squares)):
-            scale = w * w / (cells.shape[0] * len(ids))
-            variance.add((i, "residual"), scale * (1 - problem_part), ms_residual)
-            if ms_seed[0] > ms_residual[0]:
-                variance.add((i, "seed"), scale, ms_seed)
-                variance.add((i, "residual"), -scale, ms_residual)
+            for i, ((w, cells), (_, _, ms_residual)) in enumerate(zip(prepared, squares)):
+                variance.add((i, "residual"), -w * w / (cells.shape[0] * len(ids)), ms_residual)
+        for i, ((w, cells), (ms_seed, _, _)) in enumerate(zip(prepared, squares)):
+            variance.add((i, "seed"), w * w / (cells.shape[0] * len(ids)), ms_seed)
         how = f"unpaired seeds, shared problems, >= {min(len(b) for _, b in terms)} seeds x {len(ids)} problems"
     else:  # nothing shared: each configuration's own seeds and problems
         estimate = 0.0

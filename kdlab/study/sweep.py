@@ -125,7 +125,7 @@ class _Sweeper:
         if command is None:
             return
         print(f"[sweep] {run.name}: forgetting ({shlex.join(command[1:])})", flush=True)
-        completed = subprocess.run(command, check=False)
+        completed = subprocess.run(command, check=False, env=launch.child_environment())
         if completed.returncode == 0:
             record["status"] = "done"
             return
@@ -204,12 +204,13 @@ class _Sweeper:
             record.update(status="failed", error=f"{type(error).__name__}: {error}")
             print(f"[sweep] {run.name}: FAILED: {record['error']}", file=sys.stderr, flush=True)
             return
+        finally:
+            launch.finish(me, note)
         record["status"] = "done"
         if me.rank != 0:
             print(f"[sweep] {run.name}: rank {me.rank} fitted; rank 0 marks the run done", flush=True)
             return
         mark_done(run_dir, run, started, resume, global_step=step)
-        launch.finish(me, note)
         print(f"[sweep] {run.name}: done in {time.time() - started:.1f}s", flush=True)
         self.measure_forgetting(run, record)
 
@@ -283,7 +284,7 @@ class _Sweeper:
         try:
             for (run, record), job in zip(pending, jobs):
                 try:
-                    job.result()
+                    job.results()  # every task's (a run on several GPUs is one task per GPU; submitit's result() refuses those)
                     record["status"] = "done"
                 except Exception as error:  # noqa: BLE001 -- one failing run must not stop the sweep
                     last = str(error).strip().splitlines()[-1:] or [type(error).__name__]
