@@ -108,7 +108,7 @@ MOVED: dict[str, dict[str, str]] = {
         "kdlab.objectives.kl": "forward_kl_per_token kl_diagnostics reverse_kl_per_token sampled_logprobs",
         "kdlab.objectives.reduction": "REDUCTIONS chunked_token_loss token_weights",
     },
-    "kdlab.rollouts": {"kdlab.rollouts.policies": "read_completions validate_mixture"},
+    "kdlab.rollouts": {"kdlab.rollouts.policies": "read_completions", "kdlab.rollouts.mixture": "validate_mixture"},
 }
 
 SINCE_0_1 = frozenset({"kdlab.stages.multi_teacher", "kdlab.stages.teachers"})

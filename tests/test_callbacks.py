@@ -220,7 +220,7 @@ def test_rollout_sensitivity_is_zero_between_identical_policies_and_positive_oth
 
 def test_policies_expose_their_next_token_distribution():
     from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherRollouts
-    from kdlab.rollouts.policies import mixture_logprobs
+    from kdlab.rollouts.mixture import mixture_logprobs
 
     s, t = torch.log_softmax(torch.randn(3, 5), -1), torch.log_softmax(torch.randn(3, 5), -1)
     assert torch.equal(StudentRollouts().next_token_logprobs(s, t), s)

@@ -18,13 +18,13 @@ from kdlab.objectives.lazy import HeadLogits
 from kdlab.objectives.kl import ForwardKL, GeneralizedJSD, ReverseKL, SampledForwardKL, TotalVariation
 from kdlab.rollouts.policies import (
     CachedTeacherRollouts,
-    MixtureRollouts,
     RolloutContext,
     StudentRollouts,
     TeacherDatasetRollouts,
     TeacherRollouts,
     TeacherTokens,
 )
+from kdlab.rollouts.mixture import MixtureRollouts
 from kdlab.tasks import Addition
 
 STUDENT = "kdlab://tiny/student"  # the tiny world's tokenizer (digits split one by one)

@@ -14,7 +14,8 @@ from kdlab.models.loading import ModelSpec, load_causal_lm
 from kdlab.objectives.kl import kl_diagnostics
 from kdlab.objectives.logits import completion_logits
 from kdlab.rollouts.decoding import IncrementalLM
-from kdlab.rollouts.policies import MixtureRollouts, StudentRollouts, TeacherDatasetRollouts, TeacherRollouts
+from kdlab.rollouts.policies import StudentRollouts, TeacherDatasetRollouts, TeacherRollouts
+from kdlab.rollouts.mixture import MixtureRollouts
 from kdlab.teachers import Average, ByField
 from kdlab.teachers.legacy import TeacherEntry
 from kdlab.tasks import Addition, Sorting

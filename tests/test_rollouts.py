@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherDatasetRollouts, TeacherRollouts
-from kdlab.rollouts.policies import mixture_logprobs
+from kdlab.rollouts.mixture import mixture_logprobs
 from kdlab.stages import DistillModule
 from kdlab.tasks import Addition
 

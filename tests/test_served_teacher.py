@@ -12,7 +12,8 @@ import torch
 
 from kdlab.errors import ConfigError
 from kdlab.rollouts.loopback import LoopbackServer
-from kdlab.rollouts.policies import MixtureRollouts, StudentRollouts, TeacherDatasetRollouts, TeacherRollouts
+from kdlab.rollouts.policies import StudentRollouts, TeacherDatasetRollouts, TeacherRollouts
+from kdlab.rollouts.mixture import MixtureRollouts
 from kdlab.rollouts.served import ServedTeacher, ServedTeacherError, tempered_topk
 from kdlab.tasks import Addition
 

@@ -272,7 +272,7 @@ def test_kdlab_estimate_counts_every_in_process_teacher():
 
 
 def test_what_a_source_cannot_do_is_refused_naming_the_policy_and_the_source():
-    from kdlab.rollouts.policies import MixtureRollouts
+    from kdlab.rollouts.mixture import MixtureRollouts
     from kdlab.rollouts.served import ServedTeacher
 
     served = Served(ServedTeacher("http://127.0.0.1:9", "m", TEACHER, retries=0))

@@ -14,15 +14,14 @@
   :mod:`kdlab.rollouts.cache_codec`: its compact format.
 """
 
+from kdlab.rollouts.mixture import MixtureRollouts, mixture_logprobs
 from kdlab.rollouts.policies import (
     CachedTeacherRollouts,
-    MixtureRollouts,
     RolloutContext,
     RolloutPolicy,
     StudentRollouts,
     TeacherDatasetRollouts,
     TeacherRollouts,
-    mixture_logprobs,
 )
 from kdlab.rollouts.overlap import OverlappedRollouts
 from kdlab.rollouts.served_sampler import ServedRollouts
