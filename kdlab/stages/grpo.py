@@ -89,8 +89,12 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
     # exactly 0 where every reward is the same: fp32's mean of e.g. 2.1s is not 2.1, and its residue over a std of
     # the same residue would push the whole group one way
-    same = grouped.max(dim=1, keepdim=True).values == grouped.min(dim=1, keepdim=True).values
-    return centred.masked_fill(same, 0.0).reshape(-1)
+    return centred.masked_fill(zero_variance_groups(grouped)[:, None], 0.0).reshape(-1)
+
+
+def zero_variance_groups(grouped: torch.Tensor) -> torch.Tensor:
+    """``(N,)`` bool: which groups of rewards ``(N, G)`` are all equal (no signal: their advantages are 0)."""
+    return grouped.max(dim=1).values == grouped.min(dim=1).values
 
 
 def dapo_loss(
@@ -362,7 +366,7 @@ class GRPOModule(TaskStage):
         # averaged over ranks, so every rank's RewardCollapse sees the same reward
         self.log("rlvr/reward_mean", rewards.mean(), prog_bar=True, batch_size=size, sync_dist=True)
         self.log("rlvr/reward_std", rewards.std() if rows > 1 else torch.zeros((), device=self.device), batch_size=size, sync_dist=True)
-        self.log("rlvr/zero_variance_groups", (grouped.max(1).values == grouped.min(1).values).float().mean(), batch_size=size, sync_dist=True)
+        self.log("rlvr/zero_variance_groups", zero_variance_groups(grouped).float().mean(), batch_size=size, sync_dist=True)
         self.log("rlvr/completion_length", mask.sum(1).float().mean(), batch_size=size, sync_dist=True)
         if not bool(mask.any()):  # no early return: under data parallelism every rank must take the same steps
             warnings.warn(f"step {self.global_step}: the rollouts hold no completion token; the step changes nothing", stacklevel=2)

@@ -92,7 +92,7 @@ def seed_values_effect(values: list[tuple[float, dict[Any, float]]], unit: str =
     if any(len(by_seed) < 2 for _, by_seed in values):
         return None
     floors = within or [{} for _ in values]
-    keys = [key for key in sorted(values[0][1], key=str) if all(key in by_seed for _, by_seed in values)]  # the shared seeds
+    keys = stats.shared_items([sorted(by_seed, key=str) for _, by_seed in values])  # the seeds every configuration has
     if len(keys) >= 2:
         contrasts = [sum(w * by_seed[key] for w, by_seed in values) for key in keys]
         estimate = statistics.fmean(contrasts)

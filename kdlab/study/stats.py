@@ -238,7 +238,7 @@ def _crossed_terms(variance: _Variance, key: object, cells: np.ndarray, weight: 
         variance.add((key, "residual"), -scale, ms_residual)
 
 
-def _common(sets: list[list]) -> list:
+def shared_items(sets: list[list]) -> list:
     """The items every list holds, in the first one's order."""
     shared = set(sets[0]).intersection(*map(set, sets[1:]))
     return [item for item in sets[0] if item in shared]
@@ -271,15 +271,15 @@ def seed_contrast(terms: list[tuple[float, dict[Any, dict[str, list[float]]]]], 
     Paired (two seeds or more that every configuration has; the seed fixes the data order and the evaluation's
     sampling streams, so same-seed runs share random numbers): the contrast of each (seed, problem) cell,
     ``D = sum_i w_i Y_i`` ``(S, P)``, and ``Var = (MS_seed + max(MS_problem - MS_residual, 0)) / (S P)`` of ``D`` (:func:`paired_interval`).
-    Unpaired: each configuration's seed and residual mean squares, and the problems' part from the spread of the
+    Unpaired: each configuration's seed mean square, and the problems' part from the spread of the
     problems' contrasts of configuration means where the configurations share their problems, each configuration's
     own problems' part where they do not. Only the seeds every configuration has are paired, and only problems in
     every table compared (every configuration's where they are shared); ``how`` says what was left out."""
     if any(len(by_seed) < 2 for _, by_seed in terms):
         raise ValueError("a seed-level interval needs at least two seeds in every configuration")
     tables = [table for _, by_seed in terms for table in by_seed.values()]
-    ids = _common([sorted(table) for table in tables])
-    seeds = _common([sorted(by_seed, key=str) for _, by_seed in terms])
+    ids = shared_items([sorted(table) for table in tables])
+    seeds = shared_items([sorted(by_seed, key=str) for _, by_seed in terms])
     left = []
     if ids and len(ids) < max(len(table) for table in tables):
         left.append(f"{len(set().union(*tables)) - len(ids)} problems not in every run")
@@ -299,8 +299,9 @@ def seed_contrast(terms: list[tuple[float, dict[Any, dict[str, list[float]]]]], 
         # Var = sum_i w_i^2 E[MS_seed,i] / (S_i P) (each configuration's seeds, its residual within) + sigma_problem^2 / P,
         # where the problems' contrasts' spread estimates sigma_problem^2 + sum_i w_i^2 sigma_e,i^2 / S_i
         residual_share = sum(w * w * ms_residual[0] / cells.shape[0] for (w, cells), (_, _, ms_residual) in zip(prepared, squares))
-        if len(ids) > 1 and float(np.var(contrast, ddof=1)) > residual_share:
-            variance.add("problems", 1.0 / len(ids), (float(np.var(contrast, ddof=1)), len(ids) - 1))
+        spread = float(np.var(contrast, ddof=1)) if len(ids) > 1 else 0.0
+        if spread > residual_share:
+            variance.add("problems", 1.0 / len(ids), (spread, len(ids) - 1))
             for i, ((w, cells), (_, _, ms_residual)) in enumerate(zip(prepared, squares)):
                 variance.add((i, "residual"), -w * w / (cells.shape[0] * len(ids)), ms_residual)
         for i, ((w, cells), (ms_seed, _, _)) in enumerate(zip(prepared, squares)):
@@ -309,7 +310,7 @@ def seed_contrast(terms: list[tuple[float, dict[Any, dict[str, list[float]]]]], 
     else:  # nothing shared: each configuration's own seeds and problems
         estimate = 0.0
         for i, (w, by_seed) in enumerate(terms):
-            own = _common([sorted(table) for table in by_seed.values()])
+            own = shared_items([sorted(table) for table in by_seed.values()])
             if not own:
                 raise ValueError("a seed-level interval needs problems that every seed of a configuration was evaluated on")
             cells = seed_cells(list(by_seed.values()), k, own)

@@ -76,7 +76,7 @@ METHOD = (
     "noise, already in the spread between cells, is counted once), the variance of the contrast comes from two-way mean squares, "
     "(MS seed + max(MS problem - MS residual, 0)) / (seeds x problems), the seeds' mean square always whole, "
     "and the interval is a t interval with Satterthwaite's degrees of freedom, the same method at any number of seeds (two seeds, "
-    "one degree of freedom, run slightly above the nominal 5%). Where the "
+    "one degree of freedom, may run slightly above the nominal 5%). Where the "
     "configurations share their seeds (the seed fixes the data order and the evaluation's sampling streams, so same-seed runs share "
     "random numbers), the contrast is taken cell by cell (paired) on the seeds and problems every configuration has; otherwise "
     "each configuration's seeds count on their own (unpaired). Per-run numbers (OOD change, sparsity) get a t interval over seeds, "
