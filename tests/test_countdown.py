@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kdlab.tasks.addition import Addition
 from kdlab.tasks.countdown import Countdown, chain_to_expression, solve, verify
 
 PROMPT_HEAD = (
@@ -110,8 +111,27 @@ def test_disjoint_changes_nothing_without_a_train_split_and_a_stuck_split_is_ref
     assert alone.examples("val") == Countdown(num_train=0, num_val=50, num_test=50).examples("val")
     assert countdown.MAX_SKIPPED_DRAWS == 100_000  # docs/bad_inputs.md's row
     monkeypatch.setattr(countdown, "MAX_SKIPPED_DRAWS", 0)
-    with pytest.raises(ValueError, match=r"Countdown.disjoint: 0 countdown3 draws in a row for the val split were train or val problems"):
+    with pytest.raises(ValueError, match=r"Countdown.disjoint/exclude_train_of: 0 countdown3 draws in a row for the val split were excluded train or val problems"):
         Countdown(num_train=5000, num_val=200, disjoint=True).examples("val")
+
+
+def test_exclude_train_of_leaves_another_tasks_train_problems_out_of_val_and_test_and_keeps_the_rest_in_order() -> None:
+    """Countdown-4E shares four-operand problems with Countdown-4 (operands 1-10, targets up to 100): the RLVR presets'
+    pass@k task leaves the trained task's train problems out, and is otherwise the same stream."""
+    trained = Countdown(variant="countdown4", num_train=5000, num_val=0, num_test=0, seed=42)
+    train = {(tuple(sorted(row["nums"])), row["target"]) for row in trained.examples("train")}
+    plain = Countdown(variant="countdown4e", num_train=0, num_val=400, num_test=400)
+    held = Countdown(variant="countdown4e", num_train=0, num_val=200, num_test=200, exclude_train_of=[trained])
+    for split in ("val", "test"):
+        rows = held.examples(split)
+        problems = [(tuple(sorted(row["nums"])), row["target"]) for row in rows]
+        before = [(tuple(sorted(row["nums"])), row["target"]) for row in plain.examples(split)]
+        assert any(problem in train for problem in before[:200]), split  # the exclusion has something to do
+        assert not train & set(problems), split
+        assert problems == [problem for problem in before if problem not in train][: len(rows)], split
+    assert held.examples("train") == plain.examples("train") == []
+    with pytest.raises(TypeError, match=r"Countdown.exclude_train_of\[0\] must be a Countdown task, got Addition"):
+        Countdown(variant="countdown4e", exclude_train_of=[Addition()])
 
 
 @pytest.mark.parametrize("variant", ["countdown3", "countdown4", "countdown4e", "countdown3s"])

@@ -212,6 +212,9 @@ class Countdown(Task):
             from its own stream until it is full. Train is the same either way. ``False`` (default): the
             splits are drawn without regard to each other, as the committed tiny-world studies were. A
             split that skips :data:`MAX_SKIPPED_DRAWS` draws in a row is refused (``ValueError``).
+        exclude_train_of: other Countdown tasks whose train problems val and test leave out as well (drawing on
+            from their own streams, as ``disjoint`` does), e.g. the Countdown-4 task an RLVR run trains on, for the
+            Countdown-4E pass@k it tracks. Train is the same either way.
         answer_format: ``chain`` (comma-separated steps, the source's format) or ``expression``
             (one expression such as ``(2+3)*4``); sets the prompt, the reference and the verifier.
         instruction: start the user prompt with the paper's instruction; ``False`` sends only the
@@ -232,6 +235,7 @@ class Countdown(Task):
         answer_format: str = "chain",
         instruction: bool = True,
         disjoint: bool = False,
+        exclude_train_of: Sequence[Countdown] | None = None,
         **prompting: Any,
     ) -> None:
         super().__init__(**prompting)
@@ -248,6 +252,10 @@ class Countdown(Task):
         self.sizes = {"train": num_train, "val": num_val, "test": num_test}
         self.seed = seed
         self.disjoint = disjoint
+        self.exclude_train_of = list(exclude_train_of or ())
+        for index, other in enumerate(self.exclude_train_of):
+            if not isinstance(other, Countdown):
+                raise TypeError(f"Countdown.exclude_train_of[{index}] must be a Countdown task, got {type(other).__name__}")
 
     def _draws(self, split: str, search: _Search) -> Iterator[tuple[list[int], tuple[int, ...], int]]:
         """``(nums, sorted nums, target)`` problems of ``split``'s stream, in order, without end."""
@@ -266,11 +274,13 @@ class Countdown(Task):
 
     def excluded_problems(self, split: str) -> set[tuple[tuple[int, ...], int]]:
         """The (sorted operands, target) problems ``split`` may not hold: with ``disjoint``, train's for
-        val and train's and val's for test; none otherwise."""
-        if not self.disjoint or split == "train":
+        val and train's and val's for test; for val and test, every ``exclude_train_of`` task's train problems too."""
+        if split == "train":
             return set()
-        earlier = ("train",) if split == "val" else ("train", "val")
-        return {(tuple(sorted(row["nums"])), row["target"]) for name in earlier for row in self.examples(name)}
+        sources = [(other, "train") for other in self.exclude_train_of]
+        if self.disjoint:
+            sources += [(self, name) for name in (("train",) if split == "val" else ("train", "val"))]
+        return {(tuple(sorted(row["nums"])), row["target"]) for task, name in sources for row in task.examples(name)}
 
     def load_split(self, split: str) -> list[Example]:
         search = _Search()
@@ -284,9 +294,9 @@ class Countdown(Task):
                 skipped += 1
                 if skipped > MAX_SKIPPED_DRAWS:
                     raise ValueError(
-                        f"Countdown.disjoint: {MAX_SKIPPED_DRAWS} {self.variant} draws in a row for the {split} split "
-                        f"were train or val problems ({len(rows)} of num_{split}={self.sizes[split]} found); "
-                        "lower num_train or set disjoint: false"
+                        f"Countdown.disjoint/exclude_train_of: {MAX_SKIPPED_DRAWS} {self.variant} draws in a row for the "
+                        f"{split} split were excluded train or val problems ({len(rows)} of num_{split}={self.sizes[split]} "
+                        "found); lower num_train or exclude fewer problems"
                     )
                 continue
             skipped = 0
