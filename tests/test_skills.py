@@ -45,6 +45,10 @@ def test_answer_from_last_number_reads_the_last_integer_anywhere():
     assert addition.score(sum_, f"The sum is {sum_['a'] + sum_['b']:,}.") == 1.0  # thousands commas ignored
     assert last_integer("x" * 200_000) is None and last_integer("7" * 65) is None and last_integer(b"3") is None
     assert last_integer("from -3 to 12") == 12 and last_integer("down to -3") == -3
+    # math_answers.last_number's reading: a decimal is no integer (it read the 5 of 2.5), commas only in groups of three
+    assert last_integer("The sum is 2.5") is None and last_integer("The sum is 5.0.") == 5
+    assert last_integer("1,2") is None and last_integer("12,345 apples") == 12345 and last_integer("down to \u22123") == -3
+    assert addition.score(sum_, f"The sum is {sum_['a'] + sum_['b']}.5") == 0.0
 
 
 def test_addition_reads_ascii_digits_only_and_scores_anything_else_0():

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kdlab.components import Component
+from kdlab.tasks.math_answers import last_number
 
 Example = dict[str, Any]
 Messages = list[dict[str, str]]
@@ -184,19 +185,15 @@ def last_tagged(text: str, tag: str = "answer") -> str | None:
 ANSWER_SOURCES = ("tag", "last_number")
 """Where a numeric task reads the answer: the last ``<answer>`` tag (kdlab's format), or the last integer
 written anywhere (``last_number``: for pretrained models that answer in their own words)."""
-_MAX_INTEGER_DIGITS = 64
 
 
 def last_integer(text: str) -> int | None:
-    """The last integer written in ``text`` (thousands commas ignored, a leading ``-`` kept), or ``None``
-    when there is none or ``text`` is not a ``str``. Linear time; numbers over 64 digits are ignored."""
-    if not isinstance(text, str):
-        return None
-    for match in reversed(re.findall(r"-?\d[\d,]*", text)):
-        digits = match.replace(",", "")
-        if 0 < len(digits.lstrip("-")) <= _MAX_INTEGER_DIGITS:
-            return int(digits)
-    return None
+    """The last number written in ``text`` when it is an integer, else ``None``: :func:`~kdlab.tasks.math_answers.last_number`'s
+    reading (a ``-`` or U+2212 minus kept, thousands commas only in groups of three, a trailing period or comma
+    as punctuation), so ``"2.5"`` is no integer rather than 5, ``"5.0"`` is 5 and ``"1,2"`` is no number rather
+    than 12. ``None`` when ``text`` is not a ``str``. Linear time."""
+    value = last_number(text)
+    return int(value) if value is not None and value.denominator == 1 else None
 
 
 def check_answer_source(owner: str, answer_from: str) -> str:
