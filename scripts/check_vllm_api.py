@@ -34,6 +34,8 @@ Checked, each printed as ``ok`` or ``FAIL`` (exit status 1 when any fails, 2 whe
   :data:`~kdlab.rollouts.vllm.VLLM_PROFILE_TOKENS` / :data:`~kdlab.rollouts.vllm.VLLM_PROFILE_SEQUENCES`
   are vLLM's largest default ``max_num_batched_tokens`` / ``max_num_seqs`` for ``vllm.LLM`` (what
   :func:`kdlab.rollouts.vllm.engine_memory_fraction` sizes the profiled activations with);
+* the served sampler's server check: ``GET /server_info?config_format=json`` dumps ``vllm_config`` as JSON, whose
+  sections and fields hold :data:`kdlab.rollouts.served_sampler.SERVER_SETTINGS`;
 * the log-prob output format: :func:`kdlab.rollouts.vllm_sampling.sampled_token_logprobs` reads the sampled tokens'
   log-probs from both containers vLLM fills (a list of ``{token: Logprob}`` dicts and ``FlatLogprobs``),
   built with vLLM's own ``append_logprobs_for_next_position`` as its engine does for ``logprobs=0``.
@@ -53,6 +55,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kdlab.rollouts.served_sampler import SERVER_SETTINGS  # noqa: E402
 from kdlab.rollouts.served import COMPLETION_REQUEST_FIELDS, COMPLETION_RESPONSE_FIELDS, MODEL_FIELDS, TOKENIZE_FIELDS  # noqa: E402
 from kdlab.rollouts.vllm import (
     ENGINE_DTYPES,
@@ -316,6 +319,19 @@ def checks(source: Source) -> list[tuple[str, Any]]:
         method(source.cls("v1/worker/gpu_model_runner.py", "GPUModelRunner"), "get_model")
         method(source.cls("model_executor/models/qwen2.py", "Qwen2ForCausalLM"), "load_weights")
         method(source.cls("model_executor/models/llama.py", "LlamaForCausalLM"), "load_weights")
+
+    @check("served sampler's check: GET /server_info?config_format=json dumps vllm_config with the fields SERVER_SETTINGS reads")
+    def _():
+        text = source.text("entrypoints/serve/dev/server_info/api_router.py")
+        assert '@router.get("/server_info")' in text and "config_format" in text, "/server_info or its config_format moved"
+        assert '"vllm_config"' in text and "PydanticVllmConfig.dump_python(vllm_config, mode=\"json\"" in text, "vllm_config is no longer dumped as JSON"
+        assert "attach_server_info_router(app)" in source.text("entrypoints/serve/__init__.py"), "/server_info is no longer attached"
+        sections = {"model_config": ("config/model.py", "ModelConfig"), "parallel_config": ("config/parallel.py", "ParallelConfig")}
+        config = fields(source.cls("config/vllm.py", "VllmConfig"))
+        for (section, field), (value, _) in SERVER_SETTINGS.items():
+            assert section in config, f"VllmConfig has no {section}"
+            assert field in fields(source.cls(*sections[section])), f"{sections[section][1]} has no {field}"
+        assert SERVER_SETTINGS[("model_config", "logprobs_mode")][0] in literal_values(source.tree("config/model.py"), "LogprobsMode")
 
     @check("VLLM_ENABLE_V1_MULTIPROCESSING is an environment variable vLLM reads")
     def _():

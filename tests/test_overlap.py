@@ -160,6 +160,28 @@ def test_a_push_the_server_cannot_load_stops_the_run_naming_the_endpoint(server,
     assert server.weights.loaded == loaded
 
 
+@pytest.mark.parametrize("section, field, value, flag", [
+    ("model_config", "logprobs_mode", "raw_logprobs", "--logprobs-mode processed_logprobs"),  # vLLM's default
+    ("parallel_config", "worker_extension_cls", None, "--worker-extension-cls kdlab.rollouts.vllm.WeightLoaderExtension"),
+])
+def test_a_server_not_run_with_the_samplers_settings_is_refused_before_the_first_push(server, tmp_path, section, field, value, flag):
+    """vLLM's default log-probs are those of the raw distribution, not the tempered one sampled from: every importance
+    weight would be wrong without an error. The sampler reads the server's /server_info before its first push and
+    refuses it, naming the flag; nothing is pushed."""
+    from kdlab.served_wire import ServedTeacherError
+
+    sampler, loaded = engine(server, tmp_path), list(server.weights.loaded)
+    sampler.check()  # the loopback server runs as the sampler needs
+    kept = server.server_config[section][field]
+    try:
+        server.server_config[section][field] = value
+        with pytest.raises(ServedTeacherError, match=rf"{section}.{field} is {value!r}, not {kept!r}: run vllm serve with {flag}"):
+            engine(server, tmp_path).check()
+    finally:
+        server.server_config[section][field] = kept
+    assert server.weights.loaded == loaded
+
+
 def test_the_sampler_reply_holds_each_tokens_tempered_logprob(server, tmp_path):
     """logprobs: 0 on a sampling request: one log-prob per sampled token, that of the tempered distribution it
     was drawn from (recomputed here from the model's logits at that temperature)."""

@@ -45,7 +45,8 @@ it was drawn from (tempered, as ``vllm serve --logprobs-mode processed_logprobs`
 ``{"method": "kdlab_load_weights_file", "args": [path]}`` loads a safetensors file of Hugging Face names into the
 model between two forwards, as ``VLLM_SERVER_DEV_MODE=1 vllm serve --worker-extension-cls
 kdlab.rollouts.vllm.WeightLoaderExtension`` does (:mod:`kdlab.rollouts.loopback_weights`); ``POST /reset_prefix_cache``
-answers 200 (there is no cache).
+answers 200 (there is no cache); ``GET /server_info`` answers ``{"vllm_config": server_config}``, the two settings of
+such a server (:data:`~kdlab.rollouts.served_sampler.SERVER_SETTINGS`) that the sampler checks.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from kdlab.rollouts.loopback_faults import FAULTS  # noqa: F401 - the switches, 
 from kdlab.rollouts.loopback_http import MAX_REQUEST_BYTES, LoopbackHandler  # noqa: F401 - the limit, by its old path too
 from kdlab.rollouts.loopback_reply import completion_reply
 from kdlab.rollouts.loopback_weights import WeightCall, WeightPushes
+from kdlab.rollouts.served_sampler import SERVER_SETTINGS
 
 
 
@@ -121,6 +123,9 @@ class LoopbackServer:
         self.flight, self.in_flight, self.most_in_flight = threading.Lock(), 0, 0  # completions requests being answered at once (most: since reset)
         self.batches: list[int] = []  # prompts per forward batch the worker ran (scoring or sampling)
         self.weights = WeightPushes(self.model, self.jobs)  # /collective_rpc: a student's weights pushed by its trainer
+        self.server_config: dict[str, dict[str, Any]] = {}  # /server_info: runs as `vllm serve` for a served sampler must
+        for (section, field), (value, _) in SERVER_SETTINGS.items():
+            self.server_config.setdefault(section, {})[field] = value
         self.httpd = ThreadingHTTPServer((host, port), LoopbackHandler)
         self.httpd.loopback = self  # what each request's handler answers from
         self.port = self.httpd.server_address[1]

@@ -52,7 +52,9 @@ class LoopbackHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802
         if not self._allowed():
             return
-        if self.path == "/tokenizer_info":
+        if self.path.split("?")[0] == "/server_info":
+            self._send(200, json.dumps({"vllm_config": self.loopback.server_config}).encode())
+        elif self.path == "/tokenizer_info":
             self._send(200, json.dumps(self.loopback.tokenizer_info()).encode())
         elif self.path == "/v1/models":
             card = {"id": self.loopback.name, "object": "model", "created": int(time.time()), "owned_by": "vllm",

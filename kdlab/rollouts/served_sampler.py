@@ -6,6 +6,10 @@ What is sent (vLLM's names; the server runs ``VLLM_SERVER_DEV_MODE=1 vllm serve 
 kdlab.rollouts.vllm.WeightLoaderExtension --logprobs-mode processed_logprobs``, or kdlab's loopback server):
 
 * ``GET /v1/models`` -> ``data[].id``: the served model must be there (checked before the first push);
+* ``GET /server_info?config_format=json`` (``VLLM_SERVER_DEV_MODE=1``) -> ``vllm_config``: the server must run with
+  :data:`SERVER_SETTINGS` (checked before the first push): ``--logprobs-mode processed_logprobs``, without which vLLM
+  returns the log-probs of the untempered, unfiltered distribution and every importance weight at ``T != 1`` or
+  ``top_p < 1`` is wrong without any error, and the weight loader extension the pushes call;
 * a push: the weights written to ``weights_dir`` as one safetensors file of Hugging Face names (in the
   engine's ``dtype``), then ``POST /collective_rpc`` ``{"method": "kdlab_load_weights_file", "args": [path]}``
   and ``POST /reset_prefix_cache`` (cached prompt blocks were computed with the old weights); the file is deleted
@@ -35,6 +39,15 @@ from kdlab.served_replies import sampled_logprobs, sampled_tokens
 from kdlab.served_wire import BYTES_PER_ENTRY, BYTES_PER_REPLY, ServedTeacherError, Wire, check_url, redact
 
 ENGINE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+SERVER_SETTINGS: dict[tuple[str, str], tuple[str, str]] = {
+    # (VllmConfig field, its field): (the value a served sampler needs, the `vllm serve` flag that sets it)
+    ("model_config", "logprobs_mode"): ("processed_logprobs", "--logprobs-mode processed_logprobs"),
+    ("parallel_config", "worker_extension_cls"): ("kdlab.rollouts.vllm.WeightLoaderExtension",
+                                                  "--worker-extension-cls kdlab.rollouts.vllm.WeightLoaderExtension"),
+}
+"""The settings ``GET /server_info?config_format=json`` must report under ``vllm_config`` before the first push."""
+SERVER_INFO_PATH = "/server_info?config_format=json"
 
 
 def on_this_machine(url: str) -> bool:
@@ -118,7 +131,8 @@ class ServedRollouts(SyncedEngine):
 
     # ---- the push --------------------------------------------------------------------------------
     def check(self) -> None:
-        """Once, before the first push: one training process, and the server serves ``model``."""
+        """Once, before the first push: one training process, the server serves ``model``, and it runs with
+        :data:`SERVER_SETTINGS` (its ``/server_info``)."""
         if self._checked:
             return
         if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -127,9 +141,27 @@ class ServedRollouts(SyncedEngine):
         served = [card.get("id") for card in models.get("data", []) if isinstance(card, dict)]
         if self.served_model not in served:
             raise ServedTeacherError(f"served sampler {self._wire.where}/v1/models serves {served[:8]}, not ServedRollouts.model={self.served_model!r}")
+        self.check_server_settings()
         if self.weights_dir is None:
             self.weights_dir = tempfile.mkdtemp(prefix="kdlab-pushed-weights-")
         self._checked = True
+
+    def check_server_settings(self) -> None:
+        """Refuses a server whose ``/server_info`` lacks or contradicts :data:`SERVER_SETTINGS`, naming each flag."""
+        try:
+            info = self._wire.request(SERVER_INFO_PATH, max_bytes=1 << 24)
+        except ServedTeacherError as error:
+            raise ServedTeacherError(f"served sampler {self._wire.where}{SERVER_INFO_PATH}: {error} (run the server with "
+                                     "VLLM_SERVER_DEV_MODE=1, which the weight pushes need as well)") from None
+        config = info.get("vllm_config")
+        wrong = []
+        for (section, field), (wanted, flag) in SERVER_SETTINGS.items():
+            found = (config.get(section) or {}).get(field) if isinstance(config, dict) else None
+            if found != wanted:
+                wrong.append(f"{section}.{field} is {found!r}, not {wanted!r}: run vllm serve with {flag}")
+        if wrong:
+            raise ServedTeacherError(f"served sampler {self._wire.where}: " + "; ".join(wrong)
+                                     + " (the behaviour log-probs of the importance weights must be those of the distribution sampled from)")
 
     def snapshot(self, context: RolloutContext) -> str:
         """The student's weights written to a safetensors file under ``weights_dir`` (Hugging Face names, LoRA
