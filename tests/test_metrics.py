@@ -80,6 +80,18 @@ def test_dollar_amounts_are_prose_and_only_maths_between_dollars_is_neutral():
     assert strip_language_neutral(r"It costs $5 and we solve $x+1=6$ then $$\frac{x}{2} = y$$ done") == "It costs and we solve then done"
 
 
+def test_latex_maths_delimiters_are_neutral_whatever_words_the_maths_holds():
+    """\\(...\\), \\[...\\] and equation-like environments are maths, never currency: their \\text{...} words are not
+    judged, so a Spanish response writing its maths in English \\text is Spanish (they were judged: English)."""
+    inline = r"Entonces calculamos: \(\text{total price} = \text{unit price} \times \text{quantity}\)"
+    display = r"Calculamos el área así: \[ \text{area of the triangle} = \frac{\text{base times height}}{2} \]"
+    environment = r"Calculamos el área así: \begin{align*} \text{area of the triangle} &= 5 \end{align*} y listo"
+    assert [strip_language_neutral(text) for text in (inline, display, environment)] == [
+        "Entonces calculamos", "Calculamos el área así", "Calculamos el área así y listo"]
+    assert [detect_language(text) for text in (inline, display, environment)] == ["es"] * 3
+    assert strip_language_neutral(r"an unclosed \( stays as words") == "an unclosed stays as words"
+
+
 def test_too_little_language_is_not_judged_and_counts_as_not_spanish():
     """kdlab.evaluation.metrics.MIN_WORDS: py3langid calls a lone English word Spanish; a response left with fewer
     than two words once maths, tags and answers are removed has no language (None) and is not primarily Spanish,

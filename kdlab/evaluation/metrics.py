@@ -119,6 +119,8 @@ _NEUTRAL = [
     re.compile(r"<answer>.*?</answer>", re.S),  # answer labels and equations
     re.compile(r"```.*?```", re.S),  # code blocks
     re.compile(r"\\boxed\{[^{}]*\}"),  # boxed answers
+    re.compile(r"\\\(.*?\\\)|\\\[.*?\\\]", re.S),  # LaTeX inline \(...\) and display \[...\] maths: never currency
+    re.compile(r"\\begin\{(equation|align|gather|multline|eqnarray)(\*?)\}.*?\\end\{\1\2\}", re.S),  # maths environments
 ]
 _AFTER_MATHS = [
     re.compile(r"</?[a-zA-Z_]+>|<\|[^|]*\|>"),  # tags and special tokens
@@ -156,7 +158,8 @@ def _without_maths(text: str) -> str:
 
 
 def strip_language_neutral(text: str) -> str:
-    """Remove what counts as language-neutral (answers, code, boxed answers, maths between dollar signs, tags,
+    """Remove what counts as language-neutral (answers, code, boxed answers, maths between dollar signs, between
+    ``\\(`` and ``\\)`` or ``\\[`` and ``\\]`` and in equation-like environments, tags,
     numbers, operators and punctuation), leaving the words whose language is judged. Dollar signs around prose
     (``$5 for apples and then $3``) are currency, not maths: the prose stays (:func:`looks_like_maths`)."""
     for pattern in _NEUTRAL:
