@@ -609,12 +609,18 @@ def test_groups_stop_at_a_special_token_inside_a_completion():
     im_start = student_tok.convert_tokens_to_ids("<|im_start|>")
     text = lambda value: student_tok(value, add_special_tokens=False)["input_ids"]  # noqa: E731
     rollout, teacher_ids, teacher_mask = student_written([text("ab") + [im_start] + text("cd")])
-    groups = bound(OTHER, STUDENT).groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
+    cross = bound(OTHER, STUDENT)
+    groups = cross.groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
     assert groups.student_start.tolist() == [0, 1] and groups.teacher_start.tolist() == [0, 1]
+    assert groups.cut_rows == 1  # counted, and logged as train/cut_rows
+    student = torch.randn(*rollout.completion_ids.shape, len(student_tok), dtype=torch.float64)
+    teacher = torch.randn(*teacher_ids.shape, len(tokenizer(OTHER)), dtype=torch.float64)
+    _, diagnostics = cross.loss(ForwardKL(), student, teacher, groups, rollout.completion_ids, teacher_ids, rollout.completion_mask)
+    assert diagnostics["cut_rows"].item() == 1
     # a completion that ends with the end token keeps its end group
     rollout, teacher_ids, teacher_mask = student_written([text("abcd")])
     groups = bound(OTHER, STUDENT).groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
-    assert groups.student_start.tolist() == [0, 1, 2, 3, 4]
+    assert groups.student_start.tolist() == [0, 1, 2, 3, 4] and groups.cut_rows == 0
 
 
 def test_the_optimum_is_the_teacher_conditioned_on_shared_single_tokens_not_its_distribution_over_text():

@@ -343,7 +343,8 @@ class CrossTokenizer(TokenPairing):
         over tokens as usual.
         Diagnostics: ``kl_forward``, ``kl_reverse``, entropies on the events, ``teacher_unmapped_mass`` (the
         teacher's probability on tokens outside the map, at group starts), ``one_to_one_share``, ``misaligned_rows``
-        (rows left out of the loss because their two tokenizations spell different bytes: :meth:`AlignedGroups.build`).
+        (rows left out of the loss because their two tokenizations spell different bytes: :meth:`AlignedGroups.build`),
+        ``cut_rows`` (rows whose groups stop at a special token inside the completion).
         """
         from kdlab.objectives.kl import KLObjective
         from kdlab.objectives.reduction import token_weights
@@ -416,4 +417,5 @@ class CrossTokenizer(TokenPairing):
         out = dict(zip(DIAGNOSTICS, diagnostics.unbind()))
         out["one_to_one_share"] = torch.tensor(groups.one_to_one_share)
         out["misaligned_rows"] = torch.tensor(float(groups.misaligned_rows))
+        out["cut_rows"] = torch.tensor(float(groups.cut_rows))
         return loss, out

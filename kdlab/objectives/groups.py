@@ -180,7 +180,7 @@ class AlignedGroups:
     sides only). ``student_start``/``teacher_start`` are positions in each side's completion columns;
     ``aligned_bytes`` / ``one_to_one_bytes`` count the batch's completion bytes and those that one-to-one
     groups cover; ``misaligned_rows`` counts the rows left out because their two tokenizations spell
-    different bytes."""
+    different bytes, ``cut_rows`` the rows whose groups stop at a special token inside the completion."""
 
     row: torch.Tensor
     student_start: torch.Tensor
@@ -190,6 +190,7 @@ class AlignedGroups:
     aligned_bytes: int
     one_to_one_bytes: int
     misaligned_rows: int = 0
+    cut_rows: int = 0
 
     @classmethod
     def build(cls, vocabulary: VocabularyMap, student_ids: torch.Tensor, student_mask: torch.Tensor,
@@ -201,9 +202,9 @@ class AlignedGroups:
         counted in ``misaligned_rows``; the run goes on. A row's groups stop before the first special token
         that is not its side's final end token (a ``<|im_start|>`` in the middle of a completion): the other
         model reads no such token (it covers no bytes), so after it the two models no longer condition on the
-        same text."""
+        same text; such rows are counted in ``cut_rows``."""
         rows, s_start, s_len, t_start, t_len = [], [], [], [], []
-        total = one = misaligned = 0
+        total = one = misaligned = cut = 0
         s_ends, t_ends = set(vocabulary.student_ends.tolist()), set(vocabulary.teacher_ends.tolist())
         for b, (s_row, s_keep, t_row, t_keep) in enumerate(zip(student_ids.tolist(), student_mask.tolist(), teacher_ids.tolist(), teacher_mask.tolist())):
             s_tokens = [token for token, keep in zip(s_row, s_keep) if keep]
@@ -218,6 +219,7 @@ class AlignedGroups:
             t_cut = _first_inner_special(t_tokens, vocabulary.teacher_specials, t_ends)
             for t_range, s_range in pair_specials(align(t_spans, s_spans)):
                 if s_cut in s_range or t_cut in t_range:
+                    cut += 1
                     break
                 if not len(t_range) or not len(s_range):
                     continue
@@ -231,7 +233,7 @@ class AlignedGroups:
                 one += size if len(t_range) == 1 and len(s_range) == 1 else 0
         device = student_ids.device
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        return cls(as_tensor(rows), as_tensor(s_start), as_tensor(s_len), as_tensor(t_start), as_tensor(t_len), total, one, misaligned)
+        return cls(as_tensor(rows), as_tensor(s_start), as_tensor(s_len), as_tensor(t_start), as_tensor(t_len), total, one, misaligned, cut)
 
     def __len__(self) -> int:
         return int(self.row.numel())
