@@ -64,7 +64,23 @@ def data_position(trainer: Any, checkpoint: dict[str, Any], batch_size: int, num
     if partial:
         done -= partial
         rewind_batch_progress(checkpoint, done)
+    else:
+        drop_unfinished_batch(checkpoint)
     return {"epoch": epoch, "batches_done": done, "batch_size": batch_size, "num_replicas": num_replicas}
+
+
+def drop_unfinished_batch(checkpoint: dict[str, Any]) -> None:
+    """In a Lightning ``checkpoint`` saved while a micro-batch was drawn but not trained (an interruption inside the
+    training step), count that batch as not drawn in the whole run's counters too. On restart Lightning does so for
+    the epoch's counters only (``reset_on_restart`` of ``current``), so the run-wide count, which places validation
+    when ``check_val_every_n_epoch`` is ``null`` (``val_check_interval`` counted over the run), stayed one ahead:
+    validation ran one micro-batch early, or not at all."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    if progress is None:
+        return
+    total = progress["total"]
+    if total["processed"] == total["completed"]:  # not a save after the batch trained (on_train_batch_end)
+        total["ready"] = total["started"] = total["completed"]
 
 
 def rewind_batch_progress(checkpoint: dict[str, Any], position: int) -> None:
