@@ -14,6 +14,8 @@ activations in the backward (gradient checkpointing) or another attention gets r
 4D block-diagonal mask. Either way the objective receives the same ``(B, C, ...)``
 tensors at the completion positions (the packed outputs are gathered back), so every reduction, diagnostic
 and teacher signal (a cache's or a server's top-k, indexed by ``(B, C)``) lands on the same tokens.
+Packed sequences attend over the whole of their sequence: a model whose layers attend over a sliding window is
+refused (:meth:`Packed.check_model`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from typing import Any
 
 import torch
 
+from kdlab.models.loading import windowed_attention
 from kdlab.objectives.logits import (
     completion_head_logits,
     completion_logits,
     forward_parameters,
     full_head_weight,
     fused_head_unsupported,
+    innermost_model,
 )
 from kdlab.rollouts.segment_attention import NAME as SEGMENTS
 from kdlab.rollouts.segment_attention import segment_attention_for
@@ -52,6 +56,10 @@ class RowLayout:
         """A :class:`~kdlab.objectives.lazy.HeadLogits` of hidden states ``(B, C, H)``, as
         :func:`~kdlab.objectives.logits.completion_head_logits`."""
         raise NotImplementedError
+
+    def check_model(self, config: Any, who: str) -> None:
+        """An error naming the setting and ``config``'s field when a model with Hugging Face ``config`` (``who``:
+        ``"the student"``, ``"DistillModule.teacher"``...) cannot be read in this layout; every model can be padded."""
 
 
 class Padded(RowLayout):
@@ -84,6 +92,13 @@ class Packed(RowLayout):
         """Whether ``model``'s packed forward runs kdlab's segment attention (:func:`segments_apply`)."""
         return model is not None and self.segment_attention and segments_apply(model)
 
+    def check_model(self, config: Any, who: str) -> None:
+        """Packed sequences attend over the whole of their sequence: a model whose layers attend over a sliding
+        window (:func:`~kdlab.models.loading.windowed_attention`) is refused, naming the setting and the field."""
+        if config is not None and (windowed := windowed_attention(config)) is not None:
+            raise ValueError(f"{self.setting}={self.max_tokens_per_row} cannot pack {who}: its {windowed}, which packed rows "
+                             f"do not apply; use padded rows ({self.setting.rsplit('.', 1)[-1]}: null)")
+
     def check_fits(self, longest_sequence: int, why: str) -> None:
         """An error naming the setting when a sequence of ``longest_sequence`` tokens (``why``) cannot fit one row."""
         if longest_sequence > self.max_tokens_per_row:
@@ -94,6 +109,8 @@ class Packed(RowLayout):
         whose attention is variable-length (flash attention), its rows laid end to end as one row (Hugging Face's
         variable-length path reads the restarting position ids of a single row only); for one that attends with
         kdlab's segment attention (:func:`segments_apply`), every sequence in one row with no padding at all."""
+        if model is not None:
+            self.check_model(getattr(innermost_model(model), "config", None), "the model")
         inputs = rollout.model_inputs(role)
         completion_mask = rollout.completion(role)[1]
         if rows is not None:

@@ -186,6 +186,7 @@ class DistillModule(TaskStage):
         # small for the tokenizer) fail before any weights are read.
         self.student_tokenizer = load_tokenizer(self.student_spec, "student")
         student_config = load_config(self.student_spec, "student")
+        self.layout.check_model(student_config, "the student")
         self.token_columns = vocabulary_columns(self.student_tokenizer, student_config, "student")
         run = TeacherRun(student_tokenizer=self.student_tokenizer, student_config=student_config, student_columns=self.token_columns,
                          teacher_temperature=teacher_temperature, cross_tokenizer=cross_tokenizer is not None, placement=teacher_placement,
