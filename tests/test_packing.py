@@ -89,10 +89,11 @@ def test_a_budget_that_is_not_a_positive_count_names_the_key(budget):
 def test_a_budget_smaller_than_one_sequence_fails_at_construction_naming_the_key():
     with pytest.raises(ValueError, match=r"DistillModule.max_tokens_per_row=70 is smaller than one sequence: max_prompt_tokens \+ max_completion_tokens \(72"):
         DistillModule(*TINY, Addition(num_train=2), max_prompt_tokens=64, max_completion_tokens=8, max_tokens_per_row=70)
-    # and one sequence longer than the budget at run time (a layout used directly) names it too
-    ids, mask, width_c = ragged_batch()
-    with pytest.raises(ValueError, match="max_tokens_per_row=5 is smaller than one sequence"):
-        PackedBatch.build(ids, mask, width_c, Packed(5))
+    # at run time a sequence longer than the budget (across tokenizers, the teacher's tokens) is no error: that
+    # micro-batch's rows hold up to the longest sequence
+    ids, mask, width_c = ragged_batch()  # real lengths 8, 3, 4, 8
+    packed = PackedBatch.build(ids, mask, width_c, Packed(5))
+    assert packed.shape == (3, 8) and packed.real_tokens() == int(mask.sum())  # rows 8 | 8 | 4 + 3
 
 
 def dataset_rollouts(tmp_path, task):
@@ -388,3 +389,37 @@ def test_segment_attention_applies_an_eager_models_attention_logit_softcapping()
         assert Packed(64).pack(rollout, "student", model=model).shape[0] == 1  # one row: segment attention
         packed = Packed(64).completion_logits(model, rollout, "student", 300)
     torch.testing.assert_close(packed[completion_mask], alone[completion_mask], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["segments", "mask"])
+def test_a_teacher_sequence_longer_than_the_budget_across_tokenizers_widens_its_micro_batchs_rows(tmp_path, monkeypatch, attention):
+    """Across tokenizers the teacher reads the student's completion in its own tokens, which can outrun
+    ``max_prompt_tokens + max_completion_tokens`` (a teacher whose tokenizer is nearly bytes: 99 tokens against a
+    budget of 76). The module built with that budget trains (before, the step raised "smaller than one sequence"
+    mid-run): the micro-batch's rows hold up to that sequence, and the step is the padded one."""
+    from kdlab.data import prompt_token_ids
+    from kdlab.objectives import CrossTokenizer
+    from kdlab.rollouts import StudentRollouts
+    from kdlab.tiny import build_tokenizer, tiny_qwen2
+
+    if attention == "mask":
+        monkeypatch.setattr(packing, "segments_apply", lambda model: False)
+    teacher = tmp_path / "bytes-teacher"
+    tokenizer = build_tokenizer(["zebra quartz " * 50], vocab_size=270)  # few merges: most text one token a byte
+    torch.manual_seed(0)
+    tiny_qwen2(len(tokenizer), hidden=16, layers=1, heads=2).save_pretrained(teacher)
+    tokenizer.save_pretrained(teacher)
+    task = Addition(max_digits=2, system_prompt="", num_train=4, num_val=0, num_test=0, seed=0)
+    student = "kdlab://tiny-random/student"  # random weights: completions of every token, which the teacher spells in bytes
+    prompt_tokens = max(len(prompt_token_ids(task, tokenizer, example, "teacher", 4096)) for example in task.examples("train"))
+    settings = dict(rollout=StudentRollouts(), cross_tokenizer=CrossTokenizer(), max_prompt_tokens=prompt_tokens, max_completion_tokens=16,
+                    batch_size=4)
+    padded = DistillModule(student, str(teacher), task, **settings)
+    packed = DistillModule(student, str(teacher), task, max_tokens_per_row=prompt_tokens + 16, **settings)
+    batch = task.examples("train")
+    rollout = padded.make_rollout(batch, 0)
+    lengths = rollout.model_inputs("teacher")["attention_mask"].sum(1)
+    assert int(lengths.max()) > prompt_tokens + 16
+    rows = packed.layout.pack(rollout, "teacher", model=packed.teacher)
+    assert rows.shape[1] == (int(lengths.sum()) if attention == "segments" else int(lengths.max()))
+    assert_same_step(step(padded, batch, rollout), step(packed, batch, rollout))

@@ -79,8 +79,9 @@ class Packed(RowLayout):
     """Sequences packed end to end into rows of at most ``max_tokens_per_row`` real tokens (longest first, each
     into the first row it fits), all rows in one forward ``(R, L)``, ``L`` the longest row: the micro-batch
     computes its real tokens plus the tail of its shorter rows instead of ``B x (P + C)``; with kdlab's segment
-    attention (:func:`segments_apply`) one row of exactly the real tokens. A sequence longer than the budget is an
-    error naming ``setting``."""
+    attention (:func:`segments_apply`) one row of exactly the real tokens. A sequence longer than the budget widens
+    its micro-batch's rows to its length (across tokenizers the teacher's tokens of a completion can outrun the budget
+    that :meth:`check_fits` held the student's longest sequence to when the module was built)."""
 
     def __init__(self, max_tokens_per_row: int, setting: str = SETTING, segment_attention: bool = True) -> None:
         if isinstance(max_tokens_per_row, bool) or not isinstance(max_tokens_per_row, int) or max_tokens_per_row < 1:
@@ -173,7 +174,8 @@ class PackedBatch:
               one_row: bool = False) -> PackedBatch:
         """From a padded ``[prompt | completion]`` micro-batch: ``input_ids`` / ``attention_mask`` ``(B, P + C)``
         (real tokens: left-padded prompt, right-padded completion, each a contiguous run) and ``C``; rows of at most
-        ``packing.max_tokens_per_row`` tokens, or with ``one_row`` all sequences in one row ``(1, real tokens)``."""
+        ``packing.max_tokens_per_row`` tokens (of the longest sequence's, when that is longer), or with ``one_row``
+        all sequences in one row ``(1, real tokens)``."""
         device = input_ids.device
         lengths = attention_mask.sum(1)
         prompt_length = input_ids.shape[1] - completion_length
@@ -186,8 +188,11 @@ class PackedBatch:
         if not torch.equal(attention_mask[:, :prompt_length], prompt_columns[None, :] >= (prompt_length - prompt_real)[:, None]):
             raise ValueError("PackedBatch: each prompt must be one run of real tokens ending at its last column (left padding only)")
         sizes = lengths.tolist()
-        packing.check_fits(max(sizes, default=0), "the longest prompt + completion of this micro-batch")
-        row_of, offset_of, row_sizes = first_fit_decreasing(sizes, sum(sizes) if one_row else packing.max_tokens_per_row)
+        # a sequence longer than the budget (across tokenizers, the teacher's spelling of a completion can outrun
+        # max_prompt_tokens + max_completion_tokens) widens this micro-batch's rows to it: never an error mid-run
+        # (the (R, L) input and the (R, L, L) mask are as wide as the longest row either way)
+        capacity = sum(sizes) if one_row else max(packing.max_tokens_per_row, max(sizes, default=0))
+        row_of, offset_of, row_sizes = first_fit_decreasing(sizes, capacity)
         width = max(row_sizes, default=0)
         rows = len(row_sizes)
         ids = torch.zeros((rows, width), dtype=input_ids.dtype, device=device)
