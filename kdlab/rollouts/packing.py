@@ -187,6 +187,9 @@ class PackedBatch:
             raise ValueError("PackedBatch: each completion must be one run of real tokens from its first column (right padding only)")
         if not torch.equal(attention_mask[:, :prompt_length], prompt_columns[None, :] >= (prompt_length - prompt_real)[:, None]):
             raise ValueError("PackedBatch: each prompt must be one run of real tokens ending at its last column (left padding only)")
+        if not bool(prompt_real.all()):  # its first completion token would read the output that predicts its second
+            empty = int((prompt_real == 0).nonzero()[0, 0])
+            raise ValueError(f"PackedBatch: sequence {empty} has no prompt token, so no position predicts its first completion token")
         sizes = lengths.tolist()
         # a sequence longer than the budget (across tokenizers, the teacher's spelling of a completion can outrun
         # max_prompt_tokens + max_completion_tokens) widens this micro-batch's rows to it: never an error mid-run
@@ -207,7 +210,7 @@ class PackedBatch:
         segments.view(-1)[destination] = torch.arange(len(sizes), device=device)[:, None].expand_as(attention_mask)[attention_mask]
         # completion token c of sequence b is predicted by the sequence's token prompt_real + c - 1; a masked-out c
         # points at the sequence's first predicting position (a real output, ignored through the mask)
-        last_prompt = starts[:, None] + (prompt_real[:, None] - 1).clamp(min=0)
+        last_prompt = starts[:, None] + prompt_real[:, None] - 1
         real = completion_columns[None, :] < completion_real[:, None]
         gather = torch.where(real, last_prompt + completion_columns[None, :], last_prompt)
         return cls(ids, positions, segments, gather)
