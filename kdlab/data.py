@@ -164,7 +164,8 @@ def right_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
 def prompt_token_ids(task: Task, tokenizer: Any, example: Example, model: str, max_prompt_tokens: int) -> list[int]:
     """Token ids of ``example``'s prompt for ``model`` (``"student"`` or ``"teacher"``).
 
-    Raises ValueError naming the example when the prompt is longer than ``max_prompt_tokens``.
+    Raises ValueError naming the example when the prompt is longer than ``max_prompt_tokens``, or empty (no
+    position would predict the first completion token).
     """
     messages = task.student_messages(example) if model == "student" else task.teacher_messages(example)
     text = task.render(tokenizer, messages)
@@ -174,6 +175,11 @@ def prompt_token_ids(task: Task, tokenizer: Any, example: Example, model: str, m
         raise ValueError(
             f"{type(task).__name__} example {example['id']!r}: the {model} prompt has {len(ids)} tokens, "
             f"more than max_prompt_tokens={max_prompt_tokens}"
+        )
+    if not ids:
+        raise ValueError(
+            f"{type(task).__name__} example {example['id']!r}: the {model} prompt has no tokens, so no position predicts "
+            "the first completion token; give it some text (or a tokenizer that adds a BOS token)"
         )
     return ids
 

@@ -163,6 +163,24 @@ def test_prompt_longer_than_the_limit_names_the_example(tiny_pair):
         module.make_rollout(module.task.examples("train")[:1], seed=0)
 
 
+def test_an_empty_prompt_names_the_example(tiny_pair, monkeypatch):
+    """A prompt of no tokens (a task whose rendering is empty, a tokenizer adding no BOS) leaves no position to
+    predict the first completion token (packed, every completion token read the output predicting the next one):
+    encoding it names the example, before any decode; a hand-built packed batch without a prompt is refused too."""
+    from kdlab.data import left_pad, right_pad
+    from kdlab.rollouts.packing import Packed, PackedBatch
+
+    module = make_module(tiny_pair)
+    monkeypatch.setattr(module.task, "render", lambda tokenizer, messages: "")
+    with pytest.raises(ValueError, match="Addition example 'add-train-0': the student prompt has no tokens"):
+        module.make_rollout(module.task.examples("train")[:1], seed=0)
+    prompts, _ = left_pad([[5, 6, 7], []], 0)
+    completions, completion_mask = right_pad([[10, 11], [20, 21]], 0)
+    mask = torch.cat([prompts.new_tensor([[1, 1, 1], [0, 0, 0]]).bool(), completion_mask], 1)
+    with pytest.raises(ValueError, match="PackedBatch: sequence 1 has no prompt token"):
+        PackedBatch.build(torch.cat([prompts, completions], 1), mask, 2, Packed(64))
+
+
 @pytest.mark.parametrize(
     "kwargs, key",
     [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -15,7 +16,9 @@ import pytest
 import torch
 
 from kdlab.cli.main import entry
+from kdlab.data import Rollout
 from kdlab.rollouts import OverlappedRollouts, ServedRollouts, StudentRollouts
+from kdlab.rollouts.engines import SyncedEngine
 from kdlab.rollouts.loopback import LoopbackServer
 from kdlab.tasks import Addition
 
@@ -256,3 +259,53 @@ def test_the_documented_setting_parses(capsys, monkeypatch):
     assert stopped.value.code in (0, None)
     assert printed["class_path"] == "kdlab.rollouts.OverlappedRollouts" and printed["init_args"]["max_lag"] == 1
     assert printed["init_args"]["policy"]["class_path"] == "kdlab.rollouts.ServedRollouts"
+
+
+class CountingEngine(SyncedEngine):
+    """An engine outside the training process that writes three token-7 completions and counts its generate calls
+    (and the threads it was called from)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls, self.threads = 0, set()
+
+    def snapshot(self, context):
+        return context.step
+
+    def load_weights(self, staged):
+        self.weights_step = staged.step
+
+    def generate(self, prompts, context):
+        self.calls += 1
+        self.threads.add(threading.current_thread())
+        rows, device = len(prompts), prompts.student_ids.device
+        ids, mask = torch.full((rows, 3), 7, dtype=torch.long, device=device), torch.ones(rows, 3, dtype=torch.bool, device=device)
+        return Rollout(prompts, ids, mask, None, behaviour_logprobs=torch.full((rows, 3), -3.0, device=device))
+
+
+def test_many_decode_groups_in_the_lag_window_are_each_written_once(tmp_path):
+    """accumulate_grad_batches 16 with a decode group per micro-batch and max_lag 1: up to 31 groups lie within the
+    lag window of a step's first group. Every group trained is written once (no job of a group still ahead is
+    dropped and written again), none is written for a step after max_steps, every step from the second trains on
+    the previous step's weights (policy lag 1), and the background thread has ended when the fit returns."""
+    from kdlab.stages.distill import DistillModule
+
+    accumulate, steps = 16, 3
+    engine, lags = CountingEngine(), []
+
+    class Lags(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            lags.append(int(trainer.callback_metrics["train/policy_lag"]))
+
+    task = Addition(max_digits=2, system_prompt="", num_train=4 * accumulate, num_val=0, num_test=0, seed=0)
+    module = DistillModule("kdlab://tiny/student", "kdlab://tiny/teacher", task, rollout=OverlappedRollouts(engine, max_lag=1), batch_size=1,
+                           rollout_micro_batches=1, max_completion_tokens=8, warmup_steps=0, lr=1e-4, val_examples=1)
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, accumulate_grad_batches=accumulate,
+                         callbacks=[Lags()], default_root_dir=tmp_path)
+    trainer.fit(module)
+    assert len(lags) == steps * accumulate
+    assert engine.calls <= steps * accumulate + accumulate  # at most the trained groups plus one step's window
+    assert engine.calls == steps * accumulate  # and none for the step after max_steps
+    assert lags == [0] * accumulate + [1] * (steps - 1) * accumulate
+    assert not any(thread.is_alive() for thread in engine.threads)

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kdlab.data import Rollout, encode_prompts, right_pad
+from kdlab.data import PromptBatch, Rollout, encode_prompts, left_pad, right_pad
 from kdlab.objectives import ForwardKL, ReverseKL
 from kdlab.rollouts import TeacherDatasetRollouts, TeacherRollouts, packing
 from kdlab.rollouts.packing import Packed, PackedBatch, Padded, first_fit_decreasing
@@ -89,10 +89,11 @@ def test_a_budget_that_is_not_a_positive_count_names_the_key(budget):
 def test_a_budget_smaller_than_one_sequence_fails_at_construction_naming_the_key():
     with pytest.raises(ValueError, match=r"DistillModule.max_tokens_per_row=70 is smaller than one sequence: max_prompt_tokens \+ max_completion_tokens \(72"):
         DistillModule(*TINY, Addition(num_train=2), max_prompt_tokens=64, max_completion_tokens=8, max_tokens_per_row=70)
-    # and one sequence longer than the budget at run time (a layout used directly) names it too
-    ids, mask, width_c = ragged_batch()
-    with pytest.raises(ValueError, match="max_tokens_per_row=5 is smaller than one sequence"):
-        PackedBatch.build(ids, mask, width_c, Packed(5))
+    # at run time a sequence longer than the budget (across tokenizers, the teacher's tokens) is no error: that
+    # micro-batch's rows hold up to the longest sequence
+    ids, mask, width_c = ragged_batch()  # real lengths 8, 3, 4, 8
+    packed = PackedBatch.build(ids, mask, width_c, Packed(5))
+    assert packed.shape == (3, 8) and packed.real_tokens() == int(mask.sum())  # rows 8 | 8 | 4 + 3
 
 
 def dataset_rollouts(tmp_path, task):
@@ -321,3 +322,104 @@ def test_segment_attention_is_sdpa_under_the_block_diagonal_mask_with_its_gradie
     expected = torch.autograd.grad((reference * weights_out).sum(), (q, k, v))
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def sliding_copy(tmp_path, role):
+    """The packaged tiny ``role`` with every layer a sliding-window attention of 4 tokens (a copy under ``tmp_path``)."""
+    import shutil
+    from pathlib import Path
+
+    folder = tmp_path / f"sliding-{role}"
+    shutil.copytree(Path(packing.__file__).parents[1] / "assets" / "tiny" / role, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=4, max_window_layers=0, layer_types=["sliding_attention"] * config["num_hidden_layers"])
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_packing_a_sliding_window_model_is_refused_at_construction_naming_the_key_and_the_field(tmp_path):
+    """Packed sequences attend over their whole sequence: a student or teacher whose layers slide (Qwen2 with
+    ``use_sliding_window``: the packed logits were 0.37 off the padded ones) is refused when the module is built,
+    naming max_tokens_per_row and the config field; padded rows still build; a packed forward of such a model
+    built another way is refused too."""
+    student, teacher = sliding_copy(tmp_path, "student"), sliding_copy(tmp_path, "teacher")
+    task = Addition(num_train=2)
+    with pytest.raises(ValueError, match=r"DistillModule.max_tokens_per_row=96 cannot pack the student: its config.layer_types holds "
+                                         r"\['sliding_attention'\] layers.*max_tokens_per_row: null"):
+        DistillModule(student, TINY[1], task, max_prompt_tokens=80, max_completion_tokens=16, max_tokens_per_row=96)
+    with pytest.raises(ValueError, match=r"DistillModule.max_tokens_per_row=96 cannot pack DistillModule.teacher: its config.layer_types"):
+        DistillModule(TINY[0], teacher, task, max_prompt_tokens=80, max_completion_tokens=16, max_tokens_per_row=96)
+    module = DistillModule(student, TINY[1], task, rollout=TeacherRollouts(), max_prompt_tokens=80, max_completion_tokens=16, batch_size=2)
+    rollout = module.make_rollout(task.examples("train"), 0)
+    with pytest.raises(ValueError, match=r"cannot pack the model: its config.layer_types"):
+        Packed(96).completion_logits(module.student, rollout, "student", module.token_columns)
+    from transformers import MistralConfig
+
+    with pytest.raises(ValueError, match=r"its config.sliding_window=4 \(a sliding-window attention\)"):
+        Packed(96).check_model(MistralConfig(sliding_window=4), "the student")
+
+
+def test_segment_attention_applies_an_eager_models_attention_logit_softcapping():
+    """Gemma2's attention soft-capping (``tanh(s / c) c`` on the scores, eager attention), all layers full
+    attention: the packed logits through segment attention equal each sequence's own forward (they were 5.8e-4
+    off with the cap skipped)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, layer_types=["full_attention"] * 2, attn_logit_softcapping=5.0,
+                          final_logit_softcapping=None)
+    config._attn_implementation = "eager"
+    model = Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30)  # scores well past the cap
+    generator = torch.Generator().manual_seed(1)
+    lengths = [(5, 7), (1, 3), (9, 2), (3, 11)]
+    prompts = [torch.randint(3, 300, (p,), generator=generator).tolist() for p, _ in lengths]
+    completions = [torch.randint(3, 300, (c,), generator=generator).tolist() for _, c in lengths]
+    prompt_ids, prompt_mask = left_pad(prompts, 0)
+    completion_ids, completion_mask = right_pad(completions, 0)
+    rollout = Rollout(PromptBatch(list(range(4)), prompt_ids, prompt_mask, prompt_ids, prompt_mask), completion_ids, completion_mask)
+    alone = torch.zeros(4, completion_ids.shape[1], 300)
+    with torch.no_grad():
+        for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+            logits = model(input_ids=torch.tensor([prompt + completion]), use_cache=False).logits[0]
+            alone[row, : len(completion)] = logits[len(prompt) - 1 : len(prompt) - 1 + len(completion)]
+        assert Packed(64).pack(rollout, "student", model=model).shape[0] == 1  # one row: segment attention
+        packed = Packed(64).completion_logits(model, rollout, "student", 300)
+    torch.testing.assert_close(packed[completion_mask], alone[completion_mask], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["segments", "mask"])
+def test_a_teacher_sequence_longer_than_the_budget_across_tokenizers_widens_its_micro_batchs_rows(tmp_path, monkeypatch, attention):
+    """Across tokenizers the teacher reads the student's completion in its own tokens, which can outrun
+    ``max_prompt_tokens + max_completion_tokens`` (a teacher whose tokenizer is nearly bytes: 99 tokens against a
+    budget of 76). The module built with that budget trains (before, the step raised "smaller than one sequence"
+    mid-run): the micro-batch's rows hold up to that sequence, and the step is the padded one."""
+    from kdlab.data import prompt_token_ids
+    from kdlab.objectives import CrossTokenizer
+    from kdlab.rollouts import StudentRollouts
+    from kdlab.tiny import build_tokenizer, tiny_qwen2
+
+    if attention == "mask":
+        monkeypatch.setattr(packing, "segments_apply", lambda model: False)
+    teacher = tmp_path / "bytes-teacher"
+    tokenizer = build_tokenizer(["zebra quartz " * 50], vocab_size=270)  # few merges: most text one token a byte
+    torch.manual_seed(0)
+    tiny_qwen2(len(tokenizer), hidden=16, layers=1, heads=2).save_pretrained(teacher)
+    tokenizer.save_pretrained(teacher)
+    task = Addition(max_digits=2, system_prompt="", num_train=4, num_val=0, num_test=0, seed=0)
+    student = "kdlab://tiny-random/student"  # random weights: completions of every token, which the teacher spells in bytes
+    prompt_tokens = max(len(prompt_token_ids(task, tokenizer, example, "teacher", 4096)) for example in task.examples("train"))
+    settings = dict(rollout=StudentRollouts(), cross_tokenizer=CrossTokenizer(), max_prompt_tokens=prompt_tokens, max_completion_tokens=16,
+                    batch_size=4)
+    padded = DistillModule(student, str(teacher), task, **settings)
+    packed = DistillModule(student, str(teacher), task, max_tokens_per_row=prompt_tokens + 16, **settings)
+    batch = task.examples("train")
+    rollout = padded.make_rollout(batch, 0)
+    lengths = rollout.model_inputs("teacher")["attention_mask"].sum(1)
+    assert int(lengths.max()) > prompt_tokens + 16
+    rows = packed.layout.pack(rollout, "teacher", model=packed.teacher)
+    assert rows.shape[1] == (int(lengths.sum()) if attention == "segments" else int(lengths.max()))
+    assert_same_step(step(padded, batch, rollout), step(packed, batch, rollout))

@@ -17,7 +17,7 @@ from kdlab.rollouts.decoding import (
     incremental_decoder,
     sample_tokens,
 )
-from kdlab.rollouts.static_cache import CACHE_BUCKET, SHARED_PREFIX_MIN, StaticCacheLM, shared_prefix
+from kdlab.rollouts.static_cache import CACHE_BUCKET, SHARED_PREFIX_MIN, StaticCacheLM, shared_prefix, static_cache_supported
 
 ROLES = ("student", "teacher")
 
@@ -302,3 +302,29 @@ def test_the_scaling_pages_shared_prefix_figure_is_the_decode_benchmarks():
     (shared, width), = re.findall(r"(\d+) of the (\d+) padded columns of SmolLM2's Countdown prompts at batch 8", text)
     (row,) = [r for r in json.loads((root / "benchmarks/results/decode-cpu.json").read_text())["results"]["smollm2"] if r["batch"] == 8]
     assert (int(shared), int(width)) == (row["shared_prompt_tokens"], row["prompt_tokens"])
+
+
+@pytest.mark.parametrize("architecture", ["Mistral", "Phi3"])
+def test_sliding_window_models_without_layer_types_keep_the_dynamic_cache_and_decode_past_the_window(architecture):
+    """Mistral's and Phi-3's configs carry no ``layer_types``, only ``sliding_window``: such a model decodes with
+    :class:`IncrementalLM`, past its window (prompts of 10 and 6 tokens, window 8, 20 new tokens), as Hugging
+    Face ``generate`` decodes greedily."""
+    import transformers
+
+    config = getattr(transformers, f"{architecture}Config")(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        sliding_window=8, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{architecture}ForCausalLM")(config).eval()
+    assert "sliding_window=8" in static_cache_supported(model)
+    generator = torch.Generator().manual_seed(2)
+    ids, mask = left_pad([torch.randint(5, 300, (n,), generator=generator).tolist() for n in (10, 6)], 0)
+    decoder = incremental_decoder(model, ids, mask, 300, 0.0, 20)
+    assert isinstance(decoder, IncrementalLM)
+    got_ids, got_mask, _ = sample_tokens(decoder, 2, 20, (-1,), 0, None, greedy=True)
+    assert bool(got_mask.all())
+    generation = transformers.GenerationConfig(do_sample=False, max_new_tokens=20, min_new_tokens=20, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation)[:, ids.shape[1]:]
+    assert torch.equal(theirs, got_ids)

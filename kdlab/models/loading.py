@@ -306,6 +306,22 @@ def output_rows(model_or_config: Any) -> int:
     return int(config.vocab_size)
 
 
+def windowed_attention(config: Any) -> str | None:
+    """Why some layer of a model with Hugging Face ``config`` does not attend to every earlier position (``None``
+    when every layer does), naming the config field: ``layer_types`` holding another kind than ``full_attention``
+    (``sliding_attention``...), read first where a config has it; else ``sliding_window`` set without
+    ``use_sliding_window: false`` (Mistral's and Phi-3's configs have no ``layer_types``)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        kinds = sorted(set(layer_types) - {"full_attention"})
+        return f"config.layer_types holds {kinds} layers, not only full_attention" if kinds else None
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) is not False:
+        return f"config.sliding_window={window} (a sliding-window attention)"
+    return None
+
+
 def end_token_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
     """Ids that end a completion: the tokenizer's EOS first, then the model's generation-config EOS ids."""
     ids: list[int] = []

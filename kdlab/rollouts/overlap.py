@@ -19,6 +19,8 @@ group's completions come from the weights staged with it. A group asked for that
 one after an epoch's end or a resume) is written now, through the same thread, from the current weights.
 ``max_lag`` 0 overlaps only groups of the current optimiser step (several decode groups per step), whose weights
 are the ones training: the completions, losses and weights equal those of the engine sampling synchronously.
+No group is written for a step past the trainer's ``max_steps``, and the thread ends with the fit
+(:meth:`OverlappedRollouts.close`).
 """
 
 from __future__ import annotations
@@ -121,14 +123,24 @@ class OverlappedRollouts(RolloutPolicy):
 
     def prefetch(self, upcoming: Iterable[Upcoming]) -> None:
         """Start the groups of ``upcoming`` (in order) that train at most ``max_lag`` steps ahead and are not on
-        their way yet; a group further ahead ends the walk (nothing after it is drawn)."""
+        their way yet; a group further ahead ends the walk (nothing after it is drawn). What stays on its way is
+        exactly the walk's groups: a job of a group not in it (passed without being asked for: an epoch's end, a
+        resume) is forgotten, and still runs in its turn, so the weights it loads reach the engine in order."""
+        ahead: list[_Job] = []
         for item in upcoming:
             if item.steps_ahead > self.max_lag:
-                return
-            if any(job.matches(item.examples, item.seed) for job in self._pending):
-                continue
-            self._pending.append(self._submit(item.prompts(), item.context()))
-            del self._pending[: -8 * (self.max_lag + 1)]  # groups never asked for (a run stopped early) do not pile up
+                break
+            job = next((job for job in self._pending if job.matches(item.examples, item.seed)), None)
+            ahead.append(job if job is not None else self._submit(item.prompts(), item.context()))
+        self._pending = ahead
+
+    def close(self) -> None:
+        """Wait for the jobs on their way and end the background thread (a later :meth:`sample` or :meth:`prefetch`
+        starts a new one); the engine's own :meth:`close` follows."""
+        self._worker.shutdown(wait=True)
+        self._pending = []
+        self._start_thread()
+        self.policy.close()
 
     def _submit(self, prompts: PromptBatch, context: RolloutContext) -> _Job:
         """Stage the weights now (main thread) when a push is due; load and write in the background thread."""

@@ -14,6 +14,8 @@ activations in the backward (gradient checkpointing) or another attention gets r
 4D block-diagonal mask. Either way the objective receives the same ``(B, C, ...)``
 tensors at the completion positions (the packed outputs are gathered back), so every reduction, diagnostic
 and teacher signal (a cache's or a server's top-k, indexed by ``(B, C)``) lands on the same tokens.
+Packed sequences attend over the whole of their sequence: a model whose layers attend over a sliding window is
+refused (:meth:`Packed.check_model`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from typing import Any
 
 import torch
 
+from kdlab.models.loading import windowed_attention
 from kdlab.objectives.logits import (
     completion_head_logits,
     completion_logits,
     forward_parameters,
     full_head_weight,
     fused_head_unsupported,
+    innermost_model,
 )
 from kdlab.rollouts.segment_attention import NAME as SEGMENTS
 from kdlab.rollouts.segment_attention import segment_attention_for
@@ -53,6 +57,10 @@ class RowLayout:
         :func:`~kdlab.objectives.logits.completion_head_logits`."""
         raise NotImplementedError
 
+    def check_model(self, config: Any, who: str) -> None:
+        """An error naming the setting and ``config``'s field when a model with Hugging Face ``config`` (``who``:
+        ``"the student"``, ``"DistillModule.teacher"``...) cannot be read in this layout; every model can be padded."""
+
 
 class Padded(RowLayout):
     """One row per sequence, padded to ``(B, P + C)``: kdlab's layout (:meth:`kdlab.data.Rollout.model_inputs`)."""
@@ -71,8 +79,9 @@ class Packed(RowLayout):
     """Sequences packed end to end into rows of at most ``max_tokens_per_row`` real tokens (longest first, each
     into the first row it fits), all rows in one forward ``(R, L)``, ``L`` the longest row: the micro-batch
     computes its real tokens plus the tail of its shorter rows instead of ``B x (P + C)``; with kdlab's segment
-    attention (:func:`segments_apply`) one row of exactly the real tokens. A sequence longer than the budget is an
-    error naming ``setting``."""
+    attention (:func:`segments_apply`) one row of exactly the real tokens. A sequence longer than the budget widens
+    its micro-batch's rows to its length (across tokenizers the teacher's tokens of a completion can outrun the budget
+    that :meth:`check_fits` held the student's longest sequence to when the module was built)."""
 
     def __init__(self, max_tokens_per_row: int, setting: str = SETTING, segment_attention: bool = True) -> None:
         if isinstance(max_tokens_per_row, bool) or not isinstance(max_tokens_per_row, int) or max_tokens_per_row < 1:
@@ -84,6 +93,13 @@ class Packed(RowLayout):
         """Whether ``model``'s packed forward runs kdlab's segment attention (:func:`segments_apply`)."""
         return model is not None and self.segment_attention and segments_apply(model)
 
+    def check_model(self, config: Any, who: str) -> None:
+        """Packed sequences attend over the whole of their sequence: a model whose layers attend over a sliding
+        window (:func:`~kdlab.models.loading.windowed_attention`) is refused, naming the setting and the field."""
+        if config is not None and (windowed := windowed_attention(config)) is not None:
+            raise ValueError(f"{self.setting}={self.max_tokens_per_row} cannot pack {who}: its {windowed}, which packed rows "
+                             f"do not apply; use padded rows ({self.setting.rsplit('.', 1)[-1]}: null)")
+
     def check_fits(self, longest_sequence: int, why: str) -> None:
         """An error naming the setting when a sequence of ``longest_sequence`` tokens (``why``) cannot fit one row."""
         if longest_sequence > self.max_tokens_per_row:
@@ -94,6 +110,8 @@ class Packed(RowLayout):
         whose attention is variable-length (flash attention), its rows laid end to end as one row (Hugging Face's
         variable-length path reads the restarting position ids of a single row only); for one that attends with
         kdlab's segment attention (:func:`segments_apply`), every sequence in one row with no padding at all."""
+        if model is not None:
+            self.check_model(getattr(innermost_model(model), "config", None), "the model")
         inputs = rollout.model_inputs(role)
         completion_mask = rollout.completion(role)[1]
         if rows is not None:
@@ -156,7 +174,8 @@ class PackedBatch:
               one_row: bool = False) -> PackedBatch:
         """From a padded ``[prompt | completion]`` micro-batch: ``input_ids`` / ``attention_mask`` ``(B, P + C)``
         (real tokens: left-padded prompt, right-padded completion, each a contiguous run) and ``C``; rows of at most
-        ``packing.max_tokens_per_row`` tokens, or with ``one_row`` all sequences in one row ``(1, real tokens)``."""
+        ``packing.max_tokens_per_row`` tokens (of the longest sequence's, when that is longer), or with ``one_row``
+        all sequences in one row ``(1, real tokens)``."""
         device = input_ids.device
         lengths = attention_mask.sum(1)
         prompt_length = input_ids.shape[1] - completion_length
@@ -168,9 +187,15 @@ class PackedBatch:
             raise ValueError("PackedBatch: each completion must be one run of real tokens from its first column (right padding only)")
         if not torch.equal(attention_mask[:, :prompt_length], prompt_columns[None, :] >= (prompt_length - prompt_real)[:, None]):
             raise ValueError("PackedBatch: each prompt must be one run of real tokens ending at its last column (left padding only)")
+        if not bool(prompt_real.all()):  # its first completion token would read the output that predicts its second
+            empty = int((prompt_real == 0).nonzero()[0, 0])
+            raise ValueError(f"PackedBatch: sequence {empty} has no prompt token, so no position predicts its first completion token")
         sizes = lengths.tolist()
-        packing.check_fits(max(sizes, default=0), "the longest prompt + completion of this micro-batch")
-        row_of, offset_of, row_sizes = first_fit_decreasing(sizes, sum(sizes) if one_row else packing.max_tokens_per_row)
+        # a sequence longer than the budget (across tokenizers, the teacher's spelling of a completion can outrun
+        # max_prompt_tokens + max_completion_tokens) widens this micro-batch's rows to it: never an error mid-run
+        # (the (R, L) input and the (R, L, L) mask are as wide as the longest row either way)
+        capacity = sum(sizes) if one_row else max(packing.max_tokens_per_row, max(sizes, default=0))
+        row_of, offset_of, row_sizes = first_fit_decreasing(sizes, capacity)
         width = max(row_sizes, default=0)
         rows = len(row_sizes)
         ids = torch.zeros((rows, width), dtype=input_ids.dtype, device=device)
@@ -185,7 +210,7 @@ class PackedBatch:
         segments.view(-1)[destination] = torch.arange(len(sizes), device=device)[:, None].expand_as(attention_mask)[attention_mask]
         # completion token c of sequence b is predicted by the sequence's token prompt_real + c - 1; a masked-out c
         # points at the sequence's first predicting position (a real output, ignored through the mask)
-        last_prompt = starts[:, None] + (prompt_real[:, None] - 1).clamp(min=0)
+        last_prompt = starts[:, None] + prompt_real[:, None] - 1
         real = completion_columns[None, :] < completion_real[:, None]
         gather = torch.where(real, last_prompt + completion_columns[None, :], last_prompt)
         return cls(ids, positions, segments, gather)

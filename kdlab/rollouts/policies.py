@@ -198,6 +198,11 @@ class RolloutPolicy(Component):
         :class:`~kdlab.rollouts.overlap.Upcoming`, drawn as it is walked): a policy may start writing them now
         (:class:`~kdlab.rollouts.overlap.OverlappedRollouts`). No-op by default."""
 
+    def close(self) -> None:
+        """Releases what it runs outside the module's tensors (threads) when a fit, validation or test ends
+        (:meth:`DistillModule.teardown <kdlab.stages.distill.DistillModule.teardown>`); it may be used again after.
+        No-op by default."""
+
     def next_token_logprobs(self, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
         """The policy's next-token log-probs ``(..., V)`` given the two models' tempered ones at the same
         prefix; used by diagnostics (e.g. total variation to each model along a rollout)."""

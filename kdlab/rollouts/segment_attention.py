@@ -85,7 +85,8 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     Hugging Face's attention functions do (and no weights). The sequences are gathered into one ``(S, H, M, D)``
     batch and attend in one call, causally (:attr:`Segments.mask`), computed as the model's own implementation computes
     it (SDPA with ``is_causal`` for an ``sdpa`` model; scores, an additive mask and an fp32 softmax for ``eager``), then scattered
-    back: the projections around it ran on the real tokens only."""
+    back: the projections around it ran on the real tokens only. A ``softcap`` the model passes (Gemma2's
+    ``attn_logit_softcapping``) caps the scores, ``tanh(s / softcap) softcap``, before the mask, as eager attention does."""
     if position_ids is None:
         raise ValueError("segment attention needs the packed row's position ids")
     if attention_mask is not None:
@@ -96,8 +97,11 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = (tensor[0][:, layout.index].transpose(0, 1) for tensor in (query, key, value))  # (S, H, M, D)
-    if _WRAPPED.get() == "eager":  # as Hugging Face's eager attention computes it
+    softcap = kwargs.get("softcap")  # Gemma2's attn_logit_softcapping, which sdpa cannot apply
+    if _WRAPPED.get() == "eager" or softcap is not None:  # as Hugging Face's eager attention computes it
         scores = (q @ k.transpose(2, 3)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~layout.mask, torch.finfo(scores.dtype).min)
         weights = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.nn.functional.dropout(weights, p=dropout, training=dropout > 0) @ v

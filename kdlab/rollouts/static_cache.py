@@ -26,7 +26,8 @@ matter on a GPU, where a small model's decode step is a few hundred kernel launc
 The log-probs equal :class:`~kdlab.rollouts.decoding.IncrementalLM`'s: the same prompt forward, the same
 position ids, and masked cache positions contribute exactly nothing to attention (tests compare greedy
 decodes token for token with it and with Hugging Face ``generate``, on the tiny pair and SmolLM2).
-Models whose layers are not all full attention (sliding windows) fall back to :class:`IncrementalLM` in
+Models whose layers are not all full attention (sliding windows, whether the config names them in ``layer_types``
+or only sets ``sliding_window`` as Mistral's and Phi-3's do) fall back to :class:`IncrementalLM` in
 :func:`~kdlab.rollouts.decoding.incremental_decoder`.
 """
 
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 
+from kdlab.models.loading import windowed_attention
 from kdlab.objectives.logits import cache_argument, forward_parameters, innermost_model
 
 SHARED_PREFIX_MIN = 16
@@ -54,14 +56,14 @@ def _config(model: torch.nn.Module) -> Any:
 
 def static_cache_supported(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot decode with :class:`StaticCacheLM` (``None`` when it can): it needs a Hugging Face
-    causal LM whose every layer is full attention, whose forward takes ``logits_to_keep`` and whose attention is
-    ``sdpa`` or ``eager`` (they take the ``(B, 1, Q, L)`` mask it builds)."""
+    causal LM whose every layer is full attention (no sliding window: :func:`~kdlab.models.loading.windowed_attention`),
+    whose forward takes ``logits_to_keep`` and whose attention is ``sdpa`` or ``eager`` (they take the ``(B, 1, Q, L)``
+    mask it builds)."""
     config = _config(model)
     if config is None:
         return "the model has no Hugging Face config"
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    if any(kind != "full_attention" for kind in layer_types):
-        return f"layers of kinds {sorted(set(layer_types))}, not only full attention"
+    if (windowed := windowed_attention(config)) is not None:
+        return windowed
     if "logits_to_keep" not in forward_parameters(model):
         return "its forward takes no logits_to_keep"
     attention = getattr(config, "_attn_implementation", None) or "sdpa"

@@ -186,6 +186,7 @@ class DistillModule(TaskStage):
         # small for the tokenizer) fail before any weights are read.
         self.student_tokenizer = load_tokenizer(self.student_spec, "student")
         student_config = load_config(self.student_spec, "student")
+        self.layout.check_model(student_config, "the student")
         self.token_columns = vocabulary_columns(self.student_tokenizer, student_config, "student")
         run = TeacherRun(student_tokenizer=self.student_tokenizer, student_config=student_config, student_columns=self.token_columns,
                          teacher_temperature=teacher_temperature, cross_tokenizer=cross_tokenizer is not None, placement=teacher_placement,
@@ -315,6 +316,12 @@ class DistillModule(TaskStage):
         if stage == "fit":
             self.teacher_source.ready()
 
+    def teardown(self, stage: str) -> None:
+        """The rollout policy's threads end with the fit, validation or test (:meth:`RolloutPolicy.close
+        <kdlab.rollouts.policies.RolloutPolicy.close>`), also when it stopped on an error."""
+        super().teardown(stage)
+        self.rollout.close()
+
     def decode_group(self) -> int:
         """Micro-batches per batched decode: ``rollout_micro_batches``, by default the trainer's
         ``accumulate_grad_batches``; it must divide the latter (decodes never straddle optimiser steps)."""
@@ -348,14 +355,19 @@ class DistillModule(TaskStage):
 
     def upcoming_groups(self, group: Any, first: int):
         """The decode groups after ``group`` (whose first micro-batch is ``first``), drawn as they are walked, as
-        :class:`~kdlab.rollouts.overlap.Upcoming` items: optimiser steps ahead, examples, seed, prompts and context."""
+        :class:`~kdlab.rollouts.overlap.Upcoming` items: optimiser steps ahead, examples, seed, prompts and context;
+        the walk ends before a group of a step the trainer's ``max_steps`` does not reach."""
         from kdlab.rollouts.overlap import Upcoming
 
         accumulate = int(getattr(self._trainer, "accumulate_grad_batches", 1) or 1) if self._trainer is not None else 1
+        max_steps = int(getattr(self._trainer, "max_steps", -1)) if self._trainer is not None else -1
         start, ahead = first + len(group.batches), group.following
         while ahead is not None:
+            steps_ahead = start // accumulate - first // accumulate
+            if 0 <= max_steps <= self.global_step + steps_ahead:
+                return
             seed, examples = self.step_seed("train", start), ahead.examples
-            yield Upcoming(start // accumulate - first // accumulate, examples, seed, lambda examples=examples: self._prompts(examples),
+            yield Upcoming(steps_ahead, examples, seed, lambda examples=examples: self._prompts(examples),
                            lambda seed=seed: self.rollout_context(self._generator(seed), seed))
             start, ahead = start + len(ahead.batches), ahead.following
 

@@ -112,6 +112,8 @@ class ModelTeacher(InProcessTeacher):
         self._run, self.setting = run, setting
         self.tokenizer = load_tokenizer(self.spec, setting.removeprefix("DistillModule."))
         self._config = load_config(self.spec, setting.removeprefix("DistillModule."))
+        if run.layout is not None:
+            run.layout.check_model(self._config, setting)
         self.token_columns = teacher_columns(run, self.tokenizer, self._config, setting)
 
     def offers(self, run: TeacherRun) -> frozenset[str]:
