@@ -213,7 +213,7 @@ def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, r
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=str(out),
         callbacks=[
             Dump(out),
-            UpdateSparsity(thresholds=(1e-6, 1e-3)),  # counted per shard, then reduced
+            UpdateSparsity(thresholds=(1e-6, 1e-3)),  # each rank counts its part of each whole weight, then reduced
             ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, every_n_train_steps=1),
             # one file of whole tensors, whatever the strategy's own checkpoints are; not under FSDP1 here: its full-state
             # gather (Lightning's default for FSDP1) crashes on CPU tensors with gloo, so that path is untested

@@ -153,3 +153,57 @@ def test_a_lora_run_with_a_base_teacher_resumes_bit_exact(tiny_pair, tmp_path):
     resumed = run(6, tmp_path / "part", ckpt_path=str(tmp_path / "part" / "ckpt" / "last.ckpt"))
     for (name, a), b in zip(full.student.named_parameters(), resumed.student.parameters()):
         assert torch.equal(a, b), name
+
+
+def merged_sparsity(student, base_path, tau):
+    """Update sparsity of a LoRA student computed without kdlab's callback: peft's own merge (W + s B A) of a copy
+    of the student, against the base model read again from its path, over every Hugging Face weight."""
+    import copy
+
+    from kdlab.models.loading import ModelSpec, load_causal_lm
+
+    merged = dict(copy.deepcopy(student).merge_and_unload().named_parameters())
+    small = total = 0
+    for name, weight in load_causal_lm(ModelSpec(base_path)).named_parameters():
+        delta = (merged[name].detach().double() - weight.detach().double()).abs()
+        small, total = small + int((delta < tau).sum()), total + delta.numel()
+    return small / total
+
+
+def test_update_sparsity_measures_the_merged_weights_against_the_base_fresh_resumed_and_by_reference(tiny_pair, tmp_path, monkeypatch):
+    """A LoRA student's update sparsity is that of its effective weights W + s B A against the base, by Hugging Face
+    weight name: on a fresh run (against the weights at fit start), with ``reference`` (the base path) and on a run
+    resumed from a checkpoint (the base reloaded), equal to the number computed from peft's merge."""
+    import kdlab.callbacks.sparsity as sparsity
+    from kdlab.callbacks import UpdateSparsity
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    logged = []
+    monkeypatch.setattr(sparsity, "log_metrics", lambda trainer, metrics: logged.append(metrics))
+
+    def run(steps, ckpt_path=None):
+        m = module(tiny_pair)
+        callbacks = [UpdateSparsity(thresholds=(1e-6,)), UpdateSparsity(thresholds=(1e-6,), reference=tiny_pair[0]),
+                     ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=2)]
+        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=str(tmp_path), callbacks=callbacks)
+        trainer.fit(m, ckpt_path=ckpt_path)
+        assert set(callbacks[0].initial) == set(callbacks[1].initial)  # one basis: the Hugging Face weights
+        assert not any("lora_" in name for name in callbacks[0].initial)
+        return m, logged[-2], logged[-1]
+
+    pl.seed_everything(0)
+    fresh, own, by_reference = run(2)
+    assert any(p.abs().max() > 0 for name, p in fresh.student.named_parameters() if "lora_B" in name)
+    expected = merged_sparsity(fresh.student, tiny_pair[0], 1e-6)
+    assert expected < 0.9  # the adapters moved the projections they sit on
+    assert own["sparsity/1e-06"] == pytest.approx(expected, abs=1e-9)
+    assert by_reference["sparsity/1e-06"] == pytest.approx(expected, abs=1e-9)
+    assert own["sparsity/1e-06/norms"] == 1.0 and own["sparsity/1e-06/attention"] < 0.9
+
+    pl.seed_everything(0)
+    resumed, own, by_reference = run(4, str(tmp_path / "ckpt" / "last.ckpt"))
+    expected = merged_sparsity(resumed.student, tiny_pair[0], 1e-6)
+    assert own["sparsity/1e-06"] == pytest.approx(expected, abs=1e-9)
+    assert by_reference["sparsity/1e-06"] == pytest.approx(expected, abs=1e-9)
+

@@ -65,7 +65,7 @@ def test_two_processes_train_the_same_student_as_one(single, layout, tmp_path):
         weights = torch.load(final, weights_only=True)["state_dict"]
         for name, value in whole.items():
             torch.testing.assert_close(weights[f"student.{name}"], value, atol=1e-6, rtol=0, msg=name)
-    # update sparsity counted on each shard and summed equals the single-process number
+    # update sparsity (each rank counting its part of each whole weight, the counts summed) equals the single-process number
     for key in ("sparsity/1e-06", "sparsity/0.001", "sparsity/0.001/attention"):
         assert sharded_sparsity[key] == pytest.approx(whole_sparsity[key], abs=1e-4), key
     assert 0.0 < whole_sparsity["sparsity/0.001"] < 1.0
@@ -200,11 +200,15 @@ def test_tf32_matmuls_on_cuda_only_and_a_precision_set_by_the_user_is_kept():
 def test_fsdp2_trains_a_lora_student_like_one_process(tmp_path):
     """A LoRA student (peft adapters on every projection) sharded by FSDP2 over two processes ends where one
     process ends, adapters and frozen base alike, and the base did not move."""
-    (whole, _), (sharded, _) = run("single-lora", tmp_path / "single"), run("fsdp2-lora", tmp_path / "fsdp2")
+    (whole, whole_sparsity), (sharded, sharded_sparsity) = run("single-lora", tmp_path / "single"), run("fsdp2-lora", tmp_path / "fsdp2")
     assert sharded.keys() == whole.keys() and any("lora_B" in name for name in whole)
     for name, value in whole.items():
         torch.testing.assert_close(sharded[name], value, atol=1e-6, rtol=0, msg=name)
     assert any(whole[name].abs().max() > 0 for name in whole if "lora_B" in name)  # the adapters trained
+    # the merged weights' sparsity (adapters merged from sharded factors, a collective) is the one-process number
+    for key in ("sparsity/1e-06", "sparsity/0.001", "sparsity/0.001/attention"):
+        assert sharded_sparsity[key] == pytest.approx(whole_sparsity[key], abs=1e-4), key
+    assert whole_sparsity["sparsity/1e-06/attention"] < 1.0 and whole_sparsity["sparsity/1e-06/norms"] == 1.0
 
 
 @pytest.mark.slow  # two fits of about 75 s each

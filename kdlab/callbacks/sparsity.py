@@ -1,11 +1,11 @@
-"""``UpdateSparsity``: the share of the student's parameters that training left (nearly) unchanged,
-overall and per module group (attention, MLP, embeddings, norms), against the weights at fit start or a
-reference checkpoint; works on FSDP-sharded parameters."""
+"""``UpdateSparsity``: the share of the student's weights that training left (nearly) unchanged, overall and
+per module group (attention, MLP, embeddings, norms), against the weights at fit start or a reference checkpoint.
+It reads the effective weights by Hugging Face name (a LoRA student's merged ``W + s B A``), sharded or not."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -32,28 +32,28 @@ def module_group(name: str) -> str:
     return "other"
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The shard this rank holds of a (possibly DTensor-sharded) parameter."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _shard_like(full: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
-    """The part of ``full`` that this rank holds of ``parameter`` (all of it when not sharded)."""
-    if hasattr(parameter, "to_local") and hasattr(parameter, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        return distribute_tensor(full.to(parameter.device), parameter.device_mesh, parameter.placements).to_local()
-    return full
+def rank_part(weight: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Part ``rank`` of ``world`` near-equal parts of ``weight`` flattened (all of it on one process): what one rank
+    counts of a whole weight, so the ranks' counts add up to the weight's once."""
+    return torch.tensor_split(weight.reshape(-1), world)[rank] if world > 1 else weight.reshape(-1)
 
 
 class UpdateSparsity(PeriodicCallback):
-    """Logs ``sparsity/<tau>``: the fraction of student parameters with ``|theta - theta_init| < tau``.
+    """Logs ``sparsity/<tau>``: the fraction of the student's weights with ``|w - w_0| < tau``.
 
-    The initial parameters are copied off the accelerator when fit starts (on a resumed run they are
-    reloaded from the student's original path, since the run's start is not in the checkpoint).
-    Also logs ``sparsity/<tau>/<group>`` for attention, MLP, embeddings and norms. Under sharded
-    training each rank counts its own shard and the counts are summed, so the number is the same
-    as unsharded.
+    ``w`` are the student's effective weights by Hugging Face name, what an export writes
+    (:func:`~kdlab.models.export.merged_weights`): for a LoRA student each adapted weight is the merged
+    ``W + s B A`` (the adapter factors themselves are not counted), so the number says how much of the model the
+    run changed, whatever was trained. ``w_0`` are the same weights when fit starts (a LoRA student's adapters start
+    at ``B = 0``: its base), or, on a resumed run, the student's original weights reloaded from its path (the run's
+    start is not in the checkpoint), or ``reference``'s weights when given; all three match weights by Hugging Face
+    name. Buffers are not counted.
+    Also logs ``sparsity/<tau>/<group>`` for attention, MLP, embeddings and norms.
+
+    The weights are read one at a time, whole (under FSDP2 each is gathered, adapters merged, then freed: a
+    collective, so every rank measures; under FSDP1 the student is gathered whole while it is read, as an export
+    does). Each rank keeps and counts its own ``1 / world`` of each flattened weight (:func:`rank_part`) and the
+    counts are summed, so the number is the same as on one process and each rank holds ``1 / world`` of ``w_0``.
 
     Args:
         thresholds: the taus (paper: 1e-6 main, 1e-8 appendix), each > 0.
@@ -71,49 +71,58 @@ class UpdateSparsity(PeriodicCallback):
         self.thresholds = tuple(float(tau) for tau in thresholds)
         self.reference = reference
         self.initial: dict[str, torch.Tensor] | None = None
+        """``{Hugging Face weight name: this rank's part of w_0 (flat, on the CPU)}``."""
 
     @staticmethod
-    def parameters(pl_module: pl.LightningModule) -> dict[str, torch.Tensor]:
+    def weights(pl_module: pl.LightningModule) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(Hugging Face name, whole effective weight)`` of the student, one at a time (LoRA adapters merged);
+        a collective when sharded: consume it fully on every rank."""
+        from kdlab.models.export import hf_weight_name, merged_weights
+
         model = getattr(pl_module, "student", pl_module)
-        return {name: _local(p.detach()) for name, p in model.named_parameters()}
+        buffers = {hf_weight_name(name) for name, _ in model.named_buffers()}
+        for name, weight in merged_weights(model):
+            if name not in buffers:
+                yield name, weight
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        from kdlab.models.export import hf_weight_name
         from kdlab.models.loading import ModelSpec, load_causal_lm
 
-        current = self.parameters(pl_module)
+        original, spec, role = None, None, "student"
         if self.reference is not None or (trainer.ckpt_path and hasattr(pl_module, "student_spec")):
             if self.reference is None:
-                spec, role = pl_module.student_spec, "student"
+                spec = pl_module.student_spec
             else:
                 spec, role = (ModelSpec(self.reference) if isinstance(self.reference, str) else self.reference), "UpdateSparsity.reference"
-            original = dict(load_causal_lm(spec, role).named_parameters())
-            # the trained model may be wrapped (peft, compile): match by plain Hugging Face names; LoRA
-            # adapters have no counterpart in the original and are left out of the count
-            self.initial = {}
-            for name, parameter in pl_module.student.named_parameters():
-                source = original.get(name) if name in original else original.get(hf_weight_name(name) or "")
-                if source is None:
-                    continue
-                if source.shape != parameter.shape:  # a DTensor reports its global shape
-                    raise ValueError(f"{role} {spec.path!r}: parameter {name!r} has shape {tuple(source.shape)}, the trained model {tuple(parameter.shape)}")
-                self.initial[name] = _shard_like(source.detach(), parameter).to(current[name].dtype)
-            if not self.initial:
-                raise ValueError(f"{role} {spec.path!r}: none of its parameters match the trained model's")
-        else:
-            self.initial = {name: p.to("cpu", copy=True) for name, p in current.items()}
+            original = dict(load_causal_lm(spec, role).named_parameters())  # a plain Hugging Face model: its names
+        rank, world = trainer.global_rank, trainer.world_size
+        self.initial = {}
+        for name, weight in self.weights(pl_module):
+            source = weight if original is None else original.get(name)
+            if source is None:  # a weight the reference does not have is left out of the count
+                continue
+            if source.shape != weight.shape:
+                raise ValueError(f"{role} {spec.path!r}: weight {name!r} has shape {tuple(source.shape)}, the trained model {tuple(weight.shape)}")
+            self.initial[name] = rank_part(source.detach(), rank, world).to("cpu", weight.dtype, copy=True)
+        if not self.initial:
+            raise ValueError(f"{role} {spec.path!r}: none of its weights match the trained model's")
 
     def measure(self, trainer, pl_module) -> None:
-        current = {name: value for name, value in self.parameters(pl_module).items() if name in self.initial}
+        rank, world = trainer.global_rank, trainer.world_size
+        counts: dict[tuple[float, str], list[int]] = {}
+        for name, weight in self.weights(pl_module):
+            if name not in self.initial:
+                continue
+            part = {name: rank_part(weight, rank, world)}
+            for tau in self.thresholds:
+                small, total = sparsity_counts({name: self.initial[name]}, part, tau)
+                count = counts.setdefault((tau, module_group(name)), [0, 0])
+                count[0], count[1] = count[0] + small, count[1] + total
+        groups = sorted({group for _, group in counts})
         metrics = {}
-        groups = sorted({module_group(name) for name in current})
         for tau in self.thresholds:
-            counts = {}
-            for group in groups:
-                names = [n for n in current if module_group(n) == group]
-                counts[group] = sparsity_counts({n: self.initial[n] for n in names}, {n: current[n] for n in names}, tau)
-            small = torch.tensor([float(sum(c[0] for c in counts.values()))] + [float(counts[g][0]) for g in groups], dtype=torch.float64)
-            total = torch.tensor([float(sum(c[1] for c in counts.values()))] + [float(counts[g][1]) for g in groups], dtype=torch.float64)
+            small = torch.tensor([float(sum(counts[tau, g][0] for g in groups))] + [float(counts[tau, g][0]) for g in groups], dtype=torch.float64)
+            total = torch.tensor([float(sum(counts[tau, g][1] for g in groups))] + [float(counts[tau, g][1]) for g in groups], dtype=torch.float64)
             small = trainer.strategy.reduce(small.to(pl_module.device), reduce_op="sum").cpu()
             total = trainer.strategy.reduce(total.to(pl_module.device), reduce_op="sum").cpu()
             key = f"sparsity/{tau:g}"
