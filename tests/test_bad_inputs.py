@@ -110,6 +110,8 @@ CLI_CASES = {
     "66": (FIT + ["--ckpt_path={tmp}/missing.ckpt"], "missing.ckpt': no such file or folder"),
     "76": (FIT + ["--model.rollout=kdlab.rollouts.ServedRollouts", "--model.rollout.url=http://gpu7.cluster:8000", "--model.rollout.model=s"],
            "ServedRollouts.weights_dir: the server at http://gpu7.cluster:8000 is not addressed as this machine"),
+    "80": (FIT + ["--model.lora.r=4", "--model.lora.dropout=1.5"], "lora.dropout must be in [0, 1), got 1.5"),
+    "81": (FIT + ["--model.lora.r=4", "--model.lora.target_modules=[q_proj,qproj]"], "lora.target_modules: ['qproj'] match no module of the model"),
 }
 NOT_CLI = {  # rows whose input is not a configuration a command line can give, with where they are tested
     "62": "strategy: deepspeed needs the deepspeed package (not installed here): the check is given Lightning's own class, uninitialised",
@@ -147,6 +149,7 @@ NOT_CLI = {  # rows whose input is not a configuration a command line can give, 
     "77": "a train split holding nearly every problem of its variant: tested with the skip cap lowered (test_countdown.py)",
     "78": "needs a model folder whose config slides its attention (test_packing.py)",
     "79": "a task whose prompt renders to no tokens is Python code, not a configuration (test_module.py)",
+    "82": "needs a model with tied embeddings (the packaged tiny models are untied): a tied copy of the tiny config (test_distill_lora.py)",
 }
 
 

@@ -207,3 +207,45 @@ def test_update_sparsity_measures_the_merged_weights_against_the_base_fresh_resu
     assert own["sparsity/1e-06"] == pytest.approx(expected, abs=1e-9)
     assert by_reference["sparsity/1e-06"] == pytest.approx(expected, abs=1e-9)
 
+
+@pytest.mark.parametrize("dropout", [-0.1, 1.0, 1.5])
+def test_lora_dropout_outside_0_1_is_refused_naming_the_key(dropout):
+    with pytest.raises(ValueError, match=rf"lora.dropout must be in \[0, 1\), got {dropout}"):
+        LoraSpec(r=4, alpha=8, dropout=dropout)
+    LoraSpec(r=4, alpha=8, dropout=0.0), LoraSpec(r=4, alpha=8, dropout=0.5)  # in range: accepted
+
+
+def test_lora_target_modules_that_match_no_adaptable_layer_are_refused_naming_them(tiny_pair):
+    from kdlab.models.loading import ModelSpec, load_causal_lm
+    from kdlab.stages.lora import apply_lora
+
+    with pytest.raises(ValueError, match=r"lora.target_modules must name at least one module"):
+        LoraSpec(r=4, alpha=8, target_modules=[])
+    model = load_causal_lm(ModelSpec(tiny_pair[0]))
+    with pytest.raises(ValueError, match=r"lora.target_modules: \['nonexistent'\] match no module of the model"):
+        apply_lora(model, LoraSpec(r=4, alpha=8, target_modules=["q_proj", "nonexistent"]))  # a typo beside a valid name
+    with pytest.raises(ValueError, match=r"lora.target_modules: 'model' matches model \(Qwen2Model\), not a layer peft adapts"):
+        apply_lora(model, LoraSpec(r=4, alpha=8, target_modules=["model"]))
+    adapted = apply_lora(model, LoraSpec(r=4, alpha=8, target_modules=["q_proj", "layers.1.self_attn.v_proj"]))  # suffixes match
+    assert {name.split(".lora_")[0].rsplit(".", 1)[-1] for name, p in adapted.named_parameters() if p.requires_grad} == {"q_proj", "v_proj"}
+
+
+@pytest.mark.parametrize("targets", [["lm_head"], ["embed_tokens"], ["q_proj", "embed_tokens"]])
+def test_an_adapter_on_a_tied_embedding_or_head_is_refused_naming_the_key(tiny_pair, targets):
+    """With tie_word_embeddings the head and the embedding are one tensor, which exports and vLLM pushes write once:
+    an adapter on either would be dropped or land on both. Refused when the adapters are applied; an untied model
+    and other targets on the tied model are accepted."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kdlab.models.loading import resolve_path
+    from kdlab.stages.lora import apply_lora
+
+    config = AutoConfig.from_pretrained(resolve_path(tiny_pair[0]))
+    config.tie_word_embeddings = True
+    tied = AutoModelForCausalLM.from_config(config)
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+    with pytest.raises(ValueError, match=r"lora.target_modules: .* tied .*tie_word_embeddings"):
+        apply_lora(tied, LoraSpec(r=4, alpha=8, target_modules=targets))
+    apply_lora(AutoModelForCausalLM.from_config(config), LoraSpec(r=4, alpha=8, target_modules=["q_proj"]))
+    config.tie_word_embeddings = False
+    apply_lora(AutoModelForCausalLM.from_config(config), LoraSpec(r=4, alpha=8, target_modules=targets))
