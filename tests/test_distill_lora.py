@@ -249,3 +249,31 @@ def test_an_adapter_on_a_tied_embedding_or_head_is_refused_naming_the_key(tiny_p
     apply_lora(AutoModelForCausalLM.from_config(config), LoraSpec(r=4, alpha=8, target_modules=["q_proj"]))
     config.tie_word_embeddings = False
     apply_lora(AutoModelForCausalLM.from_config(config), LoraSpec(r=4, alpha=8, target_modules=targets))
+
+
+def test_the_base_teacher_runs_through_the_fsdp1_root_of_the_student(tmp_path):
+    """Under strategy: fsdp (FSDP1) the stage replaces the student by an FSDP root around the peft model; the base
+    teacher calls that root with the adapters disabled (the inner peft model alone has only flat shards: 'weight must
+    be 2-D'). On 2 gloo processes: its logits are the plain base model's, the student's differ, and the adapters
+    still train after it ran."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    worker, env = Path(__file__).with_name("base_teacher_worker.py"), {**os.environ, "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, str(worker), str(tmp_path), str(rank), port], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    for process in ranks:
+        _, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0, stderr[-3000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["teacher_vs_base"] < 1e-4, report
+        assert report["student_vs_base"] > 1e-3, report
+        assert report["adapter_grads"] > 0 and report["trainable"], report

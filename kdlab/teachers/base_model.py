@@ -4,6 +4,7 @@ model in memory (e.g. context distillation: the teacher prompt carries what the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 
 import torch
 
@@ -13,28 +14,40 @@ from kdlab.teachers.model import InProcessTeacher
 
 
 class AdaptersDisabled(torch.nn.Module):
-    """The base model under a peft model's LoRA adapters: every call runs ``peft_model`` with its adapters
-    disabled (``peft_model.disable_adapter()``), so the base weights are read in place: no copy, no second
-    model. It holds no parameters or buffers of its own and ignores mode, ``requires_grad_`` and device
-    moves (the peft model is the student, which the stage trains and moves); any other attribute is the
-    peft model's (``config``, ``generation_config``, ``get_output_embeddings``...). The student's dropout
-    applies when it is in train mode (LoRA dropout included; kdlab's default is 0)."""
+    """The base model under a peft model's LoRA adapters: every call runs the student with its adapters disabled
+    (``disable_adapter()``), so the base weights are read in place: no copy, no second model.
 
-    def __init__(self, peft_model: torch.nn.Module) -> None:
+    ``student`` is the peft model, or a callable that returns the student as the stage holds it at the time of the
+    call: under ``strategy: fsdp`` (FSDP1) the stage replaces the peft model by an FSDP root around it
+    (:func:`~kdlab.stages.sharding.wrap_fsdp1`), and only calling that root gathers the weights (the peft model
+    inside holds flat shards). It holds no parameters or buffers of its own and ignores mode, ``requires_grad_``
+    and device moves (the student is the stage's, which trains and moves it); any other attribute is the
+    student's (``config``, ``generation_config``, ``get_output_embeddings``...; an FSDP1 root passes them on to the
+    peft model). With the adapters disabled the LoRA branch, LoRA dropout included, is skipped; the base model's
+    own dropout applies when the student is in train mode."""
+
+    def __init__(self, student: torch.nn.Module | Callable[[], torch.nn.Module]) -> None:
         super().__init__()
-        if not callable(getattr(peft_model, "disable_adapter", None)):
+        current = (lambda: student) if isinstance(student, torch.nn.Module) else student
+        object.__setattr__(self, "_current", current)  # not a submodule: no parameters of its own
+        if not callable(getattr(current(), "disable_adapter", None)):
             raise ValueError("AdaptersDisabled needs a peft model (apply_lora's result)")
-        object.__setattr__(self, "peft_model", peft_model)  # not a submodule: no parameters of its own
+
+    @property
+    def peft_model(self) -> torch.nn.Module:
+        """The student now: the peft model, or the wrapper the stage put around it (an FSDP1 root)."""
+        return self.__dict__["_current"]()
 
     def forward(self, *args, **kwargs):
-        with self.peft_model.disable_adapter():
-            return self.peft_model(*args, **kwargs)
+        student = self.peft_model
+        with student.disable_adapter():
+            return student(*args, **kwargs)
 
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self.__dict__["peft_model"], name)
+            return getattr(self.__dict__["_current"](), name)
 
     def train(self, mode: bool = True) -> AdaptersDisabled:
         return self
@@ -64,5 +77,5 @@ class BaseModelTeacher(InProcessTeacher):
         self.tokenizer, self.token_columns = run.student_tokenizer, run.student_columns
 
     def load(self) -> None:
-        hold(self.run, self.name, AdaptersDisabled(self.run.student()))
+        hold(self.run, self.name, AdaptersDisabled(self.run.student))  # the student at each call: the stage may wrap it (FSDP1)
         self.end_ids = end_token_ids(self.tokenizer, self.model)
