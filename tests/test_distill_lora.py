@@ -277,3 +277,68 @@ def test_the_base_teacher_runs_through_the_fsdp1_root_of_the_student(tmp_path):
         assert report["teacher_vs_base"] < 1e-4, report
         assert report["student_vs_base"] > 1e-3, report
         assert report["adapter_grads"] > 0 and report["trainable"], report
+
+
+def test_a_lora_distill_checkpoint_loads_as_the_model_with_its_adapters_merged(tiny_pair, tmp_path):
+    """A LoRA distill run's final.ckpt (weights only, as FinalCheckpoint writes it) records its adapters' settings, and
+    a stage that starts from it (``policy.checkpoint`` of RLVR, or FinalCheckpoint's suggestion
+    ``--model.student.checkpoint=final.ckpt`` for a new run) gets the student with the adapters merged: the same logits."""
+    from kdlab.models.loading import ModelSpec, load_causal_lm
+    from kdlab.objectives.logits import completion_logits
+
+    m = module(tiny_pair)
+    for name, p in m.student.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    trainer = fit(m, tmp_path, steps=1)
+    final = tmp_path / "final.ckpt"
+    trainer.save_checkpoint(final, weights_only=True)
+    assert torch.load(final, weights_only=True)["kdlab_lora"] == {"r": 4, "lora_alpha": 8, "target_modules": sorted(LoraSpec().target_modules)}
+    rollout = m.make_rollout(task().examples("train")[:2], 0)
+    inputs, length = rollout.model_inputs("student"), rollout.completion_ids.shape[1]
+    m.student.eval()
+    merged = load_causal_lm(ModelSpec(tiny_pair[0], checkpoint=str(final)), "policy").eval()
+    assert not any("lora_" in name for name, _ in merged.named_parameters())
+    with torch.no_grad():
+        adapted = completion_logits(m.student, inputs, length, m.token_columns)
+        assert (completion_logits(merged, inputs, length, m.token_columns) - adapted).abs().max().item() < 1e-4
+        base = completion_logits(load_causal_lm(ModelSpec(tiny_pair[0])), inputs, length, m.token_columns)
+        assert (base - adapted).abs().max().item() > 1e-3  # the adapters mattered
+    again = module((ModelSpec(tiny_pair[0], checkpoint=str(final)), tiny_pair[1]))  # a new LoRA run from those weights
+    again.student.eval()
+    with torch.no_grad():  # fresh adapters (B = 0) on the merged weights
+        assert (completion_logits(again.student, inputs, length, m.token_columns) - adapted).abs().max().item() < 1e-4
+
+
+def test_lora_checkpoints_that_cannot_be_merged_say_what_works(tiny_pair, tmp_path):
+    """Adapters without recorded settings (an SFTModule checkpoint, or one written before kdlab recorded them) cannot
+    be merged (alpha is not in the tensors): the error names the checkpoint and a way that works."""
+    from kdlab.models.loading import ModelSpec, load_causal_lm
+
+    m = module(tiny_pair)
+    state = m.student.state_dict()
+    for prefix, advice in (("student.", "written before kdlab recorded them"), ("model.", "SFTModule.export_dir")):
+        path = tmp_path / f"{prefix}ckpt"
+        torch.save({"state_dict": {prefix + key: value for key, value in state.items()}}, path)
+        with pytest.raises(ValueError, match=rf"policy.checkpoint .*holds LoRA adapters without their settings .*{advice}"):
+            load_causal_lm(ModelSpec(tiny_pair[0], checkpoint=str(path)), "policy")
+    # the advice for a distill or RLVR checkpoint without settings, followed: the folder loads as the adapter model
+    from kdlab.models import export_pretrained
+    from kdlab.objectives.logits import completion_logits
+    from kdlab.stages.lora import apply_lora
+
+    for name, p in m.student.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    torch.save({"state_dict": {"student." + key: value for key, value in m.student.state_dict().items()}}, tmp_path / "student.ckpt")
+    saved = torch.load(tmp_path / "student.ckpt", weights_only=True)["state_dict"]
+    adapted = apply_lora(load_causal_lm(ModelSpec(tiny_pair[0])), LoraSpec(r=4, alpha=8))
+    adapted.load_state_dict({key[len("student."):]: value for key, value in saved.items() if key.startswith("student.")})
+    export_pretrained(adapted, m.student_tokenizer, tmp_path / "merged")
+    rollout = m.make_rollout(task().examples("train")[:2], 0)
+    inputs, length = rollout.model_inputs("student"), rollout.completion_ids.shape[1]
+    m.student.eval()
+    with torch.no_grad():
+        merged = load_causal_lm(ModelSpec(str(tmp_path / "merged")), "policy")
+        gap = completion_logits(merged, inputs, length, m.token_columns) - completion_logits(m.student, inputs, length, m.token_columns)
+    assert gap.abs().max().item() < 1e-4

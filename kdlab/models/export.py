@@ -1,6 +1,7 @@
-"""From a trained stage back to a Hugging Face model: stage-checkpoint weights by Hugging Face name
-(FSDP, activation-checkpointing and compile wrappers stripped), LoRA adapters merged, full parameters
-gathered from FSDP shards, and :func:`export_pretrained` (what stage exports and vLLM weight pushes use)."""
+"""From a trained stage back to a Hugging Face model: stage-checkpoint weights (a LoRA run's adapters merged with
+the settings the checkpoint records), weights by Hugging Face name (FSDP, activation-checkpointing and compile
+wrappers stripped), LoRA adapters merged, full parameters gathered from FSDP shards, and :func:`export_pretrained`
+(what stage exports and vLLM weight pushes use)."""
 
 from __future__ import annotations
 
@@ -14,26 +15,63 @@ import torch
 STAGE_PREFIXES = ("student.", "model.")
 
 
-def load_stage_weights(model: torch.nn.Module, checkpoint: str, role: str = "model") -> None:
-    """Copy the trained model of a kdlab stage checkpoint into ``model`` (in place, its dtype kept).
+LORA_SETTINGS = "kdlab_lora"
+"""The checkpoint key under which a stage records its trained model's LoRA settings (:func:`lora_settings`), so
+:func:`load_stage_weights` can merge the adapters (their scale ``alpha / r`` is not in the tensors)."""
 
-    Raises naming ``<role>.checkpoint`` and the file when it is missing, unreadable, holds no kdlab
-    stage, holds LoRA adapters (merge them first: ``SFTModule.save_pretrained``) or does not fit.
+
+def lora_settings(model: torch.nn.Module) -> dict[str, Any] | None:
+    """``{"r", "lora_alpha", "target_modules"}`` of the LoRA adapter on ``model`` (a peft model, or one inside FSDP1 or
+    compile wrappers, which pass attributes on), in peft's names and plain values (a weights-only checkpoint holds
+    them); ``None`` for a model without adapters."""
+    configs = getattr(model, "peft_config", None)
+    if not configs:
+        return None
+    if len(configs) != 1:
+        raise ValueError(f"the trained model holds {len(configs)} peft adapters ({sorted(configs)}); kdlab trains and merges one")
+    config = next(iter(configs.values()))
+    targets = config.target_modules
+    return {"r": int(config.r), "lora_alpha": config.lora_alpha, "target_modules": targets if isinstance(targets, str) else sorted(targets)}
+
+
+def peft_wrapped(model: torch.nn.Module, config: Any) -> torch.nn.Module:
+    """``peft.get_peft_model(model, config)``: ``model`` with LoRA layers injected (in place) under a peft model."""
+    import warnings
+
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        # peft (0.21) asks the model for transformers' deprecated ``is_gradient_checkpointing`` alias, which warns
+        # (FutureWarning) on every LoRA run; the answer is the same, the warning is peft's to fix, not the user's
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)
+
+
+def load_stage_weights(model: torch.nn.Module, checkpoint: str, role: str = "model") -> None:
+    """Copy the trained model of a kdlab stage checkpoint into ``model`` (in place, its dtype kept). A LoRA run's
+    checkpoint (adapters and their settings, :data:`LORA_SETTINGS`) is loaded into ``model`` wrapped with the same
+    adapters, which are then merged into its weights (``W + s B A``, as exports and vLLM pushes merge them) and
+    removed: ``model`` stays a plain Hugging Face model.
+
+    Raises naming ``<role>.checkpoint`` and the file when it is missing, unreadable, holds no kdlab stage, holds
+    LoRA adapters without their settings (an SFTModule checkpoint: use its ``export_dir``) or does not fit.
     """
     where = f"{role}.checkpoint {checkpoint!r}"
     if not Path(checkpoint).is_file():
         raise FileNotFoundError(f"{where}: no such file")
     try:
-        state = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+        saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        state = saved["state_dict"]
     except Exception as error:  # a truncated file, a pickle of foreign classes, no state_dict
         raise OSError(f"{where}: not a readable Lightning checkpoint ({type(error).__name__}: {str(error)[:200]})") from error
-    expected = model.state_dict()
     for prefix in STAGE_PREFIXES:
         weights = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
         if not weights:
             continue
+        target = model
         if any("lora_" in key for key in weights):
-            raise ValueError(f"{where}: holds LoRA adapters; export merged weights (save_pretrained) and use them as the path")
+            target = _with_checkpoint_adapters(model, saved.get(LORA_SETTINGS), where, prefix)
+        expected = target.state_dict()
         missing = sorted(set(expected) - set(weights))
         unexpected = sorted(set(weights) - set(expected))
         shapes = [k for k in set(expected) & set(weights) if expected[k].shape != weights[k].shape]
@@ -42,9 +80,39 @@ def load_stage_weights(model: torch.nn.Module, checkpoint: str, role: str = "mod
                 f"{where}: its {prefix.rstrip('.')!r} weights do not fit the model at {role}.path "
                 f"(missing {missing[:3]}, unexpected {unexpected[:3]}, other shapes {shapes[:3]})"
             )
-        model.load_state_dict({k: v.to(expected[k].dtype) for k, v in weights.items()})
+        target.load_state_dict({k: v.to(expected[k].dtype) for k, v in weights.items()})
+        if target is not model:
+            _merge_in_place(target)
         return
     raise ValueError(f"{where}: holds no kdlab stage weights (no keys starting with {' or '.join(STAGE_PREFIXES)})")
+
+
+def _with_checkpoint_adapters(model: torch.nn.Module, settings: dict[str, Any] | None, where: str, prefix: str) -> torch.nn.Module:
+    """``model`` under the LoRA adapters a checkpoint's ``settings`` describe (injected in place), or an error saying
+    why they cannot be merged and what works instead."""
+    if settings is None:
+        advice = ("an SFTModule checkpoint: set SFTModule.export_dir (or call save_pretrained) and use the written folder as the path"
+                  if prefix == "model." else
+                  "written before kdlab recorded them: wrap the model at the path with kdlab.stages.lora.apply_lora and the run's "
+                  f"lora settings, load the checkpoint's {prefix!r} tensors into it, write it with kdlab.models.export_pretrained "
+                  "and use that folder as the path")
+        raise ValueError(f"{where}: holds LoRA adapters without their settings (their scale alpha / r is not in the tensors), so "
+                         f"they cannot be merged; {advice}")
+    try:
+        from peft import LoraConfig
+    except ImportError as error:
+        raise ImportError(f"{where}: holds LoRA adapters, and merging them needs peft: pip install 'kdlab[lora]'") from error
+    return peft_wrapped(model, LoraConfig(**settings))
+
+
+def _merge_in_place(adapted: torch.nn.Module) -> None:
+    """Add each adapter's delta to its base weight (:func:`_lora_delta`, as :func:`merged_weights` does) and replace the
+    adapter layers by their base layers (peft's ``unload``), in the model ``adapted`` wraps."""
+    with torch.no_grad():
+        for adapters in _lora_layers(adapted).values():
+            weight = adapters[0][0].get_base_layer().weight
+            weight += _lora_delta(adapters).to(weight.dtype)
+    adapted.unload()
 
 
 # Wrappers that training adds to parameter names, outermost first; vLLM's load_weights wants the plain

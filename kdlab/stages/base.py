@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 from kdlab.components import Component
 from kdlab.evaluation.metrics import PassAtK
 from kdlab.evaluation.scoring import completion_texts, scored
+from kdlab.models.export import LORA_SETTINGS, lora_settings
 from kdlab.objectives.precision import use_float32_matmul_precision
 from kdlab.provenance import write_run_info
 from kdlab.run_config import describe_run, remember_arguments
@@ -429,7 +430,12 @@ class TaskStage(pl.LightningModule):
         continues with the next batch, and the log position (``kdlab_log_position``: the logger step
         of the next batch, the global step, the save's wall time and the size of ``metrics.jsonl``) so
         a resumed run logs each step at the step the uninterrupted run did (see
-        :func:`kdlab.cli.resume.trim_logs`)."""
+        :func:`kdlab.cli.resume.trim_logs`). A LoRA student's adapter settings go in too (:data:`~kdlab.models.export.LORA_SETTINGS`),
+        weights-only checkpoints included, so a later stage that starts from the checkpoint merges the adapters
+        (:func:`~kdlab.models.export.load_stage_weights`)."""
+        settings = lora_settings(self.student) if isinstance(getattr(self, "student", None), torch.nn.Module) else None
+        if settings is not None:
+            checkpoint[LORA_SETTINGS] = settings
         if self._trainer is not None and self.trainer.state.fn == "fit":  # also for saves at validation end
             checkpoint["kdlab_data_position"] = data_position(self.trainer, checkpoint, self.batch_size, self.data_parallel_layout()["num_replicas"],
                                                               whole_steps=self.automatic_optimization)

@@ -48,7 +48,7 @@ class DistillModule(TaskStage):
     """Distil ``teacher`` into ``student`` on ``task`` with a rollout policy and a KL objective.
 
     Args:
-        student: the model trained (all its parameters, full fine-tuning).
+        student: the model trained: all its parameters, or LoRA adapters on it (``lora``).
         teacher: where the teacher's distribution comes from, one :class:`~kdlab.teachers.base.TeacherSource`: a model
             in this process (``{path: ..., dtype: ...}``, i.e. :class:`~kdlab.teachers.ModelTeacher`), a top-k cache
             (:class:`~kdlab.teachers.CachedTeacher`), a served teacher (:class:`~kdlab.teachers.Served`), several teachers
@@ -108,7 +108,9 @@ class DistillModule(TaskStage):
             vocabularies differ; ``MixtureRollouts`` and vLLM rollouts need one vocabulary and are refused.
         lora: train LoRA adapters on the student instead of all its weights (peft, as SFT and GRPO; ``pip
             install kdlab[lora]``): only the adapters move and hold optimiser state; checkpoints carry the
-            student with its adapters, exports and vLLM pushes merge them.
+            student with its adapters and their settings, and a stage that starts from one (``policy.checkpoint``,
+            ``student.checkpoint``) gets the adapters merged into the weights
+            (:func:`~kdlab.models.export.load_stage_weights`), as vLLM weight pushes merge them.
         legacy: the earlier spellings of ``teacher`` (``base_teacher``, ``served_teacher``, ``teachers``, ``teacher_choice``;
             deprecated, with a ``FutureWarning``), see :func:`kdlab.teachers.legacy.teacher_source`.
         seed: seeds rollout sampling, sampled-KL draws, evaluation sampling and data order; each

@@ -5,11 +5,11 @@ exports and vLLM pushes merge the adapters (:mod:`kdlab.models.export`). :class:
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
+from kdlab.models.export import peft_wrapped
 from kdlab.teachers.base_model import AdaptersDisabled  # noqa: F401 - its home is the base-model teacher
 
 
@@ -37,15 +37,10 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
     """``model`` (a Hugging Face causal LM) wrapped by peft with ``spec``'s adapters, after :func:`check_targets`."""
     check_targets(model, spec.target_modules)
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
     except ImportError as error:
         raise ImportError("lora needs peft: pip install 'kdlab[lora]'") from error
-    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=spec.target_modules)
-    with warnings.catch_warnings():
-        # peft (0.21) asks the model for transformers' deprecated ``is_gradient_checkpointing`` alias, which warns
-        # (FutureWarning) on every LoRA run; the answer is the same, the warning is peft's to fix, not the user's
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        return get_peft_model(model, config)
+    return peft_wrapped(model, LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=spec.target_modules))
 
 
 # what the class names of the layers peft's LoRA adapts contain: torch's Linear, Embedding and convolutions,
