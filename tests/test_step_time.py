@@ -231,6 +231,41 @@ def test_lora_parameters_are_those_peft_trains():
     assert all(p.dtype == torch.float32 for p in adapted.parameters() if p.requires_grad)
 
 
+def test_lora_adapters_are_counted_in_16_bits_under_a_16_bit_true_precision(tmp_path):
+    """Under ``bf16-true`` (and ``16-true``) Lightning casts the whole student, adapters included, to 16 bits, so their
+    weights, gradients and AdamW moments take 2 B; under ``32-true`` and the mixed precisions they stay fp32 (4 B).
+    The fit below checks the first half on the real stage."""
+    pytest.importorskip("peft")
+    import lightning.pytorch as pl
+
+    from kdlab.rollouts.policies import TeacherRollouts
+    from kdlab.stages.distill import DistillModule
+    from kdlab.stages.lora import LoraSpec
+    from kdlab.study.estimate import estimate, setup_from_config
+    from kdlab.tasks import Addition
+
+    model = {"class_path": "kdlab.stages.DistillModule", "init_args": {"student": "kdlab://tiny/student", "teacher": "kdlab://tiny/teacher",
+                                                                        "lora": {"r": 8}}}
+    results = {precision: estimate(setup_from_config({"model": model, "trainer": {"accelerator": "cpu", "precision": precision}}))
+               for precision in ("32-true", "bf16-mixed", "bf16-true", "16-true")}
+    trainable = lora_params(results["32-true"].setup.student, 8)
+    for precision, size in (("32-true", 4), ("bf16-mixed", 4), ("bf16-true", 2), ("16-true", 2)):
+        terms = {term.key: term for term in results[precision].terms}
+        assert terms["optimiser (AdamW)"].bytes == 2 * trainable * size, precision
+        assert terms["student gradients"].bytes == trainable * size, precision
+        assert f"LoRA (r 8) x {size} B" in terms["student weights"].formula, precision
+    assert "LoRA (r 8) x 2 B (the 16-bit true precision casts the adapters too)" in {t.key: t for t in results["bf16-true"].terms}["student weights"].formula
+
+    task = Addition(max_digits=2, system_prompt="", num_train=4, num_val=0, num_test=0, seed=0)
+    stage = DistillModule("kdlab://tiny-random/student", "kdlab://tiny-random/teacher", task, rollout=TeacherRollouts(), batch_size=2,
+                          max_completion_tokens=4, val_examples=1, warmup_steps=0, lora=LoraSpec(r=4, alpha=8))
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", precision="bf16-true", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                         default_root_dir=tmp_path)
+    trainer.fit(stage)
+    assert {p.dtype for p in stage.student.parameters() if p.requires_grad} == {torch.bfloat16}
+
+
 @pytest.fixture
 def in_root(monkeypatch):
     monkeypatch.chdir(ROOT)

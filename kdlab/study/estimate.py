@@ -2,7 +2,8 @@
 each GPU, and the work of one optimiser step, from the models' configs alone (no weights are read); an
 :class:`~kdlab.stages.sft.SFTModule` or :class:`~kdlab.stages.grpo.GRPOModule` fit is read by
 :mod:`kdlab.study.setups` into the same terms (SFT: no decode, the loss on whole logits; GRPO: one decode of
-``batch_size x group_size`` rows; LoRA: fp32 adapters, their gradients and moments only). The time of a step and
+``batch_size x group_size`` rows; LoRA: the adapters, their gradients and moments only, in fp32, or in 16 bits under
+``bf16-true`` / ``16-true``, which cast them too). The time of a step and
 of a whole run: :mod:`kdlab.study.step_time`, :mod:`kdlab.study.run_time`.
 
 A step decodes (the rollout), then trains its micro-batches, then steps the optimiser, so::
@@ -220,10 +221,11 @@ def estimate(setup: Setup) -> Estimate:
     where, twhere = (f" / {n} (sharded)" if n > 1 else ""), (f" / {tn} (sharded)" if tn > 1 else "")
     billions = f"{s.params / 1e9:.3f}B"
     unsharded_accumulation = setup.strategy == "fsdp2" and setup.accumulate > 1 and n > 1
-    trainable, tb_size = setup.trainable, (4 if setup.lora_rank else sb)  # peft keeps adapters in fp32
-    adapters = f" + {trainable / 1e6:.1f}M LoRA (r {setup.lora_rank}) x 4 B" if setup.lora_rank else ""
+    trainable, tb_size = setup.trainable, (setup.adapter_bytes if setup.lora_rank else sb)  # fp32 adapters, 16 bits under *-true
+    cast = " (the 16-bit true precision casts the adapters too)" if setup.adapter_bytes == 2 else ""
+    adapters = f" + {trainable / 1e6:.1f}M LoRA (r {setup.lora_rank}) x {tb_size} B{cast}" if setup.lora_rank else ""
     trained = f"{trainable / 1e6:.1f}M LoRA params" if setup.lora_rank else billions
-    terms = [Term("student weights", "persistent", s.params * sb / n + (trainable * 4 / n if setup.lora_rank else 0), f"{billions} params x {sb} B{adapters}{where}"),
+    terms = [Term("student weights", "persistent", s.params * sb / n + (trainable * tb_size / n if setup.lora_rank else 0), f"{billions} params x {sb} B{adapters}{where}"),
              # FSDP2 reduce-scatters once per optimiser step (kdlab.stages.sharding.require_gradient_sync): between a step's
              # micro-batches each rank holds the whole unsharded gradient
              Term("student gradients", "persistent", trainable * tb_size / (1 if unsharded_accumulation else n),

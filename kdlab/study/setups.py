@@ -49,6 +49,7 @@ class Setup:
     student_fused: bool = True
     teacher_fused: bool = True
     lora_rank: int = 0  # LoRA adapters on the trained model (0: all its weights train)
+    adapter_bytes: int = 4  # per LoRA parameter: fp32 (peft's), or 2 under bf16-true / 16-true, which cast the adapters too
     stage: str = "distill"  # distill, sft, grpo
     gpu: bool = True
     gpu_memory: int = 80 * GiB
@@ -56,7 +57,7 @@ class Setup:
 
     @property
     def trainable(self) -> int:
-        """Parameters the optimiser updates: the LoRA adapters (fp32, peft's default), else every weight."""
+        """Parameters the optimiser updates: the LoRA adapters (``adapter_bytes`` each), else every weight."""
         return lora_params(self.student, self.lora_rank) if self.lora_rank else self.student.params
 
     @property
@@ -102,7 +103,8 @@ def spec_of(value: Any) -> Any:
 
 def machine(trainer: dict[str, Any], options: dict[str, Any], notes: list[str], gpus: int | None, gpu_memory_gib: float | None) -> dict[str, Any]:
     """The :class:`Setup` fields the ``trainer`` section decides: GPUs (``gpus``, default ``trainer.devices x
-    trainer.num_nodes``), strategy and shard size, autocast, accumulation, GPU or CPU, GPU memory (default 80 GiB)."""
+    trainer.num_nodes``), strategy and shard size, autocast, accumulation, GPU or CPU, GPU memory (default 80 GiB), the
+    bytes of a LoRA parameter."""
     devices, nodes = trainer.get("devices", "auto"), int(trainer.get("num_nodes") or 1)
     devices = len(devices) if isinstance(devices, (list, tuple)) else int(devices) if str(devices).lstrip("-").isdigit() else devices
     if not isinstance(devices, int) or devices < 1:
@@ -117,7 +119,9 @@ def machine(trainer: dict[str, Any], options: dict[str, Any], notes: list[str], 
     accelerator = name_of(trainer.get("accelerator") or "auto")[0].lower()
     return {"world": world, "strategy": kind, "shard": shard if isinstance(shard, int) else world,
             "mixed": precision in ("bf16-mixed", "16-mixed", "bf16", "16"), "accumulate": int(trainer.get("accumulate_grad_batches") or 1),
-            "gpu": accelerator not in ("cpu",), "gpu_memory": int((gpu_memory_gib or options.get("gpu_memory_gib") or 80) * GiB), "precision": precision}
+            "gpu": accelerator not in ("cpu",), "gpu_memory": int((gpu_memory_gib or options.get("gpu_memory_gib") or 80) * GiB), "precision": precision,
+            # peft keeps adapters in fp32; a 16-bit true precision casts the whole module, adapters included, to 16 bits
+            "adapter_bytes": 2 if precision in ("bf16-true", "16-true") else 4}
 
 
 def _dtype(precision: str, dtype: str, notes: list[str]) -> str:

@@ -196,6 +196,6 @@ def step_time(setup: Setup, work: dict[str, float], hardware: Hardware) -> StepT
     if setup.lora_rank:
         tensors = s.layers * 14  # A and B of 7 projections
     shard = setup.shard if setup.strategy in ("fsdp2", "fsdp1") else 1
-    moved = setup.trainable / shard * 4 * (4 if setup.lora_rank else BYTES[setup.student_dtype]) * 2  # weights, gradients, 2 moments; read, written
+    moved = setup.trainable / shard * 4 * (setup.adapter_bytes if setup.lora_rank else BYTES[setup.student_dtype]) * 2  # weights, gradients, 2 moments; read, written
     parts["optimiser step"] = combine(hardware, tensors * OPS_OPTIMISER_TENSOR * hardware.op_seconds, moved / hardware.bandwidth)
     return StepTime(parts, hardware)
