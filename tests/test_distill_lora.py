@@ -342,3 +342,25 @@ def test_lora_checkpoints_that_cannot_be_merged_say_what_works(tiny_pair, tmp_pa
         merged = load_causal_lm(ModelSpec(str(tmp_path / "merged")), "policy")
         gap = completion_logits(merged, inputs, length, m.token_columns) - completion_logits(m.student, inputs, length, m.token_columns)
     assert gap.abs().max().item() < 1e-4
+
+
+def test_with_adapters_disabled_the_lora_branch_and_its_dropout_are_skipped(tiny_pair):
+    """What AdaptersDisabled's docstring says: with the student in train mode and LoRA dropout 0.5, the base teacher's
+    logits are the plain base model's, the same on every call (no dropout mask drawn on the LoRA branch)."""
+    from kdlab.models.loading import ModelSpec, load_causal_lm
+    from kdlab.objectives.logits import completion_logits
+    from kdlab.teachers import BaseModelTeacher
+
+    m = module(tiny_pair, teacher=BaseModelTeacher(), rollout=StudentRollouts(), lora=LoraSpec(r=4, alpha=8, dropout=0.5))
+    for name, p in m.student.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    rollout = m.make_rollout(task().examples("train")[:2], 0)
+    inputs, length = rollout.model_inputs("teacher"), rollout.completion_ids.shape[1]
+    m.student.train()
+    with torch.no_grad():
+        first, second = (completion_logits(m.teacher, inputs, length, m.token_columns) for _ in range(2))
+        base = completion_logits(load_causal_lm(ModelSpec(tiny_pair[0])).eval(), inputs, length, m.token_columns)
+        noisy = [completion_logits(m.student, inputs, length, m.token_columns) for _ in range(2)]
+    assert torch.equal(first, second) and (first - base).abs().max().item() < 1e-5
+    assert not torch.equal(*noisy)  # the student itself, in train mode, does draw LoRA dropout

@@ -1,6 +1,6 @@
 """LoRA adapters for a stage's trained model (``LoraSpec``, :func:`apply_lora`): the paper trains its
 teachers with r = alpha = 256 on every attention and MLP projection. Used by SFT, GRPO and distillation;
-exports and vLLM pushes merge the adapters (:mod:`kdlab.models.export`). :class:`~kdlab.teachers.base_model.AdaptersDisabled`
+exports, vLLM pushes and a later stage loading a checkpoint merge the adapters (:mod:`kdlab.models.export`). :class:`~kdlab.teachers.base_model.AdaptersDisabled`
 (the base model under the adapters, for a teacher that is the student's own base) lives with that teacher."""
 
 from __future__ import annotations
