@@ -84,7 +84,8 @@ class TeacherRun:
     """The stage's frozen models by name (``TaskStage._frozen``): sources read their models from it, since the stage
     may replace an entry by its sharded wrapper."""
     student: Callable[[], torch.nn.Module] | None = None
-    """The (loaded) student, for the source that is the student's own base."""
+    """Returns the (loaded) student as the stage holds it at the time of the call (under FSDP1 the stage replaces it by
+    an FSDP root around it), for the source that is the student's own base: call it each time, do not keep its result."""
     layout: Any = None
 
 
