@@ -174,3 +174,20 @@ def test_under_fsdp1_the_default_loss_takes_the_logits_path(tiny_pair):
     assert not module.uses_fused_head()
     module.fused_lm_head = True
     assert module.uses_fused_head()
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("min_lr_ratio", -1.0, r"SFTModule.min_lr_ratio must be in \[0, 1\], got -1.0"),
+    ("min_lr_ratio", 1.5, r"SFTModule.min_lr_ratio must be in \[0, 1\], got 1.5"),
+    ("warmup_steps", -5, r"SFTModule.warmup_steps must be an integer >= 0, got -5"),
+    ("batch_size", 0, r"SFTModule.batch_size must be >= 1, got 0"),
+    ("max_length", 0, r"SFTModule.max_length must be >= 2 \(a prompt token and a completion token\), got 0"),
+])
+def test_bad_optimiser_and_data_settings_fail_at_construction_naming_the_key(tiny_pair, monkeypatch, key, value, message):
+    """A negative ``min_lr_ratio`` would train with a negative learning rate (gradient ascent) at the end of the cosine;
+    the others fail later in torch's own words. All are refused before any weights load, naming the key."""
+    import kdlab.stages.sft
+
+    monkeypatch.setattr(kdlab.stages.sft, "load_causal_lm", lambda *a, **k: pytest.fail("weights were read"))
+    with pytest.raises(ValueError, match=message):
+        SFTModule(tiny_pair[0], tasks=[Addition(num_train=4)], **{key: value})

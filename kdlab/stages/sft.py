@@ -12,6 +12,7 @@ completions of one or more :class:`~kdlab.tasks.base.Task` objects.
 from __future__ import annotations
 
 import inspect
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from kdlab.objectives.logits import completion_head_logits, completion_logits, f
 from kdlab.objectives.logprobs import token_logprobs
 from kdlab.run_config import describe_run, remember_arguments
 from kdlab.stages.lora import LoraSpec, apply_lora
-from kdlab.stages.optim import SCHEDULES, FiniteAdamW, check_adamw, lr_multiplier
+from kdlab.stages.optim import FiniteAdamW, check_adamw, check_schedule, lr_multiplier
 from kdlab.stages.sharding import check_strategy
 from kdlab.tasks.base import Task
 from kdlab.teachers.model import vocabulary_columns
@@ -66,8 +67,8 @@ class SFTModule(pl.LightningModule):
         lr: peak learning rate (paper: 5e-5).
         warmup_steps: linear warm-up steps (paper: 10).
         schedule: ``cosine`` (decay to ``min_lr_ratio * lr`` at ``max_steps``) or ``constant``.
-        min_lr_ratio: floor of the cosine schedule.
-        batch_size: rows per micro-batch.
+        min_lr_ratio: floor of the cosine schedule, in [0, 1].
+        batch_size: rows per micro-batch (>= 1).
         max_length: prompt + completion tokens; longer rows are an error naming the row.
         lora: train LoRA adapters instead of all weights.
         weight_decay, betas, eps: AdamW settings.
@@ -108,9 +109,12 @@ class SFTModule(pl.LightningModule):
         self.export_dir, self.fused_lm_head = export_dir, fused_lm_head
         if (dataset is None) == (not tasks):
             raise ValueError("SFTModule needs exactly one of dataset or tasks")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"SFTModule.schedule must be one of {SCHEDULES}, got {schedule!r}")
         check_adamw("SFTModule", lr, betas, eps, weight_decay)
+        check_schedule("SFTModule", warmup_steps, schedule, min_lr_ratio)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+            raise ValueError(f"SFTModule.batch_size must be >= 1, got {batch_size}")
+        if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral) or max_length < 2:
+            raise ValueError(f"SFTModule.max_length must be >= 2 (a prompt token and a completion token), got {max_length}")
         self.spec = ModelSpec(model) if isinstance(model, str) else model
         self.tokenizer = load_tokenizer(self.spec, "model")
         self.model = load_causal_lm(self.spec, "model")
