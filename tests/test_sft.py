@@ -191,3 +191,14 @@ def test_bad_optimiser_and_data_settings_fail_at_construction_naming_the_key(tin
     monkeypatch.setattr(kdlab.stages.sft, "load_causal_lm", lambda *a, **k: pytest.fail("weights were read"))
     with pytest.raises(ValueError, match=message):
         SFTModule(tiny_pair[0], tasks=[Addition(num_train=4)], **{key: value})
+
+
+@pytest.mark.parametrize("row", [{"prompt": "", "completion": "a"}, {"messages": [], "completion": "a"},
+                                 {"messages": [{"role": "user"}], "completion": "a"}, {"messages": "1+2", "prompt": "1+2", "completion": "a"}],
+                         ids=["empty-prompt", "no-messages", "no-content", "messages-not-a-list"])
+def test_an_empty_prompt_is_refused_when_the_file_is_read_naming_file_and_line(tiny_pair, tmp_path, row):
+    """A row with nothing to condition on (``"prompt": ""``, no messages, a message without content) is refused
+    while the file is read, naming its file and line (it used to pass and fail in the first step, KeyError 'messages')."""
+    path = rows_file(tmp_path, [{"prompt": "x", "completion": "y"}, row])
+    with pytest.raises(ValueError, match=r"sft.jsonl:2: needs a non-empty 'prompt' string or a non-empty 'messages' list"):
+        SFTModule(tiny_pair[0], dataset=path)

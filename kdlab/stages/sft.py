@@ -35,11 +35,17 @@ from kdlab.teachers.model import vocabulary_columns
 
 
 def read_pairs(path: str) -> list[dict[str, Any]]:
-    """Rows of an SFT JSONL file; errors name the file, line and field."""
+    """Rows of an SFT JSONL file; errors name the file, line and field. Every row has a prompt to condition on: a
+    non-empty ``messages`` list of ``{"role", "content"}`` strings (a chat prompt) or, without ``messages``, a
+    non-empty ``prompt`` string."""
     rows = []
     for where, row in read_jsonl(path, "SFTModule.dataset", ("completion",)):
-        if not isinstance(row.get("messages"), list) and not isinstance(row.get("prompt"), str):
-            raise ValueError(f"{where}: needs a 'messages' list or a 'prompt' string")
+        messages = row.get("messages")
+        chat = isinstance(messages, list) and bool(messages) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+        if not (chat if "messages" in row else isinstance(row.get("prompt"), str) and row["prompt"]):
+            raise ValueError(f"{where}: needs a non-empty 'prompt' string or a non-empty 'messages' list of "
+                             "{'role': str, 'content': str} objects")
         rows.append(row)
     if not rows:
         raise ValueError(f"SFTModule.dataset {path!r} holds no rows")
@@ -143,7 +149,7 @@ class SFTModule(pl.LightningModule):
             prompt = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
             prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         else:
-            text = row.get("prompt") or "\n\n".join(m["content"] for m in row["messages"]) + "\n"
+            text = row["prompt"] if row.get("prompt") else "\n\n".join(m["content"] for m in row["messages"]) + "\n"
             prompt_ids = tokenizer(text)["input_ids"]
         completion_ids = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         ids = prompt_ids + completion_ids
