@@ -202,3 +202,23 @@ def test_an_empty_prompt_is_refused_when_the_file_is_read_naming_file_and_line(t
     path = rows_file(tmp_path, [{"prompt": "x", "completion": "y"}, row])
     with pytest.raises(ValueError, match=r"sft.jsonl:2: needs a non-empty 'prompt' string or a non-empty 'messages' list"):
         SFTModule(tiny_pair[0], dataset=path)
+
+
+def test_rows_longer_than_max_length_are_refused_before_the_first_step_naming_the_example_or_line(tiny_pair, tmp_path, monkeypatch):
+    """Every row is encoded and checked when the fit is set up, before any step (a long row used to be found only when
+    its batch came, possibly hours in, and was named '?'): a task's row by its example id, a JSONL row by file:line."""
+    monkeypatch.setattr(SFTModule, "training_step", lambda *a, **k: pytest.fail("a training step ran"))
+
+    def fit(module):
+        pl.Trainer(max_steps=1, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False).fit(module)
+
+    module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=4)], max_length=14, batch_size=1)
+    lengths = [len(module.encode(row)[0]) for row in module.rows]
+    longest = max(range(4), key=lambda i: (lengths[i] > 14, -i))  # the first too-long row
+    assert lengths[longest] > 14, lengths
+    with pytest.raises(ValueError, match=rf"SFTModule.max_length=14: Addition example 'add-train-{longest}' has {lengths[longest]} tokens"):
+        fit(module)
+    path = rows_file(tmp_path, [{"prompt": "p", "completion": "a"}, {"prompt": "p", "completion": "a " * 50}])
+    with pytest.raises(ValueError, match=r"SFTModule.max_length=14: .*sft.jsonl:2 has \d+ tokens"):
+        fit(SFTModule(tiny_pair[0], dataset=path, max_length=14, batch_size=1))

@@ -35,9 +35,9 @@ from kdlab.teachers.model import vocabulary_columns
 
 
 def read_pairs(path: str) -> list[dict[str, Any]]:
-    """Rows of an SFT JSONL file; errors name the file, line and field. Every row has a prompt to condition on: a
-    non-empty ``messages`` list of ``{"role", "content"}`` strings (a chat prompt) or, without ``messages``, a
-    non-empty ``prompt`` string."""
+    """Rows of an SFT JSONL file, each with its ``where`` (``<file>:<line>``, for later errors); errors name the file,
+    line and field. Every row has a prompt to condition on: a non-empty ``messages`` list of ``{"role", "content"}``
+    strings (a chat prompt) or, without ``messages``, a non-empty ``prompt`` string."""
     rows = []
     for where, row in read_jsonl(path, "SFTModule.dataset", ("completion",)):
         messages = row.get("messages")
@@ -46,20 +46,22 @@ def read_pairs(path: str) -> list[dict[str, Any]]:
         if not (chat if "messages" in row else isinstance(row.get("prompt"), str) and row["prompt"]):
             raise ValueError(f"{where}: needs a non-empty 'prompt' string or a non-empty 'messages' list of "
                              "{'role': str, 'content': str} objects")
-        rows.append(row)
+        rows.append({**row, "where": where})
     if not rows:
         raise ValueError(f"SFTModule.dataset {path!r} holds no rows")
     return rows
 
 
 def task_pairs(task: Task, split: str = "train") -> list[dict[str, Any]]:
-    """``{"messages", "completion"}`` rows from a task's student prompts and reference completions."""
+    """``{"messages", "completion", "plain", "where"}`` rows from a task's student prompts and reference completions
+    (``where``: ``<Task> example '<id>'``, for errors)."""
     rows = []
     for example in task.examples(split):
         completion = task.reference_completion(example)
         if completion is None:
             raise ValueError(f"{type(task).__name__} writes no reference completion; it cannot be used for SFT")
-        rows.append({"messages": task.student_messages(example), "completion": completion, "plain": not task.chat_template})
+        rows.append({"messages": task.student_messages(example), "completion": completion, "plain": not task.chat_template,
+                     "where": f"{type(task).__name__} example {example['id']!r}"})
     return rows
 
 
@@ -75,7 +77,8 @@ class SFTModule(pl.LightningModule):
         schedule: ``cosine`` (decay to ``min_lr_ratio * lr`` at ``max_steps``) or ``constant``.
         min_lr_ratio: floor of the cosine schedule, in [0, 1].
         batch_size: rows per micro-batch (>= 1).
-        max_length: prompt + completion tokens; longer rows are an error naming the row.
+        max_length: prompt + completion tokens; a longer row is an error naming it (its task example id, or its
+            JSONL file and line), raised when the fit is set up, before any step.
         lora: train LoRA adapters instead of all weights.
         weight_decay, betas, eps: AdamW settings.
         seed: data order.
@@ -131,6 +134,7 @@ class SFTModule(pl.LightningModule):
         self.tasks = torch.nn.ModuleList(tasks or [])
         # a JSONL file is read (and checked) now; tasks, which may download, when training starts
         self._rows = read_pairs(dataset) if dataset is not None else None
+        self._encoded: list[tuple[list[int], int]] | None = None
         self.lr, self.warmup_steps, self.schedule, self.min_lr_ratio = lr, warmup_steps, schedule, min_lr_ratio
         self.batch_size, self.max_length = batch_size, max_length
         self.weight_decay, self.betas, self.eps, self.seed = weight_decay, tuple(betas), eps, seed
@@ -142,8 +146,22 @@ class SFTModule(pl.LightningModule):
             self._rows = [row for task in self.tasks for row in task_pairs(task)]
         return self._rows
 
+    @property
+    def encoded(self) -> list[tuple[list[int], int]]:
+        """Every row's :meth:`encode`, encoded once (on first use: ``setup`` of a fit, before any step). Rows longer
+        than ``max_length`` are refused together, naming the first by its ``where`` and counting the others."""
+        if self._encoded is None:
+            encoded = [self.encode(row) for row in self.rows]
+            long = [(row.get("where", "?"), len(ids)) for row, (ids, _) in zip(self.rows, encoded) if len(ids) > self.max_length]
+            if long:
+                more = f" (and {len(long) - 1} more rows are longer)" if len(long) > 1 else ""
+                raise ValueError(f"SFTModule.max_length={self.max_length}: {long[0][0]} has {long[0][1]} tokens (prompt, completion "
+                                 f"and EOS){more}; raise max_length or shorten the rows")
+            self._encoded = encoded
+        return self._encoded
+
     def encode(self, row: dict[str, Any]) -> tuple[list[int], int]:
-        """Token ids of prompt + completion + EOS, and the prompt length."""
+        """Token ids of prompt + completion + EOS, and the prompt length (``max_length`` is checked by :attr:`encoded`)."""
         tokenizer = self.tokenizer
         if "messages" in row and not row.get("plain"):
             prompt = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
@@ -152,10 +170,7 @@ class SFTModule(pl.LightningModule):
             text = row["prompt"] if row.get("prompt") else "\n\n".join(m["content"] for m in row["messages"]) + "\n"
             prompt_ids = tokenizer(text)["input_ids"]
         completion_ids = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        ids = prompt_ids + completion_ids
-        if len(ids) > self.max_length:
-            raise ValueError(f"SFT row {row.get('id', '?')!r} has {len(ids)} tokens, more than max_length={self.max_length}")
-        return ids, len(prompt_ids)
+        return prompt_ids + completion_ids, len(prompt_ids)
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         encoded = [self.encode(row) for row in rows]
@@ -172,6 +187,8 @@ class SFTModule(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         check_strategy(self.trainer.strategy)  # a strategy kdlab does not know (DeepSpeed) is refused before any step
+        if stage == "fit":
+            self.encoded  # every row encoded and its length checked now, not when its batch comes
 
     def on_fit_start(self) -> None:
         """The ``config.yaml`` of a run ``kdlab fit`` did not start, and the run's description for every logger
