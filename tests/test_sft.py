@@ -222,3 +222,57 @@ def test_rows_longer_than_max_length_are_refused_before_the_first_step_naming_th
     path = rows_file(tmp_path, [{"prompt": "p", "completion": "a"}, {"prompt": "p", "completion": "a " * 50}])
     with pytest.raises(ValueError, match=r"SFTModule.max_length=14: .*sft.jsonl:2 has \d+ tokens"):
         fit(SFTModule(tiny_pair[0], dataset=path, max_length=14, batch_size=1))
+
+
+def trained_rows(monkeypatch):
+    """Record the rows (their padded token ids) of every micro-batch the loss is taken on."""
+    seen = []
+    loss = SFTModule.loss
+
+    def recording(self, batch, *args, **kwargs):
+        seen.append(sorted(map(tuple, batch["input_ids"].tolist())))
+        return loss(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(SFTModule, "loss", recording)
+    return seen
+
+
+def test_a_fit_resumed_mid_epoch_trains_the_rows_an_uninterrupted_fit_trains(tiny_pair, tmp_path, monkeypatch):
+    """The data position is in every checkpoint: 3 steps, then a resume to 6, trains on the micro-batches an
+    uninterrupted 6-step fit trains on, in its order (Addition(num_train=8), batch_size=2: 4 steps an epoch, so the
+    resume starts inside epoch 0 and the second epoch is reshuffled as the uninterrupted fit reshuffles it)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    seen = trained_rows(monkeypatch)
+
+    def fit(steps, root, ckpt_path=None):
+        module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=8)], batch_size=2, warmup_steps=1, schedule="constant")
+        pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   default_root_dir=root, callbacks=[ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=1)]).fit(module, ckpt_path=ckpt_path)
+        rows, seen[:] = list(seen), []
+        return rows
+
+    whole = fit(6, tmp_path / "whole")
+    first = fit(3, tmp_path / "parts")
+    second = fit(6, tmp_path / "parts", ckpt_path=str(tmp_path / "parts" / "last.ckpt"))
+    assert len(whole) == 6 and whole[:4] != whole[4:] + whole[:2]
+    assert first + second == whole
+
+
+def test_the_data_order_is_the_seeds_under_ddp_too(tiny_pair):
+    """Under DDP Lightning swapped the seeded sampler for its own DistributedSampler (seeded by the global seed), so
+    ``SFTModule.seed`` stopped mattering. The stage's own order is rank-aware: rank r of W takes positions r, r + W, ...
+    of the seed's order, and Lightning keeps it."""
+    from lightning.pytorch.trainer.states import RunningStage
+
+    def order(seed, devices):
+        trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", logger=False)
+        module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=16)], batch_size=4, seed=seed)
+        module.trainer = trainer
+        loader = trainer._data_connector._prepare_dataloader(module.train_dataloader(), shuffle=True, mode=RunningStage.TRAINING)
+        return list(iter(loader.sampler))
+
+    single = {seed: order(seed, 1) for seed in (1, 2)}
+    assert sorted(single[1]) == list(range(16)) and single[1] != single[2]
+    for seed in (1, 2):
+        assert order(seed, 2) == single[seed][0::2]

@@ -29,6 +29,7 @@ from kdlab.objectives.logprobs import token_logprobs
 from kdlab.run_config import describe_run, remember_arguments
 from kdlab.stages.lora import LoraSpec, apply_lora
 from kdlab.stages.optim import FiniteAdamW, check_adamw, check_schedule, lr_multiplier
+from kdlab.stages.loaders import data_parallel_layout, data_position, resumable_loader
 from kdlab.stages.sharding import check_strategy
 from kdlab.tasks.base import Task
 from kdlab.teachers.model import vocabulary_columns
@@ -81,7 +82,8 @@ class SFTModule(pl.LightningModule):
             JSONL file and line), raised when the fit is set up, before any step.
         lora: train LoRA adapters instead of all weights.
         weight_decay, betas, eps: AdamW settings.
-        seed: data order.
+        seed: data order: a permutation per epoch drawn from (seed, epoch), rank r of W processes taking positions
+            r, r + W, ... of it; a fit resumed from a checkpoint continues it (same batch size and process count).
         export_dir: when training ends, write the (LoRA-merged) model and tokenizer there as a Hugging
             Face folder (how a trained teacher becomes the next stage's ``teacher.path``).
         fused_lm_head: take the loss from the final hidden states and the LM head, a chunk of positions at a
@@ -135,6 +137,7 @@ class SFTModule(pl.LightningModule):
         # a JSONL file is read (and checked) now; tasks, which may download, when training starts
         self._rows = read_pairs(dataset) if dataset is not None else None
         self._encoded: list[tuple[list[int], int]] | None = None
+        self._train_sampler, self._resume_position = None, None
         self.lr, self.warmup_steps, self.schedule, self.min_lr_ratio = lr, warmup_steps, schedule, min_lr_ratio
         self.batch_size, self.max_length = batch_size, max_length
         self.weight_decay, self.betas, self.eps, self.seed = weight_decay, tuple(betas), eps, seed
@@ -173,17 +176,44 @@ class SFTModule(pl.LightningModule):
         return prompt_ids + completion_ids, len(prompt_ids)
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        encoded = [self.encode(row) for row in rows]
+        """:meth:`pad` of ``rows``, encoded."""
+        return self.pad([self.encode(row) for row in rows])
+
+    def pad(self, encoded: list[tuple[list[int], int]]) -> dict[str, torch.Tensor]:
+        """A batch of encoded rows (:meth:`encode`), right-padded: ``input_ids`` and ``attention_mask`` ``(B, T)``, and
+        ``labels`` ``(B, T)``, the ids with -100 on prompt and padding positions (the loss is on completion tokens only)."""
         ids, attention = right_pad([ids for ids, _ in encoded], self.tokenizer.pad_token_id)
         labels = ids.clone()
         labels[~attention] = -100
         for i, (_, prompt_length) in enumerate(encoded):
-            labels[i, :prompt_length] = -100  # loss on completion tokens only
+            labels[i, :prompt_length] = -100
         return {"input_ids": ids, "attention_mask": attention.long(), "labels": labels}
 
     def train_dataloader(self) -> DataLoader:
-        order = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.rows, batch_size=self.batch_size, shuffle=True, generator=order, collate_fn=self.collate)
+        """This rank's share of the (seed, epoch) order of the encoded rows (:func:`~kdlab.stages.loaders.resumable_loader`:
+        the same order on any number of processes, which Lightning does not replace under DDP), resumed after the last
+        trained micro-batch of a checkpoint's epoch."""
+        resume, self._resume_position = self._resume_position, None
+        loader = resumable_loader(self.encoded, self.batch_size, self.seed, data_parallel_layout(self._trainer), resume)
+        self._train_sampler = loader.sampler
+        return loader
+
+    def on_train_epoch_start(self) -> None:
+        if self._train_sampler is not None:
+            self._train_sampler.set_epoch(self.current_epoch)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return batch  # a list of encoded rows; padded to tensors on the device in the step
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record the data position (``kdlab_data_position``: epoch, micro-batches of it trained), so a resumed fit
+        continues with the next micro-batch (:func:`~kdlab.stages.loaders.data_position`)."""
+        if self._trainer is not None and self.trainer.state.fn == "fit":
+            layout = data_parallel_layout(self.trainer)
+            checkpoint["kdlab_data_position"] = data_position(self.trainer, checkpoint, self.batch_size, layout["num_replicas"])
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._resume_position = checkpoint.get("kdlab_data_position")
 
     def setup(self, stage: str) -> None:
         check_strategy(self.trainer.strategy)  # a strategy kdlab does not know (DeepSpeed) is refused before any step
@@ -220,9 +250,10 @@ class SFTModule(pl.LightningModule):
         chosen, _ = token_logprobs(logits, labels.clamp(min=0), mask)
         return -(chosen * mask).sum() / mask.sum().clamp(min=1)
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+    def training_step(self, batch: list[tuple[list[int], int]], batch_idx: int) -> torch.Tensor:
+        tensors = {name: value.to(self.device) for name, value in self.pad(batch).items()}
+        loss = self.loss(tensors)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch))
         return loss
 
     def configure_optimizers(self):
