@@ -276,3 +276,20 @@ def test_the_data_order_is_the_seeds_under_ddp_too(tiny_pair):
     assert sorted(single[1]) == list(range(16)) and single[1] != single[2]
     for seed in (1, 2):
         assert order(seed, 2) == single[seed][0::2]
+
+
+
+def test_sft_fits_under_ddp(tmp_path):
+    """SFTModule.on_fit_start read ``Trainer.log_dir`` (a collective broadcast under DDP) on rank zero only, so a DDP
+    fit hung before its first step; it now reads it on every rank. Two gloo processes take a step."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = rows_file(tmp_path, [{"prompt": f"Q{i}: ", "completion": "x " * length} for i, length in enumerate([40, 1, 1, 1, 20, 3, 1, 10])])
+    worker = Path(__file__).parent / "sft_ranks_worker.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(worker), path, str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "grads.pt").is_file() and (tmp_path / "config.yaml").is_file()

@@ -27,6 +27,7 @@ from kdlab.models.loading import ModelSpec, load_causal_lm, load_tokenizer
 from kdlab.objectives.logits import completion_head_logits, completion_logits, fused_head_unsupported
 from kdlab.objectives.logprobs import token_logprobs
 from kdlab.run_config import describe_run, remember_arguments
+from kdlab.runlog import run_directory
 from kdlab.stages.lora import LoraSpec, apply_lora
 from kdlab.stages.optim import FiniteAdamW, check_adamw, check_schedule, lr_multiplier
 from kdlab.stages.loaders import data_parallel_layout, data_position, resumable_loader
@@ -223,8 +224,9 @@ class SFTModule(pl.LightningModule):
     def on_fit_start(self) -> None:
         """The ``config.yaml`` of a run ``kdlab fit`` did not start, and the run's description for every logger
         (:mod:`kdlab.run_config`), as every kdlab stage gives them."""
+        log_dir = run_directory(self.trainer)  # on every rank: Trainer.log_dir is a collective broadcast under DDP
         if self.trainer.is_global_zero:
-            describe_run(self, self.trainer, self.trainer.log_dir or self.trainer.default_root_dir)
+            describe_run(self, self.trainer, log_dir)
 
     def uses_fused_head(self) -> bool:
         """Whether the loss reads the final hidden states and the head (``fused_lm_head``) rather than logits: by
