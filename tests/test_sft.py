@@ -278,18 +278,52 @@ def test_the_data_order_is_the_seeds_under_ddp_too(tiny_pair):
         assert order(seed, 2) == single[seed][0::2]
 
 
+UNEVEN = [{"prompt": f"Q{i}: ", "completion": "x " * length} for i, length in enumerate([40, 1, 1, 1, 20, 3, 1, 10])]
 
-def test_sft_fits_under_ddp(tmp_path):
-    """SFTModule.on_fit_start read ``Trainer.log_dir`` (a collective broadcast under DDP) on rank zero only, so a DDP
-    fit hung before its first step; it now reads it on every rank. Two gloo processes take a step."""
+
+def step_gradients(path, tmp_path, batch_size, accumulate):
+    """The gradients the first optimiser step is taken on (accumulated over its micro-batches)."""
+    grads = {}
+
+    class Gradients(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads.update({name: p.grad.clone() for name, p in pl_module.model.named_parameters()})
+
+    module = SFTModule("kdlab://tiny-random/student", dataset=path, batch_size=batch_size, warmup_steps=0, schedule="constant")
+    pl.Trainer(max_steps=1, accumulate_grad_batches=accumulate, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False, callbacks=[Gradients()]).fit(module)
+    return grads
+
+
+def test_an_optimiser_steps_loss_is_the_token_mean_over_its_whole_batch_whatever_the_accumulation(tmp_path):
+    """batch_size 4 and batch_size 2 x accumulate_grad_batches 2 step on the same gradients, with rows whose completions
+    run from 2 to over 40 tokens: the step's loss is the mean over every completion token of its 4 rows (a mean of the
+    micro-batches' means, the earlier loss, weighs a token of the short-completion micro-batch several times more)."""
+    path = rows_file(tmp_path, UNEVEN[:4])
+    whole, accumulated = step_gradients(path, tmp_path, 4, 1), step_gradients(path, tmp_path, 2, 2)
+    for name, grad in whole.items():
+        torch.testing.assert_close(accumulated[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_sft_fits_under_ddp_and_its_steps_loss_is_the_token_mean_over_every_ranks_rows(tmp_path):
+    """2 gloo processes x batch_size 2 x accumulate_grad_batches 2 step on the gradients one process takes from the same
+    8 rows in one batch: each micro-batch's token sum is divided by the step's completion tokens averaged over the
+    ranks (a collective) and over the accumulation, so DDP's average of the ranks' gradients is the whole batch's token
+    mean (rank r of 2 takes positions r, r + 2, ... of the order, so the step holds the 8 rows either way). The fit
+    itself used to hang before its first step: SFTModule.on_fit_start read ``Trainer.log_dir``, a collective under
+    DDP, on rank zero only."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    path = rows_file(tmp_path, [{"prompt": f"Q{i}: ", "completion": "x " * length} for i, length in enumerate([40, 1, 1, 1, 20, 3, 1, 10])])
+    path = rows_file(tmp_path, UNEVEN)
     worker = Path(__file__).parent / "sft_ranks_worker.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, str(worker), path, str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (tmp_path / "grads.pt").is_file() and (tmp_path / "config.yaml").is_file()
+    assert (tmp_path / "config.yaml").is_file()
+    ranks = torch.load(tmp_path / "grads.pt")
+    whole = step_gradients(path, tmp_path, 8, 1)
+    for name, grad in whole.items():
+        torch.testing.assert_close(ranks[name], grad, rtol=1e-4, atol=1e-7, msg=name)

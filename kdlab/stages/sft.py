@@ -4,6 +4,11 @@ Used to train teachers on their task before distillation (the paper: SFT 500 ste
 10 warm-up, batch 32, clip 1.0, LoRA r = alpha = 256 on all attention and MLP projections) and to
 build the tiny world's models from scratch.
 
+The loss of an optimiser step is the mean over every completion token of its whole batch (``batch_size`` rows x
+``accumulate_grad_batches`` micro-batches x data-parallel ranks), what one batch of all those rows gives: not a mean
+of the micro-batches' means (which would weigh a token of a short-completion micro-batch more), see
+:meth:`SFTModule.step_tokens`.
+
 Data is either a JSONL file, one ``{"messages": [...], "completion": "..."}`` (chat prompt) or
 ``{"prompt": "...", "completion": "..."}`` (plain-text prompt) object per line, or the reference
 completions of one or more :class:`~kdlab.tasks.base.Task` objects.
@@ -78,7 +83,8 @@ class SFTModule(pl.LightningModule):
         warmup_steps: linear warm-up steps (paper: 10).
         schedule: ``cosine`` (decay to ``min_lr_ratio * lr`` at ``max_steps``) or ``constant``.
         min_lr_ratio: floor of the cosine schedule, in [0, 1].
-        batch_size: rows per micro-batch (>= 1).
+        batch_size: rows per micro-batch (>= 1); a step's batch is this x ``accumulate_grad_batches`` x processes,
+            and its loss the mean over all their completion tokens.
         max_length: prompt + completion tokens; a longer row is an error naming it (its task example id, or its
             JSONL file and line), raised when the fit is set up, before any step.
         lora: train LoRA adapters instead of all weights.
@@ -139,6 +145,7 @@ class SFTModule(pl.LightningModule):
         self._rows = read_pairs(dataset) if dataset is not None else None
         self._encoded: list[tuple[list[int], int]] | None = None
         self._train_sampler, self._resume_position = None, None
+        self._step_tokens: tuple[Any, float] | None = None  # (the step's micro-batches, their mean count over ranks)
         self.lr, self.warmup_steps, self.schedule, self.min_lr_ratio = lr, warmup_steps, schedule, min_lr_ratio
         self.batch_size, self.max_length = batch_size, max_length
         self.weight_decay, self.betas, self.eps, self.seed = weight_decay, tuple(betas), eps, seed
@@ -193,9 +200,11 @@ class SFTModule(pl.LightningModule):
     def train_dataloader(self) -> DataLoader:
         """This rank's share of the (seed, epoch) order of the encoded rows (:func:`~kdlab.stages.loaders.resumable_loader`:
         the same order on any number of processes, which Lightning does not replace under DDP), resumed after the last
-        trained micro-batch of a checkpoint's epoch."""
+        trained micro-batch of a checkpoint's epoch, each optimiser step's micro-batches drawn together."""
         resume, self._resume_position = self._resume_position, None
-        loader = resumable_loader(self.encoded, self.batch_size, self.seed, data_parallel_layout(self._trainer), resume)
+        accumulate = int(getattr(self._trainer, "accumulate_grad_batches", 1) or 1) if self._trainer is not None else 1
+        # each optimiser step's micro-batches drawn as one group, so each knows its step's tokens (step_tokens)
+        loader = resumable_loader(self.encoded, self.batch_size, self.seed, data_parallel_layout(self._trainer), resume, accumulate)
         self._train_sampler = loader.sampler
         return loader
 
@@ -238,24 +247,60 @@ class SFTModule(pl.LightningModule):
             return False
         return fused_head_unsupported(self.model) is None
 
-    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean next-token cross-entropy over the batch's completion tokens (``labels != -100``), in fp32, each
-        position's distribution over the tokenizer's ``len(tokenizer)`` tokens (a head's padding rows are no
-        token), computed a chunk of positions at a time (:func:`~kdlab.objectives.logprobs.token_logprobs`): from
-        ``(B, T - 1, H)`` hidden states and the head with the fused head, else from the model's ``(B, T - 1, V)``
-        logits in their own dtype (never upcast whole)."""
+    def loss(self, batch: dict[str, torch.Tensor], num_tokens: float | None = None) -> torch.Tensor:
+        """Next-token cross-entropy summed over the batch's completion tokens (``labels[:, 1:] != -100``, ``(B, T - 1)``)
+        and divided by ``num_tokens`` (``None``: their count, the batch's token mean; training passes
+        :meth:`step_tokens`), in fp32, each position's distribution over the tokenizer's ``len(tokenizer)`` tokens (a
+        head's padding rows are no token), computed a chunk of positions at a time
+        (:func:`~kdlab.objectives.logprobs.token_logprobs`): from ``(B, T - 1, H)`` hidden states and the head with the
+        fused head, else from the model's ``(B, T - 1, V)`` logits in their own dtype (never upcast whole)."""
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         labels = batch["labels"][:, 1:]  # (B, T - 1): the token each position predicts
         mask = labels != -100
         read = completion_head_logits if self.uses_fused_head() else completion_logits
         logits = read(self.model, inputs, labels.shape[1], self.token_columns)
         chosen, _ = token_logprobs(logits, labels.clamp(min=0), mask)
-        return -(chosen * mask).sum() / mask.sum().clamp(min=1)
+        return -(chosen * mask).sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
+
+    @staticmethod
+    def completion_tokens(encoded: tuple[list[int], int]) -> int:
+        """The tokens an encoded row's loss is taken on: the positions after the prompt (each predicted by the one
+        before it, so never the first), completion and EOS."""
+        ids, prompt_length = encoded
+        return len(ids) - max(prompt_length, 1)
+
+    def step_tokens(self, batch: list[tuple[list[int], int]], batch_idx: int) -> float | None:
+        """What :meth:`loss` divides this micro-batch's token sum by: the completion tokens of its whole optimiser step
+        (every micro-batch of the accumulation window, on every data-parallel rank), averaged over the ranks and
+        divided by ``accumulate_grad_batches``.
+
+        Lightning divides each micro-batch's loss by ``accumulate_grad_batches`` and DDP/FSDP average the ranks'
+        gradients, so the step's gradient is that of (sum over all its completion tokens) / (their count): the token
+        mean of one batch of all its rows. The loader draws a step's micro-batches together
+        (:class:`~kdlab.stages.loaders.DecodeGroup`), so the count is known at its first micro-batch, and taken then
+        on every rank (one collective per step; a window that an epoch's end or ``limit_train_batches`` cuts short
+        counts only the micro-batches it trains). ``None`` for a batch that does not know its step (a loader other
+        than :meth:`train_dataloader`'s): its own token mean."""
+        group = getattr(batch, "group", None)
+        if group is None:
+            return None
+        if self._step_tokens is None or self._step_tokens[0] is not group:
+            trained = group.batches
+            limit = self.trainer.num_training_batches
+            if limit != float("inf"):
+                trained = trained[: max(1, int(limit) - (batch_idx - batch.index))]
+            local = torch.tensor(float(sum(self.completion_tokens(row) for micro in trained for row in micro)), device=self.device)
+            self._step_tokens = (group, float(self.trainer.strategy.reduce(local, reduce_op="mean")))
+        return self._step_tokens[1] / self.trainer.accumulate_grad_batches
 
     def training_step(self, batch: list[tuple[list[int], int]], batch_idx: int) -> torch.Tensor:
+        """The micro-batch's share of the step's token-mean loss (:meth:`step_tokens`); logs ``train/loss``, the
+        micro-batch's own mean over its completion tokens."""
         tensors = {name: value.to(self.device) for name, value in self.pad(batch).items()}
-        loss = self.loss(tensors)
-        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch))
+        num_tokens = self.step_tokens(batch, batch_idx)
+        loss = self.loss(tensors, num_tokens)
+        own = sum(self.completion_tokens(row) for row in batch)
+        self.log("train/loss", loss.detach() * (own if num_tokens is None else num_tokens) / own, prog_bar=True, batch_size=len(batch))
         return loss
 
     def configure_optimizers(self):

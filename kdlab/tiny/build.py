@@ -141,10 +141,13 @@ def whole_logits_sft() -> type:
             order = torch.Generator().manual_seed(self.seed)
             return DataLoader(self.encoded, batch_size=self.batch_size, shuffle=True, generator=order, collate_fn=list)
 
-        def loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        def loss(self, batch: dict[str, Any], num_tokens: float | None = None) -> torch.Tensor:
             logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             labels = batch["labels"][:, 1:]
-            return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
+            flat = (logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+            if num_tokens is None:  # the builds' loader: each batch its own token mean, as the packaged models had
+                return torch.nn.functional.cross_entropy(*flat, ignore_index=-100)
+            return torch.nn.functional.cross_entropy(*flat, ignore_index=-100, reduction="sum") / num_tokens
 
     return WholeLogitsSFT
 
