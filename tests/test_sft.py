@@ -327,3 +327,17 @@ def test_sft_fits_under_ddp_and_its_steps_loss_is_the_token_mean_over_every_rank
     whole = step_gradients(path, tmp_path, 8, 1)
     for name, grad in whole.items():
         torch.testing.assert_close(ranks[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_fsdp2_is_refused_when_the_fit_is_set_up_naming_the_strategy(tiny_pair):
+    """SFTModule does not shard its model under ``ModelParallelStrategy`` (FSDP2: it has no ``configure_model``), which
+    check_strategy accepts for the other stages: refused at setup naming trainer.strategy and what works, before
+    Lightning's own TypeError (which names neither kdlab's key nor the strategies that train SFT)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=4)])
+    module._trainer = SimpleNamespace(strategy=object.__new__(ModelParallelStrategy))
+    with pytest.raises(ValueError, match=r"trainer.strategy: SFTModule does not shard under ModelParallelStrategy \(FSDP2\); use one device, ddp or fsdp"):
+        module.setup("fit")

@@ -227,6 +227,11 @@ class SFTModule(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         check_strategy(self.trainer.strategy)  # a strategy kdlab does not know (DeepSpeed) is refused before any step
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if isinstance(self.trainer.strategy, ModelParallelStrategy):  # no configure_model: Lightning would refuse it in its words
+            raise ValueError("trainer.strategy: SFTModule does not shard under ModelParallelStrategy (FSDP2); use one device, ddp or "
+                             "fsdp (FSDP1)")
         if stage == "fit":
             self.encoded  # every row encoded and its length checked now, not when its batch comes
 
