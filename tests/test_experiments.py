@@ -292,3 +292,25 @@ def test_paper_presets_score_the_held_out_examples_the_paper_names(path):
     else:
         assert model["val_examples"] == 200, (path, model["val_examples"])
         assert task_args.get("num_val", 200) >= 200, (path, task_args)
+
+
+def test_a_presets_prerequisite_teacher_is_written_by_the_config_its_header_names():
+    """"the teacher in ./teachers/<name> (<config>)": <config> writes that folder (its ``export_dir``). The Science and
+    MedReason teachers are SFT then GRPO: their SFT configs write ./teachers/<name>-sft, which the GRPO configs read and
+    turn into ./teachers/<name>, so the header names the GRPO config (the SFT one named alone was the wrong file)."""
+    import re
+
+    import yaml
+
+    written = {}
+    for path in CONFIGS:
+        config = yaml.safe_load((ROOT / path).read_text(encoding="utf-8")) or {}
+        export = ((config.get("model") or {}).get("init_args") or {}).get("export_dir") if isinstance(config, dict) else None
+        if export:
+            written[export] = str(path)
+    named = 0
+    for path in CONFIGS:
+        for folder, config in re.findall(r"the teacher in (\./teachers/[\w.-]+) \((experiments/[\w/.-]+\.yaml)", (ROOT / path).read_text(encoding="utf-8")):
+            named += 1
+            assert written.get(folder) == config, f"{path}: {folder} is written by {written.get(folder)}, not {config}"
+    assert named >= 6

@@ -147,6 +147,10 @@ def test_bad_grpo_settings_name_the_key(tiny_pair):
         GRPOModule(tiny_pair[0], task, batch_size=3, mini_batches=2)
     with pytest.raises(ValueError, match="GRPOModule.clip_low"):
         GRPOModule(tiny_pair[0], task, clip_low=1.0)
+    with pytest.raises(ValueError, match=r"GRPOModule.min_lr_ratio must be in \[0, 1\], got -0.5"):  # else a negative LR: ascent
+        GRPOModule(tiny_pair[0], task, min_lr_ratio=-0.5)
+    with pytest.raises(ValueError, match=r"GRPOModule.warmup_steps must be an integer >= 0, got -1"):
+        GRPOModule(tiny_pair[0], task, warmup_steps=-1)
 
 
 def test_reward_collapse_is_recorded_at_each_collapse_without_stopping(tmp_path):

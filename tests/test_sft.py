@@ -174,3 +174,170 @@ def test_under_fsdp1_the_default_loss_takes_the_logits_path(tiny_pair):
     assert not module.uses_fused_head()
     module.fused_lm_head = True
     assert module.uses_fused_head()
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("min_lr_ratio", -1.0, r"SFTModule.min_lr_ratio must be in \[0, 1\], got -1.0"),
+    ("min_lr_ratio", 1.5, r"SFTModule.min_lr_ratio must be in \[0, 1\], got 1.5"),
+    ("warmup_steps", -5, r"SFTModule.warmup_steps must be an integer >= 0, got -5"),
+    ("batch_size", 0, r"SFTModule.batch_size must be >= 1, got 0"),
+    ("max_length", 0, r"SFTModule.max_length must be >= 2 \(a prompt token and a completion token\), got 0"),
+])
+def test_bad_optimiser_and_data_settings_fail_at_construction_naming_the_key(tiny_pair, monkeypatch, key, value, message):
+    """A negative ``min_lr_ratio`` would train with a negative learning rate (gradient ascent) at the end of the cosine;
+    the others fail later in torch's own words. All are refused before any weights load, naming the key."""
+    import kdlab.stages.sft
+
+    monkeypatch.setattr(kdlab.stages.sft, "load_causal_lm", lambda *a, **k: pytest.fail("weights were read"))
+    with pytest.raises(ValueError, match=message):
+        SFTModule(tiny_pair[0], tasks=[Addition(num_train=4)], **{key: value})
+
+
+@pytest.mark.parametrize("row", [{"prompt": "", "completion": "a"}, {"messages": [], "completion": "a"},
+                                 {"messages": [{"role": "user"}], "completion": "a"}, {"messages": "1+2", "prompt": "1+2", "completion": "a"}],
+                         ids=["empty-prompt", "no-messages", "no-content", "messages-not-a-list"])
+def test_an_empty_prompt_is_refused_when_the_file_is_read_naming_file_and_line(tiny_pair, tmp_path, row):
+    """A row with nothing to condition on (``"prompt": ""``, no messages, a message without content) is refused
+    while the file is read, naming its file and line (it used to pass and fail in the first step, KeyError 'messages')."""
+    path = rows_file(tmp_path, [{"prompt": "x", "completion": "y"}, row])
+    with pytest.raises(ValueError, match=r"sft.jsonl:2: needs a non-empty 'prompt' string or a non-empty 'messages' list"):
+        SFTModule(tiny_pair[0], dataset=path)
+
+
+def test_rows_longer_than_max_length_are_refused_before_the_first_step_naming_the_example_or_line(tiny_pair, tmp_path, monkeypatch):
+    """Every row is encoded and checked when the fit is set up, before any step (a long row used to be found only when
+    its batch came, possibly hours in, and was named '?'): a task's row by its example id, a JSONL row by file:line."""
+    monkeypatch.setattr(SFTModule, "training_step", lambda *a, **k: pytest.fail("a training step ran"))
+
+    def fit(module):
+        pl.Trainer(max_steps=1, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False).fit(module)
+
+    module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=4)], max_length=14, batch_size=1)
+    lengths = [len(module.encode(row)[0]) for row in module.rows]
+    longest = max(range(4), key=lambda i: (lengths[i] > 14, -i))  # the first too-long row
+    assert lengths[longest] > 14, lengths
+    with pytest.raises(ValueError, match=rf"SFTModule.max_length=14: Addition example 'add-train-{longest}' has {lengths[longest]} tokens"):
+        fit(module)
+    path = rows_file(tmp_path, [{"prompt": "p", "completion": "a"}, {"prompt": "p", "completion": "a " * 50}])
+    with pytest.raises(ValueError, match=r"SFTModule.max_length=14: .*sft.jsonl:2 has \d+ tokens"):
+        fit(SFTModule(tiny_pair[0], dataset=path, max_length=14, batch_size=1))
+
+
+def trained_rows(monkeypatch):
+    """Record the rows (their padded token ids) of every micro-batch the loss is taken on."""
+    seen = []
+    loss = SFTModule.loss
+
+    def recording(self, batch, *args, **kwargs):
+        seen.append(sorted(map(tuple, batch["input_ids"].tolist())))
+        return loss(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(SFTModule, "loss", recording)
+    return seen
+
+
+def test_a_fit_resumed_mid_epoch_trains_the_rows_an_uninterrupted_fit_trains(tiny_pair, tmp_path, monkeypatch):
+    """The data position is in every checkpoint: 3 steps, then a resume to 6, trains on the micro-batches an
+    uninterrupted 6-step fit trains on, in its order (Addition(num_train=8), batch_size=2: 4 steps an epoch, so the
+    resume starts inside epoch 0 and the second epoch is reshuffled as the uninterrupted fit reshuffles it)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    seen = trained_rows(monkeypatch)
+
+    def fit(steps, root, ckpt_path=None):
+        module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=8)], batch_size=2, warmup_steps=1, schedule="constant")
+        pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   default_root_dir=root, callbacks=[ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=1)]).fit(module, ckpt_path=ckpt_path)
+        rows, seen[:] = list(seen), []
+        return rows
+
+    whole = fit(6, tmp_path / "whole")
+    first = fit(3, tmp_path / "parts")
+    second = fit(6, tmp_path / "parts", ckpt_path=str(tmp_path / "parts" / "last.ckpt"))
+    assert len(whole) == 6 and whole[:4] != whole[4:] + whole[:2]
+    assert first + second == whole
+
+
+def test_the_data_order_is_the_seeds_under_ddp_too(tiny_pair):
+    """Under DDP Lightning swapped the seeded sampler for its own DistributedSampler (seeded by the global seed), so
+    ``SFTModule.seed`` stopped mattering. The stage's own order is rank-aware: rank r of W takes positions r, r + W, ...
+    of the seed's order, and Lightning keeps it."""
+    from lightning.pytorch.trainer.states import RunningStage
+
+    def order(seed, devices):
+        trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", logger=False)
+        module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=16)], batch_size=4, seed=seed)
+        module.trainer = trainer
+        loader = trainer._data_connector._prepare_dataloader(module.train_dataloader(), shuffle=True, mode=RunningStage.TRAINING)
+        return list(iter(loader.sampler))
+
+    single = {seed: order(seed, 1) for seed in (1, 2)}
+    assert sorted(single[1]) == list(range(16)) and single[1] != single[2]
+    for seed in (1, 2):
+        assert order(seed, 2) == single[seed][0::2]
+
+
+UNEVEN = [{"prompt": f"Q{i}: ", "completion": "x " * length} for i, length in enumerate([40, 1, 1, 1, 20, 3, 1, 10])]
+
+
+def step_gradients(path, tmp_path, batch_size, accumulate):
+    """The gradients the first optimiser step is taken on (accumulated over its micro-batches)."""
+    grads = {}
+
+    class Gradients(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads.update({name: p.grad.clone() for name, p in pl_module.model.named_parameters()})
+
+    module = SFTModule("kdlab://tiny-random/student", dataset=path, batch_size=batch_size, warmup_steps=0, schedule="constant")
+    pl.Trainer(max_steps=1, accumulate_grad_batches=accumulate, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False, callbacks=[Gradients()]).fit(module)
+    return grads
+
+
+def test_an_optimiser_steps_loss_is_the_token_mean_over_its_whole_batch_whatever_the_accumulation(tmp_path):
+    """batch_size 4 and batch_size 2 x accumulate_grad_batches 2 step on the same gradients, with rows whose completions
+    run from 2 to over 40 tokens: the step's loss is the mean over every completion token of its 4 rows (a mean of the
+    micro-batches' means, the earlier loss, weighs a token of the short-completion micro-batch several times more)."""
+    path = rows_file(tmp_path, UNEVEN[:4])
+    whole, accumulated = step_gradients(path, tmp_path, 4, 1), step_gradients(path, tmp_path, 2, 2)
+    for name, grad in whole.items():
+        torch.testing.assert_close(accumulated[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_sft_fits_under_ddp_and_its_steps_loss_is_the_token_mean_over_every_ranks_rows(tmp_path):
+    """2 gloo processes x batch_size 2 x accumulate_grad_batches 2 step on the gradients one process takes from the same
+    8 rows in one batch: each micro-batch's token sum is divided by the step's completion tokens averaged over the
+    ranks (a collective) and over the accumulation, so DDP's average of the ranks' gradients is the whole batch's token
+    mean (rank r of 2 takes positions r, r + 2, ... of the order, so the step holds the 8 rows either way). The fit
+    itself used to hang before its first step: SFTModule.on_fit_start read ``Trainer.log_dir``, a collective under
+    DDP, on rank zero only."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = rows_file(tmp_path, UNEVEN)
+    worker = Path(__file__).parent / "sft_ranks_worker.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(worker), path, str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "config.yaml").is_file()
+    ranks = torch.load(tmp_path / "grads.pt")
+    whole = step_gradients(path, tmp_path, 8, 1)
+    for name, grad in whole.items():
+        torch.testing.assert_close(ranks[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_fsdp2_is_refused_when_the_fit_is_set_up_naming_the_strategy(tiny_pair):
+    """SFTModule does not shard its model under ``ModelParallelStrategy`` (FSDP2: it has no ``configure_model``), which
+    check_strategy accepts for the other stages: refused at setup naming trainer.strategy and what works, before
+    Lightning's own TypeError (which names neither kdlab's key nor the strategies that train SFT)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=4)])
+    module._trainer = SimpleNamespace(strategy=object.__new__(ModelParallelStrategy))
+    with pytest.raises(ValueError, match=r"trainer.strategy: SFTModule does not shard under ModelParallelStrategy \(FSDP2\); use one device, ddp or fsdp"):
+        module.setup("fit")

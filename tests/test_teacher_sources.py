@@ -171,14 +171,21 @@ def mixed():
 
 def test_routing_sharded_in_process_teachers_is_refused_before_any_weights_load(monkeypatch):
     """Under teacher_placement: shard each rank would call only the teachers its rows need, so ranks would enter
-    different teachers' collectives: refused, naming the combination, before a weight is read."""
+    different teachers' collectives: refused, naming the combination, before a weight is read. One sharded
+    in-process teacher beside a served one is refused too: a rank with no row routed to it would skip its forward
+    while another rank enters its collectives."""
     import kdlab.teachers.model
+    from kdlab.rollouts.served import ServedTeacher
 
     monkeypatch.setattr(kdlab.teachers.model, "load_causal_lm", lambda *a, **k: pytest.fail("a teacher's weights were read"))
     teachers = {"strong": ModelTeacher(TEACHER), "self": ModelTeacher(STUDENT)}
     with pytest.raises(ConfigError, match=r"routing each example to one teacher \(ByField\) with teacher_placement: shard.*\['strong', 'self'\]"):
         module(Several(teachers, ByField({"addition": "strong", "sorting": "self"})), rollout=TeacherRollouts(), task_=mixed(),
                teacher_placement="shard")
+    served = Served(ServedTeacher(url="http://127.0.0.1:9/v1", model="m", tokenizer=STUDENT, retries=0, prefetch=False))
+    with pytest.raises(ConfigError, match=r"routing each example to one teacher \(ByField\) with teacher_placement: shard.*\['strong'\]"):
+        module(Several({"strong": ModelTeacher(TEACHER), "api": served}, ByField({"addition": "strong", "sorting": "api"})),
+               rollout=StudentRollouts(), task_=mixed(), teacher_placement="shard")
     monkeypatch.undo()
     averaged = module(Several({"strong": ModelTeacher(TEACHER), "self": ModelTeacher(STUDENT)}, Average()), rollout=TeacherRollouts(),
                       task_=mixed(), teacher_placement="shard")  # every rank calls every teacher: allowed

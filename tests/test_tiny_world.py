@@ -96,6 +96,27 @@ def test_the_tiny_model_card_begins_with_what_its_builder_writes_from_metrics_js
     assert card.startswith(generated) and card[len(generated):].lstrip().startswith("## How these files were produced")
 
 
+def test_the_builds_draw_rows_in_the_order_the_packaged_models_were_trained_with(tmp_path):
+    """SFTModule's data order is now rank-aware and resumable (drawn from (seed, epoch)); the builds keep the order the
+    packaged models were trained with (a ``RandomSampler`` on a generator seeded with ``seed``, one permutation per
+    epoch from the same generator), so that they rebuild those models."""
+    import json
+
+    import torch
+
+    from kdlab.tiny.build import whole_logits_sft
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n" for i in range(6)))
+    module = whole_logits_sft()("kdlab://tiny/teacher", dataset=str(data), batch_size=2, seed=0)
+    loader = module.train_dataloader()
+    # the loader the packaged models were trained with (over the rows themselves; the order depends on their number only)
+    before = torch.utils.data.DataLoader(range(6), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0), collate_fn=list)
+    for _ in range(2):  # two epochs, each drawing from the one generator
+        expected = [module.encoded[i] for batch in before for i in batch]
+        assert [row for batch in loader for row in batch] == expected
+
+
 def test_the_builds_train_with_the_loss_the_packaged_models_were_trained_with(tmp_path):
     """``python -m kdlab.tiny ...`` trains with cross-entropy over the whole upcast logits, padded head rows in
     the normaliser (:func:`kdlab.tiny.build.whole_logits_sft`), not SFTModule's chunked loss over the tokenizer's

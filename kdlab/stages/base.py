@@ -40,7 +40,7 @@ from kdlab.provenance import write_run_info
 from kdlab.run_config import describe_run, remember_arguments
 from kdlab.rollouts.decoding import stop_strings_check
 from kdlab.runlog import STEPS_MARK, Console, log_at_optimiser_steps, metrics_file, quiet, run_directory, write_samples
-from kdlab.stages.loaders import EpochShuffle, ResumableLoader, check_data_position, data_position
+from kdlab.stages.loaders import data_parallel_layout, data_position, resumable_loader
 from kdlab.stages.optim import FiniteAdamW
 from kdlab.stages.sharding import check_strategy, fsdp1_root, gathered_for_decoding, global_grad_norm, require_gradient_sync, shard_fsdp2, wrap_fsdp1
 from kdlab.tasks.base import Example, Task
@@ -289,16 +289,9 @@ class TaskStage(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         examples = self.training_examples()
-        layout = self.data_parallel_layout()
-        self._train_sampler = EpochShuffle(len(examples), self.seed, layout["num_replicas"], layout["rank"])
         resume, self._resume_position = getattr(self, "_resume_position", None), None
-        if resume is not None:
-            check_data_position(resume, self.batch_size, layout["num_replicas"])
-            self._train_sampler.set_epoch(resume["epoch"])
-            self._train_sampler.skip = resume["batches_done"] * self.batch_size
-        loader = ResumableLoader(examples, batch_size=self.batch_size, sampler=self._train_sampler, collate_fn=list)
-        loader.decode_group = self.decode_group()
-        loader.resumed_batches = resume["batches_done"] if resume is not None else 0
+        loader = resumable_loader(examples, self.batch_size, self.seed, self.data_parallel_layout(), resume, self.decode_group())
+        self._train_sampler = loader.sampler
         return loader
 
     def decode_group(self) -> int:
@@ -325,8 +318,7 @@ class TaskStage(pl.LightningModule):
         """``{"num_replicas", "rank"}`` of this process among the data-parallel replicas. Under tensor
         parallelism the ranks of one TP group are one replica: they read the same data and must draw the
         same rollouts."""
-        layout = (getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self._trainer is not None else None) or {}
-        return {"num_replicas": int(layout.get("num_replicas", 1)), "rank": int(layout.get("rank", 0))}
+        return data_parallel_layout(self._trainer)
 
     def step_seed(self, split: str, batch_idx: int) -> int:
         """A 63-bit seed for one step's random streams, from (seed, split, data-parallel rank, epoch, batch

@@ -36,7 +36,7 @@ from kdlab.rollouts.packing import Packed, Padded, RowLayout
 from kdlab.rollouts.policies import RolloutContext, RolloutPolicy, TeacherRollouts, TeacherTokens, importance_weights
 from kdlab.stages.base import TaskStage
 from kdlab.stages.lora import LoraSpec, apply_lora
-from kdlab.stages.optim import FiniteAdamW, check_adamw, lr_multiplier
+from kdlab.stages.optim import FiniteAdamW, check_adamw, check_schedule, lr_multiplier
 from kdlab.stages.sharding import gathered_for_decoding
 from kdlab.tasks.base import Example, Task
 from kdlab.teachers.base import TeacherRun, TeacherSource, check_needs
@@ -160,8 +160,7 @@ class DistillModule(TaskStage):
         for name, value in (("teacher_temperature", teacher_temperature), ("student_temperature", student_temperature)):
             check_kl_temperature("DistillModule", name, value)
         check_adamw("DistillModule", lr, betas, eps, weight_decay)
-        if warmup_steps < 0:
-            raise ValueError(f"DistillModule.warmup_steps must be >= 0, got {warmup_steps}")
+        check_schedule("DistillModule", warmup_steps)
         self.student_spec = ModelSpec(student) if isinstance(student, str) else student
         self.rollout = rollout if rollout is not None else TeacherRollouts()
         self.objective = objective if objective is not None else ForwardKL()

@@ -67,7 +67,7 @@ from kdlab.objectives.precision import check_kl_temperature
 from kdlab.rollouts.policies import RolloutContext, RolloutPolicy, StudentRollouts
 from kdlab.stages.base import TaskStage
 from kdlab.stages.lora import LoraSpec, apply_lora
-from kdlab.stages.optim import SCHEDULES, FiniteAdamW, check_adamw, lr_multiplier
+from kdlab.stages.optim import FiniteAdamW, check_adamw, check_schedule, lr_multiplier
 from kdlab.stages.sharding import require_gradient_sync
 from kdlab.tasks.base import Example, Task
 
@@ -261,10 +261,9 @@ class GRPOModule(TaskStage):
             raise ValueError(f"GRPOModule.top_p must be in (0, 1], got {top_p}")
         if not 0 <= clip_low < 1 or clip_high < 0:
             raise ValueError(f"GRPOModule.clip_low must be in [0, 1) and clip_high >= 0, got {clip_low}, {clip_high}")
-        if beta < 0 or grad_clip < 0 or warmup_steps < 0:
-            raise ValueError(f"GRPOModule.beta, grad_clip and warmup_steps must be >= 0, got {beta}, {grad_clip}, {warmup_steps}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"GRPOModule.schedule must be one of {SCHEDULES}, got {schedule!r}")
+        check_schedule("GRPOModule", warmup_steps, schedule, min_lr_ratio)
+        if beta < 0 or grad_clip < 0:
+            raise ValueError(f"GRPOModule.beta and grad_clip must be >= 0, got {beta}, {grad_clip}")
         if batch_size % mini_batches:
             raise ValueError(f"GRPOModule.batch_size={batch_size} prompts do not split into mini_batches={mini_batches}")
         if micro_batch_size is not None and micro_batch_size < 1:

@@ -4,7 +4,7 @@ every checkpoint)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler
@@ -33,6 +33,32 @@ class EpochShuffle(DistributedSampler):
         mine = list(super().__iter__())
         skip, self.skip = self.skip, 0
         return iter(mine[skip:])
+
+
+def data_parallel_layout(trainer: Any) -> dict[str, int]:
+    """``{"num_replicas", "rank"}`` of this process among the data-parallel replicas of ``trainer``'s strategy (one
+    replica without a trainer). Under tensor parallelism the ranks of one TP group are one replica: they read the
+    same data."""
+    layout = (getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None) or {}
+    return {"num_replicas": int(layout.get("num_replicas", 1)), "rank": int(layout.get("rank", 0))}
+
+
+def resumable_loader(items: Sequence[Any], batch_size: int, seed: int, layout: dict[str, int], resume: dict[str, Any] | None = None,
+                     decode_group: int = 1) -> ResumableLoader:
+    """A stage's training loader over ``items``: this rank's share (``layout``, :func:`data_parallel_layout`) of the
+    (seed, epoch) order (:class:`EpochShuffle`, ``loader.sampler``), ``batch_size`` items per micro-batch, grouped
+    ``decode_group`` micro-batches at a time. ``resume``, a checkpoint's ``kdlab_data_position``, continues its epoch
+    after its last trained micro-batch (refused if saved with another batch size or process count:
+    :func:`check_data_position`)."""
+    sampler = EpochShuffle(len(items), seed, layout["num_replicas"], layout["rank"])
+    if resume is not None:
+        check_data_position(resume, batch_size, layout["num_replicas"])
+        sampler.set_epoch(resume["epoch"])
+        sampler.skip = resume["batches_done"] * batch_size
+    loader = ResumableLoader(items, batch_size=batch_size, sampler=sampler, collate_fn=list)
+    loader.decode_group = decode_group
+    loader.resumed_batches = resume["batches_done"] if resume is not None else 0
+    return loader
 
 
 def check_data_position(position: dict[str, Any], batch_size: int, num_replicas: int) -> None:

@@ -4,6 +4,7 @@ and the learning-rate schedules (linear warm-up, then constant or cosine)."""
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -21,6 +22,18 @@ def check_adamw(owner: str, lr: float, betas: tuple[float, float] | list[float],
         raise ValueError(f"{owner}.eps must be >= 0, got {eps}")
     if not weight_decay >= 0:
         raise ValueError(f"{owner}.weight_decay must be >= 0, got {weight_decay}")
+
+
+def check_schedule(owner: str, warmup_steps: int, schedule: str = "constant", min_lr_ratio: float = 0.0) -> None:
+    """Refuse learning-rate schedule settings (:func:`lr_multiplier`), naming ``<owner>.<key>``: ``warmup_steps`` an
+    integer >= 0, ``schedule`` one of :data:`SCHEDULES`, ``min_lr_ratio`` in [0, 1] (a negative floor would end the
+    cosine at a negative learning rate: gradient ascent)."""
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral) or warmup_steps < 0:
+        raise ValueError(f"{owner}.warmup_steps must be an integer >= 0, got {warmup_steps}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"{owner}.schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"{owner}.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
 
 
 class FiniteAdamW(torch.optim.AdamW):

@@ -17,8 +17,8 @@ teacher over the rows that teacher serves.
 Members are any teacher sources sharing the student's vocabulary: in-process models (replicated or sharded by
 ``DistillModule.teacher_placement``; they can write completions), served teachers or top-k caches (they score
 completions). Teacher-written rollouts need every member to decode in this process. Routing (:class:`ByField`) gives
-ranks different teachers, so with sharded in-process members it is refused before any weights load (sharded
-members must all run on every rank to enter their collectives together). A scoring member's top-k rows are
+ranks different teachers, so with any sharded in-process member (even one, beside a served or cached member) it is
+refused before any weights load (a sharded member must run on every rank to enter its collectives together). A scoring member's top-k rows are
 expanded to ``(B, C, V)`` on the training device.
 
 ``TeacherEntry`` (``model``/``served``/``cache``) is the spelling of ``DistillModule(teachers=...)``, kept for old
@@ -83,11 +83,13 @@ class Several(TeacherSource):
         if run.cross_tokenizer:
             raise ConfigError(f"{setting}: several teachers share the student's vocabulary; remove cross_tokenizer")
         in_process = [name for name, member in self.members.items() if DECODES in member.offers(run)]
-        if self.choice.one_teacher_per_example and run.placement == "shard" and len(in_process) > 1:
+        # a sharded teacher's forward is a collective: a rank with no row routed to it would skip the forward that
+        # other ranks enter, so even one sharded member among several is refused (a one-member set serves every row)
+        if self.choice.one_teacher_per_example and run.placement == "shard" and in_process and len(self.members) > 1:
             raise ConfigError(
                 f"{setting}: routing each example to one teacher ({type(self.choice).__name__}) with teacher_placement: shard and "
-                f"several in-process teachers {in_process}: ranks holding different examples would enter different teachers' "
-                "collectives; use teacher_placement: replicate, or Average"
+                f"in-process teachers {in_process}: a rank holding no example of a sharded teacher would skip the collectives "
+                "its forward enters on the other ranks; use teacher_placement: replicate, or Average"
             )
         for name, member in self.members.items():
             member.bind(run, f"{setting}.teachers.{name}")

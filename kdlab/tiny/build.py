@@ -124,18 +124,30 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 @functools.cache
 def whole_logits_sft() -> type:
-    """:class:`~kdlab.stages.sft.SFTModule` with the loss the packaged tiny models were trained with: cross-entropy
-    over the whole ``(B, T, V)`` logits upcast to fp32, every head row in the normaliser (the padded teachers' too).
+    """:class:`~kdlab.stages.sft.SFTModule` with the loss and data order the packaged tiny models were trained with:
+    cross-entropy over the whole ``(B, T, V)`` logits upcast to fp32, every head row in the normaliser (the padded
+    teachers' too), and rows drawn by a ``RandomSampler`` seeded with ``seed``.
     ``SFTModule``'s own loss now runs in chunks over the tokenizer's tokens, which rounds differently and, for a head
     with padding rows, normalises over fewer rows; the builds keep this one so that they rebuild the packaged models
     as they are. Built on first use (Lightning is imported lazily)."""
     from kdlab.stages.sft import SFTModule
 
     class WholeLogitsSFT(SFTModule):
-        def loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        def train_dataloader(self) -> Any:
+            """The order the packaged models were trained with (SFTModule's before it drew from (seed, epoch)): a
+            ``RandomSampler`` on a generator seeded with ``seed``, one process, no resume."""
+            from torch.utils.data import DataLoader
+
+            order = torch.Generator().manual_seed(self.seed)
+            return DataLoader(self.encoded, batch_size=self.batch_size, shuffle=True, generator=order, collate_fn=list)
+
+        def loss(self, batch: dict[str, Any], num_tokens: float | None = None) -> torch.Tensor:
             logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             labels = batch["labels"][:, 1:]
-            return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
+            flat = (logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+            if num_tokens is None:  # the builds' loader: each batch its own token mean, as the packaged models had
+                return torch.nn.functional.cross_entropy(*flat, ignore_index=-100)
+            return torch.nn.functional.cross_entropy(*flat, ignore_index=-100, reduction="sum") / num_tokens
 
     return WholeLogitsSFT
 
