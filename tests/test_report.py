@@ -663,3 +663,27 @@ def test_the_spanish_share_interval_counts_each_style_entrys_own_rows(tmp_path):
     make_run(tmp_path / "runs", "s42", "TeacherRollouts", "ForwardKL", 1e-5, 42, [{"step": 4, "style/spanish_share": 0.5}], callbacks=[style])
     (run,), _ = collect([tmp_path / "runs"])
     assert run.coverage_draws["style"] == 550
+
+
+def test_an_init_args_left_empty_by_its_defaults_reads_like_no_init_args(tmp_path):
+    """``rollout: {class_path: MixtureRollouts}`` and ``init_args: {lam: 0.0}`` (lam's default) are one
+    configuration: removing the defaults empties ``init_args``, and an empty one is no setting."""
+    root = tmp_path / "runs"
+    make_run(root, "without", "MixtureRollouts", "ForwardKL", 1e-4, 42)
+    make_run(root, "at-default", "MixtureRollouts", "ForwardKL", 1e-4, 43, rollout_args={"lam": 0.0})
+    make_run(root, "empty", "MixtureRollouts", "ForwardKL", 1e-4, 44, rollout_args={})
+    found, _ = collect([root])
+    (group,) = group_runs(found, {})
+    assert group.seeds == 3 and group.other == "" and group.lam == 0.0
+
+
+def test_the_archived_spectrum_studys_lam_0_runs_are_no_configuration_of_their_own(tmp_path):
+    """The archived spectrum study wrote ``init_args: {lam: 0.0, alpha: 0.2}`` (both defaults): its
+    lam=0 runs carry no ``rollout={}`` setting that would split them into a column of their own."""
+    import tarfile
+
+    with tarfile.open(Path(__file__).resolve().parents[1] / "experiments/tiny/study_runs/spectrum_5x.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    found, skipped = collect([tmp_path / "runs"])
+    assert found and not skipped
+    assert {group.other for group in group_runs(found, {})} == {""}

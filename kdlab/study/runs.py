@@ -126,7 +126,8 @@ def class_defaults(class_path: str) -> dict[str, Any]:
 def without_defaults(value: Any, class_path: str | None = None) -> Any:
     """``value`` with every ``init_args`` entry (and, for ``class_path``, every top-level entry) that equals
     its class's default removed, at any depth: a run saved before a setting existed reads the same as one
-    that left it at its default, so adding an argument to a class never splits a configuration."""
+    that left it at its default, so adding an argument to a class never splits a configuration. An
+    ``init_args`` left empty (``MixtureRollouts`` with ``lam: 0.0``) is removed too: it reads like none."""
     if isinstance(value, list):
         return [without_defaults(item) for item in value]
     if not isinstance(value, dict):
@@ -139,6 +140,8 @@ def without_defaults(value: Any, class_path: str | None = None) -> Any:
             for key in [k for k in target if k in defaults]:
                 if json.dumps(target[key], sort_keys=True, default=str) == json.dumps(defaults[key], sort_keys=True, default=str):
                     del target[key]
+    if result.get("init_args") == {}:
+        del result["init_args"]
     return result
 
 
