@@ -687,3 +687,21 @@ def test_the_archived_spectrum_studys_lam_0_runs_are_no_configuration_of_their_o
     found, skipped = collect([tmp_path / "runs"])
     assert found and not skipped
     assert {group.other for group in group_runs(found, {})} == {""}
+
+
+def test_the_seed_of_a_model_given_by_class_path_is_per_run(tmp_path):
+    """A notebook's run (:func:`kdlab.run_config.describe_run`) or ``kdlab fit --model GRPOModule`` writes
+    the seed as ``model.init_args.seed``: runs that differ only there are seeds of one configuration."""
+    for seed in (42, 43, 44):
+        run = tmp_path / "runs" / f"seed{seed}"
+        run.mkdir(parents=True)
+        config = {"seed_everything": None, "trainer": {"max_steps": 5},
+                  "model": {"class_path": "kdlab.stages.DistillModule",
+                            "init_args": {"seed": seed, "lr": 1e-4, "task": COUNTDOWN3}}}
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 5, "val/accuracy": 0.3 + seed / 1000, "epoch": 0}) + "\n")
+        (run / "DONE").write_text("{}")
+    found, _ = collect([tmp_path / "runs"])
+    assert sorted(run.seed for run in found) == [42, 43, 44]
+    (group,) = group_runs(found, {})
+    assert group.seeds == 3 and group.other == ""

@@ -22,8 +22,10 @@ from kdlab.study.setups import style_transfer_rows
 MAIN_METRICS = ("val/accuracy", "heldout_kl/forward_closed", "ood/mean_delta", "sparsity/1e-06")
 PASS_AT_K = re.compile(r"^(val/pass@\d+|coverage/.+/pass@\d+)$")
 STYLE_METRICS = ("style/spanish_share", "style/teacher_spanish_share", "style/log_odds")  # log-odds: kdlab.callbacks.StyleLogOdds
-# settings that differ between the seeds of one configuration, or only say where it was logged
-PER_RUN_KEYS = ("seed_everything", "model.seed", "trainer.logger", "trainer.default_root_dir", "ckpt_path", "config")
+# settings that differ between the seeds of one configuration, or only say where it was logged; a model
+# given by class_path (a notebook's run, kdlab.run_config.describe_run; kdlab fit --model GRPOModule) has
+# its seed under init_args
+PER_RUN_KEYS = ("seed_everything", "model.seed", "model.init_args.seed", "trainer.logger", "trainer.default_root_dir", "ckpt_path", "config")
 # settings that have their own columns
 COLUMN_KEYS = (
     "model.task.class_path",
