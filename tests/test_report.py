@@ -456,23 +456,41 @@ def test_runs_frame_and_group_statistics(tmp_path):
 
 def test_a_run_from_before_the_metrics_file_held_self_log_values_reads_them_from_tensorboard(tmp_path):
     """Old runs logged ``self.log`` values to TensorBoard only: without any Lightning line (``epoch``) in
-    metrics.jsonl the events are read, the file winning at equal steps; a current run's file is the
-    whole record and its events are not read."""
+    metrics.jsonl the events are read, the file winning at equal steps, and a scalar only the events hold (a
+    ``self.log`` value, at Lightning's logger step) is moved one step on, to the optimiser steps the file's
+    lines count; a current run's file is the whole record and its events are not read."""
     from torch.utils.tensorboard import SummaryWriter
 
     from kdlab.study.runs import read_metrics
 
     for name, lines in (("old", [{"step": 3, "sparsity/1e-06": 0.5, "val/accuracy": 0.3}]),
-                        ("new", [{"step": 3, "val/accuracy": 0.3, "epoch": 0.0}])):
+                        ("new", [{"step": 3, "val/accuracy": 0.3, "epoch": 0.0, "steps": "optimiser"}])):
         run = tmp_path / name
         run.mkdir()
         (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
         writer = SummaryWriter(str(run))
         writer.add_scalar("val/accuracy", 0.25, 3)
         writer.add_scalar("val/accuracy", 0.5, 5)
+        writer.add_scalar("train/loss", 2.0, 4)
         writer.close()
-    assert read_metrics(tmp_path / "old") == {"val/accuracy": [(3, 0.3), (5, 0.5)], "sparsity/1e-06": [(3, 0.5)]}
-    assert read_metrics(tmp_path / "new") == {"val/accuracy": [(3, 0.3)], "epoch": [(3, 0.0)]}
+    assert read_metrics(tmp_path / "old") == {"val/accuracy": [(3, 0.3), (5, 0.5)], "sparsity/1e-06": [(3, 0.5)], "train/loss": [(5, 2.0)]}
+    assert read_metrics(tmp_path / "new") == {"val/accuracy": [(3, 0.3)]}
+
+
+def test_an_archived_runs_lightning_lines_read_at_the_optimiser_step_as_its_callbacks_lines(tmp_path):
+    """Lightning's ``self.log`` lines of a run written before kdlab logged them at optimiser steps (no
+    ``"steps": "optimiser"``) are one step early: they read one step on, beside the callbacks' lines of the
+    same step and a marked line; ``epoch`` is no metric (kdlab.runlog's "Steps")."""
+    from kdlab.study.runs import read_run
+
+    run = make_run(tmp_path, "old", "TeacherRollouts", "ForwardKL", 1e-4, 42, [
+        {"step": 3, "train/loss": 1.5, "epoch": 0.0},
+        {"step": 4, "ood/mean": 50.0},
+        {"step": 4, "val/accuracy": 0.5, "epoch": 0.0, "steps": "optimiser"},
+    ])
+    result = read_run(run)
+    assert result.series == {"train/loss": [(4, 1.5)], "ood/mean": [(4, 50.0)], "val/accuracy": [(4, 0.5)]}
+    assert not result.unfinished  # its last step is max_steps=4
 
 
 # ---- a report people can read (issue #30, item 5) ------------------------------------------------------
