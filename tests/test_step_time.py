@@ -379,3 +379,31 @@ def test_the_time_models_draw_figure_is_the_committed_calibrations():
     record = json.loads((ROOT / "benchmarks/results/estimate_check-cpu.json").read_text())
     assert f"about {record['calibration']['draw_seconds'] * 1e9:.0f} ns a number" in " ".join(step_time.__doc__.split())
 
+
+
+def _rows_counted(setup, config, steps):
+    """Each evaluation's rows over the run: its seconds with one second of host work a row, minus without."""
+    from dataclasses import replace
+
+    from kdlab.study.run_time import evaluation_seconds
+
+    h200 = step_time.HARDWARE["H200"]
+    without = evaluation_seconds(setup, config, steps, replace(h200, row_seconds=0.0))
+    with_rows = evaluation_seconds(setup, config, steps, replace(h200, row_seconds=1.0))
+    return {name: with_rows[name] - without[name] for name in with_rows}
+
+
+def test_the_in_loop_lm_eval_suite_runs_before_every_n_steps_and_at_the_end():
+    """OODForgetting with lm_eval_tasks measures on PeriodicCallback's schedule as with kdlab tasks: before, every
+    ``every_n_steps`` and at the end unless that is one of them (every 50 of 150 steps: 1 + 3 passes)."""
+    from kdlab.study.estimate import Setup
+    from kdlab.study.run_time import evaluation_seconds, lm_eval_seconds
+
+    setup = Setup(student=PUBLISHED["Qwen/Qwen2.5-1.5B-Instruct"], teacher=None, batch_size=4, prompt_tokens=256, completion_tokens=64, mixed=True)
+    h200 = step_time.HARDWARE["H200"]
+    one = lm_eval_seconds(setup, ["ifeval"], 8, h200)
+    for every, steps, passes in ((50, 150, 4), (None, 150, 2), (40, 150, 5)):
+        config = {"model": {}, "trainer": {"limit_val_batches": 0, "callbacks": [
+            {"class_path": "kdlab.callbacks.OODForgetting", "init_args": {"lm_eval_tasks": ["ifeval"], "every_n_steps": every}}]}}
+        assert evaluation_seconds(setup, config, steps, h200)["OODForgetting 1"] == pytest.approx(passes * one), (every, steps)
+

@@ -12,7 +12,7 @@ on rank 0 alone while the others wait), each kdlab-evaluated row also costing ``
   ``every_n_steps`` and at the end;
 * ``StyleTransfer``: each entry's rows (:func:`~kdlab.study.setups.style_transfer_rows`) in decodes of ``batch_size``, the student at the start (``at_start``)
   and the end, the teacher once;
-* ``OODForgetting`` with lm-eval: before and after, each task of :data:`LM_EVAL_COST` on the student as it is held
+* ``OODForgetting`` with lm-eval: before, every ``every_n_steps`` and at the end, each task of :data:`LM_EVAL_COST` on the student as it is held
   (the fp32 student outside autocast is read in 4 bytes a weight), generations through the Hugging Face back end
   (:func:`~kdlab.study.step_time.decode_token_seconds` with ``kdlab``'s per-token host cost) in batches of
   ``lm_eval_batch_size``, multiple-choice tasks as forwards; with kdlab tasks, as ``Coverage`` with one sample.
@@ -141,7 +141,8 @@ def evaluation_seconds(setup: Setup, config: dict[str, Any], steps: int, hardwar
             out[f"StyleTransfer {index}"] = _times(every, steps, bool(args.get("at_start", True))) * once + teacher
         elif name == "OODForgetting":
             if args.get("lm_eval_tasks") is not None:
-                out[f"OODForgetting {index}"] = 2 * lm_eval_seconds(setup, args["lm_eval_tasks"], int(args.get("lm_eval_batch_size") or 8), hardware)
+                passes = _times(every, steps, True)  # before, every every_n_steps, and at the end: as with kdlab tasks
+                out[f"OODForgetting {index}"] = passes * lm_eval_seconds(setup, args["lm_eval_tasks"], int(args.get("lm_eval_batch_size") or 8), hardware)
             else:
                 rows = len(args.get("tasks") or []) * int(args.get("examples", 200))
                 out[f"OODForgetting {index}"] = _times(every, steps, True) * _decodes(setup, rows, int(args.get("batch_size", 32)),
