@@ -407,3 +407,27 @@ def test_the_in_loop_lm_eval_suite_runs_before_every_n_steps_and_at_the_end():
             {"class_path": "kdlab.callbacks.OODForgetting", "init_args": {"lm_eval_tasks": ["ifeval"], "every_n_steps": every}}]}}
         assert evaluation_seconds(setup, config, steps, h200)["OODForgetting 1"] == pytest.approx(passes * one), (every, steps)
 
+
+def test_validation_is_counted_every_interval_of_batches_or_once_after_the_last_step():
+    """Validation runs every ``val_check_interval`` training batches: a distillation's micro-batches (``max_steps x
+    accumulate_grad_batches``), a GRPO fit's rollout batches (``max_steps / mini_batches``: each makes ``mini_batches``
+    optimiser steps); an interval beyond the run's batches validates once, after the last step
+    (:class:`kdlab.stages.base.ValidateLastStep`); ``limit_val_batches: 0`` never."""
+    from dataclasses import replace
+
+    from kdlab.study.estimate import Setup
+
+    distill = Setup(student=PUBLISHED["Qwen/Qwen2.5-1.5B-Instruct"], teacher=None, batch_size=4, prompt_tokens=256, completion_tokens=64,
+                    mixed=True, accumulate=2)
+    grpo = replace(distill, stage="grpo", accumulate=4)  # a GRPO setup's accumulate: micro-batches of one manual step
+
+    def validations(setup, interval, steps=20, mini_batches=None, limit=None):
+        model = {"val_examples": 100, "eval_samples": 1, **({"mini_batches": mini_batches} if mini_batches else {})}
+        trainer = {"val_check_interval": interval, **({"limit_val_batches": limit} if limit is not None else {})}
+        return _rows_counted(setup, {"model": model, "trainer": trainer}, steps).get("validation", 0.0) / 100
+
+    assert validations(distill, 10) == 4  # 40 micro-batches
+    assert validations(distill, 30) == 1  # at batch 30
+    assert validations(distill, 50) == 1  # beyond the run's 40 batches: after the last step
+    assert validations(distill, 50, limit=0) == 0
+
