@@ -430,4 +430,8 @@ def test_validation_is_counted_every_interval_of_batches_or_once_after_the_last_
     assert validations(distill, 30) == 1  # at batch 30
     assert validations(distill, 50) == 1  # beyond the run's 40 batches: after the last step
     assert validations(distill, 50, limit=0) == 0
+    assert validations(grpo, 5) == 4  # 20 rollout batches
+    assert validations(grpo, 5, mini_batches=2) == 2  # 10 rollout batches of 2 optimiser steps
+    assert validations(grpo, 15, mini_batches=2) == 1  # beyond its 10 batches: after the last step
+    assert validations(grpo, 3, steps=21, mini_batches=2) == 3  # 11 batches: the last one takes the run past max_steps
 

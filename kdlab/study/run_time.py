@@ -7,8 +7,9 @@ Per evaluation, on rank 0's share (the ranks split ``Coverage`` and validation p
 on rank 0 alone while the others wait), each kdlab-evaluated row also costing ``Hardware.row_seconds`` of host work:
 
 * validation: ``val_examples x eval_samples`` rows in decodes of ``val_batch_size x eval_samples`` rows, every
-  ``trainer.val_check_interval`` micro-batches, or once after the last step when the interval is beyond the run's
-  micro-batches (:class:`~kdlab.stages.base.ValidateLastStep`);
+  ``trainer.val_check_interval`` training batches (a distillation's micro-batches, a GRPO fit's rollout batches of
+  ``mini_batches`` optimiser steps each), or once after the last step when the interval is beyond the run's batches
+  (:class:`~kdlab.stages.base.ValidateLastStep`);
 * ``Coverage``: ``examples x samples`` rows in decodes of ``batch_size`` rows, at the start (``at_start``), every
   ``every_n_steps`` and at the end;
 * ``StyleTransfer``: each entry's rows (:func:`~kdlab.study.setups.style_transfer_rows`) in decodes of ``batch_size``, the student at the start (``at_start``)
@@ -119,8 +120,13 @@ def evaluation_seconds(setup: Setup, config: dict[str, Any], steps: int, hardwar
     out: dict[str, float] = {}
     interval = trainer.get("val_check_interval")
     if setup.stage != "sft" and isinstance(interval, int) and interval > 0 and trainer.get("limit_val_batches") != 0:
-        micro = steps * max(setup.accumulate, 1) if setup.stage == "distill" else steps
-        runs = micro // interval or 1  # an interval beyond the run's batches: once after the last step (ValidateLastStep)
+        # the interval counts training batches: a distillation's micro-batches, a GRPO fit's rollout batches (each
+        # makes mini_batches optimiser steps; the last one may take the run past max_steps)
+        if setup.stage == "distill":
+            batches = steps * max(setup.accumulate, 1)
+        else:
+            batches = -(-steps // max(int(model.get("mini_batches") or 1), 1))
+        runs = batches // interval or 1  # an interval beyond the run's batches: once after the last step (ValidateLastStep)
         samples = int(model.get("eval_samples") or 1)
         rows = int(model.get("val_examples") or 200) * samples
         batch = int(model.get("val_batch_size") or 8) * samples
