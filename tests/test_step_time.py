@@ -435,3 +435,19 @@ def test_validation_is_counted_every_interval_of_batches_or_once_after_the_last_
     assert validations(grpo, 15, mini_batches=2) == 1  # beyond its 10 batches: after the last step
     assert validations(grpo, 3, steps=21, mini_batches=2) == 3  # 11 batches: the last one takes the run past max_steps
 
+
+def test_the_style_transfer_teachers_share_is_timed_on_the_teacher_and_only_when_it_is_sampled():
+    """StyleTransfer samples the teacher once, at the start, and only with ``at_start`` (True by default): its decode
+    is the teacher's (its shape and dtype), not a second student's."""
+    from kdlab.study.estimate import Setup
+    from kdlab.study.run_time import _decodes, evaluation_seconds
+
+    student, teacher = PUBLISHED["Qwen/Qwen2.5-1.5B-Instruct"], PUBLISHED["Qwen/Qwen2.5-7B-Instruct"]
+    setup = Setup(student=student, teacher=teacher, batch_size=4, prompt_tokens=256, completion_tokens=64, mixed=True)
+    h200 = step_time.HARDWARE["H200"]
+    for at_start, student_passes, teacher_passes in ((True, 2, 1), (False, 1, 0)):
+        config = {"model": {}, "trainer": {"limit_val_batches": 0, "callbacks": [
+            {"class_path": "kdlab.callbacks.StyleTransfer", "init_args": {"tasks": ["addition"], "examples": 40, "max_new_tokens": 16,
+                                                                         "batch_size": 8, "at_start": at_start}}]}}
+        expected = student_passes * _decodes(setup, 40, 8, 16, h200) + teacher_passes * _decodes(setup, 40, 8, 16, h200, role="teacher")
+        assert evaluation_seconds(setup, config, 20, h200)["StyleTransfer 1"] == pytest.approx(expected), at_start

@@ -13,7 +13,7 @@ on rank 0 alone while the others wait), each kdlab-evaluated row also costing ``
 * ``Coverage``: ``examples x samples`` rows in decodes of ``batch_size`` rows, at the start (``at_start``), every
   ``every_n_steps`` and at the end;
 * ``StyleTransfer``: each entry's rows (:func:`~kdlab.study.setups.style_transfer_rows`) in decodes of ``batch_size``, the student at the start (``at_start``)
-  and the end, the teacher once;
+  and the end, the teacher (its own shape and dtype) once at the start, only with ``at_start``;
 * ``OODForgetting`` with lm-eval: before, every ``every_n_steps`` and at the end, each task of :data:`LM_EVAL_COST` on the student as it is held
   (the fp32 student outside autocast is read in 4 bytes a weight), generations through the Hugging Face back end
   (:func:`~kdlab.study.step_time.decode_token_seconds` with ``kdlab``'s per-token host cost) in batches of
@@ -142,10 +142,15 @@ def evaluation_seconds(setup: Setup, config: dict[str, Any], steps: int, hardwar
                                                         hardware, replicas=replicas)
         elif name == "StyleTransfer":
             rows = style_transfer_rows(args) or [args.get("examples", 200)]
-            once = sum(_decodes(setup, int(count), int(args.get("batch_size", 32)), int(args.get("max_new_tokens", 256)), hardware, replicas=replicas)
-                       for count in rows)
-            teacher = once if setup.teacher is not None else 0.0  # the teacher's share, sampled once
-            out[f"StyleTransfer {index}"] = _times(every, steps, bool(args.get("at_start", True))) * once + teacher
+            at_start = bool(args.get("at_start", True))
+
+            def once(role: str) -> float:
+                return sum(_decodes(setup, int(count), int(args.get("batch_size", 32)), int(args.get("max_new_tokens", 256)), hardware, role,
+                                    replicas=replicas) for count in rows)
+
+            # the teacher's share: sampled once, at the start, and only with at_start, on the teacher
+            teacher = once("teacher") if at_start and setup.teacher is not None else 0.0
+            out[f"StyleTransfer {index}"] = _times(every, steps, at_start) * once("student") + teacher
         elif name == "OODForgetting":
             if args.get("lm_eval_tasks") is not None:
                 passes = _times(every, steps, True)  # before, every every_n_steps, and at the end: as with kdlab tasks
