@@ -470,20 +470,28 @@ def test_a_group_of_equal_rewards_gets_advantage_zero_whatever_the_reward():
     assert group_advantages(torch.tensor([2.1, 2.1, 2.1, 0.1]), 4).tolist() == pytest.approx([0.5, 0.5, 0.5, -1.5], abs=1e-5)  # eps 1e-6 in the std
 
 
-def test_over_two_ranks_each_divides_by_the_mean_token_count_so_the_step_is_dapos_token_mean(tmp_path):
-    """Two gloo processes (DDP), each with its own completions: every DAPO loss divides by the mean over the ranks
-    of their tokens, so the averaged gradient is the sum over all tokens / all tokens (before: each rank's own count,
-    which weighs a token on the rank of shorter completions more)."""
-    import json
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The folder tests/grpo_ranks_worker.py wrote: one GRPO step over two gloo processes (DDP)."""
     import os
     import subprocess
     import sys
 
+    out = tmp_path_factory.mktemp("grpo_ranks")
     worker = Path(__file__).parent / "grpo_ranks_worker.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(worker), str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run([sys.executable, str(worker), str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"tokens-rank{r}.json").read_text()) for r in (0, 1)]
+    return out
+
+
+def test_over_two_ranks_each_divides_by_the_mean_token_count_so_the_step_is_dapos_token_mean(two_ranks):
+    """Two gloo processes (DDP), each with its own completions: every DAPO loss divides by the mean over the ranks
+    of their tokens, so the averaged gradient is the sum over all tokens / all tokens (before: each rank's own count,
+    which weighs a token on the rank of shorter completions more)."""
+    import json
+
+    ranks = [json.loads((two_ranks / f"tokens-rank{r}.json").read_text()) for r in (0, 1)]
     assert len(ranks[0]) == len(ranks[1]) >= 1
     for zero, one in zip(*ranks):
         assert zero["divided_by"] == one["divided_by"] == pytest.approx((zero["own"] + one["own"]) / 2)
@@ -496,6 +504,20 @@ def test_over_two_ranks_each_divides_by_the_mean_token_count_so_the_step_is_dapo
     mean = float(masks.sum()) / 2
     parts = [dapo_loss(logprobs[r:r + 1], logprobs.detach()[r:r + 1], advantages[r:r + 1], masks[r:r + 1], num_tokens=mean)[0] for r in (0, 1)]
     assert float(sum(parts) / 2) == pytest.approx(float(whole))
+
+
+def test_over_two_ranks_every_logged_train_and_rlvr_value_is_the_mean_over_the_ranks(two_ranks):
+    """What metrics.jsonl holds for the step is the mean over the ranks of what each logged: train/loss,
+    rlvr/clip_fraction and rlvr/entropy as the rewards (before: rank 0's own value of the first three)."""
+    import json
+
+    ranks = [json.loads((two_ranks / f"logged-rank{r}.json").read_text()) for r in (0, 1)]
+    (row,) = [json.loads(line) for line in (two_ranks / "metrics.jsonl").read_text().splitlines() if "train/loss" in line]
+    assert {"train/loss", "rlvr/clip_fraction", "rlvr/entropy", "rlvr/reward_mean"} <= set(ranks[0]) == set(ranks[1])
+    assert ranks[0]["rlvr/entropy"] != pytest.approx(ranks[1]["rlvr/entropy"])  # the ranks' completions differ
+    for name in ranks[0]:
+        if name not in ("train/grad_norm", "train/skipped_steps"):  # of the all-reduced gradients: alike on both ranks
+            assert row[name] == pytest.approx((ranks[0][name] + ranks[1][name]) / 2, rel=1e-5), name
 
 
 def test_the_paper_rlvr_presets_take_one_step_per_rollout_batch_so_their_ratios_are_one():

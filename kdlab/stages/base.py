@@ -165,7 +165,7 @@ class TaskStage(pl.LightningModule):
     def _log_records(self, split: str, batch_size: int) -> None:
         for component in self.components().values():
             for name, value in component.pop_records().items():
-                self.log(f"{split}/{name}", value, batch_size=batch_size)
+                self.log(f"{split}/{name}", value, batch_size=batch_size, sync_dist=True)
 
     # ---- parallelism ----------------------------------------------------------------------
     def sharded_models(self) -> list[torch.nn.Module]:
