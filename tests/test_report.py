@@ -705,6 +705,8 @@ def test_the_archived_spectrum_studys_lam_0_runs_are_no_configuration_of_their_o
     found, skipped = collect([tmp_path / "runs"])
     assert found and not skipped
     assert {group.other for group in group_runs(found, {})} == {""}
+    committed = Path(__file__).resolve().parents[1] / "docs" / "tiny_reproduction"  # the study's reports written from them
+    assert not any("rollout={}" in path.read_text(encoding="utf-8") for path in committed.rglob("*") if path.suffix in (".md", ".csv"))
 
 
 def test_the_seed_of_a_model_given_by_class_path_is_per_run(tmp_path):
