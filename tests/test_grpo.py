@@ -532,3 +532,15 @@ def test_the_paper_rlvr_presets_take_one_step_per_rollout_batch_so_their_ratios_
         config = yaml.safe_load(path.read_text())
         assert config["model"]["init_args"].get("mini_batches", 1) == 1, path
         assert "every importance ratio is 1" in path.read_text()
+
+
+def test_a_grpo_fit_shorter_than_its_validation_interval_in_rollout_batches_validates_after_its_last_step(grpo, tmp_path):
+    """val_check_interval counts rollout batches; with mini_batches 2, max_steps=4 is 2 of them: an interval of 3 is
+    beyond the run (though not beyond its 4 optimiser steps), so ValidateLastStep validates after the last step
+    (before: it counted 4 batches, stood aside, and the run ended without val/accuracy)."""
+    grpo.mini_batches = 2
+    alternate_rewards(grpo.task)
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False,
+                         enable_progress_bar=False, num_sanity_val_steps=0, val_check_interval=3, check_val_every_n_epoch=None)
+    trainer.fit(grpo)
+    assert trainer.global_step == 4 and "val/accuracy" in trainer.callback_metrics
