@@ -31,7 +31,8 @@ class Component(pl.LightningModule):
     def record(self, name: str, value: float | torch.Tensor) -> None:
         """Queue a scalar to be logged by the parent module as ``<split>/<name>``.
 
-        A tensor is detached; recording the same name twice in one step keeps the last value.
+        A tensor is detached; recording the same name twice in one step keeps the last value. Under several processes
+        the logged value is the mean over the ranks (a collective): every rank records the same names each step.
         """
         if isinstance(value, torch.Tensor):
             value = value.detach()

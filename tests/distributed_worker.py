@@ -18,6 +18,8 @@ lm-eval that saves the model it was given to ``ood-model-<n>.pt``) and ``coverag
 ``-count`` writes ``reduce_scatters-rank<r>.json``, the gradient reduce-scatters that rank issued;
 ``-sync`` makes every FSDP2 backward reduce its gradients (``set_requires_gradient_sync`` forced true).
 ``-packed`` trains on padding-free micro-batches (``max_tokens_per_row``: each rank's sequences packed into rows).
+``-log`` logs every step (``log_every_n_steps=1``) and writes ``logged-rank<r>.jsonl``: every ``train/`` value that rank
+passed to ``self.log``, unsynced, in order, with the optimiser steps taken before it (:class:`LogProbe`).
 """
 
 import json
@@ -83,6 +85,24 @@ class Dump(pl.Callback):
         if trainer.is_global_zero:
             torch.save(state, self.out / "student.pt")
             (self.out / "merged_shapes.json").write_text(json.dumps(shapes))
+
+
+class LogProbe(pl.Callback):
+    """Records each ``train/`` value this rank hands to ``self.log`` (before Lightning reduces it over the ranks)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        log, path = pl_module.log, self.out / f"logged-rank{trainer.global_rank}.jsonl"
+
+        def recording(name, value, *args, **kwargs):
+            if name.startswith("train/"):
+                with path.open("a") as handle:
+                    handle.write(json.dumps({"name": name, "value": float(value), "steps_before": trainer.global_step}) + "\n")
+            return log(name, value, *args, **kwargs)
+
+        pl_module.log = recording
 
 
 class PrecisionProbe(pl.Callback):
@@ -183,6 +203,7 @@ def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, r
     precision = "bf16-mixed" if "bf16" in flags else "32-true"
     fused = "fused" in flags  # the hidden-state + LM-head path (HeadLogits) instead of logits
     probes = [PrecisionProbe(out), ProbeOOD(out), ProbeCoverage(out)] if "probe" in flags else []
+    probes += [LogProbe(out)] if "log" in flags else []
     devices = 1 if layout == "single" else 2
     accumulate = 2 if "accum" in flags else 1
     calls = count_reduce_scatters() if "count" in flags else None
@@ -208,7 +229,7 @@ def main(out: Path, layout: str, steps: int = 2, examples: int = GLOBAL_BATCH, r
     }[layout]
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False, precision=precision,
-        accumulate_grad_batches=accumulate,
+        accumulate_grad_batches=accumulate, log_every_n_steps=1 if "log" in flags else 50,
         gradient_clip_val=0.05,  # small enough to clip, so sharded clipping is exercised too
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=str(out),
         callbacks=[

@@ -382,3 +382,51 @@ def test_a_callbacks_decode_is_validations_decode_precision_ends_and_stop_string
     module.stop_strings = []
     unstopped = callback.sample(module, task, examples, repeat=1)
     assert any(len(cut) < len(whole) and "e" in cut for cut, whole in zip(texts, unstopped))  # the stop string ended one
+
+
+def test_a_periodic_callback_measures_once_per_period_when_a_batch_takes_several_optimiser_steps(tmp_path):
+    """A GRPOModule with ``mini_batches: 2`` makes two optimiser steps per rollout batch, so ``global_step`` goes
+    2, 4, ...: every_n_steps=5 over 20 steps must measure once in each period of 5 steps (after the batch that
+    crosses 5, 10, 15, 20), not only where the step lands on a multiple (10 and 20); an accumulating fit (one step
+    every second micro-batch) still measures at each multiple, once."""
+    from kdlab.callbacks.periodic import PeriodicCallback
+
+    class Probe(PeriodicCallback):
+        def __init__(self, every):
+            super().__init__(every)
+            self.at = []
+
+        def measure(self, trainer, pl_module):
+            self.at.append(trainer.global_step)
+
+    class Steps(pl.LightningModule):
+        def __init__(self, per_batch, manual):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+            self.per_batch, self.automatic_optimization = per_batch, not manual
+
+        def training_step(self, batch, batch_idx):
+            loss = (self.weight * batch[0]).sum()
+            if self.automatic_optimization:
+                return loss
+            optimizer = self.optimizers()
+            for _ in range(self.per_batch):  # as GRPOModule's mini-batches
+                optimizer.zero_grad()
+                self.manual_backward((self.weight * batch[0]).sum())
+                optimizer.step()
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.ones(64, 1), batch_size=1)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def measured(module, every, **trainer_args):
+        probe = Probe(every)
+        pl.Trainer(max_steps=20, accelerator="cpu", logger=False, callbacks=[probe], enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, default_root_dir=tmp_path, **trainer_args).fit(module)
+        return probe.at
+
+    assert measured(Steps(2, manual=True), 5) == [6, 10, 16, 20]
+    assert measured(Steps(2, manual=True), 4) == [4, 8, 12, 16, 20]
+    assert measured(Steps(1, manual=False), 5, accumulate_grad_batches=2) == [5, 10, 15, 20]

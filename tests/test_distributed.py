@@ -233,3 +233,27 @@ def test_fsdp2_reduces_gradients_once_per_accumulated_step(tmp_path):
         once = json.loads((tmp_path / "once" / f"reduce_scatters-rank{rank}.json").read_text())
         every = json.loads((tmp_path / "every" / f"reduce_scatters-rank{rank}.json").read_text())
         assert every > 0 and once * 2 == every, (rank, once, every)
+
+
+def test_a_logged_train_value_is_the_mean_over_the_ranks_of_each_steps_last_micro_batch(tmp_path):
+    """Two DDP processes, each step in 2 micro-batches (``-accum``), every step logged (``-log``): ``train/loss`` and
+    the diagnostics in metrics.jsonl are, at step s, the mean over the ranks of what each rank logged in step s's last
+    micro-batch (before: rank 0's value alone), as README.md says."""
+    out = tmp_path / "out"
+    run("ddp-accum-log", out)
+    logged = {}
+    for rank in (0, 1):
+        for line in (out / f"logged-rank{rank}.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if record["name"] in ("train/grad_norm", "train/skipped_steps"):  # of the all-reduced gradients: alike on every rank
+                continue
+            logged.setdefault((record["name"], record["steps_before"] + 1), {})[rank] = record["value"]  # a later micro-batch wins
+    written = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        written.update({(name, row["step"]): value for name, value in row.items() if name.startswith("train/")})
+    names = {"train/loss", "train/kl_forward", "train/kl_reverse", "train/completion_length"}
+    assert {(name, step) for name in names for step in (1, 2)} <= set(logged) and set(logged) <= set(written)
+    assert any(values[0] != pytest.approx(values[1]) for (name, _), values in logged.items() if name == "train/loss")
+    for key, values in logged.items():
+        assert written[key] == pytest.approx((values[0] + values[1]) / 2, rel=1e-5), key

@@ -474,20 +474,28 @@ def test_a_group_of_equal_rewards_gets_advantage_zero_whatever_the_reward():
     assert group_advantages(torch.tensor([2.1, 2.1, 2.1, 0.1]), 4).tolist() == pytest.approx([0.5, 0.5, 0.5, -1.5], abs=1e-5)  # eps 1e-6 in the std
 
 
-def test_over_two_ranks_each_divides_by_the_mean_token_count_so_the_step_is_dapos_token_mean(tmp_path):
-    """Two gloo processes (DDP), each with its own completions: every DAPO loss divides by the mean over the ranks
-    of their tokens, so the averaged gradient is the sum over all tokens / all tokens (before: each rank's own count,
-    which weighs a token on the rank of shorter completions more)."""
-    import json
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The folder tests/grpo_ranks_worker.py wrote: one GRPO step over two gloo processes (DDP)."""
     import os
     import subprocess
     import sys
 
+    out = tmp_path_factory.mktemp("grpo_ranks")
     worker = Path(__file__).parent / "grpo_ranks_worker.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(worker), str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run([sys.executable, str(worker), str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"tokens-rank{r}.json").read_text()) for r in (0, 1)]
+    return out
+
+
+def test_over_two_ranks_each_divides_by_the_mean_token_count_so_the_step_is_dapos_token_mean(two_ranks):
+    """Two gloo processes (DDP), each with its own completions: every DAPO loss divides by the mean over the ranks
+    of their tokens, so the averaged gradient is the sum over all tokens / all tokens (before: each rank's own count,
+    which weighs a token on the rank of shorter completions more)."""
+    import json
+
+    ranks = [json.loads((two_ranks / f"tokens-rank{r}.json").read_text()) for r in (0, 1)]
     assert len(ranks[0]) == len(ranks[1]) >= 1
     for zero, one in zip(*ranks):
         assert zero["divided_by"] == one["divided_by"] == pytest.approx((zero["own"] + one["own"]) / 2)
@@ -502,6 +510,20 @@ def test_over_two_ranks_each_divides_by_the_mean_token_count_so_the_step_is_dapo
     assert float(sum(parts) / 2) == pytest.approx(float(whole))
 
 
+def test_over_two_ranks_every_logged_train_and_rlvr_value_is_the_mean_over_the_ranks(two_ranks):
+    """What metrics.jsonl holds for the step is the mean over the ranks of what each logged: train/loss,
+    rlvr/clip_fraction and rlvr/entropy as the rewards (before: rank 0's own value of the first three)."""
+    import json
+
+    ranks = [json.loads((two_ranks / f"logged-rank{r}.json").read_text()) for r in (0, 1)]
+    (row,) = [json.loads(line) for line in (two_ranks / "metrics.jsonl").read_text().splitlines() if "train/loss" in line]
+    assert {"train/loss", "rlvr/clip_fraction", "rlvr/entropy", "rlvr/reward_mean"} <= set(ranks[0]) == set(ranks[1])
+    assert ranks[0]["rlvr/entropy"] != pytest.approx(ranks[1]["rlvr/entropy"])  # the ranks' completions differ
+    for name in ranks[0]:
+        if name not in ("train/grad_norm", "train/skipped_steps"):  # of the all-reduced gradients: alike on both ranks
+            assert row[name] == pytest.approx((ranks[0][name] + ranks[1][name]) / 2, rel=1e-5), name
+
+
 def test_the_paper_rlvr_presets_take_one_step_per_rollout_batch_so_their_ratios_are_one():
     """What the presets' headers say: mini_batches is 1 (GRPOModule's default; the presets do not set it), so every
     mini-batch is the first, trained on-policy (``old = logprobs.detach()``): every ratio is 1 and the clip never binds."""
@@ -514,3 +536,15 @@ def test_the_paper_rlvr_presets_take_one_step_per_rollout_batch_so_their_ratios_
         config = yaml.safe_load(path.read_text())
         assert config["model"]["init_args"].get("mini_batches", 1) == 1, path
         assert "every importance ratio is 1" in path.read_text()
+
+
+def test_a_grpo_fit_shorter_than_its_validation_interval_in_rollout_batches_validates_after_its_last_step(grpo, tmp_path):
+    """val_check_interval counts rollout batches; with mini_batches 2, max_steps=4 is 2 of them: an interval of 3 is
+    beyond the run (though not beyond its 4 optimiser steps), so ValidateLastStep validates after the last step
+    (before: it counted 4 batches, stood aside, and the run ended without val/accuracy)."""
+    grpo.mini_batches = 2
+    alternate_rewards(grpo.task)
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False,
+                         enable_progress_bar=False, num_sanity_val_steps=0, val_check_interval=3, check_val_every_n_epoch=None)
+    trainer.fit(grpo)
+    assert trainer.global_step == 4 and "val/accuracy" in trainer.callback_metrics

@@ -18,7 +18,7 @@ def test_a_torn_last_metrics_line_is_skipped_with_a_warning_naming_the_file(tmp_
                     + "\n" + '{"step": 3, "train/lo')
     with pytest.warns(UserWarning, match=rf"{path}: its last line is torn"):
         metrics = read_metrics(tmp_path)
-    assert metrics["train/loss"] == [(1, 2.0), (2, 1.5)]
+    assert metrics["train/loss"] == [(2, 2.0), (3, 1.5)]  # unmarked Lightning lines: at the optimiser step, one on
     path.write_text('{"step": 1, "train/lo\n' + json.dumps({"step": 2, "train/loss": 1.5, "epoch": 0}) + "\n")
     with pytest.raises(ValueError, match=rf"{path}: line 1 is not JSON"):  # only the last line may be torn
         read_metrics(tmp_path)

@@ -456,23 +456,41 @@ def test_runs_frame_and_group_statistics(tmp_path):
 
 def test_a_run_from_before_the_metrics_file_held_self_log_values_reads_them_from_tensorboard(tmp_path):
     """Old runs logged ``self.log`` values to TensorBoard only: without any Lightning line (``epoch``) in
-    metrics.jsonl the events are read, the file winning at equal steps; a current run's file is the
-    whole record and its events are not read."""
+    metrics.jsonl the events are read, the file winning at equal steps, and a scalar only the events hold (a
+    ``self.log`` value, at Lightning's logger step) is moved one step on, to the optimiser steps the file's
+    lines count; a current run's file is the whole record and its events are not read."""
     from torch.utils.tensorboard import SummaryWriter
 
     from kdlab.study.runs import read_metrics
 
     for name, lines in (("old", [{"step": 3, "sparsity/1e-06": 0.5, "val/accuracy": 0.3}]),
-                        ("new", [{"step": 3, "val/accuracy": 0.3, "epoch": 0.0}])):
+                        ("new", [{"step": 3, "val/accuracy": 0.3, "epoch": 0.0, "steps": "optimiser"}])):
         run = tmp_path / name
         run.mkdir()
         (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
         writer = SummaryWriter(str(run))
         writer.add_scalar("val/accuracy", 0.25, 3)
         writer.add_scalar("val/accuracy", 0.5, 5)
+        writer.add_scalar("train/loss", 2.0, 4)
         writer.close()
-    assert read_metrics(tmp_path / "old") == {"val/accuracy": [(3, 0.3), (5, 0.5)], "sparsity/1e-06": [(3, 0.5)]}
-    assert read_metrics(tmp_path / "new") == {"val/accuracy": [(3, 0.3)], "epoch": [(3, 0.0)]}
+    assert read_metrics(tmp_path / "old") == {"val/accuracy": [(3, 0.3), (5, 0.5)], "sparsity/1e-06": [(3, 0.5)], "train/loss": [(5, 2.0)]}
+    assert read_metrics(tmp_path / "new") == {"val/accuracy": [(3, 0.3)]}
+
+
+def test_an_archived_runs_lightning_lines_read_at_the_optimiser_step_as_its_callbacks_lines(tmp_path):
+    """Lightning's ``self.log`` lines of a run written before kdlab logged them at optimiser steps (no
+    ``"steps": "optimiser"``) are one step early: they read one step on, beside the callbacks' lines of the
+    same step and a marked line; ``epoch`` is no metric (kdlab.runlog's "Steps")."""
+    from kdlab.study.runs import read_run
+
+    run = make_run(tmp_path, "old", "TeacherRollouts", "ForwardKL", 1e-4, 42, [
+        {"step": 3, "train/loss": 1.5, "epoch": 0.0},
+        {"step": 4, "ood/mean": 50.0},
+        {"step": 4, "val/accuracy": 0.5, "epoch": 0.0, "steps": "optimiser"},
+    ])
+    result = read_run(run)
+    assert result.series == {"train/loss": [(4, 1.5)], "ood/mean": [(4, 50.0)], "val/accuracy": [(4, 0.5)]}
+    assert not result.unfinished  # its last step is max_steps=4
 
 
 # ---- a report people can read (issue #30, item 5) ------------------------------------------------------
@@ -663,3 +681,47 @@ def test_the_spanish_share_interval_counts_each_style_entrys_own_rows(tmp_path):
     make_run(tmp_path / "runs", "s42", "TeacherRollouts", "ForwardKL", 1e-5, 42, [{"step": 4, "style/spanish_share": 0.5}], callbacks=[style])
     (run,), _ = collect([tmp_path / "runs"])
     assert run.coverage_draws["style"] == 550
+
+
+def test_an_init_args_left_empty_by_its_defaults_reads_like_no_init_args(tmp_path):
+    """``rollout: {class_path: MixtureRollouts}`` and ``init_args: {lam: 0.0}`` (lam's default) are one
+    configuration: removing the defaults empties ``init_args``, and an empty one is no setting."""
+    root = tmp_path / "runs"
+    make_run(root, "without", "MixtureRollouts", "ForwardKL", 1e-4, 42)
+    make_run(root, "at-default", "MixtureRollouts", "ForwardKL", 1e-4, 43, rollout_args={"lam": 0.0})
+    make_run(root, "empty", "MixtureRollouts", "ForwardKL", 1e-4, 44, rollout_args={})
+    found, _ = collect([root])
+    (group,) = group_runs(found, {})
+    assert group.seeds == 3 and group.other == "" and group.lam == 0.0
+
+
+def test_the_archived_spectrum_studys_lam_0_runs_are_no_configuration_of_their_own(tmp_path):
+    """The archived spectrum study wrote ``init_args: {lam: 0.0, alpha: 0.2}`` (both defaults): its
+    lam=0 runs carry no ``rollout={}`` setting that would split them into a column of their own."""
+    import tarfile
+
+    with tarfile.open(Path(__file__).resolve().parents[1] / "experiments/tiny/study_runs/spectrum_5x.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    found, skipped = collect([tmp_path / "runs"])
+    assert found and not skipped
+    assert {group.other for group in group_runs(found, {})} == {""}
+    committed = Path(__file__).resolve().parents[1] / "docs" / "tiny_reproduction"  # the study's reports written from them
+    assert not any("rollout={}" in path.read_text(encoding="utf-8") for path in committed.rglob("*") if path.suffix in (".md", ".csv"))
+
+
+def test_the_seed_of_a_model_given_by_class_path_is_per_run(tmp_path):
+    """A notebook's run (:func:`kdlab.run_config.describe_run`) or ``kdlab fit --model GRPOModule`` writes
+    the seed as ``model.init_args.seed``: runs that differ only there are seeds of one configuration."""
+    for seed in (42, 43, 44):
+        run = tmp_path / "runs" / f"seed{seed}"
+        run.mkdir(parents=True)
+        config = {"seed_everything": None, "trainer": {"max_steps": 5},
+                  "model": {"class_path": "kdlab.stages.DistillModule",
+                            "init_args": {"seed": seed, "lr": 1e-4, "task": COUNTDOWN3}}}
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 5, "val/accuracy": 0.3 + seed / 1000, "epoch": 0}) + "\n")
+        (run / "DONE").write_text("{}")
+    found, _ = collect([tmp_path / "runs"])
+    assert sorted(run.seed for run in found) == [42, 43, 44]
+    (group,) = group_runs(found, {})
+    assert group.seeds == 3 and group.other == ""

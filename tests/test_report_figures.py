@@ -268,3 +268,22 @@ def test_chain_labels_drop_the_parts_every_checkpoint_shares_and_the_curves_merg
     labels = variant_labels(groups)
     assert labels[:2] == ["checkpoint=OnPD-FKL-seed=42", "checkpoint=OnPD-FKL-seed=43"] and labels[-1] == "checkpoint=OffPD-RKL-seed=43"
     assert sorted({without_seed(label) for label in labels}) == ["checkpoint=OffPD-FKL", "checkpoint=OffPD-RKL", "checkpoint=OnPD-FKL", "checkpoint=OnPD-RKL"]
+
+
+def test_the_pass_at_k_figure_names_the_interval_of_every_metric_it_plots(tmp_path, monkeypatch):
+    """val/pass@k's error bars are a bootstrap over problems, a Coverage callback's pass@1 a Wilson interval: the
+    pass@k-against-lam figure's caption names both, each with its metrics, not only the first metric's."""
+    root = tmp_path / "runs"
+    coverage = {"class_path": "kdlab.callbacks.Coverage", "init_args": {"name": "countdown4e", "examples": 50, "samples": 4,
+                                                                        "task": COUNTDOWN3}}
+    for seed in (42, 43):
+        for lam in (-0.5, 0.5):
+            run = make_run(root, f"mix-{lam}-{seed}", "MixtureRollouts", "ForwardKL", 1e-4, seed, lam=lam,
+                           extra=[{"step": 3, "coverage/countdown4e/pass@1": 0.2 + lam / 10 + seed / 1000}])
+            config = yaml.safe_load((run / "config.yaml").read_text())
+            config["trainer"]["callbacks"] = [coverage]
+            (run / "config.yaml").write_text(yaml.safe_dump(config))
+    figures = report([root], tmp_path / "report", monkeypatch)
+    caption = " ".join(figures["pass_at_k-countdown3"]._suptitle.get_text().split())
+    assert "val/pass@1, val/pass@2: 95% interval, bootstrap over problems" in caption
+    assert "coverage/countdown4e/pass@1: 95% Wilson interval" in caption

@@ -414,3 +414,75 @@ def test_the_time_models_draw_figure_is_the_committed_calibrations():
     record = json.loads((ROOT / "benchmarks/results/estimate_check-cpu.json").read_text())
     assert f"about {record['calibration']['draw_seconds'] * 1e9:.0f} ns a number" in " ".join(step_time.__doc__.split())
 
+
+
+def _rows_counted(setup, config, steps):
+    """Each evaluation's rows over the run: its seconds with one second of host work a row, minus without."""
+    from dataclasses import replace
+
+    from kdlab.study.run_time import evaluation_seconds
+
+    h200 = step_time.HARDWARE["H200"]
+    without = evaluation_seconds(setup, config, steps, replace(h200, row_seconds=0.0))
+    with_rows = evaluation_seconds(setup, config, steps, replace(h200, row_seconds=1.0))
+    return {name: with_rows[name] - without[name] for name in with_rows}
+
+
+def test_the_in_loop_lm_eval_suite_runs_before_every_n_steps_and_at_the_end():
+    """OODForgetting with lm_eval_tasks measures on PeriodicCallback's schedule as with kdlab tasks: before, every
+    ``every_n_steps`` and at the end unless that is one of them (every 50 of 150 steps: 1 + 3 passes)."""
+    from kdlab.study.estimate import Setup
+    from kdlab.study.run_time import evaluation_seconds, lm_eval_seconds
+
+    setup = Setup(student=PUBLISHED["Qwen/Qwen2.5-1.5B-Instruct"], teacher=None, batch_size=4, prompt_tokens=256, completion_tokens=64, mixed=True)
+    h200 = step_time.HARDWARE["H200"]
+    one = lm_eval_seconds(setup, ["ifeval"], 8, h200)
+    for every, steps, passes in ((50, 150, 4), (None, 150, 2), (40, 150, 5)):
+        config = {"model": {}, "trainer": {"limit_val_batches": 0, "callbacks": [
+            {"class_path": "kdlab.callbacks.OODForgetting", "init_args": {"lm_eval_tasks": ["ifeval"], "every_n_steps": every}}]}}
+        assert evaluation_seconds(setup, config, steps, h200)["OODForgetting 1"] == pytest.approx(passes * one), (every, steps)
+
+
+def test_validation_is_counted_every_interval_of_batches_or_once_after_the_last_step():
+    """Validation runs every ``val_check_interval`` training batches: a distillation's micro-batches (``max_steps x
+    accumulate_grad_batches``), a GRPO fit's rollout batches (``max_steps / mini_batches``: each makes ``mini_batches``
+    optimiser steps); an interval beyond the run's batches validates once, after the last step
+    (:class:`kdlab.stages.base.ValidateLastStep`); ``limit_val_batches: 0`` never."""
+    from dataclasses import replace
+
+    from kdlab.study.estimate import Setup
+
+    distill = Setup(student=PUBLISHED["Qwen/Qwen2.5-1.5B-Instruct"], teacher=None, batch_size=4, prompt_tokens=256, completion_tokens=64,
+                    mixed=True, accumulate=2)
+    grpo = replace(distill, stage="grpo", accumulate=4)  # a GRPO setup's accumulate: micro-batches of one manual step
+
+    def validations(setup, interval, steps=20, mini_batches=None, limit=None):
+        model = {"val_examples": 100, "eval_samples": 1, **({"mini_batches": mini_batches} if mini_batches else {})}
+        trainer = {"val_check_interval": interval, **({"limit_val_batches": limit} if limit is not None else {})}
+        return _rows_counted(setup, {"model": model, "trainer": trainer}, steps).get("validation", 0.0) / 100
+
+    assert validations(distill, 10) == 4  # 40 micro-batches
+    assert validations(distill, 30) == 1  # at batch 30
+    assert validations(distill, 50) == 1  # beyond the run's 40 batches: after the last step
+    assert validations(distill, 50, limit=0) == 0
+    assert validations(grpo, 5) == 4  # 20 rollout batches
+    assert validations(grpo, 5, mini_batches=2) == 2  # 10 rollout batches of 2 optimiser steps
+    assert validations(grpo, 15, mini_batches=2) == 1  # beyond its 10 batches: after the last step
+    assert validations(grpo, 3, steps=21, mini_batches=2) == 3  # 11 batches: the last one takes the run past max_steps
+
+
+def test_the_style_transfer_teachers_share_is_timed_on_the_teacher_and_only_when_it_is_sampled():
+    """StyleTransfer samples the teacher once, at the start, and only with ``at_start`` (True by default): its decode
+    is the teacher's (its shape and dtype), not a second student's."""
+    from kdlab.study.estimate import Setup
+    from kdlab.study.run_time import _decodes, evaluation_seconds
+
+    student, teacher = PUBLISHED["Qwen/Qwen2.5-1.5B-Instruct"], PUBLISHED["Qwen/Qwen2.5-7B-Instruct"]
+    setup = Setup(student=student, teacher=teacher, batch_size=4, prompt_tokens=256, completion_tokens=64, mixed=True)
+    h200 = step_time.HARDWARE["H200"]
+    for at_start, student_passes, teacher_passes in ((True, 2, 1), (False, 1, 0)):
+        config = {"model": {}, "trainer": {"limit_val_batches": 0, "callbacks": [
+            {"class_path": "kdlab.callbacks.StyleTransfer", "init_args": {"tasks": ["addition"], "examples": 40, "max_new_tokens": 16,
+                                                                         "batch_size": 8, "at_start": at_start}}]}}
+        expected = student_passes * _decodes(setup, 40, 8, 16, h200) + teacher_passes * _decodes(setup, 40, 8, 16, h200, role="teacher")
+        assert evaluation_seconds(setup, config, 20, h200)["StyleTransfer 1"] == pytest.approx(expected), at_start

@@ -741,3 +741,25 @@ def test_a_folder_laid_out_as_a_study_without_a_findings_runs_gets_its_report_an
     main(["runs/tiny-world", "--output", "out", "--low_lr", "1e-4", "--high_lr", "2e-3"])
     assert (tmp_path / "out" / "report.md").is_file() and not (tmp_path / "out" / "verdicts.md").exists()
     assert not (tmp_path / "out" / "rlvr").exists() and "holds no finding's runs: no verdicts written" in capsys.readouterr().err
+
+
+def test_a_parts_report_and_its_verdicts_take_the_lr_levels_given(tmp_path, monkeypatch):
+    """``--low_lr``/``--high_lr`` hold for every part: a part run at one rate (the bf16 grid at the low LR only)
+    keeps its level column in its own report, and its verdict finds its low-LR cells; without them a part's levels
+    are its own two rates (smaller low), else the paper's."""
+    from kdlab.study.report import main
+
+    make_grid(tmp_path / "study", lambda kind, direction, level, seed: 0.5, lambda level, seed: -1.0)
+    (tmp_path / "study" / "bf16").mkdir()
+    for kind in ROLLOUTS:
+        for seed in (42, 43, 44):
+            make_run(tmp_path / "study" / "bf16", kind, "forward", 1e-4, seed, 0.5, {"sparsity/1e-06": 0.9})
+    runs, _ = collect([tmp_path / "study"])
+    given = Study(tmp_path / "study", runs, low_lr=[1e-4], high_lr=[2e-3])
+    assert {g.level for g in given.groups("bf16")} == {"low"} and given.cell("bf16", "OnPD", "forward", "low") is not None
+    assert {g.level for g in Study(tmp_path / "study", runs).groups("bf16")} == {None}  # 1e-4 alone is no paper LR
+    monkeypatch.chdir(tmp_path)
+    main(["study", "--output", "out", "--low_lr", "1e-4", "--high_lr", "2e-3"])
+    with open(tmp_path / "out" / "bf16" / "summary.csv", newline="") as handle:
+        assert {row["lr_level"] for row in csv.DictReader(handle)} == {"low"}
+    assert "sparsity tau 1e-6: OffPD low 90.0%, OnPD low 90.0%;" in (tmp_path / "out" / "verdicts.md").read_text()

@@ -44,12 +44,16 @@ def module_writes_teacher_texts(pl_module: pl.LightningModule) -> bool:
     return source is not None and WRITES in source.offers(source.run)
 
 
-def _due(every_n_steps: int | None, trainer: pl.Trainer) -> bool:
-    return bool(every_n_steps) and trainer.global_step > 0 and trainer.global_step % every_n_steps == 0
+def _due(every_n_steps: int | None, step_before: int, trainer: pl.Trainer) -> bool:
+    """Whether the batch that took the run from ``step_before`` to ``trainer.global_step`` optimiser steps crossed
+    a multiple of ``every_n_steps``: a batch may take several (a GRPOModule's ``mini_batches``), so a step count that
+    never lands on the multiple (2, 4, ... with every 25) still measures once in each period."""
+    return bool(every_n_steps) and trainer.global_step // every_n_steps > step_before // every_n_steps
 
 
 class PeriodicCallback(pl.Callback):
-    """Runs :meth:`measure` every ``every_n_steps`` optimiser steps (after the step) and at the end of fit."""
+    """Runs :meth:`measure` every ``every_n_steps`` optimiser steps (after the batch whose steps reach or pass each
+    multiple: the step itself, or the first after it when a batch takes several) and at the end of fit."""
 
     def __init__(self, every_n_steps: int | None = None) -> None:
         remember_arguments(self, inspect.currentframe())  # named with its settings in a run's config.yaml and hyperparameters
@@ -57,6 +61,7 @@ class PeriodicCallback(pl.Callback):
             raise ValueError(f"{type(self).__name__}.every_n_steps must be >= 1 or null, got {every_n_steps}")
         self.every_n_steps = every_n_steps
         self._last_step = -1
+        self._step_before = 0  # global_step when the current training batch started
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         raise NotImplementedError
@@ -66,9 +71,12 @@ class PeriodicCallback(pl.Callback):
             self._last_step = trainer.global_step
             self.measure(trainer, pl_module)
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._step_before = trainer.global_step
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # after the last micro-batch of an accumulation the step counter has moved; measure once per step
-        if _due(self.every_n_steps, trainer):
+        if _due(self.every_n_steps, self._step_before, trainer):
             self._measure_once(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:

@@ -59,7 +59,10 @@ class ValidateLastStep(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         interval, steps = trainer.val_check_batch, trainer.max_steps  # batches between validations (set by now)
-        batches = (steps or 0) * max(1, int(trainer.accumulate_grad_batches or 1))
+        # the run's training batches: micro-batches under accumulation; a GRPOModule's rollout batches make
+        # mini_batches optimiser steps each (the last may take the run past max_steps)
+        per_batch = max(1, int(getattr(pl_module, "mini_batches", 1) or 1))
+        batches = -(-(steps or 0) * max(1, int(trainer.accumulate_grad_batches or 1)) // per_batch)
         self.active = bool(steps and steps > 0 and interval is not None and interval != float("inf")
                            and interval > batches and trainer.limit_val_batches != 0)
         if self.active and trainer.is_global_zero:
@@ -166,7 +169,7 @@ class TaskStage(pl.LightningModule):
     def _log_records(self, split: str, batch_size: int) -> None:
         for component in self.components().values():
             for name, value in component.pop_records().items():
-                self.log(f"{split}/{name}", value, batch_size=batch_size)
+                self.log(f"{split}/{name}", value, batch_size=batch_size, sync_dist=True)
 
     # ---- parallelism ----------------------------------------------------------------------
     def sharded_models(self) -> list[torch.nn.Module]:

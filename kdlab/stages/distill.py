@@ -405,20 +405,20 @@ class DistillModule(TaskStage):
         if rollout.behaviour_logprobs is not None:  # sampled by an engine whose weights may lag the student's
             sampled = sampled_logprobs(student_logits.detach(), rollout.completion_ids, self.objective.chunk_size)
             weights = importance_weights(sampled, rollout.behaviour_logprobs, mask, rollout.importance_cap)
-            self.log("train/importance_weight", weights.mean(), batch_size=size)
+            self.log("train/importance_weight", weights.mean(), batch_size=size, sync_dist=True)
             # mean log q - log p_theta over sampled tokens: an estimate of KL(q || p_theta), 0 only when the
             # engine samples the student exactly (the weight's mean is ~1 for any q, so it cannot tell)
-            self.log("train/engine_kl", ((rollout.behaviour_logprobs - sampled) * mask).sum() / mask.sum(), batch_size=size)
+            self.log("train/engine_kl", ((rollout.behaviour_logprobs - sampled) * mask).sum() / mask.sum(), batch_size=size, sync_dist=True)
         loss, diagnostics = self.pairing.rollout_loss(self.objective, rollout, student_logits, teacher_logits, weights)
-        self.log("train/loss", loss, prog_bar=True, batch_size=size)
+        self.log("train/loss", loss, prog_bar=True, batch_size=size, sync_dist=True)
         diagnostics.update(self.teacher_source.named_diagnostics(diagnostics))
         if isinstance(teacher_logits, LazyLogits):  # a top-k teacher: train/teacher_tail_mass, over the teacher's own positions
             diagnostics.update(teacher_logits.summary(rollout.completion("teacher")[1]))
         for name, value in diagnostics.items():
-            self.log(f"train/{name}", value, batch_size=size)
-        self.log("train/completion_length", mask.sum(1).float().mean(), batch_size=size)
+            self.log(f"train/{name}", value, batch_size=size, sync_dist=True)
+        self.log("train/completion_length", mask.sum(1).float().mean(), batch_size=size, sync_dist=True)
         if rollout.sampling_entropy is not None:
-            self.log("train/rollout_entropy", rollout.sampling_entropy[mask].mean(), batch_size=size)
+            self.log("train/rollout_entropy", rollout.sampling_entropy[mask].mean(), batch_size=size, sync_dist=True)
         self._log_records("train", size)
         return loss
 

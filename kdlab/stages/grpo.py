@@ -416,14 +416,14 @@ class GRPOModule(TaskStage):
             totals["steps"] += 1
             self.count_skipped_step(optimizer.optimizer, f"GRPO, lr {self.lr}")
         count = max(totals["tokens"], 1.0)
-        self.log("train/loss", totals["loss"] / max(totals["steps"], 1), prog_bar=True, batch_size=size)
-        self.log("rlvr/clip_fraction", totals["clipped"] / count, batch_size=size)
-        self.log("rlvr/entropy", totals["entropy"] / count, batch_size=size)
+        self.log("train/loss", totals["loss"] / max(totals["steps"], 1), prog_bar=True, batch_size=size, sync_dist=True)
+        self.log("rlvr/clip_fraction", totals["clipped"] / count, batch_size=size, sync_dist=True)
+        self.log("rlvr/entropy", totals["entropy"] / count, batch_size=size, sync_dist=True)
         if self.beta > 0:
-            self.log("rlvr/kl_to_reference", totals["kl"] / count, batch_size=size)
+            self.log("rlvr/kl_to_reference", totals["kl"] / count, batch_size=size, sync_dist=True)
         if behaviour is not None:
-            self.log("rlvr/engine_ratio", totals["engine_ratio"] / count, batch_size=size)
-            self.log("rlvr/engine_kl", totals["engine_kl"] / count, batch_size=size)
+            self.log("rlvr/engine_ratio", totals["engine_ratio"] / count, batch_size=size, sync_dist=True)
+            self.log("rlvr/engine_kl", totals["engine_kl"] / count, batch_size=size, sync_dist=True)
         self._log_records("train", size)
 
     def tokens_per_rank(self, mask: torch.Tensor) -> float:

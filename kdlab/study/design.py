@@ -88,11 +88,15 @@ class StudyDesign:
 
 class Study:
     """The study's runs by part, and its configurations by (rollout kind, KL direction, LR level); ``design`` says
-    which parts the study runs (:class:`StudyDesign`; by default the tiny study's, every part)."""
+    which parts the study runs (:class:`StudyDesign`; by default the tiny study's, every part). ``low_lr`` and
+    ``high_lr`` (``kdlab report --low_lr/--high_lr``) are the LR levels of every part; without them a part's levels
+    are its own (:func:`~kdlab.study.groups.lr_levels`: the smaller of its two rates low, else the paper's)."""
 
-    def __init__(self, root: Path, runs: list[RunResult], design: StudyDesign | None = None) -> None:
+    def __init__(self, root: Path, runs: list[RunResult], design: StudyDesign | None = None,
+                 low_lr: list[float] | None = None, high_lr: list[float] | None = None) -> None:
         self.root = root
         self.design = design or StudyDesign()
+        self.low_lr, self.high_lr = low_lr, high_lr
         self._groups: dict[str, list[Group]] = {}
         self.parts: dict[str, list[RunResult]] = {part: [] for part in PARTS}
         for run in runs:
@@ -109,7 +113,7 @@ class Study:
         """The part's configurations (grouped once: each group keeps its computed intervals)."""
         if part not in self._groups:
             runs = self.parts[part]
-            self._groups[part] = group_runs(runs, lr_levels({r.lr for r in runs}))
+            self._groups[part] = group_runs(runs, lr_levels({r.lr for r in runs}, self.low_lr, self.high_lr))
         return self._groups[part]
 
     def cell(self, part: str, kind: str, direction: str | None = None, level: str | None = None) -> Group | None:

@@ -68,6 +68,19 @@ def interval_caption(groups: list[Group], metric: str) -> str:
     return "error bars: " + "; ".join(parts) + ("; none for one seed without an interval" if "none" in kinds else "")
 
 
+def intervals_caption(lines: list[tuple[list[Group], str]]) -> str:
+    """:func:`interval_caption` of every metric the ``(configurations, metric)`` lines plot: said once when they
+    agree, else each with its metrics (``val/pass@1, val/pass@4: 95% interval, bootstrap over problems;
+    coverage/x/pass@1: 95% Wilson interval``)."""
+    by_text: dict[str, list[str]] = {}
+    for metric in dict.fromkeys(metric for _, metric in lines):
+        groups = [g for members, plotted in lines if plotted == metric for g in members]
+        by_text.setdefault(interval_caption(groups, metric), []).append(metric)
+    if len(by_text) == 1:
+        return next(iter(by_text))
+    return "error bars: " + "; ".join(f"{', '.join(metrics)}: {text.removeprefix('error bars: ')}" for text, metrics in by_text.items())
+
+
 def wrap(text: str, width: int) -> str:
     """``text`` on lines of at most ``width`` characters (a long label or title fits its figure)."""
     return textwrap.fill(text, width, break_long_words=True, break_on_hyphens=False)
@@ -181,7 +194,8 @@ def lam_lines(groups: list[Group], metrics: list[str]) -> list[tuple[list[Group]
 def lam_figure(new_figure: Any, lines: list[tuple[list[Group], str]], ylabel: str, title: str) -> Any:
     """Percent metrics against a mixture's ``lam``: one line per ``(configurations of one curve, metric)``,
     labelled by :func:`~kdlab.study.figure_labels.short_labels` of the curves (and the metric when there are
-    several), error bars from :func:`error_bars`, the legend below the axes."""
+    several), error bars from :func:`error_bars` (the caption names each metric's kind, :func:`intervals_caption`), the legend
+    below the axes."""
     fig = new_figure(figsize=(7.0, 4.6))
     ax = fig.add_subplot()
     firsts = [members[0] for members, _ in lines]
@@ -195,8 +209,7 @@ def lam_figure(new_figure: Any, lines: list[tuple[list[Group], str]], ylabel: st
         plotted += means
     ax.set(xlabel="lam (-1 teacher, 1 student)", ylabel=ylabel, ylim=(0, 100))
     ax.grid(alpha=0.3)
-    every = [g for members, _ in lines for g in members]
-    _caption(fig, title + (f"; {shared}" if shared and len(lines) > 1 else ""), interval_caption(every, metrics[0]), equal_note(plotted, ylabel))
+    _caption(fig, title + (f"; {shared}" if shared and len(lines) > 1 else ""), intervals_caption(lines), equal_note(plotted, ylabel))
     _legend_below(fig, handles, names)
     return fig
 

@@ -417,12 +417,11 @@ def main(argv: list[str] | None = None) -> None:
     path = write_report(runs, skipped, output, options.low_lr, options.high_lr)
     print(f"[report] {len(runs)} runs -> {path} (CSV, PNG and tensorboard/ beside it)")
     if len(options.runs) == 1 and is_study(Path(options.runs[0])):
-        if not write_verdicts(Path(options.runs[0]), runs, output, design):
+        if not write_verdicts(Path(options.runs[0]), runs, output, design, options.low_lr, options.high_lr):
             print(f"[report] {options.runs[0]} is laid out as a study but holds no finding's runs: no verdicts written", file=sys.stderr)
             return
         parts = Study(Path(options.runs[0]), runs).parts
         for part in PARTS:  # each part's own tables, without the other parts' settings in their columns
-            if parts[part]:
-                levels = {r.lr for r in parts[part]}
-                write_report(parts[part], [], output / part, *((None, None) if len(levels) != 2 else ([min(levels)], [max(levels)])))
+            if parts[part]:  # the given LR levels; else the part's own (lr_levels)
+                write_report(parts[part], [], output / part, options.low_lr, options.high_lr)
         print(f"[report] the study's verdicts -> {output / 'verdicts.md'}")

@@ -7,12 +7,14 @@ Per evaluation, on rank 0's share (the ranks split ``Coverage`` and validation p
 on rank 0 alone while the others wait), each kdlab-evaluated row also costing ``Hardware.row_seconds`` of host work:
 
 * validation: ``val_examples x eval_samples`` rows in decodes of ``val_batch_size x eval_samples`` rows, every
-  ``trainer.val_check_interval`` micro-batches (and at the end when ``max_steps`` is a multiple);
+  ``trainer.val_check_interval`` training batches (a distillation's micro-batches, a GRPO fit's rollout batches of
+  ``mini_batches`` optimiser steps each), or once after the last step when the interval is beyond the run's batches
+  (:class:`~kdlab.stages.base.ValidateLastStep`);
 * ``Coverage``: ``examples x samples`` rows in decodes of ``batch_size`` rows, at the start (``at_start``), every
   ``every_n_steps`` and at the end;
 * ``StyleTransfer``: each entry's rows (:func:`~kdlab.study.setups.style_transfer_rows`) in decodes of ``batch_size``, the student at the start (``at_start``)
-  and the end, the teacher once;
-* ``OODForgetting`` with lm-eval: before and after, each task of :data:`LM_EVAL_COST` on the student as it is held
+  and the end, the teacher (its own shape and dtype) once at the start, only with ``at_start``;
+* ``OODForgetting`` with lm-eval: before, every ``every_n_steps`` and at the end, each task of :data:`LM_EVAL_COST` on the student as it is held
   (the fp32 student outside autocast is read in 4 bytes a weight), generations through the Hugging Face back end
   (:func:`~kdlab.study.step_time.decode_token_seconds` with ``kdlab``'s per-token host cost) in batches of
   ``lm_eval_batch_size``, multiple-choice tasks as forwards; with kdlab tasks, as ``Coverage`` with one sample.
@@ -118,8 +120,13 @@ def evaluation_seconds(setup: Setup, config: dict[str, Any], steps: int, hardwar
     out: dict[str, float] = {}
     interval = trainer.get("val_check_interval")
     if setup.stage != "sft" and isinstance(interval, int) and interval > 0 and trainer.get("limit_val_batches") != 0:
-        micro = steps * max(setup.accumulate, 1) if setup.stage == "distill" else steps
-        runs = micro // interval
+        # the interval counts training batches: a distillation's micro-batches, a GRPO fit's rollout batches (each
+        # makes mini_batches optimiser steps; the last one may take the run past max_steps)
+        if setup.stage == "distill":
+            batches = steps * max(setup.accumulate, 1)
+        else:
+            batches = -(-steps // max(int(model.get("mini_batches") or 1), 1))
+        runs = batches // interval or 1  # an interval beyond the run's batches: once after the last step (ValidateLastStep)
         samples = int(model.get("eval_samples") or 1)
         rows = int(model.get("val_examples") or 200) * samples
         batch = int(model.get("val_batch_size") or 8) * samples
@@ -135,13 +142,19 @@ def evaluation_seconds(setup: Setup, config: dict[str, Any], steps: int, hardwar
                                                         hardware, replicas=replicas)
         elif name == "StyleTransfer":
             rows = style_transfer_rows(args) or [args.get("examples", 200)]
-            once = sum(_decodes(setup, int(count), int(args.get("batch_size", 32)), int(args.get("max_new_tokens", 256)), hardware, replicas=replicas)
-                       for count in rows)
-            teacher = once if setup.teacher is not None else 0.0  # the teacher's share, sampled once
-            out[f"StyleTransfer {index}"] = _times(every, steps, bool(args.get("at_start", True))) * once + teacher
+            at_start = bool(args.get("at_start", True))
+
+            def once(role: str) -> float:
+                return sum(_decodes(setup, int(count), int(args.get("batch_size", 32)), int(args.get("max_new_tokens", 256)), hardware, role,
+                                    replicas=replicas) for count in rows)
+
+            # the teacher's share: sampled once, at the start, and only with at_start, on the teacher
+            teacher = once("teacher") if at_start and setup.teacher is not None else 0.0
+            out[f"StyleTransfer {index}"] = _times(every, steps, at_start) * once("student") + teacher
         elif name == "OODForgetting":
             if args.get("lm_eval_tasks") is not None:
-                out[f"OODForgetting {index}"] = 2 * lm_eval_seconds(setup, args["lm_eval_tasks"], int(args.get("lm_eval_batch_size") or 8), hardware)
+                passes = _times(every, steps, True)  # before, every every_n_steps, and at the end: as with kdlab tasks
+                out[f"OODForgetting {index}"] = passes * lm_eval_seconds(setup, args["lm_eval_tasks"], int(args.get("lm_eval_batch_size") or 8), hardware)
             else:
                 rows = len(args.get("tasks") or []) * int(args.get("examples", 200))
                 out[f"OODForgetting {index}"] = _times(every, steps, True) * _decodes(setup, rows, int(args.get("batch_size", 32)),

@@ -22,8 +22,10 @@ from kdlab.study.setups import style_transfer_rows
 MAIN_METRICS = ("val/accuracy", "heldout_kl/forward_closed", "ood/mean_delta", "sparsity/1e-06")
 PASS_AT_K = re.compile(r"^(val/pass@\d+|coverage/.+/pass@\d+)$")
 STYLE_METRICS = ("style/spanish_share", "style/teacher_spanish_share", "style/log_odds")  # log-odds: kdlab.callbacks.StyleLogOdds
-# settings that differ between the seeds of one configuration, or only say where it was logged
-PER_RUN_KEYS = ("seed_everything", "model.seed", "trainer.logger", "trainer.default_root_dir", "ckpt_path", "config")
+# settings that differ between the seeds of one configuration, or only say where it was logged; a model
+# given by class_path (a notebook's run, kdlab.run_config.describe_run; kdlab fit --model GRPOModule) has
+# its seed under init_args
+PER_RUN_KEYS = ("seed_everything", "model.seed", "model.init_args.seed", "trainer.logger", "trainer.default_root_dir", "ckpt_path", "config")
 # settings that have their own columns
 COLUMN_KEYS = (
     "model.task.class_path",
@@ -41,27 +43,48 @@ TEACHER_ROLLOUTS = frozenset({"TeacherRollouts", "TeacherDatasetRollouts", "Cach
 def read_metrics(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar of a run as ``name -> [(step, value), ...]`` sorted by step, from its
     ``metrics.jsonl`` (:class:`kdlab.runlog.MetricsFile`; a later line wins over an earlier one at the
-    same step).
+    same step). Every step is the number of optimiser steps taken, and Lightning's ``epoch`` is no
+    metric (:func:`kdlab.runlog.metrics_lines` with ``optimiser_steps``): a run written before kdlab logged
+    ``self.log`` values at optimiser steps reads as a new one.
 
     A run written before the metrics file carried ``self.log`` values (none of its lines has
-    Lightning's ``epoch``) has those only in its TensorBoard events: they are read from there, and the
-    file's own lines win at equal steps."""
-    lines = read_metrics_lines(Path(run_dir, METRICS_FILE))
+    Lightning's ``epoch``) has those only in its TensorBoard events: they are read from there, at Lightning's
+    logger step moved one on (a scalar the file does not hold is a ``self.log`` value), and the file's own
+    lines win at equal steps."""
+    path = Path(run_dir, METRICS_FILE)
+    lines = read_metrics_lines(path, optimiser_steps=True)
     points: dict[str, dict[int, float]] = {}
-    if not any(name == "epoch" for _, name, _ in lines):
-        points = _tensorboard_scalars(run_dir)
+    if not _has_lightning_lines(path):
+        in_file = {name for _, name, _ in lines}
+        points = {name: {step + (name not in in_file): value for step, value in series.items()}
+                  for name, series in _tensorboard_scalars(run_dir).items()}
     for step, name, value in lines:
         points.setdefault(name, {})[step] = value
     return {name: sorted(series.items()) for name, series in points.items()}
 
 
-def read_metrics_lines(path: Path) -> list[tuple[int, str, float]]:
-    """:func:`kdlab.runlog.metrics_lines` of ``path``, except that a torn last line (a run killed while
-    writing it, a full disk) is skipped with a warning naming the file; a bad line elsewhere raises
-    ``ValueError`` naming the file and line."""
+def _has_lightning_lines(path: Path) -> bool:
+    """Whether a line of the metrics file is one of Lightning's ``self.log`` lines (it carries ``epoch``); a
+    line that does not parse is none (:func:`read_metrics_lines` says what is wrong with it)."""
+    if not path.is_file():
+        return False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and "epoch" in row:
+            return True
+    return False
+
+
+def read_metrics_lines(path: Path, optimiser_steps: bool = False) -> list[tuple[int, str, float]]:
+    """:func:`kdlab.runlog.metrics_lines` of ``path`` (with ``optimiser_steps``), except that a torn last line
+    (a run killed while writing it, a full disk) is skipped with a warning naming the file; a bad line
+    elsewhere raises ``ValueError`` naming the file and line."""
     lines: list[tuple[int, str, float]] = []
     try:
-        lines.extend(metrics_lines(path))
+        lines.extend(metrics_lines(path, optimiser_steps=optimiser_steps))
     except (ValueError, KeyError, TypeError) as error:
         text = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         for number, line in enumerate(text[:-1], 1):
@@ -126,7 +149,8 @@ def class_defaults(class_path: str) -> dict[str, Any]:
 def without_defaults(value: Any, class_path: str | None = None) -> Any:
     """``value`` with every ``init_args`` entry (and, for ``class_path``, every top-level entry) that equals
     its class's default removed, at any depth: a run saved before a setting existed reads the same as one
-    that left it at its default, so adding an argument to a class never splits a configuration."""
+    that left it at its default, so adding an argument to a class never splits a configuration. An
+    ``init_args`` left empty (``MixtureRollouts`` with ``lam: 0.0``) is removed too: it reads like none."""
     if isinstance(value, list):
         return [without_defaults(item) for item in value]
     if not isinstance(value, dict):
@@ -139,6 +163,8 @@ def without_defaults(value: Any, class_path: str | None = None) -> Any:
             for key in [k for k in target if k in defaults]:
                 if json.dumps(target[key], sort_keys=True, default=str) == json.dumps(defaults[key], sort_keys=True, default=str):
                     del target[key]
+    if result.get("init_args") == {}:
+        del result["init_args"]
     return result
 
 
@@ -288,14 +314,12 @@ DONE_MARKERS = ("DONE", "checkpoints/final.ckpt")  # kdlab sweep's summary; the 
 def run_status(run_dir: Path, config: dict[str, Any], series: dict[str, list[tuple[int, float]]]) -> tuple[str, str]:
     """``(unfinished, flag)``: ``unfinished`` says why a run did not finish ("" when it did), ``flag`` a
     caveat. A run with a done marker (``DONE``, ``checkpoints/final.ckpt``) finished; one without, whose
-    last logged step, in optimiser steps (:func:`kdlab.runlog.metrics_lines`; a run's TensorBoard-only
-    scalars are at Lightning's logger step, one lower), is before ``trainer.max_steps``, did not
-    (interrupted, crashed or still running); one without a marker or ``max_steps`` is flagged."""
+    last logged step in ``series`` (:func:`read_metrics`: in optimiser steps), is before ``trainer.max_steps``,
+    did not (interrupted, crashed or still running); one without a marker or ``max_steps`` is flagged."""
     if any((run_dir / marker).is_file() for marker in DONE_MARKERS):
         return "", ""
     max_steps = (config.get("trainer") or {}).get("max_steps") if isinstance(config.get("trainer"), dict) else None
-    steps = [step for step, _, _ in metrics_lines(Path(run_dir, METRICS_FILE), optimiser_steps=True)]
-    last = max(steps, default=None) if steps else max((points[-1][0] + 1 for points in series.values() if points), default=None)
+    last = max((points[-1][0] for points in series.values() if points), default=None)
     if type(max_steps) is int and max_steps > 0:
         if last is None or last < max_steps:
             logged = "nothing logged" if last is None else f"last logged step {last}"

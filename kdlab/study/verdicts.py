@@ -166,14 +166,15 @@ def is_study(root: Path) -> bool:
     return any((root / part / "sweep.json").is_file() or any((root / part).glob("*/sweep.json")) for part in PARTS)
 
 
-def write_verdicts(root: Path, runs: list[RunResult], output: Path, design: StudyDesign | None = None) -> list[Verdict]:
+def write_verdicts(root: Path, runs: list[RunResult], output: Path, design: StudyDesign | None = None,
+                   low_lr: list[float] | None = None, high_lr: list[float] | None = None) -> list[Verdict]:
     """``verdicts.md`` and ``verdicts.csv`` in ``output``: one row per finding, and the study's wall time
     (``<root>/wall_times.jsonl``, written by ``experiments/tiny/study.sh``). Each part's own report, which
     ``verdicts.md`` links to (``<output>/<part>/report.md``), is ``kdlab report``'s to write. ``design``: the parts
     the study runs and those it leaves to another study (:class:`~kdlab.study.design.StudyDesign`). Writes nothing
     and returns ``[]`` when no finding has its runs in ``root`` (a folder of runs laid out like a study, such as the
-    tiny world's ``runs/tiny-world`` with its RLVR sweep)."""
-    study = Study(root, runs, design)
+    tiny world's ``runs/tiny-world`` with its RLVR sweep). ``low_lr``/``high_lr``: every part's LR levels (:class:`Study`)."""
+    study = Study(root, runs, design, low_lr, high_lr)
     verdicts = [with_bf16(finding, study) if finding in PRECISION_FINDINGS else finding(study) for finding in FINDINGS]
     for verdict in verdicts:  # a finding whose own runs (its first evidence) are missing was not tested
         first = verdict.evidence.split("; ")[0]
