@@ -145,6 +145,7 @@ NOT_CLI = {  # rows whose input is not a configuration a command line can give, 
     "74": "a served reply for a padded output layer: the loopback server answering as vLLM does (test_served_teacher.py)",
     "75": "a served sampling temperature: checked when a sample is asked for, against a loopback server (test_served_teacher.py)",
     "77": "a train split holding nearly every problem of its variant: tested with the skip cap lowered (test_countdown.py)",
+    "78": "kdlab sweep and pipeline files: their own one-line error naming the run and key (test_sweep.py, test_pipeline.py)",
 }
 
 

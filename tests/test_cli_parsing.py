@@ -62,6 +62,18 @@ def test_a_misspelt_short_class_name_gets_the_nearest_class(tmp_path, capsys, gi
     assert status == 2 and last == f"kdlab: error: {expected}"
 
 
+@pytest.mark.parametrize("config, given, expected", [
+    (SMOKE, "--model.objective.chunk_size=big", "model.objective.chunk_size: Expected a <class 'int'>. Got value: big"),
+    (str(TINY / "rlvr.yaml"), "--model.group_size=two", "model.group_size: Expected a <class 'int'>. Got value: two"),
+])
+def test_a_bad_value_inside_a_class_names_its_key_and_the_cause(tmp_path, capsys, config, given, expected):
+    """A component's (or a class_path stage's) argument of the wrong type: jsonargparse reports it two levels deep
+    ("Problem with given class_path ...: Parser key "chunk_size": Expected ..."); the line said only
+    ``model.objective: Parser key "chunk_size":``."""
+    status, last = entry_error(capsys, ["fit", f"--config={config}", f"--trainer.logger.init_args.save_dir={tmp_path}", given])
+    assert status == 2 and last == f"kdlab: error: {expected}"
+
+
 def test_a_config_that_needs_a_missing_extra_fails_at_parse_time_naming_the_setting_and_the_extra(tmp_path, capsys, monkeypatch):
     """The style overlay without py3langid, LoRA without peft: one line naming the setting and the extra,
     before any model loads (no run directory)."""

@@ -83,8 +83,10 @@ def _causes(text: str) -> list[str]:
         if not item.startswith("- ") or _NOISE.match(item[2:]):
             continue
         item = item[2:]
-        if item.endswith(":") and index + 1 < len(lines):  # "Problem with given class_path 'X':" + its reason
-            item = f"{item} {lines[index + 1].strip()}"
+        following = index + 1
+        while item.endswith(":") and following < len(lines):  # "Problem with given class_path 'X':" + its reason, which
+            item = f"{item} {lines[following].strip()}"  # may itself be 'Parser key "chunk_size":' + the cause below it
+            following += 1
         causes.append(item)
     return causes
 
@@ -125,6 +127,9 @@ def _jsonargparse_message(text: str) -> str:
         cause = f"{unknown_option.group(1).rsplit('.', 1)[-1]} has no argument {option!r}{nearest(option, _argument_candidates(unknown_option.group(1)))}"
         key = f"{key}.{option}" if key else option
     cause = re.sub(r"^Problem with given class_path '[\w.]+':\s*", "", cause)
+    inner = re.match(r'Parser key "([\w.]+)":\s*(.*)', cause)
+    if inner:  # an argument of the class given: its key below the class's
+        key, cause = (f"{key}.{inner.group(1)}" if key else inner.group(1)), inner.group(2)
     if not causes and "Errors:" in text:  # every alternative type failed: say which and what was given
         kind = re.search(r"Not a valid subclass of \w+", text)
         given = re.search(r"Given value: (.*)", text)

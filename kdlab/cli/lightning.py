@@ -18,6 +18,9 @@ from typing import Any
 import yaml
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
+# jsonargparse's ways of saying a key of the parser does not exist (on the command line, in a config file); a class's
+# argument that does not exist ("Option 'lamda' is not accepted") is left to config_errors, which names the class's arguments
+UNKNOWN_KEY = re.compile(r"unrecognized arguments: --?([\w.]+)|does not accept option '([\w.]+)'|Key '([\w.]+)' is not expected")
 
 
 def lightning_cli_class():
@@ -59,8 +62,7 @@ def lightning_cli_class():
             except Exception as error:
                 from kdlab.cli.config_errors import ConfigError, nearest
 
-                text = str(error)
-                unknown = re.search(r"unrecognized arguments: --?([\w.]+)|does not accept option '([\w.]+)'|Key '([\w.]+)' is not expected", text)
+                unknown = UNKNOWN_KEY.search(str(error))
                 command = next((name for name in self._subcommand_parsers if name in (args or sys.argv[1:])[:1]), None)
                 if unknown is None or command is None:
                     raise
@@ -187,6 +189,50 @@ def lightning_cli_class():
                       file=sys.stderr, flush=True)
 
     return KDLabCLI
+
+
+class _Parsed(Exception):
+    def __init__(self, config: Any) -> None:
+        super().__init__("parsed")
+        self.config = config
+
+
+def parse_fit_config(argv: list[str], command: str = "kdlab fit") -> dict[str, Any]:
+    """The configuration ``kdlab fit <argv>`` would run (``argv`` without ``fit``), parsed by its own parser before
+    any class is instantiated (no model is built, no weights read), as a plain dict. A key that does not exist raises
+    :class:`~kdlab.errors.ConfigError` naming it and the nearest key (``<key>: no such key for <command> (did you
+    mean ...?)``); a bad value raises jsonargparse's error, which :func:`kdlab.cli.config_errors.short_message`
+    shortens to one line."""
+    import lightning.pytorch as pl
+
+    from kdlab.cli.config_errors import ConfigError, nearest
+    from kdlab.stages.distill import DistillModule
+
+    class ParseOnly(lightning_cli_class()):
+        def parse_arguments(self, parser, args) -> None:
+            try:
+                parse_overlaid(self, parser, args)
+            except Exception as error:
+                unknown = UNKNOWN_KEY.search(str(error))
+                if unknown is None:
+                    raise
+                key = next(group for group in unknown.groups() if group)
+                keys = [action.dest for action in parser._actions if "." in action.dest or action.dest.isidentifier()]
+                raise ConfigError(f"{key}: no such key for {command}{nearest(key, keys)}") from error
+
+        def _set_seed(self) -> None:
+            """Nothing to seed: no run follows."""
+
+        def before_instantiate_classes(self) -> None:
+            raise _Parsed(self.config)
+
+    stage_class = names_model_class(argv)
+    try:
+        ParseOnly(pl.LightningModule if stage_class else DistillModule, subclass_mode_model=stage_class, seed_everything_default=42,
+                  args=argv, run=False, parser_kwargs={"exit_on_error": False, "allow_abbrev": False})  # as kdlab fit: no prefixes of keys
+    except _Parsed as parsed:
+        return parsed.config.as_dict()
+    raise RuntimeError("the fit parser returned without a configuration")  # pragma: no cover
 
 
 def parse_overlaid(cli: Any, parser: Any, args: Any) -> None:
