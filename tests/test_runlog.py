@@ -174,3 +174,12 @@ def test_every_summary_description_matches_a_metric_name_kdlab_logs():
         assert found, f"DESCRIPTIONS[{key!r}] matches no metric name kdlab logs"
     assert describe("rlvr/reward_mean") == "RLVR: mean reward of the step's rollouts"
 
+
+def test_the_quickstart_says_lightnings_values_are_at_the_optimiser_step_the_test_above_measures():
+    """docs/quickstart.md said Lightning's self.log values were recorded "at its logger step, which is one lower"
+    (val/accuracy of step 150 at 149); kdlab records them at the optimiser step (the test above), so the page says so
+    and cites it."""
+    text = " ".join((Path(__file__).parents[1] / "docs" / "quickstart.md").read_text(encoding="utf-8").split())
+    paragraph = text.split("Steps are counted in optimiser steps everywhere")[1].split("Run directories")[0]
+    assert "one lower" not in paragraph and "149" not in paragraph
+    assert "tests/test_runlog.py::test_tensorboard_metrics_jsonl_callbacks_and_the_summary_name_the_same_steps" in paragraph
