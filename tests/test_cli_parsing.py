@@ -74,6 +74,19 @@ def test_a_bad_value_inside_a_class_names_its_key_and_the_cause(tmp_path, capsys
     assert status == 2 and last == f"kdlab: error: {expected}"
 
 
+def test_a_misspelt_argument_a_class_passes_to_its_base_gets_that_argument(tmp_path, capsys):
+    """Coverage's ``exampels: 10`` suggested 'samples': the names offered were Coverage's own arguments, not those it
+    takes through ``**settings`` for EvaluationCallback (``examples`` among them), which jsonargparse accepts too."""
+    from kdlab.cli.config_errors import _argument_candidates
+
+    candidates = _argument_candidates("kdlab.callbacks.Coverage")
+    assert {"samples", "ks", "examples", "max_new_tokens", "batch_size"} <= set(candidates) and "settings" not in candidates
+    config = tmp_path / "typo.yaml"
+    config.write_text("trainer:\n  callbacks:\n    - class_path: kdlab.callbacks.Coverage\n      init_args:\n        exampels: 10\n")
+    status, last = entry_error(capsys, ["fit", f"--config={SMOKE}", f"--config={config}", f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    assert status == 2 and last.endswith("Coverage has no argument 'exampels' (did you mean 'examples'?)"), last
+
+
 def test_a_config_that_needs_a_missing_extra_fails_at_parse_time_naming_the_setting_and_the_extra(tmp_path, capsys, monkeypatch):
     """The style overlay without py3langid, LoRA without peft: one line naming the setting and the extra,
     before any model loads (no run directory)."""

@@ -39,12 +39,26 @@ def _class_candidates(class_path: str) -> tuple[str, list[str]]:
 
 
 def _argument_candidates(class_path: str) -> list[str]:
+    """The arguments ``class_path`` takes: its ``__init__``'s named parameters and, where it takes ``**settings`` (and
+    so, as jsonargparse reads it, its base class's arguments: Coverage's ``examples`` is EvaluationCallback's), those of
+    the next ``__init__`` up its bases, and so on."""
     module_name, _, name = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), name)
-        return [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - an unknown class offers no names
         return []
+    names: list[str] = []
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass) or klass is object:
+            continue
+        try:
+            parameters = inspect.signature(klass.__init__).parameters.values()
+        except (TypeError, ValueError):
+            break
+        names += [p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+            break
+    return list(dict.fromkeys(names))
 
 
 def _subclass_candidates(text: str) -> list[str]:
