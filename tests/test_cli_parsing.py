@@ -202,3 +202,19 @@ def test_the_help_cache_key_changes_with_the_packages_it_reads(monkeypatch, tmp_
     real = metadata.version
     monkeypatch.setattr(metadata, "version", lambda name: "0.0.0" if name == "lightning" else real(name))
     assert help_cache_path("fit") != before
+
+
+@pytest.mark.parametrize("command", ["fit", "validate", "test", "generate", "prune"])
+def test_each_subcommands_help_names_it_and_says_what_it_does_in_whole_sentences(capsys, monkeypatch, tmp_path, command):
+    """``kdlab prune --help`` stopped at "keep ``layers``, and write" (the docstring's first line), ``kdlab test --help`` at
+    Lightning's "...to make sure you never run on your"; generate's and prune's usage said ``__main__.py``; both showed
+    double backticks. Each help now opens with ``usage: kdlab <command>``, and its description is whole sentences."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # rendered now, not a cached render
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out.startswith(f"usage: kdlab {command} ")
+    description = " ".join(out.split("\n\n")[1].split())  # the paragraph after the usage lines
+    assert description[:1].isupper() or description.startswith("kdlab"), description
+    assert description.endswith("."), description
+    assert "``" not in out and ":mod:" not in out and ":class:" not in out

@@ -435,11 +435,22 @@ def clean_help_output(argv: list[str]):
         sys.stdout.write(clean_help(buffer.getvalue()))
 
 
+DESCRIPTIONS = {  # what --help says a command does, instead of the first line of the Trainer method's docstring
+    "fit": "Train a stage from YAML configs: distillation by default, or the LightningModule a config names with "
+           "model: {class_path: ...}; the run logs to <save_dir>/<name>/version_<n>/ and ends with checkpoints/final.ckpt.",
+    "validate": "Evaluate on the validation split (val/accuracy, val/pass@k): the weights the config names, or a "
+                "trained run's with --ckpt_path=<run>/checkpoints/final.ckpt.",
+    "test": "Evaluate on the test split (test/accuracy, test/pass@k): the weights the config names, or a trained "
+            "run's with --ckpt_path=<run>/checkpoints/final.ckpt.",
+}
+
+
 def plain_help(parser, prog: str) -> None:
-    """Prepare a subcommand parser's ``--help``: every help text without docstring markup
-    (:func:`clean_help`, before argparse wraps it, so no role is cut in two), the groups in reading
-    order (the model's arguments first, then the command's own and the config options, the trainer's
+    """Prepare a subcommand parser's ``--help``: what the command does (:data:`DESCRIPTIONS`), every help text
+    without docstring markup (:func:`clean_help`, before argparse wraps it, so no role is cut in two), the groups in
+    reading order (the model's arguments first, then the command's own and the config options, the trainer's
     last) and a short usage line instead of one entry per option."""
+    parser.description = DESCRIPTIONS.get(prog.rsplit(" ", 1)[-1], parser.description)
     for action in parser._actions:
         if action.help:
             action.help = clean_help(action.help)
