@@ -2,12 +2,10 @@
 :class:`~kdlab.stages.distill.DistillModule` unless it names another LightningModule by ``class_path``;
 ``seed_everything`` is linked to the module's seed; every fit ends with :class:`~kdlab.callbacks.FinalCheckpoint` and saves on an exception with
 :class:`~kdlab.callbacks.ExceptionCheckpoint`.
-Also the checks and messages around it: ``hf://`` paths, overlay hints, help text without markup."""
+Also the checks and messages around it: ``hf://`` paths, overlay hints (``--help``'s text: :mod:`kdlab.cli.help_text`)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import re
 import sys
@@ -16,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from kdlab.cli.help_text import clean_help, clean_help_output, plain_help  # noqa: F401 - clean_help: its old home
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
 # jsonargparse's ways of saying a key of the parser does not exist (on the command line, in a config file); a class's
@@ -199,13 +199,12 @@ class _Parsed(Exception):
 
 def parse_fit_config(argv: list[str], command: str = "kdlab fit") -> dict[str, Any]:
     """The configuration ``kdlab fit <argv>`` would run (``argv`` without ``fit``), parsed by its own parser before
-    any class is instantiated (no model is built, no weights read), as a plain dict. A key that does not exist raises
-    :class:`~kdlab.errors.ConfigError` naming it and the nearest key (``<key>: no such key for <command> (did you
-    mean ...?)``); a bad value raises jsonargparse's error, which :func:`kdlab.cli.config_errors.short_message`
-    shortens to one line."""
+    any class is instantiated (no model is built, no weights read), as a plain dict. A configuration error raises
+    :class:`~kdlab.errors.ConfigError` with its one line (:func:`kdlab.cli.config_errors.short_message`): a key that
+    does not exist ``<key>: no such key for <command> (did you mean ...?)``, a bad value its key and cause."""
     import lightning.pytorch as pl
 
-    from kdlab.cli.config_errors import ConfigError, nearest
+    from kdlab.cli.config_errors import ConfigError, nearest, short_message
     from kdlab.stages.distill import DistillModule
 
     class ParseOnly(lightning_cli_class()):
@@ -232,6 +231,13 @@ def parse_fit_config(argv: list[str], command: str = "kdlab fit") -> dict[str, A
                   args=argv, run=False, parser_kwargs={"exit_on_error": False, "allow_abbrev": False})  # as kdlab fit: no prefixes of keys
     except _Parsed as parsed:
         return parsed.config.as_dict()
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a configuration error gets its one line; anything else propagates
+        message = short_message(error)
+        if message is None:
+            raise
+        raise ConfigError(message) from error
     raise RuntimeError("the fit parser returned without a configuration")  # pragma: no cover
 
 
@@ -402,74 +408,6 @@ def names_model_class(argv: list[str]) -> bool:
         if isinstance(model, dict) and "class_path" in model:
             return True
     return False
-
-
-_RST = [
-    # a role the help's line wrapping broke (``kdlab.rol\n    louts.X``) is joined again before its last name is kept
-    (re.compile(r":(?:class|func|meth|mod|attr|data|obj|paramref):`~?([\w.\s]+?)`"), lambda m: re.sub(r"\s+", "", m.group(1)).rsplit(".", 1)[-1]),
-    (re.compile(r"``([^`]+)``"), lambda m: m.group(1)),
-    (re.compile(r"`([^`<]+) <[^>]+>`_"), lambda m: m.group(1)),
-    (re.compile(r"`([^`\n]+)`"), lambda m: m.group(1)),  # `N`: interpreted text, shown as is
-]
-
-
-def clean_help(text: str) -> str:
-    """Docstring markup out of ``--help`` text: ``:class:`~a.B``` -> B (also ``:paramref:``), ````x```` -> x,
-    links -> their text, ```x``` -> x."""
-    for pattern, replacement in _RST:
-        text = pattern.sub(replacement, text)
-    return text
-
-
-@contextlib.contextmanager
-def clean_help_output(argv: list[str]):
-    """Around ``kdlab fit|validate|test --help``: print the help without reStructuredText markup."""
-    if not any(arg in ("-h", "--help") for arg in argv):
-        yield
-        return
-    buffer = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(buffer):
-            yield
-    finally:
-        sys.stdout.write(clean_help(buffer.getvalue()))
-
-
-DESCRIPTIONS = {  # what --help says a command does, instead of the first line of the Trainer method's docstring
-    "fit": "Train a stage from YAML configs: distillation by default, or the LightningModule a config names with "
-           "model: {class_path: ...}; the run logs to <save_dir>/<name>/version_<n>/ and ends with checkpoints/final.ckpt.",
-    "validate": "Evaluate on the validation split (val/accuracy, val/pass@k): the weights the config names, or a "
-                "trained run's with --ckpt_path=<run>/checkpoints/final.ckpt.",
-    "test": "Evaluate on the test split (test/accuracy, test/pass@k): the weights the config names, or a trained "
-            "run's with --ckpt_path=<run>/checkpoints/final.ckpt.",
-}
-
-
-def plain_help(parser, prog: str) -> None:
-    """Prepare a subcommand parser's ``--help``: what the command does (:data:`DESCRIPTIONS`), every help text
-    without docstring markup (:func:`clean_help`, before argparse wraps it, so no role is cut in two), the groups in
-    reading order (the model's arguments first, then the command's own and the config options, the trainer's
-    last) and a short usage line instead of one entry per option."""
-    parser.description = DESCRIPTIONS.get(prog.rsplit(" ", 1)[-1], parser.description)
-    for action in parser._actions:
-        if action.help:
-            action.help = clean_help(action.help)
-    for group in parser._action_groups:
-        group.description = clean_help(group.description) if group.description else group.description
-        group.title = clean_help(group.title) if group.title else group.title
-
-    def rank(group) -> int:
-        options = [option for action in group._group_actions for option in action.option_strings]
-        if any(option.startswith("--model") for option in options):
-            return 0
-        if any(option.startswith("--trainer") for option in options):
-            return 3
-        if any(option in ("--ckpt_path", "--config", "-c") for option in options):
-            return 1
-        return 2
-
-    parser._action_groups.sort(key=rank)  # stable: the rest keep their order
-    parser.usage = f"{prog} [--config FILE.yaml ...] [--model.KEY=VALUE ...] [--trainer.KEY=VALUE ...] [--print_config] (options below)"
 
 
 def run_lightning(argv: list[str], run: bool = True, raise_parse_errors: bool = False, from_sys_argv: bool = False):

@@ -116,7 +116,7 @@ def function_cli(function, argv: list[str]):
 
     from jsonargparse import ArgumentParser, auto_cli
 
-    from kdlab.cli.lightning import clean_help
+    from kdlab.cli.help_text import clean_help
 
     paragraph = " ".join((function.__doc__ or "").split("\n\n")[0].split())
     description = clean_help(re.sub(r"\s*Returns [^.]*\.$", "", paragraph))

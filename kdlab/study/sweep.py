@@ -55,6 +55,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from kdlab.errors import ConfigError
 from kdlab.study import launch
 from kdlab.study.run_folder import mark_done, newest_checkpoint, prepare, write_json
 from kdlab.study.grid import MODES, Run, Sweep, expand, fit_args, load_sweep
@@ -106,7 +107,6 @@ def check_fit_configs(sweep: Sweep, runs: list[Run], where: str = "") -> None:
     parser (:func:`~kdlab.cli.lightning.parse_fit_config`: nothing is instantiated) before any run starts, so a misspelt key
     or a bad value fails in one line (``ConfigError``: ``run <where><name>: <key>: <cause>``) instead of after the runs
     before it trained. Runs that differ only in their seed are parsed once."""
-    from kdlab.cli.config_errors import ConfigError, short_message
     from kdlab.cli.lightning import parse_fit_config
 
     parsed = set()
@@ -117,18 +117,13 @@ def check_fit_configs(sweep: Sweep, runs: list[Run], where: str = "") -> None:
         parsed.add(settings)
         try:
             parse_fit_config(fit_args(sweep, run)[1:])
-        except Exception as error:  # noqa: BLE001 - a configuration error gets its one line; anything else propagates
-            message = short_message(error)
-            if message is None:
-                raise
-            raise ConfigError(f"run {where}{run.name}: {message}") from error
+        except ConfigError as error:
+            raise ConfigError(f"run {where}{run.name}: {error}") from error
 
 
 def fit_configs_or_exit(stages: list[tuple[Sweep, list[Run], str]], command: str) -> None:
     """:func:`check_fit_configs` for each (sweep, runs, where), or ``<command>: error: run <where><name>: <key>: <cause>``
     alone on stderr and exit status 2 (no usage: the command line was right, a run's configuration was not)."""
-    from kdlab.cli.config_errors import ConfigError
-
     try:
         for sweep, runs, where in stages:
             check_fit_configs(sweep, runs, where)
