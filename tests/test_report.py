@@ -663,3 +663,16 @@ def test_the_spanish_share_interval_counts_each_style_entrys_own_rows(tmp_path):
     make_run(tmp_path / "runs", "s42", "TeacherRollouts", "ForwardKL", 1e-5, 42, [{"step": 4, "style/spanish_share": 0.5}], callbacks=[style])
     (run,), _ = collect([tmp_path / "runs"])
     assert run.coverage_draws["style"] == 550
+
+
+def test_a_folder_that_does_not_exist_is_named_as_missing(tmp_path, capsys):
+    """``kdlab report runs/does-not-exist`` said "no finished run directory with a config.yaml among" it."""
+    missing = tmp_path / "runs" / "does-not-exist"
+    make_run(tmp_path / "runs", "real", "TeacherRollouts", "ForwardKL", 1e-4, 42, [{"step": 4, "val/accuracy": 0.25}])
+    for given in ([str(missing)], [str(tmp_path / "runs" / "real"), str(missing)]):  # alone, or beside a run
+        with pytest.raises(SystemExit) as exit_info:
+            main(["report", *given, "--output", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.splitlines()[-1] == f"kdlab report: error: {missing}: no such file or folder"
+    assert not (tmp_path / "out").exists()
+

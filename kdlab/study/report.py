@@ -389,6 +389,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--design", help="a study's design (YAML: 'commands', the command of each part it runs; 'elsewhere', each part it "
                         "leaves to another study and why): its verdicts say 'not tested here' for those (default: every part, the tiny study's)")
     options = parser.parse_args(argv)
+    missing = [path for path in options.runs if not Path(path).exists()]
+    if missing:  # said as such, not as "no finished run directory among" it
+        parser.error(f"{missing[0]}: no such file or folder")
     from kdlab.study.verdicts import PARTS, Study, StudyDesign, is_study, write_verdicts
 
     try:
