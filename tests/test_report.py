@@ -676,3 +676,24 @@ def test_a_folder_that_does_not_exist_is_named_as_missing(tmp_path, capsys):
         assert exit_info.value.code == 2 and err.splitlines()[-1] == f"kdlab report: error: {missing}: no such file or folder"
     assert not (tmp_path / "out").exists()
 
+
+def test_a_validate_folder_is_named_as_an_evaluation_not_an_unfinished_run(tmp_path, capsys, monkeypatch):
+    """``kdlab validate --ckpt_path .../final.ckpt`` writes runs/<name>/version_1, which ``kdlab report`` listed as
+    "skipped ... unfinished"; validate did not say where it wrote. It now prints its folder, records its command in
+    run_info.json, and the report says what the folder is."""
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+    save = f"--trainer.logger.init_args.save_dir={tmp_path}"
+    smoke = str(Path(__file__).parents[1] / "experiments" / "tiny" / "smoke.yaml")
+    main(["fit", f"--config={smoke}", "--trainer.max_steps=2", save])
+    final = tmp_path / "tiny-smoke" / "version_0" / "checkpoints" / "final.ckpt"
+    capsys.readouterr()
+    main(["validate", f"--config={smoke}", save, f"--ckpt_path={final}"])
+    evaluation = tmp_path / "tiny-smoke" / "version_1"
+    assert f"[kdlab] validate writes to {evaluation}" in capsys.readouterr().out
+    assert json.loads((evaluation / "run_info.json").read_text())["command"] == "validate"
+    main(["report", str(tmp_path / "tiny-smoke"), "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert f"[report] skipped {evaluation}: an evaluation written by kdlab validate, not a training run" in err
+    assert "unfinished" not in err
+    (row,) = markdown_table((tmp_path / "out" / "report.md").read_text(), "## Results by configuration")
+    assert row["n"] == "1"

@@ -175,9 +175,23 @@ def lightning_cli_class():
 
         def before_validate(self) -> None:
             self.say_which_weights()
+            self.record_evaluation()
 
         def before_test(self) -> None:
             self.say_which_weights()
+            self.record_evaluation()
+
+        def record_evaluation(self) -> None:
+            """``kdlab validate|test`` writes a folder of its own (``config.yaml``, ``metrics.jsonl``, ``samples/``): say
+            where, and mark it in its ``run_info.json`` as this command's, so ``kdlab report`` names it as an evaluation,
+            not an unfinished run (:func:`kdlab.provenance.evaluation_command`)."""
+            log_dir = self.trainer.log_dir
+            if not log_dir or not self.trainer.is_global_zero:
+                return
+            from kdlab.provenance import write_run_info
+
+            write_run_info(log_dir, command=self.subcommand)
+            print(f"[kdlab] {self.subcommand} writes to {log_dir}", flush=True)
 
         def say_which_weights(self) -> None:
             """``kdlab validate|test`` without ``--ckpt_path`` scores the weights the config names, not a trained run's."""
