@@ -697,3 +697,15 @@ def test_a_validate_folder_is_named_as_an_evaluation_not_an_unfinished_run(tmp_p
     assert "unfinished" not in err
     (row,) = markdown_table((tmp_path / "out" / "report.md").read_text(), "## Results by configuration")
     assert row["n"] == "1"
+
+
+def test_counts_of_one_read_in_the_singular(tmp_path, capsys):
+    """A report of one run said "1 runs in 1 configurations" and "[report] 1 runs -> ..."."""
+    make_run(tmp_path / "runs", "only", "TeacherRollouts", "ForwardKL", 1e-4, 42, [{"step": 4, "val/accuracy": 0.25}])
+    main(["report", str(tmp_path / "runs" / "only"), "--output", str(tmp_path / "out")])
+    assert "\n1 run in 1 configuration: mean" in (tmp_path / "out" / "report.md").read_text()
+    assert f"[report] 1 run -> {tmp_path / 'out' / 'report.md'}" in capsys.readouterr().out
+    make_run(tmp_path / "runs", "again", "TeacherRollouts", "ForwardKL", 1e-4, 42, [{"step": 4, "val/accuracy": 0.75}])
+    main(["report", str(tmp_path / "runs"), "--output", str(tmp_path / "out2")])
+    text = (tmp_path / "out2" / "report.md").read_text()
+    assert "\n2 runs in 1 configuration: mean" in text and ": 2 runs, 1 seed\n" in text  # a rerun of seed 42
