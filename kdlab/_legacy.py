@@ -93,7 +93,8 @@ MOVED: dict[str, dict[str, str]] = {
     },
     "kdlab.cli": {  # not "main": that is the module kdlab.cli.main now
         "kdlab.cli.main": "COMMANDS HELP entry top_help",
-        "kdlab.cli.lightning": "HUB_ID LIGHTNING_COMMANDS check_hub_paths clean_help config_paths names_model_class overlay_hint",
+        "kdlab.cli.lightning": "HUB_ID LIGHTNING_COMMANDS check_hub_paths config_paths names_model_class overlay_hint",
+        "kdlab.cli.help_text": "clean_help",
     },
     "kdlab.evaluation": {
         "kdlab.evaluation.scoring": "accuracy generate=completion_texts",

@@ -46,11 +46,24 @@ def run_info() -> dict[str, Any]:
     }
 
 
-def write_run_info(directory: str | Path) -> Path:
+def write_run_info(directory: str | Path, command: str | None = None) -> Path:
+    """``run_info.json`` in ``directory``; ``command`` (``validate``, ``test``) marks a folder that an evaluation wrote,
+    not a fit (:func:`evaluation_command`)."""
     path = Path(directory) / "run_info.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(run_info(), indent=2) + "\n", encoding="utf-8")
+    info = run_info() if command is None else {**run_info(), "command": command}
+    path.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return path
+
+
+def evaluation_command(directory: str | Path) -> str | None:
+    """``validate`` or ``test`` when ``kdlab validate|test`` wrote ``directory`` (its ``run_info.json`` says so), else None."""
+    try:
+        info = json.loads((Path(directory) / "run_info.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    command = info.get("command") if isinstance(info, dict) else None
+    return command if command in ("validate", "test") else None
 
 
 def commit_mix(run_dirs: list[str | Path]) -> str:

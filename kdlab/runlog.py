@@ -214,7 +214,7 @@ DESCRIPTIONS = {
     "style/log_odds_delta": "StyleLogOdds: change of the log-odds since the start of fit, nats per token",
     "style/log_odds": "StyleLogOdds: log-odds of a Spanish over an English correct answer, nats per token",
     "style/": "StyleTransfer: share of responses primarily in Spanish",
-    "rlvr/reward": "RLVR: mean reward of the step's rollouts",
+    "rlvr/reward_mean": "RLVR: mean reward of the step's rollouts",
     "train/loss": "training loss of the last step",
     "heldout_kl/forward_closed": "HeldOutKL: share of the starting forward-KL gap to the teacher closed (1 - after / before)",
     "heldout_kl/forward": "HeldOutKL: KL(teacher || student) on held-out teacher text, nats per token",

@@ -151,6 +151,7 @@ NOT_CLI = {  # rows whose input is not a configuration a command line can give, 
     "79": "a task whose prompt renders to no tokens is Python code, not a configuration (test_module.py)",
     "82": "needs a model with tied embeddings (the packaged tiny models are untied): a tied copy of the tiny config (test_distill_lora.py)",
     "83": "needs a LoRA checkpoint file without recorded settings, written by the test (test_distill_lora.py)",
+    "84": "kdlab sweep and pipeline files: their own one-line error naming the run and key (test_sweep.py, test_pipeline.py)",
 }
 
 

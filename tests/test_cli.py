@@ -428,8 +428,26 @@ def test_cpu_threads_are_one_per_usable_cpu_whatever_the_load_average_and_the_ru
         monkeypatch.setattr(console, "_CHOSEN", [])
         with pytest.raises(ValueError, match="KDLAB_PARALLEL_RUNS must be a positive integer"):
             console.choose_cpu_threads()
-        monkeypatch.setenv("OMP_NUM_THREADS", "3")
-        assert console.choose_cpu_threads() is None  # the user's choice stands
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_with_omp_num_threads_set_the_run_still_says_its_cpu_threads(monkeypatch):
+    """README: "The run prints the CPU threads it chose"; with OMP_NUM_THREADS set no line appeared. The user's count
+    stands (torch runs with it) and the line says where it came from; on a GPU machine there is still no line."""
+    import torch
+
+    from kdlab.cli import console
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(console, "_CHOSEN", [])
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    before = torch.get_num_threads()
+    try:
+        assert console.choose_cpu_threads() == "[kdlab] CPU threads: 3 (OMP_NUM_THREADS=3)"
+        assert torch.get_num_threads() == 3
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        assert console.choose_cpu_threads() is None
     finally:
         torch.set_num_threads(before)
 

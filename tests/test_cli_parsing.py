@@ -62,6 +62,31 @@ def test_a_misspelt_short_class_name_gets_the_nearest_class(tmp_path, capsys, gi
     assert status == 2 and last == f"kdlab: error: {expected}"
 
 
+@pytest.mark.parametrize("config, given, expected", [
+    (SMOKE, "--model.objective.chunk_size=big", "model.objective.chunk_size: Expected a <class 'int'>. Got value: big"),
+    (str(TINY / "rlvr.yaml"), "--model.group_size=two", "model.group_size: Expected a <class 'int'>. Got value: two"),
+])
+def test_a_bad_value_inside_a_class_names_its_key_and_the_cause(tmp_path, capsys, config, given, expected):
+    """A component's (or a class_path stage's) argument of the wrong type: jsonargparse reports it two levels deep
+    ("Problem with given class_path ...: Parser key "chunk_size": Expected ..."); the line said only
+    ``model.objective: Parser key "chunk_size":``."""
+    status, last = entry_error(capsys, ["fit", f"--config={config}", f"--trainer.logger.init_args.save_dir={tmp_path}", given])
+    assert status == 2 and last == f"kdlab: error: {expected}"
+
+
+def test_a_misspelt_argument_a_class_passes_to_its_base_gets_that_argument(tmp_path, capsys):
+    """Coverage's ``exampels: 10`` suggested 'samples': the names offered were Coverage's own arguments, not those it
+    takes through ``**settings`` for EvaluationCallback (``examples`` among them), which jsonargparse accepts too."""
+    from kdlab.cli.config_errors import _argument_candidates
+
+    candidates = _argument_candidates("kdlab.callbacks.Coverage")
+    assert {"samples", "ks", "examples", "max_new_tokens", "batch_size"} <= set(candidates) and "settings" not in candidates
+    config = tmp_path / "typo.yaml"
+    config.write_text("trainer:\n  callbacks:\n    - class_path: kdlab.callbacks.Coverage\n      init_args:\n        exampels: 10\n")
+    status, last = entry_error(capsys, ["fit", f"--config={SMOKE}", f"--config={config}", f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    assert status == 2 and last.endswith("Coverage has no argument 'exampels' (did you mean 'examples'?)"), last
+
+
 def test_a_config_that_needs_a_missing_extra_fails_at_parse_time_naming_the_setting_and_the_extra(tmp_path, capsys, monkeypatch):
     """The style overlay without py3langid, LoRA without peft: one line naming the setting and the extra,
     before any model loads (no run directory)."""
@@ -177,3 +202,19 @@ def test_the_help_cache_key_changes_with_the_packages_it_reads(monkeypatch, tmp_
     real = metadata.version
     monkeypatch.setattr(metadata, "version", lambda name: "0.0.0" if name == "lightning" else real(name))
     assert help_cache_path("fit") != before
+
+
+@pytest.mark.parametrize("command", ["fit", "validate", "test", "generate", "prune"])
+def test_each_subcommands_help_names_it_and_says_what_it_does_in_whole_sentences(capsys, monkeypatch, tmp_path, command):
+    """``kdlab prune --help`` stopped at "keep ``layers``, and write" (the docstring's first line), ``kdlab test --help`` at
+    Lightning's "...to make sure you never run on your"; generate's and prune's usage said ``__main__.py``; both showed
+    double backticks. Each help now opens with ``usage: kdlab <command>``, and its description is whole sentences."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # rendered now, not a cached render
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out.startswith(f"usage: kdlab {command} ")
+    description = " ".join(out.split("\n\n")[1].split())  # the paragraph after the usage lines
+    assert description[:1].isupper() or description.startswith("kdlab"), description
+    assert description.endswith("."), description
+    assert "``" not in out and ":mod:" not in out and ":class:" not in out

@@ -63,3 +63,18 @@ def test_the_check_sees_the_needs_it_checks():
     in_loop = {"trainer": {"callbacks": [{"class_path": "kdlab.callbacks.OODForgetting", "init_args": {"lm_eval_tasks": "paper"}}]}}
     assert [need.package for _, _, need in missing_extras(in_loop, lambda module: False)] == ["lm-eval"]
     assert installs("pip install 'kdlab[lora,eval]'") >= {"peft", "py3langid", "lm-eval"} and "peft" not in installs("kdlab[eval]")
+
+
+def test_the_quickstart_installs_what_the_readme_installs_and_says_what_the_report_needs():
+    """docs/quickstart.md installed ``pip install -e .`` as "what the quickstart runs" and said only the report's figures
+    need ``[report]``, while the README installs ``.[tiny]`` and says the report's statistics need scipy and statsmodels
+    (``kdlab.study.stats``: without them an ImportError names ``kdlab[report]``). Both pages give the same install."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    quickstart = (ROOT / "docs" / "quickstart.md").read_text(encoding="utf-8")
+    setup = next(line for line in readme.splitlines() if line.startswith("pip install torch") and "kdlab fit" in line)
+    readme_installs = [part.strip() for part in setup.split("&&") if part.strip().startswith("pip install")]
+    block = quickstart.split("```bash", 1)[1].split("```", 1)[0]
+    quickstart_installs = [line.split("#")[0].strip() for line in block.splitlines() if line.startswith("pip install")]
+    assert quickstart_installs == readme_installs, (quickstart_installs, readme_installs)
+    report = " ".join(quickstart.split("`kdlab report runs/sweep-smoke` writes")[1].split("\n\n")[0].split())
+    assert "statistics need scipy and statsmodels" in report and {"scipy", "statsmodels", "matplotlib"} <= installs(report)

@@ -230,7 +230,11 @@ def test_the_header_command_runs_two_steps_from_a_fresh_folder(name, tmp_path):
 
 def test_follow_up_commands_are_read_from_the_header():
     """The two headers that give a next command: the report after the smoke sweep, the fit from the cache."""
-    assert follow_ups(TINY / "sweep_smoke.yaml") == [["kdlab", "report", "runs/sweep-smoke", "--output", "runs/sweep-smoke-report"]]
+    # the folder the README and the quickstart name: the report's own default for that folder
+    assert follow_ups(TINY / "sweep_smoke.yaml") == [["kdlab", "report", "runs/sweep-smoke", "--output", "runs/sweep-smoke/report"]]
+    from kdlab.study.report import default_output
+
+    assert default_output(["runs/sweep-smoke"]) == Path("runs/sweep-smoke/report")
     fit = follow_ups(TINY / "teacher_cache.yaml")
     assert len(fit) == 1 and fit[0][:2] == ["kdlab", "fit"] and "--model.teacher.path=runs/tiny-teacher-cache/teacher.jsonl.topk.safetensors" in fit[0]
     assert follow_ups(TINY / "quickstart.yaml") == []  # its <experiment> line is a pattern, not a command

@@ -66,6 +66,22 @@ def test_bad_pipeline_files_name_the_key(tmp_path):
         load_pipeline(tmp_path / "p3.yaml")
 
 
+@pytest.mark.parametrize("stage, key, value, message", [
+    ("distill", "model.lrr", 1.0e-3, "run distill/rollout=TeacherRollouts-seed=42: model.lrr: no such key for kdlab fit (did you mean 'model.lr'?)"),
+    ("rlvr", "model.group_size", "two", "run rlvr/rollout=TeacherRollouts-seed=42/seed=42: model.group_size: Expected a <class 'int'>. Got value: two"),
+])
+def test_a_bad_key_or_value_in_either_stage_fails_in_one_line_before_any_run_starts(tmp_path, capsys, stage, key, value, message):
+    data = yaml.safe_load(smoke_file(tmp_path).read_text())
+    data[stage]["overrides"][key] = value
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pipeline", "--config", str(path)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"kdlab pipeline: error: {message}"]
+    assert not (tmp_path / "out").exists()  # no distillation run started
+
+
 @pytest.mark.slow
 def test_rlvr_chains_run_side_by_side_with_max_parallel(tmp_path):
     """rlvr.mode processes with max_parallel 2: the two chains' RLVR runs overlap in time."""

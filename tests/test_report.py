@@ -725,3 +725,47 @@ def test_the_seed_of_a_model_given_by_class_path_is_per_run(tmp_path):
     assert sorted(run.seed for run in found) == [42, 43, 44]
     (group,) = group_runs(found, {})
     assert group.seeds == 3 and group.other == ""
+def test_a_folder_that_does_not_exist_is_named_as_missing(tmp_path, capsys):
+    """``kdlab report runs/does-not-exist`` said "no finished run directory with a config.yaml among" it."""
+    missing = tmp_path / "runs" / "does-not-exist"
+    make_run(tmp_path / "runs", "real", "TeacherRollouts", "ForwardKL", 1e-4, 42, [{"step": 4, "val/accuracy": 0.25}])
+    for given in ([str(missing)], [str(tmp_path / "runs" / "real"), str(missing)]):  # alone, or beside a run
+        with pytest.raises(SystemExit) as exit_info:
+            main(["report", *given, "--output", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.splitlines()[-1] == f"kdlab report: error: {missing}: no such file or folder"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_validate_folder_is_named_as_an_evaluation_not_an_unfinished_run(tmp_path, capsys, monkeypatch):
+    """``kdlab validate --ckpt_path .../final.ckpt`` writes runs/<name>/version_1, which ``kdlab report`` listed as
+    "skipped ... unfinished"; validate did not say where it wrote. It now prints its folder, records its command in
+    run_info.json, and the report says what the folder is."""
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+    save = f"--trainer.logger.init_args.save_dir={tmp_path}"
+    smoke = str(Path(__file__).parents[1] / "experiments" / "tiny" / "smoke.yaml")
+    main(["fit", f"--config={smoke}", "--trainer.max_steps=2", save])
+    final = tmp_path / "tiny-smoke" / "version_0" / "checkpoints" / "final.ckpt"
+    capsys.readouterr()
+    main(["validate", f"--config={smoke}", save, f"--ckpt_path={final}"])
+    evaluation = tmp_path / "tiny-smoke" / "version_1"
+    assert f"[kdlab] validate writes to {evaluation}" in capsys.readouterr().out
+    assert json.loads((evaluation / "run_info.json").read_text())["command"] == "validate"
+    main(["report", str(tmp_path / "tiny-smoke"), "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert f"[report] skipped {evaluation}: an evaluation written by kdlab validate, not a training run" in err
+    assert "unfinished" not in err
+    (row,) = markdown_table((tmp_path / "out" / "report.md").read_text(), "## Results by configuration")
+    assert row["n"] == "1"
+
+
+def test_counts_of_one_read_in_the_singular(tmp_path, capsys):
+    """A report of one run said "1 runs in 1 configurations" and "[report] 1 runs -> ..."."""
+    make_run(tmp_path / "runs", "only", "TeacherRollouts", "ForwardKL", 1e-4, 42, [{"step": 4, "val/accuracy": 0.25}])
+    main(["report", str(tmp_path / "runs" / "only"), "--output", str(tmp_path / "out")])
+    assert "\n1 run in 1 configuration: mean" in (tmp_path / "out" / "report.md").read_text()
+    assert f"[report] 1 run -> {tmp_path / 'out' / 'report.md'}" in capsys.readouterr().out
+    make_run(tmp_path / "runs", "again", "TeacherRollouts", "ForwardKL", 1e-4, 42, [{"step": 4, "val/accuracy": 0.75}])
+    main(["report", str(tmp_path / "runs"), "--output", str(tmp_path / "out2")])
+    text = (tmp_path / "out2" / "report.md").read_text()
+    assert "\n2 runs in 1 configuration: mean" in text and ": 2 runs, 1 seed\n" in text  # a rerun of seed 42

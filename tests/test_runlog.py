@@ -134,3 +134,55 @@ def test_trimming_rewrites_metrics_jsonl_through_a_temporary_file(tmp_path, monk
     assert trim_logs(run, position)["metrics_lines"] == 1  # step 3 is after the checkpoint; step 2's validation stays
     assert (run / "metrics.jsonl").read_text() == head + tail.splitlines(keepends=True)[0]
     assert sorted(path.name for path in run.iterdir()) == ["metrics.jsonl"]
+
+
+def logged_names() -> tuple[set[str], list[str]]:
+    """The metric names the stages, callbacks and evaluations can log, read from their source: every string that looks
+    like ``stage/metric`` (``"rlvr/reward_mean"``), and every f-string with literal text beside its ``/`` as a regular
+    expression (``f"{split}/pass@{k}"`` -> ``.+/pass@.+``; ``f"coverage/{self.name}/pass@{k}"``); an f-string that is all
+    placeholders (``f"{split}/{name}"``) says nothing and is left out."""
+    import ast
+    import re
+
+    root = Path(__file__).parents[1] / "kdlab"
+    names, patterns = set(), []
+    for folder in ("stages", "callbacks", "evaluation", "rollouts", "objectives", "teachers"):
+        for path in (root / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"[a-z_]+/[\w@.]+", node.value):
+                    names.add(node.value)
+                elif isinstance(node, ast.JoinedStr):
+                    parts = [re.escape(p.value) if isinstance(p, ast.Constant) else ".+" for p in node.values]
+                    literal = "".join(p.value for p in node.values if isinstance(p, ast.Constant))
+                    if "/" in literal and re.search(r"\w", literal) and " " not in literal:
+                        patterns.append("".join(parts))
+    return names, patterns
+
+
+def test_every_summary_description_matches_a_metric_name_kdlab_logs():
+    """A DESCRIPTIONS key no metric has is a summary line that never appears: ``rlvr/reward`` (GRPO logs
+    ``rlvr/reward_mean``) left every RLVR run's summary without its reward. A key ending in ``/`` or ``@`` is a prefix."""
+    import re
+
+    from kdlab.runlog import DESCRIPTIONS, describe
+
+    names, patterns = logged_names()
+    assert "rlvr/reward_mean" in names and any(re.fullmatch(p, "val/pass@4") for p in patterns)  # the scan finds both kinds
+    examples = names | {re.sub(r"\.\+", "x", p).replace("\\", "") for p in patterns}  # coverage/x/pass@x
+    for key in DESCRIPTIONS:
+        if key.endswith(("/", "@")):
+            found = any(re.fullmatch(p, key + "x") for p in patterns) or any(name.startswith(key) for name in examples)
+        else:
+            found = key in names or any(re.fullmatch(p, key) for p in patterns)
+        assert found, f"DESCRIPTIONS[{key!r}] matches no metric name kdlab logs"
+    assert describe("rlvr/reward_mean") == "RLVR: mean reward of the step's rollouts"
+
+
+def test_the_quickstart_says_lightnings_values_are_at_the_optimiser_step_the_test_above_measures():
+    """docs/quickstart.md said Lightning's self.log values were recorded "at its logger step, which is one lower"
+    (val/accuracy of step 150 at 149); kdlab records them at the optimiser step (the test above), so the page says so
+    and cites it."""
+    text = " ".join((Path(__file__).parents[1] / "docs" / "quickstart.md").read_text(encoding="utf-8").split())
+    paragraph = text.split("Steps are counted in optimiser steps everywhere")[1].split("Run directories")[0]
+    assert "one lower" not in paragraph and "149" not in paragraph
+    assert "tests/test_runlog.py::test_tensorboard_metrics_jsonl_callbacks_and_the_summary_name_the_same_steps" in paragraph

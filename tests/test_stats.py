@@ -325,3 +325,21 @@ def test_scipy_and_statsmodels_are_in_the_report_and_dev_extras():
     for extra in ("report", "dev"):
         names = {requirement.split(">")[0].split("[")[0] for requirement in extras[extra]}
         assert {"scipy", "statsmodels"} <= names, extra
+
+
+@pytest.mark.parametrize("hidden, call", [
+    ("scipy", lambda: __import__("kdlab.study.stats", fromlist=["t_quantile"]).t_quantile(0.975, 3)),
+    ("scipy", lambda: __import__("kdlab.study.stats", fromlist=["wilson_interval"]).wilson_interval(0.5, 10)),
+    ("statsmodels", lambda: __import__("kdlab.study.stats", fromlist=["newcombe_difference"]).newcombe_difference(0.5, 10, 0.4, 10)),
+    ("statsmodels", lambda: __import__("kdlab.study.labels", fromlist=["holm"]).holm([0.01, 0.02])),
+])
+def test_without_scipy_or_statsmodels_the_error_names_the_extra_that_installs_them(monkeypatch, hidden, call):
+    """The report's statistics import scipy and statsmodels when first used; without them the error was Python's
+    "No module named 'scipy'". A None in sys.modules makes Python's import of that module fail, as when it is missing."""
+    import sys
+
+    for name in [name for name in sys.modules if name == hidden or name.startswith(hidden + ".")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, hidden, None)
+    with pytest.raises(ImportError, match=rf"kdlab report's statistics need {hidden}, which is not installed: pip install 'kdlab\[report\]'"):
+        call()

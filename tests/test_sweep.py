@@ -146,6 +146,38 @@ def test_bad_sweep_file_on_the_command_line_is_a_usage_error(tmp_path, capsys):
     assert exit_info.value.code == 2 and "sweep.mode" in capsys.readouterr().err
 
 
+BAD_GRIDS = {  # a key no fit has, and a value of the wrong type after a good one
+    "misspelt key": ({"model.lrr": [1.0e-3, 2.0e-3]}, {},
+                     "run lrr=0.001-seed=42: model.lrr: no such key for kdlab fit (did you mean 'model.lr'?)"),
+    "bad value": ({"model.lr": [1.0e-3, "fast"]}, {}, "run lr=fast-seed=42: model.lr: Expected a <class 'float'>. Got value: fast"),
+    "misspelt override": ({"model.lr": [1.0e-3]}, {"trainer.max_step": 1},
+                          "run lr=0.001-seed=42: trainer.max_step: no such key for kdlab fit (did you mean 'trainer.max_steps'?)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_GRIDS)
+@pytest.mark.parametrize("mode", ["sequential", "processes", "print"])
+def test_a_bad_grid_key_or_value_fails_in_one_line_before_any_run_starts(tmp_path, capsys, fits, case, mode):
+    """No fit in this process (``fits``), and no output folder: no sweep.json, no run folder or fit.log of a process."""
+    grid, overrides, message = BAD_GRIDS[case]
+    path = write_sweep(tmp_path, grid, overrides={**FAST, **overrides}, mode=mode)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sweep", "--config", str(path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and fits == []
+    assert err.splitlines() == [f"kdlab sweep: error: {message}"]  # one line: no usage, no traceback
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_value_in_one_run_fails_its_run_line_in_one_line_before_it_fits(tmp_path, capsys, fits):
+    path = write_sweep(tmp_path, {"model.lr": [1.0e-3, "fast"]})
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sweep", "--config", str(path), "--run", "lr=fast-seed=42"])
+    assert exit_info.value.code == 2 and fits == []
+    assert capsys.readouterr().err.splitlines() == [
+        "kdlab sweep: error: run lr=fast-seed=42: model.lr: Expected a <class 'float'>. Got value: fast"]
+
+
 # ---- print mode --------------------------------------------------------------------------------
 def test_print_mode_writes_one_command_per_run_that_runs_it(tmp_path, capsys, fits):
     path = write_sweep(tmp_path, {"model.objective": [FKL, RKL], "model.lr": [1.0e-3, 5.0e-3]}, seeds=[42, 43], mode="print")

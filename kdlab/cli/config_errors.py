@@ -39,12 +39,26 @@ def _class_candidates(class_path: str) -> tuple[str, list[str]]:
 
 
 def _argument_candidates(class_path: str) -> list[str]:
+    """The arguments ``class_path`` takes: its ``__init__``'s named parameters and, where it takes ``**settings`` (and
+    so, as jsonargparse reads it, its base class's arguments: Coverage's ``examples`` is EvaluationCallback's), those of
+    the next ``__init__`` up its bases, and so on."""
     module_name, _, name = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), name)
-        return [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - an unknown class offers no names
         return []
+    names: list[str] = []
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass) or klass is object:
+            continue
+        try:
+            parameters = inspect.signature(klass.__init__).parameters.values()
+        except (TypeError, ValueError):
+            break
+        names += [p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+            break
+    return list(dict.fromkeys(names))
 
 
 def _subclass_candidates(text: str) -> list[str]:
@@ -83,8 +97,10 @@ def _causes(text: str) -> list[str]:
         if not item.startswith("- ") or _NOISE.match(item[2:]):
             continue
         item = item[2:]
-        if item.endswith(":") and index + 1 < len(lines):  # "Problem with given class_path 'X':" + its reason
-            item = f"{item} {lines[index + 1].strip()}"
+        following = index + 1
+        while item.endswith(":") and following < len(lines):  # "Problem with given class_path 'X':" + its reason, which
+            item = f"{item} {lines[following].strip()}"  # may itself be 'Parser key "chunk_size":' + the cause below it
+            following += 1
         causes.append(item)
     return causes
 
@@ -125,6 +141,9 @@ def _jsonargparse_message(text: str) -> str:
         cause = f"{unknown_option.group(1).rsplit('.', 1)[-1]} has no argument {option!r}{nearest(option, _argument_candidates(unknown_option.group(1)))}"
         key = f"{key}.{option}" if key else option
     cause = re.sub(r"^Problem with given class_path '[\w.]+':\s*", "", cause)
+    inner = re.match(r'Parser key "([\w.]+)":\s*(.*)', cause)
+    if inner:  # an argument of the class given: its key below the class's
+        key, cause = (f"{key}.{inner.group(1)}" if key else inner.group(1)), inner.group(2)
     if not causes and "Errors:" in text:  # every alternative type failed: say which and what was given
         kind = re.search(r"Not a valid subclass of \w+", text)
         given = re.search(r"Given value: (.*)", text)

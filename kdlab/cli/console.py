@@ -114,7 +114,8 @@ def parallel_runs() -> int:
 
 def choose_cpu_threads() -> str | None:
     """Set torch's CPU threads when nothing chose them (no GPU, no ``OMP_NUM_THREADS``); returns the line
-    to print, which names the rule, or None when the user or a GPU decides.
+    to print, which names the rule, or None on a GPU machine. With ``OMP_NUM_THREADS`` set, its count stands (torch
+    runs with it) and the line says so: ``[kdlab] CPU threads: 1 (OMP_NUM_THREADS=1)``.
 
     The rule: one thread per CPU this process may use (:func:`usable_cpus`; divided by :func:`parallel_runs` when
     ``kdlab sweep`` starts several runs together, which would otherwise each see the machine idle and take every
@@ -127,8 +128,13 @@ def choose_cpu_threads() -> str | None:
     choice is made once per process, so runs of one process keep one count."""
     import torch
 
-    if os.environ.get("OMP_NUM_THREADS") or torch.cuda.is_available():
+    if torch.cuda.is_available():
         return None
+    chosen = os.environ.get("OMP_NUM_THREADS")
+    if chosen:
+        if chosen.strip().isdigit() and int(chosen) > 0:
+            torch.set_num_threads(int(chosen))  # what torch read at start-up; again in case it was set since
+        return f"[kdlab] CPU threads: {torch.get_num_threads()} (OMP_NUM_THREADS={chosen})"
     if _CHOSEN:
         return _CHOSEN[0]
     cpus, allowed, why = usable_cpus()

@@ -13,12 +13,11 @@ SWEEP.yaml`` adds the lm-eval suite the sweep's ``forgetting:`` key measures off
 from __future__ import annotations
 
 import json
-import re
 import sys
 from typing import Any
 
-from kdlab.cli.config_errors import ConfigError, nearest
-from kdlab.cli.lightning import lightning_cli_class, names_model_class, parse_overlaid
+from kdlab.cli.config_errors import ConfigError
+from kdlab.cli.lightning import parse_fit_config
 from kdlab.study.estimate import Estimate, GiB, estimate, setup_from_config
 from kdlab.study.run_time import RunTime, run_time
 from kdlab.study.step_time import HARDWARE
@@ -35,47 +34,12 @@ parts and the whole run's wall time with every evaluation, kdlab.study.step_time
 `forgetting:` key measures the lm-eval suite off the training loop: its before pass (shared by the grid's runs
 of one student) and after pass are added (kdlab.study.forgetting_time); --json: machine-readable output.
 """
-UNKNOWN = re.compile(r"unrecognized arguments: --?([\w.]+)|does not accept option '([\w.]+)'|Key '([\w.]+)' is not expected|Option '([\w.]+)' is not accepted")
-
-
-class _Parsed(Exception):
-    def __init__(self, config: Any) -> None:
-        super().__init__("parsed")
-        self.config = config
 
 
 def fit_config(argv: list[str]) -> dict[str, Any]:
     """The configuration ``kdlab fit <argv>`` would run, parsed by its own parser, before any class is
-    instantiated (no model is built, no weights read), as a plain dict."""
-    import lightning.pytorch as pl
-
-    from kdlab.stages.distill import DistillModule
-
-    class ParseOnly(lightning_cli_class()):
-        def parse_arguments(self, parser, args) -> None:
-            try:
-                parse_overlaid(self, parser, args)
-            except Exception as error:
-                unknown = UNKNOWN.search(str(error))
-                if unknown is None:
-                    raise
-                key = next(group for group in unknown.groups() if group)
-                keys = [action.dest for action in parser._actions if "." in action.dest or action.dest.isidentifier()]
-                raise ConfigError(f"{key}: no such key for kdlab fit (or estimate){nearest(key, keys)}") from error
-
-        def _set_seed(self) -> None:
-            """Nothing to seed: no run follows."""
-
-        def before_instantiate_classes(self) -> None:
-            raise _Parsed(self.config)
-
-    stage_class = names_model_class(argv)
-    try:
-        ParseOnly(pl.LightningModule if stage_class else DistillModule, subclass_mode_model=stage_class, seed_everything_default=42,
-                  args=argv, run=False, parser_kwargs={"exit_on_error": False, "allow_abbrev": False})  # as kdlab fit: no prefixes of keys
-    except _Parsed as parsed:
-        return parsed.config.as_dict()
-    raise RuntimeError("the fit parser returned without a configuration")  # pragma: no cover
+    instantiated (no model is built, no weights read), as a plain dict (:func:`~kdlab.cli.lightning.parse_fit_config`)."""
+    return parse_fit_config(argv, "kdlab fit (or estimate)")
 
 
 def split_arguments(argv: list[str]) -> tuple[list[str], dict[str, Any]]:

@@ -2,12 +2,10 @@
 :class:`~kdlab.stages.distill.DistillModule` unless it names another LightningModule by ``class_path``;
 ``seed_everything`` is linked to the module's seed; every fit ends with :class:`~kdlab.callbacks.FinalCheckpoint` and saves on an exception with
 :class:`~kdlab.callbacks.ExceptionCheckpoint`.
-Also the checks and messages around it: ``hf://`` paths, overlay hints, help text without markup."""
+Also the checks and messages around it: ``hf://`` paths, overlay hints (``--help``'s text: :mod:`kdlab.cli.help_text`)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import re
 import sys
@@ -17,7 +15,12 @@ from typing import Any
 
 import yaml
 
+from kdlab.cli.help_text import clean_help, clean_help_output, plain_help  # noqa: F401 - clean_help: its old home
+
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
+# jsonargparse's ways of saying a key of the parser does not exist (on the command line, in a config file); a class's
+# argument that does not exist ("Option 'lamda' is not accepted") is left to config_errors, which names the class's arguments
+UNKNOWN_KEY = re.compile(r"unrecognized arguments: --?([\w.]+)|does not accept option '([\w.]+)'|Key '([\w.]+)' is not expected")
 
 
 def lightning_cli_class():
@@ -59,8 +62,7 @@ def lightning_cli_class():
             except Exception as error:
                 from kdlab.cli.config_errors import ConfigError, nearest
 
-                text = str(error)
-                unknown = re.search(r"unrecognized arguments: --?([\w.]+)|does not accept option '([\w.]+)'|Key '([\w.]+)' is not expected", text)
+                unknown = UNKNOWN_KEY.search(str(error))
                 command = next((name for name in self._subcommand_parsers if name in (args or sys.argv[1:])[:1]), None)
                 if unknown is None or command is None:
                     raise
@@ -173,9 +175,23 @@ def lightning_cli_class():
 
         def before_validate(self) -> None:
             self.say_which_weights()
+            self.record_evaluation()
 
         def before_test(self) -> None:
             self.say_which_weights()
+            self.record_evaluation()
+
+        def record_evaluation(self) -> None:
+            """``kdlab validate|test`` writes a folder of its own (``config.yaml``, ``metrics.jsonl``, ``samples/``): say
+            where, and mark it in its ``run_info.json`` as this command's, so ``kdlab report`` names it as an evaluation,
+            not an unfinished run (:func:`kdlab.provenance.evaluation_command`)."""
+            log_dir = self.trainer.log_dir
+            if not log_dir or not self.trainer.is_global_zero:
+                return
+            from kdlab.provenance import write_run_info
+
+            write_run_info(log_dir, command=self.subcommand)
+            print(f"[kdlab] {self.subcommand} writes to {log_dir}", flush=True)
 
         def say_which_weights(self) -> None:
             """``kdlab validate|test`` without ``--ckpt_path`` scores the weights the config names, not a trained run's."""
@@ -187,6 +203,56 @@ def lightning_cli_class():
                       file=sys.stderr, flush=True)
 
     return KDLabCLI
+
+
+class _Parsed(Exception):
+    def __init__(self, config: Any) -> None:
+        super().__init__("parsed")
+        self.config = config
+
+
+def parse_fit_config(argv: list[str], command: str = "kdlab fit") -> dict[str, Any]:
+    """The configuration ``kdlab fit <argv>`` would run (``argv`` without ``fit``), parsed by its own parser before
+    any class is instantiated (no model is built, no weights read), as a plain dict. A configuration error raises
+    :class:`~kdlab.errors.ConfigError` with its one line (:func:`kdlab.cli.config_errors.short_message`): a key that
+    does not exist ``<key>: no such key for <command> (did you mean ...?)``, a bad value its key and cause."""
+    import lightning.pytorch as pl
+
+    from kdlab.cli.config_errors import ConfigError, nearest, short_message
+    from kdlab.stages.distill import DistillModule
+
+    class ParseOnly(lightning_cli_class()):
+        def parse_arguments(self, parser, args) -> None:
+            try:
+                parse_overlaid(self, parser, args)
+            except Exception as error:
+                unknown = UNKNOWN_KEY.search(str(error))
+                if unknown is None:
+                    raise
+                key = next(group for group in unknown.groups() if group)
+                keys = [action.dest for action in parser._actions if "." in action.dest or action.dest.isidentifier()]
+                raise ConfigError(f"{key}: no such key for {command}{nearest(key, keys)}") from error
+
+        def _set_seed(self) -> None:
+            """Nothing to seed: no run follows."""
+
+        def before_instantiate_classes(self) -> None:
+            raise _Parsed(self.config)
+
+    stage_class = names_model_class(argv)
+    try:
+        ParseOnly(pl.LightningModule if stage_class else DistillModule, subclass_mode_model=stage_class, seed_everything_default=42,
+                  args=argv, run=False, parser_kwargs={"exit_on_error": False, "allow_abbrev": False})  # as kdlab fit: no prefixes of keys
+    except _Parsed as parsed:
+        return parsed.config.as_dict()
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a configuration error gets its one line; anything else propagates
+        message = short_message(error)
+        if message is None:
+            raise
+        raise ConfigError(message) from error
+    raise RuntimeError("the fit parser returned without a configuration")  # pragma: no cover
 
 
 def parse_overlaid(cli: Any, parser: Any, args: Any) -> None:
@@ -356,63 +422,6 @@ def names_model_class(argv: list[str]) -> bool:
         if isinstance(model, dict) and "class_path" in model:
             return True
     return False
-
-
-_RST = [
-    # a role the help's line wrapping broke (``kdlab.rol\n    louts.X``) is joined again before its last name is kept
-    (re.compile(r":(?:class|func|meth|mod|attr|data|obj|paramref):`~?([\w.\s]+?)`"), lambda m: re.sub(r"\s+", "", m.group(1)).rsplit(".", 1)[-1]),
-    (re.compile(r"``([^`]+)``"), lambda m: m.group(1)),
-    (re.compile(r"`([^`<]+) <[^>]+>`_"), lambda m: m.group(1)),
-    (re.compile(r"`([^`\n]+)`"), lambda m: m.group(1)),  # `N`: interpreted text, shown as is
-]
-
-
-def clean_help(text: str) -> str:
-    """Docstring markup out of ``--help`` text: ``:class:`~a.B``` -> B (also ``:paramref:``), ````x```` -> x,
-    links -> their text, ```x``` -> x."""
-    for pattern, replacement in _RST:
-        text = pattern.sub(replacement, text)
-    return text
-
-
-@contextlib.contextmanager
-def clean_help_output(argv: list[str]):
-    """Around ``kdlab fit|validate|test --help``: print the help without reStructuredText markup."""
-    if not any(arg in ("-h", "--help") for arg in argv):
-        yield
-        return
-    buffer = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(buffer):
-            yield
-    finally:
-        sys.stdout.write(clean_help(buffer.getvalue()))
-
-
-def plain_help(parser, prog: str) -> None:
-    """Prepare a subcommand parser's ``--help``: every help text without docstring markup
-    (:func:`clean_help`, before argparse wraps it, so no role is cut in two), the groups in reading
-    order (the model's arguments first, then the command's own and the config options, the trainer's
-    last) and a short usage line instead of one entry per option."""
-    for action in parser._actions:
-        if action.help:
-            action.help = clean_help(action.help)
-    for group in parser._action_groups:
-        group.description = clean_help(group.description) if group.description else group.description
-        group.title = clean_help(group.title) if group.title else group.title
-
-    def rank(group) -> int:
-        options = [option for action in group._group_actions for option in action.option_strings]
-        if any(option.startswith("--model") for option in options):
-            return 0
-        if any(option.startswith("--trainer") for option in options):
-            return 3
-        if any(option in ("--ckpt_path", "--config", "-c") for option in options):
-            return 1
-        return 2
-
-    parser._action_groups.sort(key=rank)  # stable: the rest keep their order
-    parser.usage = f"{prog} [--config FILE.yaml ...] [--model.KEY=VALUE ...] [--trainer.KEY=VALUE ...] [--print_config] (options below)"
 
 
 def run_lightning(argv: list[str], run: bool = True, raise_parse_errors: bool = False, from_sys_argv: bool = False):

@@ -108,6 +108,30 @@ def cached_help(argv: list[str], run) -> None:
         raise
 
 
+def function_cli(function, argv: list[str]):
+    """``kdlab <argv[0]> ...`` as jsonargparse's ``auto_cli`` over ``function`` (its typed arguments become options), with
+    a ``--help`` that says ``usage: kdlab <command>``, describes the command by the docstring's whole first paragraph
+    (less a "Returns" sentence, which is for Python callers) and shows no docstring markup (:func:`clean_help`)."""
+    import re
+
+    from jsonargparse import ArgumentParser, auto_cli
+
+    from kdlab.cli.help_text import clean_help
+
+    paragraph = " ".join((function.__doc__ or "").split("\n\n")[0].split())
+    description = clean_help(re.sub(r"\s*Returns [^.]*\.$", "", paragraph))
+
+    class Parser(ArgumentParser):
+        def format_help(self) -> str:
+            self.description = description
+            for action in self._actions:
+                if action.help:
+                    action.help = clean_help(action.help)
+            return super().format_help()
+
+    return auto_cli(function, args=argv[1:], parser_class=Parser, prog=f"kdlab {argv[0]}", allow_abbrev=False)
+
+
 def main(args: list[str] | None = None, run: bool = True, raise_parse_errors: bool = False):
     """``kdlab generate ...`` writes teacher data; every other subcommand is LightningCLI's
     (``run=False``: parse and instantiate the model and trainer, then return without running).
@@ -121,11 +145,9 @@ def main(args: list[str] | None = None, run: bool = True, raise_parse_errors: bo
         print(f"kdlab {__version__}")
         return None
     if argv[:1] == ["generate"]:
-        from jsonargparse import auto_cli
-
         from kdlab.rollouts.teacher_data import generate_teacher_data
 
-        return auto_cli(generate_teacher_data, args=argv[1:], allow_abbrev=False)
+        return function_cli(generate_teacher_data, argv)
     if argv[:1] == ["sweep"]:
         from kdlab.study.sweep import main as sweep
 
@@ -139,11 +161,9 @@ def main(args: list[str] | None = None, run: bool = True, raise_parse_errors: bo
 
         return estimate(argv[1:])
     if argv[:1] == ["prune"]:  # a depth-pruned copy of a model (kdlab.models.pruning)
-        from jsonargparse import auto_cli
-
         from kdlab.cli.prune import prune_checkpoint
 
-        return auto_cli(prune_checkpoint, args=argv[1:], allow_abbrev=False)
+        return function_cli(prune_checkpoint, argv)
     if argv[:1] == ["forgetting"]:  # the lm-eval suite on a finished run, off the training loop
         from kdlab.evaluation.forgetting_run import main as forgetting
 

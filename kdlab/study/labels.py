@@ -153,8 +153,7 @@ def holm(p_values: list[float]) -> list[float]:
     """Holm's step-down adjusted p-values, in the given order (``statsmodels.stats.multitest.multipletests``)."""
     if not p_values:
         return []
-    from statsmodels.stats.multitest import multipletests
-
+    multipletests = stats.statistics_library("statsmodels.stats.multitest").multipletests
     return [float(p) for p in multipletests(p_values, alpha=ALPHA, method="holm")[1]]
 
 

@@ -19,7 +19,8 @@ A pipeline file is plain YAML::
     rlvr_seeds: [42, 43]                # RLVR only from the distillation runs of these seeds (default: all)
     rlvr_where: {model.lr: 1.0e-4}      # ... and only from those whose grid values are these (default: all)
 
-Both stages keep the sweep's rules: finished runs (``DONE``) are skipped, interrupted ones resume from
+Both stages keep the sweep's rules: every distillation run's and the first chain's RLVR runs' fit configurations are
+parsed before anything runs (a bad key or value: ``kdlab pipeline: error: run distill/<name>: <key>: <cause>``); finished runs (``DONE``) are skipped, interrupted ones resume from
 their newest checkpoint (``on_exception.ckpt`` or ``last.ckpt``), a failed run is recorded and the rest go on (exit status 1 at the end). An
 RLVR chain starts only from a distillation run that finished. A finished distillation run without the
 checkpoint RLVR starts from (restored from an archive, which keeps no checkpoints: scripts/archive_runs.py)
@@ -51,7 +52,7 @@ from typing import Any, Callable
 from kdlab.study import launch
 from kdlab.study.grid import FILE_KEYS as SWEEP_KEYS
 from kdlab.study.grid import Sweep, expand, read_mapping_file
-from kdlab.study.sweep import RunFailed, UnknownRun, run_one, run_sweep, write_commands
+from kdlab.study.sweep import RunFailed, UnknownRun, fit_configs_or_exit, run_one, run_sweep, write_commands
 
 PIPELINE_KEYS = ("output", "distill", "rlvr", "checkpoint", "policy_key", "distill_dir", "rlvr_seeds", "rlvr_where")
 STAGE_KEYS = tuple(key for key in SWEEP_KEYS if key != "output")
@@ -291,6 +292,24 @@ def run_one_of(pipeline: Pipeline, pipeline_file: str, target: str) -> str:
     return run_one(rlvr, pipeline_file, name)
 
 
+def fit_checks(pipeline: Pipeline, target: str | None = None) -> list[tuple[Sweep, list[Any], str]]:
+    """What :func:`~kdlab.study.sweep.fit_configs_or_exit` parses before anything runs: every distillation run and the
+    RLVR runs of the first chain (the chains differ only in the checkpoint they start from), or only ``target``
+    (``--run``'s ``distill/<name>`` or ``rlvr/<distilled>/<name>``; an unknown one is left to :func:`run_one_of`)."""
+    chains = [run.name for run in expand(pipeline.distill) if pipeline.chains_from(run)]
+    if target is None:
+        first = [(pipeline.rlvr_sweep(chains[0]), f"rlvr/{chains[0]}/")] if chains else []
+        return [(pipeline.distill, expand(pipeline.distill), "distill/")] + [(sweep, expand(sweep), where) for sweep, where in first]
+    stage, _, rest = target.partition("/")
+    distilled, _, name = rest.partition("/")
+    if stage == "distill":
+        return [(pipeline.distill, [run for run in expand(pipeline.distill) if run.name == rest], "distill/")]
+    if stage == "rlvr" and distilled in chains:
+        sweep = pipeline.rlvr_sweep(distilled)
+        return [(sweep, [run for run in expand(sweep) if run.name == name], f"rlvr/{distilled}/")]
+    return []
+
+
 def main(argv: list[str] | None = None) -> None:
     """``kdlab pipeline --config FILE``; exits 1 if a run failed."""
     parser = argparse.ArgumentParser(prog="kdlab pipeline", description=__doc__.split("\n\n", 1)[1],
@@ -302,6 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         pipeline = load_pipeline(options.config)
     except ValueError as error:
         parser.error(str(error))
+    fit_configs_or_exit(fit_checks(pipeline, options.run), "kdlab pipeline")
     if options.run is not None:
         try:
             status = run_one_of(pipeline, options.config, options.run)

@@ -76,7 +76,7 @@ from kdlab.study.runs import MAIN_METRICS, PASS_AT_K, STYLE_METRICS, RunResult, 
 STYLE_GUARDS = ("val/accuracy", "ood/mean_delta", "heldout_kl/forward", "heldout_kl/student_prefixes/forward")
 """Shown beside the Spanish share, on the configurations that logged it."""
 from kdlab.study.figures import CURVE_COLOURS, LABEL_WIDTH, TITLE_WIDTH, _figure_factory, accuracy_figure, curves_figure, error_bars, lam_figure, lam_lines, note_if_equal, wrap  # noqa: F401 - old names here too
-from kdlab.study.tables import markdown_table, write_csv
+from kdlab.study.tables import counted, markdown_table, write_csv
 
 
 # ---- the report ----------------------------------------------------------------------------------
@@ -293,7 +293,7 @@ def write_report(
         "# kdlab report",
         "",
         (
-            f"{len(runs)} runs in {len(report.groups)} configurations: mean ± sample standard deviation over the "
+            f"{counted(len(runs), 'run')} in {counted(len(report.groups), 'configuration')}: mean ± sample standard deviation over the "
             "seeds of a configuration (n seeds; reruns of one seed are averaged into that seed), then, in brackets, "
             "a 95% interval of that mean: for val/accuracy and val/pass@k a bootstrap over the problems (for val/accuracy also the samples within each) "
             "of each seed's last evaluation (samples/val-*.jsonl), for coverage/<task>/pass@1 a Wilson interval over "
@@ -306,7 +306,7 @@ def write_report(
     reruns = [(g, g.seeds) for g in report.groups if len(g.runs) > g.seeds]
     if reruns:
         report.md += ["", "Reruns of a seed (averaged as one seed, not counted as more seeds):"]
-        report.md += [f"- {group_label(g)}: {len(g.runs)} runs, {seeds} seeds" for g, seeds in reruns]
+        report.md += [f"- {group_label(g)}: {counted(len(g.runs), 'run')}, {counted(seeds, 'seed')}" for g, seeds in reruns]
     flagged = [run for run in runs if run.flag]
     if flagged:
         report.md += ["", "Flagged:", *(f"- `{run.path}`: {run.flag}" for run in flagged)]
@@ -389,6 +389,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--design", help="a study's design (YAML: 'commands', the command of each part it runs; 'elsewhere', each part it "
                         "leaves to another study and why): its verdicts say 'not tested here' for those (default: every part, the tiny study's)")
     options = parser.parse_args(argv)
+    missing = [path for path in options.runs if not Path(path).exists()]
+    if missing:  # said as such, not as "no finished run directory among" it
+        parser.error(f"{missing[0]}: no such file or folder")
     from kdlab.study.verdicts import PARTS, Study, StudyDesign, is_study, write_verdicts
 
     try:
@@ -415,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     if not runs:
         parser.error("no finished run directory with a config.yaml among " + " ".join(options.runs))
     path = write_report(runs, skipped, output, options.low_lr, options.high_lr)
-    print(f"[report] {len(runs)} runs -> {path} (CSV, PNG and tensorboard/ beside it)")
+    print(f"[report] {counted(len(runs), 'run')} -> {path} (CSV, PNG and tensorboard/ beside it)")
     if len(options.runs) == 1 and is_study(Path(options.runs[0])):
         if not write_verdicts(Path(options.runs[0]), runs, output, design, options.low_lr, options.high_lr):
             print(f"[report] {options.runs[0]} is laid out as a study but holds no finding's runs: no verdicts written", file=sys.stderr)

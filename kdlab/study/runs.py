@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from kdlab.provenance import evaluation_command
 from kdlab.runlog import METRICS_FILE, metrics_lines
 from kdlab.study.setups import style_transfer_rows
 
@@ -240,6 +241,9 @@ def read_run(run_dir: str | Path) -> RunResult:
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise ValueError("no config.yaml")
+    evaluation = evaluation_command(run_dir)
+    if evaluation:  # kdlab validate|test's folder beside the run it scored: nothing trained there
+        raise ValueError(f"an evaluation written by kdlab {evaluation}, not a training run")
     try:
         config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as error:

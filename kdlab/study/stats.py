@@ -10,12 +10,23 @@ published values or those libraries (the seed-level variance against statsmodels
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from dataclasses import dataclass
 from math import comb
 from typing import Any
 
 import numpy as np
+
+
+def statistics_library(module: str) -> Any:
+    """``module`` of scipy or statsmodels, imported when first needed (``kdlab report``'s statistics; the ``report`` extra,
+    also in ``tiny``); without the package, an ImportError naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        package = module.split(".")[0]
+        raise ImportError(f"kdlab report's statistics need {package}, which is not installed: pip install 'kdlab[report]'") from error
 
 
 # ---- uncertainty -------------------------------------------------------------------------------
@@ -76,8 +87,8 @@ def bootstrap_contrast(
 def wilson_interval(fraction: float, n: int, z: float = 1.959964) -> tuple[float, float]:
     """The Wilson score interval (95% at the default ``z``) of a fraction of ``n`` Bernoulli draws
     (``statsmodels.stats.proportion.proportion_confint``, method ``wilson``)."""
-    from scipy.stats import norm
-    from statsmodels.stats.proportion import proportion_confint
+    norm = statistics_library("scipy.stats").norm
+    proportion_confint = statistics_library("statsmodels.stats.proportion").proportion_confint
 
     low, high = proportion_confint(fraction * n, n, alpha=2.0 * float(norm.sf(z)), method="wilson")
     return max(0.0, float(low)), min(1.0, float(high))
@@ -88,7 +99,7 @@ def newcombe_difference(after: float, n_after: int, before: float, n_before: int
     Newcombe's hybrid score method (his method 10: the two Wilson intervals combined;
     ``statsmodels.stats.proportion.confint_proportions_2indep``, method ``newcomb``). For the same prompts measured
     twice use :func:`paired_difference`."""
-    from statsmodels.stats.proportion import confint_proportions_2indep
+    confint_proportions_2indep = statistics_library("statsmodels.stats.proportion").confint_proportions_2indep
 
     low, high = confint_proportions_2indep(round(after * n_after), n_after, round(before * n_before), n_before,
                                            method="newcomb", compare="diff", alpha=0.05)
@@ -158,9 +169,7 @@ class SeedInterval:
 
 
 def _student():
-    from scipy.stats import t
-
-    return t
+    return statistics_library("scipy.stats").t
 
 
 def pass_at_k_table(n: int, k: int) -> np.ndarray:
@@ -338,7 +347,8 @@ def hierarchical_bootstrap_contrast(
 def t_cdf(t: float, df: float) -> float:
     """Student's t distribution function with ``df`` (any real > 0; ``math.inf`` for the normal) degrees of
     freedom (``scipy.stats.t``)."""
-    from scipy.stats import norm, t as student
+    scipy_stats = statistics_library("scipy.stats")
+    norm, student = scipy_stats.norm, scipy_stats.t
 
     return float(norm.cdf(t) if math.isinf(df) else student.cdf(t, df))
 
@@ -346,7 +356,8 @@ def t_cdf(t: float, df: float) -> float:
 def t_quantile(p: float, df: float) -> float:
     """The ``p`` quantile of Student's t with ``df`` (any real > 0; ``math.inf`` for the normal) degrees
     of freedom (``scipy.stats.t``); ``df`` of 0 or less: infinite."""
-    from scipy.stats import norm, t as student
+    scipy_stats = statistics_library("scipy.stats")
+    norm, student = scipy_stats.norm, scipy_stats.t
 
     if not 0.0 < p < 1.0:
         raise ValueError(f"p must lie in (0, 1), got {p}")

@@ -11,6 +11,11 @@ empty one is removed). A failing run is recorded and the sweep goes on;
 the command then exits with status 1 and lists the failures (Ctrl+C: status 130).
 ``<output>/sweep.json`` lists every run: name, settings, seed, status and the fit command.
 
+Before any run starts (in every mode, and for ``--run NAME``), each run's fit configuration (base files, overrides,
+its grid values) is parsed by ``kdlab fit``'s own parser, nothing instantiated; a key no fit has or a value of the
+wrong type ends the sweep in one line naming the run and the key, exit status 2:
+``kdlab sweep: error: run lrr=0.001-seed=42: model.lrr: no such key for kdlab fit (did you mean 'model.lr'?)``.
+
 Modes: ``slurm`` submits the runs not done as a job array through submitit (settings in ``sweep.slurm``,
 e.g. ``{slurm_partition: gpu, timeout_min: 240, gpus_per_node: 1}``; ``max_parallel`` jobs at a time), waits
 for them and records each job's id and outcome in ``sweep.json``; ``sequential`` runs each fit in this process (``kdlab.cli.lightning.run_lightning``); ``processes`` starts
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import shlex
 import signal
@@ -49,6 +55,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from kdlab.errors import ConfigError
 from kdlab.study import launch
 from kdlab.study.run_folder import mark_done, newest_checkpoint, prepare, write_json
 from kdlab.study.grid import MODES, Run, Sweep, expand, fit_args, load_sweep
@@ -93,6 +100,37 @@ def _fit_in_process(args: list[str]) -> int:
         status = trainer.state.status.value if trainer is not None else "no trainer"
         raise RunFailed(f"fit did not finish (trainer status: {status})")
     return trainer.global_step
+
+
+def check_fit_configs(sweep: Sweep, runs: list[Run], where: str = "") -> None:
+    """Every run's ``kdlab fit`` configuration (the base files, the overrides and its grid values) parsed by kdlab fit's own
+    parser (:func:`~kdlab.cli.lightning.parse_fit_config`: nothing is instantiated) before any run starts, so a misspelt key
+    or a bad value fails in one line (``ConfigError``: ``run <where><name>: <key>: <cause>``) instead of after the runs
+    before it trained. Runs that differ only in their seed are parsed once."""
+    from kdlab.cli.lightning import parse_fit_config
+
+    parsed = set()
+    for run in runs:
+        settings = json.dumps(run.settings, sort_keys=True, default=str)
+        if settings in parsed:
+            continue
+        parsed.add(settings)
+        try:
+            parse_fit_config(fit_args(sweep, run)[1:])
+        except ConfigError as error:
+            raise ConfigError(f"run {where}{run.name}: {error}") from error
+
+
+def fit_configs_or_exit(stages: list[tuple[Sweep, list[Run], str]], command: str) -> None:
+    """:func:`check_fit_configs` for each (sweep, runs, where), or ``<command>: error: run <where><name>: <key>: <cause>``
+    alone on stderr and exit status 2 (no usage: the command line was right, a run's configuration was not)."""
+    try:
+        for sweep, runs, where in stages:
+            check_fit_configs(sweep, runs, where)
+    except ConfigError as error:
+        sys.stdout.flush()
+        print(f"{command}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 class _Sweeper:
@@ -400,6 +438,7 @@ def main(argv: list[str] | None = None) -> None:
         sweep = dataclasses.replace(sweep, **changes)
     except ValueError as error:
         parser.error(str(error))
+    fit_configs_or_exit([(sweep, [run for run in expand(sweep) if options.run in (None, run.name)], "")], "kdlab sweep")
     if options.run is not None:
         _run_one(parser, sweep, options.config, options.run)
         return

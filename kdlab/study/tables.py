@@ -1,4 +1,5 @@
-"""Writing a table: Markdown for the reports, CSV (through pandas) for everything a reader may reload.
+"""Writing a table: Markdown for the reports, CSV (through pandas) for everything a reader may reload, and counts
+with their nouns for the reports' sentences.
 
 The Markdown writer is kdlab's own on purpose: pandas' ``to_markdown`` (tabulate) pads every cell to
 its column's width and right-aligns numbers, so each committed report and the tables the docs copy
@@ -10,6 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+
+
+def counted(count: int, noun: str) -> str:
+    """``"1 run"``, ``"2 runs"``: a count and its noun (a regular plural) for the reports' sentences."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
