@@ -33,9 +33,9 @@ WHOLE = "*"
 MOVED: dict[str, dict[str, str]] = {
     # modules that are now another module
     "kdlab.module": {"kdlab.stages.distill": WHOLE},
-    "kdlab.stage": {"kdlab.stages.base": WHOLE, "kdlab.stages.sharding": "decoder_layer_classes"},
+    "kdlab.stage": {"kdlab.stages.base": WHOLE, "kdlab.stages.sharding": "decoder_layer_classes", "kdlab.stages.loaders": "EpochShuffle ResumableLoader"},
     "kdlab.grpo": {"kdlab.stages.grpo": WHOLE},
-    "kdlab.sft": {"kdlab.stages.sft": WHOLE},
+    "kdlab.sft": {"kdlab.stages.sft": WHOLE, "kdlab.stages.optim": "SCHEDULES"},
     "kdlab.vllm_engine": {"kdlab.rollouts.vllm": WHOLE, "kdlab.rollouts.policies": "importance_weights",
                           "kdlab.rollouts.vllm_sampling": "VLLM_TEMPERATURES"},
     "kdlab.heldout_kl": {"kdlab.callbacks.heldout_kl": WHOLE},
