@@ -215,7 +215,7 @@ DESCRIPTIONS = {
     "style/log_odds": "StyleLogOdds: log-odds of a Spanish over an English correct answer, nats per token",
     "style/": "StyleTransfer: share of responses primarily in Spanish",
     "rlvr/reward_mean": "RLVR: mean reward of the step's rollouts",
-    "train/loss": "training loss of the last step",
+    "train/loss": "training loss of the last step's last micro-batch, mean over the ranks",
     "heldout_kl/forward_closed": "HeldOutKL: share of the starting forward-KL gap to the teacher closed (1 - after / before)",
     "heldout_kl/forward": "HeldOutKL: KL(teacher || student) on held-out teacher text, nats per token",
     "heldout_kl/reverse": "HeldOutKL: KL(student || teacher) on held-out teacher text, nats per token",

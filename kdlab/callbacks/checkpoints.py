@@ -166,7 +166,7 @@ class ExceptionCheckpoint(Checkpoint):
             exception.code = 128 + signal.SIGTERM
         if trainer.state.fn != "fit" or trainer.global_step == 0 or not getattr(self, "_training", False):
             return
-        trainer.save_checkpoint(self.ckpt_path)
+        trainer.save_checkpoint(self.ckpt_path, weights_only=False)  # a full state (and no "weights_only was not set" log)
         if trainer.is_global_zero:
             what = "interrupted" if isinstance(exception, KeyboardInterrupt) else f"stopped by {type(exception).__name__}"
             print(

@@ -300,12 +300,12 @@ class SFTModule(pl.LightningModule):
 
     def training_step(self, batch: list[tuple[list[int], int]], batch_idx: int) -> torch.Tensor:
         """The micro-batch's share of the step's token-mean loss (:meth:`step_tokens`); logs ``train/loss``, the
-        micro-batch's own mean over its completion tokens."""
+        micro-batch's own mean over its completion tokens, averaged over the ranks (as every stage's ``train/`` values)."""
         tensors = {name: value.to(self.device) for name, value in self.pad(batch).items()}
         num_tokens = self.step_tokens(batch, batch_idx)
         loss = self.loss(tensors, num_tokens)
         own = sum(self.completion_tokens(row) for row in batch)
-        self.log("train/loss", loss.detach() * (own if num_tokens is None else num_tokens) / own, prog_bar=True, batch_size=len(batch))
+        self.log("train/loss", loss.detach() * (own if num_tokens is None else num_tokens) / own, prog_bar=True, batch_size=len(batch), sync_dist=True)
         return loss
 
     def configure_optimizers(self):
