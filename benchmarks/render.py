@@ -396,6 +396,8 @@ RENDERERS = {"real_vocab_step": _step, "cache_size": _cache_size, "cross_tokeniz
 def render(results: Path = RESULTS) -> str:
     sections = [HEADER]
     for path in sorted(results.glob("*.json")):
+        if path.stem.endswith("-FAILED"):
+            raise SystemExit(f"{path}: a failed run's file (its own checks found problems): fix the run, delete the file")
         kind = next((k for k in RENDERERS if path.name.startswith(k + "-")), None)
         if kind is None:
             raise SystemExit(f"{path}: no renderer for this result file")

@@ -597,3 +597,54 @@ def test_the_step_timer_reads_cuda_peaks_per_batch_and_before_the_optimiser_step
         timer.on_before_optimizer_step(None, module, None)
         timer.on_train_batch_end(None, module, None, [0, 1], 0)
     assert len(resets) == 2 and timer.peaks_before_optimizer == [5, 6] and timer.peaks == [9, 11] and len(timer.times) == 2
+
+
+def test_a_result_file_records_the_commit_and_whether_the_tree_was_clean(tmp_path, monkeypatch):
+    """``write_result`` stores ``git``: the commit the code came from, whether the tree was clean (result files
+    aside) and the files under benchmarks/ and kdlab/ that differed from it."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import common
+
+    repo = tmp_path / "repo"
+    (repo / "kdlab").mkdir(parents=True)
+    (repo / "benchmarks" / "results").mkdir(parents=True)
+    (repo / "kdlab" / "a.py").write_text("x = 1\n")
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "0")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "1")
+    (repo / "benchmarks" / "results" / "x.json").write_text("{}")  # a run's own output does not make the tree dirty
+    assert common.provenance(repo) == {"commit": git("rev-parse", "HEAD"), "clean": True, "changed_code": []}
+    (repo / "kdlab" / "a.py").write_text("x = 2\n")
+    (repo / "notes.txt").write_text("")
+    assert common.provenance(repo) == {"commit": git("rev-parse", "HEAD"), "clean": False, "changed_code": ["kdlab/a.py"]}
+    assert common.provenance(tmp_path / "nowhere")["commit"] is None
+    record = json.loads(common.write_result("x", {"problems": []}, out=tmp_path / "x.json").read_text())
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert record["git"]["commit"] == head and isinstance(record["git"]["clean"], bool)
+
+
+def test_a_run_whose_checks_found_problems_writes_a_failed_file_not_the_result(tmp_path):
+    """``finish`` with problems exits 1 and writes ``<name>-FAILED.json``, leaving the result file it would have
+    written untouched (a committed result a page quotes cannot be replaced by a failed run)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import common
+
+    out = tmp_path / "decode-cpu.json"
+    out.write_text('{"kept": true}')
+    with pytest.raises(SystemExit) as exit_:
+        common.finish("decode-cpu", {"problems": ["greedy rows differ"]}, out=out)
+    assert exit_.value.code == 1 and json.loads(out.read_text()) == {"kept": True}
+    assert json.loads((tmp_path / "decode-cpu-FAILED.json").read_text())["problems"] == ["greedy rows differ"]
+    common.finish("decode-cpu", {"problems": []}, out=out)
+    assert json.loads(out.read_text())["problems"] == []
+
+
+def test_the_page_refuses_a_failed_runs_file(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    import render
+
+    (tmp_path / "decode-cpu-FAILED.json").write_text("{}")
+    with pytest.raises(SystemExit, match="a failed run's file"):
+        render.render(tmp_path)
