@@ -35,14 +35,26 @@ def _setting(record: dict) -> str:
     return (f"`{record['command']}`\n\nMachine: {machine['cpu']}, {machine['cores']} cores, {record['threads']} thread(s); {versions}.{load}\n")
 
 
-def _finish(lines: list[str], record: dict) -> str:
-    """A section's lines, with what the run's own checks found, as Markdown."""
-    if record["problems"]:
-        lines.append("\nProblems found by the run's own checks: " + "; ".join(record["problems"]))
+def _problems(record: dict) -> list[str]:
+    """What the run's own checks found: ``problems``, and a GPU run's failed sections and each section's problems."""
+    found = list(record.get("problems", []))
+    found += [f"section {name} failed" for name in record.get("failed", [])]
+    found += [f"{name}: {problem}" for name, section in record.get("sections", {}).items() if isinstance(section, dict)
+              for problem in section.get("problems", [])]
+    return found
+
+
+def render_section(kind: str, record: dict) -> str:
+    """One result file's section as Markdown: its renderer's lines, then whatever the run's own checks found (every
+    renderer goes through here, so no kind of file can reach the page with its problems unsaid)."""
+    lines = RENDERERS[kind](record)
+    problems = _problems(record)
+    if problems:
+        lines.append("\n**Problems found by the run's own checks**: " + "; ".join(problems))
     return "\n".join(lines) + "\n"
 
 
-def _step(record: dict) -> str:
+def _step(record: dict) -> list[str]:
     shapes = record["shapes"]
     lines = [f"## Distillation step, {record['pair']} pair, V = {shapes['vocab']:,}, B = {shapes['batch']}, T = {shapes['tokens']}\n",
              _setting(record),
@@ -65,39 +77,39 @@ def _step(record: dict) -> str:
                          f"({fused / logits:.2f}x its step time), at {rows['kdlab-fused']['extra_peak_mib']:.0f} vs "
                          f"{rows['kdlab']['extra_peak_mib']:.0f} MiB extra peak memory.")
     lines += ["\nHow each peer ran:\n"] + [f"- {note}" for note in record.get("notes", [])]
-    return _finish(lines, record)
+    return lines
 
 
-def _memory(record: dict) -> str:
+def _memory(record: dict) -> list[str]:
     shapes = record["shapes"]
     title = "ForwardKL" if record["objective"] == "forward_kl" else "GRPO policy log-probs"
     lines = [f"## {title} alone, forward + backward, N = {shapes['tokens']:,}, V = {shapes['vocab']:,}, {record['dtype']}\n", _setting(record),
              "| implementation | extra peak MiB | x naive | time s | x naive |", "| --- | ---: | ---: | ---: | ---: |"]
     for impl, row in record["results"].items():
         lines.append(f"| {impl} | {row['extra_mib']:.0f} | {row['extra_ratio']:.3f} | {row['time_s']:.2f} | {row['time_ratio']:.2f} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def _fused(record: dict) -> str:
+def _fused(record: dict) -> list[str]:
     shapes = record["shapes"]
     title = "forward KL" if record["objective"] == "forward_kl" else "GRPO policy term"
     lines = [f"## {title} from hidden states, N = {shapes['tokens']:,}, V = {shapes['vocab']:,}, H = {shapes['hidden']:,}, fp32\n",
              _setting(record), "| implementation | extra peak MiB | x naive | time s | x naive |", "| --- | ---: | ---: | ---: | ---: |"]
     for impl, row in record["results"].items():
         lines.append(f"| {impl} | {row['extra_mib']:.0f} | {row['extra_ratio']:.2f} | {row['time_s']:.2f} | {row['time_ratio']:.2f} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def _decoding(record: dict) -> str:
+def _decoding(record: dict) -> list[str]:
     shapes, times = record["shapes"], record["times_s"]
-    return "\n".join([
+    return [
         f"## Mixture decoding, V = {shapes['vocab']:,}, {shapes['prompts']} prompts x {shapes['new_tokens']} tokens\n", _setting(record),
         "| joint mixture s | student alone s | teacher alone s | ratio (target <= 1.15) |", "| ---: | ---: | ---: | ---: |",
         f"| {times['mixture']:.3f} | {times['student']:.3f} | {times['teacher']:.3f} | {record['ratio']:.3f} |",
         "\nThe sum of the two models decoding alone is not a floor for the joint loop: each alone samples from its "
         "own V-wide distribution every token, the joint loop samples once from the mixture and shares the loop's "
         "bookkeeping, so a ratio below 1 is expected at a large V.",
-    ]) + "\n"
+    ]
 
 
 def _decode_table(rows_by_model: dict, label: dict | None = None) -> list[str]:
@@ -111,7 +123,7 @@ def _decode_table(rows_by_model: dict, label: dict | None = None) -> list[str]:
     return lines
 
 
-def _decode(record: dict) -> str:
+def _decode(record: dict) -> list[str]:
     if "targets" not in record:
         raise SystemExit("a decode result file from before issue #45: rerun python benchmarks/decode.py")
     targets = record["targets"]
@@ -154,14 +166,14 @@ def _decode(record: dict) -> str:
         lines.append(f"\nThe machine ran nothing else: the 1-minute load average after each batch was "
                      f"{', '.join(map(str, record['load_average_1min_by_batch']))} on {record['machine']['cores']} cores, "
                      f"{record['threads']} thread(s) used.")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _count(parameters: int) -> str:
     return f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.2f}M"
 
 
-def _gpu(record: dict) -> str:
+def _gpu(record: dict) -> list[str]:
     sections = record["sections"]
     lines = [f"## GPU run{' (--smoke, toy sizes)' if record['smoke'] else ''}: {record['device']}\n", _setting(record),
              (f"Wall time {record['total_s']:.0f} s in all" if record.get("complete", True) else
@@ -217,11 +229,11 @@ def _gpu(record: dict) -> str:
         else:
             lines.append(f"The tiny pair through `Trainer.fit` on {section['threads']} CPU threads of {section['cores']}, the loopback sampler in its "
                          f"own process, B = {section['batch']} x {section['max_completion_tokens']} tokens, {section['steps']} steps: overlapped / "
-                         f"synchronous wall time per step {section['ratio']:.3f}" + (f"; problems: {section['problems']}" if section["problems"] else "") + ".")
-    return "\n".join(lines) + "\n"
+                         f"synchronous wall time per step {section['ratio']:.3f}.")
+    return lines
 
 
-def _cross(record: dict) -> str:
+def _cross(record: dict) -> list[str]:
     shapes = record["shapes"]
     lines = [f"## Distillation across tokenizers, {record['pair']} pair, B = {shapes['batch']}, completions up to {shapes['max_completion_tokens']} tokens\n",
              _setting(record),
@@ -234,10 +246,10 @@ def _cross(record: dict) -> str:
     for variant, row in record["results"].items():
         lines.append(f"| {variant} | {row['median_step_s']:.3f} | {row['ratio_to_same']:.2f} | {row['student_columns']:,} | {row['teacher_columns']:,} "
                      f"| {row['student_completion_tokens']} | {row['teacher_completion_tokens']} | {row['one_to_one_share']:.3f} |")
-    return _finish(lines, record)
+    return lines
 
 
-def _lora(record: dict) -> str:
+def _lora(record: dict) -> list[str]:
     full, lora = record["results"]["full"], record["results"]["lora"]
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     lines = [f"## LoRA student optimiser memory, {record['model']}, rank {record['rank']} (alpha {record['alpha']})\n", _setting(record),
@@ -247,10 +259,10 @@ def _lora(record: dict) -> str:
     for name, row in (("full", full), (f"LoRA r={record['rank']}", lora)):
         lines.append(f"| {name} | {row['parameters']:,} | {row['trainable_parameters']:,} | {mib(row['gradient_bytes'])} | {mib(row['optimizer_state_bytes'])} |")
     lines.append(f"\nOptimiser state ratio (LoRA / full): {record['optimizer_state_ratio']:.4f}; with gradients: {record['state_and_gradient_ratio']:.4f}.")
-    return _finish(lines, record)
+    return lines
 
 
-def _served(record: dict) -> str:
+def _served(record: dict) -> list[str]:
     shapes = record["shapes"]
     lines = [f"## A served teacher against a top-k cache, tiny pair, B = {shapes['batch']}, top-{shapes['top_k']}\n", _setting(record),
              "A whole `Trainer.fit` step on the same completions; `cached` reads the teacher's top-k log-probs from a cache, "
@@ -270,10 +282,10 @@ def _served(record: dict) -> str:
     verdict = "met" if record["ratio"] <= record["target"] else "not met"
     lines.append(f"\n`served` / `cached`: {record['ratio']:.2f}x (target {verdict})"
                  + (f"; without prefetch {record['ratio_no_prefetch']:.2f}x." if "ratio_no_prefetch" in record else "."))
-    return _finish(lines, record)
+    return lines
 
 
-def _cache_size(record: dict) -> str:
+def _cache_size(record: dict) -> list[str]:
     shapes, formats, compact = record["shapes"], record["formats"], record["formats"]["compact"]
     title = {"tiny": "the tiny teacher", "smollm2": "SmolLM2-135M-Instruct", "synthetic": "uniformly random ids"}[record["case"]]
     lines = [f"## Teacher cache size, {title}, V = {shapes['vocab']:,}, k = {shapes['top_k']}, {shapes['tokens']:,} tokens "
@@ -297,10 +309,10 @@ def _cache_size(record: dict) -> str:
                   "| bits | u0 | U | bytes per token | forward KL difference | reverse KL difference |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
         lines += [f"| {row['logprob_bits']} | {row['u0']:g} | {row['clip']:g} | {row['tensor_bytes_per_token']:.1f} | "
                   f"{row['forward_difference']:+.2e} | {row['reverse_difference']:+.2e} |" for row in record["sweep"]]
-    return _finish(lines, record)
+    return lines
 
 
-def _packing(record: dict) -> str:
+def _packing(record: dict) -> list[str]:
     lines = [f"## Padding-free micro-batches, {record['lengths']} lengths, B = {record['batch']} x {record['micro_batches']} micro-batches, "
              f"prompts up to {record['max_prompt_tokens']} + completions up to {record['max_completion_tokens']} tokens, {record['dtype']}\n",
              _setting(record),
@@ -326,10 +338,10 @@ def _packing(record: dict) -> str:
                  f"Share of the possible gain there: {'-' if best['gain_share'] is None else format(best['gain_share'], '.2f')} "
                  f"({'at least' if record['meets_gain_share'] else 'below'} 0.8). Largest loss difference between the layouts: "
                  f"{record['largest_loss_difference']:.1e} (tolerance {record['loss_tolerance']:.0e}).")
-    return _finish(lines, record)
+    return lines
 
 
-def _overlap(record: dict) -> str:
+def _overlap(record: dict) -> list[str]:
     variants = record["variants"]
     lines = [f"## Generation overlapped with training, tiny pair, B = {record['batch']}, completions of {record['max_completion_tokens']} tokens\n",
              _setting(record),
@@ -345,10 +357,10 @@ def _overlap(record: dict) -> str:
         per_fit = ", ".join(format(f["wall_per_step"], ".3f") for f in row["fits"])
         lines.append(f"| {name} | {row['step_s']:.3f} | {per_fit} | {lag_text} |")
     lines.append(f"\nOverlapped / synchronous: {record['ratio']:.3f} (below 1: the overlap pays on this machine).")
-    return _finish(lines, record)
+    return lines
 
 
-def _served_quickstart(record: dict) -> str:
+def _served_quickstart(record: dict) -> list[str]:
     results = record["results"]
     lines = ["## A served teacher in the quickstart's own step, tiny pair\n", _setting(record),
              f"`{record['setting']}`: the same fit with its teacher in the training process and behind kdlab's loopback server "
@@ -360,10 +372,10 @@ def _served_quickstart(record: dict) -> str:
                      f"{', '.join(format(x, '.3f') for x in row['fits_step_s'])} |")
     lines.append(f"\nServed / in-process: {record['ratio']:.2f}x. Target (issue #43): at most {record['target']}x: "
                  f"{'met' if record['ratio'] <= record['target'] else 'not met'}.")
-    return _finish(lines, record)
+    return lines
 
 
-def _estimate_check(record: dict) -> str:
+def _estimate_check(record: dict) -> list[str]:
     lines = ["## `kdlab estimate`'s time model against real CPU fits\n", _setting(record),
              "Each pair's short fit timed by part (the training step, each evaluation), against the time model at the lengths "
              "the fit decoded, on the CPU constants the script's calibration measured. Ratio: estimated / measured; "
@@ -385,7 +397,7 @@ def _estimate_check(record: dict) -> str:
         for part, seconds in result.get("not_modelled_s", {}).items():
             lines.append(f"| {pair} | {part} (not modelled) | {seconds:.3f} | - | - | - | - | - | - |")
     lines.append(f"\nEvery modelled part within {record['tolerance']:.0%}: {'yes' if record['all_within_30_percent'] else 'no'}.")
-    return _finish(lines, record)
+    return lines
 
 
 RENDERERS = {"real_vocab_step": _step, "cache_size": _cache_size, "cross_tokenizer_step": _cross, "lora_memory": _lora, "served_teacher_step": _served, "kl_memory": _memory, "fused_head_memory": _fused, "mixture_decoding": _decoding,
@@ -401,7 +413,7 @@ def render(results: Path = RESULTS) -> str:
         kind = next((k for k in RENDERERS if path.name.startswith(k + "-")), None)
         if kind is None:
             raise SystemExit(f"{path}: no renderer for this result file")
-        sections.append(f"<!-- from benchmarks/results/{path.name} -->\n" + RENDERERS[kind](json.loads(path.read_text())))
+        sections.append(f"<!-- from benchmarks/results/{path.name} -->\n" + render_section(kind, json.loads(path.read_text())))
     return "\n".join(sections)
 
 

@@ -292,7 +292,7 @@ def test_a_gpu_record_cut_off_by_its_time_limit_renders_what_it_finished_and_say
 
     record = json.loads((BENCHMARKS / "results/gpu-nvidia-h200.json").read_text())
     assert record["complete"] is False and set(record["sections"]) == {"decode"}
-    page = render._gpu(record)
+    page = render.render_section("gpu", record)
     assert "stopped at its time limit" in page and page.count("not reached") == 4
     assert f"| teacher (7.62B) | 8 | {record['sections']['decode']['teacher']['results'][1]['kdlab']['tokens_per_s']:.0f} |" in page
 
@@ -338,9 +338,9 @@ def test_the_decode_benchmark_smoke_path_compares_with_generate_on_the_tiny_pair
             # the Countdown prompts share their instruction: prefilled once at B = 2, not at B = 1
             assert (row["shared_prompt_tokens"] > 300) == (row["batch"] == 2)
     sys.path.insert(0, str(BENCHMARKS))
-    from render import _decode
+    from render import render_section
 
-    page = _decode(record)
+    page = render_section("decode", record)
     assert page.count("| tiny-") == 4 and "--smoke" in page and "| shared |" in page and "whole prefill / HF" in page
     assert run_benchmark("benchmarks/decode.py", "--smoke", timeout=120).returncode != 0  # a smoke run names its own file
 
@@ -648,3 +648,35 @@ def test_the_page_refuses_a_failed_runs_file(tmp_path):
     (tmp_path / "decode-cpu-FAILED.json").write_text("{}")
     with pytest.raises(SystemExit, match="a failed run's file"):
         render.render(tmp_path)
+
+
+def committed_results() -> dict:
+    """Every committed result file: name -> (its renderer's kind, its record)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import render
+
+    found = {}
+    for path in sorted((BENCHMARKS / "results").glob("*.json")):
+        kind = next(k for k in render.RENDERERS if path.name.startswith(k + "-"))
+        found[path.name] = (kind, json.loads(path.read_text()))
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(committed_results()))
+def test_a_committed_result_found_no_problems(name):
+    """No committed file is a run whose own checks failed (problems, or a GPU run's failed sections)."""
+    import render
+
+    kind, record = committed_results()[name]
+    assert render._problems(record) == []
+
+
+@pytest.mark.parametrize("name", sorted(committed_results()))
+def test_a_problem_in_any_result_file_reaches_its_page_section(name):
+    """Whatever its kind, a record that carries a problem renders it (the memory, fused, decode and mixture
+    sections used to drop ``problems``)."""
+    import render
+
+    kind, record = committed_results()[name]
+    injected = {**record, "problems": [*record.get("problems", []), "the loss saw 353 columns, not V"]}
+    assert "the loss saw 353 columns, not V" in render.render_section(kind, injected)
