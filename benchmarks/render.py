@@ -341,6 +341,15 @@ def _packing(record: dict) -> list[str]:
     return lines
 
 
+def _overlap_verdict(ratio: float, cores: int) -> str:
+    """What an overlapped / synchronous step-time ratio says, read from the ratio itself."""
+    if ratio < 1:
+        return "below 1: the overlap paid on this machine"
+    if ratio > 1:
+        return f"above 1: the overlap cost time on this machine, where the server and the trainer share {cores} cores"
+    return "1: the overlap neither paid nor cost on this machine"
+
+
 def _overlap(record: dict) -> list[str]:
     variants = record["variants"]
     lines = [f"## Generation overlapped with training, tiny pair, B = {record['batch']}, completions of {record['max_completion_tokens']} tokens\n",
@@ -356,7 +365,7 @@ def _overlap(record: dict) -> list[str]:
         lag_text = "; ".join(", ".join(f"{x:g}" for x in lag) for lag in lags)
         per_fit = ", ".join(format(f["wall_per_step"], ".3f") for f in row["fits"])
         lines.append(f"| {name} | {row['step_s']:.3f} | {per_fit} | {lag_text} |")
-    lines.append(f"\nOverlapped / synchronous: {record['ratio']:.3f} (below 1: the overlap pays on this machine).")
+    lines.append(f"\nOverlapped / synchronous: {record['ratio']:.3f} ({_overlap_verdict(record['ratio'], record['cores'])}).")
     return lines
 
 

@@ -680,3 +680,13 @@ def test_a_problem_in_any_result_file_reaches_its_page_section(name):
     kind, record = committed_results()[name]
     injected = {**record, "problems": [*record.get("problems", []), "the loss saw 353 columns, not V"]}
     assert "the loss saw 353 columns, not V" in render.render_section(kind, injected)
+
+
+def test_the_overlap_verdict_follows_the_ratio():
+    """An overlapped step slower than the synchronous one (ratio 1.2) is not reported as the overlap paying."""
+    import render
+
+    kind, record = committed_results()["overlap-tiny.json"]
+    slower = render.render_section(kind, {**record, "ratio": 1.2})
+    assert "Overlapped / synchronous: 1.200 (above 1: the overlap cost time" in slower and "pays" not in slower and "paid" not in slower
+    assert "(below 1: the overlap paid on this machine)" in render.render_section(kind, {**record, "ratio": 0.8})
