@@ -104,6 +104,37 @@ def machine() -> dict[str, object]:
             "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()]}
 
 
+SHARED_MARGIN = 0.5  # load above the run's own processes x threads that says others ran
+
+
+def shared_machine(one_minute_loads: list[float], own_cores: int) -> bool:
+    """Whether other processes ran: a 1-minute load average above ``own_cores`` (the run's processes x threads)
+    + :data:`SHARED_MARGIN`."""
+    return max(one_minute_loads) > own_cores + SHARED_MARGIN
+
+
+class LoadWatch:
+    """The machine's load around a timed run: ``os.getloadavg()`` when it starts and ends, and the 1-minute
+    average at each :meth:`sample` (after each fit, batch or variant). :meth:`record` says the machine was shared
+    when a 1-minute reading during or after the run exceeded what the run's own work accounts for, ``processes x
+    threads`` + 0.5 (``processes``: those of the run that compute at once, a server's included). The reading before
+    is kept, not judged: the minute average still counts work that stopped just before the run."""
+
+    def __init__(self, processes: int, threads: int) -> None:
+        self.processes, self.threads = processes, threads
+        self.before = [round(x, 2) for x in os.getloadavg()]
+        self.samples: list[float] = []
+
+    def sample(self) -> None:
+        self.samples.append(round(os.getloadavg()[0], 2))
+
+    def record(self) -> dict:
+        after = [round(x, 2) for x in os.getloadavg()]
+        own = self.processes * self.threads
+        return {"load_average_before": self.before, "load_average_1min_samples": self.samples, "load_average_after": after,
+                "own_processes": self.processes, "own_cores": own, "shared_machine": shared_machine([*self.samples, after[0]], own)}
+
+
 def provenance(root: Path = ROOT) -> dict:
     """Which code wrote a result: ``commit`` (``git rev-parse HEAD``), ``clean`` (no file of the tree differs from
     that commit, untracked files included, result files under ``benchmarks/results/`` left out: a run writes

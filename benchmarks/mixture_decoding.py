@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, random_pair, finish  # noqa: E402
+from common import LoadWatch, check_threads, random_pair, finish  # noqa: E402
 
 
 def median_time(fn, repeats: int) -> float:
@@ -65,15 +65,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="result file (default benchmarks/results/mixture_decoding-V<V>.json)")
     args = parser.parse_args()
     torch.set_num_threads(check_threads(args.threads))
+    watch = LoadWatch(processes=1, threads=args.threads)
     with tempfile.TemporaryDirectory() as folder:
         student, teacher = random_pair(args.vocab, Path(folder))
         times = decode_times(student, teacher, args.decode, args.repeats, args.vocab)
+    watch.sample()
     ratio = times["mixture"] / (times["student"] + times["teacher"])
     print(f"V={args.vocab}, 8 prompts x {args.decode} tokens, {torch.get_num_threads()} thread(s), median of {args.repeats}")
     print(f"joint mixture {times['mixture']:.3f} s, student alone {times['student']:.3f} s + teacher alone {times['teacher']:.3f} s, "
           f"ratio {ratio:.3f} (target <= 1.15: {'met' if ratio <= 1.15 else 'NOT met'})")
     payload = {"shapes": {"vocab": args.vocab, "prompts": 8, "new_tokens": args.decode}, "threads": torch.get_num_threads(),
-               "repeats": args.repeats, "times_s": times, "ratio": ratio, "target": 1.15}
+               "repeats": args.repeats, "times_s": times, "ratio": ratio, "target": 1.15, **watch.record(), "problems": []}
     finish(f"mixture_decoding-V{args.vocab}", payload, out=args.out)
 
 

