@@ -144,7 +144,7 @@ def main() -> None:
             if f["student_columns"] != f["student_vocabulary"]:
                 problems.append(f"{variant}: the objective got {f['student_columns']} student columns, the tokenizer has {f['student_vocabulary']}")
         results[variant] = {k: v for k, v in first.items() if k not in ("seconds", "rows", "threads")}
-        results[variant].update({"median_step_s": statistics.median(steps), "steps_timed": len(steps)})
+        results[variant].update({"median_step_s": statistics.median(steps), "steps_timed": len(steps), "steps_s": steps})
     same = results["same"]["median_step_s"]
     for variant, row in results.items():
         row["ratio_to_same"] = row["median_step_s"] / same

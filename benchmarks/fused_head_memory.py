@@ -90,7 +90,7 @@ def child(args) -> None:
         else:
             times.append(time.perf_counter() - start)
     assert hidden.shape == (BATCH, args.tokens // BATCH, args.hidden) and weight.shape == (args.vocab, args.hidden)
-    print(json.dumps({"extra_mib": extra, "time_s": statistics.median(times), "reset": reset, "threads": torch.get_num_threads()}))
+    print(json.dumps({"extra_mib": extra, "time_s": statistics.median(times), "times_s": times, "reset": reset, "threads": torch.get_num_threads()}))
 
 
 def main() -> None:

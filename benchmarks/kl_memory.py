@@ -122,7 +122,8 @@ def child(args: argparse.Namespace) -> None:
             extra_kib = proc_kib("VmHWM") - baseline  # student.grad is still alive here
         else:
             times.append(elapsed)
-    print(json.dumps({"extra_mib": extra_kib / 1024, "time_s": statistics.median(times), "reset": reset, "threads": torch.get_num_threads()}))
+    print(json.dumps({"extra_mib": extra_kib / 1024, "time_s": statistics.median(times), "times_s": times, "reset": reset,
+                      "threads": torch.get_num_threads()}))
 
 
 def check(args: argparse.Namespace) -> dict:

@@ -234,6 +234,7 @@ def main() -> None:
         "best": best, "speedup": best["speedup"], "gain_share": best["gain_share"],
         "target_share": TARGET_SHARE, "target_tokens_per_s": target, "meets_target": best["meets_target"],
         "meets_gain_share": best["gain_share"] is not None and best["gain_share"] >= TARGET_SHARE,
+        "passes_s": {name: [sum(per[r] for per in values) for r in range(repeats)] for name, values in times.items()},
         "largest_loss_difference": loss_gap, "loss_tolerance": TOLERANCE, "shapes": shapes, **watch.record(), "problems": problems,
     }
     finish(f"packing-{lengths}", payload, out=args.out)

@@ -46,6 +46,16 @@ def _setting(record: dict) -> str:
     return (f"`{record['command']}`\n\nMachine: {machine['cpu']}, {machine['cores']} cores, {record['threads']} thread(s); {versions}.{load}\n")
 
 
+def _span(values: list[float] | None, digits: int = 3) -> str:
+    """``min-max`` of a run's timings, or "not recorded" (a file from before they were kept)."""
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f}" if values else "not recorded"
+
+
+def _runs_kept(repeats: int) -> str:
+    """What a GPU section can say of its spread: one run has none; more were not kept run by run."""
+    return ": one run, no min-max spread" if repeats == 1 else "; the runs' min-max is not kept in this file"
+
+
 def _problems(record: dict) -> list[str]:
     """What the run's own checks found: ``problems``, and a GPU run's failed sections and each section's problems."""
     found = list(record.get("problems", []))
@@ -99,16 +109,19 @@ def _step(record: dict) -> list[str]:
              _setting(record),
              "`x floor` divides by the floor (teacher forward + student forward/backward with cross-entropy + AdamW, "
              "same positions); `x bare` by the same without any loss (a constant logits gradient): no implementation "
-             "that materialises logits can go below it. Extra memory: peak RSS of one step above the RSS before it.\n"]
+             "that materialises logits can go below it. Extra memory: peak RSS of one step above the RSS before it. "
+             f"Step s: the median of {record['repeats']} steps after a warm-up step; min-max: the fastest and slowest of those steps.\n"]
     for dtype, rows in record["results"].items():
         bare = rows.get("bare", {}).get("time_s")
-        lines += [f"\n{dtype}:\n", "| variant | step s | x floor | x bare | tokens/s | extra peak MiB |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"\n{dtype}:\n", "| variant | step s | min-max s | x floor | x bare | tokens/s | extra peak MiB |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for variant, row in rows.items():
             if "time_s" not in row:
-                lines.append(f"| {variant} | {'skipped: ' + row['skipped'] if 'skipped' in row else 'failed'} | | | | |")
+                lines.append(f"| {variant} | {'skipped: ' + row['skipped'] if 'skipped' in row else 'failed'} | | | | | |")
                 continue
             x_bare = f"{row['time_s'] / bare:.2f}" if bare else "-"
-            lines.append(f"| {variant} | {row['time_s']:.3f} | {row['floor_ratio']:.2f} | {x_bare} | {row['tokens_per_s']:.0f} | {row['extra_peak_mib']:.0f} |")
+            lines.append(f"| {variant} | {row['time_s']:.3f} | {_span(row['times_s'][1:])} | {row['floor_ratio']:.2f} | {x_bare} | "
+                         f"{row['tokens_per_s']:.0f} | {row['extra_peak_mib']:.0f} |")
     for dtype, rows in record["results"].items():  # said in words, from the same numbers
         logits, fused = rows.get("kdlab", {}).get("time_s"), rows.get("kdlab-fused", {}).get("time_s")
         if logits and fused and fused > logits:
@@ -123,9 +136,12 @@ def _memory(record: dict) -> list[str]:
     shapes = record["shapes"]
     title = "ForwardKL" if record["objective"] == "forward_kl" else "GRPO policy log-probs"
     lines = [f"## {title} alone, forward + backward, N = {shapes['tokens']:,}, V = {shapes['vocab']:,}, {record['dtype']}\n", _setting(record),
-             "| implementation | extra peak MiB | x naive | time s | x naive |", "| --- | ---: | ---: | ---: | ---: |"]
+             f"Each implementation in its own process: memory from its first run; time s the median of {record['repeats']} runs after it, "
+             "min-max the fastest and slowest of them.\n",
+             "| implementation | extra peak MiB | x naive | time s | min-max s | x naive |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for impl, row in record["results"].items():
-        lines.append(f"| {impl} | {row['extra_mib']:.0f} | {row['extra_ratio']:.3f} | {row['time_s']:.2f} | {row['time_ratio']:.2f} |")
+        lines.append(f"| {impl} | {row['extra_mib']:.0f} | {row['extra_ratio']:.3f} | {row['time_s']:.2f} | {_span(row.get('times_s'), 2)} | "
+                     f"{row['time_ratio']:.2f} |")
     return lines
 
 
@@ -133,18 +149,23 @@ def _fused(record: dict) -> list[str]:
     shapes = record["shapes"]
     title = "forward KL" if record["objective"] == "forward_kl" else "GRPO policy term"
     lines = [f"## {title} from hidden states, N = {shapes['tokens']:,}, V = {shapes['vocab']:,}, H = {shapes['hidden']:,}, fp32\n",
-             _setting(record), "| implementation | extra peak MiB | x naive | time s | x naive |", "| --- | ---: | ---: | ---: | ---: |"]
+             _setting(record), f"Each implementation in its own process: memory from its first run; time s the median of {record['repeats']} "
+             "runs after it, min-max the fastest and slowest of them.\n",
+             "| implementation | extra peak MiB | x naive | time s | min-max s | x naive |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for impl, row in record["results"].items():
-        lines.append(f"| {impl} | {row['extra_mib']:.0f} | {row['extra_ratio']:.2f} | {row['time_s']:.2f} | {row['time_ratio']:.2f} |")
+        lines.append(f"| {impl} | {row['extra_mib']:.0f} | {row['extra_ratio']:.2f} | {row['time_s']:.2f} | {_span(row.get('times_s'), 2)} | "
+                     f"{row['time_ratio']:.2f} |")
     return lines
 
 
 def _decoding(record: dict) -> list[str]:
-    shapes, times = record["shapes"], record["times_s"]
+    shapes, times, runs = record["shapes"], record["times_s"], record.get("runs_s", {})
     return [
         f"## Mixture decoding, V = {shapes['vocab']:,}, {shapes['prompts']} prompts x {shapes['new_tokens']} tokens\n", _setting(record),
-        "| joint mixture s | student alone s | teacher alone s | ratio (target <= 1.15) |", "| ---: | ---: | ---: | ---: |",
-        f"| {times['mixture']:.3f} | {times['student']:.3f} | {times['teacher']:.3f} | {record['ratio']:.3f} |",
+        f"Each time is the median of {record['repeats']} decodes after a warm-up decode; min-max the fastest and slowest of them.\n",
+        "| | joint mixture | student alone | teacher alone | ratio (target <= 1.15) |", "| --- | ---: | ---: | ---: | ---: |",
+        f"| median s | {times['mixture']:.3f} | {times['student']:.3f} | {times['teacher']:.3f} | {record['ratio']:.3f} |",
+        f"| min-max s | {_span(runs.get('mixture'))} | {_span(runs.get('student'))} | {_span(runs.get('teacher'))} | |",
         "\nThe sum of the two models decoding alone is not a floor for the joint loop: each alone samples from its "
         "own V-wide distribution every token, the joint loop samples once from the mixture and shares the loop's "
         "bookkeeping, so a ratio below 1 is expected at a large V.",
@@ -196,7 +217,7 @@ def _decode(record: dict) -> list[str]:
              f"{record['new_tokens']} new tokens\n", _setting(record),
              "Sampling at temperature 1, no end token (every row decodes exactly N tokens on every side, checked), the same "
              "left-padded Countdown-3 prompts; the sides measured interleaved, median of "
-             f"{record['repeats']} runs each. `kdlab` is the static-cache decoder as every kdlab rollout runs it (the default "
+             f"{record['repeats']} runs each (`min-max s`: the fastest and slowest of them). `kdlab` is the static-cache decoder as every kdlab rollout runs it (the default "
              "`compile=\"cuda\"`: its eager step on a CPU); `HF generate` is `generate` as HF runs it by default (eager, dynamic cache)"
              + (". `compiled`: kdlab's step compiled with `compile=\"always\"` (inductor; kdlab never compiles on a CPU), "
                 "`first run - median s` its warm-up run (which compiles) less its median run" if compiled else "")
@@ -206,9 +227,10 @@ def _decode(record: dict) -> list[str]:
              + (" `shared`: the leading prompt tokens every row shares, which kdlab prefills once; `whole prefill / HF`: kdlab's "
                 "decoder prefilling every prompt whole, as `generate` does (- where the prompts share no prefix: the same decode)." if whole else "") + "\n"]
     lines += ["| model | batch | padded prompt width |" + (" shared |" if whole else "") + " kdlab tok/s | HF generate tok/s | kdlab / HF | paired |"
+              + " kdlab min-max s | HF min-max s |"
               + (" whole prefill / HF |" if whole else "") + (" compiled tok/s | compiled / HF | first run - median s |" if compiled else "")
               + (" HF compiled tok/s | compiled / HF compiled |" if hf_compiled else "") + " greedy rows identical |",
-              "| --- | ---: | ---: |" + (" ---: |" if whole else "") + " ---: | ---: | ---: | ---: |" + (" ---: |" if whole else "")
+              "| --- | ---: | ---: |" + (" ---: |" if whole else "") + " ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if whole else "")
               + (" ---: | ---: | ---: |" if compiled else "") + (" ---: | ---: |" if hf_compiled else "") + " ---: |"]
     for model, rows in record["results"].items():
         for row in rows:
@@ -219,7 +241,8 @@ def _decode(record: dict) -> list[str]:
             shared = f" {row['shared_prompt_tokens']} |" if whole else ""
             prefill = (f" {row['whole_prefill_ratio']:.3f} |" if "whole_prefill_ratio" in row else " - |") if whole else ""
             lines.append(f"| {model} | {row['batch']} | {row['prompt_tokens']} |{shared} {row['kdlab']['tokens_per_s']:.1f} | "
-                         f"{row['hf']['tokens_per_s']:.1f} | {row['ratio']:.3f} | {row['paired_ratio_median']:.3f} |{prefill}{extra} "
+                         f"{row['hf']['tokens_per_s']:.1f} | {row['ratio']:.3f} | {row['paired_ratio_median']:.3f} | "
+                         f"{_span(row['kdlab']['times_s'])} | {_span(row['hf']['times_s'])} |{prefill}{extra} "
                          f"{row['greedy_rows_identical']} |")
     lines += _decode_targets(record)
     return lines
@@ -251,18 +274,20 @@ def _gpu(record: dict) -> list[str]:
                       f"median of {section['repeats']} run(s) after a warm-up run (`kdlab first run s`: the warm-up, where the "
                       "step is compiled and captured). Greedy rows identical: over the first `greedy tokens`, against "
                       "`generate(do_sample=False)`.\n",
-                      "| model | batch | kdlab tok/s | HF generate tok/s | kdlab / HF | kdlab first run s | greedy rows identical |",
-                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                      "| model | batch | kdlab tok/s | HF generate tok/s | kdlab / HF | kdlab min-max s | HF min-max s | kdlab first run s | greedy rows identical |",
+                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
             for model in ("student", "teacher"):
                 for row in section[model]["results"]:
                     lines.append(f"| {model} ({_count(section[model]['parameters'])}) | {row['batch']} | {row['kdlab']['tokens_per_s']:.0f} | "
-                                 f"{row['hf']['tokens_per_s']:.0f} | {row['ratio']:.2f} | {row['kdlab']['first_run_s']:.1f} | "
+                                 f"{row['hf']['tokens_per_s']:.0f} | {row['ratio']:.2f} | {_span(row['kdlab'].get('times_s'))} | "
+                                 f"{_span(row['hf'].get('times_s'))} | {row['kdlab']['first_run_s']:.1f} | "
                                  f"{row['greedy_rows_identical']} of {row['greedy_tokens']} tokens |")
         elif name == "step":
             settings = section["settings"]
             lines += [f"`{section['preset']}`'s step through Lightning: {settings['precision']}, student {settings['student_dtype']} master "
                       f"weights, V = {section['vocab']:,}, prompts up to {section['prompt_tokens']} and completions up to "
-                      f"{section['completion_tokens']} tokens ({section['lengths']}). `s` sums each micro-batch's median seconds.\n",
+                      f"{section['completion_tokens']} tokens ({section['lengths']}). `s` sums each micro-batch's median seconds "
+                      f"(median of {record['repeats']} run(s) each{_runs_kept(record['repeats'])}).\n",
                       "| batch | variant | layout | micro-batches | real tokens | s | real tokens/s | peak GiB | peak before AdamW GiB |",
                       "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
             for batch, rows in section["results"].items():
@@ -275,7 +300,8 @@ def _gpu(record: dict) -> list[str]:
             row, two = section["in_process"], section["two_processes"]
             peak = f", peak {row['peak_gib']:.1f} GiB" if row.get("peak_gib") is not None else ""
             lines.append(f"In process: {row['strategy']}, world size {row['world_size']}, teacher {row['teacher_placement']}, fused head, "
-                         f"B = {row['batch_per_rank']} x {row['micro_batches']} micro-batches: {row['tokens_per_s']:.0f} real tokens/s{peak}.")
+                         f"B = {row['batch_per_rank']} x {row['micro_batches']} micro-batches: {row['tokens_per_s']:.0f} real tokens/s{peak} "
+                         f"(each micro-batch's median of {row.get('repeats', record['repeats'])} run(s){_runs_kept(row.get('repeats', record['repeats']))}).")
             lines.append(f"\nTwo processes: {two['skipped']}" if "skipped" in two else
                          f"\nTwo processes: {'finished' if two['finished'] else 'FAILED'}, {two.get('tokens_per_s', 0):.0f} real tokens/s over both ranks.")
         elif name == "vllm":
@@ -285,7 +311,8 @@ def _gpu(record: dict) -> list[str]:
         else:
             lines.append(f"The tiny pair through `Trainer.fit` on {section['threads']} CPU threads of {section['cores']}, the loopback sampler in its "
                          f"own process, B = {section['batch']} x {section['max_completion_tokens']} tokens, {section['steps']} steps: overlapped / "
-                         f"synchronous wall time per step {section['ratio']:.3f}.")
+                         f"synchronous wall time per step {section['ratio']:.3f}, each variant's the mean of {section['repeats']} fit(s) (fits min-max: "
+                         + "; ".join(f"{v} {_span([f['wall_per_step'] for f in section['variants'][v]['fits']])} s" for v in section["variants"]) + ").")
     return lines
 
 
@@ -294,13 +321,13 @@ def _cross(record: dict) -> list[str]:
     lines = [f"## Distillation across tokenizers, {record['pair']} pair, B = {shapes['batch']}, completions up to {shapes['max_completion_tokens']} tokens\n",
              _setting(record),
              f"A whole `Trainer.fit` step (teacher forward, student forward/backward, objective, logging, AdamW) on the task's "
-             f"reference completions; median over {record['repeats']} fit(s) per variant of {record['steps']} steps, the first two "
-             f"of each fit left out. `same`: the teacher shares the student's tokenizer; `cross-identical`: the same pair "
+             f"reference completions; step s: the median of the steps timed (`steps`) over {record['repeats']} fit(s) per variant of "
+             f"{record['steps']} steps, the first two of each fit left out; min-max: the fastest and slowest of them. `same`: the teacher shares the student's tokenizer; `cross-identical`: the same pair "
              f"through `cross_tokenizer`; `cross`: a teacher with another tokenizer. Target: at most {record['target']}x `same`.\n",
-             "| variant | step s | x same | student columns | teacher columns | student tokens | teacher tokens | one-to-one share |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| variant | step s | steps | min-max s | x same | student columns | teacher columns | student tokens | teacher tokens | one-to-one share |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for variant, row in record["results"].items():
-        lines.append(f"| {variant} | {row['median_step_s']:.3f} | {row['ratio_to_same']:.2f} | {row['student_columns']:,} | {row['teacher_columns']:,} "
+        lines.append(f"| {variant} | {row['median_step_s']:.3f} | {row['steps_timed']} | {_span(row.get('steps_s'))} | {row['ratio_to_same']:.2f} | {row['student_columns']:,} | {row['teacher_columns']:,} "
                      f"| {row['student_completion_tokens']} | {row['teacher_completion_tokens']} | {row['one_to_one_share']:.3f} |")
     return lines
 
@@ -330,11 +357,13 @@ def _served(record: dict) -> list[str]:
              f"step to the end of the last, per step, over {record['repeats']} fit(s) per variant of {record['steps']} steps (the first "
              "step of an epoch has nothing prefetched); median s: the median of the same steps' own times; a fit during which other "
              f"processes used more than {record.get('max_foreign', 0.25):g} core was run again. Target: `served` at most {record['target']}x `cached`.\n",
-             "| variant | prefetch | step s | median s | first-step loss | completion tokens |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]
+             f"Step s is the mean of the {record['repeats']} fits' s per step; fits min-max: the fastest and slowest fit.\n",
+             "| variant | prefetch | step s | fits min-max s | median s | first-step loss | completion tokens |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for variant, row in record["results"].items():
         prefetch = {True: "on", False: "off", None: "n/a"}[row.get("prefetch")]
-        lines.append(f"| {variant} | {prefetch} | {row['step_s']:.3f} | {row['median_step_s']:.3f} | {row['first_loss']:.5f} | {row['completion_tokens']} |")
+        lines.append(f"| {variant} | {prefetch} | {row['step_s']:.3f} | {_span(row['fits_step_s'])} | {row['median_step_s']:.3f} | "
+                     f"{row['first_loss']:.5f} | {row['completion_tokens']} |")
     verdict = "met" if record["ratio"] <= record["target"] else "not met"
     lines.append(f"\n`served` / `cached`: {record['ratio']:.2f}x (target {verdict})"
                  + (f"; without prefetch {record['ratio_no_prefetch']:.2f}x." if "ratio_no_prefetch" in record else "."))
@@ -369,25 +398,29 @@ def _cache_size(record: dict) -> list[str]:
 
 
 def _packing(record: dict) -> list[str]:
+    passes = record.get("passes_s", {})
     lines = [f"## Padding-free micro-batches, {record['lengths']} lengths, B = {record['batch']} x {record['micro_batches']} micro-batches, "
              f"prompts up to {record['max_prompt_tokens']} + completions up to {record['max_completion_tokens']} tokens, {record['dtype']}\n",
              _setting(record),
              "One micro-batch's training work (teacher forward, student forward, forward KL, backward) on fixed completions, "
              "padded rows against packed sequences: `segments`, every sequence in one row with no padding and each "
              "sequence's attention on its own (kdlab's segment attention, the default for sdpa and eager models), and "
-             f"`mask, N`, rows of at most N tokens under a block-diagonal mask; median of {record['repeats']} runs per micro-batch. "
+             f"`mask, N`, rows of at most N tokens under a block-diagonal mask; median of {record['repeats']} runs per micro-batch "
+             "(tokens/s: the real tokens over the sum of those medians; pass min-max s: the fastest and slowest pass over all "
+             "micro-batches). "
              f"Completions average {record['mean_completion_tokens']:.1f} tokens; the padded rows hold {record['padded_tokens']:,} "
              f"tokens for {record['real_tokens']:,} real ones (padding ratio {record['padding_ratio']:.3f}). Tokens/s counts real "
              "tokens. Gain share: (speed-up - 1) / (padding ratio - 1), the part of what removing the padding allows that packing "
              "gained.\n",
-             "| layout | rows (all micro-batches) | row tokens | micro-batches packed | real tokens/s | speed-up | gain share | issue #42 target |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-             f"| padded | {record['batch'] * record['micro_batches']} | {record['padded_tokens']:,} | - | {record['padded_tokens_per_s']:.0f} | 1.000 | - | - |"]
+             "| layout | rows (all micro-batches) | row tokens | micro-batches packed | real tokens/s | pass min-max s | speed-up | gain share | issue #42 target |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+             f"| padded | {record['batch'] * record['micro_batches']} | {record['padded_tokens']:,} | - | {record['padded_tokens_per_s']:.0f} | "
+             f"{_span(passes.get('padded'))} | 1.000 | - | - |"]
     for row in record["packed"]:
         share = "-" if row["gain_share"] is None else f"{row['gain_share']:.2f}"
         label = "packed, segments" if row["attention"] == "segments" else f"packed, mask, N = {row['max_tokens_per_row']}"
         lines.append(f"| {label} | {row['rows']} | {row['row_tokens']:,} | {row['micro_batches_packed']} of "
-                     f"{record['micro_batches']} | {row['tokens_per_s']:.0f} | {row['speedup']:.3f} | {share} | {'met' if row['meets_target'] else 'not met'} |")
+                     f"{record['micro_batches']} | {row['tokens_per_s']:.0f} | {_span(passes.get('packed-' + row['variant']))} | {row['speedup']:.3f} | {share} | {'met' if row['meets_target'] else 'not met'} |")
     best = record["best"]
     lines.append(f"\nTarget (issue #42): packed tokens/s >= 0.8 x padding ratio x padded tokens/s = {record['target_tokens_per_s']:.0f}: "
                  f"{'met' if record['meets_target'] else 'not met'} by the best variant ({best['variant']}). "
@@ -415,12 +448,12 @@ def _overlap(record: dict) -> list[str]:
              "`overlapped` (`OverlappedRollouts(max_lag=1)`): the server writes step k + 1's completions while step k trains. "
              f"Wall time per step from the third step to the last of {record['steps']}, mean over {record['repeats']} fits per "
              f"variant (order alternating), on a machine of {record['cores']} cores shared by the server and the trainer.\n",
-             "| variant | s per step | each fit's s per step | logged policy lag per step |", "| --- | ---: | --- | --- |"]
+             "| variant | s per step (mean of fits) | min-max s | each fit's s per step | logged policy lag per step |", "| --- | ---: | ---: | --- | --- |"]
     for name, row in variants.items():
         lags = sorted({tuple(f["policy_lag"]) for f in row["fits"]})
         lag_text = "; ".join(", ".join(f"{x:g}" for x in lag) for lag in lags)
         per_fit = ", ".join(format(f["wall_per_step"], ".3f") for f in row["fits"])
-        lines.append(f"| {name} | {row['step_s']:.3f} | {per_fit} | {lag_text} |")
+        lines.append(f"| {name} | {row['step_s']:.3f} | {_span([f['wall_per_step'] for f in row['fits']])} | {per_fit} | {lag_text} |")
     lines.append(f"\nOverlapped / synchronous: {record['ratio']:.3f} ({_overlap_verdict(record['ratio'], record['cores'])}).")
     return lines
 
@@ -430,10 +463,11 @@ def _served_quickstart(record: dict) -> list[str]:
     lines = ["## A served teacher in the quickstart's own step, tiny pair\n", _setting(record),
              f"`{record['setting']}`: the same fit with its teacher in the training process and behind kdlab's loopback server "
              f"({record['server']}); {record['steps']} steps per fit, {record['repeats']} fits each, order alternating; "
-             "s per step is the mean of each fit's wall time per step.\n",
-             "| teacher | B | s per step | median step s (steps timed) | each fit's s per step |", "| --- | ---: | ---: | ---: | --- |"]
+             f"s per step is the mean of the {record['repeats']} fits' wall time per step, min-max the fastest and slowest fit.\n",
+             "| teacher | B | s per step | min-max s | median step s (steps timed) | each fit's s per step |", "| --- | ---: | ---: | ---: | ---: | --- |"]
     for name, row in results.items():
-        lines.append(f"| {name} ({row['teacher']}) | {row['batch']} | {row['step_s']:.3f} | {row['median_step_s']:.3f} ({row['steps_timed']}) | "
+        lines.append(f"| {name} ({row['teacher']}) | {row['batch']} | {row['step_s']:.3f} | {_span(row['fits_step_s'])} | "
+                     f"{row['median_step_s']:.3f} ({row['steps_timed']}) | "
                      f"{', '.join(format(x, '.3f') for x in row['fits_step_s'])} |")
     lines.append(f"\nServed / in-process: {record['ratio']:.2f}x. Target (issue #43): at most {record['target']}x: "
                  f"{'met' if record['ratio'] <= record['target'] else 'not met'}.")
@@ -444,7 +478,8 @@ def _estimate_check(record: dict) -> list[str]:
     lines = ["## `kdlab estimate`'s time model against real CPU fits\n", _setting(record),
              "Each pair's short fit timed by part (the training step, each evaluation), against the time model at the lengths "
              "the fit decoded, on the CPU constants the script's calibration measured. Ratio: estimated / measured; "
-             f"within {record['tolerance']:.0%} when |ratio - 1| <= {record['tolerance']}.\n",
+             f"within {record['tolerance']:.0%} when |ratio - 1| <= {record['tolerance']}. Each pair's fit ran once: measured s is that "
+             "fit's (the step's: the median of its steps after the first), with no repeats and so no min-max spread.\n",
              "Decoding s: the clock's time inside the part's decodes (each from its decoder's construction to its last "
              "forward); outside s: the rest of an evaluation (tokenizing prompts, the completions' text, scoring), which the "
              + ("model counts as rows x row_seconds (rows s; row_seconds from the calibration)" if "row_seconds" in record["calibration"]

@@ -786,3 +786,29 @@ def test_a_timing_section_says_when_the_load_shows_other_processes(monkeypatch):
     assert recorded["shared_machine"] and recorded["load_average_1min_samples"] == [2.1] and recorded["own_cores"] == 1
     newer = {**quiet, **recorded}
     assert "(after each fit or batch 2.1; at the end 0.9) exceeded the 1.5" in render.render_section(kind, newer)
+
+
+@pytest.mark.parametrize("name", [n for n, (kind, _) in committed_results().items() if kind not in ("cache_size", "lora_memory")])
+def test_every_timing_section_says_what_its_time_is_of_and_its_spread(name):
+    """A timed figure says how many runs it summarises (median or mean of N) and their min-max, or that the file did
+    not keep them (the memory, fused-head, step and mixture sections said neither)."""
+    import render
+
+    kind, record = committed_results()[name]
+    page = render.render_section(kind, record)
+    assert "median of" in page or "mean of" in page, name
+    assert "min-max" in page or "no min-max spread" in page, name
+
+
+def test_the_spread_columns_are_the_fastest_and_slowest_timed_runs():
+    import render
+
+    kind, record = committed_results()["kl_memory-forward_kl-float32.json"]
+    rows = {impl: {**row, "times_s": [0.61, 0.5, 0.7]} for impl, row in record["results"].items()}
+    assert "| 0.50-0.70 |" in render.render_section(kind, {**record, "results": rows})
+    kind, record = committed_results()["real_vocab_step-smollm2-V49152.json"]
+    steps = {dtype: {v: ({**row, "times_s": [9.0, 1.25, 1.5, 1.0]} if "time_s" in row else row) for v, row in rows.items()}
+             for dtype, rows in record["results"].items()}
+    page = render.render_section(kind, {**record, "results": steps})
+    assert "| 1.000-1.500 |" in page and "9.000" not in page  # the warm-up step is not one of the timed steps
+    assert f"the median of {record['repeats']} steps after a warm-up step" in page
