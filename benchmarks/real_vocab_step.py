@@ -29,8 +29,11 @@ so that the vocabulary dominates. ``--pair smollm2``: the real SmolLM2-135M-Inst
 Time: median step wall time over ``--repeats`` steps after one warm-up step (the optimiser state exists
 from step 1). Memory: peak RSS of step 1 above the RSS before it (``/proc``; torch has no CPU peak
 counter). Before any ratio is printed the script checks that every KL variant received V columns and
-``B x T`` positions in the requested dtype and thread count, and that their first-step losses agree
-(kdlab, fused, textbook, Liger, TRL compute the same forward KL); a mismatch exits 1. Writes
+``B x T`` positions in the requested dtype and thread count, that their first-step losses agree (kdlab, fused,
+textbook, Liger, TRL compute the same forward KL: within 1e-3 of kdlab's in fp32, 5e-2 in bf16, relative), and,
+since the pair's forward and reverse KL agree to 1e-5, that each computes the forward direction on a probe pair
+whose two KLs differ by far (``direction``: 6.27 against 21.6 nats; each variant's own loss call, within 1e-3);
+a mismatch exits 1. Writes
 ``benchmarks/results/real_vocab_step-<pair>-V<V>.json``.
 """
 
@@ -65,6 +68,49 @@ KL_VARIANTS = ("kdlab", "kdlab-fused", "textbook", "liger", "trl")
 VARIANTS = ("floor", "bare", *KL_VARIANTS)
 CLIP = 1.0
 LR = 1e-5
+LOSS_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}  # relative, of kdlab's first-step loss (bf16 peers differ by up to 2.5%)
+PROBE_TOLERANCE = 1e-3  # relative, of the fp32 probe pair's forward KL
+
+
+def textbook_forward_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The ``textbook`` variant's loss: ``(B, T, V)`` logits of both, fp32 log_softmax, ``sum p_T (log p_T - log p_S)``
+    per token, per-sequence mean over ``mask`` ``(B, T)``."""
+    from kdlab.objectives.reduction import token_weights
+
+    log_s = torch.log_softmax(logits.float(), -1)
+    log_t = torch.log_softmax(teacher_logits.float(), -1)
+    return ((log_t.exp() * (log_t - log_s)).sum(-1) * token_weights(mask)).sum()
+
+
+def probe_pair(tokens: int = 6, hidden: int = 8, vocab: int = 64) -> tuple[torch.Tensor, ...]:
+    """Student and teacher hidden states ``(1, tokens, hidden)`` and heads ``(vocab, hidden)`` (fp32, seeded) whose
+    forward KL(teacher || student) and reverse KL(student || teacher) differ by far (the teacher's head 3x larger:
+    6.27 and 21.6 nats): the first-step losses of the benchmark's pair cannot tell the two directions apart (a random
+    pair's two KLs agree to 1e-5), this can."""
+    generator = torch.Generator().manual_seed(0)
+    student_h, student_w = torch.randn(1, tokens, hidden, generator=generator), torch.randn(vocab, hidden, generator=generator)
+    teacher_h, teacher_w = torch.randn(1, tokens, hidden, generator=generator), 3 * torch.randn(vocab, hidden, generator=generator)
+    return student_h, student_w, teacher_h, teacher_w
+
+
+def probe_kls() -> dict:
+    """The probe pair's forward and reverse KL in fp64, token mean."""
+    student_h, student_w, teacher_h, teacher_w = (t.double() for t in probe_pair())
+    log_s, log_t = torch.log_softmax(student_h @ student_w.T, -1), torch.log_softmax(teacher_h @ teacher_w.T, -1)
+    return {"forward_kl": float((log_t.exp() * (log_t - log_s)).sum(-1).mean()), "reverse_kl": float((log_s.exp() * (log_s - log_t)).sum(-1).mean())}
+
+
+def direction_probe(variant: str, loss_of) -> dict:
+    """``variant``'s loss on :func:`probe_pair`, beside the pair's fp64 forward and reverse KL: which direction the
+    variant computes. ``loss_of(student_h, student_w, teacher_h, teacher_w, student_logits, teacher_logits, mask)``
+    is the variant's own loss call; a failure is recorded as ``error`` (:func:`verify` reports it)."""
+    student_h, student_w, teacher_h, teacher_w = probe_pair()
+    mask = torch.ones(student_h.shape[:2], dtype=torch.bool)
+    try:
+        value = float(loss_of(student_h, student_w, teacher_h, teacher_w, student_h @ student_w.T, teacher_h @ teacher_w.T, mask))
+    except Exception as error:  # noqa: BLE001 - recorded, and verify() makes it a problem
+        return {"error": f"{variant}: {type(error).__name__}: {error}"[:500], **probe_kls()}
+    return {"value": value, **probe_kls()}
 
 
 class Observed:
@@ -91,7 +137,6 @@ def lightning_variant(variant: str, args, observed: Observed):
     from kdlab.data import Rollout
     from kdlab.objectives.logits import completion_head_logits, completion_logits
     from kdlab.stages import DistillModule
-    from kdlab.objectives.reduction import token_weights
     from kdlab.tasks import Addition
 
     class Bench(DistillModule):
@@ -124,10 +169,8 @@ def lightning_variant(variant: str, args, observed: Observed):
                     # no allocation, one write pass, and the LM head's backward as every variant pays it
                     logits.backward(logits.detach().fill_(1e-6))
                     loss = logits.new_zeros((), requires_grad=True)  # gradients are already in place
-                else:  # textbook
-                    log_s = torch.log_softmax(logits.float(), -1)
-                    log_t = torch.log_softmax(teacher_logits.float(), -1)
-                    loss = ((log_t.exp() * (log_t - log_s)).sum(-1) * token_weights(mask)).sum()
+                else:
+                    loss = textbook_forward_kl(logits, teacher_logits, mask)
             self.log("train/loss", loss.detach(), batch_size=len(batch))
             return loss
 
@@ -172,8 +215,24 @@ def run_lightning(variant: str, args) -> dict:
                              logger=TensorBoardLogger(logs, name="bench"), enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Clock()])
         trainer.fit(module)
-    record["observed"] = observed.as_dict()
+    record["observed"] = observed.as_dict()  # before the probe, whose small heads the hooks would add
+    if variant in KL_VARIANTS:
+        record["direction"] = direction_probe(variant, lambda *inputs: lightning_probe_loss(variant, module, *inputs))
     return record
+
+
+def lightning_probe_loss(variant: str, module, student_h, student_w, teacher_h, teacher_w, student_logits, teacher_logits, mask):
+    """``variant``'s loss, as its Lightning step computes it, on the probe pair."""
+    from kdlab.objectives import HeadLogits
+
+    if variant == "kdlab":
+        return module.objective(student_logits, teacher_logits, mask)
+    if variant == "kdlab-fused":
+        return module.objective(HeadLogits(student_h, student_w), teacher_logits, mask)
+    if variant == "textbook":
+        return textbook_forward_kl(student_logits, teacher_logits, mask)
+    labels = torch.zeros(mask.numel(), dtype=torch.long)  # read by the hard loss only, weighted 0
+    return module.liger(student_h.reshape(-1, student_h.shape[-1]), student_w, teacher_h.reshape(-1, teacher_h.shape[-1]), teacher_w, labels)
 
 
 def run_trl(args) -> dict:
@@ -228,6 +287,8 @@ def run_trl(args) -> dict:
         if step == 1:
             record["extra_mib"] = (proc_kib("VmHWM") - record["baseline_kib"]) / 1024
     record["observed"] = observed.as_dict()
+    record["direction"] = direction_probe("trl", lambda s_h, s_w, t_h, t_w, s_logits, t_logits, mask: original(
+        s_logits, t_logits, labels=torch.zeros(mask.shape, dtype=torch.long), beta=trainer.beta))  # as compute_loss calls it
     return record
 
 
@@ -308,14 +369,34 @@ def verify(args, dtype: str, results: dict) -> list[str]:
             problems.append(f"{dtype} {variant}: the peak-RSS counter could not be reset")
     first = {v: results[v]["losses"][0] for v in KL_VARIANTS if "losses" in results.get(v, {})}
     if "kdlab" in first:
-        tol = 1e-3 if dtype == "float32" else 5e-2
+        # relative: the random pair's loss is 0.032, where an absolute 5e-2 let a peer's 0 or 2x through
+        tol = LOSS_TOLERANCE[dtype]
         for variant, value in first.items():
-            if abs(value - first["kdlab"]) > tol * max(1.0, abs(first["kdlab"])):
-                problems.append(f"{dtype}: first-step loss of {variant} {value:.6f} differs from kdlab's {first['kdlab']:.6f}")
+            if not abs(value - first["kdlab"]) <= tol * abs(first["kdlab"]):
+                problems.append(f"{dtype}: first-step loss of {variant} {value:.6f} differs from kdlab's {first['kdlab']:.6f} "
+                                f"by more than {tol:g} of it")
+    for variant in KL_VARIANTS:
+        if "time_s" in results.get(variant, {}):
+            problems += direction_problems(f"{dtype} {variant}", results[variant].get("direction"))
     bare, logits_path = results.get("bare", {}).get("time_s"), results.get("kdlab", {}).get("time_s")
     if bare and logits_path and logits_path < 0.9 * bare:  # (the fused path never builds logits: bare is no floor for it)
         problems.append(f"{dtype} kdlab: {logits_path:.3f} s is below the bare floor {bare:.3f} s")
     return problems
+
+
+def direction_problems(label: str, probe: dict | None) -> list[str]:
+    """What :func:`direction_probe`'s record says is wrong: missing, failed, a pair whose two directions do not differ,
+    or a loss that is not the pair's forward KL (within :data:`PROBE_TOLERANCE` of it, relative)."""
+    if not probe:
+        return [f"{label}: no direction probe recorded"]
+    if "error" in probe:
+        return [f"{label}: the direction probe failed: {probe['error']}"]
+    forward, reverse, value = probe["forward_kl"], probe["reverse_kl"], probe["value"]
+    if abs(forward - reverse) <= 0.1 * abs(forward):
+        return [f"{label}: the probe pair's forward {forward:.4f} and reverse {reverse:.4f} KL do not differ: the direction is untested"]
+    if not abs(value - forward) <= PROBE_TOLERANCE * abs(forward):
+        return [f"{label}: on a pair with forward KL {forward:.4f} and reverse KL {reverse:.4f} its loss is {value:.4f}: not the forward KL"]
+    return []
 
 
 def summary(args, dtype: str, results: dict) -> dict:
@@ -328,6 +409,8 @@ def summary(args, dtype: str, results: dict) -> dict:
             continue
         rows[variant] = {"time_s": r["time_s"], "times_s": r["times"], "extra_peak_mib": r["extra_mib"], "tokens_per_s": tokens / r["time_s"],
                          "first_loss": r["losses"][0], "floor_ratio": r["time_s"] / floor if floor else None, "observed": r["observed"]}
+        if "direction" in r:
+            rows[variant]["direction"] = r["direction"]
         if "trl_positions" in r:
             rows[variant]["logit_positions_per_sequence"] = r["trl_positions"]
     return rows

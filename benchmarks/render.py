@@ -128,6 +128,16 @@ def _step(record: dict) -> list[str]:
             lines.append(f"\nIn {dtype} the fused path was slower than the logits path on this machine "
                          f"({fused / logits:.2f}x its step time), at {rows['kdlab-fused']['extra_peak_mib']:.0f} vs "
                          f"{rows['kdlab']['extra_peak_mib']:.0f} MiB extra peak memory.")
+    probes = {dtype: {v: row["direction"] for v, row in rows.items() if "direction" in row} for dtype, rows in record["results"].items()}
+    if any(probes.values()):
+        for dtype, found in probes.items():
+            kls = next(iter(found.values()))
+            lines.append(f"\nDirection ({dtype} run): on a probe pair whose forward KL is {kls['forward_kl']:.4f} and reverse KL "
+                         f"{kls['reverse_kl']:.4f}, each KL variant's own loss gave " + ", ".join(
+                             f"{v} {p['value']:.4f}" if "value" in p else f"{v} failed" for v, p in found.items()) + ".")
+    else:
+        lines.append("\nThis file predates the direction check: the pair's forward and reverse KL agree to about 1e-5, so the "
+                     "first-step losses above do not show which direction each variant computes.")
     lines += ["\nHow each peer ran:\n"] + [f"- {note}" for note in record.get("notes", [])]
     return lines
 

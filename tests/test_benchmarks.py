@@ -172,7 +172,7 @@ def test_real_vocab_step_flags_a_shrunk_vocabulary_and_disagreeing_losses():
 
     def row(columns=151936, positions=1024, loss=1.0, threads=1, time_s=1.0):
         return {"observed": {"columns": [columns], "positions": [positions], "dtypes": ["float32"]}, "threads": threads,
-                "reset": True, "losses": [loss], "time_s": time_s}
+                "reset": True, "losses": [loss], "time_s": time_s, "direction": {"value": 6.27, "forward_kl": 6.27, "reverse_kl": 21.6}}
 
     assert verify(args, "float32", {"kdlab": row(), "textbook": row()}) == []
     problems = verify(args, "float32", {"kdlab": row(columns=353), "textbook": row(positions=512, loss=1.5, threads=2)})
@@ -812,3 +812,49 @@ def test_the_spread_columns_are_the_fastest_and_slowest_timed_runs():
     page = render.render_section(kind, {**record, "results": steps})
     assert "| 1.000-1.500 |" in page and "9.000" not in page  # the warm-up step is not one of the timed steps
     assert f"the median of {record['repeats']} steps after a warm-up step" in page
+
+
+def test_real_vocab_step_flags_a_peer_loss_of_zero_or_twice_kdlabs_in_bf16():
+    """The random pair's first loss is 0.032: the old absolute bf16 tolerance (5e-2 x max(1, |loss|)) let a peer's
+    0.0 or 2x through; the tolerance is relative now, and bf16 peers 2.5% off (TRL, Liger) still pass."""
+    import argparse
+
+    from real_vocab_step import verify
+
+    args = argparse.Namespace(vocab=151936, batch=2, tokens=512, threads=1)
+    probe = {"value": 6.27, "forward_kl": 6.27, "reverse_kl": 21.6}
+
+    def row(loss):
+        return {"observed": {"columns": [151936], "positions": [1024], "dtypes": ["bfloat16"]}, "threads": 1, "reset": True,
+                "losses": [loss], "time_s": 1.0, "direction": probe}
+
+    for other in (0.0, 2 * 0.03192):
+        assert any("first-step loss of liger" in p for p in verify(args, "bfloat16", {"kdlab": row(0.03192), "liger": row(other)})), other
+    assert verify(args, "bfloat16", {"kdlab": row(0.031924), "trl": row(0.032715)}) == []
+
+
+def test_real_vocab_step_flags_a_loss_in_the_reverse_direction():
+    """A peer computing KL(student || teacher) matches the forward KL on the random pair (the two agree to 1e-5
+    there): the probe pair, whose two KLs differ by far, tells them apart."""
+    import argparse
+
+    from real_vocab_step import direction_probe, probe_kls, textbook_forward_kl, verify
+
+    kls = probe_kls()
+    assert kls["reverse_kl"] > 3 * kls["forward_kl"]
+    args = argparse.Namespace(vocab=1000, batch=1, tokens=4, threads=1)
+
+    def row(probe):
+        return {"observed": {"columns": [1000], "positions": [4], "dtypes": ["float32"]}, "threads": 1, "reset": True,
+                "losses": [1.0], "time_s": 1.0, "direction": probe}
+
+    forward = direction_probe("textbook", lambda s_h, s_w, t_h, t_w, s, t, mask: textbook_forward_kl(s, t, mask))
+    reverse = direction_probe("textbook", lambda s_h, s_w, t_h, t_w, s, t, mask: textbook_forward_kl(t, s, mask))
+    assert forward["value"] == pytest.approx(kls["forward_kl"], rel=1e-5) and reverse["value"] == pytest.approx(kls["reverse_kl"], rel=1e-5)
+    assert verify(args, "float32", {"kdlab": row(forward), "textbook": row(forward)}) == []
+    problems = verify(args, "float32", {"kdlab": row(forward), "textbook": row(reverse)})
+    assert problems == [f"float32 textbook: on a pair with forward KL {kls['forward_kl']:.4f} and reverse KL {kls['reverse_kl']:.4f} "
+                        f"its loss is {kls['reverse_kl']:.4f}: not the forward KL"]
+    broken = direction_probe("liger", lambda *inputs: 1 / 0)
+    assert any("the direction probe failed: liger: ZeroDivisionError" in p for p in verify(args, "float32", {"kdlab": row(forward), "liger": row(broken)}))
+    assert any("no direction probe" in p for p in verify(args, "float32", {"kdlab": row(forward), "textbook": row(None)}))
