@@ -23,6 +23,7 @@ so that the vocabulary dominates. ``--pair smollm2``: the real SmolLM2-135M-Inst
   ``sum p_T (log p_T - log p_S)``, fp32), no diagnostics.
 * ``liger``: the same Lightning step with Liger's ``LigerFusedLinearJSDLoss`` (beta 0 = forward KL,
   ``weight_hard_loss=0``, eager: ``compiled=False``) on hidden states and heads.
+* ``liger-compiled``: the same with ``compiled=True``, Liger's default (its chunk loop through ``torch.compile``).
 * ``trl``: TRL's ``GKDTrainer.compute_loss`` (``lmbda=0`` off-policy, ``beta=0`` forward KL), backward,
   ``clip_grad_norm_`` and ``torch.optim.AdamW`` on the same token ids (its own full-sequence logits).
 
@@ -64,7 +65,7 @@ def specs(args):
         return ModelSpec(SMOLLM2, dtype=args.dtype, layers="every_other"), ModelSpec(SMOLLM2, dtype=args.dtype)
     return ModelSpec(args.student, dtype=args.dtype), ModelSpec(args.teacher, dtype=args.dtype)
 
-KL_VARIANTS = ("kdlab", "kdlab-fused", "textbook", "liger", "trl")
+KL_VARIANTS = ("kdlab", "kdlab-fused", "textbook", "liger", "liger-compiled", "trl")
 VARIANTS = ("floor", "bare", *KL_VARIANTS)
 CLIP = 1.0
 LR = 1e-5
@@ -150,7 +151,7 @@ def lightning_variant(variant: str, args, observed: Observed):
                 return super().training_step(batch, batch_idx)
             rollout = self.make_rollout(batch, 0)
             ids, mask, length = rollout.completion_ids, rollout.completion_mask, rollout.completion_ids.shape[1]
-            if variant == "liger":
+            if variant.startswith("liger"):
                 student_h = completion_head_logits(self.student, rollout.model_inputs("student"), length, self.token_columns)
                 with torch.no_grad():
                     teacher_h = completion_head_logits(self.teacher, rollout.model_inputs("teacher"), length, self.token_columns)
@@ -179,10 +180,11 @@ def lightning_variant(variant: str, args, observed: Observed):
     module = Bench(student_spec, teacher_spec, task, teacher_temperature=1.0,
                    student_temperature=1.0, max_completion_tokens=args.tokens, batch_size=args.batch, lr=LR, warmup_steps=0,
                    fused_lm_head=variant == "kdlab-fused")
-    if variant == "liger":
+    if variant.startswith("liger"):
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 
-        module.liger = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, temperature=1.0, compiled=False)
+        module.liger = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, temperature=1.0,
+                                               compiled=variant == "liger-compiled")  # Liger's default is compiled=True
     if variant in ("kdlab", "kdlab-fused"):
         module.objective.register_forward_pre_hook(lambda mod, inputs: observed.see(inputs[0].shape[-1], inputs[2].sum(), inputs[0].dtype))
     return module
@@ -321,7 +323,7 @@ def available(variant: str) -> str | None:
     """Why ``variant`` cannot run here, or None."""
     import importlib.util
 
-    need = {"liger": "liger_kernel", "trl": "trl"}.get(variant)
+    need = {"liger": "liger_kernel", "liger-compiled": "liger_kernel", "trl": "trl"}.get(variant)
     if need and importlib.util.find_spec(need) is None:
         return f"{need} is not installed (pip install {need.replace('_', '-')})"
     return None
@@ -463,6 +465,7 @@ def main() -> None:
         "(use_liger_kernel, deprecated, only swaps model layer kernels for Triton ones, which need CUDA), so its plain path runs.",
         "liger: LigerFusedLinearJSDLoss from liger_kernel.chunked_loss, pure PyTorch with compiled=False (torch.compile off), "
         "weight_hard_loss=0, beta=0 (forward KL, token mean), on the final hidden states and LM heads.",
+        "liger-compiled: the same with compiled=True, Liger's default (its chunk loop through torch.compile: inductor's C++ kernels on a CPU).",
         "textbook: log_softmax of both (B, T, V) fp32 logits, sum p_T (log p_T - log p_S), per-sequence mean; no diagnostics.",
         "kdlab and kdlab-fused also compute and log the exact kl_forward, kl_reverse and both entropies every step.",
     ]

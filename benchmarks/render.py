@@ -103,6 +103,9 @@ def render_section(kind: str, record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+STEP_LABELS = {"liger": "liger (compiled=False)", "liger-compiled": "liger-compiled (compiled=True, Liger's default)"}
+
+
 def _step(record: dict) -> list[str]:
     shapes = record["shapes"]
     lines = [f"## Distillation step, {record['pair']} pair, V = {shapes['vocab']:,}, B = {shapes['batch']}, T = {shapes['tokens']}\n",
@@ -117,10 +120,10 @@ def _step(record: dict) -> list[str]:
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for variant, row in rows.items():
             if "time_s" not in row:
-                lines.append(f"| {variant} | {'skipped: ' + row['skipped'] if 'skipped' in row else 'failed'} | | | | | |")
+                lines.append(f"| {STEP_LABELS.get(variant, variant)} | {'skipped: ' + row['skipped'] if 'skipped' in row else 'failed'} | | | | | |")
                 continue
             x_bare = f"{row['time_s'] / bare:.2f}" if bare else "-"
-            lines.append(f"| {variant} | {row['time_s']:.3f} | {_span(row['times_s'][1:])} | {row['floor_ratio']:.2f} | {x_bare} | "
+            lines.append(f"| {STEP_LABELS.get(variant, variant)} | {row['time_s']:.3f} | {_span(row['times_s'][1:])} | {row['floor_ratio']:.2f} | {x_bare} | "
                          f"{row['tokens_per_s']:.0f} | {row['extra_peak_mib']:.0f} |")
     for dtype, rows in record["results"].items():  # said in words, from the same numbers
         logits, fused = rows.get("kdlab", {}).get("time_s"), rows.get("kdlab-fused", {}).get("time_s")

@@ -858,3 +858,37 @@ def test_real_vocab_step_flags_a_loss_in_the_reverse_direction():
     broken = direction_probe("liger", lambda *inputs: 1 / 0)
     assert any("the direction probe failed: liger: ZeroDivisionError" in p for p in verify(args, "float32", {"kdlab": row(forward), "liger": row(broken)}))
     assert any("no direction probe" in p for p in verify(args, "float32", {"kdlab": row(forward), "textbook": row(None)}))
+
+
+def test_liger_runs_as_two_rows_eager_and_compiled_its_default(tmp_path, monkeypatch):
+    """Liger's ``LigerFusedLinearJSDLoss`` defaults to ``compiled=True``; the benchmark ran only ``compiled=False``.
+    Both are rows now (``liger`` eager, ``liger-compiled``), each constructed as labelled, and the page labels them."""
+    import argparse
+    import importlib.machinery
+    import types
+
+    import render
+    import real_vocab_step
+    from common import random_pair
+
+    built = []
+
+    class FakeJSD:
+        def __init__(self, **kwargs):
+            built.append(kwargs)
+
+    package, chunked = types.ModuleType("liger_kernel"), types.ModuleType("liger_kernel.chunked_loss")
+    package.__spec__ = importlib.machinery.ModuleSpec("liger_kernel", None)
+    chunked.LigerFusedLinearJSDLoss = FakeJSD
+    monkeypatch.setitem(sys.modules, "liger_kernel", package)
+    monkeypatch.setitem(sys.modules, "liger_kernel.chunked_loss", chunked)
+    assert "liger-compiled" in real_vocab_step.VARIANTS and real_vocab_step.available("liger-compiled") is None
+    student, teacher = random_pair(500, tmp_path, layers=1)
+    args = argparse.Namespace(pair="random", student=student, teacher=teacher, dtype="float32", tokens=4, batch=1, repeats=1)
+    for variant in ("liger", "liger-compiled"):
+        real_vocab_step.lightning_variant(variant, args, real_vocab_step.Observed())
+    assert [kwargs["compiled"] for kwargs in built] == [False, True] and all(kwargs["beta"] == 0.0 for kwargs in built)
+    kind, record = committed_results()["real_vocab_step-random-V151936.json"]
+    rows = {dtype: {**rows, "liger-compiled": rows["liger"]} for dtype, rows in record["results"].items()}
+    page = render.render_section(kind, {**record, "results": rows})
+    assert "| liger (compiled=False) |" in page and "| liger-compiled (compiled=True, Liger's default) |" in page
