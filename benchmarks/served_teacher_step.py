@@ -31,8 +31,8 @@ Time: ``step_s``, the wall time from the start of each fit's third step to the e
 variant, order rotating; ``median_step_s`` is the median of the same steps' own times. A fit during which
 other processes used more than ``--max-foreign`` cores (this machine is shared) is run again, up to
 ``--attempts`` times (``foreign_cores``, ``fits_discarded``). Checked before the ratio is printed: ``B`` rows
-per step, the student's columns, the thread count, and that all variants' first-step losses agree (the same
-top-k teacher). Writes ``benchmarks/results/served_teacher_step-tiny.json``. Target (issue #28): ``served``
+per step, the student's columns (the objective's against the student tokenizer's size), the thread count, and that
+all variants' first-step losses agree (the same top-k teacher). Writes ``benchmarks/results/served_teacher_step-tiny.json``. Target (issue #28): ``served``
 at most 1.3x ``cached`` (``ratio``, of ``step_s``).
 """
 
@@ -148,7 +148,21 @@ def fit(variant: str, args, folder: Path, url: str, cache: str, data: str, task,
     foreign = (busy_after - busy - (own_after - own)) / os.sysconf("SC_CLK_TCK") / (time.perf_counter() - start)
     return {**timer.summary(), "foreign_cores": max(foreign, 0.0), "prefetch": getattr(server, "prefetch", None),
             "request_prompts": getattr(server, "request_prompts", None), "decode_workers": getattr(server, "decode_workers", None),
-            "student_columns": int(student.shape[-1]), "first_loss": first_loss, "completion_tokens": int(rollout.completion_mask.sum())}
+            "student_columns": int(student.shape[-1]), "student_vocabulary": len(module.student_tokenizer), "first_loss": first_loss, "completion_tokens": int(rollout.completion_mask.sum())}
+
+
+def fit_problems(variant: str, fits: list[dict], batch: int, threads: int) -> list[str]:
+    """What a variant's fits measured other than they claim: steps of another B, another thread count, or an
+    objective that got other student columns than the student tokenizer has."""
+    problems = []
+    for f in fits:
+        if f["rows"] != [batch]:
+            problems.append(f"{variant}: steps saw {f['rows']} rows, not B = {batch}")
+        if f["threads"] != [threads]:
+            problems.append(f"{variant}: ran on {f['threads']} threads, not {threads}")
+        if f["student_columns"] != f["student_vocabulary"]:
+            problems.append(f"{variant}: the objective got {f['student_columns']} student columns, the student tokenizer has {f['student_vocabulary']}")
+    return problems
 
 
 def main() -> None:
@@ -212,18 +226,14 @@ def main() -> None:
         server.wait(timeout=30)
     problems, results = [], {}
     for variant, fits in runs.items():
-        for f in fits:
-            if f["rows"] != [args.batch]:
-                problems.append(f"{variant}: steps saw {f['rows']} rows, not B = {args.batch}")
-            if f["threads"] != [args.threads]:
-                problems.append(f"{variant}: ran on {f['threads']} threads, not {args.threads}")
+        problems += fit_problems(variant, fits, args.batch, args.threads)
         steps = [s for f in fits for s in f["seconds"][2:]]
         every = [s for f in fits for s in f["seconds"]]
         results[variant] = {"step_s": statistics.fmean(f["wall_per_step"] for f in fits), "median_step_s": statistics.median(steps),
                             "steps_timed": len(steps), "mean_all_steps_s": statistics.fmean(every),
                             "fits_step_s": [round(f["wall_per_step"], 4) for f in fits],
                             "foreign_cores": [round(f["foreign_cores"], 3) for f in fits], "fits_discarded": discarded.get(variant, 0),
-                            "student_columns": fits[0]["student_columns"], "first_loss": fits[0]["first_loss"],
+                            "student_columns": fits[0]["student_columns"], "student_vocabulary": fits[0]["student_vocabulary"], "first_loss": fits[0]["first_loss"],
                             "completion_tokens": fits[0]["completion_tokens"], "prefetch": fits[0]["prefetch"]}
         if fits[0]["request_prompts"] is not None:
             results[variant]["request_prompts"], results[variant]["decode_workers"] = fits[0]["request_prompts"], fits[0]["decode_workers"]

@@ -919,3 +919,15 @@ def test_the_plain_ce_step_is_no_floor_and_every_logits_building_variant_is_held
         kind, record = committed_results()[name]
         page = render.render_section(kind, record)
         assert "floor" not in page and "| plain CE step | " in page and "| x CE |" in page
+
+
+def test_the_served_teacher_benchmark_checks_the_student_columns_it_claims_to():
+    """Its docstring said the student's columns were checked; they were recorded only. An objective that got other
+    columns than the student tokenizer has is a problem now, beside the rows and threads."""
+    from served_teacher_step import fit_problems
+
+    good = {"rows": [8], "threads": [1], "student_columns": 447, "student_vocabulary": 447}
+    assert fit_problems("served", [good], 8, 1) == []
+    assert fit_problems("served", [{**good, "student_columns": 353}], 8, 1) == [
+        "served: the objective got 353 student columns, the student tokenizer has 447"]
+    assert len(fit_problems("cached", [{**good, "rows": [4], "threads": [2]}], 8, 1)) == 2
