@@ -429,6 +429,9 @@ def _packing(record: dict) -> list[str]:
              "padded rows against packed sequences: `segments`, every sequence in one row with no padding and each "
              "sequence's attention on its own (kdlab's segment attention, the default for sdpa and eager models), and "
              f"`mask, N`, rows of at most N tokens under a block-diagonal mask; median of {record['repeats']} runs per micro-batch "
+             + (f"after {record['warmup_passes']} untimed warm-up pass(es) over all of them " if record.get("warmup_passes")
+                else "with no warm-up run (the first repeat's runs were cold) ")
+             + 
              "(tokens/s: the real tokens over the sum of those medians; pass min-max s: the fastest and slowest pass over all "
              "micro-batches). "
              f"Completions average {record['mean_completion_tokens']:.1f} tokens; the padded rows hold {record['padded_tokens']:,} "

@@ -211,6 +211,8 @@ def test_the_packing_benchmark_smoke_records_what_it_measured(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["smoke"] and record["threads"] == 1 and record["dtype"] == "float32" and record["problems"] == []
+    assert record["warmup_passes"] >= 1  # an untimed pass first: the first repeat's runs used to be cold
+    assert {name: len(values) for name, values in record["passes_s"].items()} == {name: record["repeats"] for name in record["passes_s"]}
     assert record["largest_loss_difference"] <= record["loss_tolerance"] == 1e-5
     shapes = record["shapes"]
     assert len(shapes) == record["micro_batches"] == 2 and all(s["padded"][0] == record["batch"] for s in shapes)
