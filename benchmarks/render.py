@@ -345,13 +345,25 @@ def _cross(record: dict) -> list[str]:
              _setting(record),
              f"A whole `Trainer.fit` step (teacher forward, student forward/backward, objective, logging, AdamW) on the task's "
              f"reference completions; step s: the median of the steps timed (`steps`) over {record['repeats']} fit(s) per variant of "
-             f"{record['steps']} steps, the first two of each fit left out; min-max: the fastest and slowest of them. `same`: the teacher shares the student's tokenizer; `cross-identical`: the same pair "
-             f"through `cross_tokenizer`; `cross`: a teacher with another tokenizer. Target: at most {record['target']}x `same`.\n",
-             "| variant | step s | steps | min-max s | x same | student columns | teacher columns | student tokens | teacher tokens | one-to-one share |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"{record['steps']} steps, the first two of each fit left out; min-max: the fastest and slowest of them. `same`: the "
+             "teacher shares the student's tokenizer; `cross-identical`: the same pair through `cross_tokenizer`; the other rows "
+             f"a teacher with another tokenizer, what each measures said below the table. Target: at most {record['target']}x `same`.\n",
+             "| variant | teacher parameters | step s | steps | min-max s | x same | student columns | teacher columns | student tokens | teacher tokens | one-to-one share |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for variant, row in record["results"].items():
-        lines.append(f"| {variant} | {row['median_step_s']:.3f} | {row['steps_timed']} | {_span(row.get('steps_s'))} | {row['ratio_to_same']:.2f} | {row['student_columns']:,} | {row['teacher_columns']:,} "
+        parameters = f"{row['teacher_parameters']:,}" if "teacher_parameters" in row else "not recorded"
+        lines.append(f"| {variant} | {parameters} | {row['median_step_s']:.3f} | {row['steps_timed']} | {_span(row.get('steps_s'))} | "
+                     f"{row['ratio_to_same']:.2f} | {row['student_columns']:,} | {row['teacher_columns']:,} "
                      f"| {row['student_completion_tokens']} | {row['teacher_completion_tokens']} | {row['one_to_one_share']:.3f} |")
+    for variant, measures in record.get("measures", {}).items():
+        lines.append(f"\n`{variant}` (teacher `{record['teachers'][variant]}`) measures {measures}.")
+    if "measures" not in record:  # files from before the variants said what they measure: read it from the share
+        for variant, row in record["results"].items():
+            if variant not in ("same", "cross-identical") and row["one_to_one_share"] >= 1.0:
+                lines.append(f"\n`{variant}` in this file measures id remapping only: its teacher segmented every reference completion "
+                             f"exactly as the student did (one-to-one share {row['one_to_one_share']:.3f}), another vocabulary "
+                             f"({row['teacher_columns']:,} ids) with the same segmentation; the file predates a variant whose "
+                             "segmentations differ.")
     return lines
 
 

@@ -185,7 +185,7 @@ def test_real_vocab_step_flags_a_shrunk_vocabulary_and_disagreeing_losses():
     ("kl_memory.py", ["--tokens=256", "--vocab=2000"]),
     ("fused_head_memory.py", ["--tokens=256", "--vocab=2000", "--hidden=32"]),
     ("mixture_decoding.py", ["--vocab=1000", "--decode=4"]),
-    ("cross_tokenizer_step.py", ["--steps=3", "--batch=2", "--cross-teacher=kdlab://tiny-random/teacher"]),
+    ("cross_tokenizer_step.py", ["--steps=3", "--batch=2"]),
 ])
 @pytest.mark.slow  # subprocess runs of whole benchmarks, about 30 s each
 def test_each_benchmark_runs_at_toy_size_and_writes_json(script, extra, tmp_path):
@@ -933,3 +933,26 @@ def test_the_served_teacher_benchmark_checks_the_student_columns_it_claims_to():
     assert fit_problems("served", [{**good, "student_columns": 353}], 8, 1) == [
         "served: the objective got 353 student columns, the student tokenizer has 447"]
     assert len(fit_problems("cached", [{**good, "rows": [4], "threads": [2]}], 8, 1)) == 2
+
+
+def test_the_cross_tokenizer_variants_are_checked_against_what_they_measure():
+    """The tiny pair's ``cross`` teacher (teacher-xtok as packaged) segmented every completion as the student
+    (one-to-one share 1.000): it measured id remapping only, under a docstring promising numbers kept whole. ``cross``
+    now needs a share below 1 (a teacher that segments otherwise), teacher-xtok is ``cross-remap`` and needs 1, the
+    teacher's columns are checked like the student's, and the committed file's page says it measured id remapping only."""
+    import cross_tokenizer_step as cross
+    import render
+
+    assert cross.cross_problems("cross", 1.0) == [
+        "cross: the teacher segments every completion as the student does (one-to-one share 1.000): this measures id remapping only, "
+        "not distillation across differing tokenizations"]
+    assert cross.cross_problems("cross", 0.747) == [] and cross.cross_problems("cross-remap", 1.0) == []
+    assert cross.cross_problems("cross-remap", 0.9) == ["cross-remap: labelled id remapping only, but the segmentations differ (one-to-one share 0.900)"]
+    good = {"rows": [8], "threads": [1], "student_columns": 447, "student_vocabulary": 447, "teacher_columns": 999, "teacher_vocabulary": 999}
+    assert cross.fit_problems("cross", [good], 8, 1) == []
+    assert cross.fit_problems("cross", [{**good, "teacher_columns": 447}], 8, 1) == [
+        "cross: the objective got 447 teacher columns, the teacher tokenizer has 999"]
+    assert "keeps numbers whole" not in cross.__doc__ and "id remapping only" in cross.__doc__
+    kind, record = committed_results()["cross_tokenizer_step-tiny.json"]
+    page = " ".join(render.render_section(kind, record).split())
+    assert "`cross` in this file measures id remapping only: its teacher segmented every reference completion exactly as the student did" in page
