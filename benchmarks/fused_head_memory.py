@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, proc_kib, reset_peak_rss, finish  # noqa: E402
+from common import LoadWatch, check_threads, proc_kib, reset_peak_rss, finish  # noqa: E402
 from kl_memory import BATCH  # noqa: E402
 
 from kdlab.objectives import ForwardKL, HeadLogits
@@ -90,7 +90,7 @@ def child(args) -> None:
         else:
             times.append(time.perf_counter() - start)
     assert hidden.shape == (BATCH, args.tokens // BATCH, args.hidden) and weight.shape == (args.vocab, args.hidden)
-    print(json.dumps({"extra_mib": extra, "time_s": statistics.median(times), "reset": reset, "threads": torch.get_num_threads()}))
+    print(json.dumps({"extra_mib": extra, "time_s": statistics.median(times), "times_s": times, "reset": reset, "threads": torch.get_num_threads()}))
 
 
 def main() -> None:
@@ -118,10 +118,11 @@ def main() -> None:
     print(f"check (N=512): the three agree on loss and gradients -> {'OK' if agree else 'MISMATCH'}")
     flags = [f"--tokens={args.tokens}", f"--vocab={args.vocab}", f"--hidden={args.hidden}", f"--repeats={args.repeats}",
              f"--threads={args.threads}", f"--objective={args.objective}"]
-    res = {}
+    res, watch = {}, LoadWatch(processes=1, threads=args.threads)  # one implementation's process at a time
     for impl in ("naive", "logits", "fused"):
         out = subprocess.run([sys.executable, __file__, *flags, f"--child={impl}"], check=True, capture_output=True, text=True).stdout
         res[impl] = json.loads(out.strip().splitlines()[-1])
+        watch.sample()
     logits_mib = args.tokens * args.vocab * 4 / 2**20
     print(f"{args.objective}: N={args.tokens} (B={BATCH}), V={args.vocab}, H={args.hidden}, fp32, threads={args.threads}; "
           f"one (N, V) fp32 tensor = {logits_mib:.0f} MiB")
@@ -133,7 +134,7 @@ def main() -> None:
     problems = [] if agree else ["the three implementations disagree on loss or gradients at N = 512"]
     problems += [f"{impl}: ran on {r['threads']} threads, not {args.threads}" for impl, r in res.items() if r["threads"] != args.threads]
     payload = {"objective": args.objective, "shapes": {"tokens": args.tokens, "batch": BATCH, "vocab": args.vocab, "hidden": args.hidden},
-               "dtype": "float32", "threads": args.threads, "repeats": args.repeats, "results": res, "problems": problems}
+               "dtype": "float32", "threads": args.threads, "repeats": args.repeats, "results": res, **watch.record(), "problems": problems}
     finish(f"fused_head_memory-{args.objective}", payload, out=args.out)
 
 

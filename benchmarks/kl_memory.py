@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, proc_kib, reset_peak_rss, finish  # noqa: E402,F401  (proc_kib, reset_peak_rss: used by children)
+from common import LoadWatch, check_threads, proc_kib, reset_peak_rss, finish  # noqa: E402,F401  (proc_kib, reset_peak_rss: used by children)
 
 from kdlab.objectives import ForwardKL
 from kdlab.objectives.reduction import token_weights
@@ -122,7 +122,8 @@ def child(args: argparse.Namespace) -> None:
             extra_kib = proc_kib("VmHWM") - baseline  # student.grad is still alive here
         else:
             times.append(elapsed)
-    print(json.dumps({"extra_mib": extra_kib / 1024, "time_s": statistics.median(times), "reset": reset, "threads": torch.get_num_threads()}))
+    print(json.dumps({"extra_mib": extra_kib / 1024, "time_s": statistics.median(times), "times_s": times, "reset": reset,
+                      "threads": torch.get_num_threads()}))
 
 
 def check(args: argparse.Namespace) -> dict:
@@ -172,12 +173,13 @@ def main() -> None:
           f"threads={torch.get_num_threads()}, repeats={args.repeats}")
     flags = [f"--tokens={args.tokens}", f"--vocab={args.vocab}", f"--chunk-size={args.chunk_size}", f"--objective={args.objective}",
              f"--repeats={args.repeats}", f"--dtype={args.dtype}", f"--threads={args.threads}"]
-    res = {}
+    res, watch = {}, LoadWatch(processes=1, threads=args.threads)  # one implementation's process at a time
     implementations = IMPLEMENTATIONS if args.objective == "forward_kl" else ("kdlab", "naive")
     for impl in implementations:  # each in a fresh process, so neither inherits the other's peak
         out = subprocess.run([sys.executable, __file__, *flags, f"--child={impl}"],
                              check=True, capture_output=True, text=True).stdout
         res[impl] = json.loads(out.strip().splitlines()[-1])
+        watch.sample()
     problems = [f"{impl}: loss or gradient differs from naive" for impl, c in checks.items() if not c["ok"]]
     problems += [f"{impl}: ran on {r['threads']} threads, not {args.threads}" for impl, r in res.items() if r["threads"] != args.threads]
     problems += [f"{impl}: the peak-RSS counter could not be reset" for impl, r in res.items() if not r["reset"]]
@@ -193,7 +195,7 @@ def main() -> None:
     print(f"(the student-logits gradient itself is {grad_mib:.0f} MiB; kdlab-consume writes it into the logits' own storage)")
     payload = {"objective": args.objective, "shapes": {"tokens": args.tokens, "batch": BATCH, "vocab": args.vocab}, "dtype": args.dtype,
                "chunk_size": args.chunk_size, "threads": args.threads, "repeats": args.repeats, "gradient_mib": grad_mib,
-               "check": checks, "results": res, "problems": problems}
+               "check": checks, "results": res, **watch.record(), "problems": problems}
     finish(f"kl_memory-{args.objective}-{args.dtype}", payload, out=args.out)
 
 

@@ -24,20 +24,21 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, random_pair, finish  # noqa: E402
+from common import LoadWatch, check_threads, random_pair, finish  # noqa: E402
 
 
-def median_time(fn, repeats: int) -> float:
+def run_times(fn, repeats: int) -> list[float]:
+    """Seconds of ``repeats`` runs of ``fn`` after a warm-up run."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
-def decode_times(student: str, teacher: str, new_tokens: int, repeats: int, vocab: int) -> dict[str, float]:
+def decode_times(student: str, teacher: str, new_tokens: int, repeats: int, vocab: int) -> dict[str, list[float]]:
     from kdlab.stages import DistillModule
     from kdlab.rollouts import MixtureRollouts, StudentRollouts, TeacherRollouts
     from kdlab.tasks import Addition
@@ -52,7 +53,7 @@ def decode_times(student: str, teacher: str, new_tokens: int, repeats: int, voca
         rollout = module.make_rollout(examples, 0, policy)
         if tuple(rollout.completion_ids.shape) != (8, new_tokens):
             raise SystemExit(f"{name}: rollouts of shape {tuple(rollout.completion_ids.shape)}, not (8, {new_tokens})")
-        times[name] = median_time(lambda policy=policy: module.make_rollout(examples, 0, policy), repeats)
+        times[name] = run_times(lambda policy=policy: module.make_rollout(examples, 0, policy), repeats)
     return times
 
 
@@ -65,15 +66,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="result file (default benchmarks/results/mixture_decoding-V<V>.json)")
     args = parser.parse_args()
     torch.set_num_threads(check_threads(args.threads))
+    watch = LoadWatch(processes=1, threads=args.threads)
     with tempfile.TemporaryDirectory() as folder:
         student, teacher = random_pair(args.vocab, Path(folder))
-        times = decode_times(student, teacher, args.decode, args.repeats, args.vocab)
+        runs = decode_times(student, teacher, args.decode, args.repeats, args.vocab)
+    watch.sample()
+    times = {name: statistics.median(values) for name, values in runs.items()}
     ratio = times["mixture"] / (times["student"] + times["teacher"])
     print(f"V={args.vocab}, 8 prompts x {args.decode} tokens, {torch.get_num_threads()} thread(s), median of {args.repeats}")
     print(f"joint mixture {times['mixture']:.3f} s, student alone {times['student']:.3f} s + teacher alone {times['teacher']:.3f} s, "
           f"ratio {ratio:.3f} (target <= 1.15: {'met' if ratio <= 1.15 else 'NOT met'})")
     payload = {"shapes": {"vocab": args.vocab, "prompts": 8, "new_tokens": args.decode}, "threads": torch.get_num_threads(),
-               "repeats": args.repeats, "times_s": times, "ratio": ratio, "target": 1.15}
+               "repeats": args.repeats, "times_s": times, "runs_s": runs, "ratio": ratio, "target": 1.15, **watch.record(), "problems": []}
     finish(f"mixture_decoding-V{args.vocab}", payload, out=args.out)
 
 

@@ -38,7 +38,7 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, finish  # noqa: E402
+from common import LoadWatch, check_threads, finish  # noqa: E402
 from served_teacher_step import WallTimer, free_port, wait_for  # noqa: E402
 
 STUDENT, TEACHER = "kdlab://tiny/student", "kdlab://tiny/teacher"
@@ -107,6 +107,7 @@ def measure(args) -> dict:
     server = subprocess.Popen([sys.executable, "-m", "kdlab.rollouts.loopback", STUDENT, "--name", "student", "--port", str(port)],
                               env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}, stdout=subprocess.DEVNULL)
     runs: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
+    watch = LoadWatch(processes=2, threads=args.threads)  # the trainer and the loopback server
     try:
         with tempfile.TemporaryDirectory() as folder:
             wait_for(url)
@@ -115,6 +116,7 @@ def measure(args) -> dict:
                     started = time.perf_counter()
                     result = fit(variant, args, Path(folder), url, task)
                     runs[variant].append(result)
+                    watch.sample()
                     print(f"round {round_} {variant}: {result['wall_per_step']:.3f} s per step; fit {time.perf_counter() - started:.1f} s", flush=True)
     finally:
         server.terminate()
@@ -136,7 +138,7 @@ def measure(args) -> dict:
     print(f"overlapped / synchronous step time: {ratio:.3f}" + (" (smoke: sizes too small to mean anything)" if args.smoke else ""))
     return {"smoke": args.smoke, "threads": args.threads, "batch": args.batch, "max_completion_tokens": args.tokens, "steps": args.steps,
             "repeats": args.repeats, "timed_steps": "third to last", "cores": os.cpu_count(), "variants": results, "ratio": ratio,
-            "problems": problems}
+            **watch.record(), "problems": problems}
 
 
 if __name__ == "__main__":

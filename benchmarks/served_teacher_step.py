@@ -31,8 +31,8 @@ Time: ``step_s``, the wall time from the start of each fit's third step to the e
 variant, order rotating; ``median_step_s`` is the median of the same steps' own times. A fit during which
 other processes used more than ``--max-foreign`` cores (this machine is shared) is run again, up to
 ``--attempts`` times (``foreign_cores``, ``fits_discarded``). Checked before the ratio is printed: ``B`` rows
-per step, the student's columns, the thread count, and that all variants' first-step losses agree (the same
-top-k teacher). Writes ``benchmarks/results/served_teacher_step-tiny.json``. Target (issue #28): ``served``
+per step, the student's columns (the objective's against the student tokenizer's size), the thread count, and that
+all variants' first-step losses agree (the same top-k teacher). Writes ``benchmarks/results/served_teacher_step-tiny.json``. Target (issue #28): ``served``
 at most 1.3x ``cached`` (``ratio``, of ``step_s``).
 """
 
@@ -54,7 +54,7 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import check_threads, finish  # noqa: E402
+from common import LoadWatch, check_threads, finish  # noqa: E402
 from cross_tokenizer_step import StepTimer, dataset  # noqa: E402
 
 STUDENT, TEACHER = "kdlab://tiny/student", "kdlab://tiny/teacher"
@@ -148,7 +148,21 @@ def fit(variant: str, args, folder: Path, url: str, cache: str, data: str, task,
     foreign = (busy_after - busy - (own_after - own)) / os.sysconf("SC_CLK_TCK") / (time.perf_counter() - start)
     return {**timer.summary(), "foreign_cores": max(foreign, 0.0), "prefetch": getattr(server, "prefetch", None),
             "request_prompts": getattr(server, "request_prompts", None), "decode_workers": getattr(server, "decode_workers", None),
-            "student_columns": int(student.shape[-1]), "first_loss": first_loss, "completion_tokens": int(rollout.completion_mask.sum())}
+            "student_columns": int(student.shape[-1]), "student_vocabulary": len(module.student_tokenizer), "first_loss": first_loss, "completion_tokens": int(rollout.completion_mask.sum())}
+
+
+def fit_problems(variant: str, fits: list[dict], batch: int, threads: int) -> list[str]:
+    """What a variant's fits measured other than they claim: steps of another B, another thread count, or an
+    objective that got other student columns than the student tokenizer has."""
+    problems = []
+    for f in fits:
+        if f["rows"] != [batch]:
+            problems.append(f"{variant}: steps saw {f['rows']} rows, not B = {batch}")
+        if f["threads"] != [threads]:
+            problems.append(f"{variant}: ran on {f['threads']} threads, not {threads}")
+        if f["student_columns"] != f["student_vocabulary"]:
+            problems.append(f"{variant}: the objective got {f['student_columns']} student columns, the student tokenizer has {f['student_vocabulary']}")
+    return problems
 
 
 def main() -> None:
@@ -185,6 +199,8 @@ def main() -> None:
                               env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}, stdout=subprocess.DEVNULL)
     discarded: dict[str, int] = {}
     runs: dict[str, list[dict]] = {"cached": [], "served": [], "served_no_prefetch": []}
+    # the trainer; the loopback server and the served teacher's decoding process, which share the other core
+    watch = LoadWatch(processes=2, threads=args.threads)
     try:
         with tempfile.TemporaryDirectory() as folder:
             data = dataset(task, Path(folder))
@@ -204,23 +220,20 @@ def main() -> None:
                         discarded[variant] = discarded.get(variant, 0) + 1
                         time.sleep(20)
                     runs[variant].append(result)
+                    watch.sample()
     finally:
         server.terminate()
         server.wait(timeout=30)
     problems, results = [], {}
     for variant, fits in runs.items():
-        for f in fits:
-            if f["rows"] != [args.batch]:
-                problems.append(f"{variant}: steps saw {f['rows']} rows, not B = {args.batch}")
-            if f["threads"] != [args.threads]:
-                problems.append(f"{variant}: ran on {f['threads']} threads, not {args.threads}")
+        problems += fit_problems(variant, fits, args.batch, args.threads)
         steps = [s for f in fits for s in f["seconds"][2:]]
         every = [s for f in fits for s in f["seconds"]]
         results[variant] = {"step_s": statistics.fmean(f["wall_per_step"] for f in fits), "median_step_s": statistics.median(steps),
                             "steps_timed": len(steps), "mean_all_steps_s": statistics.fmean(every),
                             "fits_step_s": [round(f["wall_per_step"], 4) for f in fits],
                             "foreign_cores": [round(f["foreign_cores"], 3) for f in fits], "fits_discarded": discarded.get(variant, 0),
-                            "student_columns": fits[0]["student_columns"], "first_loss": fits[0]["first_loss"],
+                            "student_columns": fits[0]["student_columns"], "student_vocabulary": fits[0]["student_vocabulary"], "first_loss": fits[0]["first_loss"],
                             "completion_tokens": fits[0]["completion_tokens"], "prefetch": fits[0]["prefetch"]}
         if fits[0]["request_prompts"] is not None:
             results[variant]["request_prompts"], results[variant]["decode_workers"] = fits[0]["request_prompts"], fits[0]["decode_workers"]
@@ -242,7 +255,8 @@ def main() -> None:
                "threads": args.threads, "steps": args.steps, "repeats": args.repeats, "concurrency": args.concurrency, "target": TARGET,
                "max_foreign": args.max_foreign,
                "json_decoder": json_loads.__module__.split(".")[0], "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "server": "kdlab.rollouts.loopback, its own process, max_batch 64",
-               "results": results, "ratio": ratio, "ratio_median": ratio_median, "ratio_no_prefetch": ratio_no_prefetch, "problems": problems}
+               "results": results, "ratio": ratio, "ratio_median": ratio_median, "ratio_no_prefetch": ratio_no_prefetch, **watch.record(),
+               "problems": problems}
     finish("served_teacher_step-tiny", payload, out=args.out)
 
 
