@@ -138,9 +138,16 @@ def logged(run_dir):
     """Every TensorBoard scalar as (step, value) in logging order, metrics.jsonl, and samples/ by name."""
     from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
-    events = EventAccumulator(str(run_dir), size_guidance={SCALARS: 0})
-    events.Reload()
-    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    def written(path):  # events.out.tfevents.<seconds>.<host>.<pid>.<writer number>: by name, writer 10 sorts before 9
+        parts = path.name.split(".")
+        return int(parts[3]), int(parts[-1])
+
+    scalars = {}
+    for path in sorted(Path(run_dir).glob("events.out.tfevents.*"), key=written):  # in the order the files were written
+        events = EventAccumulator(str(path), size_guidance={SCALARS: 0})
+        events.Reload()
+        for tag in events.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend((e.step, e.value) for e in events.Scalars(tag))
     metrics = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
     samples = {p.name: p.read_text() for p in sorted(Path(run_dir, "samples").glob("*.jsonl"))}
     return scalars, metrics, samples
