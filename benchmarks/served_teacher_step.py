@@ -54,7 +54,7 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import LoadWatch, check_threads, finish  # noqa: E402
+from common import LoadWatch, check_threads, finish, fit_problems  # noqa: E402
 from cross_tokenizer_step import StepTimer, dataset  # noqa: E402
 
 STUDENT, TEACHER = "kdlab://tiny/student", "kdlab://tiny/teacher"
@@ -149,20 +149,6 @@ def fit(variant: str, args, folder: Path, url: str, cache: str, data: str, task,
     return {**timer.summary(), "foreign_cores": max(foreign, 0.0), "prefetch": getattr(server, "prefetch", None),
             "request_prompts": getattr(server, "request_prompts", None), "decode_workers": getattr(server, "decode_workers", None),
             "student_columns": int(student.shape[-1]), "student_vocabulary": len(module.student_tokenizer), "first_loss": first_loss, "completion_tokens": int(rollout.completion_mask.sum())}
-
-
-def fit_problems(variant: str, fits: list[dict], batch: int, threads: int) -> list[str]:
-    """What a variant's fits measured other than they claim: steps of another B, another thread count, or an
-    objective that got other student columns than the student tokenizer has."""
-    problems = []
-    for f in fits:
-        if f["rows"] != [batch]:
-            problems.append(f"{variant}: steps saw {f['rows']} rows, not B = {batch}")
-        if f["threads"] != [threads]:
-            problems.append(f"{variant}: ran on {f['threads']} threads, not {threads}")
-        if f["student_columns"] != f["student_vocabulary"]:
-            problems.append(f"{variant}: the objective got {f['student_columns']} student columns, the student tokenizer has {f['student_vocabulary']}")
-    return problems
 
 
 def main() -> None:

@@ -929,7 +929,7 @@ def test_the_plain_ce_step_is_no_floor_and_every_logits_building_variant_is_held
 def test_the_served_teacher_benchmark_checks_the_student_columns_it_claims_to():
     """Its docstring said the student's columns were checked; they were recorded only. An objective that got other
     columns than the student tokenizer has is a problem now, beside the rows and threads."""
-    from served_teacher_step import fit_problems
+    from common import fit_problems  # served_teacher_step's check (the student's columns)
 
     good = {"rows": [8], "threads": [1], "student_columns": 447, "student_vocabulary": 447}
     assert fit_problems("served", [good], 8, 1) == []
@@ -952,8 +952,8 @@ def test_the_cross_tokenizer_variants_are_checked_against_what_they_measure():
     assert cross.cross_problems("cross", 0.747) == [] and cross.cross_problems("cross-remap", 1.0) == []
     assert cross.cross_problems("cross-remap", 0.9) == ["cross-remap: labelled id remapping only, but the segmentations differ (one-to-one share 0.900)"]
     good = {"rows": [8], "threads": [1], "student_columns": 447, "student_vocabulary": 447, "teacher_columns": 999, "teacher_vocabulary": 999}
-    assert cross.fit_problems("cross", [good], 8, 1) == []
-    assert cross.fit_problems("cross", [{**good, "teacher_columns": 447}], 8, 1) == [
+    assert cross.fit_problems("cross", [good], 8, 1, sides=cross.CHECKED_SIDES) == []
+    assert cross.fit_problems("cross", [{**good, "teacher_columns": 447}], 8, 1, sides=cross.CHECKED_SIDES) == [
         "cross: the objective got 447 teacher columns, the teacher tokenizer has 999"]
     assert "keeps numbers whole" not in cross.__doc__ and "id remapping only" in cross.__doc__
     kind, record = committed_results()["cross_tokenizer_step-tiny.json"]
