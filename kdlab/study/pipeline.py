@@ -52,7 +52,8 @@ from typing import Any, Callable
 from kdlab.study import launch
 from kdlab.study.grid import FILE_KEYS as SWEEP_KEYS
 from kdlab.study.grid import Sweep, expand, read_mapping_file
-from kdlab.study.sweep import RunFailed, UnknownRun, fit_configs_or_exit, run_one, run_sweep, write_commands
+from kdlab.study.fit_configs import fit_configs_or_exit
+from kdlab.study.sweep import RunFailed, UnknownRun, run_one, run_sweep, write_commands
 
 PIPELINE_KEYS = ("output", "distill", "rlvr", "checkpoint", "policy_key", "distill_dir", "rlvr_seeds", "rlvr_where")
 STAGE_KEYS = tuple(key for key in SWEEP_KEYS if key != "output")
@@ -293,7 +294,7 @@ def run_one_of(pipeline: Pipeline, pipeline_file: str, target: str) -> str:
 
 
 def fit_checks(pipeline: Pipeline, target: str | None = None) -> list[tuple[Sweep, list[Any], str]]:
-    """What :func:`~kdlab.study.sweep.fit_configs_or_exit` parses before anything runs: every distillation run and the
+    """What :func:`~kdlab.study.fit_configs.fit_configs_or_exit` parses before anything runs: every distillation run and the
     RLVR runs of the first chain (the chains differ only in the checkpoint they start from), or only ``target``
     (``--run``'s ``distill/<name>`` or ``rlvr/<distilled>/<name>``; an unknown one is left to :func:`run_one_of`)."""
     chains = [run.name for run in expand(pipeline.distill) if pipeline.chains_from(run)]
