@@ -6,6 +6,12 @@ The real-model tier (SmolLM2) repeats the greedy comparison in ``tests/test_real
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,7 +23,7 @@ from kdlab.rollouts.decoding import (
     incremental_decoder,
     sample_tokens,
 )
-from kdlab.rollouts.static_cache import CACHE_BUCKET, SHARED_PREFIX_MIN, StaticCacheLM, shared_prefix, static_cache_supported
+from kdlab.rollouts.static_cache import CACHE_BUCKET, SHARED_PREFIX_MIN, StaticCacheLM, shared_prefix, sharded, static_cache_supported
 
 ROLES = ("student", "teacher")
 
@@ -328,3 +334,46 @@ def test_sliding_window_models_without_layer_types_keep_the_dynamic_cache_and_de
     with torch.no_grad():
         theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation)[:, ids.shape[1]:]
     assert torch.equal(theirs, got_ids)
+
+
+def test_the_eager_step_of_an_unsharded_model_runs_in_inference_mode_and_hands_back_ordinary_log_probs(tiny):
+    model, tokenizer, ids, mask = tiny
+    modes = []
+    hook = model.register_forward_pre_hook(lambda module, args: modes.append(torch.is_inference_mode_enabled()))
+    try:
+        decoder = StaticCacheLM(model, ids, mask, len(tokenizer), 1.0, 6)
+        assert decoder.inference and not sharded(model)
+        tokens, _, entropy = sample_tokens(decoder, ids.shape[0], 6, (), tokenizer.pad_token_id, torch.Generator().manual_seed(0))
+        logprobs = decoder(tokens[:, -1])
+    finally:
+        hook.remove()
+    assert modes and all(modes)  # the prompt forward and every step
+    assert not logprobs.is_inference() and not tokens.is_inference() and not entropy.is_inference()
+    assert not torch.is_inference_mode_enabled()
+    # what it decoded trains: an ordinary tensor in a forward and a backward
+    model.train()
+    try:
+        model(input_ids=torch.cat([ids, tokens], 1)).logits.logsumexp(-1).mean().backward()
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval()
+    # a compiled step keeps no_grad (one autograd mode for the captured graph): not asked to compile here, only built
+    assert not StaticCacheLM(model, ids, mask, len(tokenizer), 1.0, 6, compile="always").inference
+
+
+def test_a_sharded_model_decodes_under_no_grad_and_trains_on_what_it_decoded():
+    """FSDP2 over one gloo process: the decoder sees the sharded parameters and keeps ``no_grad``; forced into
+    inference mode, the training step after the decode fails (FSDP's gathered parameters became inference tensors)."""
+    worker, env = Path(__file__).with_name("inference_mode_worker.py"), {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def run(*extra):
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            port = str(free.getsockname()[1])
+        return subprocess.run([sys.executable, str(worker), port, *extra], env=env, capture_output=True, text=True, timeout=300)
+
+    kept = run()
+    assert kept.returncode == 0, kept.stderr[-3000:]
+    assert "sharded True" in kept.stdout and "inference False" in kept.stdout and "backward ok" in kept.stdout
+    forced = run("force")
+    assert forced.returncode != 0 and "Inference tensors" in forced.stderr, forced.stdout + forced.stderr[-2000:]

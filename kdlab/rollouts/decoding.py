@@ -210,19 +210,29 @@ def sample_tokens(
     draws = None if greedy else _generator_of(generator, device)
     states: list[torch.Tensor] = []  # the generator's state after each step since the last check
     previous, taken, checked = None, 0, 0  # checked: the steps ``stop`` has been asked about
+    every_row = True  # rows is still the whole batch in order: plain column writes, no indexing by rows
     for step in range(steps):
         logprobs = next_logprobs(previous)
         probs = logprobs.exp()
         token = logprobs.argmax(dim=-1) if greedy else exponential_draw(probs, draws, rows, batch_size)
         if draws is not None:
             states.append(draws.get_state())
-        alive = ~finished[rows]
-        token = torch.where(alive, token, torch.full_like(token, pad_token_id))
-        ids[rows, step] = token
-        masks[rows, step] = alive
-        entropies[rows, step] = torch.where(alive, -(probs * logprobs.clamp(min=-1e30)).sum(-1), 0.0).float()
-        now = finished[rows] | torch.isin(token, eos) | (limits[rows] <= step + 1)
-        finished = finished.index_put((rows,), now)
+        entropy = (probs * logprobs.clamp(min=-1e30)).sum(-1).neg_()
+        if every_row:
+            token.masked_fill_(finished, pad_token_id)
+            ids[:, step] = token
+            torch.logical_not(finished, out=masks[:, step])
+            entropies[:, step] = entropy.masked_fill_(finished, 0.0)
+            now = finished | torch.isin(token, eos) | (limits <= step + 1)
+            finished = now
+        else:
+            alive = ~finished[rows]
+            token = torch.where(alive, token, torch.full_like(token, pad_token_id))
+            ids[rows, step] = token
+            masks[rows, step] = alive
+            entropies[rows, step] = torch.where(alive, entropy, 0.0).float()
+            now = finished[rows] | torch.isin(token, eos) | (limits[rows] <= step + 1)
+            finished = finished.index_put((rows,), now)
         ended_by[step] = finished.all()
         taken = step + 1
         previous = token
@@ -245,7 +255,7 @@ def sample_tokens(
         live = (~now).nonzero().flatten()
         if keep_rows is not None and 0 < live.numel() <= len(rows) // 2:
             keep_rows(live)
-            rows, previous = rows[live], previous[live]
+            rows, previous, every_row = rows[live], previous[live], False
     return ids[:, :taken], masks[:, :taken], entropies[:, :taken]
 
 

@@ -132,6 +132,13 @@ class StaticCacheLM:
         self.last_position: torch.Tensor | None = None
         self.step = _compiled_step(input_ids.device.type) if use_compiled else _step
         self.prefix_only = not use_compiled
+        self.inference = not use_compiled and not sharded(model)
+        """Whether the model runs under ``torch.inference_mode()`` (the eager path of a model with no sharded
+        parameters; :meth:`_no_grad`): on a CPU, where a small model's decode step is a few hundred operator calls,
+        it skips autograd's view and version bookkeeping on each. Every tensor it creates stays inside (the cache, the mask, the positions) or is
+        read by an ordinary operation (the logits). Sharded models keep ``no_grad``: their forwards gather
+        parameters into tensors that training reuses, which must not be inference tensors; a captured step keeps
+        it too (one graph per autograd mode, and the GPU path is unchanged)."""
         self.shared = shared_prefix(input_ids, attention_mask) if share_prefix and _writable(self.cache) else 0
         """Leading prompt tokens prefilled once for every row (0: the whole prompt batch is prefilled)."""
 
@@ -155,14 +162,26 @@ class StaticCacheLM:
 
     def _logprobs(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits[:, -1, : self.token_columns].float()
-        if self.temperature > 0:
+        if self.temperature > 0 and self.temperature != 1:  # x / 1 is x: one operator call fewer per token at T = 1
             logits = logits / self.temperature
         return torch.log_softmax(logits, dim=-1)
 
-    @torch.no_grad()
+    def _no_grad(self) -> Any:
+        """The context every model call and cache edit runs in: ``torch.inference_mode()`` on the eager path of an
+        unsharded model (:attr:`inference`), ``torch.no_grad()`` otherwise."""
+        return torch.inference_mode() if self.inference else torch.no_grad()
+
     def __call__(self, previous: torch.Tensor | None) -> torch.Tensor:
         """Next-token log-probs ``(b, V)`` after feeding ``previous`` ``(b,)`` (None on the first call); ``b`` is
-        the rows still in the batch (see :meth:`keep_rows`)."""
+        the rows still in the batch (see :meth:`keep_rows`). Ordinary tensors (not inference tensors) whatever
+        :attr:`inference` is: the log-softmax runs outside the model's context."""
+        with self._no_grad():
+            logits = self._next_logits(previous)
+        with torch.no_grad():
+            return self._logprobs(logits)
+
+    def _next_logits(self, previous: torch.Tensor | None) -> torch.Tensor:
+        """The model's logits ``(b, 1, V')`` at the next position (see :meth:`__call__`)."""
         if previous is None:
             positions = (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
             self.last_position = positions[:, -1:]
@@ -173,7 +192,7 @@ class StaticCacheLM:
                 mask = mask[..., : self.written]
             outputs = self.model(input_ids=self.input_ids[:, start:], attention_mask=mask, position_ids=positions[:, start:],
                                  use_cache=True, logits_to_keep=1, **{self.cache_argument: self.cache})
-            return self._logprobs(outputs.logits)
+            return outputs.logits
         if self.written >= self.step_mask.shape[-1]:
             raise RuntimeError(f"StaticCacheLM: decoded past its cache of {self.step_mask.shape[-1]} positions")
         self.step_mask[:, :, :, self.written] = 0.0 if self.additive else True
@@ -183,8 +202,7 @@ class StaticCacheLM:
         if self.prefix_only:
             self.cache.filled = self.written
             mask = mask[..., : self.written]
-        logits = self.step(self.model, previous[:, None], self.last_position, mask, self.cache, self.cache_argument)
-        return self._logprobs(logits)
+        return self.step(self.model, previous[:, None], self.last_position, mask, self.cache, self.cache_argument)
 
     def _prefill_shared(self) -> int:
         """Run the :attr:`shared` leading tokens as one row, copy their keys and values into every row's cache
@@ -217,6 +235,10 @@ class StaticCacheLM:
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only rows ``rows`` (indices into the current batch, in the order given) from now on: the cache,
         the mask and the positions of every other row are dropped."""
+        with self._no_grad():
+            self._keep_rows(rows)
+
+    def _keep_rows(self, rows: torch.Tensor) -> None:
         for layer in self.cache.layers:
             if getattr(layer, "is_initialized", True) and getattr(layer, "keys", None) is not None:
                 layer.keys = _static(layer.keys.index_select(0, rows))
@@ -225,6 +247,20 @@ class StaticCacheLM:
                     layer.max_batch_size = len(rows)
         self.step_mask = _static(self.step_mask.index_select(0, rows))
         self.last_position = self.last_position.index_select(0, rows)
+
+
+def sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds sharded parameters: FSDP2's (a module of it is an ``FSDPModule``, its parameters
+    ``DTensor``) or FSDP1's (a module of it is a ``FullyShardedDataParallel`` unit)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(module, (FSDPModule, FullyShardedDataParallel)) for module in model.modules()) or any(
+        isinstance(parameter, DTensor) for parameter in model.parameters())
 
 
 def shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
