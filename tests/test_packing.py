@@ -324,39 +324,54 @@ def test_segment_attention_is_sdpa_under_the_block_diagonal_mask_with_its_gradie
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
-def sliding_copy(tmp_path, role):
-    """The packaged tiny ``role`` with every layer a sliding-window attention of 4 tokens (a copy under ``tmp_path``)."""
+def layered_copy(tmp_path, role, kind, **fields):
+    """The packaged tiny ``role`` with every layer of attention ``kind`` (``fields`` added to its config), a copy under ``tmp_path``."""
     import shutil
     from pathlib import Path
 
-    folder = tmp_path / f"sliding-{role}"
+    folder = tmp_path / f"{kind}-{role}"
     shutil.copytree(Path(packing.__file__).parents[1] / "assets" / "tiny" / role, folder)
     config = json.loads((folder / "config.json").read_text())
-    config.update(use_sliding_window=True, sliding_window=4, max_window_layers=0, layer_types=["sliding_attention"] * config["num_hidden_layers"])
+    config.update(layer_types=[kind] * config["num_hidden_layers"], **fields)
     (folder / "config.json").write_text(json.dumps(config))
     return str(folder)
 
 
-def test_packing_a_sliding_window_model_is_refused_at_construction_naming_the_key_and_the_field(tmp_path):
-    """Packed sequences attend over their whole sequence: a student or teacher whose layers slide (Qwen2 with
-    ``use_sliding_window``: the packed logits were 0.37 off the padded ones) is refused when the module is built,
-    naming max_tokens_per_row and the config field; padded rows still build; a packed forward of such a model
-    built another way is refused too."""
-    student, teacher = sliding_copy(tmp_path, "student"), sliding_copy(tmp_path, "teacher")
+def test_a_sliding_window_model_packs_at_construction_and_its_packed_logits_are_the_padded_ones(tmp_path):
+    """A student whose every layer slides over 4 keys (Qwen2 with ``use_sliding_window``; before, refused when the
+    module was built: packed rows applied no window and the logits were 0.37 off the padded ones) builds with
+    ``max_tokens_per_row``, and its packed completion logits are the padded ones though its sequences are longer
+    than the window (more windowed families, and the 4D mask, in tests/test_packing_windows.py)."""
+    student = layered_copy(tmp_path, "student", "sliding_attention", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    task = Addition(num_train=2)
+    module = DistillModule(student, TINY[1], task, rollout=TeacherRollouts(), max_prompt_tokens=80, max_completion_tokens=16,
+                           batch_size=2, max_tokens_per_row=96)
+    assert isinstance(module.layout, Packed)
+    rollout = module.make_rollout(task.examples("train"), 0)
+    assert int(rollout.model_inputs("student")["attention_mask"].sum(1).min()) > 4
+    mask = rollout.completion("student")[1].bool()
+    with torch.no_grad():
+        packed = module.layout.completion_logits(module.student, rollout, "student", module.token_columns)
+        padded = Padded().completion_logits(module.student, rollout, "student", module.token_columns)
+    torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
+
+
+def test_packing_a_model_with_layers_of_another_kind_is_refused_at_construction_naming_the_key_and_the_field(tmp_path):
+    """Packed rows apply full and sliding-window attention only: a student or teacher with layers of another kind
+    (``chunked_attention``) is refused when the module is built, naming max_tokens_per_row and the config field;
+    padded rows still build; a packed forward of such a model built another way is refused too."""
+    student, teacher = layered_copy(tmp_path, "student", "chunked_attention"), layered_copy(tmp_path, "teacher", "chunked_attention")
     task = Addition(num_train=2)
     with pytest.raises(ValueError, match=r"DistillModule.max_tokens_per_row=96 cannot pack the student: its config.layer_types holds "
-                                         r"\['sliding_attention'\] layers.*max_tokens_per_row: null"):
+                                         r"\['chunked_attention'\] layers, neither full_attention nor sliding_attention, which packed rows "
+                                         r"do not apply; use padded rows \(max_tokens_per_row: null\)"):
         DistillModule(student, TINY[1], task, max_prompt_tokens=80, max_completion_tokens=16, max_tokens_per_row=96)
     with pytest.raises(ValueError, match=r"DistillModule.max_tokens_per_row=96 cannot pack DistillModule.teacher: its config.layer_types"):
         DistillModule(TINY[0], teacher, task, max_prompt_tokens=80, max_completion_tokens=16, max_tokens_per_row=96)
     module = DistillModule(student, TINY[1], task, rollout=TeacherRollouts(), max_prompt_tokens=80, max_completion_tokens=16, batch_size=2)
     rollout = module.make_rollout(task.examples("train"), 0)
-    with pytest.raises(ValueError, match=r"cannot pack the model: its config.layer_types"):
+    with pytest.raises(ValueError, match=r"cannot pack the model: its config.layer_types holds \['chunked_attention'\]"):
         Packed(96).completion_logits(module.student, rollout, "student", module.token_columns)
-    from transformers import MistralConfig
-
-    with pytest.raises(ValueError, match=r"its config.sliding_window=4 \(a sliding-window attention\)"):
-        Packed(96).check_model(MistralConfig(sliding_window=4), "the student")
 
 
 def test_segment_attention_applies_an_eager_models_attention_logit_softcapping():

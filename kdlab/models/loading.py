@@ -306,20 +306,50 @@ def output_rows(model_or_config: Any) -> int:
     return int(config.vocab_size)
 
 
-def windowed_attention(config: Any) -> str | None:
-    """Why some layer of a model with Hugging Face ``config`` does not attend to every earlier position (``None``
-    when every layer does), naming the config field: ``layer_types`` holding another kind than ``full_attention``
-    (``sliding_attention``...), read first where a config has it; else ``sliding_window`` set without
-    ``use_sliding_window: false`` (Mistral's and Phi-3's configs have no ``layer_types``)."""
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def layer_kinds(config: Any) -> list[str]:
+    """Each layer's attention kind, as Hugging Face's models read it from their ``config``: ``layer_types`` where the
+    (text) config has it (``full_attention``, ``sliding_attention``, ``chunked_attention``...); else every layer
+    ``sliding_attention`` where ``sliding_window`` is set without ``use_sliding_window: false`` (Mistral's and
+    Phi-3's configs have no ``layer_types`` and mask every layer with the window), ``full_attention`` otherwise.
+    Qwen2's config turns ``use_sliding_window: false`` into ``sliding_window: None`` and full-attention ``layer_types``."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
-        kinds = sorted(set(layer_types) - {"full_attention"})
-        return f"config.layer_types holds {kinds} layers, not only full_attention" if kinds else None
+        return list(layer_types)
     window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) is not False:
-        return f"config.sliding_window={window} (a sliding-window attention)"
-    return None
+    sliding = window is not None and getattr(config, "use_sliding_window", True) is not False
+    return [SLIDING if sliding else FULL] * int(getattr(config, "num_hidden_layers", 1))
+
+
+def attention_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window ``W`` (:func:`layer_kinds`; ``None``: the layer attends to every earlier position):
+    the query at position ``i`` attends to the ``W`` keys ``i - W + 1 .. i``, Hugging Face's convention for every
+    family (``masking_utils.sliding_window_overlay``: ``kv_idx > q_idx - W``; flash attention's ``window_size=(W - 1,
+    W - 1)``). A ``sliding_attention`` layer of a config without ``sliding_window`` is full, as its attention module
+    reads it. Raises ``ValueError`` naming ``config.layer_types`` for any other kind."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = layer_kinds(text)
+    if other := sorted(set(kinds) - {FULL, SLIDING}):
+        raise ValueError(f"config.layer_types holds {other} layers, neither full_attention nor sliding_attention")
+    window = getattr(text, "sliding_window", None)
+    return [int(window) if kind == SLIDING and window is not None else None for kind in kinds]
+
+
+def windowed_attention(config: Any) -> str | None:
+    """Why some layer of a model with Hugging Face ``config`` does not attend to every earlier position (``None``
+    when every layer does), naming the config field (:func:`layer_kinds`): ``layer_types`` holding another kind than
+    ``full_attention`` (``sliding_attention``...), read first where a config has it; else ``sliding_window`` set without
+    ``use_sliding_window: false`` (Mistral's and Phi-3's configs have no ``layer_types``)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = sorted(set(layer_kinds(config)) - {FULL})
+    if not kinds:
+        return None
+    if getattr(config, "layer_types", None):
+        return f"config.layer_types holds {kinds} layers, not only full_attention"
+    return f"config.sliding_window={config.sliding_window} (a sliding-window attention)"
 
 
 def end_token_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:

@@ -14,8 +14,10 @@ activations in the backward (gradient checkpointing) or another attention gets r
 4D block-diagonal mask. Either way the objective receives the same ``(B, C, ...)``
 tensors at the completion positions (the packed outputs are gathered back), so every reduction, diagnostic
 and teacher signal (a cache's or a server's top-k, indexed by ``(B, C)``) lands on the same tokens.
-Packed sequences attend over the whole of their sequence: a model whose layers attend over a sliding window is
-refused (:meth:`Packed.check_model`).
+A layer with a sliding window attends within its own sequence to the window's keys, as in the padded layout (segment
+attention applies it, the 4D mask carries it; flash attention's variable-length path takes the window the model passes
+it, as padded rows do); a model with layers of another kind (``chunked_attention``...) is refused
+(:meth:`Packed.check_model`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kdlab.models.loading import windowed_attention
+from kdlab.models.loading import SLIDING, attention_windows, layer_kinds
 from kdlab.objectives.logits import (
     completion_head_logits,
     completion_logits,
@@ -94,11 +96,15 @@ class Packed(RowLayout):
         return model is not None and self.segment_attention and segments_apply(model)
 
     def check_model(self, config: Any, who: str) -> None:
-        """Packed sequences attend over the whole of their sequence: a model whose layers attend over a sliding
-        window (:func:`~kdlab.models.loading.windowed_attention`) is refused, naming the setting and the field."""
-        if config is not None and (windowed := windowed_attention(config)) is not None:
-            raise ValueError(f"{self.setting}={self.max_tokens_per_row} cannot pack {who}: its {windowed}, which packed rows "
-                             f"do not apply; use padded rows ({self.setting.rsplit('.', 1)[-1]}: null)")
+        """Packed rows apply full and sliding-window attention (:func:`~kdlab.models.loading.attention_windows`): a
+        model with layers of another kind (``chunked_attention``...) is refused, naming the setting and the field."""
+        if config is None:
+            return
+        try:
+            attention_windows(config)
+        except ValueError as error:
+            raise ValueError(f"{self.setting}={self.max_tokens_per_row} cannot pack {who}: its {error}, which packed rows "
+                             f"do not apply; use padded rows ({self.setting.rsplit('.', 1)[-1]}: null)") from None
 
     def check_fits(self, longest_sequence: int, why: str) -> None:
         """An error naming the setting when a sequence of ``longest_sequence`` tokens (``why``) cannot fit one row."""
@@ -226,12 +232,15 @@ class PackedBatch:
     def real_tokens(self) -> int:
         return int((self.segments >= 0).sum())
 
-    def attention_mask(self, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    def attention_mask(self, implementation: str, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
         """``(R, 1, L, L)`` block-diagonal causal mask: position i attends to j <= i of its own sequence (a
-        padding position to itself only, so no row of the softmax is empty). Boolean (True: attend) for
-        sdpa and other implementations; additive (0 / the dtype's minimum) for ``eager``, which adds it."""
+        padding position to itself only, so no row of the softmax is empty), with a sliding ``window`` only to
+        ``i - window < j`` (Hugging Face's convention: :func:`~kdlab.models.loading.attention_windows`). Boolean
+        (True: attend) for sdpa and other implementations; additive (0 / the dtype's minimum) for ``eager``, which adds it."""
         length = self.segments.shape[1]
         causal = torch.ones((length, length), dtype=torch.bool, device=self.segments.device).tril()
+        if window is not None:
+            causal = causal.triu(1 - window)
         same = self.segments[:, :, None] == self.segments[:, None, :]
         padding = self.segments < 0
         eye = torch.eye(length, dtype=torch.bool, device=self.segments.device)
@@ -241,9 +250,12 @@ class PackedBatch:
             return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
         return allowed
 
-    def model_inputs(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def model_inputs(self, model: torch.nn.Module) -> dict[str, Any]:
         """``input_ids``, ``position_ids`` and the attention mask for ``model``: none for a flash-attention
-        implementation (its variable-length path reads the restarting position ids), the 4D mask otherwise."""
+        implementation (its variable-length path reads the restarting position ids), the 4D mask otherwise; for a
+        model with sliding-window layers one per layer kind (``{"full_attention": ..., "sliding_attention": ...}``,
+        which Hugging Face's models with ``layer_types`` take), or, for a config without ``layer_types`` (Mistral's,
+        Phi-3's: one mask for every layer), the windowed mask."""
         implementation = attention_implementation(model)
         inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids}
         if variable_length(model):
@@ -254,7 +266,16 @@ class PackedBatch:
             dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
             if torch.is_autocast_enabled(self.input_ids.device.type):
                 dtype = torch.get_autocast_dtype(self.input_ids.device.type)
-            inputs["attention_mask"] = self.attention_mask(implementation, dtype)
+            config = getattr(innermost_model(model), "config", None)
+            windows = attention_windows(config) if config is not None else [None]
+            if all(window is None for window in windows):
+                inputs["attention_mask"] = self.attention_mask(implementation, dtype)
+            elif getattr(config.get_text_config(), "layer_types", None):
+                window = next(window for window in windows if window is not None)
+                inputs["attention_mask"] = {kind: self.attention_mask(implementation, dtype, window if kind == SLIDING else None)
+                                            for kind in set(layer_kinds(config))}
+            else:
+                inputs["attention_mask"] = self.attention_mask(implementation, dtype, windows[0])
         return inputs
 
     def kept_columns(self) -> torch.Tensor:

@@ -11,7 +11,8 @@ function that builds no mask); :func:`segment_attention_for` switches a model to
 (the backward replays the recorded graph, so it needs no switch; a recompute under activation checkpointing would,
 which is why :func:`~kdlab.rollouts.packing.segments_apply` leaves such models on the mask). Sequence boundaries come
 from the row's position ids, which restart at 0 on each sequence (:class:`~kdlab.rollouts.packing.PackedBatch`), as
-Hugging Face's flash-attention path reads them.
+Hugging Face's flash-attention path reads them. A layer with a sliding window (:func:`attention_window`) attends
+within each sequence to the window's keys only, as Hugging Face's masks do.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from kdlab.models.loading import attention_windows
 
 NAME = "kdlab_segments"
 _WRAPPED: contextvars.ContextVar[str] = contextvars.ContextVar("kdlab_segments_wrapped", default="sdpa")
@@ -46,6 +49,15 @@ class Segments:
     index: torch.Tensor
     slots: torch.Tensor
     mask: torch.Tensor
+
+    def windowed(self, window: int | None) -> torch.Tensor | None:
+        """``(1, 1, M, M)``: :attr:`mask` with slot ``i`` attending to the ``window`` slots ``i - window + 1 .. i`` only
+        (a sequence's slots are its positions); ``None`` when the window holds every causal key (``window >= M``)."""
+        longest = self.mask.shape[-1]
+        if window is None or window >= longest:
+            return None
+        column = torch.arange(longest, device=self.mask.device)
+        return self.mask & ((column[:, None] - column[None, :]) < window)[None, None]
 
 
 def segments(position_ids: torch.Tensor) -> Segments:
@@ -77,6 +89,22 @@ def segment_lengths(position_ids: torch.Tensor) -> list[int]:
     return segments(position_ids).lengths
 
 
+def attention_window(module: torch.nn.Module, passed: int | None) -> int | None:
+    """The sliding window of attention ``module`` (``None``: every earlier key), read as Hugging Face's masks read it
+    (:func:`~kdlab.models.loading.attention_windows` of ``module.config`` at ``module.layer_idx``: some models, Qwen2-MoE's
+    and PhiMoE's, slide through their mask only and pass the attention no window); ``passed``, the ``sliding_window``
+    the model passed, where the module has no config or layer index. A window the model passed that differs from its
+    config's is an error, naming both."""
+    config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    if config is None or layer is None:
+        return passed
+    window = attention_windows(config)[layer]
+    if passed is not None and passed != window:
+        raise ValueError(f"segment attention: layer {layer} ({type(module).__name__}) passed sliding_window={passed}, "
+                         f"its config's layers give {window}")
+    return window
+
+
 def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       position_ids: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -85,13 +113,18 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     Hugging Face's attention functions do (and no weights). The sequences are gathered into one ``(S, H, M, D)``
     batch and attend in one call, causally (:attr:`Segments.mask`), computed as the model's own implementation computes
     it (SDPA with ``is_causal`` for an ``sdpa`` model; scores, an additive mask and an fp32 softmax for ``eager``), then scattered
-    back: the projections around it ran on the real tokens only. A ``softcap`` the model passes (Gemma2's
+    back: the projections around it ran on the real tokens only. A sliding-window layer (:func:`attention_window`) attends
+    to the window's last keys of its own sequence (:meth:`Segments.windowed`). A ``softcap`` the model passes (Gemma2's
     ``attn_logit_softcapping``) caps the scores, ``tanh(s / softcap) softcap``, before the mask, as eager attention does."""
     if position_ids is None:
         raise ValueError("segment attention needs the packed row's position ids")
     if attention_mask is not None:
         raise ValueError("segment attention takes no attention mask: the sequences' boundaries are its mask")
+    if kwargs.get("s_aux") is not None:  # GPT-OSS's attention sinks: an extra logit column per head
+        raise ValueError(f"segment attention does not apply {type(module).__name__}'s attention sinks (s_aux); "
+                         "use padded rows (max_tokens_per_row: null)")
     layout = segments(position_ids)
+    windowed = layout.windowed(attention_window(module, kwargs.get("sliding_window")))
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -102,9 +135,11 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         scores = (q @ k.transpose(2, 3)) * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~layout.mask, torch.finfo(scores.dtype).min)
+        scores = scores.masked_fill(~(layout.mask if windowed is None else windowed), torch.finfo(scores.dtype).min)
         weights = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.nn.functional.dropout(weights, p=dropout, training=dropout > 0) @ v
+    elif windowed is not None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=windowed, dropout_p=dropout, scale=scale)
     else:
         # is_causal: no (S, 1, M, M) mask built or read (Segments: causal is each sequence's mask)
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale, is_causal=True)
