@@ -310,7 +310,7 @@ def test_what_needs_one_vocabulary_and_lossy_tokenizers_are_refused_before_weigh
 
     lossy = copy.deepcopy(tokenizer(OTHER))
     lossy.backend_tokenizer.normalizer = normalizers.Lowercase()
-    with pytest.raises(ConfigError, match=r"DistillModule.teacher's tokenizer does not reproduce.*character 0 'A'.*in 'Add the numbers"):
+    with pytest.raises(ConfigError, match=r"DistillModule.teacher's tokenizer does not reproduce.*character 0 'A'.*in the train example 'add-train-0': 'Add the numbers"):
         CrossTokenizer().check_texts(task(), tokenizer(STUDENT), lossy)
     CrossTokenizer().check_texts(task(), tokenizer(STUDENT), tokenizer(OTHER))
     # any policy that declares it needs one vocabulary (as VLLMRollouts does) is refused by what it declares, whatever
@@ -320,6 +320,43 @@ def test_what_needs_one_vocabulary_and_lossy_tokenizers_are_refused_before_weigh
     engine = type("SomeEngine", (RolloutPolicy,), {"needs": lambda self: frozenset({"one_vocabulary"})})()
     with pytest.raises(ConfigError, match="SomeEngine needs one vocabulary shared by student and teacher"):
         module(engine)
+
+
+class LateAccent(Addition):
+    """Addition whose train example ``late`` (0-based) asks about ``cafe`` + a combining acute accent, which the packaged
+    tokenizers' NFC normaliser turns into ``café``: text that no tokenizer here reproduces byte for byte."""
+
+    def __init__(self, late: int, **kwargs):
+        super().__init__(**kwargs)
+        self.late = late
+
+    def user_prompt(self, example):
+        late = example["id"] == self.examples("train")[self.late]["id"]
+        return super().user_prompt(example) + (" (cafe\u0301)" if late else "")
+
+
+def test_every_example_is_checked_before_weights_load_and_the_first_failing_one_is_named(monkeypatch):
+    """A task whose 13th train example (past the 8 that were probed before) has text the tokenizers do not reproduce
+    is refused when the module is built, before any weights are read, naming that example; ``check_examples`` limits
+    the check to the first examples of each split (then that example is not read), and must be a positive integer."""
+    import kdlab.stages.distill as distill
+    from kdlab.stages.distill import DistillModule
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(distill, "load_causal_lm", no_weights)
+    monkeypatch.setattr("kdlab.teachers.model.load_causal_lm", no_weights)
+    late = LateAccent(12, max_digits=2, system_prompt="", num_train=16, num_val=4, num_test=0, seed=0)
+    name = late.examples("train")[12]["id"]
+    with pytest.raises(ConfigError, match=rf"DistillModule.student's tokenizer does not reproduce.*'e'.*in the train example '{name}'"):
+        DistillModule(STUDENT, OTHER, late, cross_tokenizer=CrossTokenizer())
+    CrossTokenizer(check_examples=12).check_texts(late, tokenizer(STUDENT), tokenizer(OTHER))
+    with pytest.raises(ConfigError, match=rf"in the train example '{name}'"):
+        CrossTokenizer(check_examples=13).check_texts(late, tokenizer(STUDENT), tokenizer(OTHER))
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="CrossTokenizer.check_examples must be a positive integer or None"):
+            CrossTokenizer(check_examples=bad)
 
 
 @pytest.mark.parametrize("rollout", ["teacher", "student", "dataset", "cached"])
