@@ -35,7 +35,7 @@ chain-rule group probability of the text actually written. Approximate: a model'
 counts one tokenisation of it (its own), not every way of spelling those bytes; ``rest`` lumps together
 different events on the two sides (each side's unmapped tokens). ``uld_weight`` mixes in the ULD distance
 (the L1 distance between the two sorted next-token probability vectors at each group start, which needs no
-map): ``loss = (1 - w) * divergence + w * ULD``, GOLD's hybrid.
+map; each side's end ids are one entry, their summed probability, as for the end event: :meth:`VocabularyMap.merged_ends`): ``loss = (1 - w) * divergence + w * ULD``, GOLD's hybrid.
 
 Memory: groups are taken about ``chunk_size`` student rows at a time; every intermediate (each model's rows,
 their normalised log-probs, the events) is ``(rows, V)``-sized, none is ``(B, T, V)``, and the gradient of
