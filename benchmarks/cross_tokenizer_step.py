@@ -19,10 +19,10 @@ is about), forward KL, one micro-batch of ``--batch`` prompts per step.
   teacher is a smaller model than ``same``'s, so ``x same`` mixes a cheaper teacher forward with the cross-tokenizer
   work: the record keeps each variant's ``teacher_parameters``. ``--cross-teacher`` replaces it (checked the same way).
 * ``cross-remap`` (``--pair tiny``): ``kdlab://tiny/teacher-xtok``, the packaged teacher's size with a 999-token
-  tokenizer. Its recipe meant digit runs kept whole, but the packaged tokenizer splits digits one by one (its
-  pre-tokenizer's ``\p{N}``), so its 552 multi-digit tokens are never produced and it segments every reference
-  completion exactly as the student does: another vocabulary, the same segmentation, so this measures the id
-  remapping only (checked: one-to-one share 1, so a rebuilt teacher that segments otherwise is not reported under
+  tokenizer. Its recipe trains that tokenizer with digit runs kept together but saves it in a Qwen2 folder, which
+  loads it splitting digits one by one (its pre-tokenizer's ``\p{N}``), so its 552 multi-digit tokens are never
+  produced and it segments every reference completion exactly as the student does: another vocabulary, the same
+  segmentation, so this measures the id remapping only (checked: one-to-one share 1, so a rebuilt teacher that segments otherwise is not reported under
   this label).
 
 ``--pair tiny``: the packaged tiny student (447 tokens) and teacher (``same``) on Countdown-3. ``--pair smollm2``:

@@ -134,6 +134,21 @@ def check_reproduces(tokenizer: Any, text: str, ids: Sequence[int], role: str) -
     )
 
 
+def first_unreproduced(tokenizer: Any, texts: Sequence[str]) -> int | None:
+    """The index in ``texts`` of the first text whose encoding (``add_special_tokens=False``) does not spell its
+    UTF-8 bytes (:func:`check_reproduces` then says where), or ``None`` when every one does. One batched
+    encoding and one :func:`token_bytes` table of the ids met, so checking every text of a task is cheap."""
+    if not texts:
+        return None
+    encodings = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    seen = sorted({int(i) for ids in encodings for i in ids})
+    table = dict(zip(seen, token_bytes(tokenizer, seen)))
+    for index, (text, ids) in enumerate(zip(texts, encodings)):
+        if b"".join(table[int(i)] for i in ids) != text.encode("utf-8"):
+            return index
+    return None
+
+
 def align(spans_a: Sequence[Span], spans_b: Sequence[Span]) -> list[Group]:
     """The finest groups ``(range of A's tokens, range of B's tokens)`` that cover the same bytes.
 

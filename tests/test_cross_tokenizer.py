@@ -310,7 +310,7 @@ def test_what_needs_one_vocabulary_and_lossy_tokenizers_are_refused_before_weigh
 
     lossy = copy.deepcopy(tokenizer(OTHER))
     lossy.backend_tokenizer.normalizer = normalizers.Lowercase()
-    with pytest.raises(ConfigError, match=r"DistillModule.teacher's tokenizer does not reproduce.*character 0 'A'.*in 'Add the numbers"):
+    with pytest.raises(ConfigError, match=r"DistillModule.teacher's tokenizer does not reproduce.*character 0 'A'.*in the train example 'add-train-0': 'Add the numbers"):
         CrossTokenizer().check_texts(task(), tokenizer(STUDENT), lossy)
     CrossTokenizer().check_texts(task(), tokenizer(STUDENT), tokenizer(OTHER))
     # any policy that declares it needs one vocabulary (as VLLMRollouts does) is refused by what it declares, whatever
@@ -320,6 +320,43 @@ def test_what_needs_one_vocabulary_and_lossy_tokenizers_are_refused_before_weigh
     engine = type("SomeEngine", (RolloutPolicy,), {"needs": lambda self: frozenset({"one_vocabulary"})})()
     with pytest.raises(ConfigError, match="SomeEngine needs one vocabulary shared by student and teacher"):
         module(engine)
+
+
+class LateAccent(Addition):
+    """Addition whose train example ``late`` (0-based) asks about ``cafe`` + a combining acute accent, which the packaged
+    tokenizers' NFC normaliser turns into ``café``: text that no tokenizer here reproduces byte for byte."""
+
+    def __init__(self, late: int, **kwargs):
+        super().__init__(**kwargs)
+        self.late = late
+
+    def user_prompt(self, example):
+        late = example["id"] == self.examples("train")[self.late]["id"]
+        return super().user_prompt(example) + (" (cafe\u0301)" if late else "")
+
+
+def test_every_example_is_checked_before_weights_load_and_the_first_failing_one_is_named(monkeypatch):
+    """A task whose 13th train example (past the 8 that were probed before) has text the tokenizers do not reproduce
+    is refused when the module is built, before any weights are read, naming that example; ``check_examples`` limits
+    the check to the first examples of each split (then that example is not read), and must be a positive integer."""
+    import kdlab.stages.distill as distill
+    from kdlab.stages.distill import DistillModule
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(distill, "load_causal_lm", no_weights)
+    monkeypatch.setattr("kdlab.teachers.model.load_causal_lm", no_weights)
+    late = LateAccent(12, max_digits=2, system_prompt="", num_train=16, num_val=4, num_test=0, seed=0)
+    name = late.examples("train")[12]["id"]
+    with pytest.raises(ConfigError, match=rf"DistillModule.student's tokenizer does not reproduce.*'e'.*in the train example '{name}'"):
+        DistillModule(STUDENT, OTHER, late, cross_tokenizer=CrossTokenizer())
+    CrossTokenizer(check_examples=12).check_texts(late, tokenizer(STUDENT), tokenizer(OTHER))
+    with pytest.raises(ConfigError, match=rf"in the train example '{name}'"):
+        CrossTokenizer(check_examples=13).check_texts(late, tokenizer(STUDENT), tokenizer(OTHER))
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="CrossTokenizer.check_examples must be a positive integer or None"):
+            CrossTokenizer(check_examples=bad)
 
 
 @pytest.mark.parametrize("rollout", ["teacher", "student", "dataset", "cached"])
@@ -520,25 +557,33 @@ def gemma_like_tokenizer(folder):
     return AutoTokenizer.from_pretrained(folder)
 
 
+def gemma_like_stop(teacher_tok, text: str, cross: CrossTokenizer):
+    """``cross`` bound to the Gemma-like teacher (end ids ``<eos>``, ``<end_of_turn>``) and the packaged student
+    (``<|im_end|>``), and the groups of a rollout where the teacher writes ``text`` and stops with ``<end_of_turn>``:
+    ``(cross, rollout, groups, teacher completion ids)``."""
+    from kdlab.data import right_pad
+
+    student_tok = tokenizer(STUDENT)
+    eos, end_of_turn = teacher_tok.eos_token_id, teacher_tok.convert_tokens_to_ids("<end_of_turn>")
+    assert (eos, end_of_turn) == (0, 2)
+    cross.bind(teacher_tok, student_tok, len(teacher_tok), len(student_tok), (eos, end_of_turn), (student_tok.eos_token_id,))
+    ctx = RolloutContext(student=None, teacher=None, tokenizer=student_tok, token_columns=len(student_tok), max_new_tokens=64,
+                         eos_token_ids=(student_tok.eos_token_id,), pad_token_id=student_tok.pad_token_id, student_temperature=1.0,
+                         teacher_temperature=1.0, generator=None, teacher_tokens=TeacherTokens(teacher_tok, len(teacher_tok), (eos, end_of_turn)))
+    ids, mask = right_pad([teacher_tok(text, add_special_tokens=False)["input_ids"] + [end_of_turn]], eos)
+    rollout = ctx.retokenized(None, ids, mask, "teacher")
+    teacher_ids, teacher_mask = rollout.completion("teacher")
+    return cross, rollout, cross.groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask), teacher_ids
+
+
 def test_every_end_token_of_either_side_is_one_shared_end_event(tmp_path):
     """A Gemma-like teacher (EOS ``<eos>``, turns end with ``<end_of_turn>``) and a ChatML student (``<|im_end|>``):
     the teacher writes '5 4' and stops with ``<end_of_turn>``. A student whose p(stop) equals the teacher's p(any end
     token) at every position (summed over ``<eos>`` and ``<end_of_turn>``) gets zero loss: the end event pairs every
     end id of each side (before: the student's stop was compared with p(<eos>) ~ 0 and the loss was ~11 per group)."""
-    from kdlab.data import right_pad
-
     student_tok, teacher_tok = tokenizer(STUDENT), gemma_like_tokenizer(tmp_path)
     eos, end_of_turn = teacher_tok.eos_token_id, teacher_tok.convert_tokens_to_ids("<end_of_turn>")
-    assert (eos, end_of_turn) == (0, 2)
-    cross = CrossTokenizer()
-    cross.bind(teacher_tok, student_tok, len(teacher_tok), len(student_tok), (eos, end_of_turn), (student_tok.eos_token_id,))
-    ctx = RolloutContext(student=None, teacher=None, tokenizer=student_tok, token_columns=len(student_tok), max_new_tokens=64,
-                         eos_token_ids=(student_tok.eos_token_id,), pad_token_id=student_tok.pad_token_id, student_temperature=1.0,
-                         teacher_temperature=1.0, generator=None, teacher_tokens=TeacherTokens(teacher_tok, len(teacher_tok), (eos, end_of_turn)))
-    ids, mask = right_pad([teacher_tok("5 4", add_special_tokens=False)["input_ids"] + [end_of_turn]], eos)
-    rollout = ctx.retokenized(None, ids, mask, "teacher")
-    teacher_ids, teacher_mask = rollout.completion("teacher")
-    groups = cross.groups(rollout.completion_ids, rollout.completion_mask, teacher_ids, teacher_mask)
+    cross, rollout, groups, teacher_ids = gemma_like_stop(teacher_tok, "5 4", CrossTokenizer())
     five_t, five_s = teacher_tok.convert_tokens_to_ids("5"), student_tok.convert_tokens_to_ids("5")
     for split in (1.0, 0.5):  # the teacher's stop all on <end_of_turn>, then half on each end token
         teacher = torch.full((*teacher_ids.shape, len(teacher_tok)), -30.0, dtype=torch.float64)
@@ -553,6 +598,35 @@ def test_every_end_token_of_either_side_is_one_shared_end_event(tmp_path):
         (grad,) = torch.autograd.grad(loss, student)
         assert len(groups) == 4 and loss.item() < 1e-6, (split, loss.item())
         assert grad[..., student_tok.eos_token_id].abs().max().item() < 1e-6
+
+
+def test_uld_counts_each_sides_end_ids_as_one_entry_the_sum_of_their_probabilities(tmp_path):
+    """docs/cross_tokenizer.md, "ULD and the end tokens", by hand. The Gemma-like teacher writes '5' and stops with
+    ``<end_of_turn>`` (two groups: '5', then the two end tokens); at every position it puts 0.5 on '5' and 0.25 on
+    each of ``<eos>`` and ``<end_of_turn>``, the student 0.6 on '5' and 0.4 on ``<|im_end|>`` (every other token
+    probability 0). Merged, the teacher's sorted vector is (0.5, 0.5, 0, ...), so ULD is |0.6 - 0.5| + |0.4 - 0.5| =
+    0.2 at each group start, where the three unmerged teacher entries (0.5, 0.25, 0.25) would give 0.1 + 0.15 + 0.25
+    = 0.5. The hybrid mixes it with the forward KL on the events (0.5 and 0.5 against 0.6 and 0.4 in both groups)."""
+    from kdlab.objectives.aligned import sorted_probability_distance
+
+    student_tok, teacher_tok = tokenizer(STUDENT), gemma_like_tokenizer(tmp_path)
+    eos, end_of_turn = teacher_tok.eos_token_id, teacher_tok.convert_tokens_to_ids("<end_of_turn>")
+    five_t, five_s = teacher_tok.convert_tokens_to_ids("5"), student_tok.convert_tokens_to_ids("5")
+    kl = 0.5 * math.log(0.5 / 0.6) + 0.5 * math.log(0.5 / 0.4)
+    for uld_weight, expected in ((1.0, 0.2), (0.5, 0.5 * kl + 0.5 * 0.2)):
+        cross, rollout, groups, teacher_ids = gemma_like_stop(teacher_tok, "5", CrossTokenizer(uld_weight))
+        assert len(groups) == 2 and groups.teacher_length.tolist() == [1, 1]
+        teacher = torch.full((*teacher_ids.shape, len(teacher_tok)), -1000.0, dtype=torch.float64)  # exp: exactly 0
+        teacher[..., five_t] = math.log(0.5)
+        teacher[..., eos] = teacher[..., end_of_turn] = math.log(0.25)
+        student = torch.full((*rollout.completion_ids.shape, len(student_tok)), -1000.0, dtype=torch.float64)
+        student[..., five_s], student[..., student_tok.eos_token_id] = math.log(0.6), math.log(0.4)
+        for reduction in ("token", "sequence"):  # one row of two groups: the mean over groups either way
+            loss, _ = cross.loss(ForwardKL(reduction=reduction), student, teacher, groups, rollout.completion_ids, teacher_ids,
+                                 rollout.completion_mask)
+            assert abs(loss.item() - expected) < 1e-9, (uld_weight, reduction, loss.item(), expected)
+    unmerged = sorted_probability_distance(torch.log_softmax(student[0, :1], -1), torch.log_softmax(teacher[0, :1], -1))
+    assert abs(unmerged.item() - 0.5) < 1e-9
 
 
 # ---- text that a training step meets ------------------------------------------------------------

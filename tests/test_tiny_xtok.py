@@ -21,7 +21,7 @@ def tokenizers():
 
 def test_the_cross_tokenizer_teacher_loads_with_padded_embedding_rows(tokenizers):
     model = load_causal_lm(ModelSpec("kdlab://tiny/teacher-xtok"))
-    assert type(model).__name__ == "Qwen2ForCausalLM"  # the first version of the build (its model card says so)
+    assert type(model).__name__ == "Qwen2ForCausalLM"  # its recipe's architecture (TEACHER_XTOK)
     rows = model.get_output_embeddings().weight.shape[0]
     assert rows > len(tokenizers["teacher-xtok"]) and rows % 64 == 0
     assert model.generation_config.eos_token_id == tokenizers["teacher-xtok"].convert_tokens_to_ids("<|im_end|>")
@@ -72,3 +72,55 @@ def test_it_solves_a_few_held_out_problems():
     task = countdown(num_train=0, num_val=12, num_test=0)
     examples = task.examples("val")
     assert accuracy(task, examples, completion_texts(model, tokenizer, task, examples, max_new_tokens=80)) >= 0.5
+
+
+@pytest.fixture(scope="module")
+def built():
+    """The tokenizer :data:`~kdlab.tiny.xtok.TEACHER_XTOK` trains (deterministic), before it is saved beside a model."""
+    from kdlab.tiny.xtok import xtok_tokenizer
+
+    return xtok_tokenizer()
+
+
+def test_the_packaged_folder_is_what_its_recipe_builds(built, tokenizers):
+    """The recipe in kdlab/tiny/xtok.py is the packaged folder's: the same recipe record and architecture, the
+    vocabulary and merges its tokenizer step trains (digit runs kept together: multi-digit tokens such as '24'), and a
+    model card written from them. As loaded (a Qwen2 folder: ``Qwen2Tokenizer``) digits are one token each, so those
+    tokens are never produced (before: the recipe said Llama, numbers kept whole, and the card said so)."""
+    from kdlab.tiny.xtok import TEACHER_XTOK, check_loads_as_recipe, keeps_numbers_whole, teacher_xtok_card
+
+    saved = json.loads((XTOK / "metrics.json").read_text())
+    assert saved["recipe"] == TEACHER_XTOK
+    assert json.loads((XTOK / "config.json").read_text())["model_type"] == TEACHER_XTOK["architecture"] == "qwen2"
+    folder, trained = json.loads((XTOK / "tokenizer.json").read_text()), json.loads(built.backend_tokenizer.to_str())
+    for key in ("vocab", "merges"):
+        assert folder["model"][key] == trained["model"][key], key
+    assert folder["added_tokens"] == trained["added_tokens"]
+    teacher = json.loads((XTOK.parent / "metrics.json").read_text())["measured"]["teacher"]
+    assert (XTOK / "MODEL_CARD.md").read_text(encoding="utf-8") == teacher_xtok_card(saved["recipe"], saved["measured"], teacher)
+    # the property: trained with digit runs together, loaded with digits one by one
+    assert not keeps_numbers_whole(TEACHER_XTOK) and built.tokenize("24") == ["24"]
+    loaded = tokenizers["teacher-xtok"]
+    multi_digit = [token for token in loaded.get_vocab() if len(token) > 1 and token.isdigit()]
+    assert "24" in multi_digit
+    ids = loaded("Numbers [6, 15, 50], target 285. 2024", add_special_tokens=False)["input_ids"]
+    assert not set(loaded.convert_ids_to_tokens(ids)) & set(multi_digit)
+    check_loads_as_recipe(XTOK, built, TEACHER_XTOK)
+
+
+def test_the_build_refuses_a_folder_whose_tokenizer_loads_otherwise_than_its_recipe_says(built, tmp_path):
+    """The check the build runs before training: the packaged Qwen2 folder is refused for a recipe that wants numbers kept
+    whole; a Llama folder with the same tokenizer loads as built and keeps numbers whole, as ``architecture: llama`` says."""
+    from kdlab.tiny.build import padded_rows, save_pair
+    from kdlab.tiny.xtok import TEACHER_XTOK, check_loads_as_recipe, keeps_numbers_whole, tiny_llama
+
+    llama = {**TEACHER_XTOK, "architecture": "llama"}
+    assert keeps_numbers_whole(llama)
+    with pytest.raises(RuntimeError, match=r"loads as Qwen2Tokenizer, which tokenizes '2024' as \['2', '0', '2', '4'\].*architecture 'llama'"):
+        check_loads_as_recipe(XTOK, built, llama)
+    model = tiny_llama(len(built), hidden=8, layers=1, heads=2, embedding_rows=padded_rows(len(built)),
+                       eos_token_id=built.eos_token_id, pad_token_id=built.pad_token_id)
+    save_pair(tmp_path, built, {"llama": model})
+    check_loads_as_recipe(tmp_path / "llama", built, llama)
+    with pytest.raises(RuntimeError, match="architecture 'qwen2'"):
+        check_loads_as_recipe(tmp_path / "llama", built, TEACHER_XTOK)

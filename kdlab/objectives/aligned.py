@@ -35,7 +35,7 @@ chain-rule group probability of the text actually written. Approximate: a model'
 counts one tokenisation of it (its own), not every way of spelling those bytes; ``rest`` lumps together
 different events on the two sides (each side's unmapped tokens). ``uld_weight`` mixes in the ULD distance
 (the L1 distance between the two sorted next-token probability vectors at each group start, which needs no
-map): ``loss = (1 - w) * divergence + w * ULD``, GOLD's hybrid.
+map; each side's end ids are one entry, their summed probability, as for the end event: :meth:`VocabularyMap.merged_ends`): ``loss = (1 - w) * divergence + w * ULD``, GOLD's hybrid.
 
 Memory: groups are taken about ``chunk_size`` student rows at a time; every intermediate (each model's rows,
 their normalised log-probs, the events) is ``(rows, V)``-sized, none is ``(B, T, V)``, and the gradient of
@@ -265,13 +265,19 @@ class CrossTokenizer(TokenPairing):
     Args:
         uld_weight: ``w`` in ``(1 - w) * divergence + w * ULD``: 0 (default) is the vocabulary map alone
             (exact where groups are one to one); 1 is ULD's sorted-probability distance alone.
+        check_examples: how many examples of each of the train and val splits :meth:`check_texts` reads before any
+            weight loads: ``None`` (default) every one; a number, the first that many (a task too large to
+            tokenize whole at setup; a later example that does not reproduce is then only met in training).
     """
 
-    def __init__(self, uld_weight: float = 0.0) -> None:
+    def __init__(self, uld_weight: float = 0.0, check_examples: int | None = None) -> None:
         super().__init__()
         if not 0.0 <= uld_weight <= 1.0:
             raise ValueError(f"CrossTokenizer.uld_weight must be in [0, 1], got {uld_weight}")
+        if check_examples is not None and (isinstance(check_examples, bool) or not isinstance(check_examples, int) or check_examples < 1):
+            raise ValueError(f"CrossTokenizer.check_examples must be a positive integer or None (every example), got {check_examples!r}")
         self.uld_weight = float(uld_weight)
+        self.check_examples = check_examples
         self.vocabulary: VocabularyMap | None = None
         self._on_device: dict[torch.device, tuple[VocabularyMap, tuple[EventLayout, EventLayout]]] = {}
 
@@ -286,27 +292,34 @@ class CrossTokenizer(TokenPairing):
     def divergences(self, objective, rollout, student, teacher, reduction):
         return self.rollout_loss(objective, rollout, student.detach(), teacher, reduction=reduction)[1]
 
-    def check_texts(self, task: Any, student_tokenizer: Any, teacher_tokenizer: Any, probes: int = 8) -> None:
-        """Before any weight loads: refuse tokenizers that do not reproduce the task's text byte for byte
-        (:func:`kdlab.alignment.check_reproduces` names the model and the first differing character)."""
-        from kdlab.alignment import check_reproduces
+    def check_texts(self, task: Any, student_tokenizer: Any, teacher_tokenizer: Any) -> None:
+        """Before any weight loads: refuse tokenizers that do not reproduce the task's text byte for byte, over every
+        example of the train and val splits (the first :attr:`check_examples` of each when set; each prompt message and
+        reference completion; one batched encoding per tokenizer, :func:`kdlab.alignment.first_unreproduced`). The
+        error names the model, the split and id of the first example whose text fails and the first differing
+        character (:func:`kdlab.alignment.check_reproduces`)."""
+        from kdlab.alignment import check_reproduces, first_unreproduced
         from kdlab.errors import ConfigError
 
-        texts: list[str] = []
+        where: dict[str, str] = {}  # each distinct text -> the first example it comes from
         for split in ("train", "val"):
-            for example in list(task.examples(split))[:probes]:
-                texts += [message["content"] for message in task.student_messages(example) + task.teacher_messages(example)]
+            for index, example in enumerate(list(task.examples(split))[: self.check_examples]):
+                name = f"{split} example {example.get('id', index)!r}"
                 reference = task.reference_completion(example)
-                if reference:
-                    texts.append(reference)
-            if texts:
-                break
-        for text in dict.fromkeys(texts):
-            for role, tokenizer in (("student", student_tokenizer), ("teacher", teacher_tokenizer)):
-                try:
-                    check_reproduces(tokenizer, text, tokenizer(text, add_special_tokens=False)["input_ids"], f"DistillModule.{role}'s")
-                except ConfigError as error:
-                    raise ConfigError(f"{error} (in {text[:60]!r}; cross_tokenizer aligns the two models' tokens by bytes)") from None
+                for message in task.student_messages(example) + task.teacher_messages(example) + ([{"content": reference}] if reference else []):
+                    where.setdefault(message["content"], name)
+        texts = list(where)
+        for role, tokenizer in (("student", student_tokenizer), ("teacher", teacher_tokenizer)):
+            failing = first_unreproduced(tokenizer, texts)
+            if failing is None:
+                continue
+            text = texts[failing]
+            try:
+                check_reproduces(tokenizer, text, tokenizer(text, add_special_tokens=False)["input_ids"], f"DistillModule.{role}'s")
+            except ConfigError as error:
+                raise ConfigError(f"{error} (in the {where[text]}: {text[:60]!r}; cross_tokenizer aligns the two models' "
+                                  "tokens by bytes)") from None
+            raise AssertionError(f"first_unreproduced and check_reproduces disagree on {text[:60]!r}")  # pragma: no cover
 
     def bind(self, teacher_tokenizer: Any, student_tokenizer: Any, teacher_columns: int, student_columns: int,
              teacher_end_ids: Sequence[int] | None = None, student_end_ids: Sequence[int] | None = None) -> None:

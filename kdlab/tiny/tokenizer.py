@@ -22,7 +22,8 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 512, *, individual_
     can merge them ("24" one token, as in many real vocabularies); the special tokens, tags and chat
     template are the same either way. Saved next to a Qwen2 model, transformers 5 loads it as
     ``Qwen2Tokenizer``, whose own pre-tokenizer splits digits one by one: merged digits need another
-    family's folder (``python -m kdlab.tiny teacher-xtok`` now builds a Llama teacher for this reason).
+    family's folder (:data:`kdlab.tiny.xtok.TEACHER_XTOK` with ``architecture: llama``; the packaged
+    ``kdlab://tiny/teacher-xtok`` is a Qwen2 folder, so it loads splitting digits).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -15,15 +15,19 @@ from kdlab.tiny.build import RECIPE, _target_rows, measure, padded_rows, save_pa
 from kdlab.tiny.tokenizer import build_tokenizer
 
 
-# The cross-tokenizer teacher (``kdlab://tiny/teacher-xtok``, issue #27): the packaged teacher's size and
-# phases, but its own tokenizer, trained on the same corpus with twice the vocabulary budget and digit runs
-# kept together (``"24"`` is one token, not ``"2"``, ``"4"``); the special tokens, tags and chat template
-# are the packaged ones, so the chat markup is the same text. A teacher for distillation across tokenizers.
-# Llama architecture, a second family: transformers 5 loads the tokenizer of any Qwen2 folder as
-# ``Qwen2Tokenizer``, which splits digits one by one whatever ``tokenizer.json`` says; a Llama folder's
-# tokenizer is read from its ``tokenizer.json`` as it was built.
+# The cross-tokenizer teacher (``kdlab://tiny/teacher-xtok``, issue #27), the recipe the packaged folder was built
+# with: the packaged teacher's size and phases, but its own tokenizer, trained on the same corpus with twice the
+# vocabulary budget and digit runs kept together (its vocabulary holds multi-digit tokens such as ``"24"``), in a
+# Qwen2 folder. transformers 5 loads the tokenizer of any Qwen2 folder as ``Qwen2Tokenizer``, whose pre-tokenizer
+# splits digits one by one whatever ``tokenizer.json`` says: as loaded (and as the teacher was trained and is used)
+# digits are one token each, the multi-digit tokens are never produced, and the tiny world's text gets the packaged
+# tokenizer's token strings under other ids (a test of the vocabulary map, not of multi-token groups). The special
+# tokens, tags and chat template are the packaged ones, so the chat markup is the same text.
+# ``"architecture": "llama"`` builds a Llama-family teacher instead, a second family whose folder's tokenizer loads
+# as built and keeps numbers whole (:func:`keeps_numbers_whole`); that variant is not packaged (packaging it would
+# replace the teacher of every committed result of the tiny cross-tokenizer run).
 TEACHER_XTOK: dict[str, Any] = {
-    "architecture": "llama",
+    "architecture": "qwen2",
     "tokenizer_vocab": 1024,
     "individual_digits": False,
     "teacher": dict(RECIPE["teacher"]),
@@ -32,6 +36,36 @@ TEACHER_XTOK: dict[str, Any] = {
     "batch_size": RECIPE["batch_size"],
     "eval_examples": RECIPE["eval_examples"],
 }
+
+
+def keeps_numbers_whole(recipe: dict[str, Any]) -> bool:
+    """Whether the tokenizer a :data:`TEACHER_XTOK`-like ``recipe`` builds keeps digit runs together as loaded: it is
+    trained so (``individual_digits`` false) and saved in a Llama folder (a Qwen2 folder's loads as ``Qwen2Tokenizer``,
+    which splits digits one by one)."""
+    return recipe["architecture"] == "llama" and not recipe["individual_digits"]
+
+
+def xtok_tokenizer(recipe: dict[str, Any] = TEACHER_XTOK) -> Any:
+    """The byte-level BPE tokenizer of ``recipe`` as trained (before it is saved beside a model and loaded), on the
+    tiny world's corpus and chat template: deterministic, so the packaged folder's vocabulary and merges are its."""
+    from kdlab.tiny.tokenizer import CHAT_TEMPLATE
+    from kdlab.tiny.world import corpus
+
+    return build_tokenizer(corpus() + [CHAT_TEMPLATE], vocab_size=recipe["tokenizer_vocab"], individual_digits=recipe["individual_digits"])
+
+
+def check_loads_as_recipe(folder: Path, tokenizer: Any, recipe: dict[str, Any]) -> None:
+    """Refuse a saved ``folder`` whose tokenizer does not load as ``recipe`` says (:func:`keeps_numbers_whole`: as
+    ``tokenizer`` was built, or digits one by one), before any training."""
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(folder)
+    wanted = tokenizer.tokenize("2024") if keeps_numbers_whole(recipe) else list("2024")
+    got = loaded.tokenize("2024")
+    if got != wanted:
+        raise RuntimeError(f"{folder}: the saved tokenizer loads as {type(loaded).__name__}, which tokenizes '2024' as {got}, "
+                           f"not {wanted} as the recipe (architecture {recipe['architecture']!r}, individual_digits "
+                           f"{recipe['individual_digits']}) wants")
 
 
 def tiny_llama(vocab_size: int, hidden: int, layers: int, heads: int, embedding_rows: int | None = None, seed: int = 0,
@@ -56,20 +90,16 @@ def shared_token_bytes(first: Any, second: Any) -> dict[str, int]:
 
 
 def build_teacher_xtok(tiny_dir: Path, recipe: dict[str, Any] = TEACHER_XTOK) -> dict[str, Any]:
-    """Train a tokenizer of its own (:data:`TEACHER_XTOK`: larger vocabulary, digit runs kept together) on
-    the tiny world's corpus and a fresh teacher with it through the packaged teacher's phases; write it,
-    measured, to ``tiny_dir/teacher-xtok`` with ``MODEL_CARD.md`` and ``metrics.json``. The packaged
+    """Train a tokenizer of its own (:data:`TEACHER_XTOK`: larger vocabulary, trained with digit runs kept together;
+    :func:`xtok_tokenizer`) on the tiny world's corpus and a fresh teacher with it through the packaged teacher's
+    phases; write it, measured, to ``tiny_dir/teacher-xtok`` with ``MODEL_CARD.md`` and ``metrics.json``. The packaged
     teacher and student are left as they are (their tokenizer is compared with the new one)."""
     from transformers import AutoTokenizer
-
-    from kdlab.tiny.tokenizer import CHAT_TEMPLATE
-    from kdlab.tiny.world import corpus
 
     out_dir, work, started = start_build(tiny_dir, "teacher-xtok")
     work.mkdir(parents=True)
     model = work / "teacher-xtok"
-    tokenizer = build_tokenizer(corpus() + [CHAT_TEMPLATE], vocab_size=recipe["tokenizer_vocab"],
-                                individual_digits=recipe["individual_digits"])
+    tokenizer = xtok_tokenizer(recipe)
     vocab = len(tokenizer)
     if recipe["architecture"] == "llama":
         teacher = tiny_llama(vocab, embedding_rows=padded_rows(vocab), eos_token_id=tokenizer.eos_token_id,
@@ -77,16 +107,16 @@ def build_teacher_xtok(tiny_dir: Path, recipe: dict[str, Any] = TEACHER_XTOK) ->
     else:
         teacher = tiny_qwen2(vocab, embedding_rows=padded_rows(vocab), **recipe["teacher"])
     save_pair(work, tokenizer, {"teacher-xtok": teacher})
+    check_loads_as_recipe(model, tokenizer, recipe)  # before the phases: the teacher trains with the tokenizer as loaded
     for phase in recipe["teacher_phases"]:
         train_teacher_phase(model, phase, recipe)
-    # the generic class name (transformers 4 has no ``TokenizersBackend``): tokenizer.json is read as saved
-    config_file = model / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_file.write_text(json.dumps(config, indent=2) + "\n")
-    reloaded = AutoTokenizer.from_pretrained(model)
-    if reloaded.tokenize("123") != tokenizer.tokenize("123"):
-        raise RuntimeError(f"{model}: the saved tokenizer does not load as built ({type(reloaded).__name__})")
+    if recipe["architecture"] == "llama":
+        # the generic class name (transformers 4 has no ``TokenizersBackend``): tokenizer.json is read as saved
+        config_file = model / "tokenizer_config.json"
+        config = json.loads(config_file.read_text())
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
+    check_loads_as_recipe(model, tokenizer, recipe)
     packaged = AutoTokenizer.from_pretrained(tiny_dir / "student")
     shared = shared_token_bytes(tokenizer, packaged)
     measured: dict[str, Any] = {"teacher-xtok": measure(model, recipe)}
@@ -119,30 +149,46 @@ def teacher_xtok_card(recipe: dict[str, Any], measured: dict[str, Any], teacher:
     phases = " then ".join(f"{p['countdown']:,} Countdown-3 problems for {p['epochs']} epochs at LR {p['lr']:g}"
                            for p in recipe["teacher_phases"])
     family = {"llama": "`LlamaForCausalLM`", "qwen2": "`Qwen2ForCausalLM`"}[recipe["architecture"]]
-    digits = "one token per digit" if recipe["individual_digits"] else "runs of digits kept together and merged by BPE (`24` is one token)"
+    trained_digits = "one token per digit" if recipe["individual_digits"] else "digit runs kept together"
+    if recipe["architecture"] == "qwen2":
+        loading = ["Its folder is a Qwen2 model's, and transformers 5 loads a Qwen2 folder's tokenizer as `Qwen2Tokenizer`, whose",
+                   "pre-tokenizer splits digits one by one whatever `tokenizer.json` says; the teacher was trained, and is used,",
+                   "with that tokenizer (the recipe's `architecture: llama` builds a teacher whose tokenizer loads as built and",
+                   "keeps numbers whole; that variant is not packaged)."]
+    else:
+        loading = ["Llama, not Qwen2 like the packaged pair: a second family, as across-tokenizer pairs are, and transformers 5",
+                   "loads the tokenizer of any Qwen2 folder as `Qwen2Tokenizer`, which splits digits one by one whatever",
+                   "`tokenizer.json` says; a Llama folder's tokenizer loads as built."]
+    if keeps_numbers_whole(recipe):
+        digits = ["digits: runs of digits kept together and merged by BPE (`24` is one token), where the packaged one has",
+                  "one token per digit."]
+        same_text = ["shared): the same text often gets different tokens, numbers above all, and the ids agree only for the",
+                     "three special tokens, the 256 bytes and the first merges (the tags sit at the end of each vocabulary)."]
+    else:
+        digits = ["with other ids for the same strings (the tags, most merges). As loaded, digits are one token each, as in the",
+                  "packaged one, so its multi-digit tokens are never produced and it spells the tiny world's text with the same",
+                  "token strings as the packaged tokenizer, under other ids: a distillation across tokenizers through this",
+                  "teacher exercises the vocabulary map (every id is translated), not multi-token groups."]
+        same_text = ["shared)."]
     lines = [
         "# kdlab tiny world: the cross-tokenizer teacher (`kdlab://tiny/teacher-xtok`)",
         "",
-        "Built by `python -m kdlab.tiny teacher-xtok` (kdlab/tiny/xtok.py, `build_teacher_xtok`): a byte-level BPE",
-        f"tokenizer of its own, trained on the tiny world's corpus with a budget of {recipe['tokenizer_vocab']:,} tokens and",
-        f"digit runs kept together, and a fresh teacher of the packaged teacher's size ({family}, embedding rows",
+        "Built by `python -m kdlab.tiny teacher-xtok` (kdlab/tiny/xtok.py, `build_teacher_xtok`, recipe `TEACHER_XTOK`):",
+        f"a byte-level BPE tokenizer of its own, trained on the tiny world's corpus with a budget of {recipe['tokenizer_vocab']:,} tokens",
+        f"and {trained_digits}, and a fresh teacher of the packaged teacher's size ({family}, embedding rows",
         f"padded to {tok['embedding_rows']:,}) trained from scratch with kdlab's `SFTModule` through the packaged teacher's phases",
         f"({phases};",
         f"English, {recipe['teacher_spanish_share']:.0%} of them also in Spanish; cosine, 5% warm-up), one thread, fixed seeds.",
         "It exists for distillation across tokenizers (issue #27): the packaged student cannot share its vocabulary.",
-        *([] if recipe["architecture"] != "llama" else [
-            "Llama, not Qwen2 like the packaged pair: a second family, as across-tokenizer pairs are, and transformers 5",
-            "loads the tokenizer of any Qwen2 folder as `Qwen2Tokenizer`, which splits digits one by one whatever",
-            "`tokenizer.json` says; a Llama folder's tokenizer loads as built."]),
+        *loading,
         "",
-        f"Tokenizer: differs from the packaged one (`kdlab://tiny/student`, `kdlab://tiny/teacher`): {tok['vocab']:,} tokens",
-        f"against {tok['packaged_vocab']:,} (the corpus ran out of merges below the budget); digits: {digits},",
-        "where the packaged one has one token per digit.",
+        f"Tokenizer: another vocabulary than the packaged one (`kdlab://tiny/student`, `kdlab://tiny/teacher`): {tok['vocab']:,} tokens",
+        f"against {tok['packaged_vocab']:,} (the corpus ran out of merges below the budget);",
+        *digits,
         f"Of its {tok['token_bytes']:,} distinct token byte strings (special tokens aside), {tok['shared_token_bytes']:,}",
         f"({tok['shared_token_bytes'] / tok['token_bytes']:.0%}) are also tokens of the packaged tokenizer, which has "
         f"{tok['packaged_token_bytes']:,} ({tok['shared_token_bytes'] / tok['packaged_token_bytes']:.0%} of them",
-        "shared): the same text often gets different tokens, numbers above all, and the ids agree only for the",
-        "three special tokens, the 256 bytes and the first merges (the tags sit at the end of each vocabulary).",
+        *same_text,
         "Special tokens (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>` = EOS), tags and the ChatML chat template are",
         "the packaged ones, so a chat renders to the same text under both tokenizers.",
         "",
