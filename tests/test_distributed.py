@@ -2,7 +2,7 @@
 FSDPStrategy (let onto the CPU by a test-only subclass, see tests/distributed_worker.py), and DDP give the
 same student as one process with the same global batch; FSDP1 under bf16-mixed reduces in fp32 and keeps
 fp32 buffers; the evaluation callbacks measure once (OODForgetting's lm-eval suite) or split their prompts
-(Coverage) over the ranks."""
+(Coverage) over the ranks; validation counts each example once over the ranks (tests/val_ranks_worker.py)."""
 
 import json
 import os
@@ -257,3 +257,34 @@ def test_a_logged_train_value_is_the_mean_over_the_ranks_of_each_steps_last_micr
     assert any(values[0] != pytest.approx(values[1]) for (name, _), values in logged.items() if name == "train/loss")
     for key, values in logged.items():
         assert written[key] == pytest.approx((values[0] + values[1]) / 2, rel=1e-5), key
+
+
+VAL_WORKER = Path(__file__).with_name("val_ranks_worker.py")
+
+
+def validate(layout: str, out: Path) -> tuple[list[dict], list[str]]:
+    """tests/val_ranks_worker.py on ``layout`` (5 val examples): each rank's results and the ids of every sample record."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(VAL_WORKER), str(out), layout], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads(path.read_text()) for path in sorted(out.glob("results-rank*.json"))]
+    ids = [json.loads(line)["id"] for path in (out / "samples").glob("val-*.jsonl") for line in path.read_text().splitlines()]
+    return ranks, sorted(ids)
+
+
+@pytest.mark.parametrize("layout", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])
+def test_validation_over_two_ranks_counts_each_of_five_examples_once_as_one_process_does(layout, tmp_path):
+    """5 val examples over 2 ranks: rank 1's share is padded with example 0 (so both ranks decode 2 batches, which a
+    sharded model's collective forwards need), and the repeat is decoded but not counted: val/accuracy and pass@k equal
+    one process's exactly, and samples/ holds each example's samples once. Before, Lightning's DistributedSampler padded
+    the same way and example 0 counted twice (accuracy 3.5 / 6 instead of 2.5 / 5)."""
+    from val_ranks_worker import SCORES
+
+    (single,), single_ids = validate("single", tmp_path / "single")
+    ranks, ids = validate(layout, tmp_path / layout)
+    expected = {"val/accuracy": sum(SCORES) / 5, "val/pass@1": sum(s >= 1.0 for s in SCORES) / 5, "val/pass@2": sum(s >= 1.0 for s in SCORES) / 5}
+    assert single["metrics"] == pytest.approx(expected, abs=1e-7)
+    assert [rank["metrics"] for rank in ranks] == [single["metrics"]] * 2  # exactly, on both ranks
+    assert [rank["batches"] for rank in ranks] == [2, 2]
+    assert ids == single_ids == sorted(f"add-val-{i}" for i in range(5) for _ in range(2))  # 2 samples each

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from kdlab.evaluation.metrics import PassAtK, detect_language, pass_at_k, spanish_share, strip_language_neutral, update_sparsity
+from kdlab.evaluation.metrics import MeanScore, PassAtK, detect_language, pass_at_k, spanish_share, strip_language_neutral, update_sparsity
 
 
 def test_pass_at_k_matches_the_binomial_formula_by_hand():
@@ -30,6 +30,18 @@ def test_pass_at_k_metric_averages_over_problems():
     assert result[2].item() == pytest.approx((pass_at_k(4, 1, 2) + pass_at_k(4, 2, 2) + 0.0) / 3)
     with pytest.raises(ValueError, match="k=2"):
         PassAtK(ks=(2,)).update([True])
+
+
+def test_mean_score_is_the_mean_over_every_score_added_and_an_empty_update_adds_nothing():
+    metric = MeanScore()
+    assert metric.compute().item() == 0.0
+    metric.update([1.0, 0.5])
+    metric.update([])  # a batch that was all padding
+    metric.update(torch.tensor([0.0]))
+    assert metric.compute().item() == pytest.approx(0.5)
+    assert metric.compute().dtype == torch.float64
+    metric.reset()
+    assert metric.compute().item() == 0.0
 
 
 def test_update_sparsity_counts_entries_that_moved_less_than_tau_by_hand():

@@ -353,6 +353,22 @@ def test_data_order_depends_only_on_seed_and_epoch():
     assert list(EpochShuffle(50, seed=4)) != first
 
 
+@pytest.mark.parametrize("size", [1, 2, 5, 7, 8])
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_an_evaluation_split_counts_every_example_once_over_the_ranks_which_run_as_many_batches(size, replicas):
+    """The val/test loaders (:func:`evaluation_loader`) of every rank together count each example exactly once, in
+    order, whether or not the number of ranks divides the split (fewer examples than ranks too); every rank gets as many
+    batches, the shorter shares ending with an uncounted repeat."""
+    from kdlab.stages.loaders import evaluation_loader
+
+    examples = [{"id": f"e{i}"} for i in range(size)]
+    loaders = [list(evaluation_loader(examples, 2, {"num_replicas": replicas, "rank": rank})) for rank in range(replicas)]
+    assert len({len(batches) for batches in loaders}) == 1
+    counted = [example["id"] for batches in loaders for batch in batches for example, keep in zip(batch, batch.counted) if keep]
+    assert sorted(counted) == sorted(example["id"] for example in examples)
+    assert [example["id"] for example, keep in zip(loaders[0][0], loaders[0][0].counted) if keep] == [f"e{i}" for i in range(0, min(size, 2 * replicas), replicas)]
+
+
 @pytest.mark.parametrize("rollout", ["teacher", "student"])
 def test_fused_lm_head_step_equals_the_logits_step(tiny_pair, rollout):
     """fused_lm_head gives the same loss and student gradients as the materialised-logits path."""

@@ -115,6 +115,34 @@ def test_checkpoints_saved_at_validation_end_record_the_data_position(tiny_pair,
     assert state["kdlab_data_position"] == {"epoch": 0, "batches_done": 3, "batch_size": 2, "num_replicas": 1}
 
 
+def test_a_finished_runs_last_ckpt_holds_its_final_step_when_the_save_period_does_not_divide_max_steps(tiny_pair, tmp_path):
+    """Checkpoints every 2 steps, max_steps 3: FinalCheckpoint makes the step-periodic ModelCheckpoint save step 3 too,
+    so last.ckpt holds the final step (before: step 2) and continuing the finished run to 5 steps trains steps 4 and 5
+    only (before: 3 to 5, step 3 replayed)."""
+    from kdlab.callbacks import FinalCheckpoint
+
+    class Batches(pl.Callback):
+        trained = 0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.trained += 1
+
+    def fit_to(steps, ckpt_path=None):
+        counted = Batches()
+        checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=2)
+        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             limit_val_batches=0, default_root_dir=str(tmp_path), callbacks=[checkpoint, FinalCheckpoint(), counted])
+        trainer.fit(module(tiny_pair, "offpolicy"), ckpt_path=ckpt_path)
+        return counted.trained
+
+    fit_to(3)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 3
+    assert torch.load(tmp_path / "ckpt" / "epoch=0-step=3.ckpt", weights_only=True)["global_step"] == 3
+    assert fit_to(5, ckpt_path=str(last)) == 2
+    assert torch.load(last, weights_only=True)["global_step"] == 5
+
+
 # ---- through the CLI: a resumed run's logs are the uninterrupted run's ------------------------------
 SMOKE = str(Path(__file__).parents[1] / "experiments" / "tiny" / "smoke.yaml")
 LOGGED = [  # validation at step 4, checkpoints every 2 steps, a callback writing metrics.jsonl every 2 steps
@@ -330,13 +358,15 @@ def test_epoch_shuffle_on_distributed_sampler_keeps_the_orders_of_earlier_runs(s
 def test_final_ckpt_is_weights_only_so_a_fit_resumes_from_last_ckpt_which_links_to_the_full_state(tmp_path):
     """final.ckpt holds the weights (the next stage reads them), not the optimiser: --ckpt_path of it fails
     at the restore naming the files that resume, and leaves the run's logs alone; last.ckpt, a link to
-    the newest full state, continues the finished run in the same version_N."""
+    the newest full state, continues the finished run in the same version_N. With checkpoints every 2 steps and
+    max_steps 5, the newest full state is the final step's (saved though 2 does not divide 5)."""
     from kdlab.cli.config_errors import ConfigError
 
-    first = cli_fit(tmp_path, "--trainer.max_steps=4")
+    first = cli_fit(tmp_path, "--trainer.max_steps=5")
     run_dir = Path(first.trainer.log_dir)
     checkpoints = run_dir / "checkpoints"
-    assert (checkpoints / "last.ckpt").is_symlink() and (checkpoints / "last.ckpt").resolve().name == "epoch=0-step=4.ckpt"
+    assert (checkpoints / "last.ckpt").is_symlink() and (checkpoints / "last.ckpt").resolve().name == "epoch=0-step=5.ckpt"
+    assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 5
     metrics = (run_dir / "metrics.jsonl").read_bytes()
     with pytest.raises(ConfigError, match=r"final.ckpt' holds the weights only \(no optimiser state\), so it cannot resume a fit; "
                                           r"resume from a full state \(.*last.ckpt.*--model.student.checkpoint=.*final.ckpt"):

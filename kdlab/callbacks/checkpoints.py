@@ -9,6 +9,8 @@
   ``ModelCheckpoint`` stays the only writer of full states (``last.ckpt``, ``epoch=E-step=S.ckpt``):
   resume, or continue a finished run, from one of those; ``--ckpt_path`` of a weights-only file fails
   naming the files that can resume.
+* :class:`FinalCheckpoint` also makes a finished run's ``last.ckpt`` hold its final step: a step-periodic
+  ``ModelCheckpoint`` whose period does not divide ``max_steps`` saves the final step too (:func:`save_final_step`).
 * :class:`ExceptionCheckpoint` saves ``on_exception.ckpt`` (a full state) when fit raises, Ctrl+C and
   SIGTERM included, and says which file to resume from.
 
@@ -59,7 +61,10 @@ class FinalCheckpoint(pl.Callback):
     moves the module back to the strategy's device (Lightning's teardown has moved it to the CPU by then) and
     runs kdlab's end-of-training hooks itself before its save: every
     :class:`~kdlab.callbacks.periodic.PeriodicCallback`'s end-of-fit measurement and the module's
-    ``on_train_end``. Other callbacks' ``on_train_end`` is not replayed."""
+    ``on_train_end``. Other callbacks' ``on_train_end`` is not replayed.
+
+    It also saves the final step's full state through a step-periodic ``ModelCheckpoint`` whose period does not
+    divide ``max_steps`` (:func:`save_final_step`), so a finished run's ``last.ckpt`` holds its final step."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._ended = False
@@ -121,13 +126,48 @@ def whole_tensors(strategy: Any) -> Iterator[None]:
 
 
 class _SaveFinal(pl.Callback):
-    """:class:`FinalCheckpoint`'s save, last among the Trainer's callbacks at the end of training."""
+    """:class:`FinalCheckpoint`'s saves, last among the Trainer's callbacks (after Lightning's ``ModelCheckpoint``,
+    which it moves to the end of the list): the final step's full state (:func:`save_final_step`) after the batch
+    that ends the fit, ``final.ckpt`` at the end of training."""
 
     def __init__(self, owner: FinalCheckpoint) -> None:
         self.owner = owner
 
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if fit_ends_after_batch(trainer):
+            save_final_step(trainer)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.owner.save(trainer)
+
+
+def fit_ends_after_batch(trainer: pl.Trainer) -> bool:
+    """Whether the training batch that just ended is the fit's last: ``max_steps`` optimiser steps are done (at the
+    last micro-batch of the step under accumulation), or it ended the last of ``max_epochs`` epochs."""
+    if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
+        return True
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    epoch_ends = progress.is_last_batch or progress.current.ready >= trainer.num_training_batches
+    return epoch_ends and trainer.max_epochs is not None and trainer.max_epochs >= 0 and trainer.current_epoch + 1 >= trainer.max_epochs
+
+
+def save_final_step(trainer: pl.Trainer) -> None:
+    """After a fit's last batch: a step-periodic ``ModelCheckpoint(save_last=True, every_n_train_steps=N)`` without a
+    ``monitor`` that did not save at this step (``max_steps`` not a multiple of N) saves it now, as its period would
+    have: ``epoch=E-step=S.ckpt`` at the final step, and ``last.ckpt`` (a link to it under ``kdlab fit``). So a
+    finished run's ``last.ckpt`` holds its final step, and continuing it with a larger ``max_steps`` replays
+    nothing. Saved where a periodic save is (after the batch, before the validation that follows it and the
+    end-of-fit evaluations): resuming from it is resuming from a periodic save. A call on every rank (a save is a
+    collective)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for callback in trainer.checkpoint_callbacks:
+        if (not isinstance(callback, ModelCheckpoint) or not callback.save_last or callback.monitor is not None
+                or callback._every_n_train_steps < 1 or callback._should_skip_saving_checkpoint(trainer)):
+            continue  # not step-periodic, monitored (its last.ckpt follows its best files), or saved at this step already
+        candidates = callback._monitor_candidates(trainer)
+        callback._save_topk_checkpoint(trainer, candidates)
+        callback._save_last_checkpoint(trainer, candidates)
 
 
 class ExceptionCheckpoint(Checkpoint):

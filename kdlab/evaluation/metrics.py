@@ -1,4 +1,4 @@
-"""Pure measurement functions: pass@k, update sparsity, and the language of a response.
+"""Pure measurement functions: pass@k, mean scores, update sparsity, and the language of a response.
 
 Callbacks and reports build on these; each is small enough to check by hand.
 """
@@ -29,7 +29,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 class PassAtK(Metric):
     """torchmetrics pass@k averaged over problems; ``update(correct)`` takes one problem's ``n`` sample
-    outcomes (bools), or a ``(problems, n)`` bool tensor. ``compute()`` returns ``{k: pass@k}``."""
+    outcomes (bools), or a ``(problems, n)`` bool tensor (``problems`` may be 0: nothing added). ``compute()`` returns
+    ``{k: pass@k}``; under several processes the sums and problem counts are summed over the ranks first."""
 
     full_state_update = False
 
@@ -50,12 +51,36 @@ class PassAtK(Metric):
             raise ValueError(f"PassAtK: k={max(self.ks)} needs at least that many samples per problem, got {n}")
         rows = [[pass_at_k(n, int(row), k) for k in self.ks] for row in outcomes.sum(dim=1).tolist()]
         # out of place: states made under a Trainer's inference mode (validate before fit) cannot be updated in place
-        self.sums = self.sums + torch.tensor(rows, dtype=torch.float64, device=self.sums.device).sum(dim=0)
+        self.sums = self.sums + torch.tensor(rows, dtype=torch.float64, device=self.sums.device).reshape(-1, len(self.ks)).sum(dim=0)
         self.problems = self.problems + outcomes.shape[0]
 
     def compute(self) -> dict[int, torch.Tensor]:
         means = self.sums / self.problems.clamp(min=1)
         return {k: means[i] for i, k in enumerate(self.ks)}
+
+
+class MeanScore(Metric):
+    """torchmetrics mean of scores: ``update(scores)`` adds a 1-D float tensor (or sequence) of scores, possibly
+    empty; ``compute()`` returns their mean over every update (float64; 0 when there were none). Under several
+    processes the score sums and counts are summed over the ranks before dividing, so ranks that scored different
+    numbers of rows weigh each row the same (Lightning's ``self.log(..., sync_dist=True)`` averages its integer
+    row counts over the ranks with integer division: 5 rows on 2 ranks counted as 4)."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, scores: torch.Tensor | Sequence[float]) -> None:
+        values = torch.as_tensor(scores, dtype=torch.float64).reshape(-1)
+        # out of place, as PassAtK: states made under a Trainer's inference mode cannot be updated in place
+        self.total = self.total + values.sum().to(self.total.device)
+        self.count = self.count + values.numel()
+
+    def compute(self) -> torch.Tensor:
+        return self.total / self.count.clamp(min=1)
 
 
 def update_sparsity(before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor], threshold: float) -> float:

@@ -4,7 +4,7 @@ A stage trains one model, called ``student`` (the distilled student, or the poli
 that starts from it), on a :class:`~kdlab.tasks.base.Task`. This base class gives it:
 
 * data: the task's ``train`` split in an order drawn from (seed, epoch), resumable mid-epoch;
-  ``val``/``test`` use the first ``val_examples`` held-out examples;
+  ``val``/``test`` use the first ``val_examples`` held-out examples, each counted once over data-parallel ranks;
 * seeded, resumable random streams per step (:meth:`TaskStage.step_seed`);
 * evaluation: ``<split>/accuracy`` (mean task score over ``eval_samples`` completions per prompt at
   ``val_temperature``), ``<split>/pass@k`` and a per-example JSONL under ``<log_dir>/samples/``; a fit
@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from kdlab.components import Component
-from kdlab.evaluation.metrics import PassAtK
+from kdlab.evaluation.metrics import MeanScore, PassAtK
 from kdlab.evaluation.scoring import completion_texts, scored
 from kdlab.models.export import LORA_SETTINGS, lora_settings
 from kdlab.objectives.precision import use_float32_matmul_precision
@@ -40,7 +40,7 @@ from kdlab.provenance import write_run_info
 from kdlab.run_config import describe_run, remember_arguments
 from kdlab.rollouts.decoding import stop_strings_check
 from kdlab.runlog import STEPS_MARK, Console, log_at_optimiser_steps, metrics_file, quiet, run_directory, write_samples
-from kdlab.stages.loaders import data_parallel_layout, data_position, resumable_loader
+from kdlab.stages.loaders import data_parallel_layout, data_position, evaluation_loader, resumable_loader
 from kdlab.stages.optim import FiniteAdamW
 from kdlab.stages.sharding import check_strategy, fsdp1_root, gathered_for_decoding, global_grad_norm, require_gradient_sync, shard_fsdp2, wrap_fsdp1
 from kdlab.tasks.base import Example, Task
@@ -133,6 +133,7 @@ class TaskStage(pl.LightningModule):
         self.val_examples, self.val_temperature, self.val_batch_size = val_examples, val_temperature, val_batch_size
         self.eval_samples = eval_samples
         self.pass_at_k = torch.nn.ModuleDict({split: PassAtK(ks=tuple(eval_ks)) for split in ("val", "test")})
+        self.mean_score = torch.nn.ModuleDict({split: MeanScore() for split in ("val", "test")})  # <split>/accuracy
         self.seed = seed
         self.stop_strings = [text for text in (stop_strings or []) if text]
         self._eval_records: list[dict[str, Any]] = []
@@ -308,10 +309,12 @@ class TaskStage(pl.LightningModule):
             self._train_sampler.set_epoch(self.current_epoch)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self._split("val", self.val_examples), batch_size=self.val_batch_size, collate_fn=list)
+        """The first ``val_examples`` of the ``val`` split, this rank's share (:func:`~kdlab.stages.loaders.evaluation_loader`:
+        every example counted once over the ranks, whether or not their number divides it)."""
+        return evaluation_loader(self._split("val", self.val_examples), self.val_batch_size, self.data_parallel_layout())
 
     def test_dataloader(self) -> DataLoader:
-        return DataLoader(self._split("test", self.val_examples), batch_size=self.val_batch_size, collate_fn=list)
+        return evaluation_loader(self._split("test", self.val_examples), self.val_batch_size, self.data_parallel_layout())
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         return batch  # a list of example dicts; tensors are made on the device in the step
@@ -369,21 +372,32 @@ class TaskStage(pl.LightningModule):
         return stop_strings_check(self.student_tokenizer, self.stop_strings)
 
     def _evaluate(self, split: str, batch: list[Example], batch_idx: int) -> None:
+        """Decode ``eval_samples`` completions of every example of ``batch`` and score the counted ones: an
+        :class:`~kdlab.stages.loaders.EvalBatch`'s padding repeat is decoded (every rank decodes as many batches) but
+        left out of ``<split>/accuracy``, pass@k and ``samples/``. Accuracy and pass@k are torchmetrics metrics, summed
+        (score sums, counts) over the ranks at the evaluation's end (:meth:`_finish_evaluation`), so ranks that counted
+        different numbers of examples weigh each example the same."""
         n = self.eval_samples
         repeated = [example for example in batch for _ in range(n)]
         completions = self.eval_completions(repeated, self.val_temperature, self.step_seed(split, batch_idx))
-        scores = [scored(self.task, example, text) for example, text in zip(repeated, completions)]
-        self.log(f"{split}/accuracy", sum(scores) / len(scores), batch_size=len(batch), prog_bar=split == "val", sync_dist=True)
-        self.pass_at_k[split].update(torch.tensor(scores).reshape(len(batch), n) >= 1.0)
-        self._log_records(split, len(batch))
+        counted = getattr(batch, "counted", None) or [True] * len(batch)
+        kept = [(example, text) for row, (example, text) in enumerate(zip(repeated, completions)) if counted[row // n]]
+        scores = [scored(self.task, example, text) for example, text in kept]
+        examples = len(kept) // n
+        self.mean_score[split].update(scores)
+        self.pass_at_k[split].update(torch.tensor(scores, dtype=torch.float64).reshape(examples, n) >= 1.0)
+        self._log_records(split, examples)
         self._eval_records.extend(
             {"id": ex["id"], "prompt": self.task.user_prompt(ex), "completion": text, "score": score}
-            for ex, text, score in zip(repeated, completions, scores)
+            for (ex, text), score in zip(kept, scores)
         )
 
     def _finish_evaluation(self, split: str) -> None:
+        # the metrics are already reduced across ranks (their sums and counts summed)
+        self.log(f"{split}/accuracy", self.mean_score[split].compute().float(), prog_bar=split == "val")
         for k, value in self.pass_at_k[split].compute().items():
-            self.log(f"{split}/pass@{k}", value.float())  # the metric itself is already reduced across ranks
+            self.log(f"{split}/pass@{k}", value.float())
+        self.mean_score[split].reset()
         self.pass_at_k[split].reset()
         self._write_records(split)
 

@@ -1,13 +1,14 @@
-"""The training data order of a stage: a permutation of the ``train`` split drawn from (seed, epoch),
+"""The data order of a stage: for training, a permutation of the ``train`` split drawn from (seed, epoch),
 sharded across ranks like ``DistributedSampler``, and resumable mid-epoch (the loader's position is in
-every checkpoint)."""
+every checkpoint); for evaluation (``val``/``test``), the split in order, shared out so that each example
+is counted once across ranks (:func:`evaluation_loader`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 class EpochShuffle(DistributedSampler):
@@ -59,6 +60,60 @@ def resumable_loader(items: Sequence[Any], batch_size: int, seed: int, layout: d
     loader.decode_group = decode_group
     loader.resumed_batches = resume["batches_done"] if resume is not None else 0
     return loader
+
+
+class EvalShard(DistributedSampler):
+    """This rank's share of ``size`` evaluation examples, in order: positions r, r + W, r + 2W, ... (W =
+    ``num_replicas``) of ``0 .. total_size - 1``, where ``total_size`` is ``size`` rounded up to a multiple of W, as
+    ``DistributedSampler`` (unshuffled) pads. Every rank thus takes ``ceil(size / W)`` positions and as many
+    batches (a sharded model's forwards, and DDP's, are collectives: a rank with one batch fewer would leave the
+    others waiting). A position ``p >= size`` is padding: it stands for example ``p % size`` (the order's head,
+    repeated, as ``DistributedSampler`` repeats it) and :class:`EvalExamples` marks it not counted, so every
+    example is counted exactly once over all ranks. Being a ``DistributedSampler``, Lightning does not wrap it
+    (its own would repeat the head with nothing to tell the repeats apart)."""
+
+    def __init__(self, size: int, num_replicas: int = 1, rank: int = 0) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"EvalShard: rank {rank} is not in [0, {num_replicas})")
+        super().__init__(range(size), num_replicas=num_replicas, rank=rank, shuffle=False)
+
+    def __iter__(self):
+        return iter(range(self.rank, self.total_size, self.num_replicas))
+
+
+class EvalExamples(Dataset):
+    """The examples of an evaluation, read at :class:`EvalShard` positions: position ``p`` gives
+    ``(examples[p % len(examples)], p < len(examples))``, the example and whether it is counted (not padding)."""
+
+    def __init__(self, examples: Sequence[Any]) -> None:
+        self.examples = list(examples)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, position: int) -> tuple[Any, bool]:
+        return self.examples[position % len(self.examples)], position < len(self.examples)
+
+
+class EvalBatch(list):
+    """One evaluation batch: its examples (a list, as Lightning passes it to ``validation_step``) and ``counted``,
+    one bool per example, False for a padding repeat (:class:`EvalShard`) whose results are dropped."""
+
+    counted: list[bool]
+
+    @classmethod
+    def collate(cls, items: list[tuple[Any, bool]]) -> EvalBatch:
+        batch = cls(example for example, _ in items)
+        batch.counted = [counted for _, counted in items]
+        return batch
+
+
+def evaluation_loader(examples: Sequence[Any], batch_size: int, layout: dict[str, int]) -> DataLoader:
+    """The loader of an evaluation over ``examples`` (in order): this rank's share (``layout``,
+    :func:`data_parallel_layout`; :class:`EvalShard`), ``batch_size`` examples per :class:`EvalBatch`. Over all ranks
+    each example is counted once; a rank's last batch may end with one padding repeat (decoded, not counted)."""
+    sampler = EvalShard(len(examples), layout["num_replicas"], layout["rank"])
+    return DataLoader(EvalExamples(examples), batch_size=batch_size, sampler=sampler, collate_fn=EvalBatch.collate)
 
 
 def check_data_position(position: dict[str, Any], batch_size: int, num_replicas: int) -> None:
