@@ -72,6 +72,15 @@ def task_pairs(task: Task, split: str = "train") -> list[dict[str, Any]]:
     return rows
 
 
+def check_sft_strategy(fsdp2: bool) -> None:
+    """SFTModule's strategy rule, for its ``setup`` and for ``kdlab estimate`` (:func:`kdlab.study.setups.sft_setup`): refuse
+    ``ModelParallelStrategy`` (FSDP2, ``fsdp2`` true) naming ``trainer.strategy`` and what trains SFT. SFTModule has no
+    ``configure_model`` to shard its model, and Lightning would refuse the fit in its own words."""
+    if fsdp2:
+        raise ValueError("trainer.strategy: SFTModule does not shard under ModelParallelStrategy (FSDP2); use one device, ddp or "
+                         "fsdp (FSDP1)")
+
+
 class SFTModule(CheckpointedStage):
     """Fine-tune ``model`` to write each row's completion after its prompt.
 
@@ -225,9 +234,7 @@ class SFTModule(CheckpointedStage):
         check_strategy(self.trainer.strategy)  # a strategy kdlab does not know (DeepSpeed) is refused before any step
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        if isinstance(self.trainer.strategy, ModelParallelStrategy):  # no configure_model: Lightning would refuse it in its words
-            raise ValueError("trainer.strategy: SFTModule does not shard under ModelParallelStrategy (FSDP2); use one device, ddp or "
-                             "fsdp (FSDP1)")
+        check_sft_strategy(isinstance(self.trainer.strategy, ModelParallelStrategy))
         self.attach_run_log()  # metrics.jsonl, at optimiser steps, as every stage's
         if stage == "fit":
             self.encoded  # every row encoded and its length checked now, not when its batch comes
