@@ -311,7 +311,7 @@ def test_a_lora_distill_checkpoint_loads_as_the_model_with_its_adapters_merged(t
 
 
 def test_lora_checkpoints_that_cannot_be_merged_say_what_works(tiny_pair, tmp_path):
-    """Adapters without recorded settings (an SFTModule checkpoint, or one written before kdlab recorded them) cannot
+    """Adapters without recorded settings (a distill, RLVR or SFT checkpoint written before kdlab recorded them) cannot
     be merged (alpha is not in the tensors): the error names the checkpoint and a way that works."""
     from kdlab.models.loading import ModelSpec, load_causal_lm
 

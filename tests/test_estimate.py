@@ -266,6 +266,32 @@ def test_unknown_keys_and_models_are_one_line_errors(in_root, tmp_path):
         main(["estimate", "--config", str(config)])
 
 
+def test_an_sft_fit_under_fsdp2_is_refused_as_the_sft_stage_refuses_it(in_root, tiny_pair, tmp_path):
+    """SFTModule does not shard under ``ModelParallelStrategy`` (FSDP2) and its fit is refused at setup; ``kdlab estimate``
+    of that configuration says so in the stage's own words (one rule, :func:`kdlab.stages.sft.check_sft_strategy`)
+    instead of estimating a run that cannot start. Under FSDP1 (``strategy: fsdp``) it still estimates. Failed before:
+    the estimate printed an FSDP2 SFT run's memory."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from kdlab.cli.config_errors import ConfigError
+    from kdlab.stages import SFTModule
+    from kdlab.tasks import Addition
+
+    module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=4)])
+    module._trainer = SimpleNamespace(strategy=object.__new__(ModelParallelStrategy))
+    with pytest.raises(ValueError) as stage:
+        module.setup("fit")
+    sft = ["--config", "experiments/paper/teachers/sft-science-qwen7b.yaml"]
+    fsdp2 = tmp_path / "fsdp2.yaml"
+    fsdp2.write_text("trainer:\n  devices: 2\n  strategy: {class_path: lightning.pytorch.strategies.ModelParallelStrategy}\n")
+    with pytest.raises(ConfigError) as estimated:
+        main(["estimate", *sft, "--config", str(fsdp2)])
+    assert str(estimated.value) == str(stage.value) and "SFTModule does not shard under ModelParallelStrategy (FSDP2)" in str(stage.value)
+    assert main(["estimate", *sft, "--trainer.devices=2", "--trainer.strategy=fsdp"]).setup.strategy == "fsdp1"
+
+
 # ---- docs/scaling.md ----------------------------------------------------------------------------------
 def test_docs_scaling_lists_every_preset_as_the_script_writes_it_and_every_preset_fits(in_root):
     spec = importlib.util.spec_from_file_location("estimate_presets", ROOT / "scripts" / "estimate_presets.py")

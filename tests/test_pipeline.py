@@ -51,6 +51,28 @@ def test_rlvr_starts_from_each_distilled_checkpoint_and_chains_are_tracked(tmp_p
     assert ": fit" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("distilled, line", [(1, "[pipeline] 1 chain tracked in "), (2, "[pipeline] 2 chains tracked in ")])
+def test_the_pipelines_chain_count_is_pluralised(tmp_path, capsys, monkeypatch, distilled, line):
+    """The last line says "1 chain" and "2 chains" (kdlab.study.tables.counted); it read "1 chains" before. The runs are
+    faked: ``distilled`` of the smoke pipeline's two distillation runs finish, each giving one RLVR chain."""
+    import kdlab.study.pipeline
+    from kdlab.study.pipeline import run_pipeline
+
+    path = smoke_file(tmp_path)
+    pipeline = load_pipeline(path)
+
+    def run_sweep(sweep, pipeline_file, command=None):
+        records = [{"name": run.name, "status": "done", "error": None} for run in expand(sweep)]
+        if sweep.output == pipeline.distill.output:
+            for record in records[distilled:]:
+                record.update(status="failed", error="boom")
+        return records
+
+    monkeypatch.setattr(kdlab.study.pipeline, "run_sweep", run_sweep)
+    run_pipeline(pipeline, str(path))
+    assert line in capsys.readouterr().out
+
+
 def test_bad_pipeline_files_name_the_key(tmp_path):
     with pytest.raises(ValueError, match="unknown key 'stages'"):
         load_pipeline(smoke_file(tmp_path, stages=[]))

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -341,3 +342,107 @@ def test_fsdp2_is_refused_when_the_fit_is_set_up_naming_the_strategy(tiny_pair):
     module._trainer = SimpleNamespace(strategy=object.__new__(ModelParallelStrategy))
     with pytest.raises(ValueError, match=r"trainer.strategy: SFTModule does not shard under ModelParallelStrategy \(FSDP2\); use one device, ddp or fsdp"):
         module.setup("fit")
+
+
+def test_a_lora_sft_checkpoint_loads_in_the_next_stage_with_its_adapters_merged(tiny_pair, tmp_path):
+    """A LoRA SFT run's final.ckpt (weights only, as FinalCheckpoint writes it) records its adapters' settings
+    (``kdlab_lora``), so the next stage that starts from it (here a distillation's ``student.checkpoint``; RLVR's
+    ``policy.checkpoint`` loads the same way) trains from the weights the SFT run ended with: each equals the SFT
+    model's effective weight ``W + (alpha / r) B A`` (what its exports write). Failed before: the checkpoint held the
+    adapters without their settings, and the load was refused."""
+    pytest.importorskip("peft")
+    from kdlab.models import ModelSpec
+    from kdlab.models.export import merged_weights
+    from kdlab.stages import DistillModule
+    from kdlab.stages.lora import LoraSpec
+
+    module = SFTModule(tiny_pair[0], tasks=[Addition(num_train=8)], lr=1e-2, warmup_steps=1, batch_size=8, schedule="constant",
+                       lora=LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, default_root_dir=tmp_path, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(module)
+    final = tmp_path / "final.ckpt"
+    trainer.save_checkpoint(final, weights_only=True)
+    assert torch.load(final, weights_only=True)["kdlab_lora"] == {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "up_proj", "v_proj"]}
+    effective = dict(merged_weights(module.model))
+    following = DistillModule(ModelSpec(tiny_pair[0], checkpoint=str(final)), tiny_pair[1], Addition(num_train=4))
+    loaded = following.student.state_dict()
+    assert not any("lora_" in name for name in loaded)
+    base = SFTModule(tiny_pair[0], tasks=[Addition(num_train=1)]).model.state_dict()
+    moved = [name for name, value in effective.items() if not torch.equal(value, base[name])]
+    assert moved and all(".q_proj." in name or ".v_proj." in name or ".up_proj." in name for name in moved)  # the adapters mattered
+    for name, value in effective.items():
+        torch.testing.assert_close(loaded[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+SFT_CONFIG = """
+seed_everything: 42
+trainer:
+  max_steps: 6
+  accelerator: cpu
+  devices: 1
+  log_every_n_steps: 1
+  logger:
+    class_path: lightning.pytorch.loggers.TensorBoardLogger
+    init_args: {save_dir: SAVE_DIR, name: sft}
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {save_last: true, every_n_train_steps: 2}
+model:
+  class_path: kdlab.stages.SFTModule
+  init_args:
+    model: kdlab://tiny-random/student
+    tasks:
+      - class_path: kdlab.tasks.Addition
+        init_args: {num_train: 8}
+    batch_size: 2
+    lr: 1.0e-3
+    warmup_steps: 1
+"""
+
+
+@pytest.mark.parametrize("stop, resume_from", [(3, "on_exception.ckpt"), (5, "last.ckpt")], ids=["on_exception", "older-last"])
+def test_a_resumed_sft_run_logs_what_the_uninterrupted_run_logs_step_for_step(tmp_path, monkeypatch, capsys, stop, resume_from):
+    """SFT checkpoints carry the log position, as every stage's: Ctrl-C inside step ``stop``, then ``--ckpt_path`` of the
+    on-exception checkpoint (nothing logged after it) or of the older last.ckpt (step 4: the interrupted run logged
+    step 5 after it); the resumed run's TensorBoard scalars and ``metrics.jsonl`` equal the uninterrupted run's, every
+    scalar at its optimiser step, once. Failed before: no log position and no ``metrics.jsonl`` in an SFT run, its
+    TensorBoard scalars at Lightning's logger step (one lower) and, after the older checkpoint, step 5 logged twice."""
+    import signal
+
+    from test_resume import logged
+
+    from kdlab.cli.main import main
+
+    monkeypatch.setattr("sys.argv", ["kdlab"])
+
+    def cli_fit(save_dir, *extra):
+        config = tmp_path / f"{save_dir.name}.yaml"
+        config.write_text(SFT_CONFIG.replace("SAVE_DIR", str(save_dir)))
+        return main(["fit", f"--config={config}", *extra])
+
+    full = cli_fit(tmp_path / "full")
+    real = SFTModule.training_step
+
+    def interrupted(self, batch, batch_idx):
+        if self.global_step == stop:
+            raise KeyboardInterrupt
+        return real(self, batch, batch_idx)
+
+    monkeypatch.setattr(SFTModule, "training_step", interrupted)
+    try:
+        with pytest.raises(SystemExit):
+            cli_fit(tmp_path / "part")
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignores further Ctrl-C after one
+    monkeypatch.setattr(SFTModule, "training_step", real)
+    run_dir = tmp_path / "part" / "sft" / "version_0"
+    checkpoint = run_dir / "checkpoints" / resume_from
+    assert torch.load(checkpoint, weights_only=True)["kdlab_log_position"]["global_step"] == (stop if resume_from == "on_exception.ckpt" else 4)
+    resumed = cli_fit(tmp_path / "part", f"--ckpt_path={checkpoint}")
+    assert Path(resumed.trainer.log_dir) == run_dir
+    expected, got = logged(full.trainer.log_dir), logged(run_dir)
+    assert [step for step, _ in expected[0]["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert got[0] == expected[0]  # TensorBoard: every scalar at the uninterrupted run's step, once
+    assert got[1] == expected[1]  # metrics.jsonl
+    for a, b in zip(full.model.model.parameters(), resumed.model.model.parameters()):
+        assert torch.equal(a, b)

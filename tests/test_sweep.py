@@ -235,6 +235,26 @@ def test_sequential_sweep_runs_then_skips_then_recovers_interrupted_runs(tmp_pat
     assert not (out / second / "leftover").exists()
 
 
+@pytest.mark.parametrize("runs, summary, failure", [(1, "[sweep] 1 run: 0 done now", "1 of 1 run failed"),
+                                                     (2, "[sweep] 2 runs: 1 done now", "1 of 2 runs failed")])
+def test_the_sweeps_counts_are_pluralised(tmp_path, capsys, monkeypatch, runs, summary, failure):
+    """The summary and failure lines say "1 run" and "2 runs" (kdlab.study.tables.counted); the lines read "1 runs"
+    before. Print mode's line counts its commands the same way."""
+    import kdlab.study.sweep
+
+    path = write_sweep(tmp_path, {"model.lr": [1.0e-3, 2.0e-3][:runs]})
+    records = [{"name": run.name, "status": "done", "error": None} for run in expand(load_sweep(path))]
+    records[0].update(status="failed", error="boom")
+    monkeypatch.setattr(kdlab.study.sweep, "run_sweep", lambda sweep, config: records)
+    with pytest.raises(SystemExit):
+        main(["sweep", "--config", str(path)])
+    captured = capsys.readouterr()
+    assert summary in captured.out and failure in captured.err
+    monkeypatch.undo()
+    main(["sweep", "--config", str(path), "--mode", "print"])
+    assert f"[sweep] {runs} {'command' if runs == 1 else 'commands'} in " in capsys.readouterr().err
+
+
 def test_a_failing_run_is_reported_and_the_sweep_goes_on(tmp_path, capsys, fits):
     path = write_sweep(tmp_path, {"model.lr": [-1.0, 1.0e-3]})  # lr -1 fails when the module is built
     with pytest.raises(SystemExit) as exit_info:

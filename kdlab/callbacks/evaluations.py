@@ -51,7 +51,7 @@ def distributed(trainer) -> bool:
 
 def replica_layout(trainer, pl_module) -> tuple[int, int]:
     """``(data-parallel replicas, this process's replica)``: the ranks of one tensor-parallel group are one
-    replica (:meth:`~kdlab.stages.base.TaskStage.data_parallel_layout`)."""
+    replica (:meth:`~kdlab.stages.checkpointing.CheckpointedStage.data_parallel_layout`)."""
     if hasattr(pl_module, "data_parallel_layout") and pl_module._trainer is not None:
         layout = pl_module.data_parallel_layout()
     else:

@@ -27,7 +27,7 @@ def resume_version(save_dir: str | Path, name: str, ckpt_path: str | Path) -> in
 
 
 def log_position(ckpt_path: str | Path) -> dict[str, Any] | None:
-    """The ``kdlab_log_position`` a checkpoint file recorded (see ``TaskStage.on_save_checkpoint``), read
+    """The ``kdlab_log_position`` a checkpoint file recorded (see ``CheckpointedStage.on_save_checkpoint``), read
     with ``weights_only=True`` and memory-mapped; None for a directory (a sharded checkpoint), a
     checkpoint without one, or a weights-only one such as ``final.ckpt`` (the fit then stops at the
     restore, :class:`~kdlab.callbacks.checkpoints.FinalCheckpoint`, before anything is trimmed)."""

@@ -54,7 +54,7 @@ def load_stage_weights(model: torch.nn.Module, checkpoint: str, role: str = "mod
     removed: ``model`` stays a plain Hugging Face model.
 
     Raises naming ``<role>.checkpoint`` and the file when it is missing, unreadable, holds no kdlab stage, holds
-    LoRA adapters without their settings (an SFTModule checkpoint: use its ``export_dir``) or does not fit.
+    LoRA adapters without their settings (a checkpoint written before kdlab recorded them) or does not fit.
     """
     where = f"{role}.checkpoint {checkpoint!r}"
     if not Path(checkpoint).is_file():
@@ -90,12 +90,10 @@ def load_stage_weights(model: torch.nn.Module, checkpoint: str, role: str = "mod
 def _with_checkpoint_adapters(model: torch.nn.Module, settings: dict[str, Any] | None, where: str, prefix: str) -> torch.nn.Module:
     """``model`` under the LoRA adapters a checkpoint's ``settings`` describe (injected in place), or an error saying
     why they cannot be merged and what works instead."""
-    if settings is None:
-        advice = ("an SFTModule checkpoint: set SFTModule.export_dir (or call save_pretrained) and use the written folder as the path"
-                  if prefix == "model." else
-                  "written before kdlab recorded them: wrap the model at the path with kdlab.stages.lora.apply_lora and the run's "
+    if settings is None:  # every stage records them now (kdlab.stages.checkpointing): a checkpoint from before
+        advice = ("written before kdlab recorded them: wrap the model at the path with kdlab.stages.lora.apply_lora and the run's "
                   f"lora settings, load the checkpoint's {prefix!r} tensors into it, write it with kdlab.models.export_pretrained "
-                  "and use that folder as the path")
+                  "and use that folder as the path" + (" (an SFTModule run's SFTModule.export_dir folder is one)" if prefix == "model." else ""))
         raise ValueError(f"{where}: holds LoRA adapters without their settings (their scale alpha / r is not in the tensors), so "
                          f"they cannot be merged; {advice}")
     try:

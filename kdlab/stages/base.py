@@ -10,7 +10,9 @@ that starts from it), on a :class:`~kdlab.tasks.base.Task`. This base class give
   ``val_temperature``), ``<split>/pass@k`` and a per-example JSONL under ``<log_dir>/samples/``; a fit
   that ``max_steps`` ends before its first ``val_check_interval`` validates after its last step
   (:class:`ValidateLastStep`), so a shortened run keeps its evaluation;
-* ``run_info.json`` provenance at fit start and the data position in every checkpoint;
+* ``run_info.json`` provenance at fit start; the run log (``metrics.jsonl``) and what every checkpoint carries
+  (data and log positions, a LoRA student's settings) as every training stage, SFT's too
+  (:class:`~kdlab.stages.checkpointing.CheckpointedStage`);
 * on a CUDA device, TF32 for fp32 matmuls from ``setup`` on (``torch.set_float32_matmul_precision("high")``
   unless already set otherwise; ``TaskStage.float32_matmul_precision = None`` keeps torch's setting): before
   any callback's ``on_fit_start``, so a callback's "before" evaluation runs at the precision of its "after";
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,13 +35,13 @@ from torch.utils.data import DataLoader
 from kdlab.components import Component
 from kdlab.evaluation.metrics import MeanScore, PassAtK
 from kdlab.evaluation.scoring import completion_texts, scored
-from kdlab.models.export import LORA_SETTINGS, lora_settings
 from kdlab.objectives.precision import use_float32_matmul_precision
 from kdlab.provenance import write_run_info
 from kdlab.run_config import describe_run, remember_arguments
 from kdlab.rollouts.decoding import stop_strings_check
-from kdlab.runlog import STEPS_MARK, Console, log_at_optimiser_steps, metrics_file, quiet, run_directory, write_samples
-from kdlab.stages.loaders import data_parallel_layout, data_position, evaluation_loader, resumable_loader
+from kdlab.runlog import Console, quiet, run_directory, write_samples
+from kdlab.stages.checkpointing import CheckpointedStage
+from kdlab.stages.loaders import evaluation_loader, resumable_loader
 from kdlab.stages.optim import FiniteAdamW
 from kdlab.stages.sharding import check_strategy, fsdp1_root, gathered_for_decoding, global_grad_norm, require_gradient_sync, shard_fsdp2, wrap_fsdp1
 from kdlab.tasks.base import Example, Task
@@ -74,7 +75,7 @@ class ValidateLastStep(pl.Callback):
             trainer.should_stop = True
 
 
-class TaskStage(pl.LightningModule):
+class TaskStage(CheckpointedStage):
     """Base of :class:`~kdlab.stages.distill.DistillModule` and :class:`~kdlab.stages.grpo.GRPOModule` (see module docstring).
 
     Args:
@@ -139,8 +140,6 @@ class TaskStage(pl.LightningModule):
         self._eval_records: list[dict[str, Any]] = []
         self._sharded = False
         self._frozen: dict[str, torch.nn.Module] = {}  # a plain dict: not submodules (see hold_frozen)
-        self._resume_log_step: int | None = None  # see _next_log_step
-        self._log_step_at_batch_start: int | None = None
 
     # ---- frozen models --------------------------------------------------------------------
     def hold_frozen(self, name: str, model: torch.nn.Module) -> torch.nn.Module:
@@ -286,8 +285,7 @@ class TaskStage(pl.LightningModule):
         # evaluations run at the precision of every later one
         check_strategy(self.trainer.strategy)
         use_float32_matmul_precision(self.trainer.strategy.root_device, self.float32_matmul_precision)
-        metrics_file(self.trainer)
-        log_at_optimiser_steps(self.trainer)
+        self.attach_run_log()
         if stage == "fit":
             self.training_examples()
 
@@ -319,13 +317,7 @@ class TaskStage(pl.LightningModule):
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         return batch  # a list of example dicts; tensors are made on the device in the step
 
-    # ---- random streams and collectives ---------------------------------------------------
-    def data_parallel_layout(self) -> dict[str, int]:
-        """``{"num_replicas", "rank"}`` of this process among the data-parallel replicas. Under tensor
-        parallelism the ranks of one TP group are one replica: they read the same data and must draw the
-        same rollouts."""
-        return data_parallel_layout(self._trainer)
-
+    # ---- random streams and collectives (data_parallel_layout: CheckpointedStage's) ---------
     def step_seed(self, split: str, batch_idx: int) -> int:
         """A 63-bit seed for one step's random streams, from (seed, split, data-parallel rank, epoch, batch
         index): reproducible, resumable, independent across data-parallel replicas and shared by the
@@ -433,56 +425,11 @@ class TaskStage(pl.LightningModule):
             write_run_info(log_dir)
             describe_run(self, self.trainer, log_dir)
 
-    # ---- checkpoints ----------------------------------------------------------------------
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Record the data position (epoch, batches of it already trained) so a resumed run
-        continues with the next batch, and the log position (``kdlab_log_position``: the logger step
-        of the next batch, the global step, the save's wall time and the size of ``metrics.jsonl``) so
-        a resumed run logs each step at the step the uninterrupted run did (see
-        :func:`kdlab.cli.resume.trim_logs`). A LoRA student's adapter settings go in too (:data:`~kdlab.models.export.LORA_SETTINGS`),
-        weights-only checkpoints included, so a later stage that starts from the checkpoint merges the adapters
-        (:func:`~kdlab.models.export.load_stage_weights`)."""
-        settings = lora_settings(self.student) if isinstance(getattr(self, "student", None), torch.nn.Module) else None
-        if settings is not None:
-            checkpoint[LORA_SETTINGS] = settings
-        if self._trainer is not None and self.trainer.state.fn == "fit":  # also for saves at validation end
-            checkpoint["kdlab_data_position"] = data_position(self.trainer, checkpoint, self.batch_size, self.data_parallel_layout()["num_replicas"],
-                                                              whole_steps=self.automatic_optimization)
-            metrics = metrics_file(self.trainer).path  # on every rank: it reads the run directory
-            checkpoint["kdlab_log_position"] = {
-                "step": self._next_log_step(),
-                "global_step": self.trainer.global_step,
-                "time": time.time(),
-                "metrics_bytes": metrics.stat().st_size if metrics.is_file() else 0,
-                STEPS_MARK[0]: STEPS_MARK[1],  # this run logs at optimiser steps (kdlab.cli.resume.trim_logs)
-            }
-
-    def _next_log_step(self) -> int:
-        """The logger step (Lightning's count of stepped batches) of the batch after the last processed one.
-
-        Lightning counts a batch only after its validation, and on resume adds one to the saved count
-        whatever the save interrupted; from a checkpoint written on an exception inside a batch that
-        puts every later scalar one step late. The count is therefore taken here from the step at the
-        start of the last batch, plus one when that batch was processed and stepped the optimiser."""
-        loop = self.trainer.fit_loop.epoch_loop
-        if self._resume_log_step is not None:  # saved before the first batch after a resume
-            return self._resume_log_step
-        progress = loop.batch_progress.current
-        if self._log_step_at_batch_start is None or progress.ready > progress.processed:
-            return loop._batches_that_stepped  # no batch yet, or the last one was interrupted: nothing pending
-        return self._log_step_at_batch_start + (0 if loop._should_accumulate() else 1)
-
+    # ---- per batch: the log step (CheckpointedStage's), FSDP2's gradient sync ---------------
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        loop = self.trainer.fit_loop.epoch_loop
-        if self._resume_log_step is not None:  # the first batch after a resume: Lightning's guess corrected
-            loop._batches_that_stepped, self._resume_log_step = self._resume_log_step, None
-        self._log_step_at_batch_start = loop._batches_that_stepped
+        super().on_train_batch_start(batch, batch_idx)  # the log step (CheckpointedStage)
         if self.automatic_optimization:  # FSDP2 reduces gradients on a step's last micro-batch only
-            require_gradient_sync(self.sharded_models(), not loop._should_accumulate())
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._resume_position = checkpoint.get("kdlab_data_position")
-        self._resume_log_step = (checkpoint.get("kdlab_log_position") or {}).get("step")
+            require_gradient_sync(self.sharded_models(), not self.trainer.fit_loop.epoch_loop._should_accumulate())
 
     trained_role = "student"
     """How configs name the trained model (``student``, or ``policy`` for RLVR), for error messages."""

@@ -220,7 +220,7 @@ class MicroBatch(list):
 
 class ResumableLoader(DataLoader):
     """The training DataLoader. It resumes mid-epoch through its :class:`EpochShuffle` sampler (the data
-    position is in the checkpoint, see :meth:`TaskStage.on_save_checkpoint`); ``state_dict`` and
+    position is in the checkpoint, see :meth:`~kdlab.stages.checkpointing.CheckpointedStage.on_save_checkpoint`); ``state_dict`` and
     ``load_state_dict`` tell Lightning so, which otherwise warns that a mid-epoch resume is unreliable.
 
     It yields :class:`MicroBatch` lists, the same micro-batches in the same order whatever the grouping,

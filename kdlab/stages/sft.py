@@ -21,7 +21,6 @@ import numbers
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from torch.utils.data import DataLoader
@@ -33,9 +32,10 @@ from kdlab.objectives.logits import completion_head_logits, completion_logits, f
 from kdlab.objectives.logprobs import token_logprobs
 from kdlab.run_config import describe_run, remember_arguments
 from kdlab.runlog import run_directory
+from kdlab.stages.checkpointing import CheckpointedStage
 from kdlab.stages.lora import LoraSpec, apply_lora
 from kdlab.stages.optim import FiniteAdamW, check_adamw, check_schedule, lr_multiplier
-from kdlab.stages.loaders import data_parallel_layout, data_position, resumable_loader
+from kdlab.stages.loaders import resumable_loader
 from kdlab.stages.sharding import check_strategy
 from kdlab.tasks.base import Task
 from kdlab.teachers.model import vocabulary_columns
@@ -72,7 +72,16 @@ def task_pairs(task: Task, split: str = "train") -> list[dict[str, Any]]:
     return rows
 
 
-class SFTModule(pl.LightningModule):
+def check_sft_strategy(fsdp2: bool) -> None:
+    """SFTModule's strategy rule, for its ``setup`` and for ``kdlab estimate`` (:func:`kdlab.study.setups.sft_setup`): refuse
+    ``ModelParallelStrategy`` (FSDP2, ``fsdp2`` true) naming ``trainer.strategy`` and what trains SFT. SFTModule has no
+    ``configure_model`` to shard its model, and Lightning would refuse the fit in its own words."""
+    if fsdp2:
+        raise ValueError("trainer.strategy: SFTModule does not shard under ModelParallelStrategy (FSDP2); use one device, ddp or "
+                         "fsdp (FSDP1)")
+
+
+class SFTModule(CheckpointedStage):
     """Fine-tune ``model`` to write each row's completion after its prompt.
 
     Args:
@@ -87,7 +96,9 @@ class SFTModule(pl.LightningModule):
             and its loss the mean over all their completion tokens.
         max_length: prompt + completion tokens; a longer row is an error naming it (its task example id, or its
             JSONL file and line), raised when the fit is set up, before any step.
-        lora: train LoRA adapters instead of all weights.
+        lora: train LoRA adapters instead of all weights; checkpoints record their settings, so a stage that starts
+            from one (``policy.checkpoint``, ``student.checkpoint``) gets the adapters merged into the weights
+            (:func:`~kdlab.models.export.load_stage_weights`), as ``export_dir`` merges them.
         weight_decay, betas, eps: AdamW settings.
         seed: data order: a permutation per epoch drawn from (seed, epoch), rank r of W processes taking positions
             r, r + W, ... of it; a fit resumed from a checkpoint continues it (same batch size and process count).
@@ -144,7 +155,7 @@ class SFTModule(pl.LightningModule):
         # a JSONL file is read (and checked) now; tasks, which may download, when training starts
         self._rows = read_pairs(dataset) if dataset is not None else None
         self._encoded: list[tuple[list[int], int]] | None = None
-        self._train_sampler, self._resume_position = None, None
+        self._train_sampler = None
         self._step_tokens: tuple[Any, float] | None = None  # (the step's micro-batches, their mean count over ranks)
         self.lr, self.warmup_steps, self.schedule, self.min_lr_ratio = lr, warmup_steps, schedule, min_lr_ratio
         self.batch_size, self.max_length = batch_size, max_length
@@ -204,7 +215,7 @@ class SFTModule(pl.LightningModule):
         resume, self._resume_position = self._resume_position, None
         accumulate = int(getattr(self._trainer, "accumulate_grad_batches", 1) or 1) if self._trainer is not None else 1
         # each optimiser step's micro-batches drawn as one group, so each knows its step's tokens (step_tokens)
-        loader = resumable_loader(self.encoded, self.batch_size, self.seed, data_parallel_layout(self._trainer), resume, accumulate)
+        loader = resumable_loader(self.encoded, self.batch_size, self.seed, self.data_parallel_layout(), resume, accumulate)
         self._train_sampler = loader.sampler
         return loader
 
@@ -215,23 +226,16 @@ class SFTModule(pl.LightningModule):
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         return batch  # a list of encoded rows; padded to tensors on the device in the step
 
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Record the data position (``kdlab_data_position``: epoch, micro-batches of it trained), so a resumed fit
-        continues with the next micro-batch (:func:`~kdlab.stages.loaders.data_position`)."""
-        if self._trainer is not None and self.trainer.state.fn == "fit":
-            layout = data_parallel_layout(self.trainer)
-            checkpoint["kdlab_data_position"] = data_position(self.trainer, checkpoint, self.batch_size, layout["num_replicas"])
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._resume_position = checkpoint.get("kdlab_data_position")
+    def trained_model(self) -> torch.nn.Module:
+        """``model``: its checkpoints record its LoRA settings (:class:`~kdlab.stages.checkpointing.CheckpointedStage`)."""
+        return self.model
 
     def setup(self, stage: str) -> None:
         check_strategy(self.trainer.strategy)  # a strategy kdlab does not know (DeepSpeed) is refused before any step
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        if isinstance(self.trainer.strategy, ModelParallelStrategy):  # no configure_model: Lightning would refuse it in its words
-            raise ValueError("trainer.strategy: SFTModule does not shard under ModelParallelStrategy (FSDP2); use one device, ddp or "
-                             "fsdp (FSDP1)")
+        check_sft_strategy(isinstance(self.trainer.strategy, ModelParallelStrategy))
+        self.attach_run_log()  # metrics.jsonl, at optimiser steps, as every stage's
         if stage == "fit":
             self.encoded  # every row encoded and its length checked now, not when its batch comes
 

@@ -54,6 +54,7 @@ from kdlab.study.grid import FILE_KEYS as SWEEP_KEYS
 from kdlab.study.grid import Sweep, expand, read_mapping_file
 from kdlab.study.fit_configs import fit_configs_or_exit
 from kdlab.study.sweep import RunFailed, UnknownRun, run_one, run_sweep, write_commands
+from kdlab.study.tables import counted
 
 PIPELINE_KEYS = ("output", "distill", "rlvr", "checkpoint", "policy_key", "distill_dir", "rlvr_seeds", "rlvr_where")
 STAGE_KEYS = tuple(key for key in SWEEP_KEYS if key != "output")
@@ -238,7 +239,7 @@ def run_pipeline(pipeline: Pipeline, pipeline_file: str) -> list[dict[str, Any]]
         records += [dict(r, stage="rlvr", distilled=distilled) for r in stage]
         chains += [(Path(pipeline.distill.output, distilled), Path(rlvr.output, r["name"])) for r in stage if r["status"] in ("done", "skipped")]
     path = write_tracking(pipeline, chains)
-    print(f"[pipeline] {len(chains)} chains tracked in {path}")
+    print(f"[pipeline] {counted(len(chains), 'chain')} tracked in {path}")
     return records
 
 
@@ -257,7 +258,7 @@ def _print_rlvr(pipeline: Pipeline, pipeline_file: str, distilled: list[str], sw
     for line in pending:
         print(line)
     print(
-        f"[pipeline] {len(every)} RLVR commands in {target}, one per run of every chain (a SLURM array --array=1-{len(every)} "
+        f"[pipeline] {counted(len(every), 'RLVR command')} in {target}, one per run of every chain (a SLURM array --array=1-{len(every)} "
         "submitted after the distillation runs', e.g. with --dependency=afterany:<their job id>); a line whose distillation "
         "run has not finished refuses to start; run them from this directory",
         file=sys.stderr,
@@ -346,5 +347,5 @@ def main(argv: list[str] | None = None) -> None:
     failed = [r for r in records if r["status"] == "failed"]
     if failed:
         lines = "\n".join(f"  {r['stage']} {r['name']}: {r.get('error')}" for r in failed)
-        print(f"[pipeline] {len(failed)} runs failed:\n{lines}", file=sys.stderr)
+        print(f"[pipeline] {counted(len(failed), 'run')} failed:\n{lines}", file=sys.stderr)
         raise SystemExit(1)

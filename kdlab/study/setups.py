@@ -150,11 +150,15 @@ def _common(model: dict[str, Any], spec: Any, settings: dict[str, Any], notes: l
 def sft_setup(model: dict[str, Any], trainer: dict[str, Any], gpus: int | None = None, gpu_memory_gib: float | None = None) -> Setup:
     """An :class:`~kdlab.stages.sft.SFTModule` fit: ``batch_size`` rows of ``max_length`` tokens (the cap) per
     micro-batch, the loss from the hidden states and head in chunks (``fused_lm_head``, wherever valid) or from the
-    model's ``(B, T, V)`` logits, no decode and no validation."""
+    model's ``(B, T, V)`` logits, no decode and no validation. FSDP2 is refused as the stage refuses it
+    (:func:`~kdlab.stages.sft.check_sft_strategy`)."""
     spec, notes = spec_of(model.get("model")), []
     if spec is None:
         raise ValueError("model.model: missing")
     settings = machine(trainer, {}, notes, gpus, gpu_memory_gib)
+    from kdlab.stages.sft import check_sft_strategy
+
+    check_sft_strategy(settings["strategy"] == "fsdp2")  # the stage's own rule and words: an FSDP2 SFT fit never starts
     return Setup(**_common(model, spec, settings, notes), teacher=None, decoders=(), objective="CrossEntropy", stage="sft",
                  batch_size=int(model.get("batch_size") or 32), prompt_tokens=0, completion_tokens=int(model.get("max_length") or 2048),
                  val_prompts=0, student_fused=model.get("fused_lm_head") is not False and settings["strategy"] != "fsdp1", teacher_fused=False)

@@ -58,6 +58,7 @@ from kdlab.study.fit_configs import fit_configs_or_exit
 from kdlab.study import launch
 from kdlab.study.run_folder import mark_done, newest_checkpoint, prepare, write_json
 from kdlab.study.grid import MODES, Run, Sweep, expand, fit_args, load_sweep
+from kdlab.study.tables import counted
 
 
 # ---- running -----------------------------------------------------------------------------------
@@ -172,7 +173,7 @@ class _Sweeper:
         for text in pending:
             print(text)
         print(
-            f"[sweep] {len(lines)} commands in {self.output / 'commands.sh'}, one per run of the grid (a SLURM array "
+            f"[sweep] {counted(len(lines), 'command')} in {self.output / 'commands.sh'}, one per run of the grid (a SLURM array "
             f"--array=1-{len(lines)}; {len(lines) - len(pending)} done already: their lines do nothing); run them "
             "from this directory",
             file=sys.stderr,
@@ -420,11 +421,11 @@ def main(argv: list[str] | None = None) -> None:
     if sweep.mode == "print":
         return
     counts = {status: sum(r["status"] == status for r in records) for status in ("done", "skipped", "failed")}
-    print(f"[sweep] {len(records)} runs: {counts['done']} done now, {counts['skipped']} already done, {counts['failed']} failed")
+    print(f"[sweep] {counted(len(records), 'run')}: {counts['done']} done now, {counts['skipped']} already done, {counts['failed']} failed")
     failed = [r for r in records if r["status"] == "failed"]
     if failed:
         lines = "\n".join(f"  {r['name']}: {r['error']}" for r in failed)
-        print(f"[sweep] {len(failed)} of {len(records)} runs failed:\n{lines}", file=sys.stderr)
+        print(f"[sweep] {len(failed)} of {counted(len(records), 'run')} failed:\n{lines}", file=sys.stderr)
         raise SystemExit(1)
 
 

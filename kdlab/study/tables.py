@@ -10,11 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 
 def counted(count: int, noun: str) -> str:
-    """``"1 run"``, ``"2 runs"``: a count and its noun (a regular plural) for the reports' sentences."""
+    """``"1 run"``, ``"2 runs"``: a count and its noun (a regular plural) for the reports' sentences and the sweep's and
+    pipeline's lines."""
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
@@ -29,6 +28,8 @@ def write_csv(path: Path, header: list[str], rows: list[list[Any]]) -> None:
     """``rows`` under ``header`` as CSV: values as Python writes them (``repr`` of a float, so the file
     reloads to the same numbers), ``None`` as an empty cell, a NaN as ``nan``; CRLF line ends, as the
     ``csv`` module writes."""
+    import pandas as pd  # here: the sweep and pipeline runners use counted, and need not load pandas
+
     frame = pd.DataFrame(rows, columns=header, dtype=object)
     frame = frame.map(lambda value: "" if value is None else value)
     frame.to_csv(path, index=False, lineterminator="\r\n", na_rep="nan")
