@@ -377,3 +377,33 @@ def test_a_sharded_model_decodes_under_no_grad_and_trains_on_what_it_decoded():
     assert "sharded True" in kept.stdout and "inference False" in kept.stdout and "backward ok" in kept.stdout
     forced = run("force")
     assert forced.returncode != 0 and "Inference tensors" in forced.stderr, forced.stdout + forced.stderr[-2000:]
+
+
+@pytest.mark.parametrize("share_prefix", [False, True])
+def test_a_prefill_of_more_than_prefill_tokens_runs_a_group_of_rows_at_a_time_and_decodes_as_the_whole_prefill(tiny, share_prefix):
+    """``prefill_tokens`` small enough for groups of 3 rows (and a last group of 2): every group's forward writes its
+    own rows of the cache (the first group's allocated layers widened to the batch); the log-probs equal the one-forward
+    prefill's to rounding and the greedy decode is the same token for token, with or without a shared prefix."""
+    model, tokenizer, ids, mask = tiny
+    if share_prefix:
+        ids, mask = shared_prompts(tokenizer)
+    columns, steps = len(tokenizer), 12
+    whole = StaticCacheLM(model, ids, mask, columns, 0.0, steps, share_prefix=share_prefix)
+    assert bool(whole.shared) == share_prefix
+    # the prompt forward runs the columns after the shared prefix: the longest prompt less the shared tokens
+    columns_run = int(mask.sum(1).max()) - whole.shared if whole.shared else ids.shape[1]
+    grouped = StaticCacheLM(model, ids, mask, columns, 0.0, steps, share_prefix=share_prefix, prefill_tokens=3 * columns_run)
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        first = grouped(None)
+    finally:
+        hook.remove()
+    assert forwards == ([1, 3, 3, 2] if share_prefix else [3, 3, 2])  # the shared prefix's one row first
+    torch.testing.assert_close(first, whole(None), rtol=1e-5, atol=1e-5)
+    for layer in grouped.cache.layers:
+        assert layer.keys.shape[0] == ids.shape[0] and int(layer.cumulative_length) == ids.shape[1]
+    for decoder in (whole, grouped):
+        decoder.__init__(model, ids, mask, columns, 0.0, steps, share_prefix=share_prefix, prefill_tokens=decoder.prefill_tokens)
+    tokens = [sample_tokens(decoder, ids.shape[0], steps, (), tokenizer.pad_token_id, None, greedy=True)[0] for decoder in (whole, grouped)]
+    assert torch.equal(tokens[0], tokens[1])

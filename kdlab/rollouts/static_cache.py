@@ -33,6 +33,7 @@ or only sets ``sliding_window`` as Mistral's and Phi-3's do) fall back to :class
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -46,6 +47,12 @@ SHARED_PREFIX_MIN = 16
 
 CACHE_BUCKET = 64
 """Cache lengths are rounded up to a multiple of this, so prompts of different lengths share one compiled step."""
+
+PREFILL_TOKENS = 16384
+"""The most prompt tokens one prefill forward runs (rows x prompt columns): a batch of more is prefilled a group of
+rows at a time, each group writing its rows of the cache, so the prefill's activations (``rows x P x (3I + 4h)``,
+tens of GiB for 128 prompts of 2,048 tokens through a 7B model) are bounded by this many tokens' worth whatever
+the batch; at least one row per forward. Large enough that a forward of this many tokens keeps a GPU busy."""
 
 COMPILE_CHOICES = ("cuda", "always", "never")
 
@@ -85,6 +92,8 @@ class StaticCacheLM:
             rounded up to :data:`CACHE_BUCKET`).
         compile: ``"cuda"`` (compile the decode step with CUDA graphs on a CUDA device, eager elsewhere),
             ``"always"`` or ``"never"``.
+        prefill_tokens: the most prompt tokens one prefill forward runs (:data:`PREFILL_TOKENS`): more rows
+            are prefilled a group at a time (:meth:`_prefill_rows`), on models whose cache takes it (:func:`_writable`).
         share_prefix: prefill the leading tokens every prompt shares once (:func:`shared_prefix`); the
             log-probs are those of the whole prefill up to floating-point rounding (the shared rows' matrix
             products run at another size), greedy decodes identical in the tests.
@@ -100,6 +109,7 @@ class StaticCacheLM:
         max_new_tokens: int,
         compile: str = "cuda",
         share_prefix: bool = True,
+        prefill_tokens: int = PREFILL_TOKENS,
     ) -> None:
         if compile not in COMPILE_CHOICES:
             raise ValueError(f"decoder compile must be one of {COMPILE_CHOICES}, got {compile!r}")
@@ -139,20 +149,23 @@ class StaticCacheLM:
         read by an ordinary operation (the logits). Sharded models keep ``no_grad``: their forwards gather
         parameters into tensors that training reuses, which must not be inference tensors; a captured step keeps
         it too (one graph per autograd mode, and the GPU path is unchanged)."""
+        self.prefill_tokens = int(prefill_tokens)
         self.shared = shared_prefix(input_ids, attention_mask) if share_prefix and _writable(self.cache) else 0
         """Leading prompt tokens prefilled once for every row (0: the whole prompt batch is prefilled)."""
 
-    def _prompt_mask(self) -> torch.Tensor:
-        """``(B, 1, P, L)`` mask of the prompt forward: causal, padding blocked."""
-        batch, prompt = self.input_ids.shape
-        length = self.step_mask.shape[-1]
+    def _prompt_mask(self, rows: slice = slice(None), start: int = 0, length: int | None = None) -> torch.Tensor:
+        """``(b, 1, P - start, L')`` mask of the prompt forward of rows ``rows`` over prompt columns ``start ..``:
+        causal, padding blocked; ``L'``: ``length`` key columns (default the cache's ``L``)."""
+        attention = self.attention_mask[rows]
+        batch, prompt = attention.shape
+        length = self.step_mask.shape[-1] if length is None else length
         keys = torch.arange(length, device=self.input_ids.device)
-        causal = keys[None, :] <= torch.arange(prompt, device=self.input_ids.device)[:, None]  # (P, L)
+        causal = keys[None, :] <= torch.arange(start, prompt, device=self.input_ids.device)[:, None]  # (P - start, L')
         padded = torch.zeros(batch, length, dtype=torch.bool, device=self.input_ids.device)
-        padded[:, :prompt] = self.attention_mask.bool()
+        padded[:, :prompt] = attention.bool()
         allowed = causal[None, None] & padded[:, None, None, :]
         # a padding position attends to itself, so that no row is all masked (its output is never read)
-        allowed[:, 0, :, :prompt] |= torch.eye(prompt, dtype=torch.bool, device=allowed.device)
+        allowed[:, 0, :, start:prompt] |= torch.eye(prompt - start, dtype=torch.bool, device=allowed.device)
         return self._additive(allowed) if self.additive else allowed
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
@@ -186,13 +199,9 @@ class StaticCacheLM:
             positions = (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
             self.last_position = positions[:, -1:]
             start = self._prefill_shared() if self.shared else 0  # prompt columns before it are in the cache
-            mask = self._prompt_mask()[:, :, start:]
             if self.prefix_only:
                 self.cache.filled = self.written
-                mask = mask[..., : self.written]
-            outputs = self.model(input_ids=self.input_ids[:, start:], attention_mask=mask, position_ids=positions[:, start:],
-                                 use_cache=True, logits_to_keep=1, **{self.cache_argument: self.cache})
-            return outputs.logits
+            return self._prefill_rows(start, positions)
         if self.written >= self.step_mask.shape[-1]:
             raise RuntimeError(f"StaticCacheLM: decoded past its cache of {self.step_mask.shape[-1]} positions")
         self.step_mask[:, :, :, self.written] = 0.0 if self.additive else True
@@ -203,6 +212,56 @@ class StaticCacheLM:
             self.cache.filled = self.written
             mask = mask[..., : self.written]
         return self.step(self.model, previous[:, None], self.last_position, mask, self.cache, self.cache_argument)
+
+    def _prefill_rows(self, start: int, positions: torch.Tensor) -> torch.Tensor:
+        """The prompt forward over columns ``start ..`` (the shared prefix, if any, already cached): last-position
+        logits ``(B, 1, V')``. At most :attr:`prefill_tokens` tokens per forward: a larger batch runs a group of
+        rows at a time, each group's forward writing its own rows of every cache layer (the layers' keys and values
+        handed to it as views of those rows, :meth:`_cache_rows`; a layer the first group allocates is widened to
+        the whole batch after it). A model whose cache has no such layers (:func:`_writable`) runs the whole batch."""
+        batch, prompt = self.input_ids.shape
+        rows = max(1, self.prefill_tokens // max(prompt - start, 1)) if _writable(self.cache) else batch
+        length = self.written if self.prefix_only else None  # eager: keys over the filled positions only
+        logits = []
+        for first in range(0, batch, rows):
+            group = slice(first, min(first + rows, batch))
+            with self._cache_rows(group, start, batch, rows < batch):
+                outputs = self.model(input_ids=self.input_ids[group, start:], attention_mask=self._prompt_mask(group, start, length),
+                                     position_ids=positions[group, start:], use_cache=True, logits_to_keep=1,
+                                     **{self.cache_argument: self.cache})
+            logits.append(outputs.logits)
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    @contextlib.contextmanager
+    def _cache_rows(self, group: slice, start: int, batch: int, grouped: bool):
+        """Inside: every initialised cache layer holds rows ``group`` of its keys and values (views: what the forward
+        writes lands in the batch's cache) and writes from position ``start``; on leaving, the whole batch's tensors
+        again. A layer the forward allocates inside (the first group, no shared prefix) is widened to ``batch`` rows
+        on leaving, the group's rows copied in. Nothing changes when ``grouped`` is False (one forward of every row)."""
+        if not grouped:
+            yield
+            return
+        whole = {}
+        for index, layer in enumerate(self.cache.layers):
+            if getattr(layer, "is_initialized", False):
+                whole[index] = (layer.keys, layer.values)
+                layer.keys, layer.values = layer.keys[group], layer.values[group]
+            layer.cumulative_length.fill_(start)
+        try:
+            yield
+        finally:
+            for index, layer in enumerate(self.cache.layers):
+                if index in whole:
+                    layer.keys, layer.values = whole[index]
+                elif getattr(layer, "is_initialized", False):  # allocated for this group's rows: widen to the batch
+                    keys = layer.keys.new_zeros((batch, *layer.keys.shape[1:]))
+                    values = layer.values.new_zeros((batch, *layer.values.shape[1:]))
+                    keys[group], values[group] = layer.keys, layer.values
+                    layer.keys, layer.values = _static(keys), _static(values)
+                    if hasattr(layer, "batch_size"):
+                        layer.batch_size = batch
+                    if hasattr(layer, "max_batch_size"):
+                        layer.max_batch_size = batch
 
     def _prefill_shared(self) -> int:
         """Run the :attr:`shared` leading tokens as one row, copy their keys and values into every row's cache

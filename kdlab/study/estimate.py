@@ -195,21 +195,30 @@ def objective_workspace(setup: Setup, rows: int, tokens: int) -> tuple[float, st
 
 
 def decode_terms(setup: Setup, prompts: int, phase: str, models: tuple[str, ...]) -> list[Term]:
-    """KV caches and the decode workspace of ``models`` decoding ``prompts`` prompts together: the prefill's
-    largest layer (``prompts x P x (3I + 4h)`` in the compute dtype, with the boolean ``prompts x P^2`` mask
-    and its float copy) or a token step's fp32 ``prompts x V`` log-probs, probabilities and entropies (6 per model)."""
-    terms, length, prefills, steps, completions = [], setup.prompt_tokens + setup.completion_tokens, [], 0.0, 0.0
+    """KV caches and the decode workspace of ``models`` decoding ``prompts`` prompts together, as kdlab's decoder
+    (:class:`~kdlab.rollouts.static_cache.StaticCacheLM`) allocates them: each cache preallocated for ``L`` positions,
+    ``P + C`` rounded up to :data:`~kdlab.rollouts.static_cache.CACHE_BUCKET`, from the prefill on; the workspace is the
+    prefill's largest layer for one forward's rows ``r`` (``r x P x (3I + 4h)`` in the compute dtype, with the boolean
+    ``r x P x L`` mask and its float copy; ``r`` = ``prompts``, at most :data:`~kdlab.rollouts.static_cache.PREFILL_TOKENS`
+    ``// P``: a larger batch is prefilled a group of rows at a time) or a token step's fp32 ``prompts x V`` log-probs,
+    probabilities and entropies (6 per model). Every prompt is counted prefilled whole: prompts that begin alike are
+    prefilled once (``share_prefix``), so for them the prefill term is a bound."""
+    from kdlab.rollouts.static_cache import CACHE_BUCKET, PREFILL_TOKENS
+
+    cached = -(-(setup.prompt_tokens + max(setup.completion_tokens, 1)) // CACHE_BUCKET) * CACHE_BUCKET
+    rows = min(prompts, max(1, PREFILL_TOKENS // max(setup.prompt_tokens, 1)))
+    terms, prefills, steps = [], [], 0.0
     for role in models:
         shape = setup.student if role == "student" else setup.teacher
         size = 2 if setup.mixed or BYTES[setup.student_dtype if role == "student" else setup.teacher_dtype] == 2 else 4
         per_token = 2 * shape.layers * shape.kv_dim * size
-        terms.append(Term(f"KV cache ({role})", phase, prompts * length * per_token,
-                          f"{prompts} prompts x ({setup.prompt_tokens} + {setup.completion_tokens}) tokens x {shape.layers} layers x 2 x {shape.kv_dim} x {size} B"))
-        prefills.append(prompts * setup.prompt_tokens * ((3 * shape.intermediate + 4 * shape.hidden) * size + (1 + size) * setup.prompt_tokens))
+        terms.append(Term(f"KV cache ({role})", phase, prompts * cached * per_token,
+                          f"{prompts} prompts x {cached} positions ({setup.prompt_tokens} + {setup.completion_tokens} rounded up to "
+                          f"{CACHE_BUCKET}) x {shape.layers} layers x 2 x {shape.kv_dim} x {size} B"))
+        prefills.append(rows * setup.prompt_tokens * ((3 * shape.intermediate + 4 * shape.hidden) * size + (1 + size) * cached))
         steps += 6 * prompts * shape.vocab * 4
-        completions += prompts * setup.completion_tokens * per_token  # not yet cached during the prefill
-    return [*terms, Term("decode workspace", phase, max(max(prefills) - completions, steps), "max(prefill: prompts x P x (3I + 4h) x bytes "
-                         "+ mask, less the completions' KV not yet cached; token step: 6 x prompts x V x 4 B per model)")]
+    return [*terms, Term("decode workspace", phase, max(max(prefills), steps), f"max(prefill of {rows} row(s) per forward: rows x P x (3I + 4h) x bytes "
+                         "+ the (P, L) mask and its float copy; token step: 6 x prompts x V x 4 B per model)")]
 
 
 def estimate(setup: Setup) -> Estimate:
