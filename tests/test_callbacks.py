@@ -67,6 +67,33 @@ def test_ood_forgetting_reports_before_after_and_delta_in_points(module, tmp_pat
     assert restored.before == {"addition": 50.0, "sorting": 100.0}
 
 
+def test_ood_forgetting_refuses_tasks_of_one_name_and_names_tells_them_apart(module, tmp_path, monkeypatch):
+    """Two Additions are both ``addition``: one score would replace the other and the means would average fewer
+    tasks than configured, so the callback is refused at construction naming both; ``names`` keeps every task."""
+    import kdlab.callbacks.periodic as callbacks
+
+    tasks = [Addition(max_digits=1, num_val=2, seed=1), Addition(max_digits=4, num_val=2, seed=1), Sorting(num_val=2, seed=1)]
+    with pytest.raises(ValueError, match=r"OODForgetting.tasks: tasks\[0\] \(Addition\), tasks\[1\] \(Addition\) are all named 'addition'.*"
+                                         r"give OODForgetting.names"):
+        OODForgetting(tasks, examples=2)
+    with pytest.raises(ValueError, match=r"OODForgetting.names: tasks\[0\] \(Addition\), tasks\[2\] \(Sorting\) are all named 'a'"):
+        OODForgetting(tasks, names=["a", "b", "a"], examples=2)
+    with pytest.raises(ValueError, match="OODForgetting.names must give one name per task: 2 names for 3 tasks"):
+        OODForgetting(tasks, names=["a", "b"], examples=2)
+    callback = OODForgetting(tasks, names=["add1", "add4", "sort"], examples=2, max_new_tokens=4)
+    right = {id(tasks[0]): True, id(tasks[1]): False, id(tasks[2]): True}  # the 1-digit sums and the sorts right, the 4-digit wrong
+
+    def known(model, tokenizer, task, examples, **settings):
+        return [task.reference_completion(ex) if right[id(task)] else "x" for ex in examples]
+
+    monkeypatch.setattr(callbacks, "completion_texts", known)
+    trainer = bare_trainer(tmp_path)
+    callback.on_fit_start(trainer, module)
+    (before,) = metrics_file(trainer)
+    assert before == {**before, "ood/add1_before": 100.0, "ood/add4_before": 0.0, "ood/sort_before": 100.0}
+    assert before["ood/mean_before"] == pytest.approx(200 / 3)  # over the three tasks configured
+
+
 def test_ood_scores_are_real_accuracies(module, monkeypatch):
     import kdlab.callbacks.periodic as callbacks
 

@@ -70,7 +70,10 @@ class OODForgetting(EvaluationCallback):
       weights), see :mod:`kdlab.evaluation.lm_eval_suite`; needs ``pip install 'kdlab[eval]'``. Task names are
       checked against lm-eval's index when the callback is built.
 
-    The mean is unweighted over the suite's entries.
+    The mean is unweighted over the suite's entries. Each tiny-back-end task's scores are named by its entry of
+    ``names``, else by its ``variant`` or lower-cased class name (:func:`~kdlab.callbacks.periodic.task_name`); two
+    tasks of one name (``Addition(max_digits=1)`` and ``Addition(max_digits=4)``) are refused at construction,
+    naming both, until ``names`` tells them apart (one score would have replaced the other in the mean).
 
     Under several processes (DDP, FSDP1, FSDP2) the lm-eval suite runs on global rank 0 alone, over a
     whole model: the student itself when it is not sharded, else a plain copy built from its gathered
@@ -93,6 +96,8 @@ class OODForgetting(EvaluationCallback):
         examples, temperature, max_new_tokens, batch_size, seed: tiny back end sampling settings
             (greedy by default); lm-eval tasks carry their own.
         every_n_steps: also measure every N optimiser steps; the end of fit is always measured.
+        names: tiny back end: one distinct name per entry of ``tasks``, in its order (``ood/<name>``); default: each
+            task's variant or lower-cased class name.
     """
 
     def __init__(
@@ -103,11 +108,13 @@ class OODForgetting(EvaluationCallback):
         lm_eval_batch_size: int = 8,
         lm_eval_allow_code_execution: bool = False,
         lm_eval_apply_chat_template: bool = False,
+        names: list[str] | None = None,
         **settings: Any,
     ) -> None:
         super().__init__(**settings)
         self.before: dict[str, float] | None = None
         self.tasks = list(tasks or [])
+        self.names: list[str] | None = None
         self.lm_eval_tasks: dict[str, LMEvalTask] | None = None
         if tasks is not None and lm_eval_tasks is not None:
             raise ValueError("OODForgetting: give tasks (tiny back end) or lm_eval_tasks (lm-evaluation-harness), not both")
@@ -116,7 +123,10 @@ class OODForgetting(EvaluationCallback):
                 raise ValueError("OODForgetting.lm_eval_include_path is set but lm_eval_tasks is not")
             if not self.tasks:
                 raise ValueError("OODForgetting.tasks (or lm_eval_tasks) must name at least one task")
+            self.names = task_names(self.tasks, names)
             return
+        if names is not None:
+            raise ValueError("OODForgetting.names names the tiny back end's tasks; lm_eval_tasks are named by their own keys")
         # LightningCLI passes every setting, so only a value other than the default is a mistake
         defaults = inspect.signature(EvaluationCallback.__init__).parameters
         tiny_only = sorted(name for name, value in settings.items() if name != "every_n_steps" and value != defaults[name].default)
@@ -179,9 +189,9 @@ class OODForgetting(EvaluationCallback):
         if self.lm_eval_tasks is not None:
             return self.lm_eval_scores(pl_module)
         result = {}
-        for task in self.tasks:
+        for name, task in zip(self.names, self.tasks):
             examples = task.examples("val")[: self.examples]
-            result[task_name(task)] = 100.0 * accuracy(task, examples, self.sample(pl_module, task, examples))
+            result[name] = 100.0 * accuracy(task, examples, self.sample(pl_module, task, examples))
         return result
 
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -204,6 +214,25 @@ class OODForgetting(EvaluationCallback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.before = state_dict.get("before")
+
+
+def task_names(tasks: list[Task], names: list[str] | None) -> list[str]:
+    """``OODForgetting``'s name of each of ``tasks`` (``names``, else :func:`~kdlab.callbacks.periodic.task_name`), all
+    distinct: raises ``ValueError`` naming the tasks that share one."""
+    if names is not None:
+        names = [str(name) for name in names]
+        if len(names) != len(tasks):
+            raise ValueError(f"OODForgetting.names must give one name per task: {len(names)} names for {len(tasks)} tasks")
+    chosen = names if names is not None else [task_name(task) for task in tasks]
+    for name in dict.fromkeys(chosen):
+        positions = [i for i, other in enumerate(chosen) if other == name]
+        if len(positions) > 1:
+            which = ", ".join(f"tasks[{i}] ({type(tasks[i]).__name__})" for i in positions)
+            if names is not None:
+                raise ValueError(f"OODForgetting.names: {which} are all named {name!r}; give each task its own name")
+            raise ValueError(f"OODForgetting.tasks: {which} are all named {name!r}, so one's score would replace the other's; "
+                             "give OODForgetting.names, one distinct name per task (e.g. names: [addition_1digit, addition_4digit])")
+    return chosen
 
 
 class StyleTransfer(EvaluationCallback):
