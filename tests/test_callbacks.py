@@ -176,6 +176,34 @@ def test_style_transfer_judges_real_text(module, tmp_path):
     assert metrics_file(trainer)[-1]["style/spanish_share"] == 0.5 and len(metrics_file(trainer)) == 2
 
 
+def test_a_resumed_fit_does_not_measure_style_transfer_again_at_its_start(tiny_pair, tmp_path):
+    """Lightning restores the weights before ``on_fit_start`` (global_step still 0): a resumed fit measuring there
+    would log a trained student's share as the step-0 "before"; only the first run measures at its start."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    task = Addition(num_val=2, seed=4)
+    sampled = []
+
+    def fit(steps, ckpt_path=None):
+        callback = StyleTransfer([task], examples=2)
+
+        def sample(pl_module, task, examples, role="student", repeat=1, model=None):
+            sampled.append((steps, role, pl_module.trainer.training))  # training is False at the start of fit, True at its end
+            return ["primero sumo y luego obtengo el resultado"] * len(examples)
+
+        callback.sample = sample
+        module = DistillModule(*tiny_pair, Addition(num_train=8, num_val=4), max_completion_tokens=6, batch_size=4, val_examples=4)
+        checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=1)
+        pl.Trainer(max_steps=steps, accelerator="cpu", logger=TensorBoardLogger(tmp_path), callbacks=[callback, checkpoint], limit_val_batches=0,
+                   enable_progress_bar=False, enable_model_summary=False).fit(module, ckpt_path=ckpt_path)
+
+    fit(1)
+    assert [role for steps, role, _ in sampled] == ["teacher", "student", "student"]  # before training (both), and at its end
+    sampled.clear()
+    fit(2, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert sampled == [(2, "student", True)]  # the end of fit alone
+
+
 def test_style_transfer_draws_each_entry_from_its_own_split_and_count(module, tmp_path):
     """StyleTransfer.tasks: a TaskPrompts entry names its split and count (its own, else the callback's ``examples``); a
     plain task keeps the first ``examples`` of its ``val`` split. The share is over every response drawn: 3 + 4 + 4,

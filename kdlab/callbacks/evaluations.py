@@ -254,7 +254,8 @@ class StyleTransfer(EvaluationCallback):
         teacher: the reference teacher (a model path, ``kdlab://...``, or a
             :class:`~kdlab.models.loading.ModelSpec`). Its tokenizer is read at setup; its weights are loaded at
             the start of fit onto the module's device for the one measurement, then released.
-        at_start: measure at the start of fit (the teacher's share and the student's before training); False
+        at_start: measure at the start of fit (the teacher's share and the student's before training; not when the
+            fit resumes from a checkpoint, whose first run logged them at step 0); False
             measures the student only at the end (and every ``every_n_steps``), for a grid whose runs all
             start from the same student and teacher, measured once elsewhere.
     """
@@ -302,7 +303,7 @@ class StyleTransfer(EvaluationCallback):
             del network  # held for this one measurement only
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if self.at_start:
+        if self.at_start and trainer.global_step == 0 and not trainer.ckpt_path:  # a resumed run's "before" was logged by the first run
             log_metrics(trainer, {"style/teacher_spanish_share": self.teacher_share(pl_module), "style/spanish_share": self.share(pl_module, "student")})
 
     def measure(self, trainer, pl_module) -> None:
