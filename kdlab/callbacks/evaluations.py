@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kdlab.callbacks.periodic import EvaluationCallback, TaskPrompts, module_writes_teacher_texts, task_name
+from kdlab.callbacks.periodic import EvaluationCallback, TaskPrompts, module_writes_teacher_texts, resume_path, task_name
 from kdlab.evaluation.lm_eval_suite import (
     LMEvalTask,
     evaluate_suite,
@@ -195,7 +195,9 @@ class OODForgetting(EvaluationCallback):
         return result
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if self.before is None:  # a resumed run keeps the scores measured at the real start
+        # a resumed run keeps the scores measured at the real start: its state_dict restores them, before this hook
+        # on most strategies, after it under FSDP1 and FSDP2 (restore_checkpoint_after_setup: resume_path says so)
+        if self.before is None and trainer.global_step == 0 and not resume_path(trainer):
             chosen = [task.examples("val")[: self.examples] for task in self.tasks]
             self.before = self.before_scores(trainer, pl_module, self.tasks, chosen, lambda: self.scores(pl_module))
             metrics = {f"ood/{name}_before": value for name, value in self.before.items()}
@@ -206,7 +208,8 @@ class OODForgetting(EvaluationCallback):
         after = self.scores(pl_module)
         metrics = {f"ood/{name}": value for name, value in after.items()}
         metrics["ood/mean"] = sum(after.values()) / len(after)
-        metrics["ood/mean_delta"] = metrics["ood/mean"] - sum(self.before.values()) / len(self.before)
+        if self.before:  # none when a resumed checkpoint holds no OODForgetting state (the callback added on resume)
+            metrics["ood/mean_delta"] = metrics["ood/mean"] - sum(self.before.values()) / len(self.before)
         log_metrics(trainer, metrics)
 
     def state_dict(self) -> dict[str, Any]:
@@ -303,7 +306,7 @@ class StyleTransfer(EvaluationCallback):
             del network  # held for this one measurement only
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if self.at_start and trainer.global_step == 0 and not trainer.ckpt_path:  # a resumed run's "before" was logged by the first run
+        if self.at_start and trainer.global_step == 0 and not resume_path(trainer):  # a resumed run's "before" was logged by the first run
             log_metrics(trainer, {"style/teacher_spanish_share": self.teacher_share(pl_module), "style/spanish_share": self.share(pl_module, "student")})
 
     def measure(self, trainer, pl_module) -> None:
@@ -381,7 +384,7 @@ class Coverage(EvaluationCallback):
         log_metrics(trainer, self.scores(trainer, pl_module))
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if self.at_start and trainer.global_step == 0 and not trainer.ckpt_path:  # a resumed run's "before" was logged by the first run
+        if self.at_start and trainer.global_step == 0 and not resume_path(trainer):  # a resumed run's "before" was logged by the first run
             examples = [self.task.examples("val")[: self.examples]]
             metrics = self.before_scores(trainer, pl_module, [self.task], examples, lambda: self.scores(trainer, pl_module))
             # the first measurement is also kept under its own name, so that a run's last values (kdlab report) hold both
