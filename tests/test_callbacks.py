@@ -65,6 +65,10 @@ def test_ood_forgetting_reports_before_after_and_delta_in_points(module, tmp_pat
     restored = OODForgetting(tasks)
     restored.load_state_dict(callback.state_dict())
     assert restored.before == {"addition": 50.0, "sorting": 100.0}
+    added_on_resume = OODForgetting(tasks)  # a checkpoint without its state: the scores, and no delta from nothing
+    added_on_resume.scores = lambda pl_module: {"addition": 25.0, "sorting": 75.0}
+    added_on_resume.measure(trainer, module)
+    assert metrics_file(trainer)[-1]["ood/mean"] == 50.0 and "ood/mean_delta" not in metrics_file(trainer)[-1]
 
 
 def test_ood_forgetting_refuses_tasks_of_one_name_and_names_tells_them_apart(module, tmp_path, monkeypatch):
