@@ -115,3 +115,24 @@ def test_an_lm_eval_suite_does_not_take_the_in_loop_cache():
     pytest.importorskip("lm_eval")
     with pytest.raises(ValueError, match="before_cache"):
         OODForgetting(lm_eval_tasks={"arc": {"task": "arc_easy", "limit": 2}}, before_cache="x")
+
+
+def test_a_lora_student_is_digested_by_its_merged_weights(tiny_pair):
+    """A LoRA grid's seeds draw other random ``A`` matrices while ``B = 0``: the student they evaluate is one, so the
+    digest (and the "before" cache) is one; a trained adapter (``B != 0``) changes the effective weights and the digest."""
+    pytest.importorskip("peft")
+    from kdlab.models.loading import ModelSpec, load_causal_lm
+    from kdlab.stages.lora import LoraSpec, apply_lora
+
+    def student(seed):
+        torch.manual_seed(seed)
+        return apply_lora(load_causal_lm(ModelSpec(tiny_pair[0])), LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+
+    first, second = student(1), student(2)
+    a_names = [name for name, _ in first.named_parameters() if "lora_A" in name]
+    assert a_names and any(not torch.equal(first.get_parameter(n), second.get_parameter(n)) for n in a_names)  # other A, same B = 0
+    assert before_cache_module.weights_digest(first) == before_cache_module.weights_digest(second)
+    with torch.no_grad():
+        next(p for name, p in second.named_parameters() if "lora_B" in name).add_(1e-3)  # a trained adapter
+    assert before_cache_module.weights_digest(first) != before_cache_module.weights_digest(second)
+

@@ -2,7 +2,7 @@
 
 A grid's runs start from one student, and an evaluation before training depends only on that student, the
 evaluation's own settings and the code that runs it; so its scores are kept in a :class:`BeforeCache` (a folder
-of JSON files) keyed by :func:`weights_digest` (the student's state dict) and a settings key. Two users:
+of JSON files) keyed by :func:`weights_digest` (the student's effective weights, LoRA adapters merged) and a settings key. Two users:
 
 * ``kdlab forgetting`` (:mod:`kdlab.evaluation.forgetting`): the lm-eval suite off the training loop, keyed by
   :meth:`~kdlab.evaluation.forgetting.SuiteSettings.key`;
@@ -29,13 +29,23 @@ PRIMITIVES = (bool, int, float, str, type(None))
 
 
 def weights_digest(model: torch.nn.Module) -> str:
-    """SHA-256 of ``model``'s state dict: every entry's name, dtype, shape and bytes, in name order."""
-    digest = hashlib.sha256()
+    """SHA-256 of ``model``'s effective weights (:func:`~kdlab.models.export.merged_weights`: each LoRA adapter merged
+    into its base weight, ``W + B A * alpha / r``, under the base weight's Hugging Face name): every weight's name,
+    dtype, shape and bytes, in name order. So runs of a LoRA grid that differ only in their seed's random ``A`` (while
+    ``B = 0``) share one digest, and a trained adapter (``B != 0``) gets another. One merged weight is alive at a time."""
+    from kdlab.models.export import merged_weights
+
+    entries = []
     with torch.no_grad():
-        for name, tensor in sorted(model.state_dict().items()):
+        for name, tensor in merged_weights(model):
             tensor = tensor.detach().to("cpu").contiguous()
-            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)};".encode())
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+            entry = hashlib.sha256(f"{name}|{tensor.dtype}|{tuple(tensor.shape)};".encode())
+            entry.update(tensor.reshape(-1).view(torch.uint8).numpy())
+            entries.append((name, entry.digest()))
+            del tensor
+    digest = hashlib.sha256()
+    for name, entry in sorted(entries):
+        digest.update(name.encode() + b"\0" + entry)
     return digest.hexdigest()
 
 
