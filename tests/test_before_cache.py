@@ -71,7 +71,7 @@ def test_a_second_run_reads_coverage_before_from_the_cache_and_gets_what_measuri
     assert json.loads(written.read_text())["callback"] == "Coverage"
 
 
-@pytest.mark.parametrize("change", ["seed", "examples", "temperature", "weights", "source"])
+@pytest.mark.parametrize("change", ["seed", "examples", "temperature", "weights", "source", "matmul_precision"])
 def test_anything_that_could_change_the_scores_misses(module, tmp_path, monkeypatch, change):
     cache = tmp_path / "cache"
     coverage(cache).on_fit_start(bare_trainer(tmp_path / "first"), module)
@@ -85,9 +85,30 @@ def test_anything_that_could_change_the_scores_misses(module, tmp_path, monkeypa
     if change == "source":
         before_cache_module.source_digest.cache_clear()
         monkeypatch.setattr(before_cache_module, "source_digest", lambda: "another checkout")
+    if change == "matmul_precision":  # TF32 matmuls ("high") round otherwise than full float32 ("highest")
+        monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
     again.on_fit_start(bare_trainer(tmp_path / "again"), module)
     assert again.decoded == again.examples
     assert len(list(cache.glob("before-*.json"))) == 2
+
+
+def test_the_key_holds_the_device_type_the_gpu_name_and_the_matmul_precision(module, monkeypatch):
+    """CPU and CUDA generators draw different streams from one seed: a score sampled on one is not reused on the
+    other; nor across GPU models or float32 matmul precisions."""
+    callback = coverage(None)
+    examples = [callback.task.examples("val")[:4]]
+
+    def key(device):
+        return before_cache_module.evaluation_key(callback, [callback.task], examples, module.student_tokenizer, (1, 0), "32-true", {}, device)
+
+    on_cpu = key("cpu")
+    assert key(torch.device("cpu")) == on_cpu and key("cuda") != on_cpu
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    names = iter(["NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: next(names))
+    assert key("cuda:0") == key("cuda:0") != key("cuda:0")  # one GPU model's kernels, then another's
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "medium")
+    assert key("cpu") != on_cpu
 
 
 def test_ood_forgetting_before_comes_from_the_cache_on_the_second_run(module, tmp_path):

@@ -166,7 +166,7 @@ class EvaluationCallback(PeriodicCallback):
     def before_scores(self, trainer, pl_module, tasks: list[Task], examples: list[list[dict]], measure) -> dict[str, float]:
         """``measure()``, the scores before training; with ``before_cache`` (a folder) read from it when a run has
         already measured them on the same student weights with the same settings, tasks and examples, tokenizer,
-        precision and kdlab source (:func:`kdlab.evaluation.before_cache.evaluation_key`), and written to it
+        precision, device and kdlab source (:func:`kdlab.evaluation.before_cache.evaluation_key`), and written to it
         otherwise. One process only: under several the key would need every rank's shard of the weights."""
         if self.before_cache is None:
             return measure()
@@ -181,7 +181,8 @@ class EvaluationCallback(PeriodicCallback):
         cache = BeforeCache(self.before_cache)
         weights = weights_digest(pl_module.student)
         precision = getattr(trainer, "precision", None) if trainer is not None else None
-        key = evaluation_key(self, tasks, examples, pl_module.student_tokenizer, (1, 0), str(precision), module_decoding(pl_module))
+        key = evaluation_key(self, tasks, examples, pl_module.student_tokenizer, (1, 0), str(precision), module_decoding(pl_module),
+                             pl_module.device)
         scores = cache.get(weights, key)
         if scores is None:
             scores = measure()

@@ -9,8 +9,9 @@ of JSON files) keyed by :func:`weights_digest` (the student's effective weights,
 * the in-loop evaluation callbacks (``OODForgetting``, ``Coverage``) with ``before_cache: <folder>``: keyed by
   :func:`evaluation_key`, which holds every input of the measurement but the weights: the callback's class and
   settings, its tasks (their settings and the very examples evaluated), the student's tokenizer, the process
-  layout, the versions of torch and transformers and a digest of kdlab's own source files, so a cached score is
-  only ever reused by code that would compute it the same way.
+  layout, the device (its type, GPU name and float32 matmul precision), the versions of torch and transformers
+  and a digest of kdlab's own source files, so a cached score is only ever reused by code that would compute it
+  the same way.
 """
 
 from __future__ import annotations
@@ -114,13 +115,24 @@ def tokenizer_digest(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(description, default=str).encode()).hexdigest()
 
 
+def device_description(device: torch.device | str) -> dict[str, str]:
+    """What of the device an evaluation runs on can change its numbers: the device type (CPU and CUDA generators
+    draw different streams from one seed), the GPU's name (its kernels round differently) and
+    ``torch.get_float32_matmul_precision()`` (TF32 or not)."""
+    device = torch.device(device)
+    found = {"type": device.type, "float32_matmul_precision": torch.get_float32_matmul_precision()}
+    if device.type == "cuda" and torch.cuda.is_available():
+        found["name"] = torch.cuda.get_device_name(device)
+    return found
+
+
 def evaluation_key(callback: Any, tasks: list[Any], examples: list[list[dict]], tokenizer: Any, layout: tuple[int, int],
-                   precision: str, decoding: dict[str, Any] | None = None) -> str:
+                   precision: str, decoding: dict[str, Any] | None = None, device: torch.device | str = "cpu") -> str:
     """The settings key of an in-loop evaluation's "before" scores: ``callback``'s class and plain settings, each
     of ``tasks`` (class and plain settings) with the ``examples`` it evaluates, the student's tokenizer, the
     ``(replicas, rank)`` layout, the trainer's ``precision``, the module's ``decoding`` settings (end tokens, stop
-    strings, prompt limit: :func:`kdlab.callbacks.periodic.module_decoding`), torch's and transformers' versions and
-    kdlab's source (:func:`source_digest`)."""
+    strings, prompt limit: :func:`kdlab.callbacks.periodic.module_decoding`), the ``device`` it samples on
+    (:func:`device_description`), torch's and transformers' versions and kdlab's source (:func:`source_digest`)."""
     import transformers
 
     description = {
@@ -128,6 +140,7 @@ def evaluation_key(callback: Any, tasks: list[Any], examples: list[list[dict]], 
         "tasks": [{**settings_of(task), "examples": hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()}
                   for task, chosen in zip(tasks, examples)],
         "tokenizer": tokenizer_digest(tokenizer), "layout": list(layout), "precision": str(precision), "decoding": decoding or {},
+        "device": device_description(device),
         "torch": torch.__version__, "transformers": transformers.__version__, "kdlab": source_digest(),
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()).hexdigest()
