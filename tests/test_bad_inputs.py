@@ -112,6 +112,9 @@ CLI_CASES = {
            "ServedRollouts.weights_dir: the server at http://gpu7.cluster:8000 is not addressed as this machine"),
     "80": (FIT + ["--model.lora.r=4", "--model.lora.dropout=1.5"], "lora.dropout must be in [0, 1), got 1.5"),
     "81": (FIT + ["--model.lora.r=4", "--model.lora.target_modules=[q_proj,qproj]"], "lora.target_modules: ['qproj'] match no module of the model"),
+    "85": (FIT + [CALLBACK + "kdlab.callbacks.OODForgetting", '--trainer.callbacks.tasks=[{"class_path": "kdlab.tasks.Addition"}, '
+                  '{"class_path": "kdlab.tasks.Addition", "init_args": {"max_digits": 4}}]'],
+           "OODForgetting.tasks: tasks[0] (Addition), tasks[1] (Addition) are all named 'addition'"),
 }
 NOT_CLI = {  # rows whose input is not a configuration a command line can give, with where they are tested
     "62": "strategy: deepspeed needs the deepspeed package (not installed here): the check is given Lightning's own class, uninitialised",

@@ -71,7 +71,7 @@ def test_a_second_run_reads_coverage_before_from_the_cache_and_gets_what_measuri
     assert json.loads(written.read_text())["callback"] == "Coverage"
 
 
-@pytest.mark.parametrize("change", ["seed", "examples", "temperature", "weights", "source"])
+@pytest.mark.parametrize("change", ["seed", "examples", "temperature", "weights", "source", "matmul_precision"])
 def test_anything_that_could_change_the_scores_misses(module, tmp_path, monkeypatch, change):
     cache = tmp_path / "cache"
     coverage(cache).on_fit_start(bare_trainer(tmp_path / "first"), module)
@@ -85,9 +85,30 @@ def test_anything_that_could_change_the_scores_misses(module, tmp_path, monkeypa
     if change == "source":
         before_cache_module.source_digest.cache_clear()
         monkeypatch.setattr(before_cache_module, "source_digest", lambda: "another checkout")
+    if change == "matmul_precision":  # TF32 matmuls ("high") round otherwise than full float32 ("highest")
+        monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
     again.on_fit_start(bare_trainer(tmp_path / "again"), module)
     assert again.decoded == again.examples
     assert len(list(cache.glob("before-*.json"))) == 2
+
+
+def test_the_key_holds_the_device_type_the_gpu_name_and_the_matmul_precision(module, monkeypatch):
+    """CPU and CUDA generators draw different streams from one seed: a score sampled on one is not reused on the
+    other; nor across GPU models or float32 matmul precisions."""
+    callback = coverage(None)
+    examples = [callback.task.examples("val")[:4]]
+
+    def key(device):
+        return before_cache_module.evaluation_key(callback, [callback.task], examples, module.student_tokenizer, (1, 0), "32-true", {}, device)
+
+    on_cpu = key("cpu")
+    assert key(torch.device("cpu")) == on_cpu and key("cuda") != on_cpu
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    names = iter(["NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: next(names))
+    assert key("cuda:0") == key("cuda:0") != key("cuda:0")  # one GPU model's kernels, then another's
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "medium")
+    assert key("cpu") != on_cpu
 
 
 def test_ood_forgetting_before_comes_from_the_cache_on_the_second_run(module, tmp_path):
@@ -115,3 +136,24 @@ def test_an_lm_eval_suite_does_not_take_the_in_loop_cache():
     pytest.importorskip("lm_eval")
     with pytest.raises(ValueError, match="before_cache"):
         OODForgetting(lm_eval_tasks={"arc": {"task": "arc_easy", "limit": 2}}, before_cache="x")
+
+
+def test_a_lora_student_is_digested_by_its_merged_weights(tiny_pair):
+    """A LoRA grid's seeds draw other random ``A`` matrices while ``B = 0``: the student they evaluate is one, so the
+    digest (and the "before" cache) is one; a trained adapter (``B != 0``) changes the effective weights and the digest."""
+    pytest.importorskip("peft")
+    from kdlab.models.loading import ModelSpec, load_causal_lm
+    from kdlab.stages.lora import LoraSpec, apply_lora
+
+    def student(seed):
+        torch.manual_seed(seed)
+        return apply_lora(load_causal_lm(ModelSpec(tiny_pair[0])), LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+
+    first, second = student(1), student(2)
+    a_names = [name for name, _ in first.named_parameters() if "lora_A" in name]
+    assert a_names and any(not torch.equal(first.get_parameter(n), second.get_parameter(n)) for n in a_names)  # other A, same B = 0
+    assert before_cache_module.weights_digest(first) == before_cache_module.weights_digest(second)
+    with torch.no_grad():
+        next(p for name, p in second.named_parameters() if "lora_B" in name).add_(1e-3)  # a trained adapter
+    assert before_cache_module.weights_digest(first) != before_cache_module.weights_digest(second)
+

@@ -65,6 +65,37 @@ def test_ood_forgetting_reports_before_after_and_delta_in_points(module, tmp_pat
     restored = OODForgetting(tasks)
     restored.load_state_dict(callback.state_dict())
     assert restored.before == {"addition": 50.0, "sorting": 100.0}
+    added_on_resume = OODForgetting(tasks)  # a checkpoint without its state: the scores, and no delta from nothing
+    added_on_resume.scores = lambda pl_module: {"addition": 25.0, "sorting": 75.0}
+    added_on_resume.measure(trainer, module)
+    assert metrics_file(trainer)[-1]["ood/mean"] == 50.0 and "ood/mean_delta" not in metrics_file(trainer)[-1]
+
+
+def test_ood_forgetting_refuses_tasks_of_one_name_and_names_tells_them_apart(module, tmp_path, monkeypatch):
+    """Two Additions are both ``addition``: one score would replace the other and the means would average fewer
+    tasks than configured, so the callback is refused at construction naming both; ``names`` keeps every task."""
+    import kdlab.callbacks.periodic as callbacks
+
+    tasks = [Addition(max_digits=1, num_val=2, seed=1), Addition(max_digits=4, num_val=2, seed=1), Sorting(num_val=2, seed=1)]
+    with pytest.raises(ValueError, match=r"OODForgetting.tasks: tasks\[0\] \(Addition\), tasks\[1\] \(Addition\) are all named 'addition'.*"
+                                         r"give OODForgetting.names"):
+        OODForgetting(tasks, examples=2)
+    with pytest.raises(ValueError, match=r"OODForgetting.names: tasks\[0\] \(Addition\), tasks\[2\] \(Sorting\) are all named 'a'"):
+        OODForgetting(tasks, names=["a", "b", "a"], examples=2)
+    with pytest.raises(ValueError, match="OODForgetting.names must give one name per task: 2 names for 3 tasks"):
+        OODForgetting(tasks, names=["a", "b"], examples=2)
+    callback = OODForgetting(tasks, names=["add1", "add4", "sort"], examples=2, max_new_tokens=4)
+    right = {id(tasks[0]): True, id(tasks[1]): False, id(tasks[2]): True}  # the 1-digit sums and the sorts right, the 4-digit wrong
+
+    def known(model, tokenizer, task, examples, **settings):
+        return [task.reference_completion(ex) if right[id(task)] else "x" for ex in examples]
+
+    monkeypatch.setattr(callbacks, "completion_texts", known)
+    trainer = bare_trainer(tmp_path)
+    callback.on_fit_start(trainer, module)
+    (before,) = metrics_file(trainer)
+    assert before == {**before, "ood/add1_before": 100.0, "ood/add4_before": 0.0, "ood/sort_before": 100.0}
+    assert before["ood/mean_before"] == pytest.approx(200 / 3)  # over the three tasks configured
 
 
 def test_ood_scores_are_real_accuracies(module, monkeypatch):
@@ -147,6 +178,34 @@ def test_style_transfer_judges_real_text(module, tmp_path):
     later.sample = lambda pl_module, task, examples, role="student", repeat=1, model=None: replies[role]
     later.measure(trainer, module)
     assert metrics_file(trainer)[-1]["style/spanish_share"] == 0.5 and len(metrics_file(trainer)) == 2
+
+
+def test_a_resumed_fit_does_not_measure_style_transfer_again_at_its_start(tiny_pair, tmp_path):
+    """Lightning restores the weights before ``on_fit_start`` (global_step still 0): a resumed fit measuring there
+    would log a trained student's share as the step-0 "before"; only the first run measures at its start."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    task = Addition(num_val=2, seed=4)
+    sampled = []
+
+    def fit(steps, ckpt_path=None):
+        callback = StyleTransfer([task], examples=2)
+
+        def sample(pl_module, task, examples, role="student", repeat=1, model=None):
+            sampled.append((steps, role, pl_module.trainer.training))  # training is False at the start of fit, True at its end
+            return ["primero sumo y luego obtengo el resultado"] * len(examples)
+
+        callback.sample = sample
+        module = DistillModule(*tiny_pair, Addition(num_train=8, num_val=4), max_completion_tokens=6, batch_size=4, val_examples=4)
+        checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=1)
+        pl.Trainer(max_steps=steps, accelerator="cpu", logger=TensorBoardLogger(tmp_path), callbacks=[callback, checkpoint], limit_val_batches=0,
+                   enable_progress_bar=False, enable_model_summary=False).fit(module, ckpt_path=ckpt_path)
+
+    fit(1)
+    assert [role for steps, role, _ in sampled] == ["teacher", "student", "student"]  # before training (both), and at its end
+    sampled.clear()
+    fit(2, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert sampled == [(2, "student", True)]  # the end of fit alone
 
 
 def test_style_transfer_draws_each_entry_from_its_own_split_and_count(module, tmp_path):

@@ -479,3 +479,41 @@ def test_a_fresh_fit_under_slurm_is_refused_where_lightnings_requeue_state_would
         cli_fit(tmp_path, f"--trainer.default_root_dir={tmp_path}")
     monkeypatch.setattr(SLURMEnvironment, "detect", staticmethod(lambda: False))  # outside SLURM Lightning ignores it
     assert cli_fit(tmp_path, f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=1").trainer.global_step == 1
+
+
+def test_under_a_strategy_that_restores_after_setup_a_resume_keeps_the_ood_before_and_refuses_weights_only(tiny_pair, tmp_path):
+    """FSDP1 and FSDP2 (``restore_checkpoint_after_setup``) read the checkpoint after ``on_fit_start`` (``trainer.ckpt_path``
+    is still None there): OODForgetting's "before" is not measured again on the resume (its state arrives later), nor
+    Coverage's, and FinalCheckpoint reads the file the fit resumes from to refuse a weights-only one. A CPU stand-in
+    strategy restores as late as they do."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from kdlab.callbacks import Coverage, FinalCheckpoint, OODForgetting
+    from kdlab.errors import ConfigError
+
+    class LateRestore(SingleDeviceStrategy):
+        @property
+        def restore_checkpoint_after_setup(self) -> bool:
+            return True
+
+    measured = []
+
+    def run(steps, strategy="auto", ckpt_path=None):
+        ood = OODForgetting([Addition(num_val=2, seed=1)], examples=2)
+        ood.scores = lambda pl_module: measured.append(steps) or {"addition": float(10 * len(measured))}
+        coverage = Coverage(Addition(num_val=2, seed=1), ks=(1,), samples=1, examples=2)
+        coverage.scores = lambda trainer, pl_module: measured.append(f"coverage {steps}") or {"coverage/addition/pass@1": 0.5}
+        checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=1)
+        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", strategy=strategy, logger=False, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, callbacks=[FinalCheckpoint(), ood, coverage, checkpoint])
+        trainer.fit(module(tiny_pair, "offpolicy"), ckpt_path=ckpt_path)
+        return ood
+
+    pl.seed_everything(0)
+    assert run(2).before == {"addition": 10.0} and measured == [2, "coverage 2", 2, "coverage 2"]  # before training, and at its end
+    with pytest.raises(ConfigError, match=r"final.ckpt' holds the weights only \(no optimiser state\), so it cannot resume a fit"):
+        run(3, LateRestore(torch.device("cpu")), ckpt_path=str(tmp_path / "ckpt" / "final.ckpt"))
+    resumed = run(3, LateRestore(torch.device("cpu")), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert measured[4:] == [3, "coverage 3"]  # the end of the resumed fit alone
+    assert resumed.before == {"addition": 10.0}  # the first run's, restored after on_fit_start
+

@@ -94,20 +94,43 @@ class FinalCheckpoint(pl.Callback):
         self.save(trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """After ``--ckpt_path``'s weights were loaded (a checkpoint of another model has failed by then) and
-        before the optimiser state is: a checkpoint without one cannot resume a fit, and Lightning's own
+        """After ``--ckpt_path``'s weights were loaded (a checkpoint of another model has failed by then; under FSDP1
+        and FSDP2 before) and before the optimiser state is: a checkpoint without one cannot resume a fit, and Lightning's own
         error blames ``ModelCheckpoint.save_weights_only``. ``kdlab fit`` puts this callback first, so
-        the error comes before other callbacks' start-of-fit work."""
-        checkpoint = getattr(getattr(trainer, "_checkpoint_connector", None), "_loaded_checkpoint", None)
-        if not trainer.ckpt_path or not checkpoint or "optimizer_states" in checkpoint:
+        the error comes before other callbacks' start-of-fit work.
+
+        Under FSDP1 and FSDP2 (``restore_checkpoint_after_setup``) Lightning reads the checkpoint only after this hook,
+        so the file ``ckpt_path`` names is read here, memory-mapped (its small entries only); a folder of shards is
+        left to Lightning."""
+        from kdlab.callbacks.periodic import resume_path
+
+        checkpoint = loaded_checkpoint(trainer)
+        if not checkpoint or "optimizer_states" in checkpoint:
             return
-        where = Path(trainer.ckpt_path)
+        where = Path(resume_path(trainer))
         role = getattr(pl_module, "trained_role", "student")
         raise ConfigError(
             f"ckpt_path={str(where)!r} holds the weights only (no optimiser state), so it cannot resume a fit; "
             f"resume from a full state ({where.parent / 'last.ckpt'}, {where.parent / 'on_exception.ckpt'} or an "
             f"epoch=E-step=S.ckpt), or train on from these weights in a new run with --model.{role}.checkpoint={where}"
         )
+
+
+def loaded_checkpoint(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """The checkpoint ``trainer`` resumes from, as its restore reads it: the one Lightning has loaded, else (a strategy
+    that restores after setup, FSDP1 and FSDP2) the file ``trainer.ckpt_path`` names, memory-mapped; ``None`` for a
+    fresh fit, or a folder of shards."""
+    import torch
+
+    from kdlab.callbacks.periodic import resume_path
+
+    checkpoint = getattr(getattr(trainer, "_checkpoint_connector", None), "_loaded_checkpoint", None)
+    if checkpoint:
+        return checkpoint
+    path = resume_path(trainer)
+    if not path or not Path(path).is_file():
+        return None
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kdlab.callbacks.periodic import EvaluationCallback, TaskPrompts, module_writes_teacher_texts, task_name
+from kdlab.callbacks.periodic import EvaluationCallback, TaskPrompts, module_writes_teacher_texts, resume_path, task_name
 from kdlab.evaluation.lm_eval_suite import (
     LMEvalTask,
     evaluate_suite,
@@ -70,7 +70,10 @@ class OODForgetting(EvaluationCallback):
       weights), see :mod:`kdlab.evaluation.lm_eval_suite`; needs ``pip install 'kdlab[eval]'``. Task names are
       checked against lm-eval's index when the callback is built.
 
-    The mean is unweighted over the suite's entries.
+    The mean is unweighted over the suite's entries. Each tiny-back-end task's scores are named by its entry of
+    ``names``, else by its ``variant`` or lower-cased class name (:func:`~kdlab.callbacks.periodic.task_name`); two
+    tasks of one name (``Addition(max_digits=1)`` and ``Addition(max_digits=4)``) are refused at construction,
+    naming both, until ``names`` tells them apart (one score would have replaced the other in the mean).
 
     Under several processes (DDP, FSDP1, FSDP2) the lm-eval suite runs on global rank 0 alone, over a
     whole model: the student itself when it is not sharded, else a plain copy built from its gathered
@@ -93,6 +96,8 @@ class OODForgetting(EvaluationCallback):
         examples, temperature, max_new_tokens, batch_size, seed: tiny back end sampling settings
             (greedy by default); lm-eval tasks carry their own.
         every_n_steps: also measure every N optimiser steps; the end of fit is always measured.
+        names: tiny back end: one distinct name per entry of ``tasks``, in its order (``ood/<name>``); default: each
+            task's variant or lower-cased class name.
     """
 
     def __init__(
@@ -103,11 +108,13 @@ class OODForgetting(EvaluationCallback):
         lm_eval_batch_size: int = 8,
         lm_eval_allow_code_execution: bool = False,
         lm_eval_apply_chat_template: bool = False,
+        names: list[str] | None = None,
         **settings: Any,
     ) -> None:
         super().__init__(**settings)
         self.before: dict[str, float] | None = None
         self.tasks = list(tasks or [])
+        self.names: list[str] | None = None
         self.lm_eval_tasks: dict[str, LMEvalTask] | None = None
         if tasks is not None and lm_eval_tasks is not None:
             raise ValueError("OODForgetting: give tasks (tiny back end) or lm_eval_tasks (lm-evaluation-harness), not both")
@@ -116,7 +123,10 @@ class OODForgetting(EvaluationCallback):
                 raise ValueError("OODForgetting.lm_eval_include_path is set but lm_eval_tasks is not")
             if not self.tasks:
                 raise ValueError("OODForgetting.tasks (or lm_eval_tasks) must name at least one task")
+            self.names = task_names(self.tasks, names)
             return
+        if names is not None:
+            raise ValueError("OODForgetting.names names the tiny back end's tasks; lm_eval_tasks are named by their own keys")
         # LightningCLI passes every setting, so only a value other than the default is a mistake
         defaults = inspect.signature(EvaluationCallback.__init__).parameters
         tiny_only = sorted(name for name, value in settings.items() if name != "every_n_steps" and value != defaults[name].default)
@@ -179,13 +189,15 @@ class OODForgetting(EvaluationCallback):
         if self.lm_eval_tasks is not None:
             return self.lm_eval_scores(pl_module)
         result = {}
-        for task in self.tasks:
+        for name, task in zip(self.names, self.tasks):
             examples = task.examples("val")[: self.examples]
-            result[task_name(task)] = 100.0 * accuracy(task, examples, self.sample(pl_module, task, examples))
+            result[name] = 100.0 * accuracy(task, examples, self.sample(pl_module, task, examples))
         return result
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if self.before is None:  # a resumed run keeps the scores measured at the real start
+        # a resumed run keeps the scores measured at the real start: its state_dict restores them, before this hook
+        # on most strategies, after it under FSDP1 and FSDP2 (restore_checkpoint_after_setup: resume_path says so)
+        if self.before is None and trainer.global_step == 0 and not resume_path(trainer):
             chosen = [task.examples("val")[: self.examples] for task in self.tasks]
             self.before = self.before_scores(trainer, pl_module, self.tasks, chosen, lambda: self.scores(pl_module))
             metrics = {f"ood/{name}_before": value for name, value in self.before.items()}
@@ -196,7 +208,8 @@ class OODForgetting(EvaluationCallback):
         after = self.scores(pl_module)
         metrics = {f"ood/{name}": value for name, value in after.items()}
         metrics["ood/mean"] = sum(after.values()) / len(after)
-        metrics["ood/mean_delta"] = metrics["ood/mean"] - sum(self.before.values()) / len(self.before)
+        if self.before:  # none when a resumed checkpoint holds no OODForgetting state (the callback added on resume)
+            metrics["ood/mean_delta"] = metrics["ood/mean"] - sum(self.before.values()) / len(self.before)
         log_metrics(trainer, metrics)
 
     def state_dict(self) -> dict[str, Any]:
@@ -204,6 +217,25 @@ class OODForgetting(EvaluationCallback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.before = state_dict.get("before")
+
+
+def task_names(tasks: list[Task], names: list[str] | None) -> list[str]:
+    """``OODForgetting``'s name of each of ``tasks`` (``names``, else :func:`~kdlab.callbacks.periodic.task_name`), all
+    distinct: raises ``ValueError`` naming the tasks that share one."""
+    if names is not None:
+        names = [str(name) for name in names]
+        if len(names) != len(tasks):
+            raise ValueError(f"OODForgetting.names must give one name per task: {len(names)} names for {len(tasks)} tasks")
+    chosen = names if names is not None else [task_name(task) for task in tasks]
+    for name in dict.fromkeys(chosen):
+        positions = [i for i, other in enumerate(chosen) if other == name]
+        if len(positions) > 1:
+            which = ", ".join(f"tasks[{i}] ({type(tasks[i]).__name__})" for i in positions)
+            if names is not None:
+                raise ValueError(f"OODForgetting.names: {which} are all named {name!r}; give each task its own name")
+            raise ValueError(f"OODForgetting.tasks: {which} are all named {name!r}, so one's score would replace the other's; "
+                             "give OODForgetting.names, one distinct name per task (e.g. names: [addition_1digit, addition_4digit])")
+    return chosen
 
 
 class StyleTransfer(EvaluationCallback):
@@ -225,7 +257,8 @@ class StyleTransfer(EvaluationCallback):
         teacher: the reference teacher (a model path, ``kdlab://...``, or a
             :class:`~kdlab.models.loading.ModelSpec`). Its tokenizer is read at setup; its weights are loaded at
             the start of fit onto the module's device for the one measurement, then released.
-        at_start: measure at the start of fit (the teacher's share and the student's before training); False
+        at_start: measure at the start of fit (the teacher's share and the student's before training; not when the
+            fit resumes from a checkpoint, whose first run logged them at step 0); False
             measures the student only at the end (and every ``every_n_steps``), for a grid whose runs all
             start from the same student and teacher, measured once elsewhere.
     """
@@ -273,7 +306,7 @@ class StyleTransfer(EvaluationCallback):
             del network  # held for this one measurement only
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if self.at_start:
+        if self.at_start and trainer.global_step == 0 and not resume_path(trainer):  # a resumed run's "before" was logged by the first run
             log_metrics(trainer, {"style/teacher_spanish_share": self.teacher_share(pl_module), "style/spanish_share": self.share(pl_module, "student")})
 
     def measure(self, trainer, pl_module) -> None:
@@ -351,7 +384,7 @@ class Coverage(EvaluationCallback):
         log_metrics(trainer, self.scores(trainer, pl_module))
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if self.at_start and trainer.global_step == 0 and not trainer.ckpt_path:  # a resumed run's "before" was logged by the first run
+        if self.at_start and trainer.global_step == 0 and not resume_path(trainer):  # a resumed run's "before" was logged by the first run
             examples = [self.task.examples("val")[: self.examples]]
             metrics = self.before_scores(trainer, pl_module, [self.task], examples, lambda: self.scores(trainer, pl_module))
             # the first measurement is also kept under its own name, so that a run's last values (kdlab report) hold both

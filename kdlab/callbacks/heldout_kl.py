@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from kdlab.callbacks.periodic import PeriodicCallback, require_teacher
+from kdlab.callbacks.periodic import PeriodicCallback, require_teacher, resume_path
 from kdlab.runlog import log_metrics
 
 
@@ -64,7 +64,7 @@ class HeldOutKL(PeriodicCallback):
         if not self._examples:
             raise ValueError(f"HeldOutKL: the task's {self.split!r} split is empty")
         self._rollouts = self.sample(pl_module) if self.prefixes == "teacher" else []  # the student's: drawn at each measurement
-        if not self.before and trainer.global_step == 0 and not trainer.ckpt_path:
+        if not self.before and trainer.global_step == 0 and not resume_path(trainer):
             forward, reverse = self.kl(pl_module)
             self.before = {"forward": forward, "reverse": reverse}
             log_metrics(trainer, {f"{self.name}/forward": forward, f"{self.name}/reverse": reverse,

@@ -44,6 +44,27 @@ def module_writes_teacher_texts(pl_module: pl.LightningModule) -> bool:
     return source is not None and WRITES in source.offers(source.run)
 
 
+def resume_path(trainer: pl.Trainer | None) -> str | None:
+    """The checkpoint the running fit resumes from, or ``None`` for a fresh fit; right from ``setup`` on under every
+    strategy. ``trainer.ckpt_path`` is set only when Lightning reads the checkpoint, which strategies that restore after
+    setup (``restore_checkpoint_after_setup``: FSDP1's ``FSDPStrategy``, FSDP2's ``ModelParallelStrategy``) do after
+    ``on_fit_start``; until then the path is the ``ckpt_path`` Lightning's ``Trainer._run`` was called with (read from
+    its frame on the call stack, the one place it is kept)."""
+    if trainer is None:
+        return None
+    if getattr(trainer, "ckpt_path", None):
+        return str(trainer.ckpt_path)
+    if not getattr(getattr(trainer, "strategy", None), "restore_checkpoint_after_setup", False):
+        return None
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is pl.Trainer._run.__code__ and frame.f_locals.get("self") is trainer:
+            path = frame.f_locals.get("ckpt_path")
+            return str(path) if path else None
+        frame = frame.f_back
+    return None
+
+
 def _due(every_n_steps: int | None, step_before: int, trainer: pl.Trainer) -> bool:
     """Whether the batch that took the run from ``step_before`` to ``trainer.global_step`` optimiser steps crossed
     a multiple of ``every_n_steps``: a batch may take several (a GRPOModule's ``mini_batches``), so a step count that
@@ -145,7 +166,7 @@ class EvaluationCallback(PeriodicCallback):
     def before_scores(self, trainer, pl_module, tasks: list[Task], examples: list[list[dict]], measure) -> dict[str, float]:
         """``measure()``, the scores before training; with ``before_cache`` (a folder) read from it when a run has
         already measured them on the same student weights with the same settings, tasks and examples, tokenizer,
-        precision and kdlab source (:func:`kdlab.evaluation.before_cache.evaluation_key`), and written to it
+        precision, device and kdlab source (:func:`kdlab.evaluation.before_cache.evaluation_key`), and written to it
         otherwise. One process only: under several the key would need every rank's shard of the weights."""
         if self.before_cache is None:
             return measure()
@@ -160,7 +181,8 @@ class EvaluationCallback(PeriodicCallback):
         cache = BeforeCache(self.before_cache)
         weights = weights_digest(pl_module.student)
         precision = getattr(trainer, "precision", None) if trainer is not None else None
-        key = evaluation_key(self, tasks, examples, pl_module.student_tokenizer, (1, 0), str(precision), module_decoding(pl_module))
+        key = evaluation_key(self, tasks, examples, pl_module.student_tokenizer, (1, 0), str(precision), module_decoding(pl_module),
+                             pl_module.device)
         scores = cache.get(weights, key)
         if scores is None:
             scores = measure()

@@ -14,7 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from kdlab.callbacks.periodic import PeriodicCallback
+from kdlab.callbacks.periodic import PeriodicCallback, resume_path
 from kdlab.runlog import log_metrics
 from kdlab.tasks.base import Task, fill_answer_template
 
@@ -105,7 +105,7 @@ class StyleLogOdds(PeriodicCallback):
         return spanish - english
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.before or trainer.global_step != 0 or trainer.ckpt_path:
+        if self.before or trainer.global_step != 0 or resume_path(trainer):
             return
         odds = self.per_prompt(pl_module)
         self.before = {"log_odds": odds.mean().item(), "log_odds_spanish_share": (odds > 0).float().mean().item()}

@@ -2,15 +2,16 @@
 
 A grid's runs start from one student, and an evaluation before training depends only on that student, the
 evaluation's own settings and the code that runs it; so its scores are kept in a :class:`BeforeCache` (a folder
-of JSON files) keyed by :func:`weights_digest` (the student's state dict) and a settings key. Two users:
+of JSON files) keyed by :func:`weights_digest` (the student's effective weights, LoRA adapters merged) and a settings key. Two users:
 
 * ``kdlab forgetting`` (:mod:`kdlab.evaluation.forgetting`): the lm-eval suite off the training loop, keyed by
   :meth:`~kdlab.evaluation.forgetting.SuiteSettings.key`;
 * the in-loop evaluation callbacks (``OODForgetting``, ``Coverage``) with ``before_cache: <folder>``: keyed by
   :func:`evaluation_key`, which holds every input of the measurement but the weights: the callback's class and
   settings, its tasks (their settings and the very examples evaluated), the student's tokenizer, the process
-  layout, the versions of torch and transformers and a digest of kdlab's own source files, so a cached score is
-  only ever reused by code that would compute it the same way.
+  layout, the device (its type, GPU name and float32 matmul precision), the versions of torch and transformers
+  and a digest of kdlab's own source files, so a cached score is only ever reused by code that would compute it
+  the same way.
 """
 
 from __future__ import annotations
@@ -29,13 +30,23 @@ PRIMITIVES = (bool, int, float, str, type(None))
 
 
 def weights_digest(model: torch.nn.Module) -> str:
-    """SHA-256 of ``model``'s state dict: every entry's name, dtype, shape and bytes, in name order."""
-    digest = hashlib.sha256()
+    """SHA-256 of ``model``'s effective weights (:func:`~kdlab.models.export.merged_weights`: each LoRA adapter merged
+    into its base weight, ``W + B A * alpha / r``, under the base weight's Hugging Face name): every weight's name,
+    dtype, shape and bytes, in name order. So runs of a LoRA grid that differ only in their seed's random ``A`` (while
+    ``B = 0``) share one digest, and a trained adapter (``B != 0``) gets another. One merged weight is alive at a time."""
+    from kdlab.models.export import merged_weights
+
+    entries = []
     with torch.no_grad():
-        for name, tensor in sorted(model.state_dict().items()):
+        for name, tensor in merged_weights(model):
             tensor = tensor.detach().to("cpu").contiguous()
-            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)};".encode())
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+            entry = hashlib.sha256(f"{name}|{tensor.dtype}|{tuple(tensor.shape)};".encode())
+            entry.update(tensor.reshape(-1).view(torch.uint8).numpy())
+            entries.append((name, entry.digest()))
+            del tensor
+    digest = hashlib.sha256()
+    for name, entry in sorted(entries):
+        digest.update(name.encode() + b"\0" + entry)
     return digest.hexdigest()
 
 
@@ -104,13 +115,24 @@ def tokenizer_digest(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(description, default=str).encode()).hexdigest()
 
 
+def device_description(device: torch.device | str) -> dict[str, str]:
+    """What of the device an evaluation runs on can change its numbers: the device type (CPU and CUDA generators
+    draw different streams from one seed), the GPU's name (its kernels round differently) and
+    ``torch.get_float32_matmul_precision()`` (TF32 or not)."""
+    device = torch.device(device)
+    found = {"type": device.type, "float32_matmul_precision": torch.get_float32_matmul_precision()}
+    if device.type == "cuda" and torch.cuda.is_available():
+        found["name"] = torch.cuda.get_device_name(device)
+    return found
+
+
 def evaluation_key(callback: Any, tasks: list[Any], examples: list[list[dict]], tokenizer: Any, layout: tuple[int, int],
-                   precision: str, decoding: dict[str, Any] | None = None) -> str:
+                   precision: str, decoding: dict[str, Any] | None = None, device: torch.device | str = "cpu") -> str:
     """The settings key of an in-loop evaluation's "before" scores: ``callback``'s class and plain settings, each
     of ``tasks`` (class and plain settings) with the ``examples`` it evaluates, the student's tokenizer, the
     ``(replicas, rank)`` layout, the trainer's ``precision``, the module's ``decoding`` settings (end tokens, stop
-    strings, prompt limit: :func:`kdlab.callbacks.periodic.module_decoding`), torch's and transformers' versions and
-    kdlab's source (:func:`source_digest`)."""
+    strings, prompt limit: :func:`kdlab.callbacks.periodic.module_decoding`), the ``device`` it samples on
+    (:func:`device_description`), torch's and transformers' versions and kdlab's source (:func:`source_digest`)."""
     import transformers
 
     description = {
@@ -118,6 +140,7 @@ def evaluation_key(callback: Any, tasks: list[Any], examples: list[list[dict]], 
         "tasks": [{**settings_of(task), "examples": hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()}
                   for task, chosen in zip(tasks, examples)],
         "tokenizer": tokenizer_digest(tokenizer), "layout": list(layout), "precision": str(precision), "decoding": decoding or {},
+        "device": device_description(device),
         "torch": torch.__version__, "transformers": transformers.__version__, "kdlab": source_digest(),
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()).hexdigest()

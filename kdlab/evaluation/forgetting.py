@@ -23,7 +23,7 @@ How it runs:
   were started fails rather than score everything on each);
 * the "before" score depends only on the student's weights and the suite's settings, so it is kept
   in a :class:`~kdlab.evaluation.before_cache.BeforeCache` (``cache_dir``) keyed by a hash of the student's
-  state dict (:func:`~kdlab.evaluation.before_cache.weights_digest`) and of the settings
+  effective weights, LoRA adapters merged (:func:`~kdlab.evaluation.before_cache.weights_digest`) and of the settings
   (:meth:`SuiteSettings.key`: entries, batch size, chat template, the include path's file contents, back end, dtype and lm-eval's version): every run
   of a grid that starts from the same student reuses one measurement.
 
