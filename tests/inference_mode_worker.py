@@ -1,7 +1,7 @@
 """One gloo process (world size 1): the tiny student sharded with FSDP2 decodes with :class:`StaticCacheLM` (a
 sampled decode of 8 tokens), then trains on what it decoded (a forward and a backward). ``python
 inference_mode_worker.py PORT [force]``: ``force`` sets the decoder's ``inference`` to True whatever the model is,
-as a decoder that did not tell sharded models apart would. Prints ``sharded``, ``inference`` and ``backward ok``."""
+as a decoder that did not tell sharded models apart would. Prints ``inference`` and ``backward ok``."""
 
 import os
 import sys
@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard
 
 from kdlab.models import ModelSpec, load_causal_lm
 from kdlab.rollouts.decoding import sample_tokens
-from kdlab.rollouts.static_cache import StaticCacheLM, sharded
+from kdlab.rollouts.static_cache import StaticCacheLM
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 dist.init_process_group("gloo", rank=0, world_size=1)
@@ -20,7 +20,6 @@ model = load_causal_lm(ModelSpec("kdlab://tiny-random/student", dtype="float32")
 for layer in model.model.layers:
     fully_shard(layer)
 fully_shard(model)
-print("sharded", sharded(model))
 ids = torch.randint(5, 300, (2, 20), generator=torch.Generator().manual_seed(0))
 model.eval()
 decoder = StaticCacheLM(model, ids, torch.ones_like(ids), 353, 1.0, 8)

@@ -142,13 +142,14 @@ class StaticCacheLM:
         self.last_position: torch.Tensor | None = None
         self.step = _compiled_step(input_ids.device.type) if use_compiled else _step
         self.prefix_only = not use_compiled
-        self.inference = not use_compiled and not sharded(model)
-        """Whether the model runs under ``torch.inference_mode()`` (the eager path of a model with no sharded
-        parameters; :meth:`_no_grad`): on a CPU, where a small model's decode step is a few hundred operator calls,
-        it skips autograd's view and version bookkeeping on each. Every tensor it creates stays inside (the cache, the mask, the positions) or is
-        read by an ordinary operation (the logits). Sharded models keep ``no_grad``: their forwards gather
-        parameters into tensors that training reuses, which must not be inference tensors; a captured step keeps
-        it too (one graph per autograd mode, and the GPU path is unchanged)."""
+        self.inference = not use_compiled and not distributed()
+        """Whether the model runs under ``torch.inference_mode()`` (the eager path in a process outside any process
+        group; :meth:`_no_grad`): on a CPU, where a small model's decode step is a few hundred operator calls, it
+        skips autograd's view and version bookkeeping on each. Every tensor it creates stays inside (the cache, the
+        mask, the positions) or is read by an ordinary operation (the logits). In a process group (:func:`distributed`)
+        the decode keeps ``no_grad``: a sharded model's forward gathers parameters into tensors that training reuses,
+        which must not be inference tensors; a captured step keeps it too (one graph per autograd mode, and the GPU
+        path is unchanged)."""
         self.prefill_tokens = int(prefill_tokens)
         self.shared = shared_prefix(input_ids, attention_mask) if share_prefix and _writable(self.cache) else 0
         """Leading prompt tokens prefilled once for every row (0: the whole prompt batch is prefilled)."""
@@ -308,18 +309,13 @@ class StaticCacheLM:
         self.last_position = self.last_position.index_select(0, rows)
 
 
-def sharded(model: torch.nn.Module) -> bool:
-    """Whether ``model`` holds sharded parameters: FSDP2's (a module of it is an ``FSDPModule``, its parameters
-    ``DTensor``) or FSDP1's (a module of it is a ``FullyShardedDataParallel`` unit)."""
+def distributed() -> bool:
+    """Whether this process is one of a process group (``torch.distributed`` initialised): a model's forward may then
+    gather sharded parameters (FSDP1, FSDP2), whether or not the decoder can see them (a teacher that calls the
+    student's FSDP root, holding it as no submodule of its own)."""
     import torch.distributed as dist
 
-    if not dist.is_available():
-        return False
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(module, (FSDPModule, FullyShardedDataParallel)) for module in model.modules()) or any(
-        isinstance(parameter, DTensor) for parameter in model.parameters())
+    return dist.is_available() and dist.is_initialized()
 
 
 def shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
