@@ -90,7 +90,7 @@ _COMMON = {
     "decode_bandwidth_efficiency": f"Llama 3.1 8B decode step under a CUDA graph on an H100 SXM, 5.1 ms ({GRAPHS}): "
                                    "8.03e9 x 2 B / 3.35 TB/s = 4.79 ms of weight reads, 4.79 / 5.1 = 0.94",
     "row_seconds": "host work, the same on a GPU machine as on a CPU: kdlab's tokenizing, detokenizing and verifying "
-                   "measured 0.1-0.7 ms per row on this project's CPU (benchmarks/results/estimate_check-cpu.json, "
+                   "measured 0.1-0.6 ms per row on this project's CPU (benchmarks/results/estimate_check-cpu.json, "
                    "outside_decodes_s / rows); 1 ms taken",
 }
 GPU_ROW_SECONDS = 1e-3
