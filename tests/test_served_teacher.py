@@ -216,8 +216,10 @@ def test_a_failing_server_stops_the_run_naming_the_endpoint_after_its_retries_wi
 def failing_run(server, tmp_path, fault, message, ModelCheckpoint):
     server.faults, server.fault_after = {fault}, 2  # two steps are scored (one request of two completions each), then it fails
     # a short timeout only where the fault is a timeout: elsewhere a loaded machine's slow reply would be retried,
-    # counted by the server as one more request, and the fault would start a step early
-    teacher = served(server, timeout_s=1.0 if fault in ("timeout", "trickle") else 10.0, retries=1)
+    # counted by the server as one more request, and the fault would start a step early. 3 s, not 1: at 1 s a healthy
+    # reply on a loaded machine (the everyday tier's two workers on two cores) timed out once in three tier runs; the
+    # faults take far longer (a 30 s sleep; a reply trickled a byte every 0.2 s)
+    teacher = served(server, timeout_s=3.0 if fault in ("timeout", "trickle") else 10.0, retries=1)
     m = module(teacher, rollout=TeacherDatasetRollouts(dataset(tmp_path)))
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=1)
     trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
