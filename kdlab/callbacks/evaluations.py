@@ -37,6 +37,7 @@ from kdlab.evaluation.metrics import pass_at_k, require_language_detector, spani
 from kdlab.evaluation.scoring import accuracy, scored
 from kdlab.models.loading import ModelSpec
 from kdlab.runlog import log_metrics
+from kdlab.stages.loaders import EvalShard
 from kdlab.tasks.base import Task
 
 LM_EVAL_WAIT = datetime.timedelta(hours=24)
@@ -352,7 +353,7 @@ class Coverage(EvaluationCallback):
         """Correct samples (of ``samples``) for each of ``examples``, every prompt counted by one replica."""
         replicas, rank = replica_layout(trainer, pl_module)
         count = len(examples)
-        share = [rank + i * replicas for i in range(-(-count // replicas))]  # padded to ceil(count / replicas)
+        share = list(EvalShard(count, replicas, rank))  # padded to ceil(count / replicas), as an evaluation loader shares
         with self._seed(self.seed + rank if replicas > 1 else self.seed):
             texts = self.sample(pl_module, self.task, [examples[i % count] for i in share], repeat=self.samples)
         correct = [-1] * count

@@ -181,8 +181,8 @@ class StaticCacheLM:
         return torch.log_softmax(logits, dim=-1)
 
     def _no_grad(self) -> Any:
-        """The context every model call and cache edit runs in: ``torch.inference_mode()`` on the eager path of an
-        unsharded model (:attr:`inference`), ``torch.no_grad()`` otherwise."""
+        """The context every model call and cache edit runs in: ``torch.inference_mode()`` on the eager path outside a
+        process group (:attr:`inference`), ``torch.no_grad()`` otherwise."""
         return torch.inference_mode() if self.inference else torch.no_grad()
 
     def __call__(self, previous: torch.Tensor | None) -> torch.Tensor:
@@ -226,7 +226,7 @@ class StaticCacheLM:
         logits = []
         for first in range(0, batch, rows):
             group = slice(first, min(first + rows, batch))
-            with self._cache_rows(group, start, batch, rows < batch):
+            with self._cache_rows(group, start, batch):
                 outputs = self.model(input_ids=self.input_ids[group, start:], attention_mask=self._prompt_mask(group, start, length),
                                      position_ids=positions[group, start:], use_cache=True, logits_to_keep=1,
                                      **{self.cache_argument: self.cache})
@@ -234,12 +234,12 @@ class StaticCacheLM:
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
     @contextlib.contextmanager
-    def _cache_rows(self, group: slice, start: int, batch: int, grouped: bool):
+    def _cache_rows(self, group: slice, start: int, batch: int):
         """Inside: every initialised cache layer holds rows ``group`` of its keys and values (views: what the forward
         writes lands in the batch's cache) and writes from position ``start``; on leaving, the whole batch's tensors
         again. A layer the forward allocates inside (the first group, no shared prefix) is widened to ``batch`` rows
-        on leaving, the group's rows copied in. Nothing changes when ``grouped`` is False (one forward of every row)."""
-        if not grouped:
+        on leaving, the group's rows copied in. Nothing changes when ``group`` is every row (one forward)."""
+        if group.stop - group.start == batch:
             yield
             return
         whole = {}
